@@ -1,0 +1,80 @@
+"""Routing the backbone's own attention through concept's masks.
+
+The backbone's decoder layers are called unchanged. Their attention module asks
+transformers' ``AttentionInterface`` for the function registered under
+``config._attn_implementation``; we register ``"concept"`` (idempotently, from the
+builder, never at import) and pass an *attention plan* object as the layer's
+``attention_mask``. The function calls the plan; anything else (a tensor mask or None,
+e.g. when the plain backbone runs as the dense baseline) goes to transformers' own SDPA path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "concept"
+
+
+class AttentionPlan:
+    """A prepared attention pattern: ``plan(q, k, v, scaling) -> [B, L, H, hd]``.
+
+    q: [B, H, Lq, hd], k / v: [B, Hkv, Lk, hd] (grouped-query heads are not expanded).
+    """
+
+    def __call__(self, query, key, value, scaling):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor:
+    """SDPA with grouped-query heads, returning [B, H, Lq, hd]."""
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=None if mask is None else mask[:, None], is_causal=is_causal,
+        scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+class CausalPlan(AttentionPlan):
+    """Plain causal attention over real elements (shallow and middle stacks)."""
+
+    def __init__(self, valid: torch.Tensor):
+        # Right padding (or none): causal SDPA is exact for every real query.
+        n = valid.sum(1, keepdim=True)
+        right_padded = bool((valid == (torch.arange(valid.shape[1], device=valid.device) < n)).all())
+        self.mask = None
+        if not right_padded:
+            L = valid.shape[1]
+            causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
+            self.mask = (causal[None] & valid[:, None, :]) | ~valid[:, :, None]
+
+    def __call__(self, query, key, value, scaling):
+        out = sdpa(query, key, value, scaling, self.mask, is_causal=self.mask is None)
+        return out.transpose(1, 2)
+
+
+def concept_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if isinstance(attention_mask, AttentionPlan):
+        return attention_mask(query, key, value, scaling).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def register() -> None:
+    """Register ``"concept"`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if AttentionInterface._global_mapping.get(NAME) is not concept_attention:
+        AttentionInterface.register(NAME, concept_attention)
+    if NAME not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def route(model: torch.nn.Module) -> None:
+    """Make every attention layer of a HF model call :func:`concept_attention`."""
+    register()
+    try:
+        model.set_attn_implementation(NAME)
+    except Exception:  # older transformers: set the config field directly
+        for cfg in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+            cfg._attn_implementation = NAME

@@ -1,0 +1,85 @@
+"""What a backbone plugin provides, and uniform access to a HF decoder's parts.
+
+A backbone plugin class has a ``Config`` dataclass and two classmethods:
+
+* ``describe(config) -> BackboneInfo`` — cheap (reads metadata, loads no weights); used to
+  validate the split before anything heavy happens.
+* ``load(config) -> LoadedBackbone`` — the Hugging Face causal LM (Llama / Qwen2 / Mistral
+  style: ``model.model.layers``, ``embed_tokens``, ``norm``, ``rotary_emb``, ``lm_head``)
+  and its tokenizer, if it has one.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .errors import BackboneError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
+
+
+@dataclass
+class BackboneInfo:
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+    pretrained: bool  # False: random init, weights are saved with the run
+
+
+@dataclass
+class LoadedBackbone:
+    model: nn.Module  # a transformers *ForCausalLM
+    tokenizer: Any | None
+    info: BackboneInfo
+
+
+def info_from_hf_config(cfg: Any, name: str, pretrained: bool) -> BackboneInfo:
+    arch = getattr(cfg, "model_type", "?")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise BackboneError(
+            f"backbone '{name}' has architecture '{arch}'; supported decoder architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return BackboneInfo(
+        name=name,
+        architecture=arch,
+        num_layers=int(cfg.num_hidden_layers),
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=int(cfg.vocab_size),
+        max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        pretrained=pretrained,
+    )
+
+
+def read_folder_config(folder: Path) -> dict:
+    """Read ``config.json`` of a local HF folder with a clear error when it is missing or corrupt."""
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise BackboneError(f"backbone folder {folder} does not exist")
+    if not path.is_file():
+        raise BackboneError(f"backbone folder {folder} has no config.json; is it a Hugging Face model folder?")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BackboneError(f"backbone folder {folder}: config.json is unreadable ({exc}); re-download or re-convert it") from exc
+
+
+# -- parts of a loaded decoder ---------------------------------------------------------------
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The inner decoder (``LlamaModel`` etc.) of a ``*ForCausalLM``."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers"):
+        raise BackboneError(f"{type(model).__name__} has no .model.layers; not a supported decoder-only LM")
+    return inner
+
+
+def layers(model: nn.Module) -> nn.ModuleList:
+    return decoder(model).layers

@@ -1,0 +1,149 @@
+"""Component builders (torchtune style): a validated plan in, a wired ``ConceptModel`` out.
+
+``build(config)`` validates everything first (one error listing every problem), loads the
+backbone, freezes it, routes its attention through concept's AttentionInterface function,
+builds each component from its registry entry and ``Config``, and wires the model.
+``save`` / ``load`` write and read a run folder: ``concept.json`` (the config and its
+resolved plan), ``modules.safetensors`` (the new modules) and, for randomly initialised
+backbones only, ``backbone.safetensors``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import attention
+from .backbone import LoadedBackbone
+from .components import BuildContext
+from .config import BuildConfig, Plan, resolve
+from .errors import RunFolderError
+from .model import ConceptModel
+
+RUN_FILE = "concept.json"
+MODULES_FILE = "modules.safetensors"
+BACKBONE_FILE = "backbone.safetensors"
+FORMAT_VERSION = 1
+
+
+def build_backbone(plan: Plan) -> LoadedBackbone:
+    bb = plan.components["backbone"]
+    loaded = bb.cls.load(bb.config)
+    for p in loaded.model.parameters():
+        p.requires_grad_(False)
+    attention.route(loaded.model)
+    return loaded
+
+
+def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
+    """Instantiate every non-backbone component from its resolved class and config."""
+    comps = plan.components
+    info = loaded.info
+    ctx = BuildContext(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers,
+                       split=plan.split, uses_null_class=getattr(comps["length_policy"].cls, "uses_null_class", True))
+    vocabulary = comps["vocabulary"].cls(comps["vocabulary"].config, ctx)
+    ctx.concept_vocab_size = vocabulary.size
+    init = getattr(vocabulary, "init_from_backbone", None)
+    if callable(init):
+        init(loaded.model.get_input_embeddings().weight)
+    return dict(
+        vocabulary=vocabulary,
+        length_policy=comps["length_policy"].cls(comps["length_policy"].config, ctx),
+        sampler=comps["sampler"].cls(comps["sampler"].config, ctx),
+        eval_sampler=comps["eval_sampler"].cls(comps["eval_sampler"].config, ctx),
+        positions=comps["position_scheme"].cls(comps["position_scheme"].config, ctx),
+        attention=comps["attention"].cls(comps["attention"].config, ctx),
+    )
+
+
+def build(config: BuildConfig | dict | None = None, plan: Plan | None = None) -> ConceptModel:
+    """Build a streaming concept model from a config (validated first, all errors at once)."""
+    if plan is None:
+        if isinstance(config, dict):
+            config = BuildConfig.from_dict(config)
+        plan = resolve(config or BuildConfig())
+    loaded = build_backbone(plan)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(plan.config.seed)
+        parts = build_components(plan, loaded)
+    model = ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer, **parts)
+    return model.eval()
+
+
+# -- run folders -----------------------------------------------------------------------------
+
+def _run_record(model: ConceptModel) -> dict:
+    return {"format": FORMAT_VERSION, "config": model.plan.config.to_dict(), "plan": model.plan.describe()}
+
+
+def read_run(path: str | os.PathLike) -> dict:
+    folder = Path(path)
+    file = folder / RUN_FILE
+    if not file.is_file():
+        raise RunFolderError(f"{folder} is not a concept run folder (no {RUN_FILE}); create one with `concept build -o {folder}`")
+    try:
+        record = json.loads(file.read_text())
+        record["config"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise RunFolderError(f"{file} is corrupt ({exc}); rebuild the run with `concept build -o {folder} --force`") from exc
+    return record
+
+
+def save(model: ConceptModel, path: str | os.PathLike, force: bool = False) -> Path:
+    """Write a run folder atomically. An existing folder holding a *different* model is refused
+    unless ``force``; it is only replaced once the new folder is complete."""
+    folder = Path(path)
+    record = _run_record(model)
+    if folder.exists():
+        if not folder.is_dir():
+            raise RunFolderError(f"{folder} exists and is not a folder")
+        if any(folder.iterdir()) and not force:
+            try:
+                same = read_run(folder)["config"] == record["config"]
+            except RunFolderError:
+                same = False
+            if not same:
+                raise RunFolderError(
+                    f"{folder} already holds a different model (or other files); choose another -o or pass --force to replace it"
+                )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.new_state_dict().items()}, tmp / MODULES_FILE)
+        if not model.plan.backbone_info.pretrained:
+            state = {k: v.detach().contiguous().cpu() for k, v in model.backbone.state_dict().items()}
+            save_file(state, tmp / BACKBONE_FILE)
+        (tmp / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def load(path: str | os.PathLike) -> ConceptModel:
+    """Rebuild a saved model (eval mode) from its run folder."""
+    folder = Path(path)
+    record = read_run(folder)
+    model = build(BuildConfig.from_dict(record["config"]))
+    try:
+        if (folder / BACKBONE_FILE).is_file():
+            model.backbone.load_state_dict(load_file(folder / BACKBONE_FILE))
+        state = load_file(folder / MODULES_FILE)
+    except Exception as exc:
+        raise RunFolderError(f"{folder}: weights are unreadable ({exc}); rebuild with `concept build -o {folder} --force`") from exc
+    for name, module in model.new_modules().items():
+        prefix = f"{name}."
+        module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    return model.eval()

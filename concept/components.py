@@ -1,0 +1,40 @@
+"""The interfaces the model orchestration calls. Plugins implement them (duck-typed).
+
+Every component class has a ``Config`` dataclass (see ``concept.config``) and is built by
+``concept.builder`` as ``cls(config, ctx)`` where ``ctx`` is a :class:`BuildContext`.
+
+Length policy (``nn.Module``)
+    ``uses_null_class: bool`` — the concept head has K+1 classes (NULL last).
+    ``decide(h, index, valid) -> keep``: batched decision for a whole sequence [B, T].
+    ``init_state(batch_size, device)`` / ``step(h_t, index_t, state) -> (keep_t, state)``:
+    the step-wise decision used in decoding; must agree exactly with ``decide``.
+
+Sampler (``nn.Module``)
+    ``forward(logits) -> probs``: soft (possibly perturbed) class probabilities; the hard
+    decision is ``probs.argmax(-1)``. ``straight_through: bool`` selects
+    ``e = e_hard + (e_soft - stopgrad(e_soft))`` (True) or hard only without gradient (False).
+
+Vocabulary (``nn.Module``)
+    ``size`` (K), ``logits(h) -> [.., K (+1)]``, ``embed_hard(ids)``, ``embed_soft(probs_k)``.
+
+Position scheme (``nn.Module``)
+    ``text_positions(pos)``, ``concept_positions(pos, rank, stack)`` with stack in
+    {"middle", "deep"}, ``add_text_type(x)``, ``add_concept_type(x)``.
+
+Attention backend (plain object)
+    ``plan(layout) -> callable(query, key, value, scaling) -> out [B, L, H, hd]`` for the
+    deep stack's packed layout (see ``concept.packing``). ``supports_backward: bool``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class BuildContext:
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    split: tuple[int, int, int]
+    concept_vocab_size: int = 0  # K, filled once the vocabulary is built
+    uses_null_class: bool = True

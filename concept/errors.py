@@ -1,0 +1,39 @@
+"""Errors a user can act on. The CLI prints ``str(error)`` and exits with ``exit_code``."""
+from __future__ import annotations
+
+
+class ConceptError(Exception):
+    """Base class: a problem with the user's input or environment, never a bug."""
+
+    exit_code = 1
+
+
+class ConfigError(ConceptError):
+    """One or more problems with a build config, reported all at once."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid config ({len(self.problems)} problem{'s' * (len(self.problems) != 1)}):\n{lines}")
+
+
+class UnknownComponentError(ConceptError):
+    exit_code = 2
+
+
+class PluginConflictError(ConceptError):
+    exit_code = 1
+
+
+class PluginImportError(ConceptError):
+    exit_code = 1
+
+
+class BackboneError(ConceptError):
+    exit_code = 1
+
+
+class RunFolderError(ConceptError):
+    exit_code = 1

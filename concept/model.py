@@ -1,0 +1,141 @@
+"""The streaming concept model, readable top to bottom.
+
+    tokens --embed--> shallow (Ls layers, every token, causal)
+           --head--> sampler --> length policy: keep[t], concept ids
+           concepts --> middle (Lm layers, concepts only, causal among concepts)
+           [concepts ; tail tokens] --> deep (Ld layers, packed one-pass mask) --> norm --> LM head
+
+The backbone's decoder layers are reused unchanged; their attention is routed through
+``concept.attention`` with a plan object per stack. One forward pass is O(T): there is no
+loop over positions (see ``concept.packing`` for the layout and the mask rule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import packing
+from .attention import CausalPlan
+from .backbone import decoder
+
+
+@dataclass
+class ConceptOutput:
+    logits: torch.Tensor  # [B, T, V] next-token logits for every position
+    keep: torch.Tensor  # [B, T] bool: token t emitted a concept
+    concept_ids: torch.Tensor  # [B, T] concept id where keep, else -1
+    head_logits: torch.Tensor  # [B, T, K(+1)] ConceptHead output
+    loss: torch.Tensor | None = None  # mean next-token CE over real positions, when labels are given
+    layout: packing.PackedLayout | None = None
+
+
+class ConceptModel(nn.Module):
+    def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,
+                 plan=None, tokenizer=None):
+        super().__init__()
+        self.backbone = backbone  # HF *ForCausalLM, frozen
+        self.vocabulary = vocabulary
+        self.length_policy = length_policy
+        self.sampler = sampler
+        self.eval_sampler = eval_sampler
+        self.positions = positions
+        self.attention = attention  # backend object (no parameters)
+        self.split = tuple(split)
+        self.plan = plan  # the resolved build plan (config + provenance)
+        self.tokenizer = tokenizer
+        inner = decoder(backbone)
+        n_shallow, n_middle, _ = self.split
+        self.shallow = list(inner.layers[:n_shallow])  # views: the modules stay registered in the backbone
+        self.middle = list(inner.layers[n_shallow:n_shallow + n_middle])
+        self.deep = list(inner.layers[n_shallow + n_middle:])
+
+    # -- pieces --------------------------------------------------------------------------
+    @property
+    def inner(self) -> nn.Module:
+        return decoder(self.backbone)
+
+    def run_stack(self, stack, x, position_ids, attention_plan):
+        cos_sin = self.inner.rotary_emb(x, position_ids)
+        for layer in stack:
+            x = layer(x, attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
+        return x
+
+    def decide(self, h, valid, keep=None):
+        """Head -> sampler -> policy. Returns (head_logits, probs, keep, concept_ids)."""
+        head_logits = self.vocabulary.logits(h)
+        sampler = self.sampler if self.training else self.eval_sampler
+        probs = sampler(head_logits)
+        if keep is None:
+            keep = self.length_policy.decide(h, probs.argmax(-1), valid)
+        keep = keep.bool() & valid
+        K = self.vocabulary.size
+        concept_ids = torch.where(keep, probs[..., :K].argmax(-1), torch.full_like(keep, -1, dtype=torch.long))
+        return head_logits, probs, keep, concept_ids
+
+    def concept_inputs(self, probs, concept_ids, src):
+        """ST embeddings of the concepts at time indices ``src`` [B, C]: e_hard + e_soft - sg(e_soft)."""
+        K = self.vocabulary.size
+        ids = concept_ids.gather(1, src).clamp(min=0)
+        e = self.vocabulary.embed_hard(ids)
+        sampler = self.sampler if self.training else self.eval_sampler
+        if sampler.straight_through and torch.is_grad_enabled():
+            p = probs.gather(1, src[..., None].expand(-1, -1, probs.shape[-1]))[..., :K]
+            e_soft = self.vocabulary.embed_soft(p / p.sum(-1, keepdim=True))
+            e = e + (e_soft - e_soft.detach())
+        return e
+
+    def deep_positions(self, pos, layout):
+        """Position ids of the packed deep sequence: each element keeps its own position."""
+        return torch.cat([
+            self.positions.concept_positions(pos.gather(1, layout.concept_src), layout.concept_rank, "deep"),
+            self.positions.text_positions(pos.gather(1, layout.tail_src)),
+        ], dim=1)
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, input_ids, attention_mask=None, keep=None, labels=None) -> ConceptOutput:
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        pos = packing.time_positions(valid)
+
+        # shallow: every token, causal
+        x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
+        h = self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid))
+
+        # concept decisions
+        head_logits, probs, keep, concept_ids = self.decide(h, valid, keep)
+        layout = packing.pack(keep, valid)
+        concept_pos = pos.gather(1, layout.concept_src)
+
+        # middle: concepts only, causal among concepts
+        c = self.positions.add_concept_type(self.concept_inputs(probs, concept_ids, layout.concept_src))
+        if layout.num_concepts:
+            middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
+            c = self.run_stack(self.middle, c, middle_pos, CausalPlan(layout.concept_meta.valid))
+
+        # deep: [concepts ; tail tokens] with the one-pass mask, original positions
+        tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
+        z = torch.cat([c, tail], dim=1)
+        z = self.run_stack(self.deep, z, self.deep_positions(pos, layout), self.attention.plan(layout))
+
+        # back to time order; element t predicts token t + 1
+        z = z.gather(1, layout.slot_of_time[..., None].expand(-1, -1, z.shape[-1]))
+        logits = self.backbone.lm_head(self.inner.norm(z))
+        loss = None if labels is None else next_token_loss(logits, labels, valid)
+        return ConceptOutput(logits, keep, concept_ids, head_logits, loss, layout)
+
+    # -- parameters ----------------------------------------------------------------------
+    def new_modules(self) -> dict[str, nn.Module]:
+        """The modules concept adds to the backbone (trainable; saved with a run)."""
+        return {name: m for name, m in (("vocabulary", self.vocabulary), ("length_policy", self.length_policy),
+                                         ("sampler", self.sampler), ("positions", self.positions))}
+
+    def new_state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}
+
+
+def next_token_loss(logits, labels, valid):
+    """Mean CE of predicting labels[t+1] from position t, over pairs of real tokens (-100 ignored)."""
+    target = labels[:, 1:].masked_fill(~(valid[:, 1:] & valid[:, :-1]), -100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100)

@@ -1,0 +1,113 @@
+"""The packed deep sequence and its attention rule (SPEC §2.1, one-pass formulation).
+
+Given ``keep[t]`` (token t emitted a concept) the deep stack sees exactly one element per
+real token: element t is concept number ``seg[t] - 1`` if ``keep[t]`` else the shallow state
+of token t, with ``seg = cumsum(keep)``. Elements are compared by their time index t, so any
+memory layout is valid; we use **concepts first** per row::
+
+    slots:  [ c_0 c_1 ... c_{C-1} | pad... ][ tail tokens in time order | pad... ]
+             <----- C = max concepts ---->  <------- max tail tokens ------->
+
+which lets block-sparse backends skip most tiles. The rule, for query i and key j::
+
+    allowed(i, j) = t_j <= t_i  and  (keep_j  or  (not keep_i and seg_i == seg_j))
+
+(concept -> concept causal, tail -> concept allowed, tail -> tail causal inside its own
+segment, concept -> tail forbidden), keys must be real, and padding queries may look
+anywhere (their outputs are never used).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_SEG = torch.iinfo(torch.long).max // 2  # keeps tail segments sorted with padding last
+
+
+@dataclass
+class SlotMeta:
+    """Per-slot metadata [B, L] used by the attention rule."""
+
+    time: torch.Tensor  # index t in the input sequence
+    keep: torch.Tensor  # the slot is a concept
+    seg: torch.Tensor  # cumsum(keep) at t
+    valid: torch.Tensor  # the slot is a real element (not padding)
+
+    def __getitem__(self, idx) -> "SlotMeta":
+        return SlotMeta(self.time[idx], self.keep[idx], self.seg[idx], self.valid[idx])
+
+
+def allowed(q: SlotMeta, k: SlotMeta) -> torch.Tensor:
+    """Boolean attention mask [B, Lq, Lk] of the one-pass rule."""
+    t_i, t_j = q.time[:, :, None], k.time[:, None, :]
+    keep_i, keep_j = q.keep[:, :, None], k.keep[:, None, :]
+    same_seg = q.seg[:, :, None] == k.seg[:, None, :]
+    ok = (t_j <= t_i) & (keep_j | (~keep_i & same_seg)) & k.valid[:, None, :]
+    return ok | ~q.valid[:, :, None]
+
+
+@dataclass
+class PackedLayout:
+    """Where every element of the deep sequence lives, and how to get back to time order."""
+
+    num_concepts: int  # C: concept slots per row (max over the batch)
+    meta: SlotMeta  # [B, L], L = C + max tail
+    concept_src: torch.Tensor  # [B, C] time index of each concept slot
+    tail_src: torch.Tensor  # [B, L - C] time index of each tail slot
+    slot_of_time: torch.Tensor  # [B, T] which slot holds element t
+    concept_rank: torch.Tensor  # [B, C] 0..C_b-1 (rank among the row's concepts)
+
+    @property
+    def length(self) -> int:
+        return self.meta.time.shape[1]
+
+    @property
+    def concept_meta(self) -> SlotMeta:
+        return self.meta[:, : self.num_concepts]
+
+    @property
+    def tail_meta(self) -> SlotMeta:
+        return self.meta[:, self.num_concepts:]
+
+
+def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Time indices of the True entries of ``mask`` [B, T], in order, left-aligned, width k."""
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :k]
+    present = torch.arange(k, device=mask.device)[None, :] < mask.sum(1, keepdim=True)
+    return order, present
+
+
+def pack(keep: torch.Tensor, valid: torch.Tensor) -> PackedLayout:
+    """Build the concepts-first packed layout for ``keep`` / ``valid`` [B, T] (bool)."""
+    keep = keep & valid
+    tail = valid & ~keep
+    seg = torch.cumsum(keep.long(), dim=1)
+    num_c = int(keep.sum(1).max()) if keep.numel() else 0
+    num_tail = int(tail.sum(1).max()) if tail.numel() else 0
+
+    concept_src, concept_valid = _first_k(keep, num_c)
+    tail_src, tail_valid = _first_k(tail, num_tail)
+    time = torch.cat([concept_src, tail_src], dim=1)
+    slot_keep = torch.cat([concept_valid, torch.zeros_like(tail_valid)], dim=1)
+    slot_valid = torch.cat([concept_valid, tail_valid], dim=1)
+    # padding slots get a segment after every real one, so tail segments stay sorted
+    slot_seg = torch.where(slot_valid, seg.gather(1, time), torch.full_like(time, PAD_SEG))
+
+    tail_rank = torch.cumsum(tail.long(), dim=1) - 1
+    slot_of_time = torch.where(keep, seg - 1, num_c + tail_rank)
+    slot_of_time = torch.where(valid, slot_of_time, torch.zeros_like(slot_of_time))
+    concept_rank = torch.arange(num_c, device=keep.device).expand(keep.shape[0], num_c)
+    return PackedLayout(
+        num_concepts=num_c,
+        meta=SlotMeta(time=time, keep=slot_keep, seg=slot_seg, valid=slot_valid),
+        concept_src=concept_src,
+        tail_src=tail_src,
+        slot_of_time=slot_of_time,
+        concept_rank=concept_rank,
+    )
+
+
+def time_positions(valid: torch.Tensor) -> torch.Tensor:
+    """Position ids of real tokens (0, 1, ...) whatever the padding side, as Hugging Face does."""
+    return (torch.cumsum(valid.long(), dim=1) - 1).clamp_(min=0)

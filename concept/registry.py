@@ -1,0 +1,155 @@
+"""Plugin registry: one entry-point group per component kind.
+
+Modelled on lm-evaluation-harness's ``Registry``: listing is lazy (it reads entry-point
+metadata and imports nothing), lookups fail loudly with suggestions, and a plugin that
+cannot be imported only breaks the commands that need it.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+
+from .errors import PluginConflictError, PluginImportError, UnknownComponentError
+
+# kind (config slot) -> entry-point group
+KINDS: dict[str, str] = {
+    "backbone": "concept.backbones",
+    "length_policy": "concept.length_policies",
+    "sampler": "concept.samplers",
+    "position_scheme": "concept.position_schemes",
+    "vocabulary": "concept.vocabularies",
+    "attention": "concept.attention_backends",
+}
+
+BUILTIN_DIST = "concept"
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One entry point offering a component name (not imported)."""
+
+    kind: str
+    name: str
+    target: str
+    dist: str | None
+    version: str | None
+
+    @property
+    def label(self) -> str:
+        if self.dist == BUILTIN_DIST:
+            return "builtin"
+        if self.dist is None:
+            return "unknown distribution"
+        return f"{self.dist}=={self.version}"
+
+
+def _provider(kind: str, ep: EntryPoint) -> Provider:
+    dist = getattr(ep, "dist", None)
+    name = dist.metadata["Name"] if dist is not None else None
+    version = dist.version if dist is not None else None
+    return Provider(kind, ep.name, ep.value, name, version)
+
+
+class Registry:
+    """All providers of one component kind, discovered from entry points."""
+
+    def __init__(self, kind: str):
+        if kind not in KINDS:
+            raise UnknownComponentError(_unknown("component kind", kind, list(KINDS)))
+        self.kind = kind
+        self.group = KINDS[kind]
+        self._loaded: dict[str, type] = {}
+
+    def providers(self) -> dict[str, list[Provider]]:
+        """name -> providers (more than one means a conflict). Imports nothing."""
+        found: dict[str, dict[tuple[str | None, str], Provider]] = {}
+        for ep in entry_points(group=self.group):
+            p = _provider(self.kind, ep)
+            # The same distribution can be visible twice (e.g. an editable install); count it once.
+            found.setdefault(p.name, {})[(p.dist, p.target)] = p
+        return {name: list(ps.values()) for name, ps in sorted(found.items())}
+
+    def names(self) -> list[str]:
+        return list(self.providers())
+
+    def provider(self, name: str) -> Provider:
+        providers = self.providers()
+        if name not in providers:
+            raise UnknownComponentError(_unknown(f"{self.kind.replace('_', ' ')}", name, list(providers)))
+        ps = providers[name]
+        if len({p.dist for p in ps}) > 1 or len(ps) > 1:
+            who = " and ".join(f"{p.label} ({p.target})" for p in ps)
+            raise PluginConflictError(
+                f"{self.kind.replace('_', ' ')} '{name}' is provided by more than one distribution: {who}. "
+                f"Uninstall one of them."
+            )
+        return ps[0]
+
+    def get(self, name: str) -> type:
+        """Import and return the component class registered as ``name``."""
+        if name in self._loaded:
+            return self._loaded[name]
+        p = self.provider(name)
+        ep = EntryPoint(name=p.name, value=p.target, group=self.group)
+        try:
+            obj = ep.load()
+        except Exception as exc:  # any import-time failure of third-party code
+            raise PluginImportError(
+                f"{self.kind.replace('_', ' ')} plugin '{name}' from {p.label} ({p.target}) failed to import: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self._loaded[name] = obj
+        return obj
+
+
+def _unknown(what: str, name: str, available: list[str]) -> str:
+    msg = f"unknown {what} '{name}'."
+    close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
+    if close:
+        msg += f" Did you mean {' or '.join(repr(c) for c in close)}?"
+    msg += f" Available: {', '.join(available) if available else '(none installed)'}."
+    return msg
+
+
+_REGISTRIES: dict[str, Registry] = {}
+
+
+def registry(kind: str) -> Registry:
+    if kind not in _REGISTRIES:
+        _REGISTRIES[kind] = Registry(kind)
+    return _REGISTRIES[kind]
+
+
+@dataclass
+class CheckResult:
+    kind: str
+    name: str
+    provider: str
+    target: str
+    status: str  # ok | error | conflict
+    detail: str = ""
+
+
+def check_all() -> list[CheckResult]:
+    """Import every registered plugin and report ok / error / conflict for each."""
+    results = []
+    for kind in KINDS:
+        reg = registry(kind)
+        for name, ps in reg.providers().items():
+            label = ", ".join(p.label for p in ps)
+            target = ", ".join(p.target for p in ps)
+            try:
+                cls = reg.get(name)
+                status, detail = "ok", ""
+                why = getattr(cls, "unavailable_reason", None)
+                if callable(why):
+                    reason = why()
+                    if reason:
+                        status, detail = "ok", f"limited: {reason}"
+            except PluginConflictError as exc:
+                status, detail = "conflict", str(exc)
+            except PluginImportError as exc:
+                status, detail = "error", str(exc)
+            results.append(CheckResult(kind, name, label, target, status, detail))
+    return results

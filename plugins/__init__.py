@@ -1,0 +1,1 @@
+"""Built-in components of `concept`, one per file, registered through entry points."""

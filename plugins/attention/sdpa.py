@@ -1,0 +1,32 @@
+"""`sdpa`: the reference backend. A dense boolean [L, L] mask from the one-pass rule into
+``scaled_dot_product_attention``. Exact on any device, O(T^2) memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from concept.attention import AttentionPlan, sdpa
+from concept.packing import PackedLayout, allowed
+
+
+@dataclass
+class SDPAConfig:
+    pass
+
+
+class DenseMaskPlan(AttentionPlan):
+    def __init__(self, layout: PackedLayout):
+        self.mask = allowed(layout.meta, layout.meta)
+
+    def __call__(self, query, key, value, scaling):
+        return sdpa(query, key, value, scaling, self.mask).transpose(1, 2)
+
+
+class SDPABackend:
+    Config = SDPAConfig
+    supports_backward = True
+
+    def __init__(self, config: SDPAConfig | None = None, ctx=None):
+        self.config = config
+
+    def plan(self, layout: PackedLayout) -> AttentionPlan:
+        return DenseMaskPlan(layout)

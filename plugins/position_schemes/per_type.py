@@ -1,0 +1,49 @@
+"""`per-type`: each token type counts its own positions; one shared RoPE; a learned type embedding.
+
+Normal text keeps the backbone's positions (0, 1, 2, ...); concepts are numbered by their
+rank among concepts, starting at ``offset``. A learned type embedding (zero-initialised, so
+the base model is unchanged at step 0) is added to text inputs and to concept inputs so
+the stacks can tell the types apart. 2D-RoPE was considered and rejected (SPEC §2.4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PerTypeConfig:
+    offset: int = 0  # fixed position offset of the concept type
+    type_embedding: bool = True
+
+    def validate(self) -> list[str]:
+        return [] if self.offset >= 0 else [f"offset: must be >= 0, got {self.offset}"]
+
+
+class PerTypePositions(nn.Module):
+    Config = PerTypeConfig
+    TEXT, CONCEPT = 0, 1
+
+    def __init__(self, config: PerTypeConfig, ctx):
+        super().__init__()
+        self.config = config
+        self.type_embedding = nn.Embedding(2, ctx.hidden_size) if config.type_embedding else None
+        if self.type_embedding is not None:
+            nn.init.zeros_(self.type_embedding.weight)
+
+    def text_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        return pos
+
+    def concept_positions(self, pos: torch.Tensor, rank: torch.Tensor, stack: str) -> torch.Tensor:
+        return rank + self.config.offset
+
+    def _add(self, x: torch.Tensor, kind: int) -> torch.Tensor:
+        return x if self.type_embedding is None else x + self.type_embedding.weight[kind]
+
+    def add_text_type(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add(x, self.TEXT)
+
+    def add_concept_type(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add(x, self.CONCEPT)

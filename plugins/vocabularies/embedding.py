@@ -1,0 +1,60 @@
+"""`embedding`: a fresh table of K concept ids and a linear ConceptHead over K (+ NULL) classes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class EmbeddingVocabConfig:
+    size: int = 4096  # K
+    init_std: float = 0.0  # 0: match the backbone's token-embedding scale
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.size < 1:
+            problems.append(f"size: K must be >= 1, got {self.size}")
+        if self.init_std < 0:
+            problems.append(f"init_std: must be >= 0, got {self.init_std}")
+        return problems
+
+
+class ConceptHead(nn.Linear):
+    """Shallow hidden state -> logits over K concept ids (+ NULL, last)."""
+
+
+class ConceptEmbedding(nn.Embedding):
+    """Concept id -> input vector of the middle stack (backbone width)."""
+
+
+class EmbeddingVocabulary(nn.Module):
+    Config = EmbeddingVocabConfig
+
+    def __init__(self, config: EmbeddingVocabConfig, ctx):
+        super().__init__()
+        self.config = config
+        self.size = config.size
+        self.null_index = config.size if ctx.uses_null_class else None
+        self.head = ConceptHead(ctx.hidden_size, config.size + int(ctx.uses_null_class))
+        self.table = ConceptEmbedding(config.size, ctx.hidden_size)
+        nn.init.normal_(self.head.weight, std=ctx.hidden_size ** -0.5)
+        nn.init.zeros_(self.head.bias)
+        self._init_std = config.init_std
+
+    def init_from_backbone(self, token_embedding: torch.Tensor) -> None:
+        """Start concept embeddings at the scale of the backbone's token embeddings."""
+        std = self._init_std or float(token_embedding.float().std())
+        with torch.no_grad():
+            self.table.weight.normal_(0.0, std)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)
+
+    def embed_hard(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids)
+
+    def embed_soft(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs: [..., K] weights over concept ids (sum to 1)."""
+        return probs.to(self.table.weight.dtype) @ self.table.weight
