@@ -37,7 +37,7 @@ class Shape:
 
 
 def evenly_spaced_keep(T: int, ratio: float) -> torch.Tensor:
-    """A keep pattern with exactly round(ratio*T) concepts spread evenly (the last one at the end)."""
+    """A keep pattern with floor(ratio*T) concepts spread evenly (one every 1/ratio tokens)."""
     t = torch.arange(T, dtype=torch.float64)
     return torch.floor((t + 1) * ratio) > torch.floor(t * ratio)
 

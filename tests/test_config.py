@@ -1,0 +1,61 @@
+"""Config: JSON round trip, --set overrides, all problems reported at once."""
+import json
+
+import pytest
+
+from concept import BuildConfig, ComponentRef, ConfigError, resolve
+from concept.config import parse_split
+
+
+def test_json_round_trip():
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4}), split="1,2,1")
+    cfg.apply_overrides(["sampler.tau=0.7", "vocabulary.size=64", "attention=sdpa"])
+    again = BuildConfig.from_json(cfg.to_json())
+    assert again == cfg
+    assert again.sampler.params == {"tau": 0.7} and again.attention.name == "sdpa"
+    assert json.loads(cfg.to_json())["vocabulary"]["params"]["size"] == 64
+
+
+def test_all_problems_reported_together():
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama"), split="2,4,2")
+    cfg.apply_overrides(["vocabulary.size=0", "sampler.tau=-1", "length_policy.max_rn=3"])
+    cfg.length_policy.params["max_run"] = "many"
+    cfg.attention.name = "chunkd"
+    with pytest.raises(ConfigError) as info:
+        resolve(cfg)
+    text = str(info.value)
+    assert "size: K must be >= 1" in text
+    assert "tau: temperature must be > 0" in text
+    assert "Did you mean 'max_run'" in text
+    assert "max_run: expected an integer" in text
+    assert "Did you mean 'chunked'" in text
+    assert len(info.value.problems) == 5
+
+
+def test_type_coercion_from_cli_strings():
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": "4"}), split="1,2,1")
+    cfg.sampler.params["tau"] = "0.5"
+    plan = resolve(cfg)
+    assert plan.components["backbone"].config.layers == 4
+    assert plan.components["sampler"].config.tau == 0.5
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("auto", (4, 22, 4)), ("4,22,4", (4, 22, 4)), ("0.2,0.6,0.2", (6, 18, 6)), (" 1, 28 ,1", (1, 28, 1)),
+])
+def test_split_ok(spec, expected):
+    assert parse_split(spec, 30) == (expected, [])
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("4,20,4", "sums to 28"), ("0,26,4", "at least one layer"), ("4,22", "three values"),
+    ("a,b,c", "must be numbers"), ("0.5,0.4,0.2", "sum to 1"),
+])
+def test_split_errors(spec, message):
+    counts, problems = parse_split(spec, 30)
+    assert counts is None and message in problems[0]
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match="Did you mean 'sampler'"):
+        BuildConfig.from_dict({"samplr": "argmax"})

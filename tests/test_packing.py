@@ -1,0 +1,51 @@
+"""The packed layout: one element per real token, concepts first, and the attention rule."""
+import torch
+
+from concept.flops import deep_pairs, evenly_spaced_keep
+from concept.packing import allowed, pack
+
+
+def naive_allowed(keep):
+    """The rule written out in time order, element by element."""
+    T = len(keep)
+    seg = torch.cumsum(keep.long(), 0)
+    m = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        for j in range(T):
+            m[i, j] = j <= i and (bool(keep[j]) or (not keep[i] and seg[i] == seg[j]))
+    return m
+
+
+def test_layout_is_concepts_first_and_complete():
+    keep = torch.tensor([[0, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    valid = torch.ones_like(keep)
+    valid[1, 6:] = False
+    layout = pack(keep, valid)
+    assert layout.num_concepts == 3
+    assert layout.concept_src[0].tolist() == [1, 4, 5]
+    assert layout.concept_meta.valid[1].tolist() == [True, False, False]  # row 1 keeps only t=0 (t=7 is padding)
+    # every real token appears exactly once, and slot_of_time points back to it
+    for b in range(2):
+        times = layout.meta.time[b][layout.meta.valid[b]].sort().values
+        assert times.tolist() == valid[b].nonzero().flatten().tolist()
+        real = valid[b]
+        assert torch.equal(layout.meta.time[b, layout.slot_of_time[b][real]], torch.arange(8)[real])
+
+
+def test_mask_in_packed_layout_equals_time_order_rule():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        keep = torch.rand(16, generator=g) < 0.3
+        layout = pack(keep[None], torch.ones(1, 16, dtype=torch.bool))
+        m = allowed(layout.meta, layout.meta)[0]
+        t = layout.meta.time[0]
+        # reorder the packed mask into time order and compare with the element-by-element rule
+        inv = torch.empty_like(t)
+        inv[t] = torch.arange(16)
+        assert torch.equal(m[inv][:, inv], naive_allowed(keep))
+        assert int(m.sum()) == deep_pairs(keep)
+
+
+def test_evenly_spaced_keep_ratio():
+    for ratio in (0.1, 0.25, 0.5):
+        assert int(evenly_spaced_keep(2048, ratio).sum()) == int(2048 * ratio)
