@@ -1,0 +1,174 @@
+"""``concept build``: resolve a config (all problems at once), then build and save a run folder."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+from rich.markup import escape
+
+from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
+                     render_params, render_stacks, stack_layers, status, stdout)
+
+
+def load_config_file(path: str):
+    """A saved config: a JSON file (a bare config or a run's concept.json) or a run folder."""
+    from concept import BuildConfig
+    from concept.builder import read_run
+    from concept.errors import ConfigError
+
+    p = Path(path)
+    if p.is_dir():
+        return BuildConfig.from_dict(read_run(p)["config"])
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError([f"--config {path}: cannot read it ({exc.strerror or exc})"]) from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"--config {path}: not valid JSON ({exc})"]) from exc
+    if isinstance(data, dict) and "format" in data and isinstance(data.get("config"), dict):
+        data = data["config"]  # a run folder's concept.json
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: expected a JSON object, got {type(data).__name__}"])
+    return BuildConfig.from_dict(data)
+
+
+def make_config(config_file, names: dict, split, seed, overrides):
+    """Start from the defaults (or --config) and apply the flags; --set last."""
+    from concept import BuildConfig, ComponentRef
+
+    config = load_config_file(config_file) if config_file else BuildConfig()
+    for slot, name in names.items():
+        if name is not None and name != getattr(config, slot).name:
+            setattr(config, slot, ComponentRef(name))  # another component: its options start fresh
+    if split is not None:
+        config.split = split
+    if seed is not None:
+        config.seed = seed
+    return config.apply_overrides(list(overrides))
+
+
+def resolve_plan(config):
+    """``concept.resolve`` with a refined exit code: a broken or conflicting *installed* plugin is
+    an environment problem (exit 1), not a usage error (exit 2)."""
+    from concept import resolve
+    from concept.config import SLOT_KIND, SLOTS
+    from concept.errors import ConceptError, ConfigError, PluginConflictError, PluginImportError
+    from concept.registry import registry
+
+    try:
+        return resolve(config)
+    except ConfigError as exc:
+        for slot in SLOTS:
+            try:
+                registry(SLOT_KIND[slot]).get(getattr(config, slot).name)
+            except (PluginImportError, PluginConflictError):
+                exc.exit_code = 1
+                break
+            except ConceptError:
+                pass
+        raise
+
+
+def check_output(folder: Path, config, force: bool) -> None:
+    """Refuse (before the slow build) to overwrite a folder holding something else, unless --force."""
+    from concept.builder import read_run
+    from concept.errors import RunFolderError
+
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise RunFolderError(f"{folder} exists and is not a folder; choose another -o")
+    if force or not any(folder.iterdir()):
+        return
+    try:
+        old = read_run(folder)["config"]
+    except RunFolderError:
+        raise RunFolderError(
+            f"{folder} is not empty and holds no concept run; choose another -o or pass --force to replace it"
+        ) from None
+    new = config.to_dict()
+    if old != new:
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise RunFolderError(
+            f"{folder} already holds a different model (differs in: {', '.join(changed)}); "
+            f"choose another -o or pass --force to replace it"
+        )
+
+
+def print_plan(plan, output: Path | None) -> None:
+    d = plan.describe()
+    where = f" to {output}" if output else ""
+    stdout.print(f"[bold]plan[/] (dry run: nothing written{escape(where)})")
+    stdout.print(f"backbone: {escape(describe_backbone(d['backbone']))}")
+    stdout.print(render_stacks(plan.split, d["backbone"]["num_layers"]))
+    stdout.print(render_components(d["components"]))
+
+
+@click.command()
+@click.option("--backbone", metavar="NAME", help="Backbone plugin (default: smollm2, the offline SmolLM2-135M).")
+@click.option("--split", metavar="TEXT", help="Layers per stack: 'auto', counts '4,22,4' or fractions '0.15,0.7,0.15'.")
+@click.option("--length-policy", metavar="NAME", help="Length policy plugin (default: null).")
+@click.option("--sampler", metavar="NAME", help="Training sampler plugin (default: gumbel-st).")
+@click.option("--eval-sampler", metavar="NAME", help="Inference sampler plugin (default: argmax).")
+@click.option("--rope", "--position-scheme", "position_scheme", metavar="NAME",
+              help="Position scheme plugin (default: time).")
+@click.option("--vocabulary", metavar="NAME", help="Concept vocabulary plugin (default: embedding).")
+@click.option("--attention", metavar="NAME", help="Deep-stack attention backend (default: chunked).")
+@click.option("--seed", type=int, help="Seed for the new modules (default: 0).")
+@click.option("--set", "overrides", multiple=True, metavar="SLOT.KEY=VALUE",
+              help="Set a component option, e.g. --set sampler.tau=0.7 (repeatable; values parsed as JSON).")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=True), metavar="FILE",
+              help="Start from a saved config (JSON, a run's concept.json or a run folder); flags override it.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), metavar="DIR",
+              help="Run folder to write (required unless --dry-run).")
+@click.option("--force", is_flag=True, help="Replace an output folder that holds a different model.")
+@click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
+def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme, vocabulary, attention, seed,
+          overrides, config_file, output, force, dry_run, as_json) -> None:
+    """Build a streaming concept model from a backbone and components, and save it to a run folder.
+
+    \b
+    concept build --length-policy null --rope per-type -o runs/m1
+    concept build --backbone tiny-llama --split 2,4,2 --set sampler.tau=0.7 -o runs/tiny --json
+    concept build --dry-run --json
+    """
+    if output is None and not dry_run:
+        raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
+    names = dict(backbone=backbone, length_policy=length_policy, sampler=sampler, eval_sampler=eval_sampler,
+                 position_scheme=position_scheme, vocabulary=vocabulary, attention=attention)
+    config = make_config(config_file, names, split, seed, overrides)
+    plan = resolve_plan(config)
+    if output is not None:
+        check_output(output, config, force)
+
+    if dry_run:
+        if as_json:
+            print_json(plan.describe())
+        else:
+            print_plan(plan, output)
+        return
+
+    import concept
+
+    quiet_progress_bars()
+    bb = plan.components["backbone"]
+    status("building", f"{bb.name} backbone, split {'/'.join(map(str, plan.split))} "
+                       f"({plan.backbone_info.num_layers} layers) ...")
+    start = time.perf_counter()
+    model = concept.build(plan=plan)
+    status("saving", f"{output} ...")
+    concept.save(model, output, force=force)
+    status("built", f"{output} in {time.perf_counter() - start:.1f} s")
+
+    counts = param_counts(model)
+    if as_json:
+        print_json({"path": str(output), "plan": plan.describe(), "stacks": stack_layers(plan.split),
+                    "params": counts})
+        return
+    stdout.print(f"[bold]built[/] {escape(str(output))}")
+    stdout.print(f"backbone: {escape(describe_backbone(plan.describe()['backbone']))}")
+    stdout.print(render_stacks(plan.split, plan.backbone_info.num_layers))
+    stdout.print(render_params(counts))

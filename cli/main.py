@@ -1,0 +1,68 @@
+"""The ``concept`` command group, its top-level error handling and the console-script entry point.
+
+Every :class:`concept.errors.ConceptError` raised by a command is a problem with the user's
+input or environment, never a bug: it is printed as ``error: <message>`` on stderr and the
+process exits with the error's ``exit_code`` (2 for config / unknown-name errors). The
+heavy ``concept`` package (torch) is imported only when a command runs, so ``--help`` and
+``--version`` stay instant.
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import click
+
+from .build_cmd import build
+from .inspect_cmd import inspect
+from .output import print_error
+from .plugins_cmd import plugins
+
+
+def _version() -> str:
+    try:
+        return version("concept")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+class ConceptGroup(click.Group):
+    """A click group that turns user-facing errors into one line on stderr and an exit code."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except OSError as exc:  # e.g. no permission to write the output folder
+            print_error(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
+            ctx.exit(1)
+        except Exception as exc:
+            from concept.errors import ConceptError
+
+            if not isinstance(exc, ConceptError):
+                raise
+            print_error(str(exc))
+            ctx.exit(getattr(exc, "exit_code", 1))
+
+
+@click.group(cls=ConceptGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "--version", "-V", prog_name="concept", message="%(prog)s %(version)s")
+def cli() -> None:
+    """Compress a pretrained LLM's token stream into discrete concept tokens inside the model.
+
+    Data goes to stdout, status to stderr; --json prints machine-readable JSON only.
+    """
+
+
+cli.add_command(plugins)
+cli.add_command(build)
+cli.add_command(inspect)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (``concept = concept_cli.main:main``)."""
+    cli.main(args=argv, prog_name="concept")
+
+
+if __name__ == "__main__":
+    main()

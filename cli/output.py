@@ -1,0 +1,151 @@
+"""Shared rendering: data on stdout (tables or JSON), status and errors on stderr."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Iterable
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+PIPE_WIDTH = 160  # tables written to a pipe or file are not squeezed into 80 columns
+
+
+class _Console:
+    """A rich Console made for the current sys.stdout / sys.stderr at each use, so redirections
+    (click's CliRunner, pytest's capture) are honoured."""
+
+    def __init__(self, stderr: bool = False):
+        self._stderr = stderr
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        stream = sys.stderr if self._stderr else sys.stdout
+        tty = hasattr(stream, "isatty") and stream.isatty()
+        width = None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+        Console(file=stream, stderr=self._stderr, highlight=False, width=width).print(*objects, **kwargs)
+
+
+stdout = _Console()
+stderr = _Console(stderr=True)
+
+STATUS_STYLE = {"ok": "green", "error": "bold red", "conflict": "bold yellow", "not checked": "dim"}
+STACKS = ("shallow", "middle", "deep")
+
+
+def print_error(message: str) -> None:
+    click.echo(f"{click.style('error:', fg='red', bold=True)} {message}", err=True)
+
+
+def status(verb: str, detail: str = "") -> None:
+    """A progress line on stderr, e.g. ``building tiny-llama ...``."""
+    stderr.print(f"[bold cyan]{escape(verb)}[/] {escape(detail)}".rstrip())
+
+
+def quiet_progress_bars() -> None:
+    """Library progress bars (transformers' "Loading weights") only on an interactive stderr."""
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def table(*columns: str, title: str | None = None, fold: Iterable[str] = ()) -> Table:
+    """A plain table; columns named in ``fold`` wrap long values instead of cutting them."""
+    t = Table(title=title, title_justify="left", title_style="bold", header_style="bold")
+    fold = set(fold)
+    for col in columns:
+        t.add_column(col, overflow="fold" if col in fold else "ellipsis")
+    return t
+
+
+def styled_status(value: str) -> str:
+    return f"[{STATUS_STYLE.get(value, '')}]{escape(value)}[/]" if value in STATUS_STYLE else escape(value)
+
+
+def human(n: int) -> str:
+    """1234567 -> '1,234,567 (1.2M)'."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n:,} ({n / size:.1f}{unit})"
+    return f"{n:,}"
+
+
+def format_params(params: dict, user: Iterable[str] = ()) -> str:
+    """Component options as ``k=v`` (user-set ones marked with ``*``)."""
+    user = set(user)
+    return ", ".join(f"{k}={json.dumps(v)}{'*' if k in user else ''}" for k, v in params.items()) or "-"
+
+
+# -- model facts shared by `build` and `inspect` ---------------------------------------------
+
+def stack_layers(split: tuple[int, int, int]) -> dict:
+    """{"shallow": {"count": 2, "first": 0, "last": 1, "range": "0-1"}, ...}."""
+    out, start = {}, 0
+    for name, count in zip(STACKS, split):
+        last = start + count - 1
+        out[name] = {"count": count, "first": start, "last": last,
+                     "range": f"{start}-{last}" if count > 1 else str(start)}
+        start += count
+    return out
+
+
+def param_counts(model) -> dict:
+    """Parameter counts: total / trainable / frozen, the backbone and each new module."""
+    params = list(model.parameters())  # deduplicated by torch
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    new = {name: sum(p.numel() for p in module.parameters()) for name, module in model.new_modules().items()}
+    return {
+        "total": total,
+        "trainable": trainable,
+        "frozen": total - trainable,
+        "backbone": sum(p.numel() for p in model.backbone.parameters()),
+        "new": sum(new.values()),
+        "new_modules": new,
+    }
+
+
+def render_stacks(split: tuple[int, int, int], num_layers: int | None = None) -> Table:
+    t = table("stack", "layers", "count", title="stacks" + (f" ({num_layers} layers)" if num_layers else ""))
+    for name, s in stack_layers(split).items():
+        t.add_row(name, s["range"], str(s["count"]))
+    return t
+
+
+def render_params(counts: dict) -> Table:
+    t = table("parameters", "count", title="parameters")
+    t.add_row("total", human(counts["total"]))
+    t.add_row("trainable", human(counts["trainable"]))
+    t.add_row("frozen (backbone)", human(counts["frozen"]))
+    t.add_row("new modules", human(counts["new"]))
+    for name, n in counts["new_modules"].items():
+        t.add_row(f"  {name}", human(n))
+    return t
+
+
+def render_components(components: dict, title: str = "components", module_params: dict | None = None) -> Table:
+    """One row per config slot (from ``plan.describe()["components"]``)."""
+    cols = ["slot", "name", "provider", "target", "options (* set by user)"]
+    if module_params is not None:
+        cols.append("parameters")
+    t = table(*cols, title=title, fold=cols[2:5])
+    for slot, c in components.items():
+        row = [slot, c["name"], c["provider"], c["target"], format_params(c["params"], c["set_by_user"])]
+        if module_params is not None:
+            n = module_params.get(slot)
+            row.append("-" if n is None else f"{n:,}")
+        t.add_row(*map(escape, row))
+    return t
+
+
+def describe_backbone(info: dict) -> str:
+    kind = "pretrained" if info.get("pretrained") else "random init, weights saved with the run"
+    return (f"{info['name']} ({info['architecture']}, {info['num_layers']} layers, hidden {info['hidden_size']}, "
+            f"vocab {info['vocab_size']}, {kind})")
