@@ -49,28 +49,6 @@ def make_config(config_file, names: dict, split, seed, overrides):
     return config.apply_overrides(list(overrides))
 
 
-def resolve_plan(config):
-    """``concept.resolve`` with a refined exit code: a broken or conflicting *installed* plugin is
-    an environment problem (exit 1), not a usage error (exit 2)."""
-    from concept import resolve
-    from concept.config import SLOT_KIND, SLOTS
-    from concept.errors import ConceptError, ConfigError, PluginConflictError, PluginImportError
-    from concept.registry import registry
-
-    try:
-        return resolve(config)
-    except ConfigError as exc:
-        for slot in SLOTS:
-            try:
-                registry(SLOT_KIND[slot]).get(getattr(config, slot).name)
-            except (PluginImportError, PluginConflictError):
-                exc.exit_code = 1
-                break
-            except ConceptError:
-                pass
-        raise
-
-
 def check_output(folder: Path, config, force: bool) -> None:
     """Refuse (before the slow build) to overwrite a folder holding something else, unless --force."""
     from concept.builder import read_run
@@ -140,7 +118,9 @@ def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme
     names = dict(backbone=backbone, length_policy=length_policy, sampler=sampler, eval_sampler=eval_sampler,
                  position_scheme=position_scheme, vocabulary=vocabulary, attention=attention)
     config = make_config(config_file, names, split, seed, overrides)
-    plan = resolve_plan(config)
+    from concept import resolve
+
+    plan = resolve(config)
     if output is not None:
         check_output(output, config, force)
 

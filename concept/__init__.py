@@ -1,12 +1,26 @@
-"""concept: compress a pretrained LLM's token stream into discrete concept tokens inside the model."""
+"""concept: compress a pretrained LLM's token stream into discrete concept tokens inside the model.
+
+Attributes are imported lazily, so ``import concept`` (and commands such as
+``concept plugins list``) do not pay for torch until a model is needed.
+"""
 from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .builder import build, load, save  # noqa: E402
-from .config import BuildConfig, ComponentRef, resolve  # noqa: E402
-from .errors import ConceptError, ConfigError  # noqa: E402
-from .model import ConceptModel, ConceptOutput  # noqa: E402
+_EXPORTS = {
+    "build": "builder", "load": "builder", "save": "builder",
+    "BuildConfig": "config", "ComponentRef": "config", "resolve": "config",
+    "ConceptModel": "model", "ConceptOutput": "model",
+    "ConceptError": "errors", "ConfigError": "errors",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["build", "load", "save", "BuildConfig", "ComponentRef", "resolve", "ConceptModel", "ConceptOutput",
-           "ConceptError", "ConfigError", "__version__"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'concept' has no attribute {name!r}")

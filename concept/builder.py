@@ -119,6 +119,7 @@ def save(model: ConceptModel, path: str | os.PathLike, force: bool = False) -> P
             state = {k: v.detach().contiguous().cpu() for k, v in model.backbone.state_dict().items()}
             save_file(state, tmp / BACKBONE_FILE)
         (tmp / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+        publish_permissions(tmp)
         if folder.exists():
             old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
             os.replace(folder, old)
@@ -130,6 +131,15 @@ def save(model: ConceptModel, path: str | os.PathLike, force: bool = False) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def publish_permissions(folder: Path) -> None:
+    """mkdtemp creates 0700 folders; give the finished folder the usual umask-based modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def load(path: str | os.PathLike) -> ConceptModel:

@@ -264,6 +264,7 @@ def parse_split(spec: str, num_layers: int) -> tuple[tuple[int, int, int] | None
 def resolve(config: BuildConfig) -> Plan:
     """Validate the whole config; raise one ConfigError listing every problem."""
     problems: list[str] = []
+    environment_problem = False
     components: dict[str, ResolvedComponent] = {}
     for slot in SLOTS:
         ref: ComponentRef = getattr(config, slot)
@@ -274,8 +275,9 @@ def resolve(config: BuildConfig) -> Plan:
         except UnknownComponentError as exc:
             problems.append(f"{slot}: {exc}")
             continue
-        except ConceptError as exc:
+        except ConceptError as exc:  # a broken or conflicting installed plugin: the environment, not the input
             problems.append(f"{slot}: {exc}")
+            environment_problem = True
             continue
         cfg, errs = make_component_config(cls, ref.params, slot)
         problems.extend(errs)
@@ -303,5 +305,5 @@ def resolve(config: BuildConfig) -> Plan:
             if callable(check):
                 problems.extend(f"{comp.slot} '{comp.name}': {p}" for p in check(comp.config, components))
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, exit_code=1 if environment_problem else 2)
     return Plan(config=config, components=components, split=split, backbone_info=info)

@@ -13,8 +13,9 @@ class ConfigError(ConceptError):
 
     exit_code = 2
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], exit_code: int = 2):
         self.problems = list(problems)
+        self.exit_code = exit_code
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid config ({len(self.problems)} problem{'s' * (len(self.problems) != 1)}):\n{lines}")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from concept.builder import publish_permissions
 from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config, read_folder_config
 from concept.errors import BackboneError
 
@@ -82,6 +83,7 @@ def converted_folder(config: SmolLM2Config | None = None) -> Path:
         del gguf_model
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        publish_permissions(tmp)
         if folder.exists():  # another process finished first
             shutil.rmtree(tmp)
         else:
