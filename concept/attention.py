@@ -34,17 +34,21 @@ def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor
 
 
 class CausalPlan(AttentionPlan):
-    """Plain causal attention over real elements (shallow and middle stacks)."""
+    """Plain causal attention over real elements (shallow and middle stacks), optionally
+    restricted to the same document."""
 
-    def __init__(self, valid: torch.Tensor):
-        # Right padding (or none): causal SDPA is exact for every real query.
+    def __init__(self, valid: torch.Tensor, doc: torch.Tensor | None = None):
+        # Right padding (or none) and one document per row: causal SDPA is exact for every real query.
         n = valid.sum(1, keepdim=True)
         right_padded = bool((valid == (torch.arange(valid.shape[1], device=valid.device) < n)).all())
+        one_doc = doc is None or bool((doc == doc[:, :1]).all())
         self.mask = None
-        if not right_padded:
+        if not (right_padded and one_doc):
             L = valid.shape[1]
-            causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
-            self.mask = (causal[None] & valid[:, None, :]) | ~valid[:, :, None]
+            allowed = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
+            if doc is not None:
+                allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+            self.mask = allowed | ~valid[:, :, None]
 
     def __call__(self, query, key, value, scaling):
         out = sdpa(query, key, value, scaling, self.mask, is_causal=self.mask is None)

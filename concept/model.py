@@ -63,27 +63,24 @@ class ConceptModel(nn.Module):
             x = layer(x, attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
         return x
 
-    def decide(self, h, valid, keep=None):
-        """Head -> sampler -> policy. Returns (head_logits, probs, keep, concept_ids)."""
+    def decide(self, h, valid, keep=None, reset=None):
+        """Head -> length policy (keep) and sampler (which concept).
+        Returns (head_logits, probs over the K concepts, keep, concept_ids)."""
         head_logits = self.vocabulary.logits(h)
-        sampler = self.sampler if self.training else self.eval_sampler
-        probs = sampler(head_logits)
         if keep is None:
-            keep = self.length_policy.decide(h, probs.argmax(-1), valid)
+            keep = self.length_policy.decide(h, head_logits, valid, reset)
         keep = keep.bool() & valid
-        K = self.vocabulary.size
-        concept_ids = torch.where(keep, probs[..., :K].argmax(-1), torch.full_like(keep, -1, dtype=torch.long))
+        sampler = self.sampler if self.training else self.eval_sampler
+        probs = sampler(head_logits[..., : self.vocabulary.size])
+        concept_ids = torch.where(keep, probs.argmax(-1), torch.full_like(keep, -1, dtype=torch.long))
         return head_logits, probs, keep, concept_ids
 
     def concept_inputs(self, probs, concept_ids, src):
         """ST embeddings of the concepts at time indices ``src`` [B, C]: e_hard + e_soft - sg(e_soft)."""
-        K = self.vocabulary.size
-        ids = concept_ids.gather(1, src).clamp(min=0)
-        e = self.vocabulary.embed_hard(ids)
+        e = self.vocabulary.embed_hard(concept_ids.gather(1, src).clamp(min=0))
         sampler = self.sampler if self.training else self.eval_sampler
         if sampler.straight_through and torch.is_grad_enabled():
-            p = probs.gather(1, src[..., None].expand(-1, -1, probs.shape[-1]))[..., :K]
-            e_soft = self.vocabulary.embed_soft(p / p.sum(-1, keepdim=True))
+            e_soft = self.vocabulary.embed_soft(probs.gather(1, src[..., None].expand(-1, -1, probs.shape[-1])))
             e = e + (e_soft - e_soft.detach())
         return e
 
@@ -95,24 +92,36 @@ class ConceptModel(nn.Module):
         ], dim=1)
 
     # -- forward -------------------------------------------------------------------------
-    def forward(self, input_ids, attention_mask=None, keep=None, labels=None) -> ConceptOutput:
+    def forward(self, input_ids, attention_mask=None, keep=None, labels=None, document_ids=None,
+                concept_ids=None) -> ConceptOutput:
+        """Logits for every position in one O(T) pass.
+
+        attention_mask [B, T]: 1 for real tokens (either padding side). keep [B, T]: force the
+        decisions. document_ids [B, T]: several documents packed in a row (attention, positions
+        and runs of NULLs never cross a document boundary). concept_ids [B, T]: replace the
+        sampled concept ids where keep (diagnostics, e.g. shuffled concepts).
+        """
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        pos = packing.time_positions(valid)
+        doc = document_ids
+        pos = packing.time_positions(valid, doc)
 
         # shallow: every token, causal
         x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
-        h = self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid))
+        h = self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc))
 
         # concept decisions
-        head_logits, probs, keep, concept_ids = self.decide(h, valid, keep)
-        layout = packing.pack(keep, valid)
+        head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, packing.document_starts(valid, doc))
+        if concept_ids is not None:
+            sampled_ids = torch.where(keep, concept_ids, sampled_ids)
+        layout = packing.pack(keep, valid, doc)
         concept_pos = pos.gather(1, layout.concept_src)
 
         # middle: concepts only, causal among concepts
-        c = self.positions.add_concept_type(self.concept_inputs(probs, concept_ids, layout.concept_src))
+        c = self.positions.add_concept_type(self.concept_inputs(probs, sampled_ids, layout.concept_src))
         if layout.num_concepts:
             middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
-            c = self.run_stack(self.middle, c, middle_pos, CausalPlan(layout.concept_meta.valid))
+            meta = layout.concept_meta
+            c = self.run_stack(self.middle, c, middle_pos, CausalPlan(meta.valid, None if doc is None else meta.doc))
 
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
         tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
@@ -122,8 +131,8 @@ class ConceptModel(nn.Module):
         # back to time order; element t predicts token t + 1
         z = z.gather(1, layout.slot_of_time[..., None].expand(-1, -1, z.shape[-1]))
         logits = self.backbone.lm_head(self.inner.norm(z))
-        loss = None if labels is None else next_token_loss(logits, labels, valid)
-        return ConceptOutput(logits, keep, concept_ids, head_logits, loss, layout)
+        loss = None if labels is None else next_token_loss(logits, labels, valid, doc)
+        return ConceptOutput(logits, keep, sampled_ids, head_logits, loss, layout)
 
     # -- parameters ----------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:
@@ -135,7 +144,13 @@ class ConceptModel(nn.Module):
         return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}
 
 
-def next_token_loss(logits, labels, valid):
-    """Mean CE of predicting labels[t+1] from position t, over pairs of real tokens (-100 ignored)."""
-    target = labels[:, 1:].masked_fill(~(valid[:, 1:] & valid[:, :-1]), -100)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+def next_token_loss(logits, labels, valid, document_ids=None, reduction="mean"):
+    """CE of predicting labels[t+1] from position t, over pairs of real tokens of the same
+    document (labels equal to -100 are ignored)."""
+    pair = valid[:, 1:] & valid[:, :-1]
+    if document_ids is not None:
+        pair = pair & (document_ids[:, 1:] == document_ids[:, :-1])
+    target = labels[:, 1:].masked_fill(~pair, -100)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100,
+                           reduction=reduction)
+    return loss if reduction == "mean" else loss.view(target.shape)

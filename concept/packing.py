@@ -13,8 +13,8 @@ which lets block-sparse backends skip most tiles. The rule, for query i and key 
     allowed(i, j) = t_j <= t_i  and  (keep_j  or  (not keep_i and seg_i == seg_j))
 
 (concept -> concept causal, tail -> concept allowed, tail -> tail causal inside its own
-segment, concept -> tail forbidden), keys must be real, and padding queries may look
-anywhere (their outputs are never used).
+segment, concept -> tail forbidden), keys must be real and of the same document, and
+padding queries may look anywhere (their outputs are never used).
 """
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ class SlotMeta:
     keep: torch.Tensor  # the slot is a concept
     seg: torch.Tensor  # cumsum(keep) at t
     valid: torch.Tensor  # the slot is a real element (not padding)
+    doc: torch.Tensor  # document id (packed sequences hold several documents)
 
     def __getitem__(self, idx) -> "SlotMeta":
-        return SlotMeta(self.time[idx], self.keep[idx], self.seg[idx], self.valid[idx])
+        return SlotMeta(self.time[idx], self.keep[idx], self.seg[idx], self.valid[idx], self.doc[idx])
 
 
 def allowed(q: SlotMeta, k: SlotMeta) -> torch.Tensor:
@@ -43,7 +44,8 @@ def allowed(q: SlotMeta, k: SlotMeta) -> torch.Tensor:
     t_i, t_j = q.time[:, :, None], k.time[:, None, :]
     keep_i, keep_j = q.keep[:, :, None], k.keep[:, None, :]
     same_seg = q.seg[:, :, None] == k.seg[:, None, :]
-    ok = (t_j <= t_i) & (keep_j | (~keep_i & same_seg)) & k.valid[:, None, :]
+    same_doc = q.doc[:, :, None] == k.doc[:, None, :]
+    ok = (t_j <= t_i) & (keep_j | (~keep_i & same_seg)) & same_doc & k.valid[:, None, :]
     return ok | ~q.valid[:, :, None]
 
 
@@ -56,7 +58,7 @@ class PackedLayout:
     concept_src: torch.Tensor  # [B, C] time index of each concept slot
     tail_src: torch.Tensor  # [B, L - C] time index of each tail slot
     slot_of_time: torch.Tensor  # [B, T] which slot holds element t
-    concept_rank: torch.Tensor  # [B, C] 0..C_b-1 (rank among the row's concepts)
+    concept_rank: torch.Tensor  # [B, C] 0, 1, ... rank among the concepts of the same document
 
     @property
     def length(self) -> int:
@@ -78,9 +80,11 @@ def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, present
 
 
-def pack(keep: torch.Tensor, valid: torch.Tensor) -> PackedLayout:
-    """Build the concepts-first packed layout for ``keep`` / ``valid`` [B, T] (bool)."""
+def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = None) -> PackedLayout:
+    """Build the concepts-first packed layout for ``keep`` / ``valid`` [B, T] (bool) and
+    optional document ids ``doc`` [B, T]."""
     keep = keep & valid
+    doc = torch.zeros_like(keep, dtype=torch.long) if doc is None else doc
     tail = valid & ~keep
     seg = torch.cumsum(keep.long(), dim=1)
     num_c = int(keep.sum(1).max()) if keep.numel() else 0
@@ -97,10 +101,15 @@ def pack(keep: torch.Tensor, valid: torch.Tensor) -> PackedLayout:
     tail_rank = torch.cumsum(tail.long(), dim=1) - 1
     slot_of_time = torch.where(keep, seg - 1, num_c + tail_rank)
     slot_of_time = torch.where(valid, slot_of_time, torch.zeros_like(slot_of_time))
-    concept_rank = torch.arange(num_c, device=keep.device).expand(keep.shape[0], num_c)
+    # rank of each concept among its document's concepts (documents are contiguous in a row)
+    index = torch.arange(num_c, device=keep.device).expand(keep.shape[0], num_c)
+    concept_doc = doc.gather(1, concept_src)
+    first = torch.ones_like(concept_valid)
+    first[:, 1:] = concept_doc[:, 1:] != concept_doc[:, :-1]
+    concept_rank = index - torch.cummax(torch.where(first, index, torch.zeros_like(index)), dim=1).values
     return PackedLayout(
         num_concepts=num_c,
-        meta=SlotMeta(time=time, keep=slot_keep, seg=slot_seg, valid=slot_valid),
+        meta=SlotMeta(time=time, keep=slot_keep, seg=slot_seg, valid=slot_valid, doc=doc.gather(1, time)),
         concept_src=concept_src,
         tail_src=tail_src,
         slot_of_time=slot_of_time,
@@ -108,6 +117,20 @@ def pack(keep: torch.Tensor, valid: torch.Tensor) -> PackedLayout:
     )
 
 
-def time_positions(valid: torch.Tensor) -> torch.Tensor:
-    """Position ids of real tokens (0, 1, ...) whatever the padding side, as Hugging Face does."""
-    return (torch.cumsum(valid.long(), dim=1) - 1).clamp_(min=0)
+def document_starts(valid: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, T] bool: real token t is the first real token of its document (None without documents)."""
+    if doc is None:
+        return None
+    prev = torch.cat([torch.full_like(doc[:, :1], -1), doc[:, :-1]], dim=1)
+    first_real = torch.cumsum(valid.long(), dim=1) == 1
+    return valid & ((doc != prev) | first_real)
+
+
+def time_positions(valid: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Position ids of real tokens (0, 1, ... restarting at each document), whatever the padding
+    side, as Hugging Face does."""
+    index = torch.cumsum(valid.long(), dim=1) - 1
+    if doc is not None:
+        starts = document_starts(valid, doc)
+        index = index - torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return index.clamp_(min=0)

@@ -140,3 +140,24 @@ def test_negative_control_reference_is_sensitive(tiny_models):
         out = model(ids, keep=keep).logits
         wrong, _ = reference_logits(model, ids, keep=keep, deep_positions="packed-index")
     assert (out - wrong).abs().max() > 50 * ATOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("positions", SCHEMES)
+def test_packed_documents_equal_separate_rows(tiny_models, backend, positions):
+    """Several documents packed in one row (document_ids) give each document's logits alone."""
+    model = tiny_models(attention=backend, positions=positions)
+    ids = inputs(B=1, T=16, seed=7)
+    doc = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4])
+    keep = torch.tensor([[0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]], dtype=torch.bool)
+    with torch.no_grad():
+        packed = model(ids, keep=keep, document_ids=doc)
+        for d in range(3):
+            cols = doc[0] == d
+            alone = model(ids[:, cols], keep=keep[:, cols])
+            torch.testing.assert_close(packed.logits[:, cols], alone.logits, atol=ATOL, rtol=0)
+        # and with decisions made by the policy (runs of NULLs restart per document)
+        decided = model(ids, document_ids=doc)
+        for d in range(3):
+            cols = doc[0] == d
+            assert torch.equal(decided.keep[:, cols], model(ids[:, cols]).keep)

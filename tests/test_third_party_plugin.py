@@ -105,7 +105,7 @@ def load_check(path):
     every_other = (torch.arange(9) % 2 == 1).expand(2, 9)
     state, steps = m.length_policy.init_state(2, "cpu"), []
     for t in range(9):
-        keep_t, state = m.length_policy.step(None, ids[:, t], state)
+        keep_t, state = m.length_policy.step(None, out.head_logits[:, t], state)
         steps.append(keep_t)
     return {"keep": out.keep.tolist(), "expected": (every_other & mask.bool()).tolist(),
             "step_agrees": bool(torch.equal(torch.stack(steps, 1), every_other)),

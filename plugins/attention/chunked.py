@@ -31,6 +31,10 @@ class ChunkedPlan(AttentionPlan):
     def __init__(self, layout: PackedLayout, chunk: int):
         C = self.num_concepts = layout.num_concepts
         meta, tail = layout.meta, layout.tail_meta
+        # Concepts attend causally to concepts; with several packed documents, only their own.
+        concepts = layout.concept_meta
+        several_docs = bool((concepts.doc != concepts.doc[:, :1]).any()) if C else False
+        self.concept_mask = allowed(concepts, concepts) if several_docs else None
         num_tail = tail.time.shape[1]
         device = meta.time.device
         # Tail slot -> first tail slot of its segment (tail segments are sorted per row).
@@ -55,7 +59,8 @@ class ChunkedPlan(AttentionPlan):
         C = self.num_concepts
         outs = []
         if C:
-            outs.append(sdpa(query[:, :, :C], key[:, :, :C], value[:, :, :C], scaling, is_causal=True))
+            outs.append(sdpa(query[:, :, :C], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
+                             is_causal=self.concept_mask is None))
         for qa, qb, hc, ka, mask in self.chunks:
             k = torch.cat([key[:, :, :hc], key[:, :, ka:qb]], dim=2)
             v = torch.cat([value[:, :, :hc], value[:, :, ka:qb]], dim=2)
