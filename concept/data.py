@@ -1,0 +1,302 @@
+"""Training and evaluation data: documents in, fixed-length packed token rows out.
+
+    read_documents(source, split)  ->  [Document(name, text), ...]      (sorted by name)
+    PackedSequences(documents, tokenizer, seq_len, seed)
+        .batch(step, batch_size)  ->  {input_ids, attention_mask, document_ids}  [B, T]
+
+* Sources: the Python standard library (the default corpus, always on the machine), a text
+  file (one document), a ``.jsonl`` file (one document per line, text in ``text_field``), or a
+  folder of those (recursive, sorted; hidden entries and binaries skipped).
+* Splits: a document is held out when a stable hash (sha256) of its name falls below
+  ``heldout_fraction``. The split therefore does not depend on the seed nor on the order files
+  are listed, and held-out documents are never trained on. If every document of a corpus
+  hashes to held-out (only possible for a handful of documents) they are all training data and
+  the held-out split is empty.
+* Packing: documents are tokenised (``concept.tokens``, cached), followed by the tokenizer's eos
+  when it has one, concatenated in a seeded order and cut into rows of ``seq_len`` tokens (the
+  incomplete last row is dropped). ``document_ids`` number the documents inside each row from 0;
+  a document cut at a row end continues, as id 0, in the next row.
+* Batches: row k of the infinite stream is row ``perm_e[k % rows]`` with ``e = k // rows`` and
+  ``perm_e`` a ``torch.randperm`` seeded with ``seed * 1000003 + e``. ``batch(step, B)`` is a pure
+  function of ``(seed, step, B)``, so resuming at a step replays exactly the same batches.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import ConceptError
+from .tokens import ByteTokenizer, tokenize_documents, tokenizer_for
+
+__all__ = ["Document", "DEFAULT_CORPUS", "read_documents", "ByteTokenizer", "tokenizer_for", "PackedSequences"]
+
+DEFAULT_CORPUS = "stdlib"
+SPLITS = ("train", "heldout", "all")
+STDLIB_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+BINARY_SUFFIXES = {
+    ".7z", ".a", ".arrow", ".avi", ".bin", ".bmp", ".bz2", ".class", ".db", ".dll", ".dylib", ".exe", ".flac",
+    ".gguf", ".gif", ".gz", ".h5", ".ico", ".iso", ".jar", ".jpeg", ".jpg", ".mov", ".mp3", ".mp4", ".npy", ".npz",
+    ".o", ".ogg", ".onnx", ".otf", ".parquet", ".pdf", ".pickle", ".pkl", ".png", ".pt", ".pth", ".pyc", ".pyd",
+    ".pyo", ".safetensors", ".so", ".sqlite", ".tar", ".tgz", ".tif", ".tiff", ".ttf", ".wav", ".webp", ".whl",
+    ".woff", ".woff2", ".xz", ".zip", ".zst",
+}
+ENCODING_HINT = "pass --encoding-errors replace to decode it with U+FFFD replacement characters"
+
+
+@dataclass
+class Document:
+    name: str  # path relative to the source root, or "file.jsonl:LINE"
+    text: str
+
+
+# -- reading --------------------------------------------------------------------------------
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except PermissionError:
+        raise ConceptError(f"cannot read {path}: permission denied; make it readable (chmod +r) or move it "
+                           f"out of the data folder") from None
+    except OSError as exc:
+        raise ConceptError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _decode(data: bytes, path: Path, errors: str) -> str:
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode("utf-8", errors)
+    except UnicodeDecodeError as exc:
+        offset = exc.start + skip
+        line = data.count(b"\n", 0, offset) + 1
+        raise ConceptError(f"{path} is not valid UTF-8: byte 0x{data[offset]:02x} at offset {offset} (line {line}); "
+                           f"convert the file to UTF-8, or {ENCODING_HINT}") from None
+
+
+def _jsonl(text: str, path: Path, name: str, text_field: str) -> list[tuple[int, Document]]:
+    docs = []
+    # split on "\n" only: str.splitlines() would also cut at U+2028 etc., legal inside JSON strings
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConceptError(f"{path} line {number}: invalid JSON ({exc.msg} at column {exc.colno}); "
+                               f"a .jsonl file holds one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise ConceptError(f"{path} line {number}: expected a JSON object with a {text_field!r} field, "
+                               f"got a JSON {type(record).__name__}")
+        if text_field not in record:
+            fields = ", ".join(repr(k) for k in record) or "none"
+            strings = [k for k, v in record.items() if isinstance(v, str)]
+            hint = f"; pass --text-field {strings[0]}" if len(strings) == 1 else "; choose one with --text-field"
+            raise ConceptError(f"{path} line {number} has no {text_field!r} field (fields: {fields}){hint}")
+        value = record[text_field]
+        if not isinstance(value, str):
+            raise ConceptError(f"{path} line {number}: field {text_field!r} is a JSON "
+                               f"{type(value).__name__}, expected a string")
+        if value.strip():
+            docs.append((number, Document(f"{name}:{number}", value)))
+    return docs
+
+
+def _read_file(path: Path, name: str, text_field: str, errors: str, explicit: bool) -> list[tuple[int, Document]]:
+    """Documents of one file as (line, Document); [] for a skipped binary inside a folder."""
+    data = _read_bytes(path)
+    if b"\0" in data:
+        if explicit:
+            at = data.index(b"\0")
+            raise ConceptError(f"{path} looks like a binary file (NUL byte at offset {at}); "
+                               f"pass a text file, a .jsonl file, or a folder of them")
+        return []
+    text = _decode(data, path, errors)
+    if path.suffix.lower() == ".jsonl":
+        return _jsonl(text, path, name, text_field)
+    return [(0, Document(name, text))] if text.strip() else []
+
+
+def _walk(root: Path, stdlib: bool) -> list[Path]:
+    def onerror(exc: OSError):
+        reason = "permission denied" if isinstance(exc, PermissionError) else (exc.strerror or str(exc))
+        raise ConceptError(f"cannot read folder {exc.filename}: {reason}; make it readable or point --data elsewhere")
+
+    files = []
+    for folder, dirs, names in os.walk(root, onerror=onerror):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not (stdlib and d in STDLIB_EXCLUDED_DIRS)]
+        for n in names:
+            path = Path(folder, n)
+            suffix = path.suffix.lower()
+            if n.startswith(".") or (stdlib and suffix != ".py") or suffix in BINARY_SUFFIXES:
+                continue
+            if path.is_file():
+                files.append(path)
+    return files
+
+
+def stdlib_root() -> Path:
+    return Path(warnings.__file__).parent
+
+
+def _is_heldout(name: str, fraction: float) -> bool:
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0 ** 64
+
+
+def read_documents(source: str | os.PathLike | None = None, split: str = "all", text_field: str = "text",
+                   heldout_fraction: float = 0.05, encoding_errors: str = "strict") -> list[Document]:
+    """Documents of ``source`` (None or "stdlib": the Python standard library; a text or .jsonl
+    file; or a folder of them), restricted to ``split`` ("train", "heldout" or "all"), sorted."""
+    if split not in SPLITS:
+        raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ConceptError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    try:
+        codecs.lookup_error(encoding_errors)
+    except LookupError:
+        raise ConceptError(f"unknown encoding error handler {encoding_errors!r}; use 'strict' or 'replace'") from None
+
+    stdlib = source is None or (isinstance(source, str) and source == DEFAULT_CORPUS)
+    root = stdlib_root() if stdlib else Path(source).expanduser()
+    label = "the Python standard library" if stdlib else str(source)
+    if not root.exists():
+        raise ConceptError(f"data path {root} does not exist; pass an existing text file, .jsonl file or folder "
+                           f"to --data, or leave it out to use the default corpus (the Python standard library)")
+    keyed = []  # (sort key, Document)
+    if root.is_dir():
+        files = _walk(root, stdlib)
+        for path in files:
+            rel = path.relative_to(root).as_posix()
+            keyed += [((rel, line), doc) for line, doc in _read_file(path, rel, text_field, encoding_errors, False)]
+        if not keyed:
+            what = "no files" if not files else f"{len(files)} file(s), all empty or binary"
+            raise ConceptError(f"{label} holds no readable documents ({what}; hidden entries and binary files are "
+                               f"skipped); point --data at text or .jsonl files")
+    elif root.is_file():
+        keyed = [((root.name, line), doc)
+                 for line, doc in _read_file(root, root.name, text_field, encoding_errors, True)]
+        if not keyed:
+            detail = "every line is blank or has an empty text" if root.suffix.lower() == ".jsonl" else "it is empty"
+            raise ConceptError(f"{root} holds no documents ({detail}); add text or point --data elsewhere")
+    else:
+        raise ConceptError(f"data path {root} is neither a regular file nor a folder")
+    keyed.sort(key=lambda kd: kd[0])
+    docs = [d for _, d in keyed]
+    if split == "all":
+        return docs
+
+    held = [_is_heldout(d.name, heldout_fraction) for d in docs]
+    if all(held):  # tiny corpora: never leave training empty; then nothing is held out
+        held = [False] * len(docs)
+    chosen = [d for d, h in zip(docs, held) if h == (split == "heldout")]
+    if not chosen:  # only the held-out split can be empty
+        raise ConceptError(
+            f"the held-out split of {label} is empty: none of its {len(docs)} document(s) falls in the held-out "
+            f"{heldout_fraction:.0%} (chosen by a hash of each document's name); pass a separate --data for "
+            f"evaluation, or use more, smaller documents (e.g. a .jsonl file with one document per line)")
+    return chosen
+
+
+# -- packing ---------------------------------------------------------------------------------
+class PackedSequences:
+    """Documents packed back to back into rows of ``seq_len`` tokens (see the module docstring)."""
+
+    def __init__(self, documents: list[Document], tokenizer, seq_len: int, seed: int = 0, cache_dir=None):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+            raise ConceptError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if not documents:
+            raise ConceptError("no documents to pack; check --data and --split")
+        self.seq_len, self.seed = int(seq_len), int(seed)
+        self.num_documents = len(documents)
+        tokens = tokenize_documents(documents, tokenizer, cache_dir)
+        self.cache_path, self.cache_hit = tokens.cache_path, tokens.cache_hit
+
+        lengths = tokens.lengths
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        add = np.zeros_like(lengths)
+        if eos is not None:  # append eos, unless the tokenizer already ended the document with it
+            ends_with_eos = np.zeros(len(lengths), dtype=bool)
+            nonempty = lengths > 0
+            ends_with_eos[nonempty] = np.asarray(tokens.ids)[starts[nonempty] + lengths[nonempty] - 1] == eos
+            add = (~ends_with_eos).astype(np.int64)
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(self.seed % 2 ** 64)).numpy()
+        order = order[(lengths + add)[order] > 0]
+        self.order = order  # document indices, in packing order
+        span = (lengths + add)[order]
+        total = int(span.sum())
+        self._num_tokens = total
+        if total < self.seq_len:
+            raise ConceptError(f"data has {total} tokens, fewer than one sequence of seq_len={self.seq_len}; "
+                               f"lower --seq-len or add data")
+        self._rows = total // self.seq_len
+        used = self._rows * self.seq_len
+
+        dst = np.concatenate([[0], np.cumsum(span)[:-1]]).astype(np.int64)
+        source = np.arange(used, dtype=np.int64) + np.repeat(starts[order] - dst, span)[:used]
+        flat = np.concatenate([np.asarray(tokens.ids, dtype=np.int32), np.zeros(1, np.int32)])  # eos slots read past
+        packed = flat[source]
+        if eos is not None:
+            eos_at = (dst + span - 1)[add[order] == 1]
+            packed[eos_at[eos_at < used]] = eos
+        self._tokens = packed  # int32 [rows * seq_len]
+        self._doc_ends = np.cumsum(span)  # end of each packed document in the stream
+        self._perms: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self._rows
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the packed stream (eos included), before the incomplete last row is dropped."""
+        return self._num_tokens
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return self._rows * self.seq_len
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order rows are visited in during ``epoch``."""
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed((self.seed * 1000003 + epoch) % 2 ** 64)
+            if len(self._perms) >= 4:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = torch.randperm(self._rows, generator=g).numpy()
+        return self._perms[epoch]
+
+    def rows(self, indices) -> dict[str, torch.Tensor]:
+        """Rows by their index in packing order (not shuffled), as a batch."""
+        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        where = rows[:, None] * self.seq_len + np.arange(self.seq_len)
+        doc = np.searchsorted(self._doc_ends, where, side="right")
+        ids = torch.from_numpy(self._tokens[where].astype(np.int64))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "document_ids": torch.from_numpy(doc - doc[:, :1])}
+
+    def batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        """Rows [step * batch_size, (step + 1) * batch_size) of the epoch-by-epoch stream."""
+        if batch_size < 1:
+            raise ConceptError(f"batch size must be at least 1, got {batch_size}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        k = np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64)
+        epochs, within = np.divmod(k, self._rows)
+        rows = np.empty_like(k)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            rows[sel] = self.permutation(int(e))[within[sel]]
+        return self.rows(rows)
+
+    def epoch_of(self, step: int, batch_size: int) -> float:
+        """Epochs completed before ``step`` (fractional)."""
+        return step * batch_size / self._rows
+
+    def __repr__(self) -> str:
+        return (f"PackedSequences(documents={self.num_documents}, tokens={self.num_tokens}, rows={len(self)}, "
+                f"seq_len={self.seq_len}, seed={self.seed})")
