@@ -13,9 +13,11 @@ from importlib.metadata import PackageNotFoundError, version
 import click
 
 from .build_cmd import build
+from .eval_cmd import eval_
 from .inspect_cmd import inspect
 from .output import print_error
 from .plugins_cmd import plugins
+from .train_cmd import train
 
 
 def _version() -> str:
@@ -57,6 +59,8 @@ def cli() -> None:
 cli.add_command(plugins)
 cli.add_command(build)
 cli.add_command(inspect)
+cli.add_command(train)
+cli.add_command(eval_)
 
 
 def main(argv: list[str] | None = None) -> None:

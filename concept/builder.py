@@ -142,18 +142,66 @@ def publish_permissions(folder: Path) -> None:
         f.chmod(0o666 & ~umask)
 
 
-def load(path: str | os.PathLike) -> ConceptModel:
-    """Rebuild a saved model (eval mode) from its run folder."""
-    folder = Path(path)
-    record = read_run(folder)
-    model = build(BuildConfig.from_dict(record["config"]))
+TRAIN_FILE = "train.json"
+
+
+def read_train(folder: Path) -> dict | None:
+    """The training record of a trained run (None for a freshly built one)."""
+    file = Path(folder) / TRAIN_FILE
+    if not file.is_file():
+        return None
     try:
-        if (folder / BACKBONE_FILE).is_file():
-            model.backbone.load_state_dict(load_file(folder / BACKBONE_FILE))
-        state = load_file(folder / MODULES_FILE)
-    except Exception as exc:
-        raise RunFolderError(f"{folder}: weights are unreadable ({exc}); rebuild with `concept build -o {folder} --force`") from exc
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunFolderError(f"{file} is corrupt ({exc})") from exc
+
+
+def _weights(folder: Path, stem: str) -> dict | None:
+    """Newest weights named ``stem``: from the run's checkpoint if it has one, else from the build."""
+    from . import checkpoint
+
+    state = checkpoint.read_tensors(folder, stem)
+    if state is None and (folder / f"{stem}.safetensors").is_file():
+        try:
+            state = load_file(folder / f"{stem}.safetensors")
+        except Exception as exc:
+            raise RunFolderError(f"{folder}: {stem}.safetensors is unreadable ({exc}); "
+                                 f"rebuild with `concept build -o {folder} --force`") from exc
+    return state
+
+
+def load_new_modules(model, state: dict) -> None:
     for name, module in model.new_modules().items():
         prefix = f"{name}."
         module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+
+def load(path: str | os.PathLike):
+    """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
+    LoRA adapters and the newest checkpoint's weights) or a trained dense baseline."""
+    from .dense import DenseModel
+    from .lora import LoraSettings, add_lora, load_lora_state_dict
+
+    folder = Path(path)
+    record = read_run(folder)
+    train = read_train(folder)
+    plan = resolve(BuildConfig.from_dict(record["config"]))
+    if train and train.get("baseline"):
+        loaded = build_backbone(plan)
+        model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer)
+    else:
+        model = build(plan=plan)
+    backbone_state = _weights(folder, "backbone")
+    if backbone_state is not None:
+        model.backbone.load_state_dict(backbone_state)
+    if train:
+        add_lora(model.backbone, LoraSettings(**train["lora"]))
+        adapter = _weights(folder, "adapter")
+        if adapter:
+            load_lora_state_dict(model.backbone, adapter)
+    modules = _weights(folder, "modules")
+    if modules is None and model.new_modules():
+        raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")
+    if modules:
+        load_new_modules(model, modules)
     return model.eval()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import packing
@@ -51,6 +52,7 @@ class ConceptModel(nn.Module):
         self.shallow = list(inner.layers[:n_shallow])  # views: the modules stay registered in the backbone
         self.middle = list(inner.layers[n_shallow:n_shallow + n_middle])
         self.deep = list(inner.layers[n_shallow + n_middle:])
+        self.gradient_checkpointing = False  # recompute layer activations in backward to save memory
 
     # -- pieces --------------------------------------------------------------------------
     @property
@@ -58,10 +60,8 @@ class ConceptModel(nn.Module):
         return decoder(self.backbone)
 
     def run_stack(self, stack, x, position_ids, attention_plan):
-        cos_sin = self.inner.rotary_emb(x, position_ids)
-        for layer in stack:
-            x = layer(x, attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
-        return x
+        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb,
+                          self.gradient_checkpointing and self.training)
 
     def decide(self, h, valid, keep=None, reset=None):
         """Head -> length policy (keep) and sampler (which concept).
@@ -142,6 +142,18 @@ class ConceptModel(nn.Module):
 
     def new_state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}
+
+
+def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False):
+    """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table."""
+    cos_sin = rotary_emb(x, position_ids)
+    for layer in layers:
+        kwargs = dict(attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
+        if checkpointing:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
+        else:
+            x = layer(x, **kwargs)
+    return x
 
 
 def next_token_loss(logits, labels, valid, document_ids=None, reduction="mean"):

@@ -1,0 +1,88 @@
+"""``concept eval``: held-out NLL, realised ratio, concept usage and ΔNLL controls; or a comparison."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .output import print_json, quiet_progress_bars, status, stdout, table
+
+# (key, label, format) rows of the table, in order
+ROWS = [("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token)", "{:.4f}"),
+        ("perplexity", "perplexity", "{:.2f}"), ("ratio", "concepts / token", "{:.4f}"),
+        ("delta_nll_shuffle", "ΔNLL concepts shuffled", "{:+.4f}"), ("delta_nll_random", "ΔNLL random concepts", "{:+.4f}"),
+        ("usage_perplexity", "concept usage perplexity", "{:.1f}"), ("usage_fraction", "concept ids used / K", "{:.4f}"),
+        ("head_entropy", "head entropy (nats)", "{:.3f}"), ("max_prob", "head mean max-prob", "{:.3f}"),
+        ("cos_soft_hard", "cos(e_soft, e_hard)", "{:.3f}"), ("tokens", "tokens evaluated", "{:,}")]
+
+
+def eval_data(run: Path, data: str | None, seq_len: int | None, encoding_errors: str, text_field: str):
+    """Held-out documents: all of --data if given, else the held-out split of what the run trained on."""
+    from concept.builder import read_train
+
+    train = read_train(run) or {}
+    source, split = (data, "all") if data else (train.get("data"), "heldout")
+    return source, split, seq_len or train.get("seq_len") or 256, text_field or train.get("text_field", "text")
+
+
+def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field):
+    import concept
+    from concept import data as concept_data
+    from concept.diagnostics import evaluate
+
+    source, split, seq_len, text_field = eval_data(path, data, seq_len, encoding_errors, text_field)
+    status("evaluating", f"{path} on {source or 'the standard library'} ({split}), {batches}x{batch}x{seq_len} tokens ...")
+    model = concept.load(path)
+    tokenizer = concept_data.tokenizer_for(model)
+    docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
+    packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
+    n = min(batches, max(1, len(packed) // batch))
+    result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
+    return model, tokenizer, docs, result
+
+
+@click.command(name="eval")
+@click.argument("runs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--data", default=None, help="Held-out text (file, folder or JSONL); default: the held-out split of the run's data.")
+@click.option("--seq-len", type=int, default=None, help="Default: the run's training --seq-len (or 256).")
+@click.option("--batches", type=int, default=8, show_default=True)
+@click.option("--batch", type=int, default=4, show_default=True)
+@click.option("--no-controls", is_flag=True, help="Skip the ΔNLL shuffled / random concept passes.")
+@click.option("--show-map", is_flag=True, help="Print a held-out sample with the tokens that became concepts highlighted.")
+@click.option("--compare", is_flag=True, help="Side-by-side table of several runs (implied by several RUN_DIRs).")
+@click.option("--text-field", default=None)
+@click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default="strict")
+@click.option("--json", "as_json", is_flag=True)
+def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, as_json):
+    """Evaluate trained (or built) runs on held-out text.
+
+    \b
+    concept eval runs/m1-train --json
+    concept eval runs/m1-train --data held-out/ --show-map
+    concept eval runs/m1-train runs/dense          # side by side
+    """
+    quiet_progress_bars()
+    results = {}
+    for run in runs:
+        model, tokenizer, docs, result = evaluate_run(run, data, seq_len, batches, batch, not no_controls,
+                                                      encoding_errors, text_field)
+        results[str(run)] = result
+        if show_map and hasattr(model, "length_policy"):
+            from concept.diagnostics import compression_map
+
+            stdout.print(f"[bold]compression map[/] of {run} ({docs[0].name}); highlighted tokens emitted a concept:")
+            stdout.print(compression_map(model, tokenizer, docs[0].text, max_tokens=200))
+    if as_json:
+        print_json(results if (compare or len(runs) > 1) else results[str(runs[0])])
+        return
+    t = table("metric", *results.keys(), title="held-out evaluation")
+    for key, label, fmt in ROWS:
+        if any(key in r for r in results.values()):
+            t.add_row(label, *(fmt.format(r[key]) if key in r else "-" for r in results.values()))
+    stdout.print(t)
+    buckets = next((r["nll_by_position"] for r in results.values() if r.get("nll_by_position")), None)
+    if buckets:
+        t = table("position", *results.keys(), title="NLL by position in the document (nats)")
+        for b in buckets:
+            t.add_row(b, *(f"{r['nll_by_position'].get(b, float('nan')):.3f}" for r in results.values()))
+        stdout.print(t)

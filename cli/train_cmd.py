@@ -1,0 +1,126 @@
+"""``concept train``: LoRA + new modules on text, with ratio control, checkpoints and exact resume."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from .output import print_json, quiet_progress_bars, status, stdout, table
+
+# CLI option -> TrainConfig field (LoRA options map into config.lora)
+FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum": "grad_accum", "lr": "lr",
+          "lr_new": "lr_new", "warmup": "warmup", "clip": "clip", "target_ratio": "target_ratio",
+          "ratio_control": "ratio_control", "ratio_loss_weight": "ratio_loss_weight", "data": "data",
+          "text_field": "text_field", "encoding_errors": "encoding_errors", "seed": "seed",
+          "eval_every": "eval_every", "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
+          "log_every": "log_every", "grad_checkpointing": "grad_checkpointing", "baseline": "baseline",
+          "device": "device", "tau_start": "tau_start", "tau_end": "tau_end"}
+LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
+
+
+@click.command()
+@click.argument("source", metavar="RUN_DIR", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or RUN_DIR-dense with --baseline).")
+@click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out folder.")
+@click.option("--baseline", is_flag=True, help="Train the dense baseline (backbone + LoRA, no compression).")
+@click.option("--data", type=str, default=None, help="Text file, folder, or JSONL (default: the Python standard library).")
+@click.option("--text-field", default="text", show_default=True, help="JSONL field holding the text.")
+@click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
+@click.option("--steps", type=int, default=300, show_default=True)
+@click.option("--seq-len", type=int, default=256, show_default=True)
+@click.option("--batch", type=int, default=8, show_default=True)
+@click.option("--grad-accum", type=int, default=1, show_default=True)
+@click.option("--lr", type=float, default=2e-4, show_default=True, help="Learning rate of the LoRA adapters.")
+@click.option("--lr-new", type=float, default=1e-3, show_default=True, help="Learning rate of the new modules.")
+@click.option("--warmup", type=int, default=10, show_default=True)
+@click.option("--clip", type=float, default=1.0, show_default=True)
+@click.option("--target-ratio", type=float, default=0.25, show_default=True, help="Concepts per token to aim for.")
+@click.option("--ratio-control", type=click.Choice(["both", "pi", "loss", "none"]), default="both", show_default=True)
+@click.option("--ratio-loss-weight", type=float, default=0.1, show_default=True)
+@click.option("--tau-start", type=float, default=1.0, show_default=True, help="Gumbel temperature at step 0.")
+@click.option("--tau-end", type=float, default=0.5, show_default=True, help="Gumbel temperature at the last step.")
+@click.option("--lora-rank", type=int, default=8, show_default=True)
+@click.option("--lora-alpha", type=float, default=16.0, show_default=True)
+@click.option("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--eval-every", type=int, default=50, show_default=True)
+@click.option("--eval-batches", type=int, default=4, show_default=True)
+@click.option("--checkpoint-every", type=int, default=50, show_default=True)
+@click.option("--log-every", type=int, default=10, show_default=True)
+@click.option("--grad-checkpointing", is_flag=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--json", "as_json", is_flag=True, help="Print the final evaluation as JSON.")
+@click.pass_context
+def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
+    """Train a built model (or the dense baseline) on text.
+
+    \b
+    concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.25 --out runs/m1-train
+    concept train runs/m1-train --resume --steps 600
+    concept train runs/m1 --baseline --out runs/dense
+    """
+    from concept.lora import LoraSettings
+    from concept.training import TrainConfig, Trainer
+
+    quiet_progress_bars()
+    given = {k for k in options if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    if resume:
+        overrides = {FIELDS[k]: options[k] for k in given if k in FIELDS}
+        overrides.update({f"lora.{LORA[k]}": options[k] for k in given if k in LORA})
+        if "baseline" in overrides and not overrides["baseline"]:
+            overrides.pop("baseline")
+        status("resuming", f"{source} ...")
+        trainer = Trainer.resume(source, **overrides)
+        out = source
+    else:
+        config = TrainConfig(**{FIELDS[k]: v for k, v in options.items() if k in FIELDS},
+                             lora=LoraSettings(**{LORA[k]: v for k, v in options.items() if k in LORA}))
+        out = out or source.with_name(source.name + ("-dense" if config.baseline else "-train"))
+        status("preparing", f"{'dense baseline' if config.baseline else 'concept model'} from {source} -> {out} ...")
+        trainer = Trainer.start(source, out, config, force=force)
+    cfg = trainer.config
+    for note in trainer.notes:
+        status("note:", note)
+    status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}x{cfg.seq_len} tokens/step, "
+                       f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}")
+    try:
+        final = run_with_progress(trainer)
+    except KeyboardInterrupt:
+        status("interrupted", f"at step {trainer.step}; checkpoint saved. Continue with: concept train {out} --resume")
+        raise SystemExit(130)
+    status("done", f"{out} (metrics.jsonl, curves.png, checkpoint/)")
+    if as_json:
+        print_json({"path": str(out), "step": trainer.step, "eval": final})
+    elif not final:
+        status("note:", f"no held-out evaluation; run `concept eval {out} --data HELD_OUT`")
+    else:
+        t = table("held-out", "value", title=f"{out} at step {trainer.step}")
+        for k, v in final.items():
+            if not isinstance(v, dict):
+                t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+        stdout.print(t)
+
+
+def run_with_progress(trainer) -> dict:
+    """Train with a rich progress bar on stderr: step, loss, ratio, tokens/s, ETA."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    cfg = trainer.config
+    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn()]
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        task = progress.add_task("train", total=cfg.steps, completed=trainer.step, info="")
+
+        def update(row: dict) -> None:
+            info = f"loss {row['loss']:.3f}"
+            if "ratio" in row:
+                info += f"  ratio {row['ratio']:.3f}"
+            info += f"  {row['tokens_per_s']:.0f} tok/s"
+            if row.get("eval"):
+                info += f"  held-out {row['eval']['nll']:.3f}"
+            progress.update(task, completed=row["step"], info=info)
+
+        return trainer.train(progress=update)

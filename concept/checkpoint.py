@@ -1,0 +1,90 @@
+"""Checkpoints inside a run folder, written atomically.
+
+``RUN/checkpoint/`` holds everything needed to continue exactly: the new modules and LoRA
+adapters (safetensors), optimizer and scheduler state, RNG states, the ratio controller and
+the step (the data position is a pure function of the step). A new checkpoint is written to
+a temporary folder and swapped in with renames, so a crash or a full disk while writing
+leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import RunFolderError
+
+CHECKPOINT = "checkpoint"
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write(run: Path, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, meta: dict) -> Path:
+    """tensors: file stem -> state dict (safetensors); objects: torch.save'd; meta: state.json."""
+    run = Path(run)
+    tmp = Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=run))
+    try:
+        for stem, state in tensors.items():
+            if state:
+                save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp / f"{stem}.safetensors")
+        torch.save(objects, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+        final, old = run / CHECKPOINT, run / f".{CHECKPOINT}-old"
+        if old.exists():
+            shutil.rmtree(old)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return run / CHECKPOINT
+
+
+def folder(run: Path) -> Path | None:
+    """The newest complete checkpoint folder (falls back to the previous one after an interrupted swap)."""
+    for name in (CHECKPOINT, f".{CHECKPOINT}-old"):
+        path = Path(run) / name
+        if (path / "state.json").is_file():
+            return path
+    return None
+
+
+def read_meta(run: Path) -> dict | None:
+    path = folder(run)
+    return None if path is None else json.loads((path / "state.json").read_text())
+
+
+def read_tensors(run: Path, stem: str) -> dict[str, torch.Tensor] | None:
+    path = folder(run)
+    file = None if path is None else path / f"{stem}.safetensors"
+    if file is None or not file.is_file():
+        return None
+    try:
+        return load_file(file)
+    except Exception as exc:
+        raise RunFolderError(f"{file} is unreadable ({exc})") from exc
+
+
+def read_objects(run: Path) -> dict:
+    path = folder(run)
+    return torch.load(path / "trainer.pt", weights_only=False)

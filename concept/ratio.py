@@ -1,0 +1,78 @@
+"""Ratio control: keep the realised concepts-per-token at a target (SPEC §2.2).
+
+Two tools, selectable and combinable (``--ratio-control pi|loss|both|none``):
+
+* ``RatioLoss`` — the batch-level boundary loss of H-Net / DLCM. With N = 1/target,
+  F the fraction of real tokens that emitted a concept (no gradient) and G the mean
+  boundary probability P(keep) (differentiable)::
+
+      L = N / (N - 1) * ((N - 1) * F * G + (1 - F) * (1 - G))
+
+  Its gradient in G is zero exactly when F = 1/N, so it pushes the head's NULL logit
+  until the realised ratio matches the target.
+* ``PIController`` — MrT5-style control of the policy's ``null_bias`` buffer (added to the
+  NULL logit), made scale-free: the keep log-odds of a fresh head are tightly clustered,
+  so a fixed-gain controller on the raw bias overshoots (the ratio jumps between ~0 and 1).
+  The feed-forward part is the bias that gives exactly the target on the current batch
+  (the (1 - target) quantile of the keep log-odds), smoothed by an EMA; the integral part
+  corrects the remaining error in units of the batch's keep log-odds spread::
+
+      bias = EMA(quantile) + ki * std(keep log-odds) * sum(ratio - target)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RatioLoss:
+    target: float
+    weight: float = 1.0
+
+    def __call__(self, keep: torch.Tensor, boundary_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        n = 1.0 / self.target
+        F = keep[valid].float().mean().detach()
+        G = boundary_prob[valid].mean()
+        return self.weight * n / (n - 1.0) * ((n - 1.0) * F * G + (1.0 - F) * (1.0 - G))
+
+
+@dataclass
+class PIController:
+    target: float
+    momentum: float = 0.8  # EMA of the per-batch quantile (the proportional / feed-forward part)
+    ki: float = 0.05  # integral gain, in units of the keep log-odds spread
+    ema: float | None = None
+    integral: float = 0.0
+
+    @property
+    def base(self) -> float | None:
+        return self.ema
+
+    def _quantile(self, policy, head_logits: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
+        with torch.no_grad():
+            keep_logit = policy.keep_logit(head_logits)[valid].float() + policy.null_bias  # without the bias
+            return float(torch.quantile(keep_logit, 1.0 - self.target)), float(keep_logit.std())
+
+    def calibrate(self, policy, head_logits: torch.Tensor, valid: torch.Tensor) -> None:
+        """Set the bias so that exactly ``target`` of this batch's real tokens emit a concept."""
+        self.ema, _ = self._quantile(policy, head_logits, valid)
+        with torch.no_grad():
+            policy.null_bias.fill_(self.ema)
+
+    def update(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, ratio: float) -> float:
+        """After a step with realised ``ratio``: move the bias for the next step."""
+        quantile, spread = self._quantile(policy, head_logits, valid)
+        self.ema = quantile if self.ema is None else self.momentum * self.ema + (1 - self.momentum) * quantile
+        self.integral += ratio - self.target
+        bias = self.ema + self.ki * spread * self.integral
+        with torch.no_grad():
+            policy.null_bias.fill_(bias)
+        return bias
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "integral": self.integral}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema, self.integral = state["ema"], state["integral"]

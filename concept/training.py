@@ -1,0 +1,403 @@
+"""Training: LoRA + new modules on text, ratio control, exact resume.
+
+    trainer = Trainer.start("runs/m1", "runs/m1-train", TrainConfig(steps=300, target_ratio=0.25))
+    trainer.train()                                   # writes checkpoints, metrics.jsonl, curves.png
+    Trainer.resume("runs/m1-train", steps=600).train()   # continues exactly where it stopped
+
+The base weights stay frozen. Trainable: LoRA adapters (peft) on the attention and MLP
+linear layers, and the concept model's new modules (ConceptHead, ConceptEmbedding, type
+embeddings, ...), each group with its own learning rate. AdamW, linear warmup then cosine
+decay, gradient clipping and accumulation, bf16 autocast on GPU, optional gradient
+checkpointing. The data position is a pure function of the step, and every RNG state is
+saved, so a resumed run reproduces the uninterrupted loss curve exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, data
+from .builder import RUN_FILE, TRAIN_FILE, build, build_backbone, read_run, read_train
+from .config import BuildConfig, resolve
+from .dense import DenseModel
+from .errors import ConceptError, ConfigError, RunFolderError
+from .lora import LoraSettings, add_lora, lora_state_dict
+from .ratio import PIController, RatioLoss
+
+METRICS = "metrics.jsonl"
+RATIO_CONTROLS = ("both", "pi", "loss", "none")
+
+
+class TrainingError(ConceptError):
+    exit_code = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seq_len: int = 256
+    batch: int = 8
+    grad_accum: int = 1
+    lr: float = 2e-4  # LoRA adapters
+    lr_new: float = 1e-3  # new modules (concept head, embeddings, ...)
+    weight_decay: float = 0.0
+    warmup: int = 10
+    min_lr: float = 0.1  # cosine decays to this fraction of the peak
+    clip: float = 1.0
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+    target_ratio: float = 0.25
+    ratio_control: str = "both"  # pi | loss | both | none
+    ratio_loss_weight: float = 0.1
+    pi_ki: float = 0.05  # integral gain of the ratio controller (see concept.ratio)
+    tau_start: float = 1.0  # gumbel temperature, annealed linearly
+    tau_end: float = 0.5
+    data: str | None = None  # None: the Python standard library (train split)
+    text_field: str = "text"
+    encoding_errors: str = "strict"
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    log_every: int = 10
+    grad_checkpointing: bool = False
+    baseline: bool = False  # dense backbone + LoRA, no compression
+    device: str = "auto"
+
+    def validate(self, max_positions: int = 0) -> list[str]:
+        p = []
+        for name in ("steps", "seq_len", "batch", "grad_accum", "eval_every", "checkpoint_every", "log_every"):
+            if getattr(self, name) < 1:
+                p.append(f"{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            p.append(f"seq-len: must be >= 2, got {self.seq_len}")
+        if max_positions and self.seq_len > max_positions:
+            p.append(f"seq-len: {self.seq_len} is above the backbone's maximum of {max_positions} positions")
+        if not 0 < self.target_ratio < 1:
+            p.append(f"target-ratio: must be in (0, 1), got {self.target_ratio}")
+        if self.ratio_control not in RATIO_CONTROLS:
+            p.append(f"ratio-control: one of {', '.join(RATIO_CONTROLS)}, got {self.ratio_control!r}")
+        for name in ("lr", "lr_new", "tau_start", "tau_end"):
+            if not getattr(self, name) > 0:
+                p.append(f"{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")
+        if self.clip <= 0 or self.weight_decay < 0 or not 0 <= self.min_lr <= 1 or self.warmup < 0:
+            p.append("clip > 0, weight-decay >= 0, min-lr in [0, 1] and warmup >= 0 are required")
+        if self.encoding_errors not in ("strict", "replace"):
+            p.append(f"encoding-errors: strict or replace, got {self.encoding_errors!r}")
+        return p + self.lora.validate()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["lora"] = LoraSettings(**d.get("lora", {}))
+        return cls(**d)
+
+
+def _finite(value):
+    """Strict JSON: NaN / inf (e.g. a diagnostic with no concept in the batch) become null."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def lr_lambda(config: TrainConfig):
+    def f(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / (config.warmup + 1)
+        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+        return config.min_lr + (1 - config.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    """One training run in a run folder (``out``)."""
+
+    def __init__(self, out: Path, config: TrainConfig, build_config: BuildConfig, resume: bool):
+        self.out, self.config, self.build_config = Path(out), config, build_config
+        self.device = pick_device(config.device)
+        plan = resolve(build_config)
+        problems = config.validate(plan.backbone_info.max_positions)
+        if problems:
+            raise ConfigError(problems)
+        torch.manual_seed(config.seed)
+        if config.baseline:
+            loaded = build_backbone(plan)
+            self.model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer)
+        else:
+            self.model = build(plan=plan)
+            if (self.out / "modules.safetensors").is_file():  # the weights the source run was built/trained with
+                from .builder import _weights, load_new_modules
+
+                load_new_modules(self.model, _weights(self.out, "modules"))
+        if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
+            from safetensors.torch import load_file
+
+            self.model.backbone.load_state_dict(load_file(self.out / "backbone.safetensors"))
+        add_lora(self.model.backbone, config.lora)
+        self.model.to(self.device)
+        self.model.gradient_checkpointing = config.grad_checkpointing
+
+        tokenizer = data.tokenizer_for(self.model)
+        self.train_data = data.PackedSequences(
+            data.read_documents(config.data, "train", config.text_field, encoding_errors=config.encoding_errors),
+            tokenizer, config.seq_len, seed=config.seed)
+        self.notes: list[str] = []  # warnings for the user (the CLI prints them)
+        try:
+            heldout = data.read_documents(config.data, "heldout", config.text_field, encoding_errors=config.encoding_errors)
+            self.eval_data = data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
+        except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
+            self.eval_data = None
+            self.notes.append(f"no held-out evaluation during training: {exc}")
+
+        groups = [{"params": [p for n, p in self.model.backbone.named_parameters() if p.requires_grad],
+                   "lr": config.lr, "name": "lora"}]
+        for name, module in self.model.new_modules().items():
+            params = [p for p in module.parameters() if p.requires_grad]
+            if params:
+                groups.append({"params": params, "lr": config.lr_new, "name": name})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        controls = config.ratio_control
+        streaming = not config.baseline
+        # the controller always calibrates the NULL bias at step 0 (unless --ratio-control none); it tracks with pi/both
+        self.pi = PIController(config.target_ratio, ki=config.pi_ki) if streaming and controls != "none" else None
+        self.tracking = controls in ("pi", "both")
+        self.ratio_loss = RatioLoss(config.target_ratio, config.ratio_loss_weight) if streaming and controls in ("loss", "both") else None
+        self.step = 0
+        if resume:
+            self._restore()
+        self._stop = False
+
+    # -- starting and resuming -----------------------------------------------------------------
+    @classmethod
+    def start(cls, source: str | Path, out: str | Path, config: TrainConfig, force: bool = False) -> "Trainer":
+        """A new run in ``out`` from a built (or trained) run folder ``source``."""
+        source, out = Path(source), Path(out)
+        record = read_run(source)
+        build_config = BuildConfig.from_dict(record["config"])
+        if out.exists() and any(out.iterdir()) and out.resolve() != source.resolve():
+            if not force:
+                raise RunFolderError(f"{out} already exists and is not empty; pass --resume to continue it, "
+                                     f"--force to replace it, or choose another --out")
+            shutil.rmtree(out)
+        created = not out.exists()
+        try:
+            return cls._start(source, out, config, build_config)
+        except BaseException:
+            if created:  # never leave a half-initialised run folder behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+
+    @classmethod
+    def _start(cls, source: Path, out: Path, config: TrainConfig, build_config: BuildConfig) -> "Trainer":
+        if out.resolve() != source.resolve():
+            out.mkdir(parents=True, exist_ok=True)
+            for name in (RUN_FILE, "modules.safetensors", "backbone.safetensors"):
+                if (source / name).is_file():
+                    shutil.copy2(source / name, out / name)
+            if checkpoint.read_tensors(source, "modules") is not None:  # continue from a trained model's modules
+                from safetensors.torch import save_file
+
+                save_file(checkpoint.read_tensors(source, "modules"), out / "modules.safetensors")
+        elif read_train(out) is not None:
+            raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
+        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": str(source)}, indent=2))
+        (out / METRICS).write_text("")
+        return cls(out, config, build_config, resume=False)
+
+    @classmethod
+    def resume(cls, out: str | Path, **overrides) -> "Trainer":
+        """Continue the run in ``out``; only ``steps`` (and logging cadence) may differ from the saved config."""
+        out = Path(out)
+        record = read_run(out)
+        saved = read_train(out)
+        if saved is None:
+            raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
+        saved.pop("source", None)
+        config = TrainConfig.from_dict(saved)
+        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device"}
+        def saved_value(key):
+            return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
+
+        conflicts = [f"{k}: the run was trained with {saved_value(k)!r}, you passed {v!r}"
+                     for k, v in overrides.items() if k not in changeable and v != saved_value(k)]
+        if conflicts:
+            raise ConfigError(["--resume continues the saved configuration; these differ:", *conflicts])
+        for k, v in overrides.items():
+            if k.startswith("lora."):
+                setattr(config.lora, k[5:], v)
+            else:
+                setattr(config, k, v)
+        if checkpoint.read_meta(out) is None:
+            raise RunFolderError(f"{out} has no checkpoint to resume from")
+        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": read_train(out).get("source")}, indent=2))
+        return cls(out, config, BuildConfig.from_dict(record["config"]), resume=True)
+
+    def _restore(self) -> None:
+        from .builder import load_new_modules
+        from .lora import load_lora_state_dict
+
+        meta = checkpoint.read_meta(self.out)
+        load_lora_state_dict(self.model.backbone, checkpoint.read_tensors(self.out, "adapter") or {})
+        modules = checkpoint.read_tensors(self.out, "modules")
+        if modules:
+            load_new_modules(self.model, modules)
+        objects = checkpoint.read_objects(self.out)
+        self.optimizer.load_state_dict(objects["optimizer"])
+        self.scheduler.load_state_dict(objects["scheduler"])
+        if self.pi is not None and meta.get("pi"):
+            self.pi.load_state_dict(meta["pi"])
+        checkpoint.set_rng_state(objects["rng"])
+        self.step = meta["step"]
+        # drop metrics logged after the checkpoint: the resumed run logs those steps again
+        lines = (self.out / METRICS).read_text().splitlines() if (self.out / METRICS).is_file() else []
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= self.step]
+        (self.out / METRICS).write_text("".join(line + "\n" for line in kept))
+
+    def save_checkpoint(self) -> None:
+        model = self.model
+        tensors = {"adapter": lora_state_dict(model.backbone)}
+        if model.new_modules():
+            tensors["modules"] = {f"{n}.{k}": v for n, m in model.new_modules().items() for k, v in m.state_dict().items()}
+        objects = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                   "rng": checkpoint.rng_state()}
+        meta = {"step": self.step, "pi": self.pi.state_dict() if self.pi else None,
+                "tokens_seen": self.step * self.config.batch * self.config.grad_accum * self.config.seq_len}
+        try:
+            checkpoint.write(self.out, tensors, objects, meta)
+        except OSError as exc:
+            prev = checkpoint.read_meta(self.out)
+            where = f"the previous checkpoint (step {prev['step']}) is intact" if prev else "no earlier checkpoint exists"
+            raise TrainingError(f"could not write the checkpoint at step {self.step} ({exc.strerror or exc}); {where}") from exc
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
+        b = self.train_data.batch(index, self.config.batch)
+        return {k: v.to(self.device) for k, v in b.items()}
+
+    def forward(self, b):
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        with autocast:
+            return self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
+                              document_ids=b["document_ids"])
+
+    def train_step(self) -> dict:
+        cfg, model = self.config, self.model
+        model.train()
+        sampler = getattr(model, "sampler", None)
+        if sampler is not None and hasattr(sampler, "tau"):
+            sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
+        if self.pi is not None and self.pi.base is None:  # first step: calibrate the NULL bias on this batch
+            with torch.no_grad():
+                b = self.batch(0)
+                out = self.forward(b)
+            self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool())
+        start = time.perf_counter()
+        totals = {"loss": 0.0, "ratio_loss": 0.0, "kept": 0, "tokens": 0}
+        for micro in range(cfg.grad_accum):
+            b = self.batch(self.step * cfg.grad_accum + micro)
+            out = self.forward(b)
+            loss = out.loss
+            valid = b["attention_mask"].bool()
+            if self.ratio_loss is not None:
+                rl = self.ratio_loss(out.keep, model.length_policy.boundary_prob(out.head_logits), valid)
+                totals["ratio_loss"] += rl.item() / cfg.grad_accum
+                loss = loss + rl
+            if not torch.isfinite(loss):
+                prev = checkpoint.read_meta(self.out)
+                where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
+                raise TrainingError(f"the loss became {loss.item()} at step {self.step + 1}; {where}. "
+                                    f"Try a lower --lr / --lr-new or a larger --clip.")
+            (loss / cfg.grad_accum).backward()
+            totals["loss"] += out.loss.item() / cfg.grad_accum
+            totals["tokens"] += int(valid.sum())
+            if hasattr(out, "keep"):
+                totals["kept"] += int(out.keep.sum())
+        diag = {}
+        if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
+            from .diagnostics import grad_norms, step_diagnostics
+
+            diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
+            if hasattr(out, "keep"):
+                with torch.no_grad():
+                    diag.update(step_diagnostics(model, out, b))
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        row = {"step": self.step, "loss": totals["loss"], "lr": self.scheduler.get_last_lr()[0],
+               "grad_norm": float(grad_norm), "tokens_per_s": totals["tokens"] / (time.perf_counter() - start)}
+        if hasattr(out, "keep"):
+            ratio = totals["kept"] / max(1, totals["tokens"])
+            row.update(ratio=ratio, ratio_loss=totals["ratio_loss"], null_bias=float(model.length_policy.null_bias),
+                       tau=getattr(sampler, "tau", None))
+            if self.pi is not None and self.tracking:
+                self.pi.update(model.length_policy, out.head_logits.detach(), valid, ratio)
+        row.update(diag)
+        return row
+
+    def evaluate(self) -> dict:
+        from .diagnostics import evaluate
+
+        if self.eval_data is None:
+            return {}
+
+        batches = (self.eval_data.batch(i, self.config.batch) for i in range(self.config.eval_batches))
+        return evaluate(self.model, ({k: v.to(self.device) for k, v in b.items()} for b in batches), controls=False)
+
+    def log(self, row: dict) -> None:
+        with open(self.out / METRICS, "a") as f:
+            f.write(json.dumps(_finite(row)) + "\n")
+
+    def _on_sigint(self, signum, frame):
+        if self._stop:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._stop = True
+
+    def train(self, progress=None) -> dict:
+        """Run until ``config.steps``; returns the final held-out evaluation."""
+        cfg = self.config
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            while self.step < cfg.steps and not self._stop:
+                row = self.train_step()
+                if self.eval_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    row["eval"] = self.evaluate()
+                self.log(row)
+                if progress is not None:
+                    progress(row)
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or self._stop:
+                    self.save_checkpoint()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.plot()
+        if self._stop:
+            raise KeyboardInterrupt(f"interrupted at step {self.step}; checkpoint saved in {self.out}")
+        return self.metrics()[-1].get("eval", {})
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out / METRICS).read_text().splitlines() if line.strip()]
+
+    def plot(self) -> Path | None:
+        from .plots import training_curves
+
+        return training_curves(self.metrics(), self.out / "curves.png", self.config.target_ratio if not self.config.baseline else None)

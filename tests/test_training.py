@@ -1,0 +1,167 @@
+"""Training: exact resume, dense baseline, ratio control, and failures that keep the last checkpoint."""
+import json
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+import concept
+from concept import BuildConfig, ComponentRef
+from concept.errors import ConceptError, ConfigError, RunFolderError
+from concept.training import TrainConfig, Trainer, TrainingError
+
+STDLIB = pathlib.Path(warnings.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A JSONL corpus of small documents (stdlib functions), enough for a held-out split."""
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = []
+    for name in ("textwrap.py", "shlex.py", "heapq.py", "bisect.py", "fnmatch.py", "glob.py", "copy.py", "abc.py",
+                 "string.py", "difflib.py", "calendar.py", "ftplib.py"):
+        docs += [chunk for chunk in (STDLIB / name).read_text().split("\ndef ") if len(chunk) > 200]
+    with open(folder / "code.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    return folder / "code.jsonl"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64}),
+                      split="1,2,1", vocabulary=ComponentRef("embedding", {"size": 32}),
+                      attention=ComponentRef("chunked", {"chunk": 16}))
+    concept.save(concept.build(cfg), out)
+    return out
+
+
+def small(**kw):
+    base = dict(steps=6, seq_len=32, batch=2, eval_every=3, eval_batches=1, checkpoint_every=3, log_every=2,
+                warmup=2, lora=concept.lora.LoraSettings(rank=2))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def losses(run):
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(built, corpus, tmp_path):
+    straight = Trainer.start(built, tmp_path / "straight", small(data=str(corpus)))
+    straight.train()
+    first = Trainer.start(built, tmp_path / "resumed", small(data=str(corpus)))
+
+    def interrupt_at_three(row):  # Ctrl-C after step 3 (the checkpoint is written on the way out)
+        if row["step"] == 3:
+            first._on_sigint(None, None)
+
+    with pytest.raises(KeyboardInterrupt):
+        first.train(progress=interrupt_at_three)
+    again = Trainer.resume(tmp_path / "resumed")
+    assert again.step == 3
+    again.train()
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")  # bit for bit
+    a, b = concept.load(tmp_path / "straight"), concept.load(tmp_path / "resumed")
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
+
+
+def test_trained_run_loads_with_adapters_and_modules(built, corpus, tmp_path):
+    trainer = Trainer.start(built, tmp_path / "run", small(data=str(corpus), steps=3, lr=1e-2, lr_new=1e-2))
+    trainer.train()
+    model = concept.load(tmp_path / "run")
+    assert any("lora_" in n for n, _ in model.backbone.named_parameters())
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        trained = model(ids).logits
+        untrained = concept.load(built)(ids).logits
+    assert not torch.allclose(trained, untrained)
+    assert float(model.length_policy.null_bias) != 0.0  # the ratio controller's bias is saved
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+def test_ratio_tracks_the_target(built, corpus, tmp_path):
+    trainer = Trainer.start(built, tmp_path / "run", small(data=str(corpus), steps=12, batch=4, target_ratio=0.25,
+                                                          eval_every=100, checkpoint_every=100))
+    trainer.train()
+    ratios = [r["ratio"] for r in trainer.metrics()]
+    assert abs(sum(ratios[-6:]) / 6 - 0.25) < 0.05
+
+
+def test_dense_baseline_trains_and_loads(built, corpus, tmp_path):
+    trainer = Trainer.start(built, tmp_path / "dense", small(data=str(corpus), steps=2, baseline=True))
+    result = trainer.train()
+    assert "nll" in result and "ratio" not in result, (trainer.notes, trainer.metrics())
+    model = concept.load(tmp_path / "dense")
+    assert type(model).__name__ == "DenseModel"
+
+
+def test_nan_loss_stops_with_last_checkpoint_intact(built, corpus, tmp_path, monkeypatch):
+    trainer = Trainer.start(built, tmp_path / "run", small(data=str(corpus), steps=6))
+    real = trainer.forward
+
+    def poisoned(b):
+        out = real(b)
+        if trainer.step >= 4:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(trainer, "forward", poisoned)
+    with pytest.raises(TrainingError, match=r"nan at step 5.*checkpoint \(step 3\) is intact"):
+        trainer.train()
+    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 3
+    Trainer.resume(tmp_path / "run")  # still resumable
+
+
+def test_full_disk_keeps_previous_checkpoint(built, corpus, tmp_path, monkeypatch):
+    trainer = Trainer.start(built, tmp_path / "run", small(data=str(corpus), steps=6))
+    import concept.checkpoint as ckpt
+
+    real = ckpt.save_file
+    calls = {"n": 0}
+
+    def flaky(state, path, *a, **k):
+        calls["n"] += 1
+        if trainer.step >= 6:
+            raise OSError(28, "No space left on device")
+        return real(state, path, *a, **k)
+
+    monkeypatch.setattr(ckpt, "save_file", flaky)
+    with pytest.raises(TrainingError, match="No space left on device.*previous checkpoint \\(step 3\\) is intact"):
+        trainer.train()
+    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert not list((tmp_path / "run").glob(".checkpoint-*"))
+
+
+def test_interrupt_saves_a_checkpoint(built, corpus, tmp_path):
+    trainer = Trainer.start(built, tmp_path / "run", small(data=str(corpus), steps=6, checkpoint_every=100))
+
+    def stop_after_two(row):
+        if row["step"] == 2:
+            trainer._on_sigint(None, None)  # what Ctrl-C does
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(progress=stop_after_two)
+    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 2
+    assert Trainer.resume(tmp_path / "run").step == 2
+
+
+def test_bad_training_input(built, corpus, tmp_path):
+    with pytest.raises(ConfigError, match="above the backbone's maximum"):
+        Trainer.start(built, tmp_path / "a", small(data=str(corpus), seq_len=10**6))
+    assert not (tmp_path / "a").exists()  # nothing half-written
+    (tmp_path / "short.txt").write_text("def f():\n    return 1\n")
+    with pytest.raises(ConceptError, match="fewer than one sequence"):
+        Trainer.start(built, tmp_path / "b", small(data=str(tmp_path / "short.txt"), seq_len=512))
+    with pytest.raises(ConceptError, match="does not exist"):
+        Trainer.start(built, tmp_path / "c", small(data=str(tmp_path / "missing")))
+    Trainer.start(built, tmp_path / "d", small(data=str(corpus), steps=3)).train()
+    with pytest.raises(ConfigError, match="seq_len: the run was trained with 32"):
+        Trainer.resume(tmp_path / "d", seq_len=64)
+    with pytest.raises(RunFolderError, match="not empty"):
+        Trainer.start(built, tmp_path / "d", small(data=str(corpus)))
