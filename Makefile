@@ -21,10 +21,15 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# The main job on the embedded defaults (offline SmolLM2-135M, Python stdlib corpus): build the
+# streaming model, train it and the dense baseline the same way, evaluate both side by side.
+DEMO_TRAIN := --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 --target-ratio 0.25 \
+              --eval-every 30 --eval-batches 4 --checkpoint-every 30 --force
 demo: $(STAMP)
 	$(BIN)/concept build -o runs/demo --force
-	$(BIN)/concept inspect runs/demo
-	$(BIN)/python -m concept.demo runs/demo
+	$(BIN)/concept train runs/demo --out runs/demo-train $(DEMO_TRAIN)
+	$(BIN)/concept train runs/demo --baseline --out runs/demo-dense $(DEMO_TRAIN)
+	$(BIN)/concept eval runs/demo-train runs/demo-dense --batches 8 --batch 4 --show-map
 
 test: $(STAMP)
 	$(PYTEST) -m "not slow" -q

@@ -13,7 +13,21 @@ ROWS = [("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token
         ("delta_nll_shuffle", "ΔNLL concepts shuffled", "{:+.4f}"), ("delta_nll_random", "ΔNLL random concepts", "{:+.4f}"),
         ("usage_perplexity", "concept usage perplexity", "{:.1f}"), ("usage_fraction", "concept ids used / K", "{:.4f}"),
         ("head_entropy", "head entropy (nats)", "{:.3f}"), ("max_prob", "head mean max-prob", "{:.3f}"),
-        ("cos_soft_hard", "cos(e_soft, e_hard)", "{:.3f}"), ("tokens", "tokens evaluated", "{:,}")]
+        ("cos_soft_hard", "cos(e_soft, e_hard)", "{:.3f}"), ("tokens", "tokens evaluated", "{:,}"),
+        ("train_steps", "training steps", "{:,}"), ("train_tokens_per_s", "training tokens/s (median)", "{:.0f}")]
+
+
+def training_throughput(run: Path) -> dict:
+    """Steps and median training tokens/s from a trained run's metrics.jsonl (empty if untrained)."""
+    import json
+    import statistics
+
+    file = Path(run) / "metrics.jsonl"
+    rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.is_file() else []
+    speeds = [r["tokens_per_s"] for r in rows[1:] if r.get("tokens_per_s")]  # step 1 includes warm-up
+    if not speeds:
+        return {}
+    return {"train_steps": rows[-1]["step"], "train_tokens_per_s": statistics.median(speeds)}
 
 
 def eval_data(run: Path, data: str | None, seq_len: int | None, encoding_errors: str, text_field: str):
@@ -66,6 +80,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     for run in runs:
         model, tokenizer, docs, result = evaluate_run(run, data, seq_len, batches, batch, not no_controls,
                                                       encoding_errors, text_field)
+        result.update(training_throughput(run))
         results[str(run)] = result
         if show_map and hasattr(model, "length_policy"):
             from concept.diagnostics import compression_map

@@ -15,7 +15,8 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "text_field": "text_field", "encoding_errors": "encoding_errors", "seed": "seed",
           "eval_every": "eval_every", "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
           "log_every": "log_every", "grad_checkpointing": "grad_checkpointing", "baseline": "baseline",
-          "device": "device", "tau_start": "tau_start", "tau_end": "tau_end"}
+          "device": "device", "tau_start": "tau_start", "tau_end": "tau_end",
+          "calibration_batches": "calibration_batches"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 
 
@@ -39,6 +40,8 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.option("--target-ratio", type=float, default=0.25, show_default=True, help="Concepts per token to aim for.")
 @click.option("--ratio-control", type=click.Choice(["both", "pi", "loss", "none"]), default="both", show_default=True)
 @click.option("--ratio-loss-weight", type=float, default=0.1, show_default=True)
+@click.option("--calibration-batches", type=int, default=16, show_default=True,
+              help="At the end, re-estimate the NULL bias for the target ratio on this many training batches (0: off).")
 @click.option("--tau-start", type=float, default=1.0, show_default=True, help="Gumbel temperature at step 0.")
 @click.option("--tau-end", type=float, default=0.5, show_default=True, help="Gumbel temperature at the last step.")
 @click.option("--lora-rank", type=int, default=8, show_default=True)

@@ -63,6 +63,12 @@ class ConceptModel(nn.Module):
         return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb,
                           self.gradient_checkpointing and self.training)
 
+    def shallow_states(self, input_ids, valid, doc=None, pos=None):
+        """h after the shallow stack [B, T, d] (what the ConceptHead reads)."""
+        pos = packing.time_positions(valid, doc) if pos is None else pos
+        x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
+        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc))
+
     def decide(self, h, valid, keep=None, reset=None):
         """Head -> length policy (keep) and sampler (which concept).
         Returns (head_logits, probs over the K concepts, keep, concept_ids)."""
@@ -106,8 +112,7 @@ class ConceptModel(nn.Module):
         pos = packing.time_positions(valid, doc)
 
         # shallow: every token, causal
-        x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
-        h = self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc))
+        h = self.shallow_states(input_ids, valid, doc, pos)
 
         # concept decisions
         head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, packing.document_starts(valid, doc))

@@ -56,7 +56,9 @@ class PIController:
             return float(torch.quantile(keep_logit, 1.0 - self.target)), float(keep_logit.std())
 
     def calibrate(self, policy, head_logits: torch.Tensor, valid: torch.Tensor) -> None:
-        """Set the bias so that exactly ``target`` of this batch's real tokens emit a concept."""
+        """Set the bias so that exactly ``target`` of these real tokens emit a concept (used on the
+        first batch, and at the end of training over many training batches, the way BatchNorm
+        statistics are re-estimated: the per-step bias is tuned to noisy small batches)."""
         self.ema, _ = self._quantile(policy, head_logits, valid)
         with torch.no_grad():
             policy.null_bias.fill_(self.ema)

@@ -57,6 +57,7 @@ class TrainConfig:
     ratio_control: str = "both"  # pi | loss | both | none
     ratio_loss_weight: float = 0.1
     pi_ki: float = 0.05  # integral gain of the ratio controller (see concept.ratio)
+    calibration_batches: int = 16  # final NULL-bias calibration on this many training batches (0: off)
     tau_start: float = 1.0  # gumbel temperature, annealed linearly
     tau_end: float = 0.5
     data: str | None = None  # None: the Python standard library (train split)
@@ -355,6 +356,22 @@ class Trainer:
         row.update(diag)
         return row
 
+    def calibrate_ratio(self) -> None:
+        """Re-estimate the NULL bias on ``calibration_batches`` training batches with the final weights
+        (the batches after the last step: a pure function of the step, so resume stays exact)."""
+        cfg, model = self.config, self.model
+        if self.pi is None or cfg.calibration_batches < 1:
+            return
+        logits, valid = [], []
+        with torch.no_grad():  # only the shallow stack and the head are needed
+            for i in range(cfg.calibration_batches):
+                b = self.batch(self.step * cfg.grad_accum + i)
+                mask = b["attention_mask"].bool()
+                h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
+                logits.append(model.vocabulary.logits(h).flatten(0, 1))
+                valid.append(mask.flatten())
+        self.pi.calibrate(model.length_policy, torch.cat(logits), torch.cat(valid))
+
     def evaluate(self) -> dict:
         from .diagnostics import evaluate
 
@@ -380,6 +397,10 @@ class Trainer:
         try:
             while self.step < cfg.steps and not self._stop:
                 row = self.train_step()
+                if self.step == cfg.steps:
+                    self.calibrate_ratio()
+                    if self.pi is not None:
+                        row["null_bias_calibrated"] = float(self.model.length_policy.null_bias)
                 if self.eval_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     row["eval"] = self.evaluate()
                 self.log(row)
