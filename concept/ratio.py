@@ -63,6 +63,20 @@ class PIController:
         with torch.no_grad():
             policy.null_bias.fill_(self.ema)
 
+    def calibrate_exact(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, reset=None, iters: int = 30) -> None:
+        """Bisect the bias so that the *realised* ratio of ``policy.decide`` (which adds the
+        concepts forced by a maximum run of NULLs) equals the target on these rows [N, T]."""
+        self.calibrate(policy, head_logits.flatten(0, 1), valid.flatten())
+        with torch.no_grad():
+            lo, hi = self.ema, self.ema + 4 * float(policy.keep_logit(head_logits)[valid].float().std()) + 1.0
+            for _ in range(iters):  # the realised ratio falls as the bias rises
+                mid = 0.5 * (lo + hi)
+                policy.null_bias.fill_(mid)
+                ratio = float(policy.decide(None, head_logits, valid, reset)[valid].float().mean())
+                lo, hi = (mid, hi) if ratio > self.target else (lo, mid)
+            self.ema, self.integral = 0.5 * (lo + hi), 0.0
+            policy.null_bias.fill_(self.ema)
+
     def update(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, ratio: float) -> float:
         """After a step with realised ``ratio``: move the bias for the next step."""
         quantile, spread = self._quantile(policy, head_logits, valid)

@@ -362,15 +362,18 @@ class Trainer:
         cfg, model = self.config, self.model
         if self.pi is None or cfg.calibration_batches < 1:
             return
-        logits, valid = [], []
+        from .packing import document_starts
+
+        logits, valid, reset = [], [], []
         with torch.no_grad():  # only the shallow stack and the head are needed
             for i in range(cfg.calibration_batches):
                 b = self.batch(self.step * cfg.grad_accum + i)
                 mask = b["attention_mask"].bool()
                 h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
-                logits.append(model.vocabulary.logits(h).flatten(0, 1))
-                valid.append(mask.flatten())
-        self.pi.calibrate(model.length_policy, torch.cat(logits), torch.cat(valid))
+                logits.append(model.vocabulary.logits(h))
+                valid.append(mask)
+                reset.append(document_starts(mask, b["document_ids"]))
+        self.pi.calibrate_exact(model.length_policy, torch.cat(logits), torch.cat(valid), torch.cat(reset))
 
     def evaluate(self) -> dict:
         from .diagnostics import evaluate

@@ -165,3 +165,21 @@ def test_bad_training_input(built, corpus, tmp_path):
         Trainer.resume(tmp_path / "d", seq_len=64)
     with pytest.raises(RunFolderError, match="not empty"):
         Trainer.start(built, tmp_path / "d", small(data=str(corpus)))
+
+
+def test_final_calibration_hits_the_target_on_training_batches(built, corpus, tmp_path):
+    """At the end, the NULL bias is bisected so the realised ratio (forced concepts included) is the target."""
+    cfg = small(data=str(corpus), steps=2, target_ratio=0.3, calibration_batches=8, eval_every=100)
+    cfg.batch = 4
+    trainer = Trainer.start(built, tmp_path / "run", cfg)
+    trainer.train()
+    from concept.packing import document_starts
+
+    model, kept, total = trainer.model, 0, 0
+    with torch.no_grad():
+        for i in range(8):
+            b = trainer.batch(trainer.step + i)
+            valid = b["attention_mask"].bool()
+            keep = model(b["input_ids"], attention_mask=valid, document_ids=b["document_ids"]).keep
+            kept, total = kept + int(keep.sum()), total + int(valid.sum())
+    assert abs(kept / total - 0.3) < 0.005
