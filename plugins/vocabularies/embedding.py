@@ -12,6 +12,7 @@ class EmbeddingVocabConfig:
     size: int = 4096  # K
     init_std: float = 0.0  # 0: match the backbone's token-embedding scale
     normalize_input: bool = True  # the head reads RMS-normalised states (scale-free keep decisions)
+    head_init_scale: float = 8.0  # head weights ~ N(0, (scale / sqrt(d))^2): decisive concept ids at step 0
 
     def validate(self) -> list[str]:
         problems = []
@@ -19,6 +20,8 @@ class EmbeddingVocabConfig:
             problems.append(f"size: K must be >= 1, got {self.size}")
         if self.init_std < 0:
             problems.append(f"init_std: must be >= 0, got {self.init_std}")
+        if self.head_init_scale <= 0:
+            problems.append(f"head_init_scale: must be > 0, got {self.head_init_scale}")
         return problems
 
 
@@ -40,7 +43,8 @@ class EmbeddingVocabulary(nn.Module):
         self.null_index = config.size if ctx.uses_null_class else None
         self.head = ConceptHead(ctx.hidden_size, config.size + int(ctx.uses_null_class))
         self.table = ConceptEmbedding(config.size, ctx.hidden_size)
-        nn.init.normal_(self.head.weight, std=ctx.hidden_size ** -0.5)
+        # with normalised inputs (|h| = sqrt(d)) this gives concept logits of std ~ head_init_scale
+        nn.init.normal_(self.head.weight, std=config.head_init_scale * ctx.hidden_size ** -0.5)
         nn.init.zeros_(self.head.bias)
         self._init_std = config.init_std
 
