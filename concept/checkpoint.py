@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .builder import publish_permissions
 from .errors import RunFolderError
 
 CHECKPOINT = "checkpoint"
@@ -47,6 +48,7 @@ def write(run: Path, tensors: dict[str, dict[str, torch.Tensor]], objects: dict,
                 save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp / f"{stem}.safetensors")
         torch.save(objects, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+        publish_permissions(tmp)
         final, old = run / CHECKPOINT, run / f".{CHECKPOINT}-old"
         if old.exists():
             shutil.rmtree(old)
