@@ -156,7 +156,7 @@ def read_train(folder: Path) -> dict | None:
         raise RunFolderError(f"{file} is corrupt ({exc})") from exc
 
 
-def _weights(folder: Path, stem: str) -> dict | None:
+def newest_weights(folder: Path, stem: str) -> dict | None:
     """Newest weights named ``stem``: from the run's checkpoint if it has one, else from the build."""
     from . import checkpoint
 
@@ -191,15 +191,15 @@ def load(path: str | os.PathLike):
         model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer)
     else:
         model = build(plan=plan)
-    backbone_state = _weights(folder, "backbone")
+    backbone_state = newest_weights(folder, "backbone")
     if backbone_state is not None:
         model.backbone.load_state_dict(backbone_state)
     if train:
         add_lora(model.backbone, LoraSettings(**train["lora"]))
-        adapter = _weights(folder, "adapter")
+        adapter = newest_weights(folder, "adapter")
         if adapter:
             load_lora_state_dict(model.backbone, adapter)
-    modules = _weights(folder, "modules")
+    modules = newest_weights(folder, "modules")
     if modules is None and model.new_modules():
         raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")
     if modules:

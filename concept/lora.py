@@ -56,10 +56,15 @@ def lora_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_lora_state_dict(backbone: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    missing = backbone.load_state_dict(state, strict=False)
+    from .errors import RunFolderError
+
+    try:
+        missing = backbone.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes differ: another rank
+        raise RunFolderError(f"adapter weights do not match the model's LoRA settings ({str(exc).splitlines()[1].strip()}); "
+                             f"train with the same --lora-rank / --lora-targets") from None
     unexpected = [k for k in missing.unexpected_keys]
     absent = [k for k in missing.missing_keys if "lora_" in k]
     if unexpected or absent:
-        from .errors import RunFolderError
-
-        raise RunFolderError(f"adapter weights do not match the model (unexpected {unexpected[:3]}, missing {absent[:3]})")
+        raise RunFolderError(f"adapter weights do not match the model's LoRA settings (unexpected {unexpected[:3]}, "
+                             f"missing {absent[:3]}); train with the same --lora-rank / --lora-targets")

@@ -145,14 +145,20 @@ class Trainer:
         else:
             self.model = build(plan=plan)
             if (self.out / "modules.safetensors").is_file():  # the weights the source run was built/trained with
-                from .builder import _weights, load_new_modules
+                from .builder import load_new_modules, newest_weights
 
-                load_new_modules(self.model, _weights(self.out, "modules"))
+                load_new_modules(self.model, newest_weights(self.out, "modules"))
         if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
             from safetensors.torch import load_file
 
             self.model.backbone.load_state_dict(load_file(self.out / "backbone.safetensors"))
         add_lora(self.model.backbone, config.lora)
+        if (self.out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
+            from safetensors.torch import load_file
+
+            from .lora import load_lora_state_dict
+
+            load_lora_state_dict(self.model.backbone, load_file(self.out / "adapter.safetensors"))
         self.model.to(self.device)
         self.model.gradient_checkpointing = config.grad_checkpointing
 
@@ -214,10 +220,12 @@ class Trainer:
             for name in (RUN_FILE, "modules.safetensors", "backbone.safetensors"):
                 if (source / name).is_file():
                     shutil.copy2(source / name, out / name)
-            if checkpoint.read_tensors(source, "modules") is not None:  # continue from a trained model's modules
-                from safetensors.torch import save_file
+            from safetensors.torch import save_file
 
-                save_file(checkpoint.read_tensors(source, "modules"), out / "modules.safetensors")
+            for stem in ("modules", "adapter"):  # continue from a trained model's modules and adapters
+                state = checkpoint.read_tensors(source, stem)
+                if state:
+                    save_file(state, out / f"{stem}.safetensors")
         elif read_train(out) is not None:
             raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
         (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": str(source)}, indent=2))

@@ -183,3 +183,17 @@ def test_final_calibration_hits_the_target_on_training_batches(built, corpus, tm
             keep = model(b["input_ids"], attention_mask=valid, document_ids=b["document_ids"]).keep
             kept, total = kept + int(keep.sum()), total + int(valid.sum())
     assert abs(kept / total - 0.3) < 0.005
+
+
+def test_training_from_a_trained_run_starts_from_its_weights(built, corpus, tmp_path):
+    first = Trainer.start(built, tmp_path / "first", small(data=str(corpus), steps=2, lr=1e-2, lr_new=1e-2))
+    first.train()
+    second = Trainer.start(tmp_path / "first", tmp_path / "second", small(data=str(corpus), steps=1))
+    ids = torch.randint(0, 256, (1, 16))
+    trained = concept.load(tmp_path / "first")
+    second.model.eval()
+    with torch.no_grad():  # before any step, the new run is exactly the trained model (adapters and modules)
+        torch.testing.assert_close(second.model(ids).logits, trained(ids).logits, rtol=0, atol=0)
+    with pytest.raises(RunFolderError, match="LoRA settings"):
+        Trainer.start(tmp_path / "first", tmp_path / "third", small(data=str(corpus), steps=1,
+                                                                   lora=concept.lora.LoraSettings(rank=3)))
