@@ -30,23 +30,26 @@ def training_throughput(run: Path) -> dict:
     return {"train_steps": rows[-1]["step"], "train_tokens_per_s": statistics.median(speeds)}
 
 
-def eval_data(run: Path, data: str | None, seq_len: int | None, encoding_errors: str, text_field: str):
-    """Held-out documents: all of --data if given, else the held-out split of what the run trained on."""
+def eval_data(run: Path, data: str | None, seq_len: int | None, encoding_errors: str | None, text_field: str | None):
+    """Held-out documents: all of --data if given, else the held-out split of what the run trained on;
+    unset options default to the run's training settings."""
     from concept.builder import read_train
 
     train = read_train(run) or {}
     source, split = (data, "all") if data else (train.get("data"), "heldout")
-    return source, split, seq_len or train.get("seq_len") or 256, text_field or train.get("text_field", "text")
+    return (source, split, seq_len or train.get("seq_len") or 256, text_field or train.get("text_field", "text"),
+            encoding_errors or train.get("encoding_errors", "strict"))
 
 
-def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field):
+def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device):
     import concept
     from concept import data as concept_data
     from concept.diagnostics import evaluate
+    from concept.training import pick_device
 
-    source, split, seq_len, text_field = eval_data(path, data, seq_len, encoding_errors, text_field)
+    source, split, seq_len, text_field, encoding_errors = eval_data(path, data, seq_len, encoding_errors, text_field)
     status("evaluating", f"{path} on {source or 'the standard library'} ({split}), {batches}x{batch}x{seq_len} tokens ...")
-    model = concept.load(path)
+    model = concept.load(path).to(pick_device(device))
     tokenizer = concept_data.tokenizer_for(model)
     docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
     packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
@@ -65,9 +68,12 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 @click.option("--show-map", is_flag=True, help="Print a held-out sample with the tokens that became concepts highlighted.")
 @click.option("--compare", is_flag=True, help="Side-by-side table of several runs (implied by several RUN_DIRs).")
 @click.option("--text-field", default=None)
-@click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default="strict")
+@click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default=None,
+              help="Default: the run's training setting (strict).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--json", "as_json", is_flag=True)
-def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, as_json):
+def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
+          as_json):
     """Evaluate trained (or built) runs on held-out text.
 
     \b
@@ -79,7 +85,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     results = {}
     for run in runs:
         model, tokenizer, docs, result = evaluate_run(run, data, seq_len, batches, batch, not no_controls,
-                                                      encoding_errors, text_field)
+                                                      encoding_errors, text_field, device)
         result.update(training_throughput(run))
         results[str(run)] = result
         if show_map and hasattr(model, "length_policy"):

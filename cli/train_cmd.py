@@ -23,7 +23,8 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.command()
 @click.argument("source", metavar="RUN_DIR", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or RUN_DIR-dense with --baseline).")
-@click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped.")
+@click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped "
+              "(a larger --steps stretches the LR and temperature schedules from there on).")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out folder.")
 @click.option("--baseline", is_flag=True, help="Train the dense baseline (backbone + LoRA, no compression).")
 @click.option("--data", type=str, default=None, help="Text file, folder, or JSONL (default: the Python standard library).")
@@ -69,6 +70,8 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
 
     quiet_progress_bars()
     given = {k for k in options if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    if resume and out is not None and Path(out).resolve() != source.resolve():
+        raise click.UsageError("--resume continues RUN_DIR in place; drop --out (or start a new run without --resume)")
     if resume:
         overrides = {FIELDS[k]: options[k] for k in given if k in FIELDS}
         overrides.update({f"lora.{LORA[k]}": options[k] for k in given if k in LORA})
@@ -86,12 +89,17 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     cfg = trainer.config
     for note in trainer.notes:
         status("note:", note)
-    status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}x{cfg.seq_len} tokens/step, "
+    accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
+    status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, "
                        f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}")
     try:
         final = run_with_progress(trainer)
     except KeyboardInterrupt:
-        status("interrupted", f"at step {trainer.step}; checkpoint saved. Continue with: concept train {out} --resume")
+        from concept.checkpoint import read_meta
+
+        meta = read_meta(out)
+        saved = f"last checkpoint: step {meta['step']}" if meta else "no checkpoint was written"
+        status("interrupted", f"at step {trainer.step}; {saved}. Continue with: concept train {out} --resume")
         raise SystemExit(130)
     status("done", f"{out} (metrics.jsonl, curves.png, checkpoint/)")
     if as_json:

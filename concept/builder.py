@@ -173,7 +173,11 @@ def newest_weights(folder: Path, stem: str) -> dict | None:
 def load_new_modules(model, state: dict) -> None:
     for name, module in model.new_modules().items():
         prefix = f"{name}."
-        module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        try:
+            module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        except RuntimeError as exc:  # keys or shapes differ: the weights were saved with another config
+            first = next(iter(str(exc).splitlines()[1:]), str(exc)).strip()
+            raise RunFolderError(f"saved {name} weights do not match the model built from the run's config ({first})") from None
 
 
 def load(path: str | os.PathLike):

@@ -89,4 +89,10 @@ def read_tensors(run: Path, stem: str) -> dict[str, torch.Tensor] | None:
 
 def read_objects(run: Path) -> dict:
     path = folder(run)
-    return torch.load(path / "trainer.pt", weights_only=False)
+    if path is None:
+        raise RunFolderError(f"{run} has no checkpoint to resume from")
+    try:
+        return torch.load(path / "trainer.pt", weights_only=False)
+    except Exception as exc:
+        raise RunFolderError(f"{path / 'trainer.pt'} is unreadable ({type(exc).__name__}: {exc}); "
+                             f"the optimizer state is lost: start a new run from {run} instead of --resume") from exc

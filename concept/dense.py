@@ -43,3 +43,6 @@ class DenseModel(nn.Module):
 
     def new_modules(self) -> dict[str, nn.Module]:
         return {}
+
+    def new_state_dict(self) -> dict[str, torch.Tensor]:
+        return {}

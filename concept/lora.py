@@ -61,9 +61,10 @@ def load_lora_state_dict(backbone: nn.Module, state: dict[str, torch.Tensor]) ->
     try:
         missing = backbone.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shapes differ: another rank
-        raise RunFolderError(f"adapter weights do not match the model's LoRA settings ({str(exc).splitlines()[1].strip()}); "
+        first = next(iter(str(exc).splitlines()[1:]), str(exc)).strip()
+        raise RunFolderError(f"adapter weights do not match the model's LoRA settings ({first}); "
                              f"train with the same --lora-rank / --lora-targets") from None
-    unexpected = [k for k in missing.unexpected_keys]
+    unexpected = list(missing.unexpected_keys)
     absent = [k for k in missing.missing_keys if "lora_" in k]
     if unexpected or absent:
         raise RunFolderError(f"adapter weights do not match the model's LoRA settings (unexpected {unexpected[:3]}, "

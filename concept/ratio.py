@@ -21,7 +21,7 @@ Two tools, selectable and combinable (``--ratio-control pi|loss|both|none``):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

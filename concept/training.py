@@ -4,6 +4,9 @@
     trainer.train()                                   # writes checkpoints, metrics.jsonl, curves.png
     Trainer.resume("runs/m1-train", steps=600).train()   # continues exactly where it stopped
 
+Raising ``steps`` on resume is allowed but stretches the cosine schedule and the Gumbel
+annealing (they span ``steps``): from then on the curve is that of the longer run.
+
 The base weights stay frozen. Trainable: LoRA adapters (peft) on the attention and MLP
 linear layers, and the concept model's new modules (ConceptHead, ConceptEmbedding, type
 embeddings, ...), each group with its own learning rate. AdamW, linear warmup then cosine
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from . import checkpoint, data
 from .builder import RUN_FILE, TRAIN_FILE, build, build_backbone, read_run, read_train
@@ -102,6 +106,13 @@ class TrainConfig:
         d = dict(d)
         d["lora"] = LoraSettings(**d.get("lora", {}))
         return cls(**d)
+
+
+def _parse(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def _finite(value):
@@ -240,7 +251,7 @@ class Trainer:
         saved = read_train(out)
         if saved is None:
             raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
-        saved.pop("source", None)
+        source = saved.pop("source", None)
         config = TrainConfig.from_dict(saved)
         changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device"}
         def saved_value(key):
@@ -257,7 +268,7 @@ class Trainer:
                 setattr(config, k, v)
         if checkpoint.read_meta(out) is None:
             raise RunFolderError(f"{out} has no checkpoint to resume from")
-        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": read_train(out).get("source")}, indent=2))
+        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": source}, indent=2))
         return cls(out, config, BuildConfig.from_dict(record["config"]), resume=True)
 
     def _restore(self) -> None:
@@ -278,24 +289,22 @@ class Trainer:
         self.step = meta["step"]
         # drop metrics logged after the checkpoint: the resumed run logs those steps again
         lines = (self.out / METRICS).read_text().splitlines() if (self.out / METRICS).is_file() else []
-        kept = [line for line in lines if json.loads(line).get("step", 0) <= self.step]
+        kept = [line for line in lines if _parse(line) and _parse(line).get("step", 0) <= self.step]  # a torn last line is dropped
         (self.out / METRICS).write_text("".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         model = self.model
-        tensors = {"adapter": lora_state_dict(model.backbone)}
-        if model.new_modules():
-            tensors["modules"] = {f"{n}.{k}": v for n, m in model.new_modules().items() for k, v in m.state_dict().items()}
+        tensors = {"adapter": lora_state_dict(model.backbone), "modules": model.new_state_dict()}
         objects = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                    "rng": checkpoint.rng_state()}
-        meta = {"step": self.step, "pi": self.pi.state_dict() if self.pi else None,
-                "tokens_seen": self.step * self.config.batch * self.config.grad_accum * self.config.seq_len}
+        meta = {"step": self.step, "pi": self.pi.state_dict() if self.pi else None}
         try:
             checkpoint.write(self.out, tensors, objects, meta)
-        except OSError as exc:
+        except (OSError, RuntimeError, SafetensorError) as exc:  # e.g. a full disk (torch.save raises RuntimeError)
             prev = checkpoint.read_meta(self.out)
             where = f"the previous checkpoint (step {prev['step']}) is intact" if prev else "no earlier checkpoint exists"
-            raise TrainingError(f"could not write the checkpoint at step {self.step} ({exc.strerror or exc}); {where}") from exc
+            reason = getattr(exc, "strerror", None) or exc
+            raise TrainingError(f"could not write the checkpoint at step {self.step} ({reason}); {where}") from exc
 
     # -- the loop ----------------------------------------------------------------------------------
     def batch(self, index: int) -> dict[str, torch.Tensor]:
@@ -349,11 +358,12 @@ class Trainer:
                 with torch.no_grad():
                     diag.update(step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step used
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        row = {"step": self.step, "loss": totals["loss"], "lr": self.scheduler.get_last_lr()[0],
+        row = {"step": self.step, "loss": totals["loss"], "lr": lr,
                "grad_norm": float(grad_norm), "tokens_per_s": totals["tokens"] / (time.perf_counter() - start)}
         if hasattr(out, "keep"):
             ratio = totals["kept"] / max(1, totals["tokens"])
@@ -373,6 +383,8 @@ class Trainer:
         from .packing import document_starts
 
         logits, valid, reset = [], [], []
+        was_training = model.training
+        model.eval()  # the decisions the evaluated model will make (e.g. no LoRA dropout)
         with torch.no_grad():  # only the shallow stack and the head are needed
             for i in range(cfg.calibration_batches):
                 b = self.batch(self.step * cfg.grad_accum + i)
@@ -382,6 +394,7 @@ class Trainer:
                 valid.append(mask)
                 reset.append(document_starts(mask, b["document_ids"]))
         self.pi.calibrate_exact(model.length_policy, torch.cat(logits), torch.cat(valid), torch.cat(reset))
+        model.train(was_training)
 
     def evaluate(self) -> dict:
         from .diagnostics import evaluate

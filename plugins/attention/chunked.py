@@ -43,12 +43,13 @@ class ChunkedPlan(AttentionPlan):
         visible = torch.where(tail.valid, tail.seg, torch.zeros_like(tail.seg))  # concepts before the token
         starts = torch.where(tail.valid, start, torch.full_like(start, num_tail))
         bounds = list(range(0, num_tail, chunk))
-        # per-chunk key ranges, computed for all chunks at once (one host sync)
+        # per-chunk key ranges, computed for all chunks at once (one host sync for both)
         pad = (-num_tail) % chunk
         vis = torch.nn.functional.pad(visible, (0, pad)).view(visible.shape[0], -1, chunk).amax(dim=(0, 2))
         lo = torch.nn.functional.pad(starts, (0, pad), value=num_tail).view(starts.shape[0], -1, chunk).amin(dim=(0, 2))
         self.chunks = []
-        for a, hc, first in zip(bounds, vis.tolist(), lo.tolist()):
+        vis_lo = torch.stack([vis, lo]).tolist() if bounds else [[], []]
+        for a, hc, first in zip(bounds, *vis_lo):
             b = min(a + chunk, num_tail)
             first = min(first, a)
             keys = torch.cat([torch.arange(hc, device=device), torch.arange(C + first, C + b, device=device)])

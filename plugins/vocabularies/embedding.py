@@ -40,17 +40,15 @@ class EmbeddingVocabulary(nn.Module):
         super().__init__()
         self.config = config
         self.size = config.size
-        self.null_index = config.size if ctx.uses_null_class else None
         self.head = ConceptHead(ctx.hidden_size, config.size + int(ctx.uses_null_class))
         self.table = ConceptEmbedding(config.size, ctx.hidden_size)
         # with normalised inputs (|h| = sqrt(d)) this gives concept logits of std ~ head_init_scale
         nn.init.normal_(self.head.weight, std=config.head_init_scale * ctx.hidden_size ** -0.5)
         nn.init.zeros_(self.head.bias)
-        self._init_std = config.init_std
 
     def init_from_backbone(self, token_embedding: torch.Tensor) -> None:
         """Start concept embeddings at the scale of the backbone's token embeddings."""
-        std = self._init_std or float(token_embedding.float().std())
+        std = self.config.init_std or float(token_embedding.float().std())
         with torch.no_grad():
             self.table.weight.normal_(0.0, std)
 
