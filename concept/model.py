@@ -109,13 +109,14 @@ class ConceptModel(nn.Module):
         """
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         doc = document_ids
-        pos = packing.time_positions(valid, doc)
+        starts = packing.document_starts(valid, doc)
+        pos = packing.time_positions(valid, doc, starts)
 
         # shallow: every token, causal
         h = self.shallow_states(input_ids, valid, doc, pos)
 
         # concept decisions
-        head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, packing.document_starts(valid, doc))
+        head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, starts)
         if concept_ids is not None:
             sampled_ids = torch.where(keep, concept_ids, sampled_ids)
         layout = packing.pack(keep, valid, doc)

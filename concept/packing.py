@@ -126,11 +126,12 @@ def document_starts(valid: torch.Tensor, doc: torch.Tensor | None) -> torch.Tens
     return valid & ((doc != prev) | first_real)
 
 
-def time_positions(valid: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+def time_positions(valid: torch.Tensor, doc: torch.Tensor | None = None,
+                   starts: torch.Tensor | None = None) -> torch.Tensor:
     """Position ids of real tokens (0, 1, ... restarting at each document), whatever the padding
-    side, as Hugging Face does."""
+    side, as Hugging Face does. ``starts``: ``document_starts(valid, doc)`` if already computed."""
     index = torch.cumsum(valid.long(), dim=1) - 1
     if doc is not None:
-        starts = document_starts(valid, doc)
+        starts = document_starts(valid, doc) if starts is None else starts
         index = index - torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
     return index.clamp_(min=0)

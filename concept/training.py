@@ -155,10 +155,12 @@ class Trainer:
             self.model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer)
         else:
             self.model = build(plan=plan)
-            if (self.out / "modules.safetensors").is_file():  # the weights the source run was built/trained with
-                from .builder import load_new_modules, newest_weights
+            if not resume and (self.out / "modules.safetensors").is_file():  # the source run's weights
+                from safetensors.torch import load_file
 
-                load_new_modules(self.model, newest_weights(self.out, "modules"))
+                from .builder import load_new_modules
+
+                load_new_modules(self.model, load_file(self.out / "modules.safetensors"))  # (resume: _restore loads)
         if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
             from safetensors.torch import load_file
 
