@@ -14,6 +14,7 @@ import click
 
 from .build_cmd import build
 from .eval_cmd import eval_
+from .generate_cmd import generate
 from .inspect_cmd import inspect
 from .output import print_error
 from .plugins_cmd import plugins
@@ -61,6 +62,7 @@ cli.add_command(build)
 cli.add_command(inspect)
 cli.add_command(train)
 cli.add_command(eval_)
+cli.add_command(generate)
 
 
 def main(argv: list[str] | None = None) -> None:

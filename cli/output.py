@@ -69,6 +69,13 @@ def styled_status(value: str) -> str:
     return f"[{STATUS_STYLE.get(value, '')}]{escape(value)}[/]" if value in STATUS_STYLE else escape(value)
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
 def human(n: int) -> str:
     """1234567 -> '1,234,567 (1.2M)'."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):

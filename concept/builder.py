@@ -46,12 +46,16 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
     info = loaded.info
     ctx = BuildContext(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers,
                        split=plan.split, uses_null_class=getattr(comps["length_policy"].cls, "uses_null_class", True))
-    vocabulary = comps["vocabulary"].cls(comps["vocabulary"].config, ctx)
+    token_embedding = loaded.model.get_input_embeddings().weight
+
+    def init(part):  # components that start at the backbone's embedding scale
+        if callable(getattr(part, "init_from_backbone", None)):
+            part.init_from_backbone(token_embedding)
+        return part
+
+    vocabulary = init(comps["vocabulary"].cls(comps["vocabulary"].config, ctx))
     ctx.concept_vocab_size = vocabulary.size
-    init = getattr(vocabulary, "init_from_backbone", None)
-    if callable(init):
-        init(loaded.model.get_input_embeddings().weight)
-    return dict(
+    parts = dict(
         vocabulary=vocabulary,
         length_policy=comps["length_policy"].cls(comps["length_policy"].config, ctx),
         sampler=comps["sampler"].cls(comps["sampler"].config, ctx),
@@ -59,6 +63,10 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
         positions=comps["position_scheme"].cls(comps["position_scheme"].config, ctx),
         attention=comps["attention"].cls(comps["attention"].config, ctx),
     )
+    for name, part in parts.items():
+        if name != "vocabulary":
+            init(part)
+    return parts
 
 
 def build(config: BuildConfig | dict | None = None, plan: Plan | None = None) -> ConceptModel:

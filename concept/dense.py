@@ -41,6 +41,12 @@ class DenseModel(nn.Module):
         loss = None if labels is None else next_token_loss(logits, labels, valid, document_ids)
         return DenseOutput(logits, loss)
 
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Generate with transformers' DynamicCache; see :func:`concept.generation.generate`."""
+        from .generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
     def new_modules(self) -> dict[str, nn.Module]:
         return {}
 

@@ -80,7 +80,7 @@ def _concept_stats(model, out, valid: torch.Tensor) -> dict:
     }
     policy = m.length_policy
     if hasattr(policy, "boundary_prob"):
-        p = policy.boundary_prob(out.head_logits).float()
+        p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None)).float()
         stats["boundary_sum"] = float(p[valid].sum())
     if stats["kept"]:
         logits = out.head_logits[keep][:, :K].float()
@@ -352,11 +352,8 @@ def compression_map(model, tokenizer, text: str, max_tokens: int = 256):
     if tokenizer is None:
         raise ValueError("compression_map needs a tokenizer (none given and the model has none)")
     ids = _encode(tokenizer, text)[:max_tokens]
-    concept_style, legend_style = "bold reverse", "dim"
-    result = Text()
     if not ids:
-        result.append("(empty text)", style=legend_style)
-        return result
+        return Text("(empty text)", style="dim")
     fn = model if callable(model) else model.forward
     input_ids = torch.tensor([ids], dtype=torch.long, device=_device(model))
     modes = _modes(model)
@@ -367,15 +364,26 @@ def compression_map(model, tokenizer, text: str, max_tokens: int = 256):
     finally:
         _restore(modes)
     keep = getattr(out, "keep", None)
-    flags = [False] * len(ids) if keep is None else keep[0].bool().tolist()
-    for token, kept in zip(ids, flags):
+    return render_concepts(tokenizer, ids, None if keep is None else keep[0].bool().tolist())
+
+
+def render_concepts(tokenizer, ids: list[int], flags: list[bool] | None):
+    """``rich.text.Text`` of ``ids`` with the tokens that emitted a concept (``flags``) in bold
+    reverse video, and a legend line with the realised ratio (``flags=None``: a dense model).
+    Tokens without a decision yet (``flags`` shorter than ``ids``) are shown plainly."""
+    from rich.text import Text
+
+    concept_style, legend_style = "bold reverse", "dim"
+    result = Text()
+    for i, token in enumerate(ids):
+        kept = flags is not None and i < len(flags) and flags[i]
         result.append(tokenizer.decode([token]), style=concept_style if kept else None)
     result.append("\n")
-    if keep is None:
+    if flags is None:
         result.append(f"dense model: no concepts ({len(ids)} tokens)", style=legend_style)
         return result
-    n_concepts = sum(flags)
+    n_concepts, n = sum(flags), len(flags)
     result.append("concept", style=concept_style)
-    result.append(f" = token emitted a concept; ratio {n_concepts / len(ids):.3f} "
-                  f"({n_concepts} concepts / {len(ids)} tokens)", style=legend_style)
+    result.append(f" = token emitted a concept; ratio {n_concepts / max(n, 1):.3f} "
+                  f"({n_concepts} concepts / {n} tokens)", style=legend_style)
     return result

@@ -42,13 +42,19 @@ def evenly_spaced_keep(T: int, ratio: float) -> torch.Tensor:
     return torch.floor((t + 1) * ratio) > torch.floor(t * ratio)
 
 
-def deep_pairs(keep: torch.Tensor) -> int:
-    """Allowed (query, key) pairs of the one-pass deep mask for one row (no padding)."""
+def deep_keys(keep: torch.Tensor) -> torch.Tensor:
+    """[T] keys each deep query sees under the one-pass rule (one row, no padding): the concepts
+    emitted so far, plus for a NULL token its own run of tail tokens."""
     keep = keep.bool()
     seg = torch.cumsum(keep.long(), 0)
     t = torch.arange(len(keep))
     last = torch.cummax(torch.where(keep, t, torch.full_like(t, -1)), 0).values
-    return int(torch.where(keep, seg, seg + (t - last)).sum())
+    return torch.where(keep, seg, seg + (t - last))
+
+
+def deep_pairs(keep: torch.Tensor) -> int:
+    """Allowed (query, key) pairs of the one-pass deep mask for one row (no padding)."""
+    return int(deep_keys(keep).sum())
 
 
 @dataclass
@@ -94,3 +100,25 @@ def ideal_ratio(model, ratio: float, T: int) -> FlopReport:
     shape = Shape.from_hf_config(model.backbone.config)
     classes = model.vocabulary.logits(torch.zeros(1, shape.hidden, dtype=next(model.vocabulary.parameters()).dtype)).shape[-1]
     return forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), classes)
+
+
+def decode_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,
+                 steps: int) -> FlopReport:
+    """FLOPs of decoding the last ``steps`` tokens of a row with decisions ``keep`` [T], one token
+    per step with KV caches, vs the dense backbone with its KV cache. A step runs the middle
+    stack only when its token emits a concept, and attends to the cached entries: every token
+    (shallow), the concepts (middle), the concepts plus the current tail (deep)."""
+    keep = keep.bool()
+    T = len(keep)
+    window = slice(T - steps, T)
+    seen = float(torch.arange(1, T + 1)[window].sum())  # keys of a causal query at each step
+    concepts = torch.cumsum(keep.long(), 0)[window]
+    kept = keep[window]
+    n_s, n_m, n_d = split
+    lm_head = 2.0 * steps * shape.hidden * shape.vocab
+    dense = (n_s + n_m + n_d) * (shape.linear(steps) + shape.attention(seen)) + lm_head
+    shallow = n_s * (shape.linear(steps) + shape.attention(seen))
+    head = 2.0 * steps * shape.hidden * concept_classes
+    middle = n_m * (shape.linear(int(kept.sum())) + shape.attention(float(concepts[kept].sum())))
+    deep = n_d * (shape.linear(steps) + shape.attention(float(deep_keys(keep)[window].sum())))
+    return FlopReport(steps, int(kept.sum()), dense, shallow + head + middle + deep + lm_head, shallow, middle, deep, head)

@@ -31,6 +31,7 @@ class ConceptOutput:
     head_logits: torch.Tensor  # [B, T, K(+1)] ConceptHead output
     loss: torch.Tensor | None = None  # mean next-token CE over real positions, when labels are given
     layout: packing.PackedLayout | None = None
+    shallow: torch.Tensor | None = None  # [B, T, d] shallow states h (what the head read)
 
 
 class ConceptModel(nn.Module):
@@ -53,21 +54,23 @@ class ConceptModel(nn.Module):
         self.middle = list(inner.layers[n_shallow:n_shallow + n_middle])
         self.deep = list(inner.layers[n_shallow + n_middle:])
         self.gradient_checkpointing = False  # recompute layer activations in backward to save memory
+        if getattr(length_policy, "needs_predictor", False):  # e.g. `entropy`: the backbone's own next-token lens
+            length_policy.predictor = lambda h: self.backbone.lm_head(self.inner.norm(h))
 
     # -- pieces --------------------------------------------------------------------------
     @property
     def inner(self) -> nn.Module:
         return decoder(self.backbone)
 
-    def run_stack(self, stack, x, position_ids, attention_plan):
+    def run_stack(self, stack, x, position_ids, attention_plan, cache=None):
         return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb,
-                          self.gradient_checkpointing and self.training)
+                          self.gradient_checkpointing and self.training, cache)
 
-    def shallow_states(self, input_ids, valid, doc=None, pos=None):
+    def shallow_states(self, input_ids, valid, doc=None, pos=None, cache=None):
         """h after the shallow stack [B, T, d] (what the ConceptHead reads)."""
         pos = packing.time_positions(valid, doc) if pos is None else pos
         x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
-        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc))
+        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc), cache)
 
     def decide(self, h, valid, keep=None, reset=None):
         """Head -> length policy (keep) and sampler (which concept).
@@ -81,13 +84,21 @@ class ConceptModel(nn.Module):
         concept_ids = torch.where(keep, probs.argmax(-1), torch.full_like(keep, -1, dtype=torch.long))
         return head_logits, probs, keep, concept_ids
 
-    def concept_inputs(self, probs, concept_ids, src):
-        """ST embeddings of the concepts at time indices ``src`` [B, C]: e_hard + e_soft - sg(e_soft)."""
-        e = self.vocabulary.embed_hard(concept_ids.gather(1, src).clamp(min=0))
+    def concept_inputs(self, probs, concept_ids, src, h):
+        """Inputs of the concepts emitted at time indices ``src`` [B, C]: the hard embedding with a
+        straight-through soft part (e_hard + e_soft - sg(e_soft)), or the soft mixture for a
+        sampler without a hard step; a latent-feedback sampler then mixes in the shallow state."""
         sampler = self.sampler if self.training else self.eval_sampler
-        if sampler.straight_through and torch.is_grad_enabled():
-            e_soft = self.vocabulary.embed_soft(probs.gather(1, src[..., None].expand(-1, -1, probs.shape[-1])))
-            e = e + (e_soft - e_soft.detach())
+        at_src = lambda x: x.gather(1, src[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
+        if getattr(sampler, "hard", True):
+            e = self.vocabulary.embed_hard(concept_ids.gather(1, src).clamp(min=0))
+            if sampler.straight_through and torch.is_grad_enabled():
+                e_soft = self.vocabulary.embed_soft(at_src(probs))
+                e = e + (e_soft - e_soft.detach())
+        else:
+            e = self.vocabulary.embed_soft(at_src(probs))
+        if hasattr(self.sampler, "mix"):  # e.g. `hidden-projection`, in training and at inference
+            e = self.sampler.mix(e, at_src(h))
         return e
 
     def deep_positions(self, pos, layout):
@@ -99,13 +110,15 @@ class ConceptModel(nn.Module):
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, keep=None, labels=None, document_ids=None,
-                concept_ids=None) -> ConceptOutput:
+                concept_ids=None, cache=None, logits_to_keep=0) -> ConceptOutput:
         """Logits for every position in one O(T) pass.
 
         attention_mask [B, T]: 1 for real tokens (either padding side). keep [B, T]: force the
         decisions. document_ids [B, T]: several documents packed in a row (attention, positions
         and runs of NULLs never cross a document boundary). concept_ids [B, T]: replace the
-        sampled concept ids where keep (diagnostics, e.g. shuffled concepts).
+        sampled concept ids where keep (diagnostics, e.g. shuffled concepts). cache: a
+        ``concept.kv_cache.ConceptCache`` that records each stack's keys and values (prefill).
+        logits_to_keep: compute logits for the last n positions only (0: all), as in transformers.
         """
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         doc = document_ids
@@ -113,7 +126,7 @@ class ConceptModel(nn.Module):
         pos = packing.time_positions(valid, doc, starts)
 
         # shallow: every token, causal
-        h = self.shallow_states(input_ids, valid, doc, pos)
+        h = self.shallow_states(input_ids, valid, doc, pos, None if cache is None else cache.shallow)
 
         # concept decisions
         head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, starts)
@@ -123,22 +136,36 @@ class ConceptModel(nn.Module):
         concept_pos = pos.gather(1, layout.concept_src)
 
         # middle: concepts only, causal among concepts
-        c = self.positions.add_concept_type(self.concept_inputs(probs, sampled_ids, layout.concept_src))
+        c = self.concept_inputs(probs, sampled_ids, layout.concept_src, h)
+        if self.training and torch.is_grad_enabled() and hasattr(self.length_policy, "gate"):
+            # straight-through gate of the policy's soft boundary (forward value exactly 1)
+            g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)
+            c = c * (1 + (g - g.detach()))[..., None].to(c.dtype)
+        c = self.positions.add_concept_type(c)
         if layout.num_concepts:
             middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
             meta = layout.concept_meta
-            c = self.run_stack(self.middle, c, middle_pos, CausalPlan(meta.valid, None if doc is None else meta.doc))
+            c = self.run_stack(self.middle, c, middle_pos, CausalPlan(meta.valid, None if doc is None else meta.doc),
+                               None if cache is None else cache.middle)
 
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
         tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
         z = torch.cat([c, tail], dim=1)
-        z = self.run_stack(self.deep, z, self.deep_positions(pos, layout), self.attention.plan(layout))
+        z = self.run_stack(self.deep, z, self.deep_positions(pos, layout), self.attention.plan(layout),
+                           None if cache is None else cache.deep)
 
         # back to time order; element t predicts token t + 1
-        z = z.gather(1, layout.slot_of_time[..., None].expand(-1, -1, z.shape[-1]))
+        slots = layout.slot_of_time[:, -logits_to_keep:] if logits_to_keep else layout.slot_of_time
+        z = z.gather(1, slots[..., None].expand(-1, -1, z.shape[-1]))
         logits = self.backbone.lm_head(self.inner.norm(z))
         loss = None if labels is None else next_token_loss(logits, labels, valid, doc)
-        return ConceptOutput(logits, keep, sampled_ids, head_logits, loss, layout)
+        return ConceptOutput(logits, keep, sampled_ids, head_logits, loss, layout, h)
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Generate with online compression and three KV caches; see :func:`concept.generation.generate`."""
+        from .generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
 
     # -- parameters ----------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:
@@ -150,11 +177,14 @@ class ConceptModel(nn.Module):
         return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}
 
 
-def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False):
-    """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table."""
+def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+    """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table
+    (and a KV cache the layers update, when decoding)."""
     cos_sin = rotary_emb(x, position_ids)
     for layer in layers:
         kwargs = dict(attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
         if checkpointing:
             x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
         else:

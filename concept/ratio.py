@@ -50,36 +50,38 @@ class PIController:
     def base(self) -> float | None:
         return self.ema
 
-    def _quantile(self, policy, head_logits: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
+    def _quantile(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> tuple[float, float]:
         with torch.no_grad():
-            keep_logit = policy.keep_logit(head_logits)[valid].float() + policy.null_bias  # without the bias
+            keep_logit = policy.keep_logit(head_logits, h)[valid].float() + policy.null_bias  # without the bias
             return float(torch.quantile(keep_logit, 1.0 - self.target)), float(keep_logit.std())
 
-    def calibrate(self, policy, head_logits: torch.Tensor, valid: torch.Tensor) -> None:
+    def calibrate(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> None:
         """Set the bias so that exactly ``target`` of these real tokens emit a concept (used on the
         first batch, and at the end of training over many training batches, the way BatchNorm
         statistics are re-estimated: the per-step bias is tuned to noisy small batches)."""
-        self.ema, _ = self._quantile(policy, head_logits, valid)
+        self.ema, _ = self._quantile(policy, head_logits, valid, h)
         with torch.no_grad():
             policy.null_bias.fill_(self.ema)
 
-    def calibrate_exact(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, reset=None, iters: int = 30) -> None:
+    def calibrate_exact(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, reset=None, iters: int = 30,
+                        h=None) -> None:
         """Bisect the bias so that the *realised* ratio of ``policy.decide`` (which adds the
         concepts forced by a maximum run of NULLs) equals the target on these rows [N, T]."""
-        self.calibrate(policy, head_logits.flatten(0, 1), valid.flatten())
+        self.calibrate(policy, head_logits.flatten(0, 1), valid.flatten(), None if h is None else h.flatten(0, 1))
         with torch.no_grad():
-            lo, hi = self.ema, self.ema + 4 * float(policy.keep_logit(head_logits)[valid].float().std()) + 1.0
+            spread = float(policy.keep_logit(head_logits, h)[valid].float().std())
+            lo, hi = self.ema - 4 * spread - 1.0, self.ema + 4 * spread + 1.0
             for _ in range(iters):  # the realised ratio falls as the bias rises
                 mid = 0.5 * (lo + hi)
                 policy.null_bias.fill_(mid)
-                ratio = float(policy.decide(None, head_logits, valid, reset)[valid].float().mean())
+                ratio = float(policy.decide(h, head_logits, valid, reset)[valid].float().mean())
                 lo, hi = (mid, hi) if ratio > self.target else (lo, mid)
             self.ema, self.integral = 0.5 * (lo + hi), 0.0
             policy.null_bias.fill_(self.ema)
 
-    def update(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, ratio: float) -> float:
+    def update(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, ratio: float, h=None) -> float:
         """After a step with realised ``ratio``: move the bias for the next step."""
-        quantile, spread = self._quantile(policy, head_logits, valid)
+        quantile, spread = self._quantile(policy, head_logits, valid, h)
         self.ema = quantile if self.ema is None else self.momentum * self.ema + (1 - self.momentum) * quantile
         self.integral += ratio - self.target
         bias = self.ema + self.ki * spread * self.integral

@@ -133,6 +133,11 @@ def lr_lambda(config: TrainConfig):
     return f
 
 
+def ratio_controllable(policy) -> bool:
+    """The policy has a bias the ratio controller can move (``null_bias`` + ``keep_logit``)."""
+    return hasattr(policy, "null_bias") and hasattr(policy, "keep_logit")
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -192,11 +197,19 @@ class Trainer:
         for name, module in self.model.new_modules().items():
             params = [p for p in module.parameters() if p.requires_grad]
             if params:
-                groups.append({"params": params, "lr": config.lr_new, "name": name})
+                groups.append({"params": params, "lr": getattr(module, "learning_rate", None) or config.lr_new,
+                               "name": name})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         controls = config.ratio_control
         streaming = not config.baseline
+        policy = getattr(self.model, "length_policy", None)
+        if streaming and controls != "none" and not ratio_controllable(policy):
+            self.notes.append(f"length policy {type(policy).__name__} sets its ratio by its own parameters; "
+                              f"--ratio-control {controls} does nothing for it")
+            controls = "none"
+        if streaming and controls in ("loss", "both") and not hasattr(policy, "boundary_prob"):
+            controls = "pi"
         # the controller always calibrates the NULL bias at step 0 (unless --ratio-control none); it tracks with pi/both
         self.pi = PIController(config.target_ratio, ki=config.pi_ki) if streaming and controls != "none" else None
         self.tracking = controls in ("pi", "both")
@@ -329,7 +342,7 @@ class Trainer:
             with torch.no_grad():
                 b = self.batch(0)
                 out = self.forward(b)
-            self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool())
+            self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
         start = time.perf_counter()
         totals = {"loss": 0.0, "ratio_loss": 0.0, "kept": 0, "tokens": 0}
         for micro in range(cfg.grad_accum):
@@ -338,7 +351,7 @@ class Trainer:
             loss = out.loss
             valid = b["attention_mask"].bool()
             if self.ratio_loss is not None:
-                rl = self.ratio_loss(out.keep, model.length_policy.boundary_prob(out.head_logits), valid)
+                rl = self.ratio_loss(out.keep, model.length_policy.boundary_prob(out.head_logits, out.shallow), valid)
                 totals["ratio_loss"] += rl.item() / cfg.grad_accum
                 loss = loss + rl
             if not torch.isfinite(loss):
@@ -372,7 +385,7 @@ class Trainer:
             row.update(ratio=ratio, ratio_loss=totals["ratio_loss"], null_bias=float(model.length_policy.null_bias),
                        tau=getattr(sampler, "tau", None))
             if self.pi is not None and self.tracking:
-                self.pi.update(model.length_policy, out.head_logits.detach(), valid, ratio)
+                self.pi.update(model.length_policy, out.head_logits.detach(), valid, ratio, out.shallow.detach())
         row.update(diag)
         return row
 
@@ -384,7 +397,7 @@ class Trainer:
             return
         from .packing import document_starts
 
-        logits, valid, reset = [], [], []
+        logits, valid, reset, states = [], [], [], []
         was_training = model.training
         model.eval()  # the decisions the evaluated model will make (e.g. no LoRA dropout)
         with torch.no_grad():  # only the shallow stack and the head are needed
@@ -393,9 +406,10 @@ class Trainer:
                 mask = b["attention_mask"].bool()
                 h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
                 logits.append(model.vocabulary.logits(h))
+                states.append(h)
                 valid.append(mask)
                 reset.append(document_starts(mask, b["document_ids"]))
-        self.pi.calibrate_exact(model.length_policy, torch.cat(logits), torch.cat(valid), torch.cat(reset))
+        self.pi.calibrate_exact(model.length_policy, torch.cat(logits), torch.cat(valid), torch.cat(reset), h=torch.cat(states))
         model.train(was_training)
 
     def evaluate(self) -> dict:

@@ -5,14 +5,15 @@ import concept
 from concept import BuildConfig, ComponentRef
 
 
-def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split="2,2,2", vocab=32, **extra):
+def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split="2,2,2", vocab=32,
+                policy=("null", {"max_run": 3}), **extra):
     cfg = BuildConfig(
         backbone=ComponentRef(backbone, {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 97}),
         split=split,
         attention=ComponentRef(attention, {"chunk": 4} if attention == "chunked" else {}),
         position_scheme=ComponentRef(positions),
         vocabulary=ComponentRef("embedding", {"size": vocab}),
-        length_policy=ComponentRef("null", {"max_run": 3}),
+        length_policy=ComponentRef(*policy),
         **extra,
     )
     return cfg

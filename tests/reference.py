@@ -49,7 +49,7 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
         c_rank = torch.arange(len(c_times))
         middle_out = None
         if len(c_times):
-            e = model.concept_inputs(probs[b:b + 1], concept_ids[b:b + 1], c_times[None])
+            e = model.concept_inputs(probs[b:b + 1], concept_ids[b:b + 1], c_times[None], h[b:b + 1])
             e = model.positions.add_concept_type(e)
             middle_pos = model.positions.concept_positions(c_pos[None], c_rank[None], "middle")
             middle_out = _run(model, model.middle, e, middle_pos)[0]

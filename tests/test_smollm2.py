@@ -64,3 +64,35 @@ def test_one_pass_matches_naive_on_smollm2_fp64(smol, text_ids):
     finally:
         smol.float()
     torch.testing.assert_close(out.logits, ref, atol=1e-9, rtol=0)
+
+
+def _decode_and_teacher_force(model, prompt):
+    gen = model.generate([prompt], max_new_tokens=24, output_logits=True)
+    keep = gen.keep[0]
+    with torch.no_grad():
+        seq = torch.tensor([prompt + gen.tokens[0]])
+        free = model(seq[:, :-1])
+        forced = model(seq, keep=torch.tensor([keep + [False]])).logits[0, len(prompt) - 1:-1]
+    assert 0 < sum(keep) < len(keep)
+    assert free.keep[0].tolist() == keep  # step-wise decisions = batched decisions
+    assert gen.kv[0]["bytes"] < gen.kv[0]["dense_bytes"]
+    return gen.logits[0], forced
+
+
+def test_decoding_matches_teacher_forcing_on_smollm2(smol, text_ids):
+    """Greedy decoding with the three caches gives the teacher-forced one-pass logits on the real
+    backbone: to rounding in float64, and to fp32 accumulation-order noise in float32."""
+    prompt = text_ids[0, :24].tolist()
+    policy = smol.length_policy
+    with torch.no_grad():
+        bias = torch.quantile(policy.keep_logit(smol(text_ids).head_logits).flatten(), 0.7)  # ~30% keep
+    policy.null_bias += bias
+    try:
+        decoded, forced = _decode_and_teacher_force(smol, prompt)
+        assert (decoded - forced).abs().max().item() / forced.abs().max().item() < 1e-4
+        smol.double()
+        decoded, forced = _decode_and_teacher_force(smol, prompt)
+        torch.testing.assert_close(decoded, forced, atol=1e-9, rtol=0)
+    finally:
+        smol.float()
+        policy.null_bias -= bias

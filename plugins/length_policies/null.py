@@ -39,13 +39,13 @@ class NullPolicy(nn.Module):
         self.null_index = ctx.concept_vocab_size
         self.register_buffer("null_bias", torch.zeros(()))
 
-    def keep_logit(self, head_logits: torch.Tensor) -> torch.Tensor:
+    def keep_logit(self, head_logits: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """Log-odds that a token emits a concept: logsumexp(concepts) - (NULL + bias)."""
         logits = head_logits.float()
         concepts = torch.logsumexp(logits[..., : self.null_index], dim=-1)
         return concepts - (logits[..., self.null_index] + self.null_bias)
 
-    def boundary_prob(self, head_logits: torch.Tensor) -> torch.Tensor:
+    def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.keep_logit(head_logits))
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""``concept generate``: text from a trained run, with online compression and three KV caches."""
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import click
+
+from .output import human_bytes, quiet_progress_bars, status, stdout
+
+
+def read_prompts(prompts: tuple[str, ...], prompt_file: str | None) -> list[str]:
+    """--prompt values, then the prompts of --prompt-file: one per non-empty line, or for a
+    ``.jsonl`` file one JSON string or object with a "prompt" (or "text") field per line."""
+    from concept.errors import ConceptError
+
+    out = list(prompts)
+    if prompt_file is None:
+        return out
+    if prompt_file == "-":
+        text, name = click.get_text_stream("stdin").read(), "stdin"
+    else:
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise ConceptError(f"--prompt-file {prompt_file}: no such file")
+        try:
+            text, name = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError as exc:
+            raise ConceptError(f"--prompt-file {prompt_file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if name.endswith(".jsonl"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConceptError(f"{name}, line {n}: not JSON ({exc.msg})") from None
+            prompt = item if isinstance(item, str) else (item.get("prompt", item.get("text")) if isinstance(item, dict) else None)
+            if not isinstance(prompt, str):
+                raise ConceptError(f'{name}, line {n}: expected a JSON string or an object with a "prompt" field')
+            out.append(prompt)
+    else:
+        out.extend(line for line in text.splitlines() if line.strip())
+    return out
+
+
+def unescape(text: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` typed on a command line -> newline, tab, backslash."""
+    return text.replace("\\\\", "\0").replace("\\n", "\n").replace("\\t", "\t").replace("\0", "\\")
+
+
+def sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed) -> dict:
+    """CLI sampling options -> GenerationSettings fields. ``--temperature 0`` (the default) is greedy;
+    a positive temperature, --top-k or --top-p turn sampling on."""
+    from concept.errors import ConfigError
+
+    sample = (temperature is not None and temperature > 0) or top_k is not None or top_p is not None
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ConfigError(["--top-k / --top-p sample, but --temperature 0 means greedy; drop one of them"])
+    if temperature is not None and temperature < 0:
+        raise ConfigError([f"--temperature: must be >= 0 (0: greedy), got {temperature}"])
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=sample, repetition_penalty=repetition_penalty,
+                    stop_strings=tuple(unescape(s) for s in stop), seed=seed)
+    if sample:
+        settings.update(temperature=temperature or 1.0, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
+    return settings
+
+
+def kv_summary(kv: dict) -> dict:
+    saved = kv["dense_bytes"] / kv["bytes"] if kv["bytes"] else float("nan")
+    return {**kv, "dense_over_concept": round(saved, 3)}
+
+
+@click.command()
+@click.argument("run", metavar="RUN_DIR", type=click.Path(path_type=Path))
+@click.option("--prompt", "-p", "prompts", multiple=True, help="A prompt (repeatable).")
+@click.option("--prompt-file", type=click.Path(allow_dash=True),
+              help="One prompt per non-empty line ('-': stdin); a .jsonl file holds one JSON string or "
+                   '{"prompt": ...} object per line.')
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=None, help="0 or unset: greedy; > 0: sample at this temperature.")
+@click.option("--top-k", type=int, default=None, help="Sample from the k most likely tokens.")
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling: the smallest set with this total probability.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 1 discourages repeats.")
+@click.option("--stop", multiple=True, help=r"Stop string (repeatable; \n and \t escapes work). The text is cut before it.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sampler.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts generated together.")
+@click.option("--show-concepts", is_flag=True, help="Print prompt and output with the tokens that emitted a concept highlighted.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt (JSON lines).")
+def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed,
+             batch_size, show_concepts, device, as_json):
+    """Generate text from a trained run (the streaming model or a dense baseline).
+
+    \b
+    concept generate runs/m1-train --prompt "def fibonacci(n):" --max-new-tokens 64
+    concept generate runs/m1-train -p "import os" --temperature 0.8 --top-p 0.95 --seed 0 --show-concepts
+    concept generate runs/m1-train --prompt-file prompts.txt --json
+    """
+    import concept
+    from concept.builder import read_run, read_train
+    from concept.diagnostics import _encode, render_concepts
+    from concept.errors import ConceptError, ConfigError
+    from concept.generation import TextStream, generate as run_generate, settings_from
+    from concept.tokens import tokenizer_for
+    from concept.training import pick_device
+
+    quiet_progress_bars()
+    texts = read_prompts(prompts, prompt_file)
+    if not texts:
+        raise click.UsageError("give a prompt: --prompt TEXT or --prompt-file FILE")
+    if batch_size < 1:
+        raise ConfigError([f"--batch-size: must be >= 1, got {batch_size}"])
+    settings = settings_from(None, sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                                                     stop, seed))
+    read_run(run)  # a clear error for a folder that is not a run
+    train = read_train(run)
+    status("loading", str(run))
+    model = concept.load(run).to(pick_device(device))
+    is_concept = hasattr(model, "length_policy")
+    if train is None and is_concept:
+        status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
+                           f"shows the mechanics, not the quality (train it with `concept train {run}`)")
+    tokenizer = tokenizer_for(model)
+    encoded = [_encode(tokenizer, t) for t in texts]
+    empty = [i + 1 for i, ids in enumerate(encoded) if not ids]
+    if empty:
+        raise ConceptError(f"prompt {', '.join(map(str, empty))} is empty; give at least one character of text")
+
+    stream = not as_json and not show_concepts and len(texts) == 1
+    status("generating", f"{len(texts)} prompt{'s' * (len(texts) != 1)}, {'sampling' if settings.do_sample else 'greedy'}, "
+                         f"{'streaming model' if is_concept else 'dense baseline'} ...")
+    for start in range(0, len(texts), batch_size):
+        batch = encoded[start:start + batch_size]
+        streamer = TextStream(tokenizer, settings.stop_strings) if stream else None
+        began = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run_generate(model, batch, settings=settings, tokenizer=tokenizer, streamer=streamer)
+        seconds = time.perf_counter() - began
+        for w in caught:
+            status("warning:", str(w.message))
+        for b, ids in enumerate(batch):
+            index = start + b
+            kv = kv_summary(out.kv[b])
+            keep = out.keep[b] if out.keep is not None else None
+            if as_json:
+                click.echo(json.dumps({
+                    "prompt": texts[index], "text": out.texts[b], "tokens": out.tokens[b],
+                    "finish_reason": out.finish_reasons[b], "prompt_tokens": len(ids), "new_tokens": len(out.tokens[b]),
+                    "concept_positions": None if keep is None else [t for t, k in enumerate(keep) if k],
+                    "kv": kv}))
+                continue
+            if streamer is not None:
+                streamer.finish(out.texts[b])
+                click.echo()
+            elif show_concepts:
+                if len(texts) > 1:
+                    stdout.print(f"[dim]── prompt {index + 1} ──[/]")
+                stdout.print(render_concepts(tokenizer, ids + out.tokens[b], keep))
+            else:
+                if len(texts) > 1:
+                    stdout.print(f"[dim]── prompt {index + 1} ──[/]")
+                click.echo(out.texts[b])
+            concepts = "" if keep is None else f", {sum(keep)} concepts / {len(keep)} tokens"
+            status("done", f"prompt {index + 1}: {len(out.tokens[b])} tokens ({out.finish_reasons[b]}){concepts}; "
+                           f"KV {human_bytes(kv['bytes'])} vs dense {human_bytes(kv['dense_bytes'])}")
+        status("speed", f"{sum(map(len, out.tokens)) / seconds:.1f} new tokens/s over {len(batch)} prompt(s)")

@@ -1,0 +1,178 @@
+"""Step-wise decoders: a prompt's prefill, then one token per row per step (SPEC §2.1, "Decoding").
+
+:class:`ConceptDecoder` runs the streaming model online. The prompt goes through the one-pass
+forward, whose keys and values fill three caches; then every new token
+
+1. goes through the shallow stack (shallow cache: every token),
+2. is classified by the head, and the length policy's *step-wise* rule decides keep / NULL,
+3. if it emits a concept: the concept's embedding goes through the middle stack (middle cache:
+   concepts only), the deep cache drops its tail, and the middle output enters the deep stack;
+   if NULL: its shallow state enters the deep stack as a tail token,
+4. the deep output gives the next-token logits.
+
+The logits of every step equal the teacher-forced one-pass logits with the same decisions
+(``tests/test_decoding.py``). :class:`DenseDecoder` runs the plain backbone with transformers'
+own ``DynamicCache``, for comparison and for dense baseline runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import packing
+from .errors import ConceptError
+from .kv_cache import ConceptCache, DecodePlan
+
+
+def _where(mask: torch.Tensor, new, old):
+    """Per-row select over a policy state (a tensor or a nest of tensors with batch first)."""
+    def pick(a, b):
+        m = mask.view(-1, *([1] * (a.dim() - 1)))
+        return torch.where(m, a, b)
+    return pytree.tree_map(pick, new, old)
+
+
+def last_real(valid: torch.Tensor) -> torch.Tensor:
+    """[B] index of each row's last real token."""
+    return valid.shape[1] - 1 - valid.flip(1).to(torch.int8).argmax(1)
+
+
+class ConceptDecoder:
+    """Online decoding of a :class:`concept.model.ConceptModel` with its three KV caches."""
+
+    def __init__(self, model):
+        self.model = model
+        self.max_tail = 0  # largest deep tail held so far (entries per layer)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """One-pass forward over the prompts (left-padded) -> next-token logits [B, V]."""
+        model = self.model
+        B = input_ids.shape[0]
+        self.cache = ConceptCache(B, input_ids.device)
+        left_padded = bool(valid[:, -1].all())
+        out = model(input_ids, attention_mask=valid, cache=self.cache, logits_to_keep=int(left_padded))
+        self.cache.adopt(valid, out.layout)
+        self.pos = valid.sum(1)  # position of the next token of each row
+        self.num_concepts = out.keep.sum(1)
+        self.keep = [out.keep[b, valid[b]].tolist() for b in range(B)]
+        self.state = self._replay(out, valid)
+        self.max_tail = int(self.cache.deep.tail_entries().max()) if B else 0
+        return out.logits[:, -1] if left_padded else out.logits[torch.arange(B), last_real(valid)]
+
+    def _replay(self, out, valid):
+        """The length policy's step-wise state after the prompt, by stepping its rule over the
+        prefill's head outputs; its decisions must be the batched ones."""
+        policy = self.model.length_policy
+        if hasattr(policy, "decide_with_state"):  # a scan of the step rule: the same computation as decide()
+            keep, state = policy.decide_with_state(out.shallow, out.head_logits, valid)
+            if not torch.equal(keep, out.keep):
+                raise ConceptError(f"length policy {type(policy).__name__}: decide_with_state() disagrees with decide()")
+            return state
+        state = policy.init_state(valid.shape[0], valid.device)
+        for t in range(valid.shape[1]):
+            keep, new = policy.step(out.shallow[:, t], out.head_logits[:, t], state)
+            live = valid[:, t]
+            if bool((live & (keep.bool() != out.keep[:, t])).any()):
+                raise ConceptError(
+                    f"length policy {type(policy).__name__}: its step-wise decision differs from its batched "
+                    f"one at prompt position {t}; decoding would not match training (fix the policy's step())")
+            state = _where(live, new, state)
+        return state
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row [B] -> next-token logits [B, V]."""
+        model, cache = self.model, self.cache
+        B = tokens.shape[0]
+        everyone = torch.ones(B, dtype=torch.bool, device=tokens.device)
+        pos = self.pos[:, None]
+
+        # shallow: every token
+        x = model.positions.add_text_type(model.inner.embed_tokens(tokens[:, None]))
+        text_pos = model.positions.text_positions(pos)
+        h = model.run_stack(model.shallow, x, text_pos, DecodePlan(cache.shallow.begin(everyone)), cache.shallow)
+        cache.shallow.commit()
+
+        # the step-wise decision, then which concept
+        head_logits = model.vocabulary.logits(h)
+        keep, self.state = model.length_policy.step(h[:, 0], head_logits[:, 0], self.state)
+        keep = keep.bool()
+        _, probs, _, ids = model.decide(h, everyone[:, None], keep[:, None])
+
+        # middle: the new concepts (rows that emitted one)
+        deep_in, deep_pos = h, text_pos
+        if bool(keep.any()):
+            rank = self.num_concepts[:, None]
+            c = model.positions.add_concept_type(model.concept_inputs(probs, ids, torch.zeros_like(pos), h))
+            middle_pos = model.positions.concept_positions(pos, rank, "middle")
+            c = model.run_stack(model.middle, c, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
+            cache.middle.commit()
+            deep_in = torch.where(keep[:, None, None], c, h)
+            deep_pos = torch.where(keep[:, None], model.positions.concept_positions(pos, rank, "deep"), text_pos)
+
+        # deep: a concept drops the row's tail; a NULL token joins it
+        cache.deep.drop_tail(keep)
+        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(cache.deep.begin(everyone, ~keep)), cache.deep)
+        cache.deep.commit()
+
+        self.pos = self.pos + 1
+        self.num_concepts = self.num_concepts + keep.long()
+        for b, k in enumerate(keep.tolist()):
+            self.keep[b].append(k)
+        self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))
+        return model.backbone.lm_head(model.inner.norm(z))[:, 0]
+
+    def kv_stats(self) -> list[dict]:
+        """Per row: KV entries held by each stack (summed over its layers), bytes, and the dense
+        backbone's bytes for the same tokens."""
+        model, cache = self.model, self.cache
+        n_layers = dict(zip(("shallow", "middle", "deep"), model.split))
+        entry = max(c.entry_bytes() for c in cache.stacks().values())
+        counts = {name: (c.entries() * n_layers[name]).tolist() for name, c in cache.stacks().items()}
+        tails = cache.deep.tail_entries().tolist()
+        rows = []
+        for b, tokens in enumerate(self.pos.tolist()):
+            entries = {name: counts[name][b] for name in counts}
+            total = sum(entries.values())
+            rows.append({"tokens": tokens, "concepts": int(self.num_concepts[b]), "tail": tails[b],
+                         "max_tail": self.max_tail, "entries": entries, "bytes": total * entry,
+                         "dense_bytes": sum(model.split) * tokens * entry,
+                         "allocated_bytes": sum(c.allocated_bytes() for c in cache.stacks().values())})
+        return rows
+
+
+class DenseDecoder:
+    """The plain backbone with transformers' ``DynamicCache`` (the dense baseline)."""
+
+    def __init__(self, backbone):
+        self.backbone = backbone
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.mask = valid.long()
+        self.pos = valid.sum(1)
+        self.keep = None
+        left_padded = bool(valid[:, -1].all())
+        out = self.backbone(input_ids=input_ids, attention_mask=self.mask, position_ids=packing.time_positions(valid),
+                            past_key_values=self.cache, use_cache=True, logits_to_keep=int(left_padded))
+        return out.logits[:, -1] if left_padded else out.logits[torch.arange(len(valid)), last_real(valid)]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        out = self.backbone(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos[:, None],
+                            past_key_values=self.cache, use_cache=True)
+        self.pos = self.pos + 1
+        return out.logits[:, -1]
+
+    def kv_stats(self) -> list[dict]:
+        layers = self.backbone.config.num_hidden_layers
+        k = self.cache.layers[0].keys
+        entry = 2 * k.shape[1] * k.shape[3] * k.element_size()
+        return [{"tokens": t, "entries": {"dense": layers * t}, "bytes": layers * t * entry,
+                 "dense_bytes": layers * t * entry, "allocated_bytes": layers * self.mask.shape[1] * len(self.mask) * entry}
+                for t in self.pos.tolist()]

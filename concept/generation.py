@@ -1,0 +1,264 @@
+"""Text generation: ``model.generate(input_ids, ...)`` for the streaming model and the dense baseline.
+
+Sampling follows transformers' conventions and reuses its logits processors: greedy unless
+``do_sample``; then repetition penalty, temperature, top-k and top-p, in transformers' order.
+Concept ids are not sampled here: the model's configured concept sampler picks them (argmax
+by default at inference). Prompts of different lengths are left-padded into one batch; every
+row gives the same tokens as it would alone (tested).
+
+Each row stops at the end-of-sequence token, when its generated text contains a stop string
+(the text is cut before it), after ``max_new_tokens``, or at the backbone's context limit.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from .errors import ConceptError, ConfigError
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 32
+    do_sample: bool = False  # greedy (argmax) unless True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off (transformers' CTRL-style penalty)
+    stop_strings: tuple[str, ...] = ()
+    eos_token_id: int | None = None  # default: the tokenizer's
+    seed: int | None = None  # seeds the token sampler (same seed, same prompt -> same text)
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            problems.append(f"temperature: must be > 0, got {self.temperature} (for greedy decoding leave "
+                            f"do_sample off; the CLI's --temperature 0 means greedy)")
+        if self.top_k < 0:
+            problems.append(f"top_k: must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            problems.append(f"repetition_penalty: must be > 0 (1.0 turns it off), got {self.repetition_penalty}")
+        if any(not s for s in self.stop_strings):
+            problems.append("stop_strings: an empty stop string would stop at once; remove it")
+        return problems
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # [B, P + N]: left-padded prompts, then the new tokens (pad after a row stops)
+    prompt_lengths: list[int]
+    tokens: list[list[int]]  # per row: the new tokens (up to and including EOS / the stop string's end)
+    finish_reasons: list[str]  # "eos", "stop", "length" or "context"
+    kv: list[dict]  # per row: KV entries per stack and bytes held at the end (vs the dense backbone's)
+    keep: list[list[bool]] | None = None  # per row: which tokens emitted a concept (prompt + fed new tokens)
+    texts: list[str] | None = None  # per row: the new text (cut before a stop string), if a tokenizer is known
+    logits: torch.Tensor | None = None  # [B, N, V] raw next-token logits of every step (output_logits=True)
+    steps: int = 0  # decoding steps run (new tokens fed back)
+
+
+def settings_from(settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
+    known = {f.name for f in fields(GenerationSettings)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError([f"{k}: not a generation setting (known: {', '.join(sorted(known))})" for k in unknown])
+    settings = replace(settings or GenerationSettings(), **overrides)
+    settings.stop_strings = tuple([settings.stop_strings] if isinstance(settings.stop_strings, str) else settings.stop_strings)
+    problems = settings.validate()
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+def _processors(s: GenerationSettings):
+    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    procs = LogitsProcessorList()
+    if s.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty))
+    if s.do_sample:
+        if s.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(s.temperature))
+        if s.top_k:
+            procs.append(TopKLogitsWarper(s.top_k))
+        if s.top_p < 1.0:
+            procs.append(TopPLogitsWarper(s.top_p))
+    return procs
+
+
+def prompt_rows(input_ids, attention_mask=None) -> list[list[int]]:
+    """The real tokens of each prompt (any padding side), from a tensor / nested lists."""
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.reshape(ids.shape).bool()
+        return [row[m].tolist() for row, m in zip(ids, mask)]
+    rows = [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(r) for r in input_ids]
+    return rows
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+    for b, r in enumerate(rows):
+        if r:
+            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long, device=device)
+            valid[b, width - len(r):] = True
+    return ids, valid
+
+
+def _context_limit(model) -> int | None:
+    return getattr(model.backbone.config, "max_position_embeddings", None)
+
+
+def _decoder(model):
+    from .decoding import ConceptDecoder, DenseDecoder
+
+    return ConceptDecoder(model) if hasattr(model, "length_policy") else DenseDecoder(model.backbone)
+
+
+def _stopped_text(text: str, stops: tuple[str, ...]) -> str | None:
+    """``text`` cut before the first stop string it contains, or None."""
+    hits = [text.index(s) for s in stops if s in text]
+    return text[: min(hits)] if hits else None
+
+
+@torch.no_grad()
+def generate(model, input_ids, attention_mask=None, settings: GenerationSettings | None = None, *, tokenizer=None,
+             streamer=None, output_logits: bool = False, **overrides) -> GenerationOutput:
+    """Generate from prompts (a [B, T] / [T] tensor with an optional attention mask, or lists of ids).
+
+    ``overrides`` are :class:`GenerationSettings` fields (``max_new_tokens=64, do_sample=True,
+    top_p=0.95, seed=0``...). ``streamer``: an object with ``put(ids)`` / ``end()`` such as
+    transformers' ``TextStreamer`` (it receives the prompt ids first, then each new token).
+    """
+    s = settings_from(settings, overrides)
+    rows = prompt_rows(input_ids, attention_mask)
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ConceptError("a prompt is empty; generation needs at least one prompt token")
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if s.stop_strings and tokenizer is None:
+        raise ConceptError("stop_strings need a tokenizer to read the text; pass tokenizer=")
+    eos = s.eos_token_id if s.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    pad = next((i for i in (getattr(tokenizer, "pad_token_id", None), eos) if i is not None), 0)
+
+    limit = _context_limit(model)
+    longest = max(len(r) for r in rows)
+    if limit is not None and longest >= limit:
+        raise ConceptError(f"a prompt has {longest} tokens but the backbone's context limit is {limit}; shorten the "
+                           f"prompt (keep its last {limit - 1} tokens or fewer)")
+    budget = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - longest)
+    if budget < s.max_new_tokens:
+        warnings.warn(f"max_new_tokens={s.max_new_tokens} would pass the context limit ({limit} positions); "
+                      f"generating at most {budget} new tokens", stacklevel=2)
+
+    device = next(model.parameters()).device
+    ids, valid = left_pad(rows, pad, device)
+    B = len(rows)
+    decoder = _decoder(model)
+    processors = _processors(s)
+    generator = None
+    if s.do_sample and s.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(s.seed)
+    # pads take the row's first token in the penalty's view, so padding never changes a row's scores
+    penalty_view = torch.where(valid, ids, ids.gather(1, valid.to(torch.int8).argmax(1, keepdim=True)))
+
+    was_training = model.training
+    model.eval()
+    try:
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        logits = decoder.prefill(ids, valid)
+        new = [[] for _ in range(B)]
+        reasons = [None] * B
+        texts = [None] * B
+        kept_logits, steps = [], 0
+        for i in range(budget):
+            if output_logits:
+                kept_logits.append(logits)
+            scores = processors(penalty_view, logits.float())
+            if s.do_sample:
+                token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]
+            else:
+                token = scores.argmax(-1)
+            done = torch.tensor([r is not None for r in reasons], device=device)
+            token = torch.where(done, torch.full_like(token, pad), token)
+            penalty_view = torch.cat([penalty_view, torch.where(done, penalty_view[:, -1], token)[:, None]], dim=1)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            if streamer is not None:
+                streamer.put(token.cpu())
+            for b, t in enumerate(token.tolist()):
+                if reasons[b] is not None:
+                    continue
+                new[b].append(t)
+                if eos is not None and t == eos:
+                    reasons[b] = "eos"
+                elif s.stop_strings:
+                    cut = _stopped_text(tokenizer.decode(new[b]), s.stop_strings)
+                    if cut is not None:
+                        reasons[b], texts[b] = "stop", cut
+            if all(r is not None for r in reasons) or i == budget - 1:
+                break
+            logits = decoder.step(token)
+            steps += 1
+    finally:
+        model.train(was_training)
+        if streamer is not None:
+            streamer.end()
+    last = "length" if budget == s.max_new_tokens else "context"
+    reasons = [r or last for r in reasons]
+    if tokenizer is not None:
+        texts = [t if t is not None else tokenizer.decode(n, skip_special_tokens=True) for t, n in zip(texts, new)]
+    return GenerationOutput(
+        sequences=ids, prompt_lengths=[len(r) for r in rows], tokens=new, finish_reasons=reasons,
+        kv=decoder.kv_stats(), keep=getattr(decoder, "keep", None), texts=texts if tokenizer is not None else None,
+        logits=torch.stack(kept_logits, dim=1) if output_logits else None, steps=steps,
+    )
+
+
+class TextStream:
+    """A streamer (``put(ids)`` / ``end()``, as transformers' ``TextStreamer``) that writes the new
+    text of one row as it is generated. It never writes a stop string or the text after it, nor
+    half of a multi-byte character; ``finish(text)`` writes whatever of the final text is left."""
+
+    def __init__(self, tokenizer, stop_strings=(), write=None):
+        import sys
+
+        self.tokenizer, self.stops = tokenizer, tuple(stop_strings)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1  # could be the start of a stop string
+        self.write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+        self.ids, self.printed, self.prompt_seen, self.stopped = [], 0, False, False
+
+    def put(self, ids) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt
+            self.prompt_seen = True
+            return
+        if self.stopped:
+            return
+        self.ids.extend(ids.flatten().tolist()[:1])
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = _stopped_text(text, self.stops) if self.stops else None
+        if cut is not None:
+            self.stopped, safe = True, len(cut)
+        else:
+            safe = len(text) - self.hold
+            while safe > self.printed and text[safe - 1] == "\ufffd":  # an incomplete character
+                safe -= 1
+        self._emit(text[:safe])
+
+    def _emit(self, text: str) -> None:
+        if len(text) > self.printed:
+            self.write(text[self.printed:])
+            self.printed = len(text)
+
+    def end(self) -> None:
+        pass
+
+    def finish(self, text: str) -> None:
+        self._emit(text)

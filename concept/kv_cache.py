@@ -1,0 +1,165 @@
+"""KV caches for decoding: one :class:`SlotCache` per layer stack (SPEC §2.1, "Decoding").
+
+The backbone's attention layers call ``past_key_values.update(key, value, layer_idx)`` and
+attend to what it returns, so a cache only has to hand back keys and values. Ours keeps, per
+row, a set of *slots*: keys carry their RoPE rotation already and a decoding query may see
+every real entry of its row, so the order of the entries does not matter. A new entry goes
+to the row's first free slot, and dropping entries (the deep tail, when a concept is
+emitted) frees their slots for reuse: the memory held is bounded by what is live, not by how
+many tokens went through.
+
+One decoding step of a stack::
+
+    mask = cache.begin(write, tail)      # choose slots; the attention mask [B, N] of the step
+    ... the stack's layers run; each calls cache.update(k, v, layer_idx) ...
+    cache.commit()                       # the written slots become real entries
+
+Rows that do not write this step (``write`` False) still run through the layers (batching);
+their keys land in a free slot that stays free, so nothing they compute is kept.
+
+During prefill (no step begun) ``update`` just records the one-pass keys and values;
+:meth:`SlotCache.adopt` then says which of them are real and compacts them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionPlan, sdpa
+
+
+class DecodePlan(AttentionPlan):
+    """Attention of new elements to the cached entries a boolean mask [B, N] allows."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def __call__(self, query, key, value, scaling):
+        mask = self.mask[:, None, :].expand(-1, query.shape[2], -1)
+        return sdpa(query, key, value, scaling, mask).transpose(1, 2)
+
+
+class SlotCache:
+    """The KV cache of one layer stack: keys / values [B, Hkv, N, hd] per layer, and per row which
+    of the N slots hold a real entry (``valid``) and which of those are tail tokens (``tail``)."""
+
+    def __init__(self, batch_size: int, device, min_grow: int = 64):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.tail = torch.zeros_like(self.valid)
+        self.min_grow = min_grow
+        self._step = None  # (slot, write, tail) between begin() and commit()
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def entries(self) -> torch.Tensor:
+        """[B] real entries held per row (per layer)."""
+        return self.valid.sum(1)
+
+    def tail_entries(self) -> torch.Tensor:
+        return (self.valid & self.tail).sum(1)
+
+    def entry_bytes(self) -> int:
+        """Bytes of one entry (key + value) in one layer, 0 before anything was stored."""
+        k = next(iter(self.k.values()), None)
+        return 0 if k is None else 2 * k.shape[1] * k.shape[3] * k.element_size()
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` slots per row (grows the masks now, the tensors when next used)."""
+        if slots > self.capacity:
+            pad = slots - self.capacity
+            self.valid = torch.nn.functional.pad(self.valid, (0, pad))
+            self.tail = torch.nn.functional.pad(self.tail, (0, pad))
+
+    def _fit(self, layer_idx: int, like: torch.Tensor) -> None:
+        k = self.k.get(layer_idx)
+        if k is None:
+            shape = (like.shape[0], like.shape[1], self.capacity, like.shape[3])
+            self.k[layer_idx] = like.new_zeros(shape)
+            self.v[layer_idx] = like.new_zeros(shape)
+        elif k.shape[2] < self.capacity:
+            pad = (0, 0, 0, self.capacity - k.shape[2])
+            self.k[layer_idx] = torch.nn.functional.pad(k, pad)
+            self.v[layer_idx] = torch.nn.functional.pad(self.v[layer_idx], pad)
+
+    # -- prefill -------------------------------------------------------------------------
+    def adopt(self, valid: torch.Tensor, tail: torch.Tensor | None = None) -> None:
+        """After a recorded one-pass forward: ``valid`` [B, L] says which of the recorded slots are
+        real entries to keep (``tail`` which are tail tokens); the rest are dropped and the kept
+        entries are packed to the front of each row."""
+        tail = torch.zeros_like(valid) if tail is None else tail & valid
+        keep = int(valid.sum(1).max()) if valid.numel() else 0
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :keep]
+        self.valid, self.tail = valid.gather(1, order), tail.gather(1, order)
+        for store in (self.k, self.v):
+            for i, t in store.items():
+                store[i] = t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])).contiguous()
+
+    # -- decoding step -------------------------------------------------------------------
+    def drop_tail(self, rows: torch.Tensor) -> None:
+        """Forget the tail entries of ``rows`` [B] (a concept was emitted there)."""
+        self.valid &= ~(self.tail & rows[:, None])
+        self.tail &= self.valid
+
+    def begin(self, write: torch.Tensor, tail: torch.Tensor | bool = False) -> torch.Tensor:
+        """Start a step in which rows ``write`` [B] add one entry (a tail token where ``tail``).
+        Returns the step's attention mask [B, N]: the row's real entries and its new one."""
+        free = ~self.valid
+        if not bool(free.any(1).all()):
+            self.reserve(self.capacity + max(self.min_grow, self.capacity // 2))
+            free = ~self.valid
+        slot = free.to(torch.int8).argmax(1)  # first free slot of every row
+        tail = torch.as_tensor(tail, device=write.device).expand_as(write)
+        self._step = (slot, write, tail)
+        rows = torch.arange(len(slot), device=slot.device)
+        mask = self.valid.clone()
+        mask[rows, slot] = write
+        return mask
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Called by the backbone's attention layers; returns the keys and values to attend to."""
+        if self._step is None:  # prefill: record the one-pass keys and values as they are
+            self.k[layer_idx], self.v[layer_idx] = key, value
+            return key, value
+        slot = self._step[0]
+        self._fit(layer_idx, key)
+        rows = torch.arange(len(slot), device=slot.device)
+        self.k[layer_idx][rows, :, slot] = key[:, :, 0]
+        self.v[layer_idx][rows, :, slot] = value[:, :, 0]
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def commit(self) -> None:
+        slot, write, tail = self._step
+        rows = torch.arange(len(slot), device=slot.device)
+        self.valid[rows, slot] |= write
+        self.tail[rows, slot] = torch.where(write, tail, self.tail[rows, slot])
+        self._step = None
+
+
+class ConceptCache:
+    """The three caches of the streaming model: shallow (every token), middle (concepts only) and
+    deep (concepts + the current tail; the tail is dropped whenever a concept is emitted)."""
+
+    def __init__(self, batch_size: int, device):
+        self.shallow = SlotCache(batch_size, device)
+        self.middle = SlotCache(batch_size, device)
+        self.deep = SlotCache(batch_size, device)
+
+    def adopt(self, valid: torch.Tensor, layout) -> None:
+        """Keep what a recorded one-pass prefill over ``valid`` [B, T] left in each stack: every real
+        token (shallow), every concept (middle), and every concept plus the tail tokens after the
+        row's last concept (deep)."""
+        meta = layout.meta
+        self.shallow.adopt(valid)
+        self.middle.adopt(layout.concept_meta.valid)
+        last_seg = meta.keep.sum(1, keepdim=True)  # seg of the tail tokens after the last concept
+        self.deep.adopt(meta.valid & (meta.keep | (meta.seg == last_seg)), tail=~meta.keep)
+
+    def stacks(self) -> dict[str, SlotCache]:
+        return {"shallow": self.shallow, "middle": self.middle, "deep": self.deep}

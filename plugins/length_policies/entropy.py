@@ -1,0 +1,99 @@
+"""`entropy`: chunks follow the backbone's confidence (an MTP / ConfAdapt-style heuristic).
+
+The confidence of token t is the top-1 probability of the next-token distribution that the
+backbone's own LM head reads off the *shallow* state (the "logit lens":
+``softmax(lm_head(norm(h_t)))``, no new parameters). A chunk stays open while the model is
+confident and ends at the first token whose confidence falls below ``tau``, with at least
+``min_chunk`` and at most ``max_chunk`` tokens per chunk::
+
+    length = tokens in the open chunk, including t
+    keep_t = (length >= min_chunk and confidence_t < tau)  or  length == max_chunk
+
+Cost: one LM-head matmul per token on the shallow state (2 * d * V FLOPs, as much as the
+final LM head; for SmolLM2 about 57 MFLOP per token), computed in chunks of tokens so the
+[T, V] probabilities are never held. It is a heuristic: after only a few layers the lens
+is a weak predictor, so the confidence is a cheap proxy for "the next token is easy", not a
+calibrated probability. Nothing in the policy trains; the ratio is set by ``tau``, ``min_chunk``
+and ``max_chunk``. The head has no NULL class.
+
+The rule is sequential (the minimum length depends on the previous boundary), so the
+batched decision is a scan of the step rule over t on the batched confidences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class EntropyPolicyConfig:
+    tau: float = 0.5  # a token with top-1 probability below tau ends its chunk
+    min_chunk: int = 1
+    max_chunk: int = 16  # bounds the deep tail (max_chunk - 1 tokens)
+    block: int = 256  # tokens per LM-head matmul when computing confidences
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not 0 < self.tau < 1:
+            problems.append(f"tau: must be in (0, 1), got {self.tau}")
+        if self.min_chunk < 1:
+            problems.append(f"min_chunk: must be >= 1, got {self.min_chunk}")
+        if self.max_chunk < 1:
+            problems.append(f"max_chunk: must be >= 1, got {self.max_chunk}")
+        if self.min_chunk > self.max_chunk:
+            problems.append(f"min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
+        if self.block < 1:
+            problems.append(f"block: must be >= 1, got {self.block}")
+        return problems
+
+
+class EntropyPolicy(nn.Module):
+    Config = EntropyPolicyConfig
+    uses_null_class = False
+    needs_predictor = True  # the model binds ``predictor(h) -> next-token logits`` (its LM head)
+
+    def __init__(self, config: EntropyPolicyConfig, ctx=None):
+        super().__init__()
+        self.config = config
+        self.predictor = None
+
+    def confidence(self, h: torch.Tensor) -> torch.Tensor:
+        """Top-1 next-token probability [...] of the logit lens on shallow states h [..., d]."""
+        if self.predictor is None:
+            raise RuntimeError("entropy policy: no predictor bound (build the policy through concept.build)")
+        flat = h.detach().reshape(-1, h.shape[-1])
+        with torch.no_grad():
+            out = [torch.softmax(self.predictor(part).float(), dim=-1).amax(-1) for part in flat.split(self.config.block)]
+            return torch.cat(out).view(h.shape[:-1]) if out else flat.new_zeros(h.shape[:-1])
+
+    def init_state(self, batch_size: int, device) -> torch.Tensor:
+        return torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens of the open chunk
+
+    def _advance(self, conf_t, count):
+        cfg = self.config
+        count = count + 1
+        keep = ((count >= cfg.min_chunk) & (conf_t < cfg.tau)) | (count >= cfg.max_chunk)
+        return keep, torch.where(keep, torch.zeros_like(count), count)
+
+    def step(self, h_t, head_logits_t, count):
+        return self._advance(self.confidence(h_t), count)
+
+    def decide_with_state(self, h, head_logits, valid, reset=None):
+        """Batched: confidences in one go, then a scan of the step rule over t (padding does not
+        advance a row's state; a document start resets it)."""
+        conf = self.confidence(h)
+        B, T = valid.shape
+        count = self.init_state(B, valid.device)
+        keep = torch.zeros_like(valid)
+        for t in range(T):
+            if reset is not None:
+                count = torch.where(reset[:, t], torch.zeros_like(count), count)
+            k, new = self._advance(conf[:, t], count)
+            keep[:, t] = k & valid[:, t]
+            count = torch.where(valid[:, t], new, count)
+        return keep, count
+
+    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
+        return self.decide_with_state(h, head_logits, valid, reset)[0]

@@ -1,0 +1,48 @@
+"""`fixed`: a concept every ``every`` tokens, whatever the text (fixed-K chunking).
+
+``keep_t`` is true for the last token of every chunk of ``every`` tokens, counted from the
+start of each document (left padding does not count). The realised ratio is exactly
+``1 / every`` on long documents, so there is nothing to control and nothing to learn in
+the policy; the concept *ids* still come from the ConceptHead and the sampler. The head
+has no NULL class. The deep tail never holds more than ``every - 1`` tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from concept.packing import time_positions
+
+
+@dataclass
+class FixedPolicyConfig:
+    every: int = 4  # tokens per chunk; the chunk's last token emits the concept
+
+    def validate(self) -> list[str]:
+        return [] if self.every >= 1 else [f"every: must be >= 1, got {self.every}"]
+
+
+class FixedPolicy(nn.Module):
+    Config = FixedPolicyConfig
+    uses_null_class = False
+
+    def __init__(self, config: FixedPolicyConfig, ctx=None):
+        super().__init__()
+        self.config = config
+        self.every = config.every
+
+    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
+        """Batched: position in the document (restarting at each ``reset``) -> keep [B, T]."""
+        doc = None if reset is None else torch.cumsum(reset.long(), dim=1)
+        pos = time_positions(valid, doc)
+        return ((pos + 1) % self.every == 0) & valid
+
+    def init_state(self, batch_size: int, device) -> torch.Tensor:
+        return torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens of the open chunk
+
+    def step(self, h_t, head_logits_t, count):
+        count = count + 1
+        keep = count == self.every
+        return keep, torch.where(keep, torch.zeros_like(count), count)

@@ -1,0 +1,121 @@
+"""`threshold` ("sum + threshold"): accumulate a learned per-token score since the last boundary;
+emit a concept when the sum reaches the threshold, then start again from zero.
+
+    p_t = sigmoid(w . rms_norm(h_t) + b - null_bias)          (the learned score, in (0, 1))
+    S_t = S_{t-1} + p_t  (S = 0 after a boundary or at a document start)
+    keep_t = S_t >= threshold  or  max_run NULLs in a row
+
+A chunk therefore ends after about ``threshold / mean(p)`` tokens: confident "this token
+completes something" scores close chunks fast. ``null_bias`` is the ratio controller's knob
+(as for `null`); ``keep_logit`` / ``boundary_prob`` expose the score to the controller and
+to the H-Net ratio loss.
+
+Differentiable path (straight-through): the decision is hard, so the LM loss reaches the
+score through a gate on the concept input, ``e * (1 + g - stopgrad(g))`` with
+``g = sigmoid(sharpness * (S_t - threshold))`` at the emitting token. Its forward value is
+exactly 1; its gradient tells the score projection whether ending the chunk earlier or
+later would have helped (H-Net's confidence-weighted straight-through, applied to the sum).
+The head has no NULL class under this policy (``uses_null_class = False``).
+
+The rule is sequential (the sum resets at boundaries), so the batched decision is a scan of
+the step-wise rule over t: they agree by construction. The scan is O(T) small tensor ops;
+the network itself still runs in one pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ThresholdPolicyConfig:
+    threshold: float = 1.0  # emit when the accumulated score reaches this
+    max_run: int = 16  # longest run of consecutive NULL tokens (bounds the deep tail)
+    sharpness: float = 4.0  # slope of the straight-through gate around the threshold
+    init_score: float = 0.25  # initial mean score (about threshold / init_score tokens per chunk)
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not self.threshold > 0:
+            problems.append(f"threshold: must be > 0, got {self.threshold}")
+        if self.max_run < 1:
+            problems.append(f"max_run: must be >= 1, got {self.max_run}")
+        if not self.sharpness > 0:
+            problems.append(f"sharpness: must be > 0, got {self.sharpness}")
+        if not 0 < self.init_score < 1:
+            problems.append(f"init_score: must be in (0, 1), got {self.init_score}")
+        return problems
+
+
+class ThresholdPolicy(nn.Module):
+    Config = ThresholdPolicyConfig
+    uses_null_class = False
+
+    def __init__(self, config: ThresholdPolicyConfig, ctx):
+        super().__init__()
+        self.config = config
+        self.threshold, self.max_run = config.threshold, config.max_run
+        self.score = nn.Linear(ctx.hidden_size, 1)
+        nn.init.normal_(self.score.weight, std=ctx.hidden_size ** -0.5)
+        nn.init.constant_(self.score.bias, float(torch.logit(torch.tensor(config.init_score))))
+        self.register_buffer("null_bias", torch.zeros(()))
+
+    # -- the score ------------------------------------------------------------------------
+    def keep_logit(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Log-odds of the per-token score p_t."""
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.score(x.to(self.score.weight.dtype))[..., 0].float() - self.null_bias
+
+    def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.keep_logit(head_logits, h))
+
+    # -- decisions ------------------------------------------------------------------------
+    def init_state(self, batch_size: int, device):
+        return (torch.zeros(batch_size, device=device), torch.zeros(batch_size, dtype=torch.long, device=device))
+
+    def _advance(self, p_t, state):
+        total, run = state
+        total = total + p_t
+        keep = (total >= self.threshold) | (run >= self.max_run)
+        zero = torch.zeros_like(total)
+        return keep, (torch.where(keep, zero, total), torch.where(keep, torch.zeros_like(run), run + 1))
+
+    def step(self, h_t, head_logits_t, state):
+        return self._advance(self.boundary_prob(head_logits_t, h_t).detach(), state)
+
+    def decide_with_state(self, h, head_logits, valid, reset=None):
+        """Batched: a scan of the step rule over t (padding does not advance a row's state;
+        a document start resets it). Returns keep [B, T] and the state after the last token."""
+        p = self.boundary_prob(head_logits, h).detach()
+        B, T = valid.shape
+        state = self.init_state(B, valid.device)
+        keep = torch.zeros_like(valid)
+        for t in range(T):
+            if reset is not None:
+                fresh = self.init_state(B, valid.device)
+                state = tuple(torch.where(reset[:, t], f, s) for f, s in zip(fresh, state))
+            k, new = self._advance(p[:, t], state)
+            live = valid[:, t]
+            keep[:, t] = k & live
+            state = tuple(torch.where(live, n, s) for n, s in zip(new, state))
+        return keep, state
+
+    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
+        return self.decide_with_state(h, head_logits, valid, reset)[0]
+
+    def gate(self, h, head_logits, keep, valid, reset=None) -> torch.Tensor:
+        """[B, T] soft boundary value at each token, differentiable in the score: the
+        straight-through gate for the concept inputs (its forward value is not used)."""
+        p = self.boundary_prob(head_logits, h)
+        t = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+        starts = keep.roll(1, dims=1)
+        starts[:, 0] = True
+        if reset is not None:
+            starts = starts | reset
+        total = torch.cumsum(p * valid, dim=1)
+        before = torch.cat([torch.zeros_like(total[:, :1]), total[:, :-1]], dim=1)  # sum up to t - 1
+        last = torch.cummax(torch.where(starts, t, torch.zeros_like(t)), dim=1).values
+        chunk_sum = total - before.gather(1, last)
+        return torch.sigmoid(self.config.sharpness * (chunk_sum - self.threshold))

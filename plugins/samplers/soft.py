@@ -1,0 +1,37 @@
+"""`soft`: the concept input is the probability-weighted mixture of concept embeddings, with no
+hard step: ``e = probs @ E`` with ``probs = softmax(logits / tau)``. Gradients reach every
+concept embedding in proportion to its probability. The concept *id* reported (diagnostics,
+``concept_ids``) is the most probable one, but the input is the mixture.
+
+Train and evaluate with it (``--sampler soft --eval-sampler soft``): with the default
+``argmax`` eval sampler the model would see hard embeddings at inference that it never saw
+in training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SoftConfig:
+    tau: float = 1.0  # temperature of the mixture weights
+
+    def validate(self) -> list[str]:
+        return [] if self.tau > 0 else [f"tau: temperature must be > 0, got {self.tau}"]
+
+
+class SoftSampler(nn.Module):
+    Config = SoftConfig
+    straight_through = False
+    hard = False  # the concept input is the mixture itself
+
+    def __init__(self, config: SoftConfig, ctx=None):
+        super().__init__()
+        self.config = config
+        self.tau = config.tau
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float() / self.tau, dim=-1).to(logits.dtype)

@@ -1,0 +1,235 @@
+"""Every length policy, sampler and position scheme, interchangeable: the one-pass forward equals
+the naive per-t reference, decoding equals teacher forcing, and batched decisions equal
+step-wise ones (SPEC §2.2-2.4)."""
+import pytest
+import torch
+
+import concept
+from concept import ComponentRef
+from concept.errors import ConfigError
+from tests.conftest import randomize_new_modules, tiny_config
+from tests.reference import reference_logits
+
+POLICIES = {
+    "null": ("null", {"max_run": 3}),
+    "threshold": ("threshold", {"threshold": 1.0, "max_run": 3}),
+    "fixed": ("fixed", {"every": 3}),
+    "entropy": ("entropy", {"min_chunk": 2, "max_chunk": 4}),
+}
+BACKENDS = ["sdpa", "chunked"]
+SCHEMES = ["time", "per-type", "compact"]
+
+
+def ids(B=3, T=14, seed=0):
+    return torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def mix_decisions(model):
+    """Tune the policy so that a random input gets both kinds of token."""
+    policy = model.length_policy
+    with torch.no_grad():
+        x = ids(4, 64, seed=9)
+        out = model(x)
+        if hasattr(policy, "keep_logit"):
+            policy.null_bias += torch.quantile(policy.keep_logit(out.head_logits, out.shallow).flatten().double(), 0.7).float()
+        if hasattr(policy, "confidence"):
+            policy.config.tau = float(torch.quantile(policy.confidence(out.shallow).flatten(), 0.4))
+    return model
+
+
+_CACHE = {}
+
+
+def make(policy="null", attention="sdpa", positions="time", backbone="tiny-llama", **extra):
+    key = (policy, attention, positions, backbone, tuple(sorted((k, str(v)) for k, v in extra.items())))
+    if key not in _CACHE:
+        cfg = tiny_config(backbone=backbone, attention=attention, positions=positions, policy=POLICIES[policy], **extra)
+        _CACHE[key] = mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("positions", SCHEMES)
+def test_one_pass_matches_naive(policy, backend, positions):
+    model = make(policy, backend, positions)
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, 10:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
+    with torch.no_grad():
+        out = model(x, attention_mask=mask)
+        ref, _ = reference_logits(model, x, attention_mask=mask, keep=out.keep)
+    real = mask.bool()
+    decisions = out.keep[real]
+    assert 0 < int(decisions.sum()) < len(decisions)
+    torch.testing.assert_close(out.logits[real], ref[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("positions", SCHEMES)
+def test_decoding_matches_teacher_forcing(policy, backend, positions):
+    model = make(policy, backend, positions)
+    prompts = [ids(1, 9, seed=2)[0].tolist(), ids(1, 4, seed=3)[0].tolist()]
+    gen = model.generate(prompts, max_new_tokens=12, output_logits=True)
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            seq = torch.tensor([p + gen.tokens[b]])
+            assert model(seq[:, :-1]).keep[0].tolist() == gen.keep[b]  # step-wise = batched decisions
+            forced = model(seq, keep=torch.tensor([gen.keep[b] + [False]])).logits[0]
+            n = len(gen.tokens[b])
+            torch.testing.assert_close(gen.logits[b, :n], forced[len(p) - 1:len(p) - 1 + n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_batched_and_stepwise_decisions_agree_with_padding_and_documents(policy):
+    model = make(policy)
+    x = ids(3, 20, seed=4)
+    valid = torch.ones_like(x, dtype=torch.bool)
+    valid[0, :5] = False  # left padding
+    reset = torch.zeros_like(valid)
+    reset[1, [0, 7, 15]] = True  # three packed documents in row 1
+    reset[0, 5] = reset[2, 0] = True
+    with torch.no_grad():
+        h = model.shallow_states(x, valid, torch.cumsum(reset.long(), 1))
+        head_logits = model.vocabulary.logits(h)
+        batched = model.length_policy.decide(h, head_logits, valid, reset)
+        state = model.length_policy.init_state(3, "cpu")
+        steps = []
+        for t in range(x.shape[1]):
+            fresh = model.length_policy.init_state(3, "cpu")
+            state = torch.utils._pytree.tree_map(lambda f, s: torch.where(reset[:, t], f, s), fresh, state)
+            k, new = model.length_policy.step(h[:, t], head_logits[:, t], state)
+            steps.append(k & valid[:, t])
+            state = torch.utils._pytree.tree_map(lambda n, s: torch.where(valid[:, t], n, s), new, state)
+    assert torch.equal(batched, torch.stack(steps, 1))
+
+
+def test_tail_is_bounded_by_each_policy():
+    for policy, bound in (("null", 3), ("threshold", 3), ("fixed", 2), ("entropy", 3)):
+        model = make(policy)
+        keep = model(ids(4, 64, seed=7)).keep
+        longest = 0
+        for row in keep.tolist():
+            run = 0
+            for k in row:
+                run = 0 if k else run + 1
+                longest = max(longest, run)
+        assert longest <= bound, policy
+
+
+def test_fixed_policy_emits_every_n_tokens_per_document():
+    model = make("fixed")
+    x = ids(1, 12)
+    reset = torch.zeros(1, 12, dtype=torch.bool)
+    reset[0, [0, 5]] = True
+    keep = model.length_policy.decide(None, None, torch.ones_like(reset), reset)
+    assert keep[0].tolist() == [False, False, True, False, False] + [False, False, True, False, False, True, False]
+    out = model(x, document_ids=torch.cumsum(reset.long(), 1))
+    assert torch.equal(out.keep, keep)
+
+
+# -- samplers -------------------------------------------------------------------------------------
+SAMPLERS = {"soft": ("soft", "soft"), "hidden-projection": ("hidden-projection", "argmax")}
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_samplers_match_naive_in_eval_and_training(name, backend):
+    from concept.model import next_token_loss
+
+    train_s, eval_s = SAMPLERS[name]
+    model = make("null", backend, "per-type", sampler=ComponentRef(train_s), eval_sampler=ComponentRef(eval_s))
+    x = ids()
+    with torch.no_grad():
+        out = model(x)
+        ref, _ = reference_logits(model, x, keep=out.keep)
+    torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
+    model.train()
+    try:
+        grads = []
+        for fn in (lambda: model(x, keep=out.keep).logits, lambda: reference_logits(model, x, keep=out.keep)[0]):
+            model.zero_grad(set_to_none=True)
+            next_token_loss(fn(), x, torch.ones_like(x, dtype=torch.bool)).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        model.eval()
+    assert set(grads[0]) == set(grads[1])
+    assert any(n.startswith("vocabulary.table") for n in grads[0])
+    if name == "hidden-projection":
+        assert {"sampler.proj.weight", "sampler.gate", "sampler.scale"} <= set(grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_hidden_projection_starts_near_the_plain_embedding():
+    model = concept.build(tiny_config(sampler=ComponentRef("hidden-projection", {"gate_init": 0.99, "lr": 5e-4})))
+    sampler = model.sampler
+    e = model.vocabulary.embed_hard(torch.arange(8))
+    h = torch.randn(8, 64)
+    mixed = sampler.mix(e, h)
+    cos = torch.nn.functional.cosine_similarity(mixed, e, dim=-1)
+    assert torch.all(cos > 0.95)
+    assert sampler.scale.item() == pytest.approx(float(model.backbone.get_input_embeddings().weight.norm(dim=-1).mean()))
+    assert sampler.learning_rate == 5e-4
+
+
+def test_compact_positions_number_concepts_in_the_middle_stack_only():
+    model = make("fixed", positions="compact")
+    pos, rank = torch.tensor([[2, 5, 8]]), torch.tensor([[0, 1, 2]])
+    assert model.positions.concept_positions(pos, rank, "middle").tolist() == [[0, 1, 2]]
+    assert model.positions.concept_positions(pos, rank, "deep").tolist() == [[2, 5, 8]]
+
+
+# -- threshold: the straight-through path ----------------------------------------------------------
+def test_threshold_gate_passes_lm_gradients_to_the_score_and_leaves_the_forward_unchanged():
+    from concept.model import next_token_loss
+
+    model = make("threshold", "chunked")
+    x = ids()
+    model.train()
+    try:
+        torch.manual_seed(0)
+        out = model(x)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            plain = model(x)  # no grad: no gate
+        torch.testing.assert_close(out.logits, plain.logits, atol=0, rtol=0)
+        model.zero_grad(set_to_none=True)
+        next_token_loss(out.logits, x, torch.ones_like(x, dtype=torch.bool)).backward()
+    finally:
+        model.eval()
+    grad = model.length_policy.score.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+# -- bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy, options, messages", [
+    ("threshold", {"threshold": 0}, ["threshold: must be > 0"]),
+    ("fixed", {"every": 0}, ["every: must be >= 1"]),
+    ("entropy", {"tau": 1.0, "min_chunk": 5, "max_chunk": 3}, ["tau: must be in (0, 1)", "min_chunk (5) must be <= max_chunk (3)"]),
+    ("entropy", {"tau": 0}, ["tau: must be in (0, 1)"]),
+])
+def test_out_of_range_policy_parameters_are_rejected_at_build_time(policy, options, messages):
+    with pytest.raises(ConfigError) as err:
+        concept.build(tiny_config(policy=(policy, options)))
+    for m in messages:
+        assert any(m in p for p in err.value.problems), (m, err.value.problems)
+
+
+def test_cli_builds_every_policy_and_scheme(tmp_path):
+    from click.testing import CliRunner
+
+    from concept_cli.main import cli
+
+    tiny = ["--backbone", "tiny-llama", "--set", "backbone.layers=4", "--set", "backbone.hidden=32", "--set",
+            "backbone.heads=2", "--set", "backbone.kv_heads=1", "--split", "1,2,1", "--dry-run", "--json"]
+    for args in (["--length-policy", "threshold", "--set", "length_policy.threshold=1.5"],
+                 ["--length-policy", "fixed", "--set", "length_policy.every=8"],
+                 ["--length-policy", "entropy", "--set", "length_policy.tau=0.9", "--set", "length_policy.max_chunk=16"],
+                 ["--rope", "compact"], ["--sampler", "soft", "--eval-sampler", "soft"], ["--sampler", "hidden-projection"]):
+        r = CliRunner().invoke(cli, ["build", *tiny, *args])
+        assert r.exit_code == 0, (args, r.output)
+    r = CliRunner().invoke(cli, ["build", *tiny, "--length-policy", "fixed", "--set", "length_policy.every=0"])
+    assert r.exit_code == 2 and "every: must be >= 1" in r.output
