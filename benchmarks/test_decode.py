@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from concept.decoding import ConceptDecoder, DenseDecoder
-from concept.flops import Shape, decode_flops
+from concept.flops import head_classes, Shape, decode_flops
 
 from .test_forward import _model
 
@@ -70,7 +70,7 @@ def test_decode_vs_dense(benchmark, record, request, backbone, T):
         concept_s.append(seconds)
     d, c = statistics.median(dense_s), statistics.median(concept_s)
     keep = torch.tensor(decoder.keep[0])
-    classes = model.vocabulary.head.out_features
+    classes = head_classes(model)
     ideal = decode_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, classes, STEPS)
     kv = decoder.kv_stats()[0]
     benchmark.pedantic(_steps, setup=lambda: (_prefill(ConceptDecoder(model), ids), {}), rounds=3, iterations=1)

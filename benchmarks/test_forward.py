@@ -10,7 +10,7 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.flops import Shape, evenly_spaced_keep, forward_flops
+from concept.flops import head_classes, Shape, evenly_spaced_keep, forward_flops
 
 from .conftest import side_by_side
 
@@ -40,7 +40,7 @@ def test_forward_vs_dense(benchmark, record, request, backbone, T, attention):
     ids = torch.randint(0, model.backbone.config.vocab_size, (1, T))
     keep = evenly_spaced_keep(T, RATIO)[None]
     ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep[0],
-                          model.vocabulary.head.out_features)
+                          head_classes(model))
     with torch.no_grad():
         if benchmark.disabled:  # smoke run (CI): one call each, no timing claims
             model(ids, keep=keep), model.backbone(ids)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from concept.dense import DenseModel
-from concept.flops import Shape, evenly_spaced_keep, forward_flops
+from concept.flops import head_classes, Shape, evenly_spaced_keep, forward_flops
 from concept.lora import LoraSettings, add_lora
 
 from .conftest import side_by_side
@@ -31,7 +31,7 @@ def test_train_step_vs_dense(benchmark, record, request, backbone, B, T):
     keep = evenly_spaced_keep(T, RATIO)[None].expand(B, T)
     # ideal: forward FLOPs ratio (backward scales the same way for the layers)
     ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep[0],
-                          model.vocabulary.head.out_features)
+                          head_classes(model))
 
     def step(m, **kw):
         m(ids, labels=ids, **kw).loss.backward()

@@ -14,7 +14,19 @@ ROWS = [("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token
         ("usage_perplexity", "concept usage perplexity", "{:.1f}"), ("usage_fraction", "concept ids used / K", "{:.4f}"),
         ("head_entropy", "head entropy (nats)", "{:.3f}"), ("max_prob", "head mean max-prob", "{:.3f}"),
         ("cos_soft_hard", "cos(e_soft, e_hard)", "{:.3f}"), ("tokens", "tokens evaluated", "{:,}"),
-        ("train_steps", "training steps", "{:,}"), ("train_tokens_per_s", "training tokens/s (median)", "{:.0f}")]
+        ("train_steps", "training steps", "{:,}"), ("train_tokens_per_s", "training tokens/s (median)", "{:.0f}"),
+        ("train_speed_vs_dense", "training speed vs dense", "{:.2f}x")]
+
+
+def speed_vs_dense(results: dict) -> None:
+    """With a dense baseline among the compared runs, add each run's training tokens/s relative to it
+    (the runs were trained one after another, so this ratio carries the machine's noise)."""
+    dense = [r["train_tokens_per_s"] for r in results.values() if "ratio" not in r and r.get("train_tokens_per_s")]
+    if not dense:
+        return
+    for r in results.values():
+        if r.get("train_tokens_per_s"):
+            r["train_speed_vs_dense"] = r["train_tokens_per_s"] / dense[0]
 
 
 def training_throughput(run: Path) -> dict:
@@ -93,6 +105,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
 
             stdout.print(f"[bold]compression map[/] of {run} ({docs[0].name}); highlighted tokens emitted a concept:")
             stdout.print(compression_map(model, tokenizer, docs[0].text, max_tokens=200))
+    speed_vs_dense(results)
     if as_json:
         print_json(results if (compare or len(runs) > 1) else results[str(runs[0])])
         return

@@ -11,7 +11,7 @@ from .output import print_json, quiet_progress_bars, status, stdout, table
 # CLI option -> TrainConfig field (LoRA options map into config.lora)
 FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum": "grad_accum", "lr": "lr",
           "lr_new": "lr_new", "warmup": "warmup", "clip": "clip", "target_ratio": "target_ratio",
-          "ratio_control": "ratio_control", "ratio_loss_weight": "ratio_loss_weight", "data": "data",
+          "ratio_control": "ratio_control", "ratio_loss_weight": "ratio_loss_weight", "usage_weight": "usage_weight", "data": "data",
           "text_field": "text_field", "encoding_errors": "encoding_errors", "seed": "seed",
           "eval_every": "eval_every", "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
           "log_every": "log_every", "grad_checkpointing": "grad_checkpointing", "baseline": "baseline",
@@ -41,6 +41,8 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.option("--target-ratio", type=float, default=0.25, show_default=True, help="Concepts per token to aim for.")
 @click.option("--ratio-control", type=click.Choice(["both", "pi", "loss", "none"]), default="both", show_default=True)
 @click.option("--ratio-loss-weight", type=float, default=0.1, show_default=True)
+@click.option("--usage-weight", type=float, default=0.0, show_default=True,
+              help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
 @click.option("--calibration-batches", type=int, default=16, show_default=True,
               help="At the end, re-estimate the NULL bias for the target ratio on this many training batches (0: off).")
 @click.option("--tau-start", type=float, default=1.0, show_default=True, help="Gumbel temperature at step 0.")

@@ -5,14 +5,19 @@ Every component class has a ``Config`` dataclass (see ``concept.config``) and is
 
 Length policy (``nn.Module``)
     ``uses_null_class: bool`` — the concept head has K+1 classes (NULL last).
-    ``decide(h, index, valid) -> keep``: batched decision for a whole sequence [B, T].
-    ``init_state(batch_size, device)`` / ``step(h_t, index_t, state) -> (keep_t, state)``:
+    ``decide(h, head_logits, valid, reset=None) -> keep``: batched decision for whole sequences [B, T].
+    ``init_state(batch_size, device)`` / ``step(h_t, head_logits_t, state) -> (keep_t, state)``:
     the step-wise decision used in decoding; must agree exactly with ``decide``.
+    Optional: ``decide_with_state`` (batched decision + final state, used after a prefill),
+    ``keep_logit`` / ``boundary_prob`` / ``null_bias`` (ratio control), ``gate`` (a soft
+    boundary for a straight-through path), ``needs_predictor`` (bind the backbone's LM head).
 
 Sampler (``nn.Module``)
     ``forward(logits) -> probs``: soft (possibly perturbed) class probabilities; the hard
     decision is ``probs.argmax(-1)``. ``straight_through: bool`` selects
     ``e = e_hard + (e_soft - stopgrad(e_soft))`` (True) or hard only without gradient (False).
+    Optional: ``hard = False`` (the input is the soft mixture), ``mix(e, h)`` (latent feedback),
+    ``learning_rate`` (its own learning rate).
 
 Vocabulary (``nn.Module``)
     ``size`` (K), ``logits(h) -> [.., K (+1)]``, ``embed_hard(ids)``, ``embed_soft(probs_k)``.

@@ -5,9 +5,11 @@ forward, whose keys and values fill three caches; then every new token
 
 1. goes through the shallow stack (shallow cache: every token),
 2. is classified by the head, and the length policy's *step-wise* rule decides keep / NULL,
-3. if it emits a concept: the concept's embedding goes through the middle stack (middle cache:
-   concepts only), the deep cache drops its tail, and the middle output enters the deep stack;
-   if NULL: its shallow state enters the deep stack as a tail token,
+3. if it emits a concept: the deep cache drops its tail, the concept's embedding goes through
+   the middle stack (middle cache: concepts only) and its output enters the deep stack (a
+   policy that emits M concepts at once pushes M slots through, one after the other, with
+   ids from the last M tokens); if NULL: its shallow state enters the deep stack as a tail
+   token,
 4. the deep output gives the next-token logits.
 
 The logits of every step equal the teacher-forced one-pass logits with the same decisions
@@ -54,9 +56,16 @@ class ConceptDecoder:
         out = model(input_ids, attention_mask=valid, cache=self.cache, logits_to_keep=int(left_padded))
         self.cache.adopt(valid, out.layout)
         self.pos = valid.sum(1)  # position of the next token of each row
-        self.num_concepts = out.keep.sum(1)
+        self.num_concepts = out.keep.sum(1) * model.emit  # concept slots so far
         self.keep = [out.keep[b, valid[b]].tolist() for b in range(B)]
         self.state = self._replay(out, valid)
+        # the last `emit` real tokens of each row: where the next concepts take their ids from
+        M = model.emit
+        src = (last_real(valid)[:, None] - (M - 1) + torch.arange(M, device=valid.device)).clamp(min=0)
+        h_src = out.shallow.gather(1, src[..., None].expand(-1, -1, out.shallow.shape[-1]))
+        _, probs, _, _ = model.decide(h_src, torch.ones_like(src, dtype=torch.bool), torch.zeros_like(src, dtype=torch.bool))
+        positions = packing.time_positions(valid).gather(1, src)
+        self.recent = (h_src, probs, probs.argmax(-1), positions)
         self.max_tail = int(self.cache.deep.tail_entries().max()) if B else 0
         return out.logits[:, -1] if left_padded else out.logits[torch.arange(B), last_real(valid)]
 
@@ -98,26 +107,34 @@ class ConceptDecoder:
         head_logits = model.vocabulary.logits(h)
         keep, self.state = model.length_policy.step(h[:, 0], head_logits[:, 0], self.state)
         keep = keep.bool()
-        _, probs, _, ids = model.decide(h, everyone[:, None], keep[:, None])
+        _, probs, _, _ = model.decide(h, everyone[:, None], keep[:, None])
+        self.recent = tuple(torch.cat([old[:, 1:], new], dim=1)
+                            for old, new in zip(self.recent, (h, probs, probs.argmax(-1), pos)))
 
-        # middle: the new concepts (rows that emitted one)
+        # a concept drops the row's tail; its slots go through the middle stack, then the deep one
         deep_in, deep_pos = h, text_pos
         if bool(keep.any()):
-            rank = self.num_concepts[:, None]
-            c = model.positions.add_concept_type(model.concept_inputs(probs, ids, torch.zeros_like(pos), h))
-            middle_pos = model.positions.concept_positions(pos, rank, "middle")
-            c = model.run_stack(model.middle, c, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
-            cache.middle.commit()
+            cache.deep.drop_tail(keep)
+            for m in range(model.emit):  # slot m takes its id and position from token t - emit + 1 + m
+                h_m, probs_m, ids_m, pos_m = (x[:, m:m + 1] for x in self.recent)
+                rank = (self.num_concepts + m)[:, None]
+                c = model.positions.add_concept_type(model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m))
+                middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
+                c = model.run_stack(model.middle, c, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
+                cache.middle.commit()
+                concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
+                if m < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
+                    model.run_stack(model.deep, c, concept_pos, DecodePlan(cache.deep.begin(keep)), cache.deep)
+                    cache.deep.commit()
             deep_in = torch.where(keep[:, None, None], c, h)
-            deep_pos = torch.where(keep[:, None], model.positions.concept_positions(pos, rank, "deep"), text_pos)
+            deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
 
-        # deep: a concept drops the row's tail; a NULL token joins it
-        cache.deep.drop_tail(keep)
+        # deep: the last concept slot, or the NULL token joining the tail
         z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(cache.deep.begin(everyone, ~keep)), cache.deep)
         cache.deep.commit()
 
         self.pos = self.pos + 1
-        self.num_concepts = self.num_concepts + keep.long()
+        self.num_concepts = self.num_concepts + keep.long() * model.emit
         for b, k in enumerate(keep.tolist()):
             self.keep[b].append(k)
         self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))

@@ -73,6 +73,7 @@ def _concept_stats(model, out, valid: torch.Tensor) -> dict:
     stats = {
         "real": int(valid.sum()),
         "kept": int(keep.sum()),
+        "slots": int(keep.sum()) * getattr(m, "emit", 1),  # concept slots (emit per emitting token)
         "histogram": torch.bincount(ids.long().flatten(), minlength=K)[:K].cpu(),
         "entropy_sum": 0.0,
         "max_prob_sum": 0.0,
@@ -116,7 +117,7 @@ def _finish_concept_stats(total: dict, K: int) -> dict[str, float]:
     kept, real = total["kept"], total["real"]
     nan = float("nan")
     result = {
-        "ratio": kept / real if real else nan,
+        "ratio": total.get("slots", kept) / real if real else nan,  # concepts per token
         "head_entropy": total["entropy_sum"] / kept if kept else nan,
         "max_prob": total["max_prob_sum"] / kept if kept else nan,
     }
@@ -319,7 +320,7 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
         if stats is None:
             stats = {"real": 0, "kept": 0, "histogram": torch.zeros(K, dtype=torch.long),
                      "entropy_sum": 0.0, "max_prob_sum": 0.0, "cos_sum": 0.0}
-        result["concepts"] = stats["kept"]
+        result["concepts"] = stats.get("slots", stats["kept"])
         result.update(_finish_concept_stats(stats, K))
         if controls:
             result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count else nan

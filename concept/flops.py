@@ -42,19 +42,30 @@ def evenly_spaced_keep(T: int, ratio: float) -> torch.Tensor:
     return torch.floor((t + 1) * ratio) > torch.floor(t * ratio)
 
 
-def deep_keys(keep: torch.Tensor) -> torch.Tensor:
-    """[T] keys each deep query sees under the one-pass rule (one row, no padding): the concepts
-    emitted so far, plus for a NULL token its own run of tail tokens."""
+def deep_keys(keep: torch.Tensor, emit: int = 1) -> torch.Tensor:
+    """[T] keys each token's deep query sees under the one-pass rule (one row, no padding): the
+    concepts emitted so far (``emit`` per emitting token), plus for a NULL token its own run
+    of tail tokens. With emit > 1 this counts the last of a token's concept slots."""
     keep = keep.bool()
-    seg = torch.cumsum(keep.long(), 0)
+    seg = torch.cumsum(keep.long(), 0) * emit
     t = torch.arange(len(keep))
     last = torch.cummax(torch.where(keep, t, torch.full_like(t, -1)), 0).values
     return torch.where(keep, seg, seg + (t - last))
 
 
-def deep_pairs(keep: torch.Tensor) -> int:
+def concept_keys(keep: torch.Tensor, emit: int = 1) -> torch.Tensor:
+    """[T] keys seen by all the concept slots of each token (0 for a NULL token): slot m of an
+    emitting token with s emitting tokens before it sees s * emit + m + 1 concepts (middle
+    and deep stacks alike)."""
+    keep = keep.bool()
+    earlier = torch.cumsum(keep.long(), 0) - 1
+    return torch.where(keep, emit * emit * earlier + emit * (emit + 1) // 2, torch.zeros_like(earlier))
+
+
+def deep_pairs(keep: torch.Tensor, emit: int = 1) -> int:
     """Allowed (query, key) pairs of the one-pass deep mask for one row (no padding)."""
-    return int(deep_keys(keep).sum())
+    keep = keep.bool()
+    return int(torch.where(keep, concept_keys(keep, emit), deep_keys(keep, emit)).sum())
 
 
 @dataclass
@@ -81,9 +92,11 @@ class FlopReport:
         return {**asdict(self), "ratio": self.ratio, "speedup": self.speedup}
 
 
-def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int) -> FlopReport:
-    """FLOPs of one forward over a row with decisions ``keep`` [T], vs the dense backbone."""
-    T, C = len(keep), int(keep.sum())
+def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,
+                  emit: int = 1) -> FlopReport:
+    """FLOPs of one forward over a row with decisions ``keep`` [T] (``emit`` concepts per
+    emitting token), vs the dense backbone."""
+    T, C = len(keep), int(keep.sum()) * emit
     n_s, n_m, n_d = split
     causal = lambda n: n * (n + 1) / 2  # noqa: E731
     lm_head = 2.0 * T * shape.hidden * shape.vocab
@@ -91,34 +104,43 @@ def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor,
     shallow = n_s * (shape.linear(T) + shape.attention(causal(T)))
     head = 2.0 * T * shape.hidden * concept_classes
     middle = n_m * (shape.linear(C) + shape.attention(causal(C)))
-    deep = n_d * (shape.linear(T) + shape.attention(deep_pairs(keep)))
+    deep = n_d * (shape.linear(T - int(keep.sum()) + C) + shape.attention(deep_pairs(keep, emit)))
     return FlopReport(T, C, dense, shallow + head + middle + deep + lm_head, shallow, middle, deep, head)
+
+
+def head_classes(model) -> int:
+    """Output classes of the model's ConceptHead (K, +1 with a NULL class)."""
+    param = next(model.vocabulary.parameters())
+    return model.vocabulary.logits(torch.zeros(1, model.backbone.config.hidden_size, dtype=param.dtype,
+                                               device=param.device)).shape[-1]
 
 
 def ideal_ratio(model, ratio: float, T: int) -> FlopReport:
     """Ideal FLOPs of ``model`` at realised concepts-per-token ``ratio`` and length ``T``."""
     shape = Shape.from_hf_config(model.backbone.config)
-    classes = model.vocabulary.logits(torch.zeros(1, shape.hidden, dtype=next(model.vocabulary.parameters()).dtype)).shape[-1]
-    return forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), classes)
+    return forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), head_classes(model))
 
 
 def decode_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,
-                 steps: int) -> FlopReport:
+                 steps: int, emit: int = 1) -> FlopReport:
     """FLOPs of decoding the last ``steps`` tokens of a row with decisions ``keep`` [T], one token
     per step with KV caches, vs the dense backbone with its KV cache. A step runs the middle
-    stack only when its token emits a concept, and attends to the cached entries: every token
-    (shallow), the concepts (middle), the concepts plus the current tail (deep)."""
+    stack only when its token emits concepts (``emit`` of them), and attends to the cached
+    entries: every token (shallow), the concepts (middle), the concepts plus the current
+    tail (deep)."""
     keep = keep.bool()
     T = len(keep)
     window = slice(T - steps, T)
     seen = float(torch.arange(1, T + 1)[window].sum())  # keys of a causal query at each step
-    concepts = torch.cumsum(keep.long(), 0)[window]
     kept = keep[window]
+    slots = int(kept.sum()) * emit
+    concept_attention = float(concept_keys(keep, emit)[window].sum())
+    tail_attention = float(deep_keys(keep, emit)[window][~kept].sum())
     n_s, n_m, n_d = split
     lm_head = 2.0 * steps * shape.hidden * shape.vocab
     dense = (n_s + n_m + n_d) * (shape.linear(steps) + shape.attention(seen)) + lm_head
     shallow = n_s * (shape.linear(steps) + shape.attention(seen))
     head = 2.0 * steps * shape.hidden * concept_classes
-    middle = n_m * (shape.linear(int(kept.sum())) + shape.attention(float(concepts[kept].sum())))
-    deep = n_d * (shape.linear(steps) + shape.attention(float(deep_keys(keep)[window].sum())))
-    return FlopReport(steps, int(kept.sum()), dense, shallow + head + middle + deep + lm_head, shallow, middle, deep, head)
+    middle = n_m * (shape.linear(slots) + shape.attention(concept_attention))
+    deep = n_d * (shape.linear(steps - int(kept.sum()) + slots) + shape.attention(concept_attention + tail_attention))
+    return FlopReport(steps, slots, dense, shallow + head + middle + deep + lm_head, shallow, middle, deep, head)

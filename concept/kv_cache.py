@@ -158,7 +158,7 @@ class ConceptCache:
         meta = layout.meta
         self.shallow.adopt(valid)
         self.middle.adopt(layout.concept_meta.valid)
-        last_seg = meta.keep.sum(1, keepdim=True)  # seg of the tail tokens after the last concept
+        last_seg = meta.keep.sum(1, keepdim=True) // layout.emit  # seg of the tail tokens after the last concept
         self.deep.adopt(meta.valid & (meta.keep | (meta.seg == last_seg)), tail=~meta.keep)
 
     def stacks(self) -> dict[str, SlotCache]:

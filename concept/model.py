@@ -46,6 +46,7 @@ class ConceptModel(nn.Module):
         self.positions = positions
         self.attention = attention  # backend object (no parameters)
         self.split = tuple(split)
+        self.emit = getattr(length_policy, "emit", 1)  # concept slots per emitting token
         self.plan = plan  # the resolved build plan (config + provenance)
         self.tokenizer = tokenizer
         inner = decoder(backbone)
@@ -101,10 +102,10 @@ class ConceptModel(nn.Module):
             e = self.sampler.mix(e, at_src(h))
         return e
 
-    def deep_positions(self, pos, layout):
+    def deep_positions(self, pos, concept_pos, layout):
         """Position ids of the packed deep sequence: each element keeps its own position."""
         return torch.cat([
-            self.positions.concept_positions(pos.gather(1, layout.concept_src), layout.concept_rank, "deep"),
+            self.positions.concept_positions(concept_pos, layout.concept_rank, "deep"),
             self.positions.text_positions(pos.gather(1, layout.tail_src)),
         ], dim=1)
 
@@ -132,11 +133,12 @@ class ConceptModel(nn.Module):
         head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, starts)
         if concept_ids is not None:
             sampled_ids = torch.where(keep, concept_ids, sampled_ids)
-        layout = packing.pack(keep, valid, doc)
-        concept_pos = pos.gather(1, layout.concept_src)
+        token_ids = torch.where(keep, sampled_ids, probs.argmax(-1))  # with emit > 1 ids also come from earlier tokens
+        layout = packing.pack(keep, valid, doc, self.emit)
+        concept_pos = pos.gather(1, layout.concept_id_src)
 
         # middle: concepts only, causal among concepts
-        c = self.concept_inputs(probs, sampled_ids, layout.concept_src, h)
+        c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h)
         if self.training and torch.is_grad_enabled() and hasattr(self.length_policy, "gate"):
             # straight-through gate of the policy's soft boundary (forward value exactly 1)
             g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)
@@ -151,7 +153,7 @@ class ConceptModel(nn.Module):
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
         tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
         z = torch.cat([c, tail], dim=1)
-        z = self.run_stack(self.deep, z, self.deep_positions(pos, layout), self.attention.plan(layout),
+        z = self.run_stack(self.deep, z, self.deep_positions(pos, concept_pos, layout), self.attention.plan(layout),
                            None if cache is None else cache.deep)
 
         # back to time order; element t predicts token t + 1

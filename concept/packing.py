@@ -12,6 +12,12 @@ which lets block-sparse backends skip most tiles. The rule, for query i and key 
 
     allowed(i, j) = t_j <= t_i  and  (keep_j  or  (not keep_i and seg_i == seg_j))
 
+A policy may emit M > 1 concepts at one boundary (``emit``): token t then owns M concept
+slots at time t, numbered ``sub`` = 0..M-1, and among slots of the same time the order is
+causal (``t_j < t_i or (t_j == t_i and sub_j <= sub_i)``). Slot ``sub`` takes its concept
+id (and its RoPE position) from token ``t - M + 1 + sub``, one of the chunk's last M tokens
+(``concept_id_src``); the logits at t are read from the last slot.
+
 (concept -> concept causal, tail -> concept allowed, tail -> tail causal inside its own
 segment, concept -> tail forbidden), keys must be real and of the same document, and
 padding queries may look anywhere (their outputs are never used).
@@ -34,9 +40,11 @@ class SlotMeta:
     seg: torch.Tensor  # cumsum(keep) at t
     valid: torch.Tensor  # the slot is a real element (not padding)
     doc: torch.Tensor  # document id (packed sequences hold several documents)
+    sub: torch.Tensor | None = None  # index among the concept slots of one time (emit > 1)
 
     def __getitem__(self, idx) -> "SlotMeta":
-        return SlotMeta(self.time[idx], self.keep[idx], self.seg[idx], self.valid[idx], self.doc[idx])
+        sub = None if self.sub is None else self.sub[idx]
+        return SlotMeta(self.time[idx], self.keep[idx], self.seg[idx], self.valid[idx], self.doc[idx], sub)
 
 
 def allowed(q: SlotMeta, k: SlotMeta) -> torch.Tensor:
@@ -45,7 +53,10 @@ def allowed(q: SlotMeta, k: SlotMeta) -> torch.Tensor:
     keep_i, keep_j = q.keep[:, :, None], k.keep[:, None, :]
     same_seg = q.seg[:, :, None] == k.seg[:, None, :]
     same_doc = q.doc[:, :, None] == k.doc[:, None, :]
-    ok = (t_j <= t_i) & (keep_j | (~keep_i & same_seg)) & same_doc & k.valid[:, None, :]
+    earlier = t_j <= t_i
+    if q.sub is not None and k.sub is not None:  # several concept slots at one time: causal by sub
+        earlier = (t_j < t_i) | ((t_j == t_i) & (k.sub[:, None, :] <= q.sub[:, :, None]))
+    ok = earlier & (keep_j | (~keep_i & same_seg)) & same_doc & k.valid[:, None, :]
     return ok | ~q.valid[:, :, None]
 
 
@@ -59,6 +70,12 @@ class PackedLayout:
     tail_src: torch.Tensor  # [B, L - C] time index of each tail slot
     slot_of_time: torch.Tensor  # [B, T] which slot holds element t
     concept_rank: torch.Tensor  # [B, C] 0, 1, ... rank among the concepts of the same document
+    concept_id_src: torch.Tensor | None = None  # [B, C] token giving each slot's id and position
+    emit: int = 1  # concept slots per emitting token
+
+    def __post_init__(self):
+        if self.concept_id_src is None:
+            self.concept_id_src = self.concept_src
 
     @property
     def length(self) -> int:
@@ -80,17 +97,23 @@ def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, present
 
 
-def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = None) -> PackedLayout:
-    """Build the concepts-first packed layout for ``keep`` / ``valid`` [B, T] (bool) and
-    optional document ids ``doc`` [B, T]."""
+def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = None, emit: int = 1) -> PackedLayout:
+    """Build the concepts-first packed layout for ``keep`` / ``valid`` [B, T] (bool), optional
+    document ids ``doc`` [B, T], and ``emit`` concept slots per emitting token."""
     keep = keep & valid
     doc = torch.zeros_like(keep, dtype=torch.long) if doc is None else doc
     tail = valid & ~keep
     seg = torch.cumsum(keep.long(), dim=1)
-    num_c = int(keep.sum(1).max()) if keep.numel() else 0
+    num_c = int(keep.sum(1).max()) * emit if keep.numel() else 0
     num_tail = int(tail.sum(1).max()) if tail.numel() else 0
 
-    concept_src, concept_valid = _first_k(keep, num_c)
+    if emit == 1:
+        concept_src, concept_valid = _first_k(keep, num_c)
+        sub = None
+    else:  # every emitting token repeated emit times, in (time, sub) order
+        flat, concept_valid = _first_k(keep[:, :, None].expand(-1, -1, emit).reshape(keep.shape[0], -1), num_c)
+        concept_src, concept_sub = flat // emit, flat % emit
+        sub = torch.cat([concept_sub, concept_sub.new_zeros(keep.shape[0], num_tail)], dim=1)
     tail_src, tail_valid = _first_k(tail, num_tail)
     time = torch.cat([concept_src, tail_src], dim=1)
     slot_keep = torch.cat([concept_valid, torch.zeros_like(tail_valid)], dim=1)
@@ -99,7 +122,7 @@ def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = Non
     slot_seg = torch.where(slot_valid, seg.gather(1, time), torch.full_like(time, PAD_SEG))
 
     tail_rank = torch.cumsum(tail.long(), dim=1) - 1
-    slot_of_time = torch.where(keep, seg - 1, num_c + tail_rank)
+    slot_of_time = torch.where(keep, seg * emit - 1, num_c + tail_rank)  # a concept's last slot
     slot_of_time = torch.where(valid, slot_of_time, torch.zeros_like(slot_of_time))
     # rank of each concept among its document's concepts (documents are contiguous in a row)
     index = torch.arange(num_c, device=keep.device).expand(keep.shape[0], num_c)
@@ -109,11 +132,13 @@ def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = Non
     concept_rank = index - torch.cummax(torch.where(first, index, torch.zeros_like(index)), dim=1).values
     return PackedLayout(
         num_concepts=num_c,
-        meta=SlotMeta(time=time, keep=slot_keep, seg=slot_seg, valid=slot_valid, doc=doc.gather(1, time)),
+        meta=SlotMeta(time=time, keep=slot_keep, seg=slot_seg, valid=slot_valid, doc=doc.gather(1, time), sub=sub),
         concept_src=concept_src,
         tail_src=tail_src,
         slot_of_time=slot_of_time,
         concept_rank=concept_rank,
+        concept_id_src=None if emit == 1 else (concept_src - (emit - 1) + concept_sub).clamp(min=0),
+        emit=emit,
     )
 
 

@@ -94,3 +94,11 @@ class PIController:
 
     def load_state_dict(self, state: dict) -> None:
         self.ema, self.integral = state["ema"], state["integral"]
+
+
+def usage_kl(concept_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Anti-collapse regulariser (SPEC §2.5): KL(p_bar || uniform) = log K - H(p_bar), where p_bar
+    is the mean concept distribution over the tokens that emitted a concept. Zero when the batch
+    uses every concept equally; log K when it always picks the same one."""
+    p_bar = torch.softmax(concept_logits[keep].float(), dim=-1).mean(0)
+    return (p_bar * torch.log(p_bar.clamp_min(1e-12) * p_bar.shape[-1])).sum()

@@ -34,7 +34,7 @@ from .config import BuildConfig, resolve
 from .dense import DenseModel
 from .errors import ConceptError, ConfigError, RunFolderError
 from .lora import LoraSettings, add_lora, lora_state_dict
-from .ratio import PIController, RatioLoss
+from .ratio import PIController, RatioLoss, usage_kl
 
 METRICS = "metrics.jsonl"
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
@@ -60,6 +60,7 @@ class TrainConfig:
     target_ratio: float = 0.25
     ratio_control: str = "both"  # pi | loss | both | none
     ratio_loss_weight: float = 0.1
+    usage_weight: float = 0.0  # anti-collapse: weight of KL(mean concept distribution || uniform)
     pi_ki: float = 0.05  # integral gain of the ratio controller (see concept.ratio)
     calibration_batches: int = 16  # final NULL-bias calibration on this many training batches (0: off)
     tau_start: float = 1.0  # gumbel temperature, annealed linearly
@@ -92,6 +93,8 @@ class TrainConfig:
         for name in ("lr", "lr_new", "tau_start", "tau_end"):
             if not getattr(self, name) > 0:
                 p.append(f"{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")
+        if self.usage_weight < 0:
+            p.append(f"usage-weight: must be >= 0, got {self.usage_weight}")
         if self.clip <= 0 or self.weight_decay < 0 or not 0 <= self.min_lr <= 1 or self.warmup < 0:
             p.append("clip > 0, weight-decay >= 0, min-lr in [0, 1] and warmup >= 0 are required")
         if self.encoding_errors not in ("strict", "replace"):
@@ -141,7 +144,13 @@ def ratio_controllable(policy) -> bool:
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConceptError(f"--device {name}: not a device name; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConceptError(f"--device {name}: no CUDA device is available on this machine; use --device cpu (or auto)")
+    return device
 
 
 class Trainer:
@@ -344,7 +353,7 @@ class Trainer:
                 out = self.forward(b)
             self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
         start = time.perf_counter()
-        totals = {"loss": 0.0, "ratio_loss": 0.0, "kept": 0, "tokens": 0}
+        totals = {"loss": 0.0, "ratio_loss": 0.0, "usage_kl": 0.0, "kept": 0, "tokens": 0}
         for micro in range(cfg.grad_accum):
             b = self.batch(self.step * cfg.grad_accum + micro)
             out = self.forward(b)
@@ -354,6 +363,10 @@ class Trainer:
                 rl = self.ratio_loss(out.keep, model.length_policy.boundary_prob(out.head_logits, out.shallow), valid)
                 totals["ratio_loss"] += rl.item() / cfg.grad_accum
                 loss = loss + rl
+            if cfg.usage_weight and hasattr(out, "keep") and bool(out.keep.any()):
+                kl = usage_kl(out.head_logits[..., : model.vocabulary.size], out.keep)
+                totals["usage_kl"] += kl.item() / cfg.grad_accum
+                loss = loss + cfg.usage_weight * kl
             if not torch.isfinite(loss):
                 prev = checkpoint.read_meta(self.out)
                 where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
@@ -363,7 +376,7 @@ class Trainer:
             totals["loss"] += out.loss.item() / cfg.grad_accum
             totals["tokens"] += int(valid.sum())
             if hasattr(out, "keep"):
-                totals["kept"] += int(out.keep.sum())
+                totals["kept"] += int(out.keep.sum()) * getattr(model, "emit", 1)
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
             from .diagnostics import grad_norms, step_diagnostics
@@ -382,7 +395,9 @@ class Trainer:
                "grad_norm": float(grad_norm), "tokens_per_s": totals["tokens"] / (time.perf_counter() - start)}
         if hasattr(out, "keep"):
             ratio = totals["kept"] / max(1, totals["tokens"])
-            row.update(ratio=ratio, ratio_loss=totals["ratio_loss"], null_bias=float(model.length_policy.null_bias),
+            if cfg.usage_weight:
+                row["usage_kl"] = totals["usage_kl"]
+            row.update(ratio=ratio, ratio_loss=totals["ratio_loss"], null_bias=float(getattr(model.length_policy, "null_bias", 0.0)),
                        tau=getattr(sampler, "tau", None))
             if self.pi is not None and self.tracking:
                 self.pi.update(model.length_policy, out.head_logits.detach(), valid, ratio, out.shallow.detach())

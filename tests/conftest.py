@@ -12,7 +12,7 @@ def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split
         split=split,
         attention=ComponentRef(attention, {"chunk": 4} if attention == "chunked" else {}),
         position_scheme=ComponentRef(positions),
-        vocabulary=ComponentRef("embedding", {"size": vocab}),
+        vocabulary=extra.pop("vocabulary", ComponentRef("embedding", {"size": vocab})),
         length_policy=ComponentRef(*policy),
         **extra,
     )
@@ -39,3 +39,36 @@ def tiny_models():
         return cache[key]
 
     return get
+
+
+POLICIES = {
+    "null": ("null", {"max_run": 3}),
+    "threshold": ("threshold", {"threshold": 1.0, "max_run": 3}),
+    "fixed": ("fixed", {"every": 3}),
+    "fixed-emit2": ("fixed", {"every": 3, "emit": 2}),  # two concept slots at each boundary
+    "entropy": ("entropy", {"min_chunk": 2, "max_chunk": 4}),
+}
+
+
+def mix_decisions(model):
+    """Tune the policy so that about 30% of a random input's tokens emit a concept (both kinds of step)."""
+    policy = model.length_policy
+    with torch.no_grad():
+        x = torch.randint(0, 97, (4, 64), generator=torch.Generator().manual_seed(9))
+        out = model(x)
+        if hasattr(policy, "keep_logit"):
+            policy.null_bias += torch.quantile(policy.keep_logit(out.head_logits, out.shallow).flatten().double(), 0.7).float()
+        if hasattr(policy, "confidence"):
+            policy.config.tau = float(torch.quantile(policy.confidence(out.shallow).flatten(), 0.4))
+    return model
+
+
+_CACHE = {}
+
+
+def mixed_model(policy="null", attention="sdpa", positions="time", backbone="tiny-llama", **extra):
+    key = (policy, attention, positions, backbone, tuple(sorted((k, str(v)) for k, v in extra.items())))
+    if key not in _CACHE:
+        cfg = tiny_config(backbone=backbone, attention=attention, positions=positions, policy=POLICIES[policy], **extra)
+        _CACHE[key] = mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
+    return _CACHE[key]

@@ -108,3 +108,13 @@ def test_generate_bad_prompt_file_and_run_folder(runs, tmp_path):
     assert r.exit_code == 1 and "line 2: not JSON" in r.stderr
     r = run("generate", tmp_path, "-p", "a")
     assert r.exit_code != 0 and "Traceback" not in r.output
+
+
+def test_generate_on_a_device_this_machine_lacks(runs):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    _, trained, _ = runs
+    r = run("generate", trained, "-p", "a", "--device", "cuda")
+    assert r.exit_code == 1 and "no CUDA device is available" in r.stderr and "Traceback" not in r.output

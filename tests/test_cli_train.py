@@ -61,6 +61,7 @@ def test_baseline_and_comparison(built, corpus, tmp_path):  # noqa: F811
     assert "ratio" in both[str(streaming)] and "ratio" not in both[str(dense)]
     r = run("eval", streaming, dense, "--batches", 1, "--batch", 2, "--no-controls")
     assert str(dense) in r.stdout and "concepts / token" in r.stdout
+    assert "training speed vs dense" in r.stdout and both[str(streaming)]["train_tokens_per_s"] > 0
 
 
 def test_train_bad_input(built, corpus, tmp_path):  # noqa: F811

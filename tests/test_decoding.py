@@ -4,37 +4,19 @@ import warnings
 import pytest
 import torch
 
-import concept
 from concept.decoding import ConceptDecoder
 from concept.errors import ConceptError, ConfigError
 from concept.flops import Shape, decode_flops, deep_keys, forward_flops
 from concept.generation import left_pad
-from tests.conftest import randomize_new_modules, tiny_config
+from tests.conftest import mixed_model
 
 MAX_RUN = 3  # tiny_config's null policy
 
 
-def set_ratio(model, ratio=0.3, seed=0):
-    """Move the NULL bias so that about ``ratio`` of random tokens emit a concept (a mix of both)."""
-    ids = torch.randint(0, 97, (4, 64), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        out = model(ids)
-        logit = model.length_policy.keep_logit(out.head_logits).flatten()
-        model.length_policy.null_bias += torch.quantile(logit, 1 - ratio)
-    return model
-
-
 @pytest.fixture(scope="module")
 def mixed():
-    cache = {}
-
-    def get(**kw):
-        key = tuple(sorted(kw.items()))
-        if key not in cache:
-            cache[key] = set_ratio(randomize_new_modules(concept.build(tiny_config(**kw)))).eval()
-        return cache[key]
-
-    return get
+    """Tiny models whose `null` policy lets about 30% of tokens emit a concept (see conftest)."""
+    return lambda **kw: mixed_model("null", **kw)
 
 
 def prompts(lengths=(5, 13, 1), seed=1):

@@ -126,7 +126,7 @@ def test_negative_control_packed_index_positions_in_one_pass(tiny_models, monkey
     ids, keep = inputs(), pattern("runs")[None]
     with torch.no_grad():
         ref, _ = reference_logits(model, ids, keep=keep)
-        monkeypatch.setattr(model, "deep_positions", lambda pos, layout: torch.arange(layout.length)[None])
+        monkeypatch.setattr(model, "deep_positions", lambda pos, concept_pos, layout: torch.arange(layout.length)[None])
         wrong = model(ids, keep=keep).logits
     # ~100x the equivalence tolerance on a tiny random model (much larger on SmolLM2, see test_smollm2)
     assert (wrong - ref).abs().max() > 50 * ATOL

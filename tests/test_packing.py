@@ -1,4 +1,5 @@
 """The packed layout: one element per real token, concepts first, and the attention rule."""
+import pytest
 import torch
 
 from concept.flops import deep_pairs, evenly_spaced_keep
@@ -49,3 +50,28 @@ def test_mask_in_packed_layout_equals_time_order_rule():
 def test_evenly_spaced_keep_ratio():
     for ratio in (0.1, 0.25, 0.5):
         assert int(evenly_spaced_keep(2048, ratio).sum()) == int(2048 * ratio)
+
+
+def test_several_concepts_per_boundary_pack_in_time_then_slot_order():
+    keep = torch.tensor([[False, True, False, False, True, False]])
+    layout = pack(keep, torch.ones_like(keep), emit=3)
+    C = layout.num_concepts
+    assert C == 6 and layout.concept_src[0].tolist() == [1, 1, 1, 4, 4, 4]
+    assert layout.concept_id_src[0].tolist() == [0, 0, 1, 2, 3, 4]  # t - 2 + sub, clamped at 0
+    assert layout.meta.sub[0, :C].tolist() == [0, 1, 2, 0, 1, 2]
+    assert layout.slot_of_time[0, [1, 4]].tolist() == [2, 5]  # the logits come from the last slot
+    m = allowed(layout.meta, layout.meta)[0]
+    assert torch.equal(m[:C, :C], torch.ones(C, C, dtype=torch.bool).tril())  # causal among the slots
+    tail_after = C + 3  # tail slots hold t = 0, 2, 3, 5: the last sees all six concepts and itself
+    assert m[tail_after, :C].all() and m[tail_after, tail_after] and not m[:C, C:].any()
+    assert int(m.sum()) == deep_pairs(keep[0], emit=3)
+
+
+def test_decode_flops_with_several_concepts_per_boundary_sum_to_the_forward():
+    from concept.flops import Shape, decode_flops, forward_flops
+
+    shape = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=97)
+    keep = torch.arange(30) % 5 == 4
+    one_pass = forward_flops(shape, (1, 2, 1), keep, 16, emit=3)
+    assert one_pass.concepts == 18
+    assert decode_flops(shape, (1, 2, 1), keep, 16, steps=30, emit=3).to_dict() == pytest.approx(one_pass.to_dict())

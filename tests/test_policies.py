@@ -7,45 +7,15 @@ import torch
 import concept
 from concept import ComponentRef
 from concept.errors import ConfigError
-from tests.conftest import randomize_new_modules, tiny_config
+from tests.conftest import POLICIES, mixed_model as make, tiny_config
 from tests.reference import reference_logits
 
-POLICIES = {
-    "null": ("null", {"max_run": 3}),
-    "threshold": ("threshold", {"threshold": 1.0, "max_run": 3}),
-    "fixed": ("fixed", {"every": 3}),
-    "entropy": ("entropy", {"min_chunk": 2, "max_chunk": 4}),
-}
 BACKENDS = ["sdpa", "chunked"]
 SCHEMES = ["time", "per-type", "compact"]
 
 
 def ids(B=3, T=14, seed=0):
     return torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def mix_decisions(model):
-    """Tune the policy so that a random input gets both kinds of token."""
-    policy = model.length_policy
-    with torch.no_grad():
-        x = ids(4, 64, seed=9)
-        out = model(x)
-        if hasattr(policy, "keep_logit"):
-            policy.null_bias += torch.quantile(policy.keep_logit(out.head_logits, out.shallow).flatten().double(), 0.7).float()
-        if hasattr(policy, "confidence"):
-            policy.config.tau = float(torch.quantile(policy.confidence(out.shallow).flatten(), 0.4))
-    return model
-
-
-_CACHE = {}
-
-
-def make(policy="null", attention="sdpa", positions="time", backbone="tiny-llama", **extra):
-    key = (policy, attention, positions, backbone, tuple(sorted((k, str(v)) for k, v in extra.items())))
-    if key not in _CACHE:
-        cfg = tiny_config(backbone=backbone, attention=attention, positions=positions, policy=POLICIES[policy], **extra)
-        _CACHE[key] = mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
-    return _CACHE[key]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -233,3 +203,112 @@ def test_cli_builds_every_policy_and_scheme(tmp_path):
         assert r.exit_code == 0, (args, r.output)
     r = CliRunner().invoke(cli, ["build", *tiny, "--length-policy", "fixed", "--set", "length_policy.every=0"])
     assert r.exit_code == 2 and "every: must be >= 1" in r.output
+
+
+# -- training with each component --------------------------------------------------------------
+TRAIN_CASES = {
+    "threshold": dict(length_policy=ComponentRef("threshold", {"max_run": 8})),
+    "fixed": dict(length_policy=ComponentRef("fixed", {"every": 4})),
+    "entropy": dict(length_policy=ComponentRef("entropy", {"tau": 0.05, "max_chunk": 8})),
+    "soft": dict(sampler=ComponentRef("soft"), eval_sampler=ComponentRef("soft")),
+    "hidden-projection": dict(sampler=ComponentRef("hidden-projection", {"lr": 3e-3})),
+    "codebook": dict(vocabulary=ComponentRef("codebook", {"size": 32, "code_dim": 8}), position_scheme=ComponentRef("compact")),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_every_component_trains_saves_loads_and_generates(case, tmp_path):
+    from concept.training import TrainConfig, Trainer
+    from tests.test_training import STDLIB
+
+    corpus = tmp_path / "code.txt"
+    corpus.write_text("\n\n".join((STDLIB / n).read_text() for n in ("textwrap.py", "shlex.py")))
+    cfg = concept.BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                                  "intermediate": 64}),
+                              split="1,2,1", attention=ComponentRef("chunked", {"chunk": 16}),
+                              **{"vocabulary": ComponentRef("embedding", {"size": 32}), **TRAIN_CASES[case]})
+    concept.save(concept.build(cfg), tmp_path / "m")
+    train = TrainConfig(steps=4, seq_len=32, batch=2, eval_every=4, eval_batches=1, checkpoint_every=4, log_every=2,
+                        warmup=1, data=str(corpus), usage_weight=0.1 if case == "codebook" else 0.0,
+                        lora=concept.lora.LoraSettings(rank=2))
+    trainer = Trainer.start(tmp_path / "m", tmp_path / "run", train)
+    before = {k: v.clone() for k, v in trainer.model.new_state_dict().items()}
+    trainer.train()
+    after = trainer.model.new_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the new modules learned something
+    if case in ("fixed", "entropy"):
+        assert any("sets its ratio by its own parameters" in n for n in trainer.notes)
+    if case == "hidden-projection":
+        group = next(g for g in trainer.optimizer.param_groups if g["name"] == "sampler")
+        assert group["initial_lr"] == 3e-3
+    rows = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    if case == "codebook":
+        assert "usage_kl" in rows[-1]
+    model = concept.load(tmp_path / "run")
+    torch.testing.assert_close(model.new_state_dict(), after)
+    out = model.generate([[5, 6, 7, 8]], max_new_tokens=6, output_logits=True)
+    assert len(out.tokens[0]) == 6
+
+
+def test_codebook_gradients_reach_the_codebook_from_the_head_and_from_the_input():
+    model = make("null", "chunked", "time", vocabulary=ComponentRef("codebook", {"size": 32, "code_dim": 8}))
+    x = ids()
+    out = model(x)
+    head_only = torch.nn.functional.cross_entropy(out.head_logits[..., :32].flatten(0, 1), torch.zeros(x.numel(), dtype=torch.long))
+    model.zero_grad(set_to_none=True)
+    head_only.backward()
+    assert model.vocabulary.codebook.grad.abs().sum() > 0  # the head's CE reaches the codebook (dot-product logits)
+    emb = model.vocabulary.embed_hard(torch.tensor([3]))
+    model.zero_grad(set_to_none=True)
+    emb.sum().backward()
+    assert model.vocabulary.codebook.grad[3].abs().sum() > 0 and model.vocabulary.codebook.grad[4].abs().sum() == 0
+
+
+def test_usage_kl_is_zero_for_uniform_use_and_log_k_for_collapse():
+    from concept.ratio import usage_kl
+
+    keep = torch.ones(1, 4, dtype=torch.bool)
+    uniform = torch.log(torch.eye(4))[None] * 1.0  # each token certain of a different concept
+    assert usage_kl(uniform.nan_to_num(neginf=-1e4), keep).item() == pytest.approx(0.0, abs=1e-5)
+    collapsed = torch.tensor([[[10.0, -1e4, -1e4, -1e4]] * 4])
+    assert usage_kl(collapsed, keep).item() == pytest.approx(torch.log(torch.tensor(4.0)).item(), abs=1e-4)
+
+
+def test_combinations_a_component_cannot_support_are_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="use --eval-sampler soft"):
+        concept.resolve(tiny_config(sampler=ComponentRef("soft")))
+    with pytest.raises(ConfigError, match="as --eval-sampler it has nothing to add"):
+        concept.resolve(tiny_config(eval_sampler=ComponentRef("hidden-projection")))
+
+
+def test_fixed_with_several_concepts_holds_the_kv_of_the_formula():
+    model = make("fixed-emit2")
+    gen = model.generate([ids(1, 7)[0].tolist()], max_new_tokens=20)
+    kv = gen.kv[0]
+    keep = gen.keep[0]
+    Ls, Lm, Ld = model.split
+    tail = len(keep) - 1 - max(i for i, k in enumerate(keep) if k)
+    assert kv["concepts"] == 2 * sum(keep) and kv["tail"] == tail
+    assert kv["entries"] == {"shallow": Ls * len(keep), "middle": Lm * kv["concepts"], "deep": Ld * (kv["concepts"] + tail)}
+
+
+def test_fixed_policy_refuses_more_concepts_than_chunk_tokens():
+    with pytest.raises(ConfigError, match=r"emit \(4\) must be <= every \(3\)"):
+        concept.resolve(tiny_config(policy=("fixed", {"every": 3, "emit": 4})))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_codebook_vocabulary_matches_naive_and_decodes_exactly(backend):
+    model = make("threshold", backend, "per-type", vocabulary=ComponentRef("codebook", {"size": 32, "code_dim": 8}))
+    x = ids()
+    with torch.no_grad():
+        out = model(x)
+        ref, _ = reference_logits(model, x, keep=out.keep)
+    assert 0 < int(out.keep.sum()) < out.keep.numel()
+    torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
+    p = x[0, :6].tolist()
+    gen = model.generate([p], max_new_tokens=10, output_logits=True)
+    with torch.no_grad():
+        forced = model(torch.tensor([p + gen.tokens[0]]), keep=torch.tensor([gen.keep[0] + [False]])).logits[0]
+    torch.testing.assert_close(gen.logits[0], forced[len(p) - 1:-1], atol=1e-5, rtol=1e-5)

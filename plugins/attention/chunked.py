@@ -40,7 +40,7 @@ class ChunkedPlan(AttentionPlan):
         # Tail slot -> first tail slot of its segment (tail segments are sorted per row).
         seg = tail.seg.contiguous()
         start = torch.searchsorted(seg, seg)
-        visible = torch.where(tail.valid, tail.seg, torch.zeros_like(tail.seg))  # concepts before the token
+        visible = torch.where(tail.valid, tail.seg * layout.emit, torch.zeros_like(tail.seg))  # concept slots before it
         starts = torch.where(tail.valid, start, torch.full_like(start, num_tail))
         bounds = list(range(0, num_tail, chunk))
         # per-chunk key ranges, computed for all chunks at once (one host sync for both)

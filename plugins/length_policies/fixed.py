@@ -1,10 +1,12 @@
-"""`fixed`: a concept every ``every`` tokens, whatever the text (fixed-K chunking).
+"""`fixed`: ``emit`` concepts every ``every`` tokens, whatever the text (fixed-K chunking).
 
 ``keep_t`` is true for the last token of every chunk of ``every`` tokens, counted from the
-start of each document (left padding does not count). The realised ratio is exactly
-``1 / every`` on long documents, so there is nothing to control and nothing to learn in
-the policy; the concept *ids* still come from the ConceptHead and the sampler. The head
-has no NULL class. The deep tail never holds more than ``every - 1`` tokens.
+start of each document (left padding does not count). That token emits ``emit`` (M >= 1)
+concept slots, all at its time position; slot m takes its concept id from the head's
+output at the chunk's token ``t - M + 1 + m`` (so ``every >= emit``). The realised ratio is
+exactly ``emit / every`` concepts per token on long documents, so there is nothing to
+control and nothing to learn in the policy. The head has no NULL class. The deep tail never
+holds more than ``every - 1`` tokens.
 """
 from __future__ import annotations
 
@@ -18,10 +20,19 @@ from concept.packing import time_positions
 
 @dataclass
 class FixedPolicyConfig:
-    every: int = 4  # tokens per chunk; the chunk's last token emits the concept
+    every: int = 4  # tokens per chunk; the chunk's last token emits the concepts
+    emit: int = 1  # concepts per chunk (M), with ids from the chunk's last M tokens
 
     def validate(self) -> list[str]:
-        return [] if self.every >= 1 else [f"every: must be >= 1, got {self.every}"]
+        problems = []
+        if self.every < 1:
+            problems.append(f"every: must be >= 1, got {self.every}")
+        if self.emit < 1:
+            problems.append(f"emit: must be >= 1, got {self.emit}")
+        elif self.every >= 1 and self.emit > self.every:
+            problems.append(f"emit ({self.emit}) must be <= every ({self.every}): each concept of a chunk takes its "
+                            f"id from one of the chunk's last {self.emit} tokens")
+        return problems
 
 
 class FixedPolicy(nn.Module):
@@ -32,6 +43,7 @@ class FixedPolicy(nn.Module):
         super().__init__()
         self.config = config
         self.every = config.every
+        self.emit = config.emit
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         """Batched: position in the document (restarting at each ``reset``) -> keep [B, T]."""

@@ -47,6 +47,14 @@ class HiddenProjectionSampler(nn.Module):
         self.gate = nn.Parameter(torch.tensor(math.log(config.gate_init / (1 - config.gate_init))))
         self.scale = nn.Parameter(torch.tensor(1.0))
 
+    @staticmethod
+    def check_compatible(config, components) -> list[str]:
+        evaluation = components.get("eval_sampler")
+        if evaluation is not None and evaluation.name == "hidden-projection":
+            return ["it is a training sampler whose projection the model keeps at inference; as --eval-sampler it "
+                    "has nothing to add (use argmax)"]
+        return []
+
     def init_from_backbone(self, token_embedding: torch.Tensor) -> None:
         with torch.no_grad():
             self.scale.fill_(float(token_embedding.float().norm(dim=-1).mean()))

@@ -33,5 +33,13 @@ class SoftSampler(nn.Module):
         self.config = config
         self.tau = config.tau
 
+    @staticmethod
+    def check_compatible(config, components) -> list[str]:
+        train, evaluation = components.get("sampler"), components.get("eval_sampler")
+        if train is not None and evaluation is not None and train.name == "soft" and evaluation.name != "soft":
+            return [f"a model trained on soft mixtures would see hard {evaluation.name!r} embeddings at inference, "
+                    f"inputs it never saw; use --eval-sampler soft"]
+        return []
+
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.softmax(logits.float() / self.tau, dim=-1).to(logits.dtype)
