@@ -17,19 +17,63 @@ RESULTS: list[dict] = []
 
 def pytest_addoption(parser):
     parser.addoption("--smollm2", action="store_true", help="also run the cases on the real SmolLM2 backbone")
+    parser.addoption("--long", action="store_true", help="also run the longest attention cases (16k tokens)")
+    parser.addoption("--device", default="cpu", help="cpu or cuda")
+    parser.addoption("--concept-results", default=None, help="write the side-by-side rows to this JSON file")
 
 
-def side_by_side(dense_fn, concept_fn, rounds: int = 3) -> dict:
-    """Median seconds of each, alternating dense / concept every round (after one warm-up each)."""
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """torch, CUDA and GPU name next to pytest-benchmark's CPU and Python info."""
+    machine_info["torch"] = torch.__version__
+    machine_info["cuda"] = torch.version.cuda
+    machine_info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    machine_info["threads"] = torch.get_num_threads()
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--concept-results", default=None)
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=float)
+
+
+@pytest.fixture
+def device(request):
+    name = request.config.getoption("--device")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(name)
+
+
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def side_by_side(dense_fn, concept_fn, rounds: int = 3, device=None) -> dict:
+    """Median seconds of each, alternating dense / concept every round (after one warm-up each).
+    On CUDA the clock waits for the device, and the peak memory of each is recorded too."""
+    cuda = device is not None and torch.device(device).type == "cuda"
     dense_fn(), concept_fn()
-    dense, concept = [], []
+    dense, concept, peak = [], [], {}
     for _ in range(rounds):
-        for fn, acc in ((dense_fn, dense), (concept_fn, concept)):
+        for name, fn, acc in (("dense", dense_fn, dense), ("concept", concept_fn, concept)):
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+                peak[name] = torch.cuda.max_memory_allocated(device) / 2**20
             acc.append(time.perf_counter() - start)
     d, c = statistics.median(dense), statistics.median(concept)
-    return {"dense_s": d, "concept_s": c, "speedup": d / c}
+    out = {"dense_s": d, "concept_s": c, "speedup": d / c}
+    if peak:
+        out.update(dense_peak_mib=peak["dense"], concept_peak_mib=peak["concept"])
+    return out
 
 
 @pytest.fixture

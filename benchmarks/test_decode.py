@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from concept.decoding import ConceptDecoder, DenseDecoder
-from concept.flops import head_classes, Shape, decode_flops
+from concept.flops import Shape, decode_flops, head_classes
 
+from .conftest import synchronize
 from .test_forward import _model
 
 RATIO = 0.25
@@ -46,18 +47,20 @@ def _steps(decoder, logits, steps=STEPS):
 def _decode(decoder, ids, steps):
     """Prefill (untimed), then ``steps`` greedy steps (timed). Returns (seconds, decoder)."""
     decoder, logits = _prefill(decoder, ids)
+    synchronize(logits.device)
     start = time.perf_counter()
     _steps(decoder, logits, steps)
+    synchronize(logits.device)
     return time.perf_counter() - start, decoder
 
 
 @pytest.mark.parametrize("backbone,T", CASES, ids=[f"{b}-T{t}" for b, t in CASES])
-def test_decode_vs_dense(benchmark, record, request, backbone, T):
+def test_decode_vs_dense(benchmark, record, request, device, backbone, T):
     if backbone == "smollm2" and not request.config.getoption("--smollm2"):
         pytest.skip("pass --smollm2 to run the real-backbone cases")
-    model = _model(backbone, "chunked").eval()
+    model = _model(backbone, "chunked").eval().to(device)
     torch.manual_seed(0)
-    ids = torch.randint(0, model.backbone.config.vocab_size, (1, T))
+    ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
     _calibrate(model, ids, RATIO)
     if benchmark.disabled:  # smoke run (CI): a few steps each, no timing claims
         _decode(ConceptDecoder(model), ids, 2), _decode(DenseDecoder(model.backbone), ids, 2)

@@ -10,7 +10,7 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.flops import head_classes, Shape, evenly_spaced_keep, forward_flops
+from concept.flops import Shape, evenly_spaced_keep, forward_flops, head_classes
 
 from .conftest import side_by_side
 
@@ -32,19 +32,19 @@ CASES = [("tiny-llama", 512, "chunked"), ("tiny-llama", 512, "sdpa"),
 
 
 @pytest.mark.parametrize("backbone,T,attention", CASES, ids=[f"{b}-T{t}-{a}" for b, t, a in CASES])
-def test_forward_vs_dense(benchmark, record, request, backbone, T, attention):
+def test_forward_vs_dense(benchmark, record, request, device, backbone, T, attention):
     if backbone == "smollm2" and not request.config.getoption("--smollm2"):
         pytest.skip("pass --smollm2 to run the real-backbone cases")
-    model = _model(backbone, attention)
+    model = _model(backbone, attention).to(device)
     torch.manual_seed(0)
-    ids = torch.randint(0, model.backbone.config.vocab_size, (1, T))
-    keep = evenly_spaced_keep(T, RATIO)[None]
-    ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep[0],
+    ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
+    keep = evenly_spaced_keep(T, RATIO)[None].to(device)
+    ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep[0].cpu(),
                           head_classes(model))
     with torch.no_grad():
         if benchmark.disabled:  # smoke run (CI): one call each, no timing claims
             model(ids, keep=keep), model.backbone(ids)
             return
-        timing = side_by_side(lambda: model.backbone(ids), lambda: model(ids, keep=keep))
+        timing = side_by_side(lambda: model.backbone(ids), lambda: model(ids, keep=keep), device=device)
         benchmark.pedantic(lambda: model(ids, keep=keep), rounds=3, iterations=1)
     record(benchmark, f"forward {backbone} T={T} r={RATIO} {attention}", timing, ideal.speedup, T=T, ratio=RATIO)

@@ -1,6 +1,7 @@
 """``concept generate``: text from a trained run, with online compression and three KV caches."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import warnings
@@ -138,7 +139,9 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
         began = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = run_generate(model, batch, settings=settings, tokenizer=tokenizer, streamer=streamer)
+            # prompt i samples with seed + i, whatever --batch-size groups it with
+            seeded = dataclasses.replace(settings, seed=None if settings.seed is None else settings.seed + start)
+            out = run_generate(model, batch, settings=seeded, tokenizer=tokenizer, streamer=streamer)
         seconds = time.perf_counter() - began
         for w in caught:
             status("warning:", str(w.message))
@@ -164,7 +167,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
                 if len(texts) > 1:
                     stdout.print(f"[dim]── prompt {index + 1} ──[/]")
                 click.echo(out.texts[b])
-            concepts = "" if keep is None else f", {sum(keep)} concepts / {len(keep)} tokens"
+            concepts = "" if keep is None else f", {kv['concepts']} concepts / {len(keep)} tokens"
             status("done", f"prompt {index + 1}: {len(out.tokens[b])} tokens ({out.finish_reasons[b]}){concepts}; "
                            f"KV {human_bytes(kv['bytes'])} vs dense {human_bytes(kv['dense_bytes'])}")
         status("speed", f"{sum(map(len, out.tokens)) / seconds:.1f} new tokens/s over {len(batch)} prompt(s)")

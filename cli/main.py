@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import click
 
+from .bench_cmd import bench
 from .build_cmd import build
 from .eval_cmd import eval_
 from .generate_cmd import generate
@@ -63,6 +64,7 @@ cli.add_command(inspect)
 cli.add_command(train)
 cli.add_command(eval_)
 cli.add_command(generate)
+cli.add_command(bench)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -91,6 +91,7 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     cfg = trainer.config
     for note in trainer.notes:
         status("note:", note)
+    noted = len(trainer.notes)
     accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, "
                        f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}")
@@ -103,6 +104,8 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
         saved = f"last checkpoint: step {meta['step']}" if meta else "no checkpoint was written"
         status("interrupted", f"at step {trainer.step}; {saved}. Continue with: concept train {out} --resume")
         raise SystemExit(130)
+    for note in trainer.notes[noted:]:  # e.g. a ratio target the policy could not reach
+        status("note:", note)
     status("done", f"{out} (metrics.jsonl, curves.png, checkpoint/)")
     if as_json:
         print_json({"path": str(out), "step": trainer.step, "eval": final})

@@ -90,26 +90,29 @@ class ConceptDecoder:
         return state
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row [B] -> next-token logits [B, V]."""
+    def step(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token per row [B] -> next-token logits [B, V]. Rows not ``active`` (finished
+        generations) still run, batched, but nothing of theirs is kept: no cache entry, no
+        change of position, policy state or decisions."""
         model, cache = self.model, self.cache
         B = tokens.shape[0]
-        everyone = torch.ones(B, dtype=torch.bool, device=tokens.device)
+        active = torch.ones(B, dtype=torch.bool, device=tokens.device) if active is None else active
         pos = self.pos[:, None]
 
         # shallow: every token
         x = model.positions.add_text_type(model.inner.embed_tokens(tokens[:, None]))
         text_pos = model.positions.text_positions(pos)
-        h = model.run_stack(model.shallow, x, text_pos, DecodePlan(cache.shallow.begin(everyone)), cache.shallow)
+        h = model.run_stack(model.shallow, x, text_pos, DecodePlan(cache.shallow.begin(active)), cache.shallow)
         cache.shallow.commit()
 
         # the step-wise decision, then which concept
         head_logits = model.vocabulary.logits(h)
-        keep, self.state = model.length_policy.step(h[:, 0], head_logits[:, 0], self.state)
-        keep = keep.bool()
-        _, probs, _, _ = model.decide(h, everyone[:, None], keep[:, None])
-        self.recent = tuple(torch.cat([old[:, 1:], new], dim=1)
-                            for old, new in zip(self.recent, (h, probs, probs.argmax(-1), pos)))
+        keep, state = model.length_policy.step(h[:, 0], head_logits[:, 0], self.state)
+        self.state = _where(active, state, self.state)
+        keep = keep.bool() & active
+        _, probs, _, _ = model.decide(h, active[:, None], keep[:, None])
+        shifted = (torch.cat([old[:, 1:], new], dim=1) for old, new in zip(self.recent, (h, probs, probs.argmax(-1), pos)))
+        self.recent = tuple(_where(active, new, old) for new, old in zip(shifted, self.recent))
 
         # a concept drops the row's tail; its slots go through the middle stack, then the deep one
         deep_in, deep_pos = h, text_pos
@@ -130,13 +133,14 @@ class ConceptDecoder:
             deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
 
         # deep: the last concept slot, or the NULL token joining the tail
-        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(cache.deep.begin(everyone, ~keep)), cache.deep)
+        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(cache.deep.begin(active, ~keep)), cache.deep)
         cache.deep.commit()
 
-        self.pos = self.pos + 1
+        self.pos = self.pos + active.long()
         self.num_concepts = self.num_concepts + keep.long() * model.emit
-        for b, k in enumerate(keep.tolist()):
-            self.keep[b].append(k)
+        for b, (k, a) in enumerate(zip(keep.tolist(), active.tolist())):
+            if a:
+                self.keep[b].append(k)
         self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))
         return model.backbone.lm_head(model.inner.norm(z))[:, 0]
 
@@ -179,11 +183,12 @@ class DenseDecoder:
         return out.logits[:, -1] if left_padded else out.logits[torch.arange(len(valid)), last_real(valid)]
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+    def step(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        active = torch.ones_like(tokens, dtype=torch.bool) if active is None else active
+        self.mask = torch.cat([self.mask, active.long()[:, None]], dim=1)  # a finished row's entry is masked out
         out = self.backbone(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos[:, None],
                             past_key_values=self.cache, use_cache=True)
-        self.pos = self.pos + 1
+        self.pos = self.pos + active.long()
         return out.logits[:, -1]
 
     def kv_stats(self) -> list[dict]:

@@ -238,7 +238,10 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     ``cos_soft_hard`` and, with ``controls``, ``delta_nll_shuffle`` / ``delta_nll_random``: the
     NLL with the concept ids permuted among all kept positions of each batch (seeded), or
     replaced by uniform ids in [0, K), with the same keep pattern, minus the normal NLL.
-    Both > 0 means the concepts carry information.
+    Both > 0 means the concepts carry information. With several concepts per boundary the ids
+    of every concept slot are perturbed (they come from the chunk's last tokens). Under an eval
+    sampler without a hard step (``soft``) the ids are not what the model reads, so both
+    controls are ``nan``.
 
     A dense model gets ``document_ids`` / ``position_ids`` only where its forward names them;
     otherwise attention may cross packed documents (the loss never does).
@@ -250,6 +253,7 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     device = _device(model)
     generator = torch.Generator().manual_seed(seed)
     K = _concept_size(model) if concept else 0
+    id_free = concept and not getattr(base.eval_sampler, "hard", True)  # inputs are mixtures, not ids
 
     nll_sum = torch.zeros((), dtype=torch.float64)
     count = 0
@@ -289,17 +293,21 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
             if not concept:
                 continue
             stats = _merge(stats, _concept_stats(model, out, valid))
-            if controls:
+            if controls and not id_free:
                 keep = out.keep.bool() & valid
-                n_kept = int(keep.sum())
-                ids = out.concept_ids.clone()
+                # the tokens whose ids the concepts read (with emit > 1, also earlier tokens of the chunk)
+                layout = out.layout
+                sources = torch.zeros_like(keep, dtype=torch.int).scatter_add_(
+                    1, layout.concept_id_src, layout.concept_meta.valid.int()) > 0
+                n_src = int(sources.sum())
+                ids = torch.where(sources, out.head_logits[..., :K].argmax(-1), torch.full_like(out.concept_ids, -1))
                 variants = {
-                    "shuffle": ids[keep][torch.randperm(n_kept, generator=generator).to(device)],
-                    "random": torch.randint(0, K, (n_kept,), generator=generator).to(device),
+                    "shuffle": ids[sources][torch.randperm(n_src, generator=generator).to(device)],
+                    "random": torch.randint(0, K, (n_src,), generator=generator).to(device),
                 }
                 for name, values in variants.items():
                     override = ids.clone()
-                    override[keep] = values.to(override.dtype)
+                    override[sources] = values.to(override.dtype)
                     bad = fn(input_ids, keep=keep, concept_ids=override, **kwargs)
                     bad_nll, _ = _pair_nll(bad.logits, input_ids, valid, doc)
                     control_sum[name] += float(bad_nll.double()[pair].sum()) - float(batch_sum)
@@ -323,8 +331,8 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
         result["concepts"] = stats.get("slots", stats["kept"])
         result.update(_finish_concept_stats(stats, K))
         if controls:
-            result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count else nan
-            result["delta_nll_random"] = control_sum["random"] / count if count else nan
+            result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count and not id_free else nan
+            result["delta_nll_random"] = control_sum["random"] / count if count and not id_free else nan
     return result
 
 

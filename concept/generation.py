@@ -29,7 +29,7 @@ class GenerationSettings:
     repetition_penalty: float = 1.0  # 1.0: off (transformers' CTRL-style penalty)
     stop_strings: tuple[str, ...] = ()
     eos_token_id: int | None = None  # default: the tokenizer's
-    seed: int | None = None  # seeds the token sampler (same seed, same prompt -> same text)
+    seed: int | None = None  # row b samples with a generator seeded seed + b (same seed, same prompt -> same text)
 
     def validate(self) -> list[str]:
         problems = []
@@ -163,9 +163,10 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     B = len(rows)
     decoder = _decoder(model)
     processors = _processors(s)
-    generator = None
+    # one generator per row (seed + row): a row's text does not depend on the other rows of the batch
+    generators = [None] * B
     if s.do_sample and s.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(s.seed)
+        generators = [torch.Generator(device=device).manual_seed(s.seed + b) for b in range(B)]
     # pads take the row's first token in the penalty's view, so padding never changes a row's scores
     penalty_view = torch.where(valid, ids, ids.gather(1, valid.to(torch.int8).argmax(1, keepdim=True)))
 
@@ -184,7 +185,8 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
                 kept_logits.append(logits)
             scores = processors(penalty_view, logits.float())
             if s.do_sample:
-                token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]
+                probs = torch.softmax(scores, dim=-1)
+                token = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
             else:
                 token = scores.argmax(-1)
             done = torch.tensor([r is not None for r in reasons], device=device)
@@ -205,7 +207,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
                         reasons[b], texts[b] = "stop", cut
             if all(r is not None for r in reasons) or i == budget - 1:
                 break
-            logits = decoder.step(token)
+            logits = decoder.step(token, torch.tensor([r is None for r in reasons], device=device))
             steps += 1
     finally:
         model.train(was_training)

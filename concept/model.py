@@ -117,7 +117,7 @@ class ConceptModel(nn.Module):
         attention_mask [B, T]: 1 for real tokens (either padding side). keep [B, T]: force the
         decisions. document_ids [B, T]: several documents packed in a row (attention, positions
         and runs of NULLs never cross a document boundary). concept_ids [B, T]: replace the
-        sampled concept ids where keep (diagnostics, e.g. shuffled concepts). cache: a
+        concept ids read from the tokens where it is >= 0 (diagnostics, e.g. shuffled concepts). cache: a
         ``concept.kv_cache.ConceptCache`` that records each stack's keys and values (prefill).
         logits_to_keep: compute logits for the last n positions only (0: all), as in transformers.
         """
@@ -131,9 +131,10 @@ class ConceptModel(nn.Module):
 
         # concept decisions
         head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, starts)
-        if concept_ids is not None:
-            sampled_ids = torch.where(keep, concept_ids, sampled_ids)
         token_ids = torch.where(keep, sampled_ids, probs.argmax(-1))  # with emit > 1 ids also come from earlier tokens
+        if concept_ids is not None:
+            token_ids = torch.where(concept_ids >= 0, concept_ids, token_ids)
+            sampled_ids = torch.where(keep, token_ids, sampled_ids)
         layout = packing.pack(keep, valid, doc, self.emit)
         concept_pos = pos.gather(1, layout.concept_id_src)
 

@@ -53,6 +53,8 @@ class PIController:
     def _quantile(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> tuple[float, float]:
         with torch.no_grad():
             keep_logit = policy.keep_logit(head_logits, h)[valid].float() + policy.null_bias  # without the bias
+            if hasattr(policy, "bias_for_ratio"):  # a policy whose ratio is not P(keep logit >= bias)
+                return policy.bias_for_ratio(head_logits, h, valid, self.target), float(keep_logit.std())
             return float(torch.quantile(keep_logit, 1.0 - self.target)), float(keep_logit.std())
 
     def calibrate(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> None:
@@ -64,9 +66,10 @@ class PIController:
             policy.null_bias.fill_(self.ema)
 
     def calibrate_exact(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, reset=None, iters: int = 30,
-                        h=None) -> None:
+                        h=None) -> float:
         """Bisect the bias so that the *realised* ratio of ``policy.decide`` (which adds the
-        concepts forced by a maximum run of NULLs) equals the target on these rows [N, T]."""
+        concepts forced by a maximum run of NULLs) equals the target on these rows [N, T].
+        Returns the ratio reached (a target the policy cannot reach ends at the nearest bound)."""
         self.calibrate(policy, head_logits.flatten(0, 1), valid.flatten(), None if h is None else h.flatten(0, 1))
         with torch.no_grad():
             spread = float(policy.keep_logit(head_logits, h)[valid].float().std())
@@ -78,6 +81,7 @@ class PIController:
                 lo, hi = (mid, hi) if ratio > self.target else (lo, mid)
             self.ema, self.integral = 0.5 * (lo + hi), 0.0
             policy.null_bias.fill_(self.ema)
+            return float(policy.decide(h, head_logits, valid, reset)[valid].float().mean())
 
     def update(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, ratio: float, h=None) -> float:
         """After a step with realised ``ratio``: move the bias for the next step."""

@@ -150,6 +150,9 @@ def pick_device(name: str) -> torch.device:
         raise ConceptError(f"--device {name}: not a device name; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConceptError(f"--device {name}: no CUDA device is available on this machine; use --device cpu (or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConceptError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                           f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
@@ -413,19 +416,26 @@ class Trainer:
         from .packing import document_starts
 
         logits, valid, reset, states = [], [], [], []
+        reads_h = getattr(model.length_policy, "reads_hidden", False)  # only then keep the shallow states
         was_training = model.training
         model.eval()  # the decisions the evaluated model will make (e.g. no LoRA dropout)
-        with torch.no_grad():  # only the shallow stack and the head are needed
-            for i in range(cfg.calibration_batches):
-                b = self.batch(self.step * cfg.grad_accum + i)
-                mask = b["attention_mask"].bool()
-                h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
-                logits.append(model.vocabulary.logits(h))
-                states.append(h)
-                valid.append(mask)
-                reset.append(document_starts(mask, b["document_ids"]))
-        self.pi.calibrate_exact(model.length_policy, torch.cat(logits), torch.cat(valid), torch.cat(reset), h=torch.cat(states))
-        model.train(was_training)
+        try:
+            with torch.no_grad():  # only the shallow stack and the head are needed
+                for i in range(cfg.calibration_batches):
+                    b = self.batch(self.step * cfg.grad_accum + i)
+                    mask = b["attention_mask"].bool()
+                    h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
+                    logits.append(model.vocabulary.logits(h))
+                    states.append(h if reads_h else None)
+                    valid.append(mask)
+                    reset.append(document_starts(mask, b["document_ids"]))
+            reached = self.pi.calibrate_exact(model.length_policy, torch.cat(logits), torch.cat(valid), torch.cat(reset),
+                                              h=torch.cat(states) if reads_h else None)
+        finally:
+            model.train(was_training)
+        if abs(reached - cfg.target_ratio) > 0.05 * cfg.target_ratio:
+            self.notes.append(f"the final calibration reached {reached:.4f} concepts per token, not the target "
+                              f"{cfg.target_ratio}: the length policy cannot reach it with these settings")
 
     def evaluate(self) -> dict:
         from .diagnostics import evaluate

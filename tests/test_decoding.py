@@ -228,3 +228,23 @@ def test_a_policy_whose_steps_disagree_with_its_batched_rule_is_refused(mixed, m
     monkeypatch.setattr(policy, "step", lambda h, logits, run: (torch.zeros_like(run, dtype=torch.bool), run + 1))
     with warnings.catch_warnings(), pytest.raises(ConceptError, match="step-wise decision differs"):
         model.generate(prompts((12,)), max_new_tokens=2)
+
+
+def test_a_row_that_stops_early_keeps_nothing_of_the_later_steps(mixed):
+    model = mixed()
+    ps = prompts((7, 2))
+    alone = model.generate([ps[1]], max_new_tokens=10)
+    eos = alone.tokens[0][1]  # row 1 stops at its second token
+    batched = model.generate(ps, max_new_tokens=10, eos_token_id=eos)
+    stopped = model.generate([ps[1]], max_new_tokens=10, eos_token_id=eos)
+    assert batched.finish_reasons[1] == "eos" and batched.tokens[1] == stopped.tokens[0]
+    assert batched.keep[1] == stopped.keep[0]
+    assert batched.kv[1]["entries"] == stopped.kv[0]["entries"] and batched.kv[1]["tokens"] == stopped.kv[0]["tokens"]
+
+
+def test_a_sampled_row_does_not_depend_on_its_batch(mixed):
+    model = mixed()
+    a, b = prompts((5, 8))
+    together = model.generate([a, b], max_new_tokens=8, do_sample=True, seed=4)
+    assert together.tokens[0] == model.generate([a], max_new_tokens=8, do_sample=True, seed=4).tokens[0]
+    assert together.tokens[1] == model.generate([b], max_new_tokens=8, do_sample=True, seed=5).tokens[0]  # row 1: seed + 1

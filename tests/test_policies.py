@@ -312,3 +312,40 @@ def test_codebook_vocabulary_matches_naive_and_decodes_exactly(backend):
     with torch.no_grad():
         forced = model(torch.tensor([p + gen.tokens[0]]), keep=torch.tensor([gen.keep[0] + [False]])).logits[0]
     torch.testing.assert_close(gen.logits[0], forced[len(p) - 1:-1], atol=1e-5, rtol=1e-5)
+
+
+def test_threshold_controller_aims_at_the_mean_score_and_reports_unreachable_targets():
+    from concept.ratio import PIController
+
+    model = make("threshold")
+    policy = model.length_policy
+    x = ids(4, 64, seed=11)
+    valid = torch.ones_like(x, dtype=torch.bool)
+    with torch.no_grad():
+        out = model(x)
+        bias = policy.bias_for_ratio(out.head_logits, out.shallow, valid, 0.25)
+        saved = policy.null_bias.clone()
+        policy.null_bias.fill_(bias)
+        mean_score = policy.boundary_prob(out.head_logits, out.shallow).mean().item()
+        policy.null_bias.copy_(saved)
+    assert mean_score == pytest.approx(0.25 * policy.threshold, abs=1e-3)
+    reached = PIController(0.25).calibrate_exact(policy, out.head_logits, valid, h=out.shallow)
+    assert reached == pytest.approx(0.25, abs=0.02)
+    policy.null_bias.copy_(saved)
+    far = concept.build(tiny_config(policy=("threshold", {"max_run": 3})))  # a concept every 4th token at least
+    with torch.no_grad():
+        out = far(x)
+    reached = PIController(0.1).calibrate_exact(far.length_policy, out.head_logits, valid, h=out.shallow)
+    assert reached >= 0.25  # 0.1 is out of reach: the bisection ends at the nearest bound
+
+
+def test_controls_are_nan_when_the_inputs_are_mixtures():
+    from concept.diagnostics import evaluate
+
+    model = make("null", "sdpa", "per-type", sampler=ComponentRef("soft"), eval_sampler=ComponentRef("soft"))
+    x = ids(2, 16)
+    result = evaluate(model, [{"input_ids": x, "attention_mask": torch.ones_like(x)}])
+    assert result["delta_nll_shuffle"] != result["delta_nll_shuffle"]  # nan
+    emit2 = make("fixed-emit2")
+    result = evaluate(emit2, [{"input_ids": x, "attention_mask": torch.ones_like(x)}])
+    assert result["delta_nll_random"] != 0 and result["ratio"] == pytest.approx(2 * 5 / 16)

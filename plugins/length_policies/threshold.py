@@ -52,6 +52,7 @@ class ThresholdPolicyConfig:
 class ThresholdPolicy(nn.Module):
     Config = ThresholdPolicyConfig
     uses_null_class = False
+    reads_hidden = True  # the score reads the shallow state h (ratio calibration must keep it)
 
     def __init__(self, config: ThresholdPolicyConfig, ctx):
         super().__init__()
@@ -70,6 +71,18 @@ class ThresholdPolicy(nn.Module):
 
     def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.keep_logit(head_logits, h))
+
+    def bias_for_ratio(self, head_logits, h, valid, target: float) -> float:
+        """The ratio controller's feed-forward bias: a chunk closes after about threshold / mean(p)
+        tokens, so aim at mean(p) = target * threshold (bisection on this batch's scores)."""
+        with torch.no_grad():
+            s = (self.keep_logit(head_logits, h) + self.null_bias)[valid].float()
+            goal = min(target * self.threshold, 0.999)
+            lo, hi = float(s.min()) - 30.0, float(s.max()) + 30.0
+            for _ in range(50):  # the mean score falls as the bias rises
+                mid = 0.5 * (lo + hi)
+                lo, hi = (mid, hi) if float(torch.sigmoid(s - mid).mean()) > goal else (lo, mid)
+            return 0.5 * (lo + hi)
 
     # -- decisions ------------------------------------------------------------------------
     def init_state(self, batch_size: int, device):

@@ -1,0 +1,158 @@
+"""``concept bench``: the pytest-benchmark suites in a subprocess, baselines per machine, a table of
+speed-ups against the dense backbone and against the ideal FLOP ratio."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from .output import print_json, status, stdout, table
+
+SUITES = {"forward": "test_forward.py", "train": "test_train_step.py", "decode": "test_decode.py",
+          "attention": "test_attention.py"}
+FAIL_ON = re.compile(r"^(min|max|mean|median|stddev|iqr):\d+(\.\d+)?%?$")
+
+
+def benchmarks_dir() -> Path:
+    """The suites ship with the source tree (``benchmarks/`` next to ``concept/``)."""
+    import concept
+
+    return Path(concept.__file__).resolve().parent.parent / "benchmarks"
+
+
+def machine_id(device: str) -> str:
+    """A folder name for this machine's baselines: CPU model and core count, or the GPU's name."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        what = torch.cuda.get_device_name(0)
+    else:
+        what = _cpu_name() or platform.machine()
+        what = f"{what}-{os.cpu_count()}c"
+    return re.sub(r"[^a-z0-9]+", "-", what.lower()).strip("-")
+
+
+def _cpu_name() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _saved(storage: Path, name: str) -> list[Path]:
+    """Saved runs named ``name`` in ``storage`` (pytest-benchmark nests them one folder deeper)."""
+    return sorted(storage.glob(f"*/[0-9][0-9][0-9][0-9]_{name}.json")) if storage.is_dir() else []
+
+
+def run_to_stderr(args: list[str]) -> int:
+    """Run a command with its output on our stderr (pytest's own report is status, not data)."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stderr (tests): relay the text
+        proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        sys.stderr.write(proc.stdout)
+        return proc.returncode
+    return subprocess.call(args, stdout=sys.stderr)
+
+
+def check_fail_on(expressions: tuple[str, ...]) -> list[str]:
+    return [f"--fail-on {e!r}: expected STAT:N% or STAT:SECONDS with STAT one of min, max, mean, median, "
+            f"stddev, iqr (e.g. mean:10%)" for e in expressions if not FAIL_ON.match(e)]
+
+
+def render(rows: list[dict]) -> None:
+    t = table("case", "dense s", "concept s", "speed-up", "ideal", "of ideal", "peak MiB (dense / concept)",
+              title="concept vs dense (measured side by side)")
+    for r in rows:
+        peak = f"{r['dense_peak_mib']:.0f} / {r['concept_peak_mib']:.0f}" if "dense_peak_mib" in r else "-"
+        t.add_row(r["case"], f"{r['dense_s']:.4f}", f"{r['concept_s']:.4f}", f"{r['speedup']:.2f}x",
+                  f"{r['ideal_speedup']:.2f}x", f"{100 * r['fraction_of_ideal']:.0f}%", peak)
+    stdout.print(t)
+
+
+@click.command()
+@click.option("--suite", type=click.Choice(["all", *SUITES]), default="all", show_default=True)
+@click.option("--smollm2", is_flag=True, help="Add the cases on the real SmolLM2 backbone (minutes on a CPU).")
+@click.option("--long", "long_", is_flag=True, help="Add the 16k-token attention cases.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("-k", "keyword", default=None, help="Only the cases matching this pytest -k expression.")
+@click.option("--save", default=None, metavar="NAME", help="Store this run as baseline NAME for this machine.")
+@click.option("--compare", default=None, metavar="NAME", help="Compare against this machine's latest baseline NAME.")
+@click.option("--fail-on", multiple=True, metavar="EXPR",
+              help="With --compare: exit non-zero on a regression, e.g. mean:10% (repeatable).")
+@click.option("--storage", type=click.Path(path_type=Path), default=None,
+              help="Baselines folder (default: benchmarks/baselines/<machine id>).")
+@click.option("--smoke", is_flag=True, help="Run every case once with timing disabled (what CI does).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storage, smoke, as_json):
+    """Benchmark the streaming model against the dense backbone (pytest-benchmark).
+
+    \b
+    concept bench                                        # every suite, tiny cases, a table of ratios
+    concept bench --suite attention --long              # attention only, up to 16k tokens
+    concept bench --smollm2 --save mymachine            # store a baseline for this machine
+    concept bench --smollm2 --compare mymachine --fail-on mean:10%
+    """
+    from concept.errors import ConceptError, ConfigError
+
+    problems = check_fail_on(fail_on)
+    if fail_on and not compare:
+        problems.append("--fail-on needs --compare NAME (the baseline to compare against)")
+    if smoke and (save or compare):
+        problems.append("--smoke disables timing, so there is nothing to --save or --compare")
+    if problems:
+        raise ConfigError(problems)
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConceptError(f"--device {device}: no CUDA device is available on this machine; use --device cpu")
+    where = benchmarks_dir()
+    if not where.is_dir():
+        raise ConceptError(f"the benchmark suites are not here ({where}); run from a source checkout of concept")
+    mid = machine_id(device)
+    storage = storage or where / "baselines" / mid
+    args = [sys.executable, "-m", "pytest", *(str(where / f) for f in ([SUITES[suite]] if suite != "all" else SUITES.values())),
+            "-q", "-p", "no:cacheprovider", "--rootdir", str(where.parent), f"--device={device}",
+            f"--benchmark-storage=file://{storage}"]
+    args += ["--smollm2"] * smollm2 + ["--long"] * long_ + (["-k", keyword] if keyword else [])
+    if smoke:
+        args.append("--benchmark-disable")
+    if save:
+        args.append(f"--benchmark-save={save}")
+    if compare:
+        runs = _saved(storage, compare)
+        if not runs:
+            known = sorted({p.stem.split("_", 1)[1] for p in storage.glob("*/*.json")}) if storage.is_dir() else []
+            raise ConceptError(f"no baseline named {compare!r} for machine {mid} in {storage} "
+                               f"({'saved: ' + ', '.join(known) if known else 'none saved yet'}); "
+                               f"store one first with `concept bench --save {compare}`")
+        args.append(f"--benchmark-compare={runs[-1].stem.split('_', 1)[0]}")
+        args += [f"--benchmark-compare-fail={e}" for e in fail_on]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = Path(tmp) / "rows.json"
+        args.append(f"--concept-results={results}")
+        status("benchmarking", f"{suite} on {device} (machine {mid}) ...")
+        code = run_to_stderr(args)
+        rows = json.loads(results.read_text()) if results.is_file() else []
+    if code not in (0, 5):  # 5: no case selected
+        raise ConceptError(f"the benchmark run failed (pytest exit code {code}"
+                           f"{'; a regression against the baseline' if compare and fail_on else ''}); see its output above")
+    if save:
+        status("saved", f"baseline {save!r} in {storage}")
+    if as_json:
+        print_json(rows)
+    elif rows:
+        render(rows)
+    elif not smoke:
+        status("note:", "no case ran (see -k / --smollm2 / --long)")
