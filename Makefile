@@ -31,14 +31,16 @@ demo: $(STAMP)
 	$(BIN)/concept train runs/demo --baseline --out runs/demo-dense $(DEMO_TRAIN)
 	$(BIN)/concept eval runs/demo-train runs/demo-dense --batches 8 --batch 4 --show-map
 
+# the unit tests, then every benchmark suite once with timing off (a smoke run, not a gate)
 test: $(STAMP)
 	$(PYTEST) -m "not slow" -q
+	$(PYTEST) benchmarks -q --benchmark-disable -p no:cacheprovider
 
 test-slow: $(STAMP)
 	$(PYTEST) -m slow -q
 
 bench: $(STAMP)
-	$(PYTEST) benchmarks -q
+	$(BIN)/concept bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -25,7 +25,7 @@ from .conftest import side_by_side
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 LENGTHS = [1024, 4096, 16384]
 RATIOS = [0.1, 0.25, 0.5]
-BACKENDS = ["chunked", "sdpa"]
+BACKENDS = ["chunked", "flex", "sdpa"]
 CASES = [(b, t, r) for b in BACKENDS for t in LENGTHS for r in RATIOS if not (b == "sdpa" and t > 4096)]
 
 

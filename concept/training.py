@@ -164,6 +164,11 @@ class Trainer:
         self.device = pick_device(config.device)
         plan = resolve(build_config)
         problems = config.validate(plan.backbone_info.max_positions)
+        attention = plan.components["attention"]
+        check = getattr(attention.cls, "check_trainable", None)  # e.g. `flex` has no backward on CPU
+        reason = check(self.device) if callable(check) and not config.baseline else ""
+        if reason:
+            problems.append(f"attention '{attention.name}' cannot train on {self.device}: {reason}")
         if problems:
             raise ConfigError(problems)
         torch.manual_seed(config.seed)

@@ -10,7 +10,8 @@ from concept.errors import ConfigError
 from tests.conftest import POLICIES, mixed_model as make, tiny_config
 from tests.reference import reference_logits
 
-BACKENDS = ["sdpa", "chunked"]
+BACKENDS = ["sdpa", "chunked"]  # with gradients
+FORWARD_BACKENDS = [*BACKENDS, "flex"]  # FlexAttention has no backward on CPU
 SCHEMES = ["time", "per-type", "compact"]
 
 
@@ -19,7 +20,7 @@ def ids(B=3, T=14, seed=0):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FORWARD_BACKENDS)
 @pytest.mark.parametrize("positions", SCHEMES)
 def test_one_pass_matches_naive(policy, backend, positions):
     model = make(policy, backend, positions)
@@ -37,7 +38,7 @@ def test_one_pass_matches_naive(policy, backend, positions):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FORWARD_BACKENDS)
 @pytest.mark.parametrize("positions", SCHEMES)
 def test_decoding_matches_teacher_forcing(policy, backend, positions):
     model = make(policy, backend, positions)
@@ -349,3 +350,23 @@ def test_controls_are_nan_when_the_inputs_are_mixtures():
     emit2 = make("fixed-emit2")
     result = evaluate(emit2, [{"input_ids": x, "attention_mask": torch.ones_like(x)}])
     assert result["delta_nll_random"] != 0 and result["ratio"] == pytest.approx(2 * 5 / 16)
+
+
+def test_flex_refuses_training_on_cpu_with_the_reason(tmp_path):
+    from concept.training import TrainConfig, Trainer
+    from concept_plugins.attention.flex import FlexBackend
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    model = make("null", "flex")
+    model.train()
+    try:
+        with pytest.raises(concept.ConceptError, match="no backward pass on CPU"):
+            model(ids()).logits.sum()
+    finally:
+        model.eval()
+    assert "forward only" in FlexBackend.unavailable_reason()
+    concept.save(concept.build(tiny_config(attention="flex")), tmp_path / "m")
+    with pytest.raises(ConfigError, match="attention 'flex' cannot train on cpu"):
+        Trainer.start(tmp_path / "m", tmp_path / "run", TrainConfig(steps=1, device="cpu"))
+    assert not (tmp_path / "run").exists()
