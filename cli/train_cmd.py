@@ -94,7 +94,8 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     noted = len(trainer.notes)
     accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, "
-                       f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}")
+                       f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}"
+                       f"{f', attention auto -> {trainer.attention}' if trainer.attention else ''}")
     try:
         final = run_with_progress(trainer)
     except KeyboardInterrupt:

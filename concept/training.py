@@ -136,6 +136,12 @@ def lr_lambda(config: TrainConfig):
     return f
 
 
+def resolved_attention(model, device) -> str | None:
+    """For an attention backend that chooses per device (``auto``): the backend it uses here."""
+    choice = getattr(getattr(model, "attention", None), "choice", None)
+    return choice(device) if callable(choice) else None
+
+
 def ratio_controllable(policy) -> bool:
     """The policy has a bias the ratio controller can move (``null_bias`` + ``keep_logit``)."""
     return hasattr(policy, "null_bias") and hasattr(policy, "keep_logit")
@@ -235,6 +241,11 @@ class Trainer:
         if resume:
             self._restore()
         self._stop = False
+        self.attention = resolved_attention(self.model, self.device)
+        if self.attention:  # `auto`: record what it resolved to on this device
+            record = json.loads((self.out / TRAIN_FILE).read_text())
+            record["attention_resolved"] = self.attention
+            (self.out / TRAIN_FILE).write_text(json.dumps(record, indent=2))
 
     # -- starting and resuming -----------------------------------------------------------------
     @classmethod
@@ -284,6 +295,7 @@ class Trainer:
         if saved is None:
             raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
         source = saved.pop("source", None)
+        saved.pop("attention_resolved", None)
         config = TrainConfig.from_dict(saved)
         changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device"}
         def saved_value(key):

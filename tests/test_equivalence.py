@@ -24,7 +24,7 @@ def pattern(name: str, T: int = T) -> torch.Tensor:
 
 
 PATTERNS = ["none", "all", "first", "last", "runs", "rate-0.1", "rate-0.5", "rate-0.9"]
-BACKENDS = ["sdpa", "chunked"]  # with gradients
+BACKENDS = ["sdpa", "chunked", "auto"]  # with gradients (auto: chunked on CPU)
 FORWARD_BACKENDS = [*BACKENDS, "flex"]  # FlexAttention has no backward on CPU
 SCHEMES = ["time", "per-type"]
 

@@ -370,3 +370,23 @@ def test_flex_refuses_training_on_cpu_with_the_reason(tmp_path):
     with pytest.raises(ConfigError, match="attention 'flex' cannot train on cpu"):
         Trainer.start(tmp_path / "m", tmp_path / "run", TrainConfig(steps=1, device="cpu"))
     assert not (tmp_path / "run").exists()
+
+
+def test_auto_attention_chooses_per_device_and_records_the_choice(tmp_path):
+    from concept.training import TrainConfig, Trainer
+    from concept_plugins.attention.auto import AutoBackend
+    from tests.test_training import STDLIB
+
+    assert AutoBackend.choice("cpu") == "chunked" and AutoBackend.choice("cuda") == "flex"
+    corpus = tmp_path / "code.txt"
+    corpus.write_text((STDLIB / "textwrap.py").read_text())
+    cfg = concept.BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                                  "intermediate": 64}),
+                              split="1,2,1", attention=ComponentRef("auto"), vocabulary=ComponentRef("embedding", {"size": 32}))
+    concept.save(concept.build(cfg), tmp_path / "m")
+    trainer = Trainer.start(tmp_path / "m", tmp_path / "run", TrainConfig(steps=1, seq_len=32, batch=2, eval_every=1,
+                                                                          eval_batches=1, data=str(corpus), device="cpu"))
+    trainer.train()
+    record = __import__("json").loads((tmp_path / "run" / "train.json").read_text())
+    assert record["attention_resolved"] == "chunked"
+    assert Trainer.resume(tmp_path / "run").attention == "chunked"  # the record does not break --resume

@@ -1,0 +1,63 @@
+"""`auto`: the exact backend expected to be fastest for the device and the mode, chosen per forward.
+
+| device | training | prefill / evaluation | decoding |
+|---|---|---|---|
+| CPU | `chunked` | `chunked` | KV caches (no backend) |
+| CUDA | `flex` | `flex` | KV caches (no backend) |
+
+On CPU the choice is measured (`docs/benchmarks.md`): `chunked` beats the dense-mask `sdpa`
+(full forward 2.00x vs 1.83x against dense) and torch's CPU FlexAttention (attention only,
+2.83x vs 0.98x at 4k tokens), and FlexAttention has no backward on CPU. On CUDA `flex` is
+chosen for its fused forward and backward kernels; where FlexAttention cannot be imported,
+`chunked`. The CUDA choice has not been measured in this project yet (no GPU so far).
+Decoding never uses a backend: a decoding query attends to its row's cache with one SDPA.
+The run records ``auto``; :meth:`AutoBackend.choice` says what it resolves to on a device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from concept.attention import AttentionPlan
+from concept.packing import PackedLayout
+
+from .chunked import ChunkedBackend, ChunkedConfig
+
+
+@dataclass
+class AutoConfig:
+    chunk: int = 128  # for `chunked`
+
+    def validate(self) -> list[str]:
+        return ChunkedConfig(self.chunk).validate()
+
+
+def _flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class AutoBackend:
+    Config = AutoConfig
+    supports_backward = True
+
+    def __init__(self, config: AutoConfig | None = None, ctx=None):
+        self.config = config or AutoConfig()
+        self.backends = {"chunked": ChunkedBackend(ChunkedConfig(self.config.chunk))}
+
+    @staticmethod
+    def choice(device) -> str:
+        """The backend ``auto`` uses on ``device`` (for training and for full forwards alike)."""
+        return "flex" if torch.device(device).type == "cuda" and _flex_available() else "chunked"
+
+    def plan(self, layout: PackedLayout) -> AttentionPlan:
+        name = self.choice(layout.meta.time.device)
+        if name not in self.backends:
+            from .flex import FlexBackend
+
+            self.backends[name] = FlexBackend()
+        return self.backends[name].plan(layout)
