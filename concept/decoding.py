@@ -63,7 +63,7 @@ class ConceptDecoder:
         M = model.emit
         src = (last_real(valid)[:, None] - (M - 1) + torch.arange(M, device=valid.device)).clamp(min=0)
         h_src = out.shallow.gather(1, src[..., None].expand(-1, -1, out.shallow.shape[-1]))
-        _, probs, _, _ = model.decide(h_src, torch.ones_like(src, dtype=torch.bool), torch.zeros_like(src, dtype=torch.bool))
+        probs = model.concept_probs(out.head_logits.gather(1, src[..., None].expand(-1, -1, out.head_logits.shape[-1])))
         positions = packing.time_positions(valid).gather(1, src)
         self.recent = (h_src, probs, probs.argmax(-1), positions)
         self.max_tail = int(self.cache.deep.tail_entries().max()) if B else 0
@@ -110,7 +110,7 @@ class ConceptDecoder:
         keep, state = model.length_policy.step(h[:, 0], head_logits[:, 0], self.state)
         self.state = _where(active, state, self.state)
         keep = keep.bool() & active
-        _, probs, _, _ = model.decide(h, active[:, None], keep[:, None])
+        probs = model.concept_probs(head_logits)
         shifted = (torch.cat([old[:, 1:], new], dim=1) for old, new in zip(self.recent, (h, probs, probs.argmax(-1), pos)))
         self.recent = tuple(_where(active, new, old) for new, old in zip(shifted, self.recent))
 

@@ -80,10 +80,14 @@ class ConceptModel(nn.Module):
         if keep is None:
             keep = self.length_policy.decide(h, head_logits, valid, reset)
         keep = keep.bool() & valid
-        sampler = self.sampler if self.training else self.eval_sampler
-        probs = sampler(head_logits[..., : self.vocabulary.size])
+        probs = self.concept_probs(head_logits)
         concept_ids = torch.where(keep, probs.argmax(-1), torch.full_like(keep, -1, dtype=torch.long))
         return head_logits, probs, keep, concept_ids
+
+    def concept_probs(self, head_logits):
+        """The sampler's probabilities over the K concepts (the NULL column is not passed)."""
+        sampler = self.sampler if self.training else self.eval_sampler
+        return sampler(head_logits[..., : self.vocabulary.size])
 
     def concept_inputs(self, probs, concept_ids, src, h):
         """Inputs of the concepts emitted at time indices ``src`` [B, C]: the hard embedding with a
