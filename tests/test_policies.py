@@ -390,3 +390,19 @@ def test_auto_attention_chooses_per_device_and_records_the_choice(tmp_path):
     record = __import__("json").loads((tmp_path / "run" / "train.json").read_text())
     assert record["attention_resolved"] == "chunked"
     assert Trainer.resume(tmp_path / "run").attention == "chunked"  # the record does not break --resume
+
+
+@pytest.mark.slow
+def test_compiled_flex_matches_chunked_on_cpu():
+    """The compiled FlexAttention path (what `flex` runs by default), forward only on CPU (~20 s of compiling)."""
+    chunked = make("null", "chunked")
+    cfg = tiny_config(attention="flex", policy=POLICIES["null"])
+    cfg.attention = ComponentRef("flex", {"compile": True})
+    flex = concept.build(cfg)
+    flex.load_state_dict(chunked.state_dict())
+    flex.eval()
+    x = ids(2, 300)
+    with torch.no_grad():
+        a = chunked(x)
+        b = flex(x, keep=a.keep)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=0)
