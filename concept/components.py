@@ -35,6 +35,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def rms_normalize(h):
+    """``h / rms(h)`` over the last dim (statistics in float32, result in h's dtype): what heads that
+    should depend on a state's direction, not its norm, read (ConceptHead, codebook, threshold score)."""
+    import torch
+
+    return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+
+
 @dataclass
 class BuildContext:
     hidden_size: int

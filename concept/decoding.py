@@ -79,14 +79,16 @@ class ConceptDecoder:
                 raise ConceptError(f"length policy {type(policy).__name__}: decide_with_state() disagrees with decide()")
             return state
         state = policy.init_state(valid.shape[0], valid.device)
+        steps = []
         for t in range(valid.shape[1]):
             keep, new = policy.step(out.shallow[:, t], out.head_logits[:, t], state)
-            live = valid[:, t]
-            if bool((live & (keep.bool() != out.keep[:, t])).any()):
-                raise ConceptError(
-                    f"length policy {type(policy).__name__}: its step-wise decision differs from its batched "
-                    f"one at prompt position {t}; decoding would not match training (fix the policy's step())")
-            state = _where(live, new, state)
+            steps.append(keep.bool() & valid[:, t])
+            state = _where(valid[:, t], new, state)
+        differ = (torch.stack(steps, 1) != out.keep).any(0).nonzero()  # one host sync, not one per token
+        if len(differ):
+            raise ConceptError(
+                f"length policy {type(policy).__name__}: its step-wise decision differs from its batched "
+                f"one at prompt position {int(differ[0])}; decoding would not match training (fix the policy's step())")
         return state
 
     @torch.no_grad()

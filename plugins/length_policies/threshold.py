@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.components import rms_normalize
+
 
 @dataclass
 class ThresholdPolicyConfig:
@@ -66,8 +68,7 @@ class ThresholdPolicy(nn.Module):
     # -- the score ------------------------------------------------------------------------
     def keep_logit(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Log-odds of the per-token score p_t."""
-        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.score(x.to(self.score.weight.dtype))[..., 0].float() - self.null_bias
+        return self.score(rms_normalize(h).to(self.score.weight.dtype))[..., 0].float() - self.null_bias
 
     def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.keep_logit(head_logits, h))

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from concept.components import rms_normalize
+
 
 @dataclass
 class CodebookVocabConfig:
@@ -68,7 +70,7 @@ class CodebookVocabulary(nn.Module):
             self.proj_in.weight.normal_(0.0, target / self.config.code_dim ** 0.5 / self.proj_in.out_features ** 0.5)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        x = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+        x = rms_normalize(h)
         query = F.normalize(self.proj_out(x), dim=-1)
         codes = F.normalize(self.codebook, dim=-1).to(query.dtype)
         logits = self.log_scale.exp().to(query.dtype) * query @ codes.T

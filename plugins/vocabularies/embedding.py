@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.components import rms_normalize
+
 
 @dataclass
 class EmbeddingVocabConfig:
@@ -57,7 +59,7 @@ class EmbeddingVocabulary(nn.Module):
         pretrained LMs; normalising makes the keep decision depend on direction, which keeps
         the realised ratio far more stable across data (see docs/results.md)."""
         if self.config.normalize_input:
-            h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+            h = rms_normalize(h)
         return self.head(h)
 
     def embed_hard(self, ids: torch.Tensor) -> torch.Tensor:
