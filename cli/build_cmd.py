@@ -34,7 +34,7 @@ def load_config_file(path: str):
     return BuildConfig.from_dict(data)
 
 
-def make_config(config_file, names: dict, split, seed, overrides):
+def make_config(config_file, names: dict, split, seed, overrides, concept_input=None):
     """Start from the defaults (or --config) and apply the flags; --set last."""
     from concept import BuildConfig, ComponentRef
 
@@ -46,6 +46,8 @@ def make_config(config_file, names: dict, split, seed, overrides):
         config.split = split
     if seed is not None:
         config.seed = seed
+    if concept_input is not None:
+        config.concept_input = concept_input
     return config.apply_overrides(list(overrides))
 
 
@@ -94,6 +96,11 @@ def print_plan(plan, output: Path | None) -> None:
               help="Position scheme plugin (default: time).")
 @click.option("--vocabulary", metavar="NAME", help="Concept vocabulary plugin (default: embedding).")
 @click.option("--attention", metavar="NAME", help="Deep-stack attention backend (default: chunked).")
+@click.option("--tail-fusion", metavar="NAME",
+              help="What tail tokens take from their latest concept: none, update, bridge (default: none).")
+@click.option("--concept-input", type=click.Choice(["identity", "embedding"]),
+              help="Concept input: the emitting token's shallow state + a gated embedding (identity, default) "
+                   "or the discrete embedding alone.")
 @click.option("--seed", type=int, help="Seed for the new modules (default: 0).")
 @click.option("--set", "overrides", multiple=True, metavar="SLOT.KEY=VALUE",
               help="Set a component option, e.g. --set sampler.tau=0.7 (repeatable; values parsed as JSON).")
@@ -104,8 +111,8 @@ def print_plan(plan, output: Path | None) -> None:
 @click.option("--force", is_flag=True, help="Replace an output folder that holds a different model.")
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
-def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme, vocabulary, attention, seed,
-          overrides, config_file, output, force, dry_run, as_json) -> None:
+def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme, vocabulary, attention, tail_fusion,
+          concept_input, seed, overrides, config_file, output, force, dry_run, as_json) -> None:
     """Build a streaming concept model from a backbone and components, and save it to a run folder.
 
     \b
@@ -116,8 +123,8 @@ def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme
     if output is None and not dry_run:
         raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
     names = dict(backbone=backbone, length_policy=length_policy, sampler=sampler, eval_sampler=eval_sampler,
-                 position_scheme=position_scheme, vocabulary=vocabulary, attention=attention)
-    config = make_config(config_file, names, split, seed, overrides)
+                 position_scheme=position_scheme, vocabulary=vocabulary, attention=attention, tail_fusion=tail_fusion)
+    config = make_config(config_file, names, split, seed, overrides, concept_input)
     from concept import resolve
 
     plan = resolve(config)

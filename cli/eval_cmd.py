@@ -8,7 +8,7 @@ import click
 from .output import print_json, quiet_progress_bars, status, stdout, table
 
 # (key, label, format) rows of the table, in order
-ROWS = [("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token)", "{:.4f}"),
+ROWS = [("model", "model", "{}"), ("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token)", "{:.4f}"),
         ("perplexity", "perplexity", "{:.2f}"), ("ratio", "concepts / token", "{:.4f}"),
         ("delta_nll_shuffle", "ΔNLL concepts shuffled", "{:+.4f}"), ("delta_nll_random", "ΔNLL random concepts", "{:+.4f}"),
         ("usage_perplexity", "concept usage perplexity", "{:.1f}"), ("usage_fraction", "concept ids used / K", "{:.4f}"),
@@ -21,7 +21,7 @@ ROWS = [("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token
 def speed_vs_dense(results: dict) -> None:
     """With a dense baseline among the compared runs, add each run's training tokens/s relative to it
     (the runs were trained one after another, so this ratio carries the machine's noise)."""
-    dense = [r["train_tokens_per_s"] for r in results.values() if "ratio" not in r and r.get("train_tokens_per_s")]
+    dense = [r["train_tokens_per_s"] for r in results.values() if r.get("model") == "dense" and r.get("train_tokens_per_s")]
     if not dense:
         return
     for r in results.values():
@@ -43,17 +43,23 @@ def training_throughput(run: Path) -> dict:
 
 
 def eval_data(run: Path, data: str | None, seq_len: int | None, encoding_errors: str | None, text_field: str | None):
-    """Held-out documents: all of --data if given, else the held-out split of what the run trained on;
-    unset options default to the run's training settings."""
+    """Held-out documents: all of --data if given (the held-out split of a built-in corpus such as
+    ``stdlib`` or ``pydoc``), else the held-out split of what the run trained on; unset options
+    default to the run's training settings."""
     from concept.builder import read_train
+    from concept.data import builtin_corpus
 
     train = read_train(run) or {}
-    source, split = (data, "all") if data else (train.get("data"), "heldout")
+    if data:
+        source, split = data, "heldout" if builtin_corpus(data) else "all"
+    else:
+        source, split = train.get("data"), "heldout"
     return (source, split, seq_len or train.get("seq_len") or 256, text_field or train.get("text_field", "text"),
             encoding_errors or train.get("encoding_errors", "strict"))
 
 
-def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device):
+def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None):
+    """Evaluate the run at ``path`` (or its already loaded ``model``) on one data source."""
     import concept
     from concept import data as concept_data
     from concept.diagnostics import evaluate
@@ -61,18 +67,22 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 
     source, split, seq_len, text_field, encoding_errors = eval_data(path, data, seq_len, encoding_errors, text_field)
     status("evaluating", f"{path} on {source or 'the standard library'} ({split}), {batches}x{batch}x{seq_len} tokens ...")
-    model = concept.load(path).to(pick_device(device))
+    model = concept.load(path).to(pick_device(device)) if model is None else model
     tokenizer = concept_data.tokenizer_for(model)
     docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
     packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
     n = min(batches, max(1, len(packed) // batch))
     result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
+    result["model"] = getattr(model, "kind", "streaming")  # streaming | dense | pruned
     return model, tokenizer, docs, result
 
 
 @click.command(name="eval")
 @click.argument("runs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--data", default=None, help="Held-out text (file, folder or JSONL); default: the held-out split of the run's data.")
+@click.option("--data", multiple=True, metavar="SOURCE",
+              help="Held-out text: a file, folder or JSONL (read whole), or a built-in corpus (stdlib/code, "
+                   "pydoc/prose: its held-out split); repeat for one table per domain. Default: the held-out "
+                   "split of the run's data.")
 @click.option("--seq-len", type=int, default=None, help="Default: the run's training --seq-len (or 256).")
 @click.option("--batches", type=int, default=8, show_default=True)
 @click.option("--batch", type=int, default=4, show_default=True)
@@ -92,31 +102,52 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     concept eval runs/m1-train --json
     concept eval runs/m1-train --data held-out/ --show-map
     concept eval runs/m1-train runs/dense          # side by side
+    concept eval runs/m1-train --data stdlib --data pydoc   # code and prose: one table per domain
     """
     quiet_progress_bars()
-    results = {}
+    domains = list(dict.fromkeys(data)) or [None]  # repeated --data: one evaluation per domain
+    by_domain = {d: {} for d in domains}
     for run in runs:
-        model, tokenizer, docs, result = evaluate_run(run, data, seq_len, batches, batch, not no_controls,
-                                                      encoding_errors, text_field, device)
-        result.update(training_throughput(run))
-        results[str(run)] = result
-        if show_map and hasattr(model, "length_policy"):
-            from concept.diagnostics import compression_map
+        model = None
+        for d in domains:
+            model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
+                                                          encoding_errors, text_field, device, model)
+            result.update(training_throughput(run))
+            by_domain[d][str(run)] = result
+            if show_map and hasattr(model, "length_policy"):
+                from concept.diagnostics import compression_map
 
-            stdout.print(f"[bold]compression map[/] of {run} ({docs[0].name}); highlighted tokens emitted a concept:")
-            stdout.print(compression_map(model, tokenizer, docs[0].text, max_tokens=200))
-    speed_vs_dense(results)
+                stdout.print(f"[bold]compression map[/] of {run} ({docs[0].name}); highlighted tokens emitted a concept:")
+                stdout.print(compression_map(model, tokenizer, docs[0].text, max_tokens=200))
+    for results in by_domain.values():
+        speed_vs_dense(results)
+    several = compare or len(runs) > 1
     if as_json:
-        print_json(results if (compare or len(runs) > 1) else results[str(runs[0])])
+        pick = lambda results: results if several else results[str(runs[0])]  # noqa: E731
+        # one domain: the single-domain format; several: {domain: that format}
+        print_json(pick(by_domain[domains[0]]) if len(domains) == 1 else {d: pick(r) for d, r in by_domain.items()})
         return
-    t = table("metric", *results.keys(), title="held-out evaluation")
+    if len(domains) > 1:
+        t = table("domain", *(f"{run}: {what}" for run in by_domain[domains[0]] for what in ("bits / token", "concepts / token")),
+                  title="held-out bits / token and realised concepts / token by domain")
+        for d, results in by_domain.items():
+            t.add_row(d, *(fmt.format(r[key]) if key in r else "-" for r in results.values()
+                           for key, fmt in (("bits_per_token", "{:.4f}"), ("ratio", "{:.4f}"))))
+        stdout.print(t)
+    for d, results in by_domain.items():
+        print_tables(results, f": {d}" if len(domains) > 1 else "")
+
+
+def print_tables(results: dict, suffix: str = "") -> None:
+    """The metrics table and the NLL-by-position table of one domain (runs side by side)."""
+    t = table("metric", *results.keys(), title=f"held-out evaluation{suffix}")
     for key, label, fmt in ROWS:
         if any(key in r for r in results.values()):
             t.add_row(label, *(fmt.format(r[key]) if key in r else "-" for r in results.values()))
     stdout.print(t)
     buckets = next((r["nll_by_position"] for r in results.values() if r.get("nll_by_position")), None)
     if buckets:
-        t = table("position", *results.keys(), title="NLL by position in the document (nats)")
+        t = table("position", *results.keys(), title=f"NLL by position in the document (nats){suffix}")
         for b in buckets:
             t.add_row(b, *(f"{r['nll_by_position'].get(b, float('nan')):.3f}" for r in results.values()))
         stdout.print(t)

@@ -15,6 +15,7 @@ import click
 from .bench_cmd import bench
 from .build_cmd import build
 from .eval_cmd import eval_
+from .frontier_cmd import frontier
 from .generate_cmd import generate
 from .inspect_cmd import inspect
 from .output import print_error
@@ -65,6 +66,7 @@ cli.add_command(train)
 cli.add_command(eval_)
 cli.add_command(generate)
 cli.add_command(bench)
+cli.add_command(frontier)
 
 
 def main(argv: list[str] | None = None) -> None:

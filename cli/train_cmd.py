@@ -16,17 +16,26 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "eval_every": "eval_every", "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
           "log_every": "log_every", "grad_checkpointing": "grad_checkpointing", "baseline": "baseline",
           "device": "device", "tau_start": "tau_start", "tau_end": "tau_end",
-          "calibration_batches": "calibration_batches"}
+          "calibration_batches": "calibration_batches", "prune_layers": "prune_layers", "ce_weight": "ce_weight",
+          "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
+          "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
+          "ratio_warmup": "ratio_warmup"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 
 
 @click.command()
 @click.argument("source", metavar="RUN_DIR", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or RUN_DIR-dense with --baseline).")
+@click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or "
+              "RUN_DIR-dense / RUN_DIR-pruned with --baseline).")
 @click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped "
               "(a larger --steps stretches the LR and temperature schedules from there on).")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out folder.")
-@click.option("--baseline", is_flag=True, help="Train the dense baseline (backbone + LoRA, no compression).")
+@click.option("--baseline", type=click.Choice(["dense", "pruned"]), is_flag=False, flag_value="dense", default=None,
+              help="Train a baseline instead of the streaming model: `dense` (the default of a bare --baseline: "
+              "backbone + LoRA, no compression) or `pruned` (the backbone minus a contiguous block of middle layers, "
+              "FLOP-matched to the streaming model at --target-ratio and --seq-len).")
+@click.option("--prune-layers", metavar="START:STOP", default=None,
+              help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block.")
 @click.option("--data", type=str, default=None, help="Text file, folder, or JSONL (default: the Python standard library).")
 @click.option("--text-field", default="text", show_default=True, help="JSONL field holding the text.")
 @click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
@@ -43,6 +52,28 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.option("--ratio-loss-weight", type=float, default=0.1, show_default=True)
 @click.option("--usage-weight", type=float, default=0.0, show_default=True,
               help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
+@click.option("--ratio-start", type=float, default=1.0, show_default=True,
+              help="Ratio curriculum: the target ratio at step 0 (1 = every token a concept).")
+@click.option("--ratio-warmup", type=float, default=0.0, show_default=True,
+              help="Anneal the target from --ratio-start to --target-ratio over this fraction of the steps "
+              "(linearly in tokens per concept), then hold it; 0 = off.")
+@click.option("--ce-weight", type=float, default=1.0, show_default=True,
+              help="Weight of the next-token cross entropy (0 with --distill: KL-only distillation).")
+@click.option("--distill", type=float, default=0.0, show_default=True,
+              help="Weight of KL(teacher || student) on the next-token distributions; the teacher is the frozen "
+              "backbone (adapters disabled), one extra no-grad forward per step.")
+@click.option("--distill-temperature", type=float, default=1.0, show_default=True,
+              help="Softmax temperature T of the distillation (the KL is scaled by T^2).")
+@click.option("--align", type=float, default=0.0, show_default=True,
+              help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
+@click.option("--align-at", type=click.Choice(["deep-input", "final"]), default="deep-input", show_default=True,
+              help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; "
+              "final: the last layer's output (before the final norm) at every token.")
+@click.option("--align-loss", type=click.Choice(["mse", "cosine"]), default="mse", show_default=True,
+              help="mse: squared error / the teacher states' mean square; cosine: 1 - cos.")
+@click.option("--train-only", type=click.Choice(["all", "new"]), default="all", show_default=True,
+              help="new: train only the new modules (the LoRA adapters stay frozen), e.g. a first stage that "
+              "fits a tail bridge with --align.")
 @click.option("--calibration-batches", type=int, default=16, show_default=True,
               help="At the end, re-estimate the NULL bias for the target ratio on this many training batches (0: off).")
 @click.option("--tau-start", type=float, default=1.0, show_default=True, help="Gumbel temperature at step 0.")
@@ -66,6 +97,8 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.25 --out runs/m1-train
     concept train runs/m1-train --resume --steps 600
     concept train runs/m1 --baseline --out runs/dense
+    concept train runs/m1 --baseline pruned --distill 1 --out runs/pruned
+    concept train runs/m1 --distill 1 --ratio-warmup 0.3 --out runs/m1-kd
     """
     from concept.lora import LoraSettings
     from concept.training import TrainConfig, Trainer
@@ -77,7 +110,7 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     if resume:
         overrides = {FIELDS[k]: options[k] for k in given if k in FIELDS}
         overrides.update({f"lora.{LORA[k]}": options[k] for k in given if k in LORA})
-        if "baseline" in overrides and not overrides["baseline"]:
+        if "baseline" in overrides and overrides["baseline"] is None:
             overrides.pop("baseline")
         status("resuming", f"{source} ...")
         trainer = Trainer.resume(source, **overrides)
@@ -85,8 +118,8 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     else:
         config = TrainConfig(**{FIELDS[k]: v for k, v in options.items() if k in FIELDS},
                              lora=LoraSettings(**{LORA[k]: v for k, v in options.items() if k in LORA}))
-        out = out or source.with_name(source.name + ("-dense" if config.baseline else "-train"))
-        status("preparing", f"{'dense baseline' if config.baseline else 'concept model'} from {source} -> {out} ...")
+        out = out or source.with_name(source.name + (f"-{config.baseline}" if config.baseline else "-train"))
+        status("preparing", f"{f'{config.baseline} baseline' if config.baseline else 'concept model'} from {source} -> {out} ...")
         trainer = Trainer.start(source, out, config, force=force)
     cfg = trainer.config
     for note in trainer.notes:
@@ -133,8 +166,14 @@ def run_with_progress(trainer) -> dict:
 
         def update(row: dict) -> None:
             info = f"loss {row['loss']:.3f}"
+            if "distill_kl" in row:
+                info += f"  kd {row['distill_kl']:.3f}"
+            if "align" in row:
+                info += f"  align {row['align']:.3f}"
             if "ratio" in row:
                 info += f"  ratio {row['ratio']:.3f}"
+                if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:
+                    info += f" (target {row['target_ratio']:.3f})"
             info += f"  {row['tokens_per_s']:.0f} tok/s"
             if row.get("eval"):
                 info += f"  held-out {row['eval']['nll']:.3f}"

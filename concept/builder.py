@@ -28,7 +28,9 @@ from .model import ConceptModel
 RUN_FILE = "concept.json"
 MODULES_FILE = "modules.safetensors"
 BACKBONE_FILE = "backbone.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# what run folders of an older format were built with, where the config did not say it yet
+LEGACY_CONFIG = {1: {"concept_input": "embedding", "tail_fusion": {"name": "none", "params": {}}}}
 
 
 def build_backbone(plan: Plan) -> LoadedBackbone:
@@ -62,6 +64,7 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
         eval_sampler=comps["eval_sampler"].cls(comps["eval_sampler"].config, ctx),
         positions=comps["position_scheme"].cls(comps["position_scheme"].config, ctx),
         attention=comps["attention"].cls(comps["attention"].config, ctx),
+        tail_fusion=comps["tail_fusion"].cls(comps["tail_fusion"].config, ctx),
     )
     for name, part in parts.items():
         if name != "vocabulary":
@@ -79,7 +82,8 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.config.seed)
         parts = build_components(plan, loaded)
-    model = ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer, **parts)
+    model = ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
+                         identity_start=plan.config.concept_input == "identity", **parts)
     return model.eval()
 
 
@@ -96,8 +100,10 @@ def read_run(path: str | os.PathLike) -> dict:
         raise RunFolderError(f"{folder} is not a concept run folder (no {RUN_FILE}); create one with `concept build -o {folder}`")
     try:
         record = json.loads(file.read_text())
-        record["config"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        config = record["config"]
+        for key, value in LEGACY_CONFIG.get(record.get("format", 1), {}).items():
+            config.setdefault(key, value)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise RunFolderError(f"{file} is corrupt ({exc}); rebuild the run with `concept build -o {folder} --force`") from exc
     return record
 
@@ -190,7 +196,7 @@ def load_new_modules(model, state: dict) -> None:
 
 def load(path: str | os.PathLike):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
-    LoRA adapters and the newest checkpoint's weights) or a trained dense baseline."""
+    LoRA adapters and the newest checkpoint's weights) or a trained dense (or pruned) baseline."""
     from .dense import DenseModel
     from .lora import LoraSettings, add_lora, load_lora_state_dict
 
@@ -198,9 +204,12 @@ def load(path: str | os.PathLike):
     record = read_run(folder)
     train = read_train(folder)
     plan = resolve(BuildConfig.from_dict(record["config"]))
-    if train and train.get("baseline"):
+    if train and train.get("baseline"):  # "dense" / "pruned" (older runs: true)
         loaded = build_backbone(plan)
-        model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer)
+        # a pruned baseline skips the block of layers its train.json records (concept.training.prune_plan)
+        block = (train.get("pruned") or {}).get("removed") if train.get("baseline") == "pruned" else None
+        removed = tuple(block) if block and block[1] > block[0] else None
+        model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed)
     else:
         model = build(plan=plan)
     backbone_state = newest_weights(folder, "backbone")

@@ -17,7 +17,9 @@ from typing import Any
 from .errors import ConceptError, ConfigError, UnknownComponentError
 from .registry import KINDS, Provider, registry
 
-SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention")
+SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
+         "tail_fusion")
+CONCEPT_INPUTS = ("identity", "embedding")
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
 assert set(SLOT_KIND.values()) == set(KINDS)
 
@@ -39,6 +41,11 @@ class BuildConfig:
     position_scheme: ComponentRef = field(default_factory=lambda: ComponentRef("time"))
     vocabulary: ComponentRef = field(default_factory=lambda: ComponentRef("embedding"))
     attention: ComponentRef = field(default_factory=lambda: ComponentRef("chunked"))
+    tail_fusion: ComponentRef = field(default_factory=lambda: ComponentRef("none"))
+    # what a concept feeds the middle stack: "identity" = the emitting token's shallow state plus the
+    # discrete concept embedding behind a gate that starts at 0 (keep-all == the backbone exactly);
+    # "embedding" = the discrete concept embedding alone
+    concept_input: str = "identity"
     seed: int = 0
 
     # -- JSON ---------------------------------------------------------------------------
@@ -90,10 +97,10 @@ class BuildConfig:
                 getattr(self, slot).params[key] = value
             elif path in SLOTS:
                 getattr(self, path).name = str(value)
-            elif path in ("split", "seed"):
+            elif path in ("split", "seed", "concept_input"):
                 setattr(self, path, value if path == "seed" else str(raw))
             else:
-                problems.append(_unknown_msg("--set key", path, list(SLOTS) + ["split", "seed"]))
+                problems.append(_unknown_msg("--set key", path, list(SLOTS) + ["split", "seed", "concept_input"]))
         if problems:
             raise ConfigError(problems)
         return self
@@ -286,6 +293,8 @@ def resolve(config: BuildConfig) -> Plan:
 
     if not isinstance(config.seed, int) or isinstance(config.seed, bool):
         problems.append(f"seed: expected an integer, got {config.seed!r}")
+    if config.concept_input not in CONCEPT_INPUTS:
+        problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
 
     split, info = None, None
     if "backbone" in components:

@@ -4,9 +4,20 @@
     PackedSequences(documents, tokenizer, seq_len, seed)
         .batch(step, batch_size)  ->  {input_ids, attention_mask, document_ids}  [B, T]
 
-* Sources: the Python standard library (the default corpus, always on the machine), a text
-  file (one document), a ``.jsonl`` file (one document per line, text in ``text_field``), or a
-  folder of those (recursive, sorted; hidden entries and binaries skipped).
+* Sources: a built-in corpus (always on the machine, no download), a text file (one document),
+  a ``.jsonl`` file (one document per line, text in ``text_field``), or a folder of those
+  (recursive, sorted; hidden entries and binaries skipped). Built-in corpora, by name:
+
+  - ``stdlib`` (alias ``code``; the default): the ``.py`` sources of the Python standard
+    library, one document per file (tests, ``site-packages`` and ``pydoc_data`` excluded);
+  - ``pydoc`` (alias ``prose``): English prose, the Python language reference and library
+    topics that the standard library ships for ``help()`` (``pydoc_data/topics.py``), one
+    document per topic, named ``pydoc_data/topics:NAME``.
+
+  ``pydoc_data`` is prose, so it is excluded from the code corpus: the two domains are
+  disjoint. For more prose, any folder of text files works, e.g. Debian's ``python3.11-doc``
+  reST sources: ``--data /usr/share/doc/python3.11/html/_sources/tutorial``. A folder or file
+  named like an alias or ``pydoc`` is ambiguous: pass ``./NAME`` to read it.
 * Splits: a document is held out when a stable hash (sha256) of its name falls below
   ``heldout_fraction``. The split therefore does not depend on the seed nor on the order files
   are listed, and held-out documents are never trained on. If every document of a corpus
@@ -36,11 +47,14 @@ import torch
 from .errors import ConceptError
 from .tokens import ByteTokenizer, tokenize_documents, tokenizer_for
 
-__all__ = ["Document", "DEFAULT_CORPUS", "read_documents", "ByteTokenizer", "tokenizer_for", "PackedSequences"]
+__all__ = ["Document", "DEFAULT_CORPUS", "PROSE_CORPUS", "CORPORA", "builtin_corpus", "read_documents", "ByteTokenizer", "tokenizer_for", "PackedSequences"]
 
 DEFAULT_CORPUS = "stdlib"
+PROSE_CORPUS = "pydoc"
+CORPORA = {"stdlib": "stdlib", "code": "stdlib", "pydoc": "pydoc", "prose": "pydoc"}  # name -> built-in corpus
 SPLITS = ("train", "heldout", "all")
-STDLIB_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+# pydoc_data holds English prose (the `pydoc` corpus), not code
+STDLIB_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
 BINARY_SUFFIXES = {
     ".7z", ".a", ".arrow", ".avi", ".bin", ".bmp", ".bz2", ".class", ".db", ".dll", ".dylib", ".exe", ".flac",
     ".gguf", ".gif", ".gz", ".h5", ".ico", ".iso", ".jar", ".jpeg", ".jpg", ".mov", ".mp3", ".mp4", ".npy", ".npz",
@@ -144,6 +158,35 @@ def stdlib_root() -> Path:
     return Path(warnings.__file__).parent
 
 
+def builtin_corpus(source) -> str | None:
+    """The built-in corpus ``source`` names ("stdlib" or "pydoc"), or None for a path.
+    None means the default corpus. A new name (not "stdlib") that is also an existing path is
+    refused as ambiguous."""
+    if source is None:
+        return DEFAULT_CORPUS
+    if not isinstance(source, str) or source not in CORPORA:
+        return None
+    if source != DEFAULT_CORPUS and os.path.lexists(source):
+        raise ConceptError(f"--data {source} is ambiguous: it names the built-in {CORPORA[source]!r} corpus and a "
+                           f"path in the current folder; pass ./{source} for the path or "
+                           f"{CORPORA[source]} for the corpus")
+    return CORPORA[source]
+
+
+def _pydoc_documents() -> list[Document]:
+    """The `pydoc` corpus: one document per topic of ``pydoc_data.topics`` (English prose)."""
+    import importlib
+
+    try:
+        topics = importlib.import_module("pydoc_data.topics").topics
+    except (ImportError, AttributeError) as exc:
+        raise ConceptError(f"the built-in prose corpus needs the standard library's pydoc_data.topics, which this "
+                           f"Python lacks ({exc}); pass a folder of text files to --data instead") from None
+    docs = [Document(f"pydoc_data/topics:{name}", text) for name, text in topics.items()
+            if isinstance(text, str) and text.strip()]
+    return sorted(docs, key=lambda d: d.name)
+
+
 def _is_heldout(name: str, fraction: float) -> bool:
     digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:8], "big") < fraction * 2.0 ** 64
@@ -151,8 +194,9 @@ def _is_heldout(name: str, fraction: float) -> bool:
 
 def read_documents(source: str | os.PathLike | None = None, split: str = "all", text_field: str = "text",
                    heldout_fraction: float = 0.05, encoding_errors: str = "strict") -> list[Document]:
-    """Documents of ``source`` (None or "stdlib": the Python standard library; a text or .jsonl
-    file; or a folder of them), restricted to ``split`` ("train", "heldout" or "all"), sorted."""
+    """Documents of ``source`` (None or "stdlib"/"code": the Python standard library's sources;
+    "pydoc"/"prose": its English help topics; a text or .jsonl file; or a folder of them),
+    restricted to ``split`` ("train", "heldout" or "all"), sorted."""
     if split not in SPLITS:
         raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if not 0.0 <= heldout_fraction < 1.0:
@@ -162,9 +206,15 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
     except LookupError:
         raise ConceptError(f"unknown encoding error handler {encoding_errors!r}; use 'strict' or 'replace'") from None
 
-    stdlib = source is None or (isinstance(source, str) and source == DEFAULT_CORPUS)
-    root = stdlib_root() if stdlib else Path(source).expanduser()
-    label = "the Python standard library" if stdlib else str(source)
+    corpus = builtin_corpus(source)
+    stdlib = corpus == DEFAULT_CORPUS
+    root = stdlib_root() if stdlib else None if corpus else Path(source).expanduser()
+    label = {"stdlib": "the Python standard library", "pydoc": "the pydoc corpus"}.get(corpus, str(source))
+    if corpus == PROSE_CORPUS:
+        docs = _pydoc_documents()
+        if not docs:
+            raise ConceptError("the standard library's pydoc_data.topics is empty; pass a folder of text files to --data")
+        return _split(docs, split, heldout_fraction, label)
     if not root.exists():
         raise ConceptError(f"data path {root} does not exist; pass an existing text file, .jsonl file or folder "
                            f"to --data, or leave it out to use the default corpus (the Python standard library)")
@@ -187,7 +237,10 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
     else:
         raise ConceptError(f"data path {root} is neither a regular file nor a folder")
     keyed.sort(key=lambda kd: kd[0])
-    docs = [d for _, d in keyed]
+    return _split([d for _, d in keyed], split, heldout_fraction, label)
+
+
+def _split(docs: list[Document], split: str, heldout_fraction: float, label: str) -> list[Document]:
     if split == "all":
         return docs
 

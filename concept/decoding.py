@@ -66,6 +66,13 @@ class ConceptDecoder:
         probs = model.concept_probs(out.head_logits.gather(1, src[..., None].expand(-1, -1, out.head_logits.shape[-1])))
         positions = packing.time_positions(valid).gather(1, src)
         self.recent = (h_src, probs, probs.argmax(-1), positions)
+        # tail fusion: each row's latest concept's middle-stack update (what its next tail tokens receive)
+        d = out.shallow.shape[-1]
+        self.has_update = self.num_concepts > 0
+        self.last_update = out.shallow.new_zeros(B, 1, d)
+        if out.updates is not None:
+            last = (self.num_concepts - 1).clamp(min=0)
+            self.last_update = out.updates.gather(1, last[:, None, None].expand(-1, 1, d))
         self.max_tail = int(self.cache.deep.tail_entries().max()) if B else 0
         return out.logits[:, -1] if left_padded else out.logits[torch.arange(B), last_real(valid)]
 
@@ -117,22 +124,24 @@ class ConceptDecoder:
         self.recent = tuple(_where(active, new, old) for new, old in zip(shifted, self.recent))
 
         # a concept drops the row's tail; its slots go through the middle stack, then the deep one
-        deep_in, deep_pos = h, text_pos
+        deep_in, deep_pos = model.fuse_step(h, self.last_update, self.has_update), text_pos
         if bool(keep.any()):
             cache.deep.drop_tail(keep)
             for m in range(model.emit):  # slot m takes its id and position from token t - emit + 1 + m
                 h_m, probs_m, ids_m, pos_m = (x[:, m:m + 1] for x in self.recent)
                 rank = (self.num_concepts + m)[:, None]
-                c = model.positions.add_concept_type(model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m))
+                c_in = model.positions.add_concept_type(model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m))
                 middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
-                c = model.run_stack(model.middle, c, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
+                c = model.run_stack(model.middle, c_in, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
                 cache.middle.commit()
                 concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
                 if m < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
                     model.run_stack(model.deep, c, concept_pos, DecodePlan(cache.deep.begin(keep)), cache.deep)
                     cache.deep.commit()
-            deep_in = torch.where(keep[:, None, None], c, h)
+            deep_in = torch.where(keep[:, None, None], c, deep_in)
             deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
+            self.last_update = torch.where(keep[:, None, None], c - c_in, self.last_update)  # the last slot's
+            self.has_update = self.has_update | keep
 
         # deep: the last concept slot, or the NULL token joining the tail
         z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(cache.deep.begin(active, ~keep)), cache.deep)

@@ -3,9 +3,16 @@
 It runs the backbone's layers through the same attention routing and masks as the concept
 model's shallow stack (causal, padding, packed documents), so the two are compared on
 exactly the same inputs. Its logits equal the Hugging Face forward (tested).
+
+The **pruned** baseline is the same model with a contiguous block of decoder layers skipped
+(``removed=(start, stop)``): the FLOP-matched yardstick of the streaming model
+(``concept train --baseline pruned``; ``concept.flops.matched_prune`` picks the block). The
+skipped layers stay in the backbone (the distillation teacher runs them), they are only left
+out of the list this model runs.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,31 +28,74 @@ from .model import next_token_loss, run_layers
 class DenseOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # [B, T, d] the last layer's output (before the final norm)
 
 
 class DenseModel(nn.Module):
-    def __init__(self, backbone, plan=None, tokenizer=None):
+    def __init__(self, backbone, plan=None, tokenizer=None, removed: tuple[int, int] | None = None):
         super().__init__()
         self.backbone = backbone
         self.plan = plan
         self.tokenizer = tokenizer
         self.gradient_checkpointing = False
+        n = len(decoder(backbone).layers)
+        if removed is not None and not (0 <= removed[0] < removed[1] <= n):
+            raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")
+        self.removed = tuple(removed) if removed is not None else None
+
+    @property
+    def kind(self) -> str:
+        """``dense``, or ``pruned`` when a block of layers is skipped."""
+        return "pruned" if self.removed else "dense"
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The decoder layers this model runs (all of them, or all but the removed block)."""
+        layers = list(decoder(self.backbone).layers)
+        if self.removed:
+            start, stop = self.removed
+            return layers[:start] + layers[stop:]
+        return layers
 
     def forward(self, input_ids, attention_mask=None, labels=None, document_ids=None, **_) -> DenseOutput:
         inner = decoder(self.backbone)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         pos = packing.time_positions(valid, document_ids)
-        x = run_layers(inner.layers, inner.embed_tokens(input_ids), pos, CausalPlan(valid, document_ids),
+        x = run_layers(self.layers, inner.embed_tokens(input_ids), pos, CausalPlan(valid, document_ids),
                        inner.rotary_emb, self.gradient_checkpointing and self.training)
         logits = self.backbone.lm_head(inner.norm(x))
         loss = None if labels is None else next_token_loss(logits, labels, valid, document_ids)
-        return DenseOutput(logits, loss)
+        return DenseOutput(logits, loss, x)
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Generate with transformers' DynamicCache; see :func:`concept.generation.generate`."""
         from .generation import generate
 
-        return generate(self, input_ids, attention_mask, **kwargs)
+        with self.pruned_backbone():
+            return generate(self, input_ids, attention_mask, **kwargs)
+
+    @contextmanager
+    def pruned_backbone(self):
+        """While inside, the backbone's own forward (used by cached decoding) runs only the kept layers,
+        numbered 0..n-1 (``layer_idx``, the KV cache's slot) as in a backbone built with n layers."""
+        if not self.removed:
+            yield self.backbone
+            return
+        inner, config = decoder(self.backbone), self.backbone.config
+        layers, n = inner.layers, config.num_hidden_layers
+        numbered = [(m, m.layer_idx, i) for i, layer in enumerate(self.layers) for m in layer.modules()
+                    if isinstance(getattr(m, "layer_idx", None), int)]
+        inner.layers = nn.ModuleList(self.layers)
+        config.num_hidden_layers = len(inner.layers)
+        try:
+            for m, _, i in numbered:
+                m.layer_idx = i
+            yield self.backbone
+        finally:
+            for m, old, _ in numbered:
+                m.layer_idx = old
+            inner.layers = layers
+            config.num_hidden_layers = n
 
     def new_modules(self) -> dict[str, nn.Module]:
         return {}

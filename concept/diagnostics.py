@@ -219,6 +219,33 @@ def _pair_nll(logits, input_ids, valid, doc):
     return nll, pair
 
 
+def _control(name: str, model, out, valid: torch.Tensor, K: int, generator: torch.Generator):
+    """A ΔNLL control: a function replacing the concepts' *whole* inputs before the middle stack
+    (the continuous part of an identity start or a latent-feedback sampler included, so the
+    control cannot read ≈ 0 while the concepts carry everything).
+
+    shuffle: the inputs permuted among all concept slots of the batch.
+    random: each slot's input rebuilt from a uniform random concept id and a random real token's
+    shallow state (what the model would feed for a random concept emitted at a random token)."""
+    def shuffle(c, slots):
+        flat = c[slots]
+        out_c = c.clone()
+        out_c[slots] = flat[torch.randperm(len(flat), generator=generator).to(c.device)]
+        return out_c
+
+    def random(c, slots):
+        B, C = slots.shape
+        tokens = valid.nonzero()
+        pick = tokens[torch.randint(len(tokens), (B * C,), generator=generator).to(tokens.device)]
+        h = out.shallow[pick[:, 0], pick[:, 1]].view(B, C, -1)
+        ids = torch.randint(0, K, (B, C), generator=generator).to(c.device)
+        probs = torch.nn.functional.one_hot(ids, K).to(h.dtype)
+        src = torch.arange(C, device=c.device).expand(B, C)
+        return torch.where(slots[..., None], model.concept_inputs(probs, ids, src, h).to(c.dtype), c)
+
+    return {"shuffle": shuffle, "random": random}[name]
+
+
 @torch.no_grad()
 def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int = 0) -> dict:
     """Held-out evaluation over an iterable of batch dicts ``{'input_ids', 'attention_mask',
@@ -236,12 +263,9 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     (concepts per real token), ``concepts`` (count), ``usage_perplexity``, ``usage_fraction``,
     ``head_entropy``, ``max_prob``, ``boundary_prob`` (if the policy has it),
     ``cos_soft_hard`` and, with ``controls``, ``delta_nll_shuffle`` / ``delta_nll_random``: the
-    NLL with the concept ids permuted among all kept positions of each batch (seeded), or
-    replaced by uniform ids in [0, K), with the same keep pattern, minus the normal NLL.
-    Both > 0 means the concepts carry information. With several concepts per boundary the ids
-    of every concept slot are perturbed (they come from the chunk's last tokens). Under an eval
-    sampler without a hard step (``soft``) the ids are not what the model reads, so both
-    controls are ``nan``.
+    NLL with the concepts' whole inputs permuted among the concept slots of each batch (seeded), or
+    rebuilt from random ids and random tokens' shallow states (see :func:`_control`), with the
+    same keep pattern, minus the normal NLL. Both > 0 means the concepts carry information.
 
     A dense model gets ``document_ids`` / ``position_ids`` only where its forward names them;
     otherwise attention may cross packed documents (the loss never does).
@@ -253,7 +277,6 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     device = _device(model)
     generator = torch.Generator().manual_seed(seed)
     K = _concept_size(model) if concept else 0
-    id_free = concept and not getattr(base.eval_sampler, "hard", True)  # inputs are mixtures, not ids
 
     nll_sum = torch.zeros((), dtype=torch.float64)
     count = 0
@@ -293,22 +316,11 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
             if not concept:
                 continue
             stats = _merge(stats, _concept_stats(model, out, valid))
-            if controls and not id_free:
+            if controls:
                 keep = out.keep.bool() & valid
-                # the tokens whose ids the concepts read (with emit > 1, also earlier tokens of the chunk)
-                layout = out.layout
-                sources = torch.zeros_like(keep, dtype=torch.int).scatter_add_(
-                    1, layout.concept_id_src, layout.concept_meta.valid.int()) > 0
-                n_src = int(sources.sum())
-                ids = torch.where(sources, out.head_logits[..., :K].argmax(-1), torch.full_like(out.concept_ids, -1))
-                variants = {
-                    "shuffle": ids[sources][torch.randperm(n_src, generator=generator).to(device)],
-                    "random": torch.randint(0, K, (n_src,), generator=generator).to(device),
-                }
-                for name, values in variants.items():
-                    override = ids.clone()
-                    override[sources] = values.to(override.dtype)
-                    bad = fn(input_ids, keep=keep, concept_ids=override, **kwargs)
+                for name in ("shuffle", "random"):
+                    perturb = _control(name, base, out, valid, K, generator)
+                    bad = fn(input_ids, keep=keep, perturb=perturb, **kwargs)
                     bad_nll, _ = _pair_nll(bad.logits, input_ids, valid, doc)
                     control_sum[name] += float(bad_nll.double()[pair].sum()) - float(batch_sum)
     finally:
@@ -331,8 +343,8 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
         result["concepts"] = stats.get("slots", stats["kept"])
         result.update(_finish_concept_stats(stats, K))
         if controls:
-            result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count and not id_free else nan
-            result["delta_nll_random"] = control_sum["random"] / count if count and not id_free else nan
+            result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count else nan
+            result["delta_nll_random"] = control_sum["random"] / count if count else nan
     return result
 
 

@@ -93,9 +93,10 @@ class FlopReport:
 
 
 def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,
-                  emit: int = 1) -> FlopReport:
+                  emit: int = 1, fusion: float = 0.0) -> FlopReport:
     """FLOPs of one forward over a row with decisions ``keep`` [T] (``emit`` concepts per
-    emitting token), vs the dense backbone."""
+    emitting token), vs the dense backbone. ``fusion``: FLOPs of the tail fusion per tail token
+    (counted with the deep stack)."""
     T, C = len(keep), int(keep.sum()) * emit
     n_s, n_m, n_d = split
     causal = lambda n: n * (n + 1) / 2  # noqa: E731
@@ -105,7 +106,13 @@ def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor,
     head = 2.0 * T * shape.hidden * concept_classes
     middle = n_m * (shape.linear(C) + shape.attention(causal(C)))
     deep = n_d * (shape.linear(T - int(keep.sum()) + C) + shape.attention(deep_pairs(keep, emit)))
+    deep += fusion * (T - int(keep.sum()))
     return FlopReport(T, C, dense, shallow + head + middle + deep + lm_head, shallow, middle, deep, head)
+
+
+def fusion_flops(model) -> float:
+    """FLOPs per tail token of the model's tail fusion (0 for `none` / `update`)."""
+    return float(getattr(getattr(model, "tail_fusion", None), "flops_per_token", 0.0))
 
 
 def head_classes(model) -> int:
@@ -118,7 +125,8 @@ def head_classes(model) -> int:
 def ideal_ratio(model, ratio: float, T: int) -> FlopReport:
     """Ideal FLOPs of ``model`` at realised concepts-per-token ``ratio`` and length ``T``."""
     shape = Shape.from_hf_config(model.backbone.config)
-    return forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), head_classes(model))
+    return forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), head_classes(model),
+                         fusion=fusion_flops(model))
 
 
 def decode_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,
@@ -144,3 +152,58 @@ def decode_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, 
     middle = n_m * (shape.linear(slots) + shape.attention(concept_attention))
     deep = n_d * (shape.linear(steps - int(kept.sum()) + slots) + shape.attention(concept_attention + tail_attention))
     return FlopReport(steps, slots, dense, shallow + head + middle + deep + lm_head, shallow, middle, deep, head)
+
+
+def pruned_flops(shape: Shape, n_layers: int, T: int) -> float:
+    """FLOPs of one forward of the dense backbone cut to ``n_layers`` decoder layers (a causal row of
+    length ``T``, LM head included): the pruned FLOP-matched baseline."""
+    return n_layers * (shape.linear(T) + shape.attention(T * (T + 1) / 2)) + 2.0 * T * shape.hidden * shape.vocab
+
+
+@dataclass
+class PrunePlan:
+    """Which contiguous block of layers the pruned baseline removes, and the FLOPs that gives."""
+    removed: tuple[int, int]  # layers [start, stop) are skipped
+    num_layers: int  # decoder layers of the backbone
+    flop_ratio: float  # pruned / dense forward FLOPs at length T
+    target_flop_ratio: float  # the streaming model's ideal / dense at the target ratio
+    target_ratio: float
+    T: int
+    layer_share: float = 0.0  # one decoder layer's FLOPs / dense: the granularity of whole-layer pruning
+
+    @property
+    def met(self) -> bool:
+        """Within half a layer of the target: always for the FLOP-matched choice, unless the target
+        lies outside what one layer .. all layers can reach."""
+        return abs(self.flop_ratio - self.target_flop_ratio) <= self.layer_share / 2 + 1e-9
+
+    @property
+    def kept(self) -> int:
+        return self.num_layers - (self.removed[1] - self.removed[0])
+
+    def to_dict(self) -> dict:
+        return {"removed": list(self.removed), "kept_layers": self.kept, "num_layers": self.num_layers,
+                "flop_ratio": self.flop_ratio, "target_flop_ratio": self.target_flop_ratio,
+                "target_ratio": self.target_ratio, "seq_len": self.T, "target_met": self.met}
+
+
+def matched_prune(shape: Shape, split: tuple[int, int, int], concept_classes: int, target_ratio: float, T: int,
+                  emit: int = 1, removed: tuple[int, int] | None = None) -> PrunePlan:
+    """The pruned baseline whose forward FLOPs match the streaming model's ideal FLOPs at ``target_ratio``
+    and length ``T`` (concepts evenly spaced): the whole number of kept layers (at least 1) closest to
+    that target, the removed block at the start of the middle stack (layers Ls .. Ls+n-1, so the
+    pruned model keeps the streaming model's shallow and deep stacks and the end of its middle
+    stack; clamped to the layer range). Measured untrained on SmolLM2 (docs/training.md), that
+    position beat a block centred in the middle stack or ending at its end.
+    ``removed`` = (start, stop) sets the block by hand instead (its FLOPs are still reported)."""
+    L = sum(split)
+    dense = pruned_flops(shape, L, T)
+    streaming = forward_flops(shape, split, evenly_spaced_keep(T, target_ratio), concept_classes, emit).concept
+    if removed is None:
+        kept = min(range(1, L + 1), key=lambda n: (abs(pruned_flops(shape, n, T) - streaming), n))
+        n_removed = L - kept
+        start = max(0, min(split[0], L - n_removed))
+        removed = (start, start + n_removed)
+    kept = L - (removed[1] - removed[0])
+    share = (pruned_flops(shape, 1, T) - pruned_flops(shape, 0, T)) / dense
+    return PrunePlan(tuple(removed), L, pruned_flops(shape, kept, T) / dense, streaming / dense, target_ratio, T, share)

@@ -3,7 +3,12 @@
     tokens --embed--> shallow (Ls layers, every token, causal)
            --head--> sampler --> length policy: keep[t], concept ids
            concepts --> middle (Lm layers, concepts only, causal among concepts)
+           tail tokens --tail fusion--> (+ their segment's latest concept's middle update)
            [concepts ; tail tokens] --> deep (Ld layers, packed one-pass mask) --> norm --> LM head
+
+A concept's input is, with the identity start (the default), the emitting token's shallow
+state plus its discrete embedding behind a gate that starts at zero: with every token a
+concept the model is then exactly the backbone (tested).
 
 The backbone's decoder layers are reused unchanged; their attention is routed through
 ``concept.attention`` with a plan object per stack. One forward pass is O(T): there is no
@@ -32,11 +37,26 @@ class ConceptOutput:
     loss: torch.Tensor | None = None  # mean next-token CE over real positions, when labels are given
     layout: packing.PackedLayout | None = None
     shallow: torch.Tensor | None = None  # [B, T, d] shallow states h (what the head read)
+    deep_input: torch.Tensor | None = None  # [B, T, d] the deep stack's input element of each position t
+    hidden: torch.Tensor | None = None  # [B, T, d] the deep stack's output at t (before the final norm)
+    updates: torch.Tensor | None = None  # [B, C, d] each concept slot's middle-stack update (tail fusion)
+
+
+class ConceptGate(nn.Module):
+    """Identity start: a concept's input is ``h_src + gate * e`` (the emitting token's shallow state
+    plus its discrete embedding), with ``gate`` [d] starting at 0: the discrete path opens as it trains."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, h, e):
+        return h.to(e.dtype) + self.gate.to(e.dtype) * e
 
 
 class ConceptModel(nn.Module):
     def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,
-                 plan=None, tokenizer=None):
+                 tail_fusion=None, identity_start=False, plan=None, tokenizer=None):
         super().__init__()
         self.backbone = backbone  # HF *ForCausalLM, frozen
         self.vocabulary = vocabulary
@@ -45,6 +65,8 @@ class ConceptModel(nn.Module):
         self.eval_sampler = eval_sampler
         self.positions = positions
         self.attention = attention  # backend object (no parameters)
+        self.tail_fusion = tail_fusion
+        self.concept_gate = ConceptGate(backbone.config.hidden_size) if identity_start else None
         self.split = tuple(split)
         self.emit = getattr(length_policy, "emit", 1)  # concept slots per emitting token
         self.plan = plan  # the resolved build plan (config + provenance)
@@ -104,7 +126,30 @@ class ConceptModel(nn.Module):
             e = self.vocabulary.embed_soft(at_src(probs))
         if hasattr(self.sampler, "mix"):  # e.g. `hidden-projection`, in training and at inference
             e = self.sampler.mix(e, at_src(h))
+        if self.concept_gate is not None:  # identity start: the shallow state + the gated embedding
+            e = self.concept_gate(at_src(h), e)
         return e
+
+    def fuse_tail(self, tail, updates, layout):
+        """Tail states [B, L, d] entering the deep stack, fused with their segment's latest concept's
+        middle-stack update (``updates`` [B, C, d]; none before a document's first concept)."""
+        if self.tail_fusion is None or not self.tail_fusion.needs_update:
+            return tail
+        meta = layout.tail_meta
+        if layout.num_concepts == 0:
+            return self.tail_fusion(tail, torch.zeros_like(tail), torch.zeros_like(meta.valid))
+        seg = torch.where(meta.valid, meta.seg, torch.zeros_like(meta.seg))
+        last = (seg * layout.emit - 1).clamp(min=0)  # the segment's latest concept: the last slot of its boundary
+        has = meta.valid & (seg >= 1) & (layout.concept_meta.doc.gather(1, last) == meta.doc)
+        update = updates.gather(1, last[..., None].expand(-1, -1, updates.shape[-1]))
+        return self.tail_fusion(tail, update, has)
+
+    def fuse_step(self, h, update, has):
+        """Decoding: a NULL token's deep input [B, 1, d] from its shallow state, the row's latest
+        concept's middle update [B, 1, d] and whether the row has a concept yet [B]."""
+        if self.tail_fusion is None or not self.tail_fusion.needs_update:
+            return h
+        return self.tail_fusion(h, update.to(h.dtype), has[:, None])
 
     def deep_positions(self, pos, concept_pos, layout):
         """Position ids of the packed deep sequence: each element keeps its own position."""
@@ -115,7 +160,7 @@ class ConceptModel(nn.Module):
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, keep=None, labels=None, document_ids=None,
-                concept_ids=None, cache=None, logits_to_keep=0) -> ConceptOutput:
+                concept_ids=None, cache=None, logits_to_keep=0, perturb=None) -> ConceptOutput:
         """Logits for every position in one O(T) pass.
 
         attention_mask [B, T]: 1 for real tokens (either padding side). keep [B, T]: force the
@@ -124,6 +169,8 @@ class ConceptModel(nn.Module):
         concept ids read from the tokens where it is >= 0 (diagnostics, e.g. shuffled concepts). cache: a
         ``concept.kv_cache.ConceptCache`` that records each stack's keys and values (prefill).
         logits_to_keep: compute logits for the last n positions only (0: all), as in transformers.
+        perturb: ``f(inputs [B, C, d], valid [B, C]) -> inputs`` replaces the concepts' whole inputs
+        before the middle stack (diagnostics: the ΔNLL controls).
         """
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         doc = document_ids
@@ -148,25 +195,32 @@ class ConceptModel(nn.Module):
             # straight-through gate of the policy's soft boundary (forward value exactly 1)
             g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)
             c = c * (1 + (g - g.detach()))[..., None].to(c.dtype)
+        if perturb is not None:
+            c = perturb(c, layout.concept_meta.valid)
         c = self.positions.add_concept_type(c)
+        updates = None
         if layout.num_concepts:
             middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
             meta = layout.concept_meta
+            c_in = c
             c = self.run_stack(self.middle, c, middle_pos, CausalPlan(meta.valid, None if doc is None else meta.doc),
                                None if cache is None else cache.middle)
+            if self.tail_fusion is not None and self.tail_fusion.needs_update:
+                updates = c - c_in  # what the middle stack added to each concept
 
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
         tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
-        z = torch.cat([c, tail], dim=1)
-        z = self.run_stack(self.deep, z, self.deep_positions(pos, concept_pos, layout), self.attention.plan(layout),
+        z_in = torch.cat([c, self.fuse_tail(tail, updates, layout)], dim=1)
+        z = self.run_stack(self.deep, z_in, self.deep_positions(pos, concept_pos, layout), self.attention.plan(layout),
                            None if cache is None else cache.deep)
 
         # back to time order; element t predicts token t + 1
         slots = layout.slot_of_time[:, -logits_to_keep:] if logits_to_keep else layout.slot_of_time
-        z = z.gather(1, slots[..., None].expand(-1, -1, z.shape[-1]))
+        in_time_order = lambda x: x.gather(1, slots[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
+        z = in_time_order(z)
         logits = self.backbone.lm_head(self.inner.norm(z))
         loss = None if labels is None else next_token_loss(logits, labels, valid, doc)
-        return ConceptOutput(logits, keep, sampled_ids, head_logits, loss, layout, h)
+        return ConceptOutput(logits, keep, sampled_ids, head_logits, loss, layout, h, in_time_order(z_in), z, updates)
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Generate with online compression and three KV caches; see :func:`concept.generation.generate`."""
@@ -177,8 +231,9 @@ class ConceptModel(nn.Module):
     # -- parameters ----------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:
         """The modules concept adds to the backbone (trainable; saved with a run)."""
-        return {name: m for name, m in (("vocabulary", self.vocabulary), ("length_policy", self.length_policy),
-                                         ("sampler", self.sampler), ("positions", self.positions))}
+        modules = (("vocabulary", self.vocabulary), ("length_policy", self.length_policy), ("sampler", self.sampler),
+                   ("positions", self.positions), ("tail_fusion", self.tail_fusion), ("concept_gate", self.concept_gate))
+        return {name: m for name, m in modules if m is not None}
 
     def new_state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}

@@ -106,3 +106,18 @@ def usage_kl(concept_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     uses every concept equally; log K when it always picks the same one."""
     p_bar = torch.softmax(concept_logits[keep].float(), dim=-1).mean(0)
     return (p_bar * torch.log(p_bar.clamp_min(1e-12) * p_bar.shape[-1])).sum()
+
+
+def scheduled_ratio(step: int, steps: int, target: float, start: float = 1.0, warmup: float = 0.0) -> float:
+    """The ratio curriculum: the target concepts-per-token at (0-based) ``step`` of ``steps``.
+
+    Over the first ``warmup`` fraction of the steps the target moves from ``start`` to ``target``
+    linearly in 1 / ratio (tokens per concept k = 1 / ratio goes linearly from 1 / start to
+    1 / target), then it is held at ``target``. A pure function of the step, so resume stays exact.
+    ``warmup`` 0 (or ``start == target``): ``target`` from step 0."""
+    span = warmup * steps
+    if span <= 0 or start == target:
+        return target
+    progress = min(1.0, step / span)
+    k = 1.0 / start + (1.0 / target - 1.0 / start) * progress
+    return target if progress >= 1.0 else 1.0 / k

@@ -20,6 +20,7 @@ KINDS: dict[str, str] = {
     "position_scheme": "concept.position_schemes",
     "vocabulary": "concept.vocabularies",
     "attention": "concept.attention_backends",
+    "tail_fusion": "concept.tail_fusions",
 }
 
 BUILTIN_DIST = "concept"

@@ -9,7 +9,13 @@ annealing (they span ``steps``): from then on the curve is that of the longer ru
 
 The base weights stay frozen. Trainable: LoRA adapters (peft) on the attention and MLP
 linear layers, and the concept model's new modules (ConceptHead, ConceptEmbedding, type
-embeddings, ...), each group with its own learning rate. AdamW, linear warmup then cosine
+embeddings, ...), each group with its own learning rate (``train_only="new"``: the new modules
+only). The loss is ``ce_weight * CE`` plus the configured objectives (``concept.objectives``:
+ratio loss, usage KL, distillation from the frozen backbone, hidden-state alignment), each
+logged by name; the distillation teacher is ``concept.teacher``. The target ratio can follow a
+curriculum (``ratio_start`` -> ``target_ratio`` over ``ratio_warmup`` of the steps). Baselines:
+``baseline="dense"`` (the backbone + LoRA) or ``"pruned"`` (minus a FLOP-matched block of
+layers, ``concept.flops.matched_prune``). AdamW, linear warmup then cosine
 decay, gradient clipping and accumulation, bf16 autocast on GPU, optional gradient
 checkpointing. The data position is a pure function of the step, and every RNG state is
 saved, so a resumed run reproduces the uninterrupted loss curve exactly.
@@ -29,15 +35,20 @@ import torch
 from safetensors import SafetensorError
 
 from . import checkpoint, data
+from . import objectives as objectives_
+from .backbone import decoder
 from .builder import RUN_FILE, TRAIN_FILE, build, build_backbone, read_run, read_train
 from .config import BuildConfig, resolve
 from .dense import DenseModel
 from .errors import ConceptError, ConfigError, RunFolderError
 from .lora import LoraSettings, add_lora, lora_state_dict
-from .ratio import PIController, RatioLoss, usage_kl
+from .objectives import ALIGN_AT, ALIGN_LOSSES
+from .ratio import PIController, scheduled_ratio
 
 METRICS = "metrics.jsonl"
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
+BASELINES = ("dense", "pruned")
+TRAIN_ONLY = ("all", "new")
 
 
 class TrainingError(ConceptError):
@@ -74,10 +85,24 @@ class TrainConfig:
     checkpoint_every: int = 50
     log_every: int = 10
     grad_checkpointing: bool = False
-    baseline: bool = False  # dense backbone + LoRA, no compression
+    baseline: str | None = None  # None: the streaming model; "dense": backbone + LoRA; "pruned": minus a layer block
+    prune_layers: str | None = None  # "A:B": the pruned baseline skips layers A..B-1 (default: FLOP-matched)
+    ce_weight: float = 1.0  # weight of the next-token CE
+    distill: float = 0.0  # weight of KL(teacher || student), the teacher being the backbone without adapters
+    distill_temperature: float = 1.0
+    align: float = 0.0  # weight of the hidden-state alignment to the teacher
+    align_at: str = "deep-input"  # deep-input | final
+    align_loss: str = "mse"  # mse | cosine
+    train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
+    ratio_start: float = 1.0  # ratio curriculum: target ratio at step 0 ...
+    ratio_warmup: float = 0.0  # ... annealed (linearly in 1/ratio) to target_ratio over this fraction of the steps
     device: str = "auto"
 
-    def validate(self, max_positions: int = 0) -> list[str]:
+    def __post_init__(self):
+        if isinstance(self.baseline, bool):  # the older API: baseline=True was the dense baseline
+            self.baseline = "dense" if self.baseline else None
+
+    def validate(self, max_positions: int = 0, num_layers: int = 0) -> list[str]:
         p = []
         for name in ("steps", "seq_len", "batch", "grad_accum", "eval_every", "checkpoint_every", "log_every"):
             if getattr(self, name) < 1:
@@ -99,16 +124,103 @@ class TrainConfig:
             p.append("clip > 0, weight-decay >= 0, min-lr in [0, 1] and warmup >= 0 are required")
         if self.encoding_errors not in ("strict", "replace"):
             p.append(f"encoding-errors: strict or replace, got {self.encoding_errors!r}")
-        return p + self.lora.validate()
+        return p + self._validate_recipe(num_layers) + self.lora.validate()
+
+    def _validate_recipe(self, num_layers: int = 0) -> list[str]:
+        """Baselines, objectives, the ratio curriculum and what trains."""
+        p = []
+        if self.baseline not in (None, *BASELINES):
+            p.append(f"baseline: dense or pruned, got {self.baseline!r}")
+        for name in ("ce_weight", "distill", "align"):
+            if not getattr(self, name) >= 0:  # (NaN fails too)
+                p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
+        if not self.distill_temperature > 0:
+            p.append(f"distill-temperature: must be > 0, got {self.distill_temperature}")
+        if self.ce_weight == 0 and not self.distill and not self.align:
+            p.append("ce-weight 0 with neither --distill nor --align: nothing to train on")
+        if self.align_at not in ALIGN_AT:
+            p.append(f"align-at: one of {', '.join(ALIGN_AT)}, got {self.align_at!r}")
+        if self.align_loss not in ALIGN_LOSSES:
+            p.append(f"align-loss: one of {', '.join(ALIGN_LOSSES)}, got {self.align_loss!r}")
+        if self.train_only not in TRAIN_ONLY:
+            p.append(f"train-only: one of {', '.join(TRAIN_ONLY)}, got {self.train_only!r}")
+        if not 0 <= self.ratio_warmup <= 1:
+            p.append(f"ratio-warmup: a fraction of the steps in [0, 1], got {self.ratio_warmup}")
+        if not 0 < self.ratio_start <= 1:
+            p.append(f"ratio-start: must be in (0, 1], got {self.ratio_start}")
+        elif 0 < self.target_ratio < 1 and self.ratio_start < self.target_ratio:
+            p.append(f"ratio-start: the curriculum anneals down to --target-ratio {self.target_ratio}; "
+                     f"a start of {self.ratio_start} is below it")
+        if self.baseline:
+            if self.align and self.align_at == "deep-input":
+                p.append(f"align-at deep-input: a {self.baseline} baseline has no deep stack whose input could be "
+                         f"aligned; use --align-at final, or drop --align")
+            if self.train_only == "new":
+                p.append(f"train-only new: a {self.baseline} baseline has no new modules (only LoRA adapters); "
+                         f"drop --train-only or train a streaming model")
+        if self.prune_layers is not None:
+            if self.baseline != "pruned":
+                p.append(f"prune-layers {self.prune_layers}: only for --baseline pruned")
+            else:
+                try:
+                    parse_prune_layers(self.prune_layers, num_layers)
+                except ValueError as exc:
+                    p.append(f"prune-layers {self.prune_layers}: {exc}")
+        return p
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        """From ``to_dict`` (a saved train.json); older files lack the newer fields (defaults) and
+        stored ``baseline`` as a bool (true: the dense baseline)."""
         d = dict(d)
         d["lora"] = LoraSettings(**d.get("lora", {}))
-        return cls(**d)
+        return cls(**d)  # (__post_init__ reads a bool baseline)
+
+
+def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B): skip layers A..B-1 (0-based, like a Python slice); at least one layer stays."""
+    try:
+        a, b = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise ValueError("write it as START:STOP (0-based, STOP excluded), e.g. 8:20") from None
+    if not 0 <= a < b:
+        raise ValueError("need 0 <= START < STOP")
+    if num_layers and b > num_layers:
+        raise ValueError(f"the backbone has {num_layers} layers (0..{num_layers - 1}); STOP must be <= {num_layers}")
+    if num_layers and b - a >= num_layers:
+        raise ValueError(f"that removes all {num_layers} layers; keep at least one")
+    return a, b
+
+
+def prune_plan(config: TrainConfig, plan, hf_config):
+    """The pruned baseline's layer block (``concept.flops.matched_prune``): FLOP-matched to the
+    streaming model of this build plan at ``config.target_ratio`` and ``config.seq_len``."""
+    from .flops import Shape, matched_prune
+
+    vocabulary = plan.components["vocabulary"]
+    policy = plan.components["length_policy"]
+    classes = int(getattr(vocabulary.config, "size", 0)) + int(getattr(policy.cls, "uses_null_class", True))
+    emit = int(getattr(policy.config, "emit", 1) or 1)
+    removed = parse_prune_layers(config.prune_layers, plan.backbone_info.num_layers) if config.prune_layers else None
+    return matched_prune(Shape.from_hf_config(hf_config), tuple(plan.split), classes, config.target_ratio,
+                         config.seq_len, emit, removed)
+
+
+def describe_prune(prune, split, by_hand: bool = False) -> str:
+    """One line for the user (and train.json's reader): what was removed and which FLOPs that gives."""
+    a, b = prune.removed
+    text = (f"pruned baseline: layers {a}..{b - 1} removed ({b - a} of {prune.num_layers}, {prune.kept} kept"
+            f"{', set by --prune-layers' if by_hand else ''}), forward FLOPs {prune.flop_ratio:.3f}x dense at T={prune.T}; "
+            f"the streaming model's ideal at target ratio {prune.target_ratio} (split {','.join(map(str, split))}) "
+            f"is {prune.target_flop_ratio:.3f}x")
+    if not prune.met and not by_hand:
+        text += (f". Whole layers cannot reach that target (one layer is {prune.layer_share:.3f}x dense, the "
+                 f"embedding and LM head cost the rest): it used the closest, {prune.kept} kept "
+                 f"layer{'s' * (prune.kept != 1)}")
+    return text
 
 
 def _parse(line: str) -> dict | None:
@@ -167,20 +279,17 @@ class Trainer:
 
     def __init__(self, out: Path, config: TrainConfig, build_config: BuildConfig, resume: bool):
         self.out, self.config, self.build_config = Path(out), config, build_config
-        self.device = pick_device(config.device)
-        plan = resolve(build_config)
-        problems = config.validate(plan.backbone_info.max_positions)
-        attention = plan.components["attention"]
-        check = getattr(attention.cls, "check_trainable", None)  # e.g. `flex` has no backward on CPU
-        reason = check(self.device) if callable(check) and not config.baseline else ""
-        if reason:
-            problems.append(f"attention '{attention.name}' cannot train on {self.device}: {reason}")
-        if problems:
-            raise ConfigError(problems)
+        self.notes: list[str] = []  # warnings for the user (the CLI prints them)
+        plan, self.device = self.check(config, build_config)
         torch.manual_seed(config.seed)
+        self.prune = None
         if config.baseline:
             loaded = build_backbone(plan)
-            self.model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer)
+            if config.baseline == "pruned":
+                self.prune = prune_plan(config, plan, loaded.model.config)
+                self.notes.append(describe_prune(self.prune, plan.split, by_hand=config.prune_layers is not None))
+            removed = self.prune.removed if self.prune and self.prune.kept < self.prune.num_layers else None
+            self.model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed)
         else:
             self.model = build(plan=plan)
             if not resume and (self.out / "modules.safetensors").is_file():  # the source run's weights
@@ -200,6 +309,14 @@ class Trainer:
             from .lora import load_lora_state_dict
 
             load_lora_state_dict(self.model.backbone, load_file(self.out / "adapter.safetensors"))
+        if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
+            for p in self.model.backbone.parameters():
+                p.requires_grad_(False)
+        if getattr(self.model, "removed", None):  # the skipped layers' adapters never see a gradient
+            start, stop = self.model.removed
+            for layer in list(decoder(self.model.backbone).layers)[start:stop]:
+                for p in layer.parameters():
+                    p.requires_grad_(False)
         self.model.to(self.device)
         self.model.gradient_checkpointing = config.grad_checkpointing
 
@@ -207,7 +324,6 @@ class Trainer:
         self.train_data = data.PackedSequences(
             data.read_documents(config.data, "train", config.text_field, encoding_errors=config.encoding_errors),
             tokenizer, config.seq_len, seed=config.seed)
-        self.notes: list[str] = []  # warnings for the user (the CLI prints them)
         try:
             heldout = data.read_documents(config.data, "heldout", config.text_field, encoding_errors=config.encoding_errors)
             self.eval_data = data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
@@ -215,8 +331,8 @@ class Trainer:
             self.eval_data = None
             self.notes.append(f"no held-out evaluation during training: {exc}")
 
-        groups = [{"params": [p for n, p in self.model.backbone.named_parameters() if p.requires_grad],
-                   "lr": config.lr, "name": "lora"}]
+        lora = [p for p in self.model.backbone.parameters() if p.requires_grad]
+        groups = [{"params": lora, "lr": config.lr, "name": "lora"}] if lora else []
         for name, module in self.model.new_modules().items():
             params = [p for p in module.parameters() if p.requires_grad]
             if params:
@@ -236,16 +352,61 @@ class Trainer:
         # the controller always calibrates the NULL bias at step 0 (unless --ratio-control none); it tracks with pi/both
         self.pi = PIController(config.target_ratio, ki=config.pi_ki) if streaming and controls != "none" else None
         self.tracking = controls in ("pi", "both")
-        self.ratio_loss = RatioLoss(config.target_ratio, config.ratio_loss_weight) if streaming and controls in ("loss", "both") else None
+        if config.baseline == "dense" and config.distill:
+            self.notes.append("--distill with the dense baseline: the teacher is this model without its adapters, so the "
+                              "KL starts at 0 and only keeps the adapters close to the backbone (a regulariser)")
+        if not streaming and (config.ratio_warmup or config.usage_weight):
+            self.notes.append(f"a {config.baseline} baseline has no concepts: --ratio-warmup / --usage-weight do nothing")
+        # the loss terms beyond the CE, each named in metrics.jsonl (concept.objectives)
+        self.objectives = objectives_.from_config(config, streaming, controls in ("loss", "both"), self.target_ratio)
+        self.teacher_needs = frozenset().union(*(o.teacher_needs for o in self.objectives))
         self.step = 0
         if resume:
             self._restore()
         self._stop = False
         self.attention = resolved_attention(self.model, self.device)
+        record = json.loads((self.out / TRAIN_FILE).read_text())
         if self.attention:  # `auto`: record what it resolved to on this device
-            record = json.loads((self.out / TRAIN_FILE).read_text())
             record["attention_resolved"] = self.attention
+        if self.prune is not None:  # which layers the pruned baseline skips (concept.load reads it)
+            record["pruned"] = {**self.prune.to_dict(), "note": describe_prune(self.prune, plan.split,
+                                                                            config.prune_layers is not None)}
+        if self.attention or self.prune is not None:
             (self.out / TRAIN_FILE).write_text(json.dumps(record, indent=2))
+
+    @staticmethod
+    def check(config: TrainConfig, build_config: BuildConfig):
+        """Validate a training config against the build (all problems at once, ``ConfigError``) before
+        anything is loaded or written. Returns the resolved build plan and the device."""
+        device = pick_device(config.device)
+        plan = resolve(build_config)
+        problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
+        attention = plan.components["attention"]
+        check = getattr(attention.cls, "check_trainable", None)  # e.g. `flex` has no backward on CPU
+        reason = check(device) if callable(check) and not config.baseline else ""
+        if reason:
+            problems.append(f"attention '{attention.name}' cannot train on {device}: {reason}")
+        if problems:
+            raise ConfigError(problems)
+        return plan, device
+
+    def target_ratio(self, step: int | None = None) -> float:
+        """The ratio curriculum's target at ``step`` (default: the step about to be trained)."""
+        cfg = self.config
+        return scheduled_ratio(self.step if step is None else step, cfg.steps, cfg.target_ratio, cfg.ratio_start,
+                               cfg.ratio_warmup)
+
+    def set_target(self, target: float) -> None:
+        """Point the ratio controller (and a policy that tracks a target itself) at ``target``."""
+        if self.pi is not None:
+            self.pi.target = target
+        policy = getattr(self.model, "length_policy", None)
+        if hasattr(policy, "target_ratio"):
+            if isinstance(policy.target_ratio, torch.Tensor):
+                with torch.no_grad():
+                    policy.target_ratio.fill_(target)
+            else:
+                policy.target_ratio = target
 
     # -- starting and resuming -----------------------------------------------------------------
     @classmethod
@@ -254,6 +415,7 @@ class Trainer:
         source, out = Path(source), Path(out)
         record = read_run(source)
         build_config = BuildConfig.from_dict(record["config"])
+        cls.check(config, build_config)  # bad options fail before anything is written (or replaced by --force)
         if out.exists() and any(out.iterdir()) and out.resolve() != source.resolve():
             if not force:
                 raise RunFolderError(f"{out} already exists and is not empty; pass --resume to continue it, "
@@ -295,7 +457,7 @@ class Trainer:
         if saved is None:
             raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
         source = saved.pop("source", None)
-        saved.pop("attention_resolved", None)
+        derived = {k: saved.pop(k) for k in ("attention_resolved", "pruned") if k in saved}  # not config fields
         config = TrainConfig.from_dict(saved)
         changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device"}
         def saved_value(key):
@@ -312,7 +474,7 @@ class Trainer:
                 setattr(config, k, v)
         if checkpoint.read_meta(out) is None:
             raise RunFolderError(f"{out} has no checkpoint to resume from")
-        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": source}, indent=2))
+        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": source, **derived}, indent=2))
         return cls(out, config, BuildConfig.from_dict(record["config"]), resume=True)
 
     def _restore(self) -> None:
@@ -355,11 +517,27 @@ class Trainer:
         b = self.train_data.batch(index, self.config.batch)
         return {k: v.to(self.device) for k, v in b.items()}
 
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
     def forward(self, b):
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
-        with autocast:
+        with self.autocast():
             return self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
                               document_ids=b["document_ids"])
+
+    def teacher(self, b):
+        """The frozen backbone (adapters disabled, no grad) on the same batch (``concept.teacher``)."""
+        from .teacher import teacher_forward
+
+        with self.autocast():
+            return teacher_forward(self.model, b["input_ids"], b["attention_mask"], b["document_ids"],
+                                   self.teacher_needs)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # honest timings of asynchronous kernels
+            torch.cuda.synchronize(self.device)
 
     def train_step(self) -> dict:
         cfg, model = self.config, self.model
@@ -367,26 +545,33 @@ class Trainer:
         sampler = getattr(model, "sampler", None)
         if sampler is not None and hasattr(sampler, "tau"):
             sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
+        streaming = not cfg.baseline
+        target = self.target_ratio()
+        if streaming:
+            self.set_target(target)
         if self.pi is not None and self.pi.base is None:  # first step: calibrate the NULL bias on this batch
             with torch.no_grad():
                 b = self.batch(0)
                 out = self.forward(b)
             self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
         start = time.perf_counter()
-        totals = {"loss": 0.0, "ratio_loss": 0.0, "usage_kl": 0.0, "kept": 0, "tokens": 0}
+        terms = {o.name: torch.zeros((), device=self.device) for o in self.objectives}
+        totals = {"loss": 0.0, "total_loss": 0.0, "kept": 0, "tokens": 0, "teacher_s": 0.0}
         for micro in range(cfg.grad_accum):
             b = self.batch(self.step * cfg.grad_accum + micro)
+            teacher = None
+            if self.teacher_needs:  # before the student: its graph never sees the adapters switched off
+                self._sync()
+                t0 = time.perf_counter()
+                teacher = self.teacher(b)
+                self._sync()
+                totals["teacher_s"] += time.perf_counter() - t0
             out = self.forward(b)
-            loss = out.loss
-            valid = b["attention_mask"].bool()
-            if self.ratio_loss is not None:
-                rl = self.ratio_loss(out.keep, model.length_policy.boundary_prob(out.head_logits, out.shallow), valid)
-                totals["ratio_loss"] += rl.item() / cfg.grad_accum
-                loss = loss + rl
-            if cfg.usage_weight and hasattr(out, "keep") and bool(out.keep.any()):
-                kl = usage_kl(out.head_logits[..., : model.vocabulary.size], out.keep)
-                totals["usage_kl"] += kl.item() / cfg.grad_accum
-                loss = loss + cfg.usage_weight * kl
+            loss = cfg.ce_weight * out.loss
+            for objective in self.objectives:
+                term = objective(model, b, out, teacher)
+                terms[objective.name] += term.detach() / cfg.grad_accum
+                loss = loss + term
             if not torch.isfinite(loss):
                 prev = checkpoint.read_meta(self.out)
                 where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
@@ -394,6 +579,8 @@ class Trainer:
                                     f"Try a lower --lr / --lr-new or a larger --clip.")
             (loss / cfg.grad_accum).backward()
             totals["loss"] += out.loss.item() / cfg.grad_accum
+            totals["total_loss"] += loss.item() / cfg.grad_accum
+            valid = b["attention_mask"].bool()
             totals["tokens"] += int(valid.sum())
             if hasattr(out, "keep"):
                 totals["kept"] += int(out.keep.sum()) * getattr(model, "emit", 1)
@@ -411,13 +598,16 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        row = {"step": self.step, "loss": totals["loss"], "lr": lr,
-               "grad_norm": float(grad_norm), "tokens_per_s": totals["tokens"] / (time.perf_counter() - start)}
+        self._sync()
+        seconds = time.perf_counter() - start
+        row = {"step": self.step, "loss": totals["loss"], "total_loss": totals["total_loss"], "lr": lr,
+               "grad_norm": float(grad_norm), "tokens_per_s": totals["tokens"] / seconds}
+        row.update({name: float(value) for name, value in terms.items()})  # each objective's term, by name
+        if self.teacher_needs:
+            row.update(teacher_s=totals["teacher_s"], teacher_fraction=totals["teacher_s"] / seconds)
         if hasattr(out, "keep"):
             ratio = totals["kept"] / max(1, totals["tokens"])
-            if cfg.usage_weight:
-                row["usage_kl"] = totals["usage_kl"]
-            row.update(ratio=ratio, ratio_loss=totals["ratio_loss"], null_bias=float(getattr(model.length_policy, "null_bias", 0.0)),
+            row.update(ratio=ratio, target_ratio=target, null_bias=float(getattr(model.length_policy, "null_bias", 0.0)),
                        tau=getattr(sampler, "tau", None))
             if self.pi is not None and self.tracking:
                 self.pi.update(model.length_policy, out.head_logits.detach(), valid, ratio, out.shallow.detach())
@@ -428,6 +618,8 @@ class Trainer:
         """Re-estimate the NULL bias on ``calibration_batches`` training batches with the final weights
         (the batches after the last step: a pure function of the step, so resume stays exact)."""
         cfg, model = self.config, self.model
+        if not cfg.baseline:
+            self.set_target(cfg.target_ratio)  # the curriculum's end: the model is saved with the final target
         if self.pi is None or cfg.calibration_batches < 1:
             return
         from .packing import document_starts

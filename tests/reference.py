@@ -57,11 +57,16 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
             e = model.positions.add_concept_type(e)
             middle_pos = model.positions.concept_positions(c_pos[None], c_rank[None], "middle")
             middle_out = _run(model, model.middle, e, middle_pos)[0]
+            update = middle_out - e[0]  # what the middle stack added to each concept
         for i, t in enumerate(times.tolist()):
             n_c = M * int(kept[: i + 1].sum())  # concepts emitted at positions <= t
             last = int(kept[: i + 1].nonzero().max()) if n_c else -1  # tau(t), as an index into `times`
             tail_idx = times[last + 1: i + 1]
-            parts = [h[b, tail_idx]]
+            tail = h[b, tail_idx][None]
+            if model.tail_fusion is not None and model.tail_fusion.needs_update:  # the latest concept's update
+                u = update[n_c - 1].expand_as(tail) if n_c else torch.zeros_like(tail)
+                tail = model.tail_fusion(tail, u, torch.full(tail.shape[:2], n_c > 0))
+            parts = [tail[0]]
             tail_pos = model.positions.text_positions(pos[last + 1: i + 1][None])[0]
             part_pos = [tail_pos]
             if n_c:

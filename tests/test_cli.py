@@ -89,7 +89,7 @@ def test_plugins_list_table():
 def test_plugins_list_json_is_lazy_and_complete():
     rows = json_out(invoke("plugins", "list", "--json"))
     assert {r["kind"] for r in rows} == {"backbone", "length_policy", "sampler", "position_scheme", "vocabulary",
-                                         "attention"}
+                                         "attention", "tail_fusion"}
     names = {(r["kind"], r["name"]) for r in rows}
     for expected in [("backbone", "smollm2"), ("backbone", "tiny-llama"), ("length_policy", "null"),
                      ("sampler", "gumbel-st"), ("sampler", "argmax"), ("position_scheme", "per-type"),
@@ -147,7 +147,7 @@ def test_build_dry_run_json_writes_nothing(tmp_path):
     assert plan["split"] == {"shallow": 2, "middle": 4, "deep": 2}
     comps = plan["components"]
     assert set(comps) == {"backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary",
-                          "attention"}
+                          "attention", "tail_fusion"}
     for c in comps.values():
         assert c["provider"] == "builtin" and ":" in c["target"]
     assert comps["position_scheme"]["name"] == "per-type"

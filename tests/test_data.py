@@ -1,6 +1,8 @@
 """The data pipeline: reading sources, deterministic splits, packing, batches, bad input."""
 import json
 import os
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ from concept.data import (DEFAULT_CORPUS, ByteTokenizer, Document, PackedSequenc
                           tokenizer_for)
 from concept.errors import ConceptError
 from concept.tokens import tokenize_documents
+
+STDLIB_DIR = Path(warnings.__file__).parent
 
 
 class EosBytes(ByteTokenizer):
@@ -114,6 +118,54 @@ def test_stdlib_corpus_splits():
                    for d in train + held for part in d.name.split("/")[:-1])
     assert 0.02 < len(held) / (len(train) + len(held)) < 0.09
     assert [d.name for d in read_documents(None, "heldout")] == [d.name for d in held]
+    assert not any(d.name.startswith("pydoc_data/") for d in train + held)  # prose: the `pydoc` corpus
+
+
+def test_pydoc_prose_corpus_and_aliases(tmp_path, monkeypatch):
+    import pydoc_data.topics
+
+    train, held = read_documents("pydoc", "train"), read_documents("pydoc", "heldout")
+    assert train and held and {d.name for d in train}.isdisjoint(d.name for d in held)
+    assert len(train) + len(held) == sum(1 for v in pydoc_data.topics.topics.values() if v.strip())
+    assert all(d.name.startswith("pydoc_data/topics:") for d in train + held)
+    assert [d.name for d in train] == sorted(d.name for d in train)
+    assert read_documents("prose", "heldout") == held  # aliases
+    assert [d.name for d in read_documents("code", "heldout")] == [d.name for d in read_documents(None, "heldout")]
+    topics = {d.name.split(":", 1)[1]: d.text for d in train + held}
+    assert topics["assert"] == pydoc_data.topics.topics["assert"] and "assert" in topics["assert"]
+    # a folder named like a corpus alias is ambiguous; ./NAME reads the folder
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prose").mkdir()
+    (tmp_path / "prose" / "a.txt").write_text("some text")
+    with pytest.raises(ConceptError, match=r"ambiguous.*\./prose"):
+        read_documents("prose")
+    assert read_documents("./prose") == [Document("a.txt", "some text")]
+
+
+def test_eval_reports_each_domain(tmp_path):
+    """`concept eval --data A --data B`: one table per domain, and a per-domain JSON object."""
+    from click.testing import CliRunner
+
+    from concept_cli.main import cli
+    from tests.test_cli_train import TINY
+
+    run = lambda *a: CliRunner().invoke(cli, [str(x) for x in a], catch_exceptions=False)  # noqa: E731
+    model = tmp_path / "m"
+    assert run("build", *TINY, "-o", model).exit_code == 0
+    code = tmp_path / "code.txt"
+    code.write_text((STDLIB_DIR / "heapq.py").read_text())
+    common = ["--seq-len", 32, "--batches", 1, "--batch", 2, "--no-controls"]
+    r = run("eval", model, "--data", code, "--data", "pydoc", *common, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert list(report) == [str(code), "pydoc"]
+    for result in report.values():
+        assert result["bits_per_token"] > 0 and 0 <= result["ratio"] <= 1
+    single = json.loads(run("eval", model, "--data", code, *common, "--json").stdout)
+    assert single["bits_per_token"] == report[str(code)]["bits_per_token"]  # the single-domain format
+    r = run("eval", model, "--data", code, "--data", "prose", *common)
+    assert r.exit_code == 0, r.output
+    assert "by domain" in r.stdout and "held-out evaluation: prose" in r.stdout and "concepts / token" in r.stdout
 
 
 # -- tokenizers ------------------------------------------------------------------------------

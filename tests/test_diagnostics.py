@@ -132,7 +132,7 @@ def test_grad_norms_per_group(model):
     model.train()
     model.zero_grad(set_to_none=True)
     assert grad_norms(model) == {"vocabulary": 0.0, "length_policy": 0.0, "sampler": 0.0, "positions": 0.0,
-                                 "lora": 0.0}
+                                 "tail_fusion": 0.0, "concept_gate": 0.0, "lora": 0.0}
     out = model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["input_ids"])
     out.loss.backward()
     norms = grad_norms(model)

@@ -96,3 +96,22 @@ def test_decoding_matches_teacher_forcing_on_smollm2(smol, text_ids):
     finally:
         smol.float()
         policy.null_bias -= bias
+
+
+def test_identity_start_keep_all_is_the_backbone_on_smollm2(smol, text_ids):
+    """Identity start, every token a concept: the streaming model is SmolLM2 itself (fp32 rounding),
+    before training and with LoRA at its init; the purely discrete input is far from it."""
+    from concept.lora import LoraSettings, add_lora
+
+    keep = torch.ones_like(text_ids, dtype=torch.bool)
+    with torch.no_grad():
+        dense = smol.backbone(text_ids).logits
+        scale = dense.abs().max().item()
+        assert (smol(text_ids, keep=keep).logits - dense).abs().max().item() / scale < 1e-5
+    lora = concept.build(BuildConfig(split="4,22,4", attention=ComponentRef("chunked", {"chunk": 16}),
+                                     tail_fusion=ComponentRef("bridge")))
+    add_lora(lora.backbone, LoraSettings())
+    discrete = concept.build(BuildConfig(split="4,22,4", concept_input="embedding"))
+    with torch.no_grad():
+        assert (lora(text_ids, keep=keep).logits - dense).abs().max().item() / scale < 1e-5
+        assert (discrete(text_ids, keep=keep).logits - dense).abs().max().item() / scale > 1e-2

@@ -7,25 +7,64 @@ evaluation. ``P(keep) = sigmoid(logsumexp(concept logits) - (NULL logit + null_b
 with the model. The concept *identity* is chosen separately by the sampler.
 
 A maximum run of consecutive NULLs bounds the deep tail: after ``max_run`` NULLs in a row
-the next token is forced to emit a concept. The batched rule is vectorised (no loop over
-t): with ``last`` the index of the latest natural boundary (or the token before a document
+the next token is forced to emit a concept.
+
+**Ratio tracker** (``track``, default 1.0; 0 = off; see ``docs/results.md``, "Second domain").
+A bias calibrated on one domain gives another ratio on another domain (a head trained on
+code emits fewer concepts on prose). The tracker is a causal, per-document feedback on the
+realised ratio: along each document, before token t,
+
+    credit_t = target_ratio * (real tokens before t) - (concepts emitted before t)
+
+(0 at each document start), and token t emits a concept when
+
+    keep_logit[t] + track * credit_t >= 0      or      max_run NULLs in a row.
+
+A document that falls behind the target lowers its own threshold, one that runs ahead raises
+it: over a document the realised ratio cannot drift far from ``target_ratio`` (the credit
+stays within about spread(keep_logit) / track concepts), while *where* the concepts go is
+still decided by the head. ``target_ratio`` is a buffer saved with the model (default 0.25);
+the trainer sets it to the current (scheduled) target. ``keep_logit`` / ``boundary_prob``
+(what the ratio controller and the ratio loss read) exclude the credit term. Weights saved
+before the tracker existed (no ``target_ratio``) load with the tracker off: they were
+trained and calibrated without it. Gain 1 (the default) was chosen by measurement
+(``benchmarks/ratio_drift.py``): the keep logits of SmolLM2's head have a spread of about
+5, so one concept of deficit moves the threshold by about 0.2 standard deviations.
+
+Batched vs step-wise. With ``track == 0`` the batched rule is vectorised (no loop over t):
+with ``last`` the index of the latest natural boundary (or the token before a document
 start), a NULL at offset ``d = t - last - 1`` in its run is forced exactly when
-``d % (max_run + 1) == max_run``.
+``d % (max_run + 1) == max_run``. With ``track > 0`` each decision depends on the earlier
+ones, so the batched decision is a scan over t of the step rule itself (``_advance``; O(T)
+small tensor ops, vectorised over the batch, no host synchronisation: about 0.1 ms per t on
+CPU, e.g. 64 ms for 4 x 512 tokens); the state is the NULL run and the integer counts
+behind the credit, so the scan and ``step`` compute the same floating-point numbers and
+agree exactly; ``decide_with_state`` (decisions + final state, what
+the decoder's prefill reads) exists then. Padding does not advance a row's state; a document
+start resets it. With ``track == 0`` the step state is the NULL run alone, as before.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+DEFAULT_TARGET_RATIO = 0.25
+
 
 @dataclass
 class NullPolicyConfig:
     max_run: int = 16  # longest run of consecutive NULL tokens (bounds the deep tail)
+    track: float = 1.0  # ratio tracker gain: keep-logit units per concept of per-document deficit (0 = off)
 
     def validate(self) -> list[str]:
-        return [] if self.max_run >= 1 else [f"max_run: must be >= 1, got {self.max_run}"]
+        problems = [] if self.max_run >= 1 else [f"max_run: must be >= 1, got {self.max_run}"]
+        if isinstance(self.track, bool) or not isinstance(self.track, (int, float)) \
+                or not math.isfinite(self.track) or self.track < 0:
+            problems.append(f"track: must be a finite number >= 0 (0 = no ratio tracker), got {self.track!r}")
+        return problems
 
 
 class NullPolicy(nn.Module):
@@ -38,6 +77,31 @@ class NullPolicy(nn.Module):
         self.max_run = config.max_run
         self.null_index = ctx.concept_vocab_size
         self.register_buffer("null_bias", torch.zeros(()))
+        self.register_buffer("target_ratio", torch.tensor(DEFAULT_TARGET_RATIO))
+        self.track = config.track
+
+    @property
+    def track(self) -> float:
+        """The tracker gain (0 = off). Setting it also sets whether ``decide_with_state`` exists:
+        with the tracker the decoder takes a prefill's final step state from the scan; without
+        it the policy is exactly the original vectorised rule with its step-wise replay."""
+        return self._track
+
+    @track.setter
+    def track(self, value: float) -> None:
+        self._track = float(value)
+        if self._track:
+            self.__dict__["decide_with_state"] = self._scan
+        else:
+            self.__dict__.pop("decide_with_state", None)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "target_ratio" not in state_dict:
+            # weights saved before the tracker existed: that model was trained and calibrated
+            # without it (and at a target this module does not know), so it decides without it
+            state_dict[prefix + "target_ratio"] = self.target_ratio.detach().clone()
+            self.track = 0.0
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def keep_logit(self, head_logits: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """Log-odds that a token emits a concept: logsumexp(concepts) - (NULL + bias)."""
@@ -48,8 +112,33 @@ class NullPolicy(nn.Module):
     def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.keep_logit(head_logits))
 
-    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
-        """Batched: head_logits [B, T, K+1], valid [B, T], reset [B, T] (document starts) -> keep [B, T]."""
+    # -- decisions ------------------------------------------------------------------------
+    def init_state(self, batch_size: int, device):
+        """The current run of NULLs [B]; with the tracker also the real tokens and the concepts
+        so far in the document: (run, tokens, concepts)."""
+        run = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return (run, run.clone(), run.clone()) if self.track else run
+
+    def _ahead(self, keep_logit: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """keep_logit + track * target_ratio * tokens: the part of the score that does not depend on
+        earlier decisions (the scan computes it for every t at once, with the same float ops)."""
+        return keep_logit + self.track * (self.target_ratio.float() * tokens.float())
+
+    def _advance(self, keep_logit_t: torch.Tensor, state):
+        """The tracker's step rule: one token per row -> (keep [B], next state).
+        score = (keep_logit + track * target_ratio * tokens) - track * concepts."""
+        run, tokens, concepts = state
+        keep = (self._ahead(keep_logit_t, tokens) - self.track * concepts.float() >= 0) | (run >= self.max_run)
+        return keep, (torch.where(keep, torch.zeros_like(run), run + 1), tokens + 1, concepts + keep.long())
+
+    def step(self, h_t, head_logits_t, state):
+        logit = self.keep_logit(head_logits_t)
+        if self.track:
+            return self._advance(logit, state)
+        keep = (logit >= 0) | (state >= self.max_run)
+        return keep, torch.where(keep, torch.zeros_like(state), state + 1)
+
+    def _vectorised(self, head_logits, valid, reset):
         natural = (self.keep_logit(head_logits) >= 0) & valid
         boundary = natural | ~valid  # padding acts as a boundary, so runs start at the first real token
         t = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
@@ -61,9 +150,36 @@ class NullPolicy(nn.Module):
         forced = ~boundary & (offset % (self.max_run + 1) == self.max_run)
         return natural | forced
 
-    def init_state(self, batch_size: int, device) -> torch.Tensor:
-        return torch.zeros(batch_size, dtype=torch.long, device=device)  # current run of NULLs
+    def _scan(self, h, head_logits, valid, reset=None):
+        """Batched tracker decisions: a scan over t of the step rule ``_advance`` (padding does not
+        advance a row's state; a document start resets it). The real tokens before t (the state's
+        ``tokens``) do not depend on the decisions, so that part of the score is computed for all
+        t at once; the loop carries the NULL run and the concept count (as exact integers in
+        float32). Returns keep [B, T] and the step state after the last token."""
+        B, T = valid.shape
+        logit = self.keep_logit(head_logits).detach()
+        real = valid.long()
+        seen = torch.cumsum(real, dim=1)  # real tokens up to and including t
+        base = torch.zeros_like(seen[:, :1])
+        if reset is not None:  # counts restart at each document start
+            base = torch.cummax(torch.where(reset, seen - real, torch.zeros_like(seen)), dim=1).values
+        ahead = self._ahead(logit, seen - real - base)
+        run = torch.zeros(B, dtype=torch.long, device=valid.device)
+        concepts = torch.zeros(B, dtype=torch.float32, device=valid.device)
+        keeps = []
+        for t in range(T):
+            if reset is not None:
+                fresh = ~reset[:, t]
+                run, concepts = run * fresh, concepts * fresh
+            k = ((ahead[:, t] - self.track * concepts >= 0) | (run >= self.max_run)) & valid[:, t]
+            concepts = concepts + k
+            run = (run + real[:, t]) * ~k
+            keeps.append(k)
+        keep = torch.stack(keeps, dim=1) if keeps else torch.zeros_like(valid)
+        return keep, (run, (seen - base)[:, -1] if T else run.clone(), concepts.long())
 
-    def step(self, h_t, head_logits_t, run):
-        keep = (self.keep_logit(head_logits_t) >= 0) | (run >= self.max_run)
-        return keep, torch.where(keep, torch.zeros_like(run), run + 1)
+    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
+        """Batched: head_logits [B, T, K+1], valid [B, T], reset [B, T] (document starts) -> keep [B, T]."""
+        if self.track:
+            return self._scan(h, head_logits, valid, reset)[0]
+        return self._vectorised(head_logits, valid, reset)

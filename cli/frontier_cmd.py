@@ -1,0 +1,230 @@
+"""``concept frontier``: train and evaluate streaming models over splits x ratios, their FLOP-matched
+pruned baselines and the dense baseline; plot held-out bits/token against FLOP ratio to dense."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+from rich.markup import escape
+
+from .output import print_json, quiet_progress_bars, status, stdout, table
+
+DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
+# common training flags -> TrainConfig fields (None: the TrainConfig default, as `concept train`)
+TRAIN_FLAGS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum": "grad_accum", "lr": "lr",
+               "lr_new": "lr_new", "warmup": "warmup", "distill": "distill",
+               "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
+               "ratio_warmup": "ratio_warmup", "ratio_start": "ratio_start", "seed": "seed", "data": "data",
+               "device": "device"}
+
+
+def command_line(ctx: click.Context) -> str:
+    """``concept frontier`` with the options given on the command line (canonical spelling; the output-only
+    --json / --dry-run / --force left out)."""
+    words = ["concept", "frontier"]
+    for param in ctx.command.params:
+        if param.name in ("as_json", "dry_run", "force"):
+            continue
+        if ctx.get_parameter_source(param.name) != ParameterSource.COMMANDLINE:
+            continue
+        name = max((o for o in param.opts if o.startswith("--")), key=len, default=param.opts[0])
+        value = ctx.params[param.name]
+        if getattr(param, "is_flag", False):
+            if value:
+                words.append(name)
+            continue
+        for v in (value if param.multiple else [value]):
+            words += [name, str(v)]
+    return shlex.join(words)
+
+
+def make_spec(opts: dict):
+    """The frontier from the command's options (raises ConfigError on bad input)."""
+    from concept.errors import ConfigError
+    from concept.frontier import FrontierSpec, domains, parse_ratios, parse_splits, train_overrides
+    from concept.training import TrainConfig
+
+    from .build_cmd import make_config
+
+    problems = []
+    splits, p = parse_splits(opts["splits"])
+    problems += p
+    ratios, p = parse_ratios(opts["ratios"])
+    problems += p
+    doms, p = domains(list(opts["eval_data"]))
+    problems += p
+    names = {"backbone": opts["backbone"], "length_policy": opts["length_policy"], "attention": opts["attention"],
+             "tail_fusion": opts["tail_fusion"]}
+    try:
+        build = make_config(opts["config_file"], names, None, None, opts["build_set"], opts["concept_input"])
+    except ConfigError as exc:
+        problems += exc.problems
+        build = None
+    train = TrainConfig(**{field: opts[flag] for flag, field in TRAIN_FLAGS.items() if opts[flag] is not None})
+    if opts["lora_rank"] is not None:
+        train.lora.rank = opts["lora_rank"]
+    try:
+        train = train_overrides(train, list(opts["train_set"]))
+    except ConfigError as exc:
+        problems += exc.problems
+    baselines = tuple(dict.fromkeys(b.strip() for b in opts["baselines"].split(",") if b.strip() not in ("", "none")))
+    problems += [f"--baselines: {b!r} is not a baseline; choose from pruned, dense (or none)"
+                 for b in baselines if b not in ("pruned", "dense")]
+    if problems:
+        raise ConfigError(problems)
+    return FrontierSpec(build=build, splits=splits, ratios=ratios, train=train, domains=doms,
+                        eval_batches=opts["eval_batches"], eval_batch=opts["eval_batch"],
+                        eval_seq_len=opts["eval_seq_len"], controls=not opts["no_controls"], max_flops=opts["max_flops"],
+                        baselines=baselines)
+
+
+def render_table(result: dict, out: Path):
+    """The frontier for a terminal: frontier.md's table minus the split / target (in the run's name)
+    and the ΔNLL columns (in frontier.md and --json); run names never cut."""
+    from rich.table import Table
+
+    from concept import frontier as fr
+
+    head, rows = fr.table_cells(result)
+    keep = [i for i, h in enumerate(head) if h not in ("split", "target ratio") and not h.startswith("ΔNLL")]
+    t = Table(title=f"frontier ({out}); the full table: {out / 'frontier.md'}", title_justify="left",
+              title_style="bold", header_style="bold")
+    for i in keep:
+        t.add_column(head[i].replace("FLOP ratio", "FLOPs"), no_wrap=i == 0, overflow="fold")
+    for cells in rows:
+        t.add_row(*(escape(cells[i]) for i in keep))
+    return t
+
+
+def print_plan(planned, out: Path, spec) -> None:
+    from concept.frontier import describe_kind, run_state
+
+    t = table("run", "kind", "split", "target ratio", "planned FLOP ratio", "starts from", "state",
+              title=f"frontier plan (dry run: nothing written) -> {out}")
+    for r in planned:
+        s = run_state(out / r.name, r)
+        state = {"complete": f"complete (step {s.get('step')}): skip", "resume": f"resume from step {s.get('step')}",
+                 "restart": "restart (no checkpoint)", "new": "train", "differs": "other recipe: --force retrains",
+                 "foreign": "not a run: --force replaces"}[s["status"]]
+        what = r.kind + (f" ({describe_kind(r)})" if r.kind == "pruned" else "")
+        t.add_row(escape(r.name), escape(what), r.split and ",".join(map(str, r.split)) or "-",
+                  "-" if r.target_ratio is None else f"{r.target_ratio:g}", f"{r.planned_flop_ratio:.3f}",
+                  escape(f"builds/{r.build_name}"), escape(state))
+    stdout.print(t)
+    builds = {r.build_name: r.build for r in planned}
+    for name, cfg in builds.items():
+        stdout.print(f"[bold]builds/{escape(name)}[/]: {escape(json.dumps(cfg.to_dict(), sort_keys=True))}")
+    stdout.print(f"[bold]recipe[/] (every run): {escape(json.dumps(spec.train.to_dict(), sort_keys=True))}")
+    stdout.print(f"[bold]held-out[/]: " + escape(", ".join(f"{d.label} = {d.source}" for d in spec.domains))
+                 + f"; {spec.eval_batches} x {spec.eval_batch} x {spec.seq_len} tokens per domain")
+    for r in planned:
+        for note in r.notes:
+            stdout.print(f"note: {escape(r.name)}: {escape(note)}")
+
+
+@click.command()
+@click.option("--splits", default=DEFAULT_SPLITS, show_default=True, metavar="S;S;...",
+              help="Streaming splits, separated by ';' (counts '4,22,4', fractions or 'auto').")
+@click.option("--ratios", default="0.5,0.25", show_default=True, metavar="R,R,...",
+              help="Target ratios (concepts per token, each in (0, 1)); every split is trained at each.")
+@click.option("--baselines", default="pruned,dense", show_default=True, metavar="LIST",
+              help="Baselines trained alongside: pruned (FLOP-matched to each streaming point), dense; or none.")
+@click.option("--backbone", metavar="NAME", help="Backbone plugin of the streaming builds (default: smollm2).")
+@click.option("--config", "config_file", type=click.Path(exists=True), metavar="FILE",
+              help="Start the builds from a saved config (JSON, a run's concept.json or a run folder).")
+@click.option("--length-policy", metavar="NAME", help="Length policy plugin of the builds.")
+@click.option("--attention", metavar="NAME", help="Deep-stack attention backend of the builds.")
+@click.option("--tail-fusion", metavar="NAME", help="Tail fusion of the builds: none, update, bridge.")
+@click.option("--concept-input", type=click.Choice(["identity", "embedding"]), help="Concept input of the builds.")
+@click.option("--build-set", multiple=True, metavar="SLOT.KEY=VALUE",
+              help="A build option, as `concept build --set` (repeatable), e.g. --build-set length_policy.max_run=16.")
+@click.option("--steps", type=int, help="Training steps of every run (default: `concept train`'s).")
+@click.option("--seq-len", type=int)
+@click.option("--batch", type=int)
+@click.option("--grad-accum", type=int)
+@click.option("--lr", type=float, help="Learning rate of the LoRA adapters.")
+@click.option("--lr-new", type=float, help="Learning rate of the new modules.")
+@click.option("--warmup", type=int)
+@click.option("--distill", type=float, help="Weight of the KL to the frozen backbone.")
+@click.option("--distill-temperature", type=float)
+@click.option("--align", type=float, help="Weight of the hidden-state alignment (baselines: only at --align-at final).")
+@click.option("--align-at", type=click.Choice(["deep-input", "final"]))
+@click.option("--ratio-warmup", type=float, help="Ratio curriculum: fraction of the steps to anneal over.")
+@click.option("--ratio-start", type=float, help="Ratio curriculum: the target ratio at step 0.")
+@click.option("--lora-rank", type=int)
+@click.option("--seed", type=int, help="Training seed.")
+@click.option("--data", help="Training text (default: the Python standard library's train split).")
+@click.option("--device", help="auto, cpu or cuda.")
+@click.option("--train-set", multiple=True, metavar="KEY=VALUE",
+              help="Any other `concept train` option, by TrainConfig field name (repeatable), e.g. "
+                   "--train-set ratio_control=pi --train-set lora.alpha=32.")
+@click.option("--eval-data", multiple=True, default=("stdlib", "pydoc"), show_default=True, metavar="[LABEL=]SOURCE",
+              help="Held-out domain (repeatable): a built-in corpus (its held-out split; stdlib = code, pydoc = "
+                   "prose) or a file / folder (read whole).")
+@click.option("--eval-batches", type=int, default=8, show_default=True)
+@click.option("--eval-batch", type=int, default=4, show_default=True)
+@click.option("--eval-seq-len", type=int, default=None, help="Default: the training --seq-len.")
+@click.option("--no-controls", is_flag=True, help="Skip the ΔNLL shuffled / random concept passes.")
+@click.option("--max-flops", type=float, default=0.6, show_default=True,
+              help="Name the best streaming point at or below this FLOP ratio to dense.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/frontier"), show_default=True,
+              help="Folder of the runs (one subfolder each) and of frontier.json / .md / .png.")
+@click.option("--update-doc", type=click.Path(path_type=Path), metavar="FILE",
+              help="Replace the block between <!-- frontier:begin --> and <!-- frontier:end --> in FILE.")
+@click.option("--force", is_flag=True, help="Retrain runs in --out that were trained with another recipe.")
+@click.option("--dry-run", is_flag=True, help="Print the planned runs and their FLOP ratios; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the frontier (or the plan) as JSON on stdout.")
+@click.pass_context
+def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> None:
+    """Train and evaluate the quality / compute frontier: streaming models over --splits x --ratios,
+    a FLOP-matched pruned baseline for each, and the dense baseline, all with the same recipe.
+
+    Writes OUT/frontier.png (held-out bits/token against FLOP ratio to dense, one panel per
+    domain), OUT/frontier.json and OUT/frontier.md, and names the best streaming point at
+    <= --max-flops. A rerun skips complete runs and resumes interrupted ones.
+
+    \b
+    concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 --out runs/frontier
+    concept frontier --splits "6,18,6;10,10,10" --ratios 0.25 --distill 1 --ratio-warmup 0.3 --dry-run
+    concept frontier ... --update-doc docs/results.md
+    """
+    from concept import frontier as fr
+
+    quiet_progress_bars()
+    spec = make_spec(opts)
+    if update_doc is not None and not dry_run:
+        fr.check_doc(update_doc)  # a missing block fails now, not after the training
+    status("planning", f"{len(spec.splits)} split(s) x {len(spec.ratios)} ratio(s), baselines: "
+                       f"{', '.join(spec.baselines) or 'none'} ...")
+    planned = fr.plan(spec, out, force=force)
+    if dry_run:
+        if as_json:
+            states = {r.name: fr.run_state(out / r.name, r) for r in planned}
+            print_json({"out": str(out), "runs": [{**r.describe(), "state": states[r.name], "build_config": r.build.to_dict()}
+                                                  for r in planned],
+                        "recipe": spec.train.to_dict(), "domains": [d.__dict__ for d in spec.domains]})
+        else:
+            print_plan(planned, out, spec)
+        return
+    from .train_cmd import run_with_progress
+
+    try:
+        result = fr.run(spec, planned, out, force=force, train=run_with_progress, log=status)
+    except KeyboardInterrupt:
+        status("interrupted", f"checkpoints are saved; rerun the same command to continue ({out})")
+        raise SystemExit(130)
+    result["command"] = command_line(ctx)
+    paths = fr.write(result, out)
+    result["files"] = {k: str(v) for k, v in paths.items()}
+    if update_doc is not None:
+        fr.update_doc(update_doc, result, paths["png"])
+        result["files"]["doc"] = str(update_doc)
+    status("done", f"{paths['png']}, {paths['json']}, {paths['md']}" + (f"; updated {update_doc}" if update_doc else ""))
+    if as_json:
+        print_json(result)
+        return
+    stdout.print(render_table(result, out))
+    stdout.print(escape(fr.best_line(result).replace("**", "")))

@@ -1,0 +1,163 @@
+"""Training objectives: small loss objects the trainer composes (SPEC §2.1: "optional
+regularisers are separate, named, and off unless configured").
+
+The protocol is one call::
+
+    objective(model, batch, out, teacher) -> scalar tensor, already weighted
+
+with ``objective.name`` the key the trainer logs in metrics.jsonl (averaged over the
+gradient-accumulation micro-batches: the term it added to the loss) and
+``objective.teacher_needs`` the parts of the frozen backbone's forward it reads
+(``logits`` / ``deep_input`` / ``final``; empty: no teacher). ``batch`` is the dict of
+``input_ids`` / ``attention_mask`` / ``document_ids``, ``out`` the student's output
+(``ConceptOutput`` or ``DenseOutput``), ``teacher`` a ``concept.teacher.TeacherOutput`` or None.
+The trainer's loss is ``ce_weight * CE + sum(objective(...) for each objective)``; it never
+branches on which objectives are there.
+
+| name | what | option |
+|---|---|---|
+| ``ratio_loss`` | H-Net / DLCM boundary loss towards the (scheduled) target ratio | ``--ratio-control loss|both``, ``--ratio-loss-weight`` |
+| ``usage_kl`` | weight x KL(mean concept distribution || uniform), anti-collapse | ``--usage-weight`` |
+| ``distill_kl`` | weight x T^2 x KL(teacher || student) on next-token distributions | ``--distill``, ``--distill-temperature`` |
+| ``align`` | weight x hidden-state distance to the teacher (MSE / scale or 1 - cos) | ``--align``, ``--align-at``, ``--align-loss`` |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .ratio import RatioLoss, usage_kl
+
+ALIGN_AT = ("deep-input", "final")
+ALIGN_LOSSES = ("mse", "cosine")
+
+
+class Objective(Protocol):
+    name: str
+    teacher_needs: frozenset[str]
+
+    def __call__(self, model, batch: dict, out, teacher=None) -> torch.Tensor: ...
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=like.device)
+
+
+def _valid(batch: dict) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
+
+
+def next_token_pairs(valid: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T-1] bool: position t predicts token t+1 (both real, same document); the pairs
+    ``concept.model.next_token_loss`` averages its CE over."""
+    pair = valid[:, 1:] & valid[:, :-1]
+    if document_ids is not None:
+        pair = pair & (document_ids[:, 1:] == document_ids[:, :-1])
+    return pair
+
+
+@dataclass
+class RatioObjective:
+    """The ratio loss (``concept.ratio.RatioLoss``) towards ``target()`` (the ratio schedule's value
+    at the current step). At a target of 1 it is undefined (N / (N - 1)) and constant in effect:
+    it adds 0 and the ratio controller alone holds every token as a concept."""
+    weight: float
+    target: Callable[[], float]
+    name: str = "ratio_loss"
+    teacher_needs: frozenset[str] = frozenset()
+
+    def __call__(self, model, batch, out, teacher=None):
+        target = float(self.target())
+        if target >= 1.0:
+            return _zero(out.logits)
+        boundary = model.length_policy.boundary_prob(out.head_logits, out.shallow)
+        return RatioLoss(target, self.weight)(out.keep, boundary, _valid(batch))
+
+
+@dataclass
+class UsageObjective:
+    """weight x KL(mean concept distribution over the emitting tokens || uniform) (``usage_kl``)."""
+    weight: float
+    name: str = "usage_kl"
+    teacher_needs: frozenset[str] = frozenset()
+
+    def __call__(self, model, batch, out, teacher=None):
+        if not bool(out.keep.any()):
+            return _zero(out.logits)
+        return self.weight * usage_kl(out.head_logits[..., : model.vocabulary.size], out.keep)
+
+
+@dataclass
+class DistillObjective:
+    """weight x T^2 x KL(p_teacher || p_student) of the next-token distributions at temperature T,
+    averaged over the CE's pairs (real positions whose next token is real and of the same document)."""
+    weight: float
+    temperature: float = 1.0
+    name: str = "distill_kl"
+    teacher_needs: frozenset[str] = frozenset({"logits"})
+
+    def __call__(self, model, batch, out, teacher=None):
+        pair = next_token_pairs(_valid(batch), batch.get("document_ids"))
+        if not bool(pair.any()):
+            return _zero(out.logits)
+        T = self.temperature
+        student = F.log_softmax(out.logits[:, :-1][pair].float() / T, dim=-1)
+        target = F.log_softmax(teacher.logits[:, :-1][pair].float() / T, dim=-1)
+        kl = F.kl_div(student, target, log_target=True, reduction="batchmean")
+        return self.weight * T * T * kl
+
+
+@dataclass
+class AlignObjective:
+    """weight x distance between the student's hidden states and the teacher's.
+
+    ``deep-input``: the streaming model's deep-stack input at its tail positions (real tokens
+    that emitted no concept: ``out.deep_input``) against the backbone's own input of layer
+    ``Ls + Lm`` at the same positions; ``final``: the last layer's output before the final norm
+    (``out.hidden``) against the backbone's, at every real position. ``mse`` is the squared
+    error divided by the teacher states' mean square (scale-free: 1 = as far as predicting
+    zeros), ``cosine`` the mean of 1 - cos."""
+    weight: float
+    at: str = "deep-input"
+    loss: str = "mse"
+    name: str = "align"
+    teacher_needs: frozenset[str] = field(default=frozenset())
+
+    def __post_init__(self):
+        self.teacher_needs = frozenset({"deep_input" if self.at == "deep-input" else "final"})
+
+    def __call__(self, model, batch, out, teacher=None):
+        valid = _valid(batch)
+        if self.at == "deep-input":
+            student, target, mask = out.deep_input, teacher.deep_input, valid & ~out.keep
+        else:
+            student, target, mask = out.hidden, teacher.final, valid
+        if student is None:
+            raise TypeError(f"{type(out).__name__} has no {'deep_input' if self.at == 'deep-input' else 'hidden'} "
+                            f"states to align")
+        if not bool(mask.any()):
+            return _zero(out.logits)
+        s, t = student[mask].float(), target[mask].float()
+        if self.loss == "cosine":
+            distance = (1 - F.cosine_similarity(s, t, dim=-1)).mean()
+        else:
+            distance = (s - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12)
+        return self.weight * distance
+
+
+def from_config(config, streaming: bool, ratio_loss: bool, target: Callable[[], float]) -> list[Objective]:
+    """The objectives a ``TrainConfig`` asks for, in a fixed order (ratio, usage, distillation, alignment)."""
+    objectives: list[Objective] = []
+    if streaming and ratio_loss:
+        objectives.append(RatioObjective(config.ratio_loss_weight, target))
+    if streaming and config.usage_weight:
+        objectives.append(UsageObjective(config.usage_weight))
+    if config.distill:
+        objectives.append(DistillObjective(config.distill, config.distill_temperature))
+    if config.align:
+        objectives.append(AlignObjective(config.align, config.align_at, config.align_loss))
+    return objectives

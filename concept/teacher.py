@@ -1,0 +1,103 @@
+"""The distillation teacher: the frozen backbone itself, i.e. the student's backbone with its LoRA
+adapters disabled (peft's own switch), run without gradients on the student's batch.
+
+    with adapters_disabled(model.backbone):       # restores every adapter (and requires_grad) on exit
+        ...
+    t = teacher_forward(model, batch, needs={"logits", "deep_input"})   # TeacherOutput
+
+The teacher runs **all** the backbone's decoder layers (also those a pruned baseline skips) with the
+masks of the dense baseline (``concept.dense``): causal, padding, packed documents, time positions.
+Besides the next-token logits it returns the hidden state at the input of layer ``Ls + Lm`` (what the
+streaming model's deep stack should read: ``deep_input``) and the last layer's output before the
+final norm (``final``), the targets of the hidden-state alignment (``concept.objectives``).
+Its cost is one no-grad forward of the whole backbone per micro-batch (no backward; only the
+first ``Ls + Lm`` layers when the deep-stack input is all that is needed); the trainer logs it
+as ``teacher_s`` and ``teacher_fraction`` in metrics.jsonl.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import packing
+from .attention import CausalPlan
+from .backbone import decoder
+from .model import run_layers
+
+
+@dataclass
+class TeacherOutput:
+    logits: torch.Tensor | None = None  # [B, T, V] next-token logits of the backbone
+    deep_input: torch.Tensor | None = None  # [B, T, d] hidden state at the input of layer ``at``
+    final: torch.Tensor | None = None  # [B, T, d] last layer's output, before the final norm
+    at: int | None = None  # the layer index whose input ``deep_input`` is
+
+
+def tuner_layers(module: nn.Module) -> list[nn.Module]:
+    """peft's adapter-carrying layers (``BaseTunerLayer``) inside ``module``."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextmanager
+def adapters_disabled(module: nn.Module):
+    """Disable every peft adapter inside ``module`` (``BaseTunerLayer.enable_adapters(False)``) and
+    restore each layer's previous state on exit, even on an exception. peft's switch also flips the
+    adapters' ``requires_grad`` (re-enabling sets it to True); the previous flags are restored exactly,
+    so frozen adapters (``--train-only new``) stay frozen."""
+    layers = tuner_layers(module)
+    states = [(layer, bool(layer.disable_adapters)) for layer in layers]
+    flags = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
+    try:
+        for layer in layers:
+            layer.enable_adapters(False)
+        yield module
+    finally:
+        for layer, disabled in states:
+            layer.enable_adapters(not disabled)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def deep_input_layer(model) -> int | None:
+    """Index of the first deep layer (``Ls + Lm``) of a streaming model; None for a dense one."""
+    split = getattr(model, "split", None)
+    return None if split is None else split[0] + split[1]
+
+
+@torch.no_grad()
+def teacher_forward(model, input_ids, attention_mask=None, document_ids=None,
+                    needs: frozenset[str] | set[str] = frozenset({"logits"})) -> TeacherOutput:
+    """The frozen backbone's forward on a batch: ``needs`` selects ``logits`` / ``deep_input`` / ``final``.
+
+    ``model`` is a ConceptModel or DenseModel (its ``.backbone`` carries the LoRA adapters, which are
+    disabled for the call). Gradients never flow; every layer of the backbone runs, in order.
+    """
+    backbone = model.backbone
+    inner = decoder(backbone)
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    pos = packing.time_positions(valid, document_ids)
+    plan = CausalPlan(valid, document_ids)
+    layers = list(inner.layers)
+    at = deep_input_layer(model) if "deep_input" in needs else None
+    if "deep_input" in needs and at is None:
+        raise ValueError("the deep-stack input exists only for a streaming model (it has a split)")
+    out = TeacherOutput(at=at)
+    with adapters_disabled(backbone):
+        x = inner.embed_tokens(input_ids)
+        if at is not None:
+            x = run_layers(layers[:at], x, pos, plan, inner.rotary_emb)
+            out.deep_input = x
+            layers = layers[at:]
+            if not {"final", "logits"} & set(needs):  # alignment at the deep input only: stop there
+                return out
+        x = run_layers(layers, x, pos, plan, inner.rotary_emb)
+        if "final" in needs:
+            out.final = x
+        if "logits" in needs:
+            out.logits = backbone.lm_head(inner.norm(x))
+    return out

@@ -1,0 +1,17 @@
+"""`none`: a tail token enters the deep stack as its shallow state (SPEC §2.1's definition)."""
+from __future__ import annotations
+
+from concept.config import NoOptions
+from torch import nn
+
+
+class NoFusion(nn.Module):
+    Config = NoOptions
+    needs_update = False  # the model need not compute the concepts' middle-stack updates
+    flops_per_token = 0.0
+
+    def __init__(self, config=None, ctx=None):
+        super().__init__()
+
+    def forward(self, tail, update, has):
+        return tail
