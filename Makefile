@@ -22,14 +22,17 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 # The main job on the embedded defaults (offline SmolLM2-135M, Python stdlib corpus): build the
-# streaming model, train it and the dense baseline the same way, evaluate both side by side.
+# streaming model (identity start, split 4,22,4), train it, the FLOP-matched pruned baseline and the
+# dense baseline the same way, and evaluate all three side by side on held-out code and prose.
 DEMO_TRAIN := --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 --target-ratio 0.25 \
-              --eval-every 30 --eval-batches 4 --checkpoint-every 30 --force
+              --eval-every 30 --eval-batches 2 --checkpoint-every 30 --force
 demo: $(STAMP)
 	$(BIN)/concept build -o runs/demo --force
 	$(BIN)/concept train runs/demo --out runs/demo-train $(DEMO_TRAIN)
-	$(BIN)/concept train runs/demo --baseline --out runs/demo-dense $(DEMO_TRAIN)
-	$(BIN)/concept eval runs/demo-train runs/demo-dense --batches 8 --batch 4 --show-map
+	$(BIN)/concept train runs/demo --baseline pruned --out runs/demo-pruned $(DEMO_TRAIN)
+	$(BIN)/concept train runs/demo --baseline dense --out runs/demo-dense $(DEMO_TRAIN)
+	$(BIN)/concept eval runs/demo-train runs/demo-pruned runs/demo-dense --data stdlib --data pydoc \
+	    --batches 6 --batch 4 --show-map
 
 # the unit tests, then every benchmark suite once with timing off (a smoke run, not a gate)
 test: $(STAMP)
