@@ -42,39 +42,15 @@ def training_throughput(run: Path) -> dict:
     return {"train_steps": rows[-1]["step"], "train_tokens_per_s": statistics.median(speeds)}
 
 
-def eval_data(run: Path, data: str | None, seq_len: int | None, encoding_errors: str | None, text_field: str | None):
-    """Held-out documents: all of --data if given (the held-out split of a built-in corpus such as
-    ``stdlib`` or ``pydoc``), else the held-out split of what the run trained on; unset options
-    default to the run's training settings."""
-    from concept.builder import read_train
-    from concept.data import builtin_corpus
-
-    train = read_train(run) or {}
-    if data:
-        source, split = data, "heldout" if builtin_corpus(data) else "all"
-    else:
-        source, split = train.get("data"), "heldout"
-    return (source, split, seq_len or train.get("seq_len") or 256, text_field or train.get("text_field", "text"),
-            encoding_errors or train.get("encoding_errors", "strict"))
-
-
 def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None):
-    """Evaluate the run at ``path`` (or its already loaded ``model``) on one data source."""
-    import concept
-    from concept import data as concept_data
-    from concept.diagnostics import evaluate
-    from concept.training import pick_device
+    """Evaluate the run at ``path`` (see :func:`concept.diagnostics.evaluate_folder`), with a status line."""
+    from concept.diagnostics import heldout_source
 
-    source, split, seq_len, text_field, encoding_errors = eval_data(path, data, seq_len, encoding_errors, text_field)
-    status("evaluating", f"{path} on {source or 'the standard library'} ({split}), {batches}x{batch}x{seq_len} tokens ...")
-    model = concept.load(path).to(pick_device(device)) if model is None else model
-    tokenizer = concept_data.tokenizer_for(model)
-    docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
-    packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
-    n = min(batches, max(1, len(packed) // batch))
-    result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
-    result["model"] = getattr(model, "kind", "streaming")  # streaming | dense | pruned
-    return model, tokenizer, docs, result
+    source, split, seq_len_, _, _ = heldout_source(path, data, seq_len, encoding_errors, text_field)
+    status("evaluating", f"{path} on {source or 'the standard library'} ({split}), {batches}x{batch}x{seq_len_} tokens ...")
+    from concept.diagnostics import evaluate_folder
+
+    return evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model)
 
 
 @click.command(name="eval")

@@ -348,6 +348,42 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     return result
 
 
+# -- evaluating a run folder -------------------------------------------------------------------
+def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: str | None, text_field: str | None):
+    """(source, split, seq_len, text_field, encoding_errors) of a run's held-out evaluation: all of
+    ``data`` if given (the held-out split of a built-in corpus such as ``stdlib`` or ``pydoc``), else
+    the held-out split of what the run trained on; unset options default to the run's training settings."""
+    from .builder import read_train
+    from .data import builtin_corpus
+
+    train = read_train(run) or {}
+    if data:
+        source, split = data, "heldout" if builtin_corpus(data) else "all"
+    else:
+        source, split = train.get("data"), "heldout"
+    return (source, split, seq_len or train.get("seq_len") or 256, text_field or train.get("text_field", "text"),
+            encoding_errors or train.get("encoding_errors", "strict"))
+
+
+def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None):
+    """Evaluate the run folder ``path`` (or its already loaded ``model``) on one data source: the
+    batches ``concept eval`` uses. Returns (model, tokenizer, documents, result)."""
+    import concept
+
+    from . import data as concept_data
+    from .training import pick_device
+
+    source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
+    model = concept.load(path).to(pick_device(device)) if model is None else model
+    tokenizer = concept_data.tokenizer_for(model)
+    docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
+    packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
+    n = min(batches, max(1, len(packed) // batch))
+    result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
+    result["model"] = getattr(model, "kind", "streaming")  # streaming | dense | pruned
+    return model, tokenizer, docs, result
+
+
 # -- compression map ------------------------------------------------------------------------
 def _encode(tokenizer, text: str) -> list[int]:
     ids = tokenizer.encode(text) if hasattr(tokenizer, "encode") else tokenizer(text)

@@ -453,18 +453,15 @@ def _finite(x):
 def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
     """Per domain: bits/token, realised ratio, ΔNLL controls and the FLOP ratio to dense. The held-out
     batches are exactly those of ``concept eval RUN --data SOURCE --batches N --batch B --seq-len T``."""
-    import torch
-    from concept_cli.eval_cmd import evaluate_run as eval_one  # the `concept eval` evaluation, not a copy
-
+    from .diagnostics import evaluate_folder as eval_one  # the `concept eval` evaluation, not a copy
     from .backbone import decoder
     from .flops import Shape, ideal_ratio, pruned_flops
 
     model, out = None, {}
     T = spec.seq_len
     for d in spec.domains:
-        with torch.no_grad():  # (the loaded adapters require grad: no autograd graph for an evaluation)
-            model, _, _, r = eval_one(folder, d.source, T, spec.eval_batches, spec.eval_batch, spec.controls, None,
-                                      None, spec.train.device, model)
+        model, _, _, r = eval_one(folder, d.source, T, spec.eval_batches, spec.eval_batch, spec.controls, None,
+                                  None, spec.train.device, model)
         if run.kind == "streaming":
             realised = _finite(r.get("ratio"))
             flop = ideal_ratio(model, realised, T).ratio if realised is not None else None
@@ -522,7 +519,7 @@ def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, f
             log("training", f"{tag} ({r.kind}: {describe_kind(r)}) ...")
             trainer = Trainer.start(source, folder, r.train)
             _train(trainer, train, log, r.name)
-        rows.append(_row(r, folder, spec, action))
+        rows.append(_row(r, folder, spec, action, log))
     return summarise(spec, planned, rows)
 
 
@@ -535,7 +532,7 @@ def _train(trainer, train, log, name) -> None:
         log("note:", f"{name}: {note}")
 
 
-def _row(r: PlannedRun, folder: Path, spec: FrontierSpec, action: str) -> dict:
+def _row(r: PlannedRun, folder: Path, spec: FrontierSpec, action: str, log=lambda verb, detail: None) -> dict:
     from . import checkpoint
 
     step = (checkpoint.read_meta(folder) or {}).get("step")
@@ -548,6 +545,8 @@ def _row(r: PlannedRun, folder: Path, spec: FrontierSpec, action: str) -> dict:
             cached = saved["domains"] if saved.get("key") == key else None
         except (OSError, json.JSONDecodeError, KeyError, TypeError):
             cached = None
+    if cached is None:
+        log("evaluating", f"{r.name} on {', '.join(d.source for d in spec.domains)} ...")
     domains_ = cached if cached is not None else evaluate_run(folder, r, spec)
     if cached is None:
         _write_json(cache, {"key": key, "domains": domains_})
