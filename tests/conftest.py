@@ -72,3 +72,31 @@ def mixed_model(policy="null", attention="sdpa", positions="time", backbone="tin
         cfg = tiny_config(backbone=backbone, attention=attention, positions=positions, policy=POLICIES[policy], **extra)
         _CACHE[key] = mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
     return _CACHE[key]
+
+
+PACKED_DOC = [[0] * 5 + [1] * 7 + [2] * 4]  # three documents packed in one row of 16 tokens
+
+
+def assert_packed_documents_equal_separate_rows(model, ids, keep, atol=1e-5):
+    """Documents packed in one row (``PACKED_DOC``) give each document's logits alone."""
+    doc = torch.tensor(PACKED_DOC)
+    with torch.no_grad():
+        packed = model(ids, keep=keep, document_ids=doc)
+        for d in range(3):
+            cols = doc[0] == d
+            alone = model(ids[:, cols], keep=keep[:, cols])
+            torch.testing.assert_close(packed.logits[:, cols], alone.logits, atol=atol, rtol=0)
+
+
+def assert_decoding_matches_teacher_forcing(model, prompts, max_new_tokens):
+    """Step-wise decoding: its decisions are the batched ones on the final sequence, and its logits
+    are the teacher-forced one-pass logits with those decisions. Returns the generation."""
+    gen = model.generate(prompts, max_new_tokens=max_new_tokens, output_logits=True)
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            seq = torch.tensor([p + gen.tokens[b]])
+            assert model(seq[:, :-1]).keep[0].tolist() == gen.keep[b]  # step-wise = batched decisions
+            forced = model(seq, keep=torch.tensor([gen.keep[b] + [False]])).logits[0]
+            n = len(gen.tokens[b])
+            torch.testing.assert_close(gen.logits[b, :n], forced[len(p) - 1:len(p) - 1 + n], atol=1e-5, rtol=1e-5)
+    return gen

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from tests.conftest import PACKED_DOC, assert_packed_documents_equal_separate_rows
 from tests.reference import reference_logits
 
 T = 12
@@ -149,14 +150,10 @@ def test_packed_documents_equal_separate_rows(tiny_models, backend, positions):
     """Several documents packed in one row (document_ids) give each document's logits alone."""
     model = tiny_models(attention=backend, positions=positions)
     ids = inputs(B=1, T=16, seed=7)
-    doc = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4])
+    doc = torch.tensor(PACKED_DOC)
     keep = torch.tensor([[0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]], dtype=torch.bool)
+    assert_packed_documents_equal_separate_rows(model, ids, keep, ATOL)
     with torch.no_grad():
-        packed = model(ids, keep=keep, document_ids=doc)
-        for d in range(3):
-            cols = doc[0] == d
-            alone = model(ids[:, cols], keep=keep[:, cols])
-            torch.testing.assert_close(packed.logits[:, cols], alone.logits, atol=ATOL, rtol=0)
         # and with decisions made by the policy (runs of NULLs restart per document)
         decided = model(ids, document_ids=doc)
         for d in range(3):

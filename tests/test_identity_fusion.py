@@ -6,7 +6,8 @@ import torch
 import concept
 from concept import ComponentRef
 from concept.lora import LoraSettings, add_lora
-from tests.conftest import mix_decisions, randomize_new_modules, tiny_config
+from tests.conftest import (assert_decoding_matches_teacher_forcing, assert_packed_documents_equal_separate_rows,
+                            mix_decisions, randomize_new_modules, tiny_config)
 from tests.reference import reference_logits
 from tests.test_equivalence import inputs, padded_batch, pattern
 
@@ -129,15 +130,8 @@ def test_fusion_padded_batch_and_gradients_match_naive(fusion, positions):
 def test_fusion_never_crosses_packed_documents(fusion):
     """A document's tail before its first concept gets no update from the previous document's concept."""
     model = fused(fusion, attention="chunked")
-    ids = inputs(B=1, T=16, seed=7)
-    doc = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4])
     keep = torch.tensor([[0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]], dtype=torch.bool)
-    with torch.no_grad():
-        packed = model(ids, keep=keep, document_ids=doc)
-        for d in range(3):
-            cols = doc[0] == d
-            alone = model(ids[:, cols], keep=keep[:, cols])
-            torch.testing.assert_close(packed.logits[:, cols], alone.logits, atol=ATOL, rtol=0)
+    assert_packed_documents_equal_separate_rows(model, inputs(B=1, T=16, seed=7), keep)
 
 
 def test_fusion_changes_the_logits_of_tail_tokens_only():
@@ -174,18 +168,12 @@ def test_bad_bridge_options_are_reported_at_once():
 @pytest.mark.parametrize("fusion", ["update", "bridge"])
 @pytest.mark.parametrize("backbone", ["tiny-llama", "tiny-qwen2"])
 def test_fusion_decoding_equals_teacher_forcing(fusion, backbone):
-    from tests.test_decoding import prompts, teacher_forced
+    from tests.test_decoding import prompts
 
     model = fused(fusion, attention="chunked", backbone=backbone, mixed=True)
-    ps = prompts()
-    out = model.generate(ps, max_new_tokens=24, output_logits=True)
-    decisions = [k for row in out.keep for k in row]
+    gen = assert_decoding_matches_teacher_forcing(model, prompts(), 24)
+    decisions = [k for row in gen.keep for k in row]
     assert 0 < sum(decisions) < len(decisions)
-    with torch.no_grad():
-        for b, p in enumerate(ps):
-            n = len(out.tokens[b])
-            logits = teacher_forced(model, p, out.tokens[b], out.keep[b])
-            torch.testing.assert_close(out.logits[b, :n], logits[len(p) - 1:len(p) - 1 + n], atol=1e-5, rtol=1e-5)
 
 
 def test_fusion_saves_and_loads(tmp_path):

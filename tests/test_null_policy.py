@@ -5,6 +5,7 @@ from torch.utils._pytree import tree_map
 
 from concept.components import BuildContext
 from concept_plugins.length_policies.null import NullPolicy, NullPolicyConfig
+from tests.conftest import assert_decoding_matches_teacher_forcing
 
 K = 5  # NULL class index
 
@@ -301,11 +302,4 @@ def test_tracked_model_batched_stepwise_and_decoding_agree(tracked_model):
     torch.testing.assert_close(out.logits[real.bool()], ref[real.bool()], atol=1e-5, rtol=0)
 
     prompts = [x[0, :9].tolist(), x[2, :4].tolist()]
-    gen = model.generate(prompts, max_new_tokens=16, output_logits=True)
-    with torch.no_grad():
-        for b, p in enumerate(prompts):
-            seq = torch.tensor([p + gen.tokens[b]])
-            assert model(seq[:, :-1]).keep[0].tolist() == gen.keep[b]  # step-wise = batched decisions
-            forced = model(seq, keep=torch.tensor([gen.keep[b] + [False]])).logits[0]
-            n = len(gen.tokens[b])
-            torch.testing.assert_close(gen.logits[b, :n], forced[len(p) - 1:len(p) - 1 + n], atol=1e-5, rtol=1e-5)
+    assert_decoding_matches_teacher_forcing(model, prompts, 16)

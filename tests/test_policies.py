@@ -7,7 +7,7 @@ import torch
 import concept
 from concept import ComponentRef
 from concept.errors import ConfigError
-from tests.conftest import POLICIES, mixed_model as make, tiny_config
+from tests.conftest import POLICIES, assert_decoding_matches_teacher_forcing, mixed_model as make, tiny_config
 from tests.reference import reference_logits
 
 BACKENDS = ["sdpa", "chunked"]  # with gradients
@@ -43,14 +43,7 @@ def test_one_pass_matches_naive(policy, backend, positions):
 def test_decoding_matches_teacher_forcing(policy, backend, positions):
     model = make(policy, backend, positions)
     prompts = [ids(1, 9, seed=2)[0].tolist(), ids(1, 4, seed=3)[0].tolist()]
-    gen = model.generate(prompts, max_new_tokens=12, output_logits=True)
-    with torch.no_grad():
-        for b, p in enumerate(prompts):
-            seq = torch.tensor([p + gen.tokens[b]])
-            assert model(seq[:, :-1]).keep[0].tolist() == gen.keep[b]  # step-wise = batched decisions
-            forced = model(seq, keep=torch.tensor([gen.keep[b] + [False]])).logits[0]
-            n = len(gen.tokens[b])
-            torch.testing.assert_close(gen.logits[b, :n], forced[len(p) - 1:len(p) - 1 + n], atol=1e-5, rtol=1e-5)
+    assert_decoding_matches_teacher_forcing(model, prompts, 12)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
