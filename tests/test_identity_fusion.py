@@ -183,3 +183,27 @@ def test_fusion_saves_and_loads(tmp_path):
     ids, keep = inputs(), pattern("runs")[None]
     with torch.no_grad():
         torch.testing.assert_close(again(ids, keep=keep).logits, model(ids, keep=keep).logits, atol=0, rtol=0)
+
+
+def test_a_bridge_pre_trained_alone_moves_the_tail_towards_the_backbones_deep_inputs():
+    """`--train-only new --align 1`: the bridge alone is fitted to the backbone's own layer Ls+Lm
+    inputs of the tail tokens (a dense per-token target); the alignment loss falls."""
+    from concept.objectives import AlignObjective
+    from concept.teacher import teacher_forward
+
+    model = concept.build(tiny_config(tail_fusion=ComponentRef("bridge", {"hidden": 32})))
+    ids = inputs(B=2, T=16, seed=11)
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[:, 1::4] = True
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "document_ids": None}
+    teacher = teacher_forward(model, ids, b["attention_mask"], None, needs={"deep_input"})
+    align = AlignObjective(1.0)
+    opt = torch.optim.Adam(model.tail_fusion.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = align(model, b, model(ids, keep=keep), teacher)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0]
