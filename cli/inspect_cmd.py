@@ -9,7 +9,8 @@ from .output import (describe_backbone, param_counts, print_json, quiet_progress
 
 # config slot -> attribute of ConceptModel holding that component (attention has no parameters)
 SLOT_MODULES = {"backbone": "backbone", "length_policy": "length_policy", "sampler": "sampler",
-                "eval_sampler": "eval_sampler", "position_scheme": "positions", "vocabulary": "vocabulary"}
+                "eval_sampler": "eval_sampler", "position_scheme": "positions", "vocabulary": "vocabulary",
+                "tail_fusion": "tail_fusion"}
 
 
 def module_params(model) -> dict:
