@@ -205,5 +205,5 @@ def test_a_bridge_pre_trained_alone_moves_the_tail_towards_the_backbones_deep_in
         loss = align(model, b, model(ids, keep=keep), teacher)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
