@@ -10,7 +10,8 @@ def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split
     cfg = BuildConfig(
         backbone=ComponentRef(backbone, {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 97}),
         split=split,
-        attention=ComponentRef(attention, {"chunked": {"chunk": 4}, "flex": {"compile": False}}.get(attention, {})),
+        attention=ComponentRef(attention, {"chunked": {"chunk": 4}, "flex": {"compile": False},
+                                            "xformers": {"kernel": "reference"}}.get(attention, {})),
         position_scheme=ComponentRef(positions),
         vocabulary=extra.pop("vocabulary", ComponentRef("embedding", {"size": vocab})),
         length_policy=ComponentRef(*policy),

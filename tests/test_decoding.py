@@ -32,7 +32,7 @@ def teacher_forced(model, prompt, out_tokens, keep):
 
 
 @pytest.mark.parametrize("backbone", ["tiny-llama", "tiny-qwen2"])
-@pytest.mark.parametrize("attention", ["sdpa", "chunked"])
+@pytest.mark.parametrize("attention", ["sdpa", "chunked", "xformers"])
 @pytest.mark.parametrize("positions", ["time", "per-type"])
 def test_decode_logits_equal_teacher_forcing(mixed, backbone, attention, positions):
     model = mixed(backbone=backbone, attention=attention, positions=positions)

@@ -25,7 +25,8 @@ def pattern(name: str, T: int = T) -> torch.Tensor:
 
 
 PATTERNS = ["none", "all", "first", "last", "runs", "rate-0.1", "rate-0.5", "rate-0.9"]
-BACKENDS = ["sdpa", "chunked", "auto"]  # with gradients (auto: chunked on CPU)
+BACKENDS = ["sdpa", "chunked", "auto", "xformers"]  # with gradients (auto: chunked on CPU; xformers: its
+# gathered layout with the materialised bias, kernel = "reference"; the CUDA kernel: tests/test_xformers.py)
 FORWARD_BACKENDS = [*BACKENDS, "flex"]  # FlexAttention has no backward on CPU
 SCHEMES = ["time", "per-type"]
 
