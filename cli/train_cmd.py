@@ -19,7 +19,7 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "calibration_batches": "calibration_batches", "prune_layers": "prune_layers", "ce_weight": "ce_weight",
           "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
           "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
-          "ratio_warmup": "ratio_warmup"}
+          "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 
 
@@ -64,6 +64,11 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
               "backbone (adapters disabled), one extra no-grad forward per step.")
 @click.option("--distill-temperature", type=float, default=1.0, show_default=True,
               help="Softmax temperature T of the distillation (the KL is scaled by T^2).")
+@click.option("--mtp", "mtp", type=float, default=1.0, show_default=True,
+              help="Weight of the MTP heads' self-distillation (KL to the frozen backbone at t+1..t+k, plus CE); "
+              "only for a model with MTP heads (--length-policy mtp). One extra no-grad forward per step.")
+@click.option("--mtp-ce", type=float, default=0.5, show_default=True,
+              help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
 @click.option("--align", type=float, default=0.0, show_default=True,
               help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
 @click.option("--align-at", type=click.Choice(["deep-input", "final"]), default="deep-input", show_default=True,
@@ -170,6 +175,8 @@ def run_with_progress(trainer) -> dict:
                 info += f"  kd {row['distill_kl']:.3f}"
             if "align" in row:
                 info += f"  align {row['align']:.3f}"
+            if "mtp" in row:
+                info += f"  mtp {row['mtp']:.3f}"
             if "ratio" in row:
                 info += f"  ratio {row['ratio']:.3f}"
                 if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:

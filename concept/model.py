@@ -85,6 +85,11 @@ class ConceptModel(nn.Module):
     def inner(self) -> nn.Module:
         return decoder(self.backbone)
 
+    @property
+    def mtp_heads(self):
+        """The MTP heads (``concept.mtp.MTPHeads``) of a length policy that has them (`mtp`), else None."""
+        return getattr(self.length_policy, "heads", None)
+
     def run_stack(self, stack, x, position_ids, attention_plan, cache=None):
         return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb,
                           self.gradient_checkpointing and self.training, cache)

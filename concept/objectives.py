@@ -20,6 +20,7 @@ branches on which objectives are there.
 | ``usage_kl`` | weight x KL(mean concept distribution || uniform), anti-collapse | ``--usage-weight`` |
 | ``distill_kl`` | weight x T^2 x KL(teacher || student) on next-token distributions | ``--distill``, ``--distill-temperature`` |
 | ``align`` | weight x hidden-state distance to the teacher (MSE / scale or 1 - cos) | ``--align``, ``--align-at``, ``--align-loss`` |
+| ``mtp`` | weight x mean over the MTP heads of KL(teacher at t+i || head i at t) + ce x CE | ``--mtp``, ``--mtp-ce`` |
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from .mtp import mtp_pairs
 from .ratio import RatioLoss, usage_kl
 
 ALIGN_AT = ("deep-input", "final")
@@ -149,8 +151,37 @@ class AlignObjective:
         return self.weight * distance
 
 
-def from_config(config, streaming: bool, ratio_loss: bool, target: Callable[[], float]) -> list[Objective]:
-    """The objectives a ``TrainConfig`` asks for, in a fixed order (ratio, usage, distillation, alignment)."""
+@dataclass
+class MTPObjective:
+    """Self-distillation of the MTP heads (``concept.mtp``): head i at t is pulled towards the frozen
+    backbone's own next-token distribution at t+i (its prediction of token t+1+i), plus ``ce`` x the
+    CE on the real token t+1+i; averaged over the heads, weighted. The heads read the shallow states
+    detached, so this term trains the heads only."""
+    weight: float
+    ce: float = 0.5
+    name: str = "mtp"
+    teacher_needs: frozenset[str] = frozenset({"logits"})
+
+    def __call__(self, model, batch, out, teacher=None):
+        heads, ids = model.mtp_heads, batch["input_ids"]
+        valid, T = _valid(batch), ids.shape[1]
+        h = out.shallow.detach()
+        total = _zero(out.logits)
+        for i in range(heads.k):
+            pair = mtp_pairs(valid, batch.get("document_ids"), i)  # t predicts t+1+i
+            if not bool(pair.any()):
+                continue
+            log_p = F.log_softmax(heads.logits(h[:, : T - 1 - i][pair], i).float(), dim=-1)
+            target = F.log_softmax(teacher.logits[:, i: T - 1][pair].float(), dim=-1)  # the backbone's at t+i
+            kl = F.kl_div(log_p, target, log_target=True, reduction="batchmean")
+            total = total + kl + self.ce * F.nll_loss(log_p, ids[:, 1 + i:][pair])
+        return self.weight * total / heads.k
+
+
+def from_config(config, streaming: bool, ratio_loss: bool, target: Callable[[], float],
+                has_mtp: bool = False) -> list[Objective]:
+    """The objectives a ``TrainConfig`` asks for, in a fixed order (ratio, usage, distillation,
+    alignment, MTP heads: for a model that has them)."""
     objectives: list[Objective] = []
     if streaming and ratio_loss:
         objectives.append(RatioObjective(config.ratio_loss_weight, target))
@@ -160,4 +191,6 @@ def from_config(config, streaming: bool, ratio_loss: bool, target: Callable[[], 
         objectives.append(DistillObjective(config.distill, config.distill_temperature))
     if config.align:
         objectives.append(AlignObjective(config.align, config.align_at, config.align_loss))
+    if has_mtp and config.mtp:
+        objectives.append(MTPObjective(config.mtp, config.mtp_ce))
     return objectives

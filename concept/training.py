@@ -91,6 +91,8 @@ class TrainConfig:
     distill: float = 0.0  # weight of KL(teacher || student), the teacher being the backbone without adapters
     distill_temperature: float = 1.0
     align: float = 0.0  # weight of the hidden-state alignment to the teacher
+    mtp: float = 1.0  # weight of the MTP heads' self-distillation (a model with MTP heads only: the `mtp` policy)
+    mtp_ce: float = 0.5  # ... and of the CE on the real tokens inside it, relative to the KL
     align_at: str = "deep-input"  # deep-input | final
     align_loss: str = "mse"  # mse | cosine
     train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
@@ -131,7 +133,7 @@ class TrainConfig:
         p = []
         if self.baseline not in (None, *BASELINES):
             p.append(f"baseline: dense or pruned, got {self.baseline!r}")
-        for name in ("ce_weight", "distill", "align"):
+        for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce"):
             if not getattr(self, name) >= 0:  # (NaN fails too)
                 p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
         if not self.distill_temperature > 0:
@@ -358,7 +360,8 @@ class Trainer:
         if not streaming and (config.ratio_warmup or config.usage_weight):
             self.notes.append(f"a {config.baseline} baseline has no concepts: --ratio-warmup / --usage-weight do nothing")
         # the loss terms beyond the CE, each named in metrics.jsonl (concept.objectives)
-        self.objectives = objectives_.from_config(config, streaming, controls in ("loss", "both"), self.target_ratio)
+        self.objectives = objectives_.from_config(config, streaming, controls in ("loss", "both"), self.target_ratio,
+                                                  has_mtp=getattr(self.model, "mtp_heads", None) is not None)
         self.teacher_needs = frozenset().union(*(o.teacher_needs for o in self.objectives))
         self.step = 0
         if resume:

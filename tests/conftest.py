@@ -48,6 +48,7 @@ POLICIES = {
     "fixed": ("fixed", {"every": 3}),
     "fixed-emit2": ("fixed", {"every": 3, "emit": 2}),  # two concept slots at each boundary
     "entropy": ("entropy", {"min_chunk": 2, "max_chunk": 4}),
+    "mtp": ("mtp", {"heads": 3, "min_chunk": 2, "max_chunk": 4}),
 }
 
 

@@ -71,7 +71,7 @@ def test_batched_and_stepwise_decisions_agree_with_padding_and_documents(policy)
 
 
 def test_tail_is_bounded_by_each_policy():
-    for policy, bound in (("null", 3), ("threshold", 3), ("fixed", 2), ("entropy", 3)):
+    for policy, bound in (("null", 3), ("threshold", 3), ("fixed", 2), ("entropy", 3), ("mtp", 3)):
         model = make(policy)
         keep = model(ids(4, 64, seed=7)).keep
         longest = 0
@@ -204,6 +204,7 @@ TRAIN_CASES = {
     "threshold": dict(length_policy=ComponentRef("threshold", {"max_run": 8})),
     "fixed": dict(length_policy=ComponentRef("fixed", {"every": 4})),
     "entropy": dict(length_policy=ComponentRef("entropy", {"tau": 0.05, "max_chunk": 8})),
+    "mtp": dict(length_policy=ComponentRef("mtp", {"heads": 2, "max_chunk": 8, "lr": 2e-3})),
     "soft": dict(sampler=ComponentRef("soft"), eval_sampler=ComponentRef("soft")),
     "hidden-projection": dict(sampler=ComponentRef("hidden-projection", {"lr": 3e-3})),
     "codebook": dict(vocabulary=ComponentRef("codebook", {"size": 32, "code_dim": 8}), position_scheme=ComponentRef("compact")),
@@ -239,6 +240,11 @@ def test_every_component_trains_saves_loads_and_generates(case, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     if case == "codebook":
         assert "usage_kl" in rows[-1]
+    if case == "mtp":  # the heads train by self-distillation (named in metrics), at their own learning rate
+        assert all("mtp" in r for r in rows if "loss" in r)
+        group = next(g for g in trainer.optimizer.param_groups if g["name"] == "length_policy")
+        assert group["initial_lr"] == 2e-3
+        assert not torch.equal(before["length_policy.heads.blocks.1.weight"], after["length_policy.heads.blocks.1.weight"])
     model = concept.load(tmp_path / "run")
     torch.testing.assert_close(model.new_state_dict(), after)
     out = model.generate([[5, 6, 7, 8]], max_new_tokens=6, output_logits=True)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept import chunks
+
 
 @dataclass
 class EntropyPolicyConfig:
@@ -71,29 +73,12 @@ class EntropyPolicy(nn.Module):
     def init_state(self, batch_size: int, device) -> torch.Tensor:
         return torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens of the open chunk
 
-    def _advance(self, conf_t, count):
-        cfg = self.config
-        count = count + 1
-        keep = ((count >= cfg.min_chunk) & (conf_t < cfg.tau)) | (count >= cfg.max_chunk)
-        return keep, torch.where(keep, torch.zeros_like(count), count)
-
     def step(self, h_t, head_logits_t, count):
-        return self._advance(self.confidence(h_t), count)
+        return chunks.advance(self.confidence(h_t) < self.config.tau, count, self.config.min_chunk, self.config.max_chunk)
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
-        """Batched: confidences in one go, then a scan of the step rule over t (padding does not
-        advance a row's state; a document start resets it)."""
-        conf = self.confidence(h)
-        B, T = valid.shape
-        count = self.init_state(B, valid.device)
-        keep = torch.zeros_like(valid)
-        for t in range(T):
-            if reset is not None:
-                count = torch.where(reset[:, t], torch.zeros_like(count), count)
-            k, new = self._advance(conf[:, t], count)
-            keep[:, t] = k & valid[:, t]
-            count = torch.where(valid[:, t], new, count)
-        return keep, count
+        """Batched: confidences in one go, then a scan of the step rule over t (``concept.chunks``)."""
+        return chunks.scan(self.confidence(h) < self.config.tau, valid, self.config.min_chunk, self.config.max_chunk, reset)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset)[0]

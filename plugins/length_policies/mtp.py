@@ -1,0 +1,117 @@
+"""`mtp`: chunks stay open while the model's MTP heads confidently predict what comes next.
+
+The policy owns ``heads`` MTP heads (``concept.mtp.MTPHeads``: head i predicts token t+1+i from
+the shallow state at t, trained by self-distillation from the frozen backbone). Its boundary
+rule is ConfAdapt's acceptance rule turned into a chunker: at token t the heads would draft
+t+1, t+2, ... and ConfAdapt accepts the longest prefix whose top-1 probabilities are >= tau;
+when not even the first drafted token is confident, the text ahead is hard, and the chunk
+closes at t (a concept is emitted there). With min / max chunk lengths::
+
+    length = tokens in the open chunk, including t
+    keep_t = (length >= min_chunk and confidence_t < tau)  or  length == max_chunk
+
+where confidence_t is head 0's top-1 probability at t. Heads 1..k-1 draft further ahead for
+multi-token decoding; they do not change a boundary.
+
+Why the shallow state: the decision at t must be known before the middle and deep stacks
+run (the one-pass forward packs the deep sequence from all decisions at once), and the deep
+output at t itself depends on the decisions up to t. The shallow state is the one state the
+batched decision and the step-wise one (decoding) both have, identically.
+
+Ratio control works through a bias: ``keep_logit = log((1 - c) / c) - null_bias`` and
+``tau = sigmoid(-null_bias)``, so the trainer's controller and its final calibration move tau
+like the `null` policy's NULL bias (the ratio loss does not apply: the decision has no gradient;
+the heads learn from the MTP objective only). The rule is sequential (a minimum length), so the
+batched decision is a scan of the step rule over t on batched confidences.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from concept import chunks
+
+from concept.mtp import MTPHeads
+
+
+@dataclass
+class MTPPolicyConfig:
+    heads: int = 4  # k: head i predicts token t+1+i
+    tau: float = 0.5  # initial confidence threshold (the ratio controller moves it)
+    min_chunk: int = 1
+    max_chunk: int = 16  # bounds the deep tail (max_chunk - 1 tokens)
+    block: int = 256  # tokens per LM-head matmul when computing confidences
+    lr: float = 0.0  # the heads' learning rate (0: --lr-new)
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.heads < 1:
+            problems.append(f"heads: must be >= 1 (k, the tokens predicted at once), got {self.heads}")
+        if not 0 < self.tau < 1:
+            problems.append(f"tau: must be in (0, 1), got {self.tau}")
+        if self.min_chunk < 1:
+            problems.append(f"min_chunk: must be >= 1, got {self.min_chunk}")
+        if self.max_chunk < 1:
+            problems.append(f"max_chunk: must be >= 1, got {self.max_chunk}")
+        if self.min_chunk > self.max_chunk:
+            problems.append(f"min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
+        if self.block < 1:
+            problems.append(f"block: must be >= 1, got {self.block}")
+        if self.lr < 0:
+            problems.append(f"lr: must be >= 0 (0: --lr-new), got {self.lr}")
+        return problems
+
+
+class MTPPolicy(nn.Module):
+    Config = MTPPolicyConfig
+    uses_null_class = False
+    needs_predictor = True  # the model binds the backbone's norm + LM head: the heads' readout
+    reads_hidden = True  # the confidence reads the shallow state h (ratio calibration must keep it)
+
+    def __init__(self, config: MTPPolicyConfig, ctx=None):
+        super().__init__()
+        self.config = config
+        self.heads = MTPHeads(ctx.hidden_size, config.heads)
+        self.register_buffer("null_bias", torch.tensor(math.log((1 - config.tau) / config.tau)))
+
+    @property
+    def predictor(self):
+        return self.heads.readout
+
+    @predictor.setter
+    def predictor(self, readout) -> None:
+        self.heads.bind(readout)
+
+    @property
+    def learning_rate(self) -> float | None:
+        return self.config.lr or None
+
+    @property
+    def tau(self) -> float:
+        """The confidence threshold the bias stands for."""
+        return float(torch.sigmoid(-self.null_bias))
+
+    def confidence(self, h: torch.Tensor) -> torch.Tensor:
+        """Head 0's top-1 next-token probability [...] on shallow states h [..., d] (no gradient)."""
+        return self.heads.top1(h, 0, self.config.block)[0]
+
+    def keep_logit(self, head_logits, h) -> torch.Tensor:
+        """> 0 where the confidence is below tau: log((1 - c) / c) - null_bias."""
+        c = self.confidence(h).clamp(1e-7, 1 - 1e-7)
+        return torch.log1p(-c) - torch.log(c) - self.null_bias
+
+    def init_state(self, batch_size: int, device) -> torch.Tensor:
+        return torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens of the open chunk
+
+    def step(self, h_t, head_logits_t, count):
+        return chunks.advance(self.keep_logit(head_logits_t, h_t) > 0, count, self.config.min_chunk, self.config.max_chunk)
+
+    def decide_with_state(self, h, head_logits, valid, reset=None):
+        """Batched: confidences in one go, then a scan of the step rule over t (``concept.chunks``)."""
+        return chunks.scan(self.keep_logit(head_logits, h) > 0, valid, self.config.min_chunk, self.config.max_chunk, reset)
+
+    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
+        return self.decide_with_state(h, head_logits, valid, reset)[0]
