@@ -87,18 +87,24 @@ def kv_summary(kv: dict) -> dict:
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 1 discourages repeats.")
 @click.option("--stop", multiple=True, help=r"Stop string (repeatable; \n and \t escapes work). The text is cut before it.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sampler.")
+@click.option("--mtp", type=click.Choice(["verify", "confadapt"]), default=None,
+              help="Multi-token decoding with the run's MTP heads (--length-policy mtp): verify = drafts checked in "
+              "one forward (output = greedy), confadapt = confident drafts kept unchecked (lossy). Greedy only.")
+@click.option("--mtp-tau", type=float, default=0.9, show_default=True,
+              help="confadapt: keep drafted tokens while the heads' top-1 probability is at least this.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts generated together.")
 @click.option("--show-concepts", is_flag=True, help="Print prompt and output with the tokens that emitted a concept highlighted.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt (JSON lines).")
 def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed,
-             batch_size, show_concepts, device, as_json):
+             mtp, mtp_tau, batch_size, show_concepts, device, as_json):
     """Generate text from a trained run (the streaming model or a dense baseline).
 
     \b
     concept generate runs/m1-train --prompt "def fibonacci(n):" --max-new-tokens 64
     concept generate runs/m1-train -p "import os" --temperature 0.8 --top-p 0.95 --seed 0 --show-concepts
     concept generate runs/m1-train --prompt-file prompts.txt --json
+    concept generate runs/mtp-train -p "def f(x):" --mtp verify          # same text, fewer forwards
     """
     import concept
     from concept.builder import read_run, read_train
@@ -114,8 +120,8 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
         raise click.UsageError("give a prompt: --prompt TEXT or --prompt-file FILE")
     if batch_size < 1:
         raise ConfigError([f"--batch-size: must be >= 1, got {batch_size}"])
-    settings = settings_from(None, sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-                                                     stop, seed))
+    settings = settings_from(None, {**sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+                                                        stop, seed), "mtp": mtp, "mtp_tau": mtp_tau})
     read_run(run)  # a clear error for a folder that is not a run
     train = read_train(run)
     status("loading", str(run))
@@ -154,7 +160,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
                     "prompt": texts[index], "text": out.texts[b], "tokens": out.tokens[b],
                     "finish_reason": out.finish_reasons[b], "prompt_tokens": len(ids), "new_tokens": len(out.tokens[b]),
                     "concept_positions": None if keep is None else [t for t, k in enumerate(keep) if k],
-                    "kv": kv}))
+                    "forwards": out.steps, "kv": kv}))
                 continue
             if streamer is not None:
                 streamer.finish(out.texts[b])
@@ -170,4 +176,6 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
             concepts = "" if keep is None else f", {kv['concepts']} concepts / {len(keep)} tokens"
             status("done", f"prompt {index + 1}: {len(out.tokens[b])} tokens ({out.finish_reasons[b]}){concepts}; "
                            f"KV {human_bytes(kv['bytes'])} vs dense {human_bytes(kv['dense_bytes'])}")
-        status("speed", f"{sum(map(len, out.tokens)) / seconds:.1f} new tokens/s over {len(batch)} prompt(s)")
+        new_tokens = sum(map(len, out.tokens))
+        per_forward = f", {new_tokens / max(1, out.steps):.2f} tokens per forward" if settings.mtp else ""
+        status("speed", f"{new_tokens / seconds:.1f} new tokens/s over {len(batch)} prompt(s){per_forward}")

@@ -155,6 +155,104 @@ class ConceptDecoder:
         self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))
         return model.backbone.lm_head(model.inner.norm(z))[:, 0]
 
+    # -- several tokens per row at once (multi-token decoding, concept.multitoken) ------------
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``n`` tokens per row [B, n] in one forward of each stack -> next-token logits
+        [B, n, V], exactly what ``n`` calls of :meth:`step` would give. Nothing is kept until
+        :meth:`accept` says how many of them each row keeps (a draft's rejected suffix leaves no
+        trace: no cache entry, no concept, no policy state). Policies emitting one concept per
+        boundary only."""
+        model, cache = self.model, self.cache
+        if model.emit != 1:
+            raise ConceptError(f"multi-token decoding needs a length policy that emits one concept per boundary "
+                               f"(this one emits {model.emit})")
+        B, n = tokens.shape
+        dev = tokens.device
+        index = torch.arange(n, device=dev)
+        causal = (index[None, :] <= index[:, None]).expand(B, n, n)  # [B, j, i]: i <= j
+        pos = self.pos[:, None] + index
+
+        # shallow: every token, causal among the new ones
+        x = model.positions.add_text_type(model.inner.embed_tokens(tokens))
+        text_pos = model.positions.text_positions(pos)
+        mask = cache.shallow.begin_many(n, None, causal)
+        h = model.run_stack(model.shallow, x, text_pos, DecodePlan(mask), cache.shallow)
+        shallow_slots = cache.shallow.end_many()
+
+        # the step-wise decisions, in order (the state after each token is kept for accept())
+        head_logits = model.vocabulary.logits(h)
+        state, keeps, states = self.state, [], []
+        for j in range(n):
+            k, state = model.length_policy.step(h[:, j], head_logits[:, j], state)
+            keeps.append(k.bool())
+            states.append(state)
+        keep = torch.stack(keeps, 1)
+        probs = model.concept_probs(head_logits)
+        ids = probs.argmax(-1)
+
+        # middle: every new token's concept input runs (n is small); an element sees the cached
+        # concepts, the new concepts before it and itself; only the concepts will be committed
+        rank = self.num_concepts[:, None] + torch.cumsum(keep.long(), 1) - keep.long()
+        c_in = model.positions.add_concept_type(model.concept_inputs(probs, ids, index.expand(B, n), h))
+        mask = cache.middle.begin_many(n, None, causal & (keep[:, None, :] | torch.eye(n, dtype=torch.bool, device=dev)))
+        c = model.run_stack(model.middle, c_in, model.positions.concept_positions(pos, rank, "middle"), DecodePlan(mask),
+                            cache.middle)
+        middle_slots = cache.middle.end_many()
+
+        # deep: a concept, or a NULL token fused with its row's latest concept's update before it
+        latest = torch.cummax(torch.where(keep, index, torch.full_like(index, -1).expand(B, n)), dim=1).values
+        update = c - c_in
+        before = update.gather(1, latest.clamp(min=0)[..., None].expand_as(update))
+        last_update = torch.where((latest >= 0)[..., None], before, self.last_update.expand_as(update))
+        tail_in = model.fuse_step(h, last_update, self.has_update[:, None] | (latest >= 0))
+        deep_in = torch.where(keep[..., None], c, tail_in)
+        deep_pos = torch.where(keep, model.positions.concept_positions(pos, rank, "deep"), text_pos)
+        seg = torch.cumsum(keep.long(), 1)  # new concepts up to and including j
+        # cached concepts always; the cached tail until a new concept; new: concepts, and the own segment
+        old = ~(cache.deep.tail[:, None, :] & (seg > 0)[..., None])
+        new = causal & (keep[:, None, :] | (~keep[:, :, None] & (seg[:, :, None] == seg[:, None, :])))
+        mask = cache.deep.begin_many(n, old, new)
+        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(mask), cache.deep)
+        deep_slots = cache.deep.end_many()
+
+        self._pending = dict(tokens=tokens, keep=keep, states=states, slots=(shallow_slots, middle_slots, deep_slots),
+                             recent=(h, probs, ids, pos), update=update)
+        return model.backbone.lm_head(model.inner.norm(z))
+
+    @torch.no_grad()
+    def accept(self, count: torch.Tensor) -> None:
+        """Keep the first ``count[b]`` (0..n) tokens of row b's last :meth:`extend`, as if exactly
+        they had gone through :meth:`step` one by one; forget the rest."""
+        p, cache = self._pending, self.cache
+        self._pending = None
+        keep, (shallow_slots, middle_slots, deep_slots) = p["keep"], p["slots"]
+        B, n = keep.shape
+        index = torch.arange(n, device=keep.device)
+        count = count.clamp(0, n)
+        accepted = index[None, :] < count[:, None]
+        concepts = accepted & keep
+        cache.shallow.commit_many(shallow_slots, accepted)
+        cache.middle.commit_many(middle_slots, concepts)
+        any_concept = concepts.any(1)
+        cache.deep.drop_tail(any_concept)
+        last = torch.where(concepts, index, torch.full_like(index, -1).expand(B, n)).amax(1)  # last accepted concept
+        cache.deep.commit_many(deep_slots, accepted & (keep | (index[None, :] > last[:, None])), tail=~keep)
+
+        took, at = count > 0, (count - 1).clamp(min=0)
+        rows = torch.arange(B, device=keep.device)
+        stacked = pytree.tree_map(lambda *xs: torch.stack(xs, 1)[rows, at], *p["states"])
+        self.state = _where(took, stacked, self.state)
+        self.recent = tuple(_where(took, x[rows, at][:, None], old) for x, old in zip(p["recent"], self.recent))
+        latest = p["update"][rows, last.clamp(min=0)][:, None]
+        self.last_update = torch.where(any_concept[:, None, None], latest, self.last_update)
+        self.has_update = self.has_update | any_concept
+        self.pos = self.pos + count
+        self.num_concepts = self.num_concepts + concepts.sum(1)
+        for b, (k, c) in enumerate(zip(keep.tolist(), count.tolist())):
+            self.keep[b].extend(k[:c])
+        self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))
+
     def kv_stats(self) -> list[dict]:
         """Per row: KV entries held by each stack (summed over its layers), bytes, and the dense
         backbone's bytes for the same tokens."""

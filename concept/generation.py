@@ -30,6 +30,8 @@ class GenerationSettings:
     stop_strings: tuple[str, ...] = ()
     eos_token_id: int | None = None  # default: the tokenizer's
     seed: int | None = None  # row b samples with a generator seeded seed + b (same seed, same prompt -> same text)
+    mtp: str | None = None  # multi-token decoding with the MTP heads: "verify" (= greedy) or "confadapt" (lossy)
+    mtp_tau: float = 0.9  # confadapt: keep drafted tokens while the heads' top-1 probability is >= this
 
     def validate(self) -> list[str]:
         problems = []
@@ -46,6 +48,10 @@ class GenerationSettings:
             problems.append(f"repetition_penalty: must be > 0 (1.0 turns it off), got {self.repetition_penalty}")
         if any(not s for s in self.stop_strings):
             problems.append("stop_strings: an empty stop string would stop at once; remove it")
+        if self.mtp not in (None, "verify", "confadapt"):
+            problems.append(f"mtp: verify or confadapt (or None: one token per step), got {self.mtp!r}")
+        if not 0 < self.mtp_tau <= 1:
+            problems.append(f"mtp_tau: must be in (0, 1], got {self.mtp_tau}")
         return problems
 
 
@@ -59,7 +65,7 @@ class GenerationOutput:
     keep: list[list[bool]] | None = None  # per row: which tokens emitted a concept (prompt + fed new tokens)
     texts: list[str] | None = None  # per row: the new text (cut before a stop string), if a tokenizer is known
     logits: torch.Tensor | None = None  # [B, N, V] raw next-token logits of every step (output_logits=True)
-    steps: int = 0  # decoding steps run (new tokens fed back)
+    steps: int = 0  # decoding steps run (forwards after the prefill; with mtp each feeds a block of tokens)
 
 
 def settings_from(settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
@@ -158,6 +164,10 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
         warnings.warn(f"max_new_tokens={s.max_new_tokens} would pass the context limit ({limit} positions); "
                       f"generating at most {budget} new tokens", stacklevel=2)
 
+    if s.mtp:
+        from . import multitoken
+
+        multitoken.check(model, s)
     device = next(model.parameters()).device
     ids, valid = left_pad(rows, pad, device)
     B = len(rows)
@@ -180,7 +190,22 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
         reasons = [None] * B
         texts = [None] * B
         kept_logits, steps = [], 0
-        for i in range(budget):
+
+        def record(b: int, t: int) -> bool:
+            """Row b's next token; True once the row is finished."""
+            new[b].append(t)
+            if eos is not None and t == eos:
+                reasons[b] = "eos"
+            elif s.stop_strings:
+                cut = _stopped_text(tokenizer.decode(new[b]), s.stop_strings)
+                if cut is not None:
+                    reasons[b], texts[b] = "stop", cut
+            return reasons[b] is not None or len(new[b]) >= budget
+
+        if s.mtp:
+            ids, kept_logits, steps = _multitoken_loop(model, decoder, logits, ids, pad, record, s, streamer,
+                                                       output_logits)
+        for i in range(budget if not s.mtp else 0):
             if output_logits:
                 kept_logits.append(logits)
             scores = processors(penalty_view, logits.float())
@@ -196,15 +221,8 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
             if streamer is not None:
                 streamer.put(token.cpu())
             for b, t in enumerate(token.tolist()):
-                if reasons[b] is not None:
-                    continue
-                new[b].append(t)
-                if eos is not None and t == eos:
-                    reasons[b] = "eos"
-                elif s.stop_strings:
-                    cut = _stopped_text(tokenizer.decode(new[b]), s.stop_strings)
-                    if cut is not None:
-                        reasons[b], texts[b] = "stop", cut
+                if reasons[b] is None:
+                    record(b, t)
             if all(r is not None for r in reasons) or i == budget - 1:
                 break
             logits = decoder.step(token, torch.tensor([r is None for r in reasons], device=device))
@@ -220,8 +238,53 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     return GenerationOutput(
         sequences=ids, prompt_lengths=[len(r) for r in rows], tokens=new, finish_reasons=reasons,
         kv=decoder.kv_stats(), keep=getattr(decoder, "keep", None), texts=texts if tokenizer is not None else None,
-        logits=torch.stack(kept_logits, dim=1) if output_logits else None, steps=steps,
+        logits=(kept_logits if s.mtp else torch.stack(kept_logits, dim=1)) if output_logits else None, steps=steps,
     )
+
+
+def _multitoken_loop(model, decoder, logits, ids, pad, record, s, streamer, output_logits):
+    """Greedy decoding a block of tokens per forward (``concept.multitoken``). Returns the sequences,
+    the logits that predicted each new token ([B, N, V], padded with zeros) and the forwards run."""
+    from . import multitoken
+
+    B = ids.shape[0]
+    done = [False] * B
+    new = [[] for _ in range(B)]
+    per_row = [[] for _ in range(B)]
+    steps = 0
+    first = logits.argmax(-1)
+    while not all(done):
+        block, block_logits, count = multitoken.decode_step(model, decoder, first, s.mtp, s.mtp_tau)
+        steps += 1
+        kept = []
+        for b in range(B):
+            c = 0
+            while not done[b] and c < int(count[b]):
+                t = int(block[b, c])
+                per_row[b].append(logits[b] if c == 0 else block_logits[b, c - 1])
+                new[b].append(t)
+                done[b] = record(b, t)
+                c += 1
+            kept.append(c)
+        if streamer is not None:
+            for j in range(max(kept)):
+                streamer.put(torch.tensor([int(block[b, j]) if j < kept[b] else pad for b in range(B)]))
+        kept = torch.tensor(kept, device=block.device)
+        decoder.accept(kept)
+        last = (kept - 1).clamp(min=0)
+        logits = block_logits[torch.arange(B, device=block.device), last]
+        first = logits.argmax(-1)
+    width = max(len(r) for r in new)
+    tail = torch.full((B, width), pad, dtype=torch.long, device=ids.device)
+    for b, r in enumerate(new):
+        tail[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+    kept_logits = None
+    if output_logits:
+        kept_logits = torch.zeros(B, width, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        for b, r in enumerate(per_row):
+            if r:
+                kept_logits[b, : len(r)] = torch.stack(r)
+    return torch.cat([ids, tail], dim=1), kept_logits, steps
 
 
 class TextStream:

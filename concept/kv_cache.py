@@ -28,13 +28,14 @@ from .attention import AttentionPlan, sdpa
 
 
 class DecodePlan(AttentionPlan):
-    """Attention of new elements to the cached entries a boolean mask [B, N] allows."""
+    """Attention of new elements to the cached entries a boolean mask allows: [B, N] (the same for
+    every new element) or [B, n, N] (one row per new element, several tokens at once)."""
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
 
     def __call__(self, query, key, value, scaling):
-        mask = self.mask[:, None, :].expand(-1, query.shape[2], -1)
+        mask = self.mask if self.mask.dim() == 3 else self.mask[:, None, :].expand(-1, query.shape[2], -1)
         return sdpa(query, key, value, scaling, mask).transpose(1, 2)
 
 
@@ -130,8 +131,12 @@ class SlotCache:
         slot = self._step[0]
         self._fit(layer_idx, key)
         rows = torch.arange(len(slot), device=slot.device)
-        self.k[layer_idx][rows, :, slot] = key[:, :, 0]
-        self.v[layer_idx][rows, :, slot] = value[:, :, 0]
+        if slot.dim() == 2:  # several new entries per row (begin_many): [B, n] slots
+            self.k[layer_idx][rows[:, None], :, slot] = key.transpose(1, 2)
+            self.v[layer_idx][rows[:, None], :, slot] = value.transpose(1, 2)
+        else:
+            self.k[layer_idx][rows, :, slot] = key[:, :, 0]
+            self.v[layer_idx][rows, :, slot] = value[:, :, 0]
         return self.k[layer_idx], self.v[layer_idx]
 
     def commit(self) -> None:
@@ -140,6 +145,39 @@ class SlotCache:
         self.valid[rows, slot] |= write
         self.tail[rows, slot] = torch.where(write, tail, self.tail[rows, slot])
         self._step = None
+
+    # -- several entries per row at once (multi-token decoding) ------------------------------
+    def begin_many(self, n: int, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Start a step that computes ``n`` new entries per row in ``n`` fresh slots; nothing becomes
+        real until :meth:`commit_many` says which. ``old`` [B, n, N]: which of the real entries each new
+        element sees (``None``: all); ``new`` [B, n, n]: which new elements it sees. Returns the
+        step's attention mask [B, n, N'] (the cache may have grown)."""
+        free = ~self.valid
+        short = int(n - free.sum(1).min()) if free.numel() else n
+        if short > 0:
+            self.reserve(self.capacity + max(self.min_grow, self.capacity // 2, short))
+            free = ~self.valid
+        slots = torch.argsort((~free).to(torch.int8), dim=1, stable=True)[:, :n]  # the first n free slots
+        B, N = self.valid.shape
+        mask = self.valid[:, None, :].expand(B, n, N).clone()
+        if old is not None:
+            mask[:, :, : old.shape[2]] &= old
+        mask.scatter_(2, slots[:, None, :].expand(B, n, n), new)
+        self._step = (slots, None, None)
+        return mask
+
+    def end_many(self) -> torch.Tensor:
+        """After the layers ran: the [B, n] slots of the step begun by :meth:`begin_many`, for
+        :meth:`commit_many` (until then the new entries are not real)."""
+        slots, self._step = self._step[0], None
+        return slots
+
+    def commit_many(self, slots: torch.Tensor, accept: torch.Tensor, tail: torch.Tensor | bool = False) -> None:
+        """Make the entries in ``slots`` [B, n] real where ``accept`` [B, n] (tail tokens where ``tail``);
+        the others stay free, as if they had never been computed."""
+        tail = torch.as_tensor(tail, device=accept.device).expand_as(accept)
+        self.valid.scatter_(1, slots, self.valid.gather(1, slots) | accept)
+        self.tail.scatter_(1, slots, torch.where(accept, tail, self.tail.gather(1, slots)))
 
 
 class ConceptCache:

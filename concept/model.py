@@ -150,11 +150,12 @@ class ConceptModel(nn.Module):
         return self.tail_fusion(tail, update, has)
 
     def fuse_step(self, h, update, has):
-        """Decoding: a NULL token's deep input [B, 1, d] from its shallow state, the row's latest
-        concept's middle update [B, 1, d] and whether the row has a concept yet [B]."""
+        """Decoding: NULL tokens' deep inputs [B, n, d] from their shallow states, the row's latest
+        concept's middle update before each ([B, 1 or n, d]) and whether there is one ([B] or [B, n])."""
         if self.tail_fusion is None or not self.tail_fusion.needs_update:
             return h
-        return self.tail_fusion(h, update.to(h.dtype), has[:, None])
+        has = has[:, None].expand(-1, h.shape[1]) if has.dim() == 1 else has
+        return self.tail_fusion(h, update.to(h.dtype).expand_as(h), has)
 
     def deep_positions(self, pos, concept_pos, layout):
         """Position ids of the packed deep sequence: each element keeps its own position."""

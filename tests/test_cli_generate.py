@@ -118,3 +118,21 @@ def test_generate_on_a_device_this_machine_lacks(runs):
     _, trained, _ = runs
     r = run("generate", trained, "-p", "a", "--device", "cuda")
     assert r.exit_code == 1 and "no CUDA device is available" in r.stderr and "Traceback" not in r.output
+
+
+def test_generate_mtp_verify_equals_greedy_and_refuses_runs_without_heads(runs, corpus, tmp_path):  # noqa: F811
+    _, trained, _ = runs
+    r = run("generate", trained, "-p", "def f(x):", "--max-new-tokens", 6, "--mtp", "verify")
+    assert r.exit_code != 0 and "no MTP heads" in r.stderr and "--length-policy mtp" in r.stderr
+    built, mtp_run = tmp_path / "mtp", tmp_path / "mtp-train"
+    assert run("build", *TINY, "--length-policy", "mtp", "--set", "length_policy.heads=3", "-o", built).exit_code == 0
+    t = run("train", built, "--data", corpus, "--steps", 2, *FAST, "--out", mtp_run)
+    assert t.exit_code == 0, t.output
+    args = ("generate", mtp_run, "-p", "def f(x):", "--max-new-tokens", 12, "--json")
+    greedy = json.loads(run(*args).stdout)
+    verify = run(*args, "--mtp", "verify")
+    assert verify.exit_code == 0, verify.output
+    row = json.loads(verify.stdout)
+    assert row["tokens"] == greedy["tokens"] and 1 <= row["forwards"] <= 12
+    lossy = json.loads(run(*args, "--mtp", "confadapt", "--mtp-tau", "1e-6").stdout)
+    assert lossy["new_tokens"] == 12 and lossy["forwards"] < 12  # every draft "confident": several per forward
