@@ -115,3 +115,23 @@ def test_identity_start_keep_all_is_the_backbone_on_smollm2(smol, text_ids):
     with torch.no_grad():
         assert (lora(text_ids, keep=keep).logits - dense).abs().max().item() / scale < 1e-5
         assert (discrete(text_ids, keep=keep).logits - dense).abs().max().item() / scale > 1e-2
+
+
+def test_mtp_verify_is_greedy_decoding_on_smollm2(text_ids):
+    """`mtp` policy with its (untrained: logit-lens) heads drafting; verify keeps only what greedy
+    decoding would have produced, and a block through the caches equals single steps."""
+    from concept.decoding import ConceptDecoder
+
+    model = concept.build(BuildConfig(split="4,22,4", attention=ComponentRef("chunked", {"chunk": 16}),
+                                      length_policy=ComponentRef("mtp", {"heads": 3, "tau": 0.3, "max_chunk": 8})))
+    prompt = text_ids[:, :24].tolist()
+    plain = model.generate(prompt, max_new_tokens=12)
+    verify = model.generate(prompt, max_new_tokens=12, mtp="verify")
+    assert verify.tokens == plain.tokens and 0 < sum(verify.keep[0]) < len(verify.keep[0])
+    cont = text_ids[:, 24:30]
+    one, block = ConceptDecoder(model), ConceptDecoder(model)
+    valid = torch.ones(1, 24, dtype=torch.bool)
+    one.prefill(text_ids[:, :24], valid)
+    block.prefill(text_ids[:, :24], valid)
+    steps = torch.stack([one.step(cont[:, j]) for j in range(6)], 1)
+    torch.testing.assert_close(block.extend(cont), steps, atol=1e-4, rtol=1e-4)
