@@ -15,6 +15,22 @@ from __future__ import annotations
 import torch
 
 
+def validate(config) -> list[str]:
+    """The checks every chunk-rule config shares (``tau``, ``min_chunk``, ``max_chunk``, ``block``)."""
+    problems = []
+    if not 0 < config.tau < 1:
+        problems.append(f"tau: must be in (0, 1), got {config.tau}")
+    if config.min_chunk < 1:
+        problems.append(f"min_chunk: must be >= 1, got {config.min_chunk}")
+    if config.max_chunk < 1:
+        problems.append(f"max_chunk: must be >= 1, got {config.max_chunk}")
+    if config.min_chunk > config.max_chunk:
+        problems.append(f"min_chunk ({config.min_chunk}) must be <= max_chunk ({config.max_chunk})")
+    if config.block < 1:
+        problems.append(f"block: must be >= 1, got {config.block}")
+    return problems
+
+
 def advance(unsure_t: torch.Tensor, count: torch.Tensor, min_chunk: int, max_chunk: int):
     """One step: (keep_t [B], the new open-chunk length [B])."""
     count = count + 1

@@ -37,18 +37,7 @@ class EntropyPolicyConfig:
     block: int = 256  # tokens per LM-head matmul when computing confidences
 
     def validate(self) -> list[str]:
-        problems = []
-        if not 0 < self.tau < 1:
-            problems.append(f"tau: must be in (0, 1), got {self.tau}")
-        if self.min_chunk < 1:
-            problems.append(f"min_chunk: must be >= 1, got {self.min_chunk}")
-        if self.max_chunk < 1:
-            problems.append(f"max_chunk: must be >= 1, got {self.max_chunk}")
-        if self.min_chunk > self.max_chunk:
-            problems.append(f"min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
-        if self.block < 1:
-            problems.append(f"block: must be >= 1, got {self.block}")
-        return problems
+        return chunks.validate(self)
 
 
 class EntropyPolicy(nn.Module):

@@ -47,19 +47,9 @@ class MTPPolicyConfig:
     lr: float = 0.0  # the heads' learning rate (0: --lr-new)
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = chunks.validate(self)
         if self.heads < 1:
-            problems.append(f"heads: must be >= 1 (k, the tokens predicted at once), got {self.heads}")
-        if not 0 < self.tau < 1:
-            problems.append(f"tau: must be in (0, 1), got {self.tau}")
-        if self.min_chunk < 1:
-            problems.append(f"min_chunk: must be >= 1, got {self.min_chunk}")
-        if self.max_chunk < 1:
-            problems.append(f"max_chunk: must be >= 1, got {self.max_chunk}")
-        if self.min_chunk > self.max_chunk:
-            problems.append(f"min_chunk ({self.min_chunk}) must be <= max_chunk ({self.max_chunk})")
-        if self.block < 1:
-            problems.append(f"block: must be >= 1, got {self.block}")
+            problems.insert(0, f"heads: must be >= 1 (k, the tokens predicted at once), got {self.heads}")
         if self.lr < 0:
             problems.append(f"lr: must be >= 0 (0: --lr-new), got {self.lr}")
         return problems
