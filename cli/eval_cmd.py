@@ -13,7 +13,8 @@ ROWS = [("model", "model", "{}"), ("bits_per_token", "bits / token", "{:.4f}"), 
         ("delta_nll_shuffle", "ΔNLL concepts shuffled", "{:+.4f}"), ("delta_nll_random", "ΔNLL random concepts", "{:+.4f}"),
         ("usage_perplexity", "concept usage perplexity", "{:.1f}"), ("usage_fraction", "concept ids used / K", "{:.4f}"),
         ("head_entropy", "head entropy (nats)", "{:.3f}"), ("max_prob", "head mean max-prob", "{:.3f}"),
-        ("cos_soft_hard", "cos(e_soft, e_hard)", "{:.3f}"), ("tokens", "tokens evaluated", "{:,}"),
+        ("cos_soft_hard", "cos(e_soft, e_hard)", "{:.3f}"), ("mtp_tau", "MTP confidence threshold τ", "{:.3f}"),
+        ("mtp_accuracy", "MTP heads top-1 accuracy (t+1, t+2, ...)", "{}"), ("tokens", "tokens evaluated", "{:,}"),
         ("train_steps", "training steps", "{:,}"), ("train_tokens_per_s", "training tokens/s (median)", "{:.0f}"),
         ("train_speed_vs_dense", "training speed vs dense", "{:.2f}x")]
 

@@ -266,6 +266,9 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     NLL with the concepts' whole inputs permuted among the concept slots of each batch (seeded), or
     rebuilt from random ids and random tokens' shallow states (see :func:`_control`), with the
     same keep pattern, minus the normal NLL. Both > 0 means the concepts carry information.
+    A model with MTP heads (the `mtp` policy) also gets ``mtp_tau`` (the confidence threshold the
+    ratio control reached) and ``mtp_accuracy``: per head i, how often its top-1 is the real token
+    t+1+i (what a drafter's acceptance rests on).
 
     A dense model gets ``document_ids`` / ``position_ids`` only where its forward names them;
     otherwise attention may cross packed documents (the loss never does).
@@ -284,6 +287,9 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     by_bucket_n: dict[int, int] = defaultdict(int)
     control_sum = {"shuffle": 0.0, "random": 0.0}
     stats = None
+    heads = getattr(base, "mtp_heads", None) if concept else None
+    mtp_hits = torch.zeros(heads.k if heads is not None else 0, dtype=torch.float64)
+    mtp_pairs_n = torch.zeros_like(mtp_hits)
 
     modes = _modes(model)
     _set_eval(model)
@@ -316,6 +322,15 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
             if not concept:
                 continue
             stats = _merge(stats, _concept_stats(model, out, valid))
+            if heads is not None:  # each MTP head's top-1 against the real token t+1+i
+                from .mtp import mtp_pairs
+
+                T = input_ids.shape[1]
+                for i in range(heads.k):
+                    ok = mtp_pairs(valid, doc, i)
+                    _, guess = heads.top1(out.shallow[:, : T - 1 - i][ok], i)
+                    mtp_hits[i] += float((guess == input_ids[:, 1 + i:][ok]).sum())
+                    mtp_pairs_n[i] += float(ok.sum())
             if controls:
                 keep = out.keep.bool() & valid
                 for name in ("shuffle", "random"):
@@ -342,6 +357,9 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
                      "entropy_sum": 0.0, "max_prob_sum": 0.0, "cos_sum": 0.0}
         result["concepts"] = stats.get("slots", stats["kept"])
         result.update(_finish_concept_stats(stats, K))
+        if heads is not None:
+            result["mtp_tau"] = base.length_policy.tau
+            result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp_hits, mtp_pairs_n)]
         if controls:
             result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count else nan
             result["delta_nll_random"] = control_sum["random"] / count if count else nan

@@ -135,3 +135,23 @@ def test_model_without_heads_has_none():
     assert model.mtp_heads is None
     assert isinstance(mixed_model("mtp").length_policy.heads, torch.nn.Module)
     assert ComponentRef("mtp").name == "mtp"
+
+
+def test_eval_reports_each_heads_accuracy_against_a_naive_count():
+    from concept.diagnostics import evaluate
+
+    model = mixed_model("mtp")
+    b = batch_with_documents_and_padding()
+    result = evaluate(model, [b], controls=False)
+    with torch.no_grad():
+        out = model(b["input_ids"], attention_mask=b["attention_mask"], document_ids=b["document_ids"])
+    valid, doc, ids = b["attention_mask"].bool(), b["document_ids"], b["input_ids"]
+    for i, acc in enumerate(result["mtp_accuracy"]):
+        hits = n = 0
+        for row in range(3):
+            for t in range(12 - 1 - i):
+                if all(valid[row, s] and doc[row, s] == doc[row, t] for s in range(t, t + 2 + i)):
+                    n += 1
+                    hits += int(model.mtp_heads.logits(out.shallow[row, t], i).argmax() == ids[row, t + 1 + i])
+        assert acc == round(hits / n, 4)
+    assert 0 < result["mtp_tau"] < 1
