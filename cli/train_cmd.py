@@ -19,7 +19,7 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "calibration_batches": "calibration_batches", "prune_layers": "prune_layers", "ce_weight": "ce_weight",
           "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
           "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
-          "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce"}
+          "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 
 
@@ -67,6 +67,9 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.option("--mtp", "mtp", type=float, default=1.0, show_default=True,
               help="Weight of the MTP heads' self-distillation (KL to the frozen backbone at t+1..t+k, plus CE); "
               "only for a model with MTP heads (--length-policy mtp). One extra no-grad forward per step.")
+@click.option("--mtp-heads", type=int, default=0, show_default=True,
+              help="Baselines: K MTP heads on the dense / pruned model's last hidden state, for multi-token "
+              "decoding (the streaming model's come with --length-policy mtp).")
 @click.option("--mtp-ce", type=float, default=0.5, show_default=True,
               help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
 @click.option("--align", type=float, default=0.0, show_default=True,

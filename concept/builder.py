@@ -209,7 +209,8 @@ def load(path: str | os.PathLike):
         # a pruned baseline skips the block of layers its train.json records (concept.training.prune_plan)
         block = (train.get("pruned") or {}).get("removed") if train.get("baseline") == "pruned" else None
         removed = tuple(block) if block and block[1] > block[0] else None
-        model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed)
+        model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed,
+                           mtp_heads=train.get("mtp_heads", 0))
     else:
         model = build(plan=plan)
     backbone_state = newest_weights(folder, "backbone")

@@ -155,6 +155,10 @@ class ConceptDecoder:
         self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))
         return model.backbone.lm_head(model.inner.norm(z))[:, 0]
 
+    def draft_state(self) -> torch.Tensor:
+        """[B, d] the state the MTP heads read for the last fed token: its shallow state."""
+        return self.recent[0][:, -1]
+
     # -- several tokens per row at once (multi-token decoding, concept.multitoken) ------------
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -273,10 +277,27 @@ class ConceptDecoder:
 
 
 class DenseDecoder:
-    """The plain backbone with transformers' ``DynamicCache`` (the dense baseline)."""
+    """The plain backbone with transformers' ``DynamicCache`` (the dense baseline). With ``last_layer``
+    (a dense model with MTP heads) it keeps the last fed token's output of that layer, the state
+    the heads draft from."""
 
-    def __init__(self, backbone):
+    def __init__(self, backbone, last_layer=None):
         self.backbone = backbone
+        self.last_layer = last_layer
+        self.last_hidden = None
+
+    def _forward(self, **kwargs):
+        captured = {}
+        hook = None
+        if self.last_layer is not None:
+            hook = self.last_layer.register_forward_hook(
+                lambda m, args, out: captured.__setitem__("h", out[0] if isinstance(out, tuple) else out))
+        try:
+            out = self.backbone(past_key_values=self.cache, use_cache=True, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+        return out, captured.get("h")
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -287,18 +308,48 @@ class DenseDecoder:
         self.pos = valid.sum(1)
         self.keep = None
         left_padded = bool(valid[:, -1].all())
-        out = self.backbone(input_ids=input_ids, attention_mask=self.mask, position_ids=packing.time_positions(valid),
-                            past_key_values=self.cache, use_cache=True, logits_to_keep=int(left_padded))
-        return out.logits[:, -1] if left_padded else out.logits[torch.arange(len(valid)), last_real(valid)]
+        out, hidden = self._forward(input_ids=input_ids, attention_mask=self.mask,
+                                    position_ids=packing.time_positions(valid), logits_to_keep=int(left_padded))
+        last = last_real(valid)
+        if hidden is not None:
+            self.last_hidden = hidden[torch.arange(len(valid)), last]
+        return out.logits[:, -1] if left_padded else out.logits[torch.arange(len(valid)), last]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
         active = torch.ones_like(tokens, dtype=torch.bool) if active is None else active
         self.mask = torch.cat([self.mask, active.long()[:, None]], dim=1)  # a finished row's entry is masked out
-        out = self.backbone(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos[:, None],
-                            past_key_values=self.cache, use_cache=True)
+        out, hidden = self._forward(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos[:, None])
+        if hidden is not None:
+            self.last_hidden = torch.where(active[:, None], hidden[:, -1], self.last_hidden)
         self.pos = self.pos + active.long()
         return out.logits[:, -1]
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``n`` tokens per row [B, n] in one forward -> [B, n, V] logits; :meth:`accept` keeps a
+        prefix per row. The rejected tokens' cache entries stay, masked out of every later query."""
+        n = tokens.shape[1]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), n)], dim=1)
+        positions = self.pos[:, None] + torch.arange(n, device=tokens.device)
+        out, hidden = self._forward(input_ids=tokens, attention_mask=self.mask, position_ids=positions)
+        self._pending = (n, hidden)
+        return out.logits
+
+    @torch.no_grad()
+    def accept(self, count: torch.Tensor) -> None:
+        n, hidden = self._pending
+        self._pending = None
+        count = count.clamp(0, n)
+        self.mask[:, -n:] = (torch.arange(n, device=count.device)[None, :] < count[:, None]).long()
+        if hidden is not None:
+            rows = torch.arange(len(count), device=count.device)
+            self.last_hidden = torch.where((count > 0)[:, None], hidden[rows, (count - 1).clamp(min=0)], self.last_hidden)
+        self.pos = self.pos + count
+
+    def draft_state(self) -> torch.Tensor:
+        """[B, d] the state the MTP heads read for the last fed token."""
+        return self.last_hidden
 
     def kv_stats(self) -> list[dict]:
         layers = self.backbone.config.num_hidden_layers

@@ -9,6 +9,10 @@ The **pruned** baseline is the same model with a contiguous block of decoder lay
 (``concept train --baseline pruned``; ``concept.flops.matched_prune`` picks the block). The
 skipped layers stay in the backbone (the distillation teacher runs them), they are only left
 out of the list this model runs.
+
+With ``mtp_heads=K`` (``concept train --baseline dense --mtp-heads K``) the model carries K MTP heads
+(``concept.mtp``) on its final hidden state (before the norm: the state its own LM head reads), for
+multi-token decoding (``generate(..., mtp="verify")``), trained by the same self-distillation.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ class DenseOutput:
 
 
 class DenseModel(nn.Module):
-    def __init__(self, backbone, plan=None, tokenizer=None, removed: tuple[int, int] | None = None):
+    def __init__(self, backbone, plan=None, tokenizer=None, removed: tuple[int, int] | None = None,
+                 mtp_heads: int = 0):
         super().__init__()
         self.backbone = backbone
         self.plan = plan
@@ -42,6 +47,12 @@ class DenseModel(nn.Module):
         if removed is not None and not (0 <= removed[0] < removed[1] <= n):
             raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")
         self.removed = tuple(removed) if removed is not None else None
+        self.mtp_heads = None
+        if mtp_heads:
+            from .mtp import MTPHeads
+
+            self.mtp_heads = MTPHeads(backbone.config.hidden_size, mtp_heads)
+            self.mtp_heads.bind(lambda h: self.backbone.lm_head(decoder(self.backbone).norm(h)))
 
     @property
     def kind(self) -> str:
@@ -97,8 +108,13 @@ class DenseModel(nn.Module):
             inner.layers = layers
             config.num_hidden_layers = n
 
+    @staticmethod
+    def mtp_state(out: DenseOutput) -> torch.Tensor:
+        """The states the MTP heads read: the last layer's output."""
+        return out.hidden
+
     def new_modules(self) -> dict[str, nn.Module]:
-        return {}
+        return {"mtp_heads": self.mtp_heads} if self.mtp_heads is not None else {}
 
     def new_state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
+        return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}

@@ -287,7 +287,7 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     by_bucket_n: dict[int, int] = defaultdict(int)
     control_sum = {"shuffle": 0.0, "random": 0.0}
     stats = None
-    heads = getattr(base, "mtp_heads", None) if concept else None
+    heads = getattr(base, "mtp_heads", None)
     mtp_hits = torch.zeros(heads.k if heads is not None else 0, dtype=torch.float64)
     mtp_pairs_n = torch.zeros_like(mtp_hits)
 
@@ -319,18 +319,18 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
                 by_bucket_sum[i] += float(sums[i])
                 by_bucket_n[i] += int(ns[i])
 
-            if not concept:
-                continue
-            stats = _merge(stats, _concept_stats(model, out, valid))
             if heads is not None:  # each MTP head's top-1 against the real token t+1+i
                 from .mtp import mtp_pairs
 
-                T = input_ids.shape[1]
+                T, state = input_ids.shape[1], base.mtp_state(out)
                 for i in range(heads.k):
                     ok = mtp_pairs(valid, doc, i)
-                    _, guess = heads.top1(out.shallow[:, : T - 1 - i][ok], i)
+                    _, guess = heads.top1(state[:, : T - 1 - i][ok], i)
                     mtp_hits[i] += float((guess == input_ids[:, 1 + i:][ok]).sum())
                     mtp_pairs_n[i] += float(ok.sum())
+            if not concept:
+                continue
+            stats = _merge(stats, _concept_stats(model, out, valid))
             if controls:
                 keep = out.keep.bool() & valid
                 for name in ("shuffle", "random"):
@@ -359,10 +359,11 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
         result.update(_finish_concept_stats(stats, K))
         if heads is not None:
             result["mtp_tau"] = base.length_policy.tau
-            result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp_hits, mtp_pairs_n)]
         if controls:
             result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count else nan
             result["delta_nll_random"] = control_sum["random"] / count if count else nan
+    if heads is not None:
+        result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp_hits, mtp_pairs_n)]
     return result
 
 

@@ -126,7 +126,10 @@ def _context_limit(model) -> int | None:
 def _decoder(model):
     from .decoding import ConceptDecoder, DenseDecoder
 
-    return ConceptDecoder(model) if hasattr(model, "length_policy") else DenseDecoder(model.backbone)
+    if hasattr(model, "length_policy"):
+        return ConceptDecoder(model)
+    heads = getattr(model, "mtp_heads", None)  # a dense model with MTP heads: keep the state they read
+    return DenseDecoder(model.backbone, model.layers[-1] if heads is not None else None)
 
 
 def _stopped_text(text: str, stops: tuple[str, ...]) -> str | None:

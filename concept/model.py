@@ -90,6 +90,11 @@ class ConceptModel(nn.Module):
         """The MTP heads (``concept.mtp.MTPHeads``) of a length policy that has them (`mtp`), else None."""
         return getattr(self.length_policy, "heads", None)
 
+    @staticmethod
+    def mtp_state(out: ConceptOutput) -> torch.Tensor:
+        """The states the MTP heads read: the shallow states (see plugins/length_policies/mtp.py)."""
+        return out.shallow
+
     def run_stack(self, stack, x, position_ids, attention_plan, cache=None):
         return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb,
                           self.gradient_checkpointing and self.training, cache)

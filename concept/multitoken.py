@@ -1,7 +1,8 @@
 """Multi-token decoding with the MTP heads (``model.generate(..., mtp="verify" | "confadapt")``).
 
 After token t the model's own logits give token t+1; MTP head i (``concept.mtp``) reads the
-shallow state of token t and drafts token t+1+i, for i = 1..k-1. One decoding step then feeds
+state of token t (the streaming model's shallow state; a dense baseline's last hidden state) and
+drafts token t+1+i, for i = 1..k-1. One decoding step then feeds
 the block ``[t+1, draft_2 .. draft_k]`` through the three caches in one forward of each stack
 (``ConceptDecoder.extend``) and keeps a prefix of it (``ConceptDecoder.accept``), which leaves the
 caches exactly as that many single steps would (the rejected suffix leaves no entry, concept or
@@ -32,7 +33,8 @@ def check(model, settings) -> None:
     if getattr(model, "mtp_heads", None) is None:
         raise ConceptError(f"--mtp {settings.mtp}: this model has no MTP heads; build it with --length-policy mtp "
                            f"(`concept build --length-policy mtp --set length_policy.heads=4`) and train it (the "
-                           f"`mtp` objective trains the heads by self-distillation)")
+                           f"`mtp` objective trains the heads by self-distillation), or train a baseline with "
+                           f"`--mtp-heads 4`")
     if settings.do_sample:
         raise ConceptError(f"--mtp {settings.mtp} decodes greedily (exact speculative sampling is not built); "
                            f"leave sampling off (--temperature 0)")
@@ -44,7 +46,7 @@ def draft(model, decoder, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """The block to feed [B, k] (``first``, then heads 1..k-1 on the last fed token's shallow state)
     and the drafted tokens' top-1 probabilities [B, k-1]."""
     heads = model.mtp_heads
-    h = decoder.recent[0][:, -1]  # the shallow state of the last token fed
+    h = decoder.draft_state()  # the last fed token's state the heads read
     probs, tokens = [], []
     for i in range(1, heads.k):
         p, tok = heads.top1(h, i)

@@ -155,7 +155,8 @@ class AlignObjective:
 class MTPObjective:
     """Self-distillation of the MTP heads (``concept.mtp``): head i at t is pulled towards the frozen
     backbone's own next-token distribution at t+i (its prediction of token t+1+i), plus ``ce`` x the
-    CE on the real token t+1+i; averaged over the heads, weighted. The heads read the shallow states
+    CE on the real token t+1+i; averaged over the heads, weighted. The heads read their states
+    (``model.mtp_state``: the streaming model's shallow states, the dense model's last hidden states)
     detached, so this term trains the heads only."""
     weight: float
     ce: float = 0.5
@@ -165,7 +166,7 @@ class MTPObjective:
     def __call__(self, model, batch, out, teacher=None):
         heads, ids = model.mtp_heads, batch["input_ids"]
         valid, T = _valid(batch), ids.shape[1]
-        h = out.shallow.detach()
+        h = model.mtp_state(out).detach()
         total = _zero(out.logits)
         for i in range(heads.k):
             pair = mtp_pairs(valid, batch.get("document_ids"), i)  # t predicts t+1+i

@@ -93,6 +93,7 @@ class TrainConfig:
     align: float = 0.0  # weight of the hidden-state alignment to the teacher
     mtp: float = 1.0  # weight of the MTP heads' self-distillation (a model with MTP heads only: the `mtp` policy)
     mtp_ce: float = 0.5  # ... and of the CE on the real tokens inside it, relative to the KL
+    mtp_heads: int = 0  # baselines: K MTP heads on the dense / pruned model (streaming: --length-policy mtp)
     align_at: str = "deep-input"  # deep-input | final
     align_loss: str = "mse"  # mse | cosine
     train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
@@ -133,6 +134,11 @@ class TrainConfig:
         p = []
         if self.baseline not in (None, *BASELINES):
             p.append(f"baseline: dense or pruned, got {self.baseline!r}")
+        if self.mtp_heads < 0:
+            p.append(f"mtp-heads: must be >= 0, got {self.mtp_heads}")
+        elif self.mtp_heads and not self.baseline:
+            p.append("mtp-heads: only for --baseline dense / pruned; the streaming model's MTP heads come with its "
+                     "length policy (`concept build --length-policy mtp --set length_policy.heads=K`)")
         for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce"):
             if not getattr(self, name) >= 0:  # (NaN fails too)
                 p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
@@ -291,7 +297,8 @@ class Trainer:
                 self.prune = prune_plan(config, plan, loaded.model.config)
                 self.notes.append(describe_prune(self.prune, plan.split, by_hand=config.prune_layers is not None))
             removed = self.prune.removed if self.prune and self.prune.kept < self.prune.num_layers else None
-            self.model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed)
+            self.model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed,
+                                    mtp_heads=config.mtp_heads)
         else:
             self.model = build(plan=plan)
             if not resume and (self.out / "modules.safetensors").is_file():  # the source run's weights

@@ -154,3 +154,77 @@ def test_bad_input_is_refused_with_the_fix():
         model.generate(PROMPTS, max_new_tokens=4, mtp="medusa")
     with pytest.raises(ConfigError, match=r"mtp_tau: must be in \(0, 1\]"):
         model.generate(PROMPTS, max_new_tokens=4, mtp="confadapt", mtp_tau=0)
+
+
+# -- the dense baseline with MTP heads --------------------------------------------------------------
+def dense_with_heads(k=3, removed=None):
+    from concept.dense import DenseModel
+
+    model = mixed_model("mtp", "chunked")
+    dense = DenseModel(model.backbone, removed=removed, mtp_heads=k).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in dense.mtp_heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return dense
+
+
+@pytest.mark.parametrize("removed", [None, (2, 4)], ids=["dense", "pruned"])
+def test_dense_block_equals_single_steps_and_verify_is_greedy(removed, monkeypatch):
+    from concept.decoding import DenseDecoder
+
+    dense = dense_with_heads(removed=removed)
+    prompt, valid, cont = prompts_and_continuation()
+    with dense.pruned_backbone():
+        one = DenseDecoder(dense.backbone, dense.layers[-1])
+        one.prefill(prompt, valid)
+        logits = [one.step(cont[:, j]) for j in range(8)]
+        d = DenseDecoder(dense.backbone, dense.layers[-1])
+        d.prefill(prompt, valid)
+        block = d.extend(cont[:, :4])
+        for j in range(4):
+            torch.testing.assert_close(block[:, j], logits[j], atol=1e-5, rtol=1e-5)
+        d.accept(torch.tensor([1, 4, 2]))
+        done = [1, 4, 2]
+        for _ in range(4):  # single steps from there (each row where it stopped)
+            token = torch.stack([cont[b, n] for b, n in enumerate(done)])
+            out = d.step(token)
+            for b, n in enumerate(done):
+                torch.testing.assert_close(out[b], logits[n][b], atol=1e-5, rtol=1e-5)
+            done = [n + 1 for n in done]
+        # the heads' state is the last fed token's final hidden state
+        ref = dense(torch.cat([prompt, cont[:, :8]], 1), attention_mask=torch.cat([valid, torch.ones(3, 8, dtype=torch.bool)], 1))
+        torch.testing.assert_close(one.draft_state(), ref.hidden[:, -1], atol=1e-5, rtol=1e-5)
+    plain = dense.generate(PROMPTS, max_new_tokens=16)
+    assert dense.generate(PROMPTS, max_new_tokens=16, mtp="verify").tokens == plain.tokens
+    oracle_drafts(monkeypatch, plain.tokens, wrong_every=3)
+    fast = dense.generate(PROMPTS, max_new_tokens=16, mtp="verify")
+    assert fast.tokens == plain.tokens and fast.steps < plain.steps
+
+
+def test_dense_baseline_trains_saves_and_loads_its_heads(tmp_path):
+    import concept
+    from concept.training import TrainConfig, Trainer
+    from tests.test_training import STDLIB
+
+    corpus = tmp_path / "code.txt"
+    corpus.write_text((STDLIB / "textwrap.py").read_text())
+    cfg = concept.BuildConfig(backbone=concept.ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2,
+                                                                          "kv_heads": 1, "intermediate": 64}),
+                              split="1,2,1", vocabulary=concept.ComponentRef("embedding", {"size": 32}))
+    concept.save(concept.build(cfg), tmp_path / "m")
+    train = TrainConfig(steps=3, seq_len=32, batch=2, eval_every=3, eval_batches=1, checkpoint_every=3, log_every=1,
+                        warmup=1, data=str(corpus), baseline="dense", mtp_heads=2,
+                        lora=concept.lora.LoraSettings(rank=2))
+    trainer = Trainer.start(tmp_path / "m", tmp_path / "d", train)
+    trainer.train()
+    rows = [__import__("json").loads(line) for line in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
+    assert all("mtp" in r for r in rows if "loss" in r)
+    model = concept.load(tmp_path / "d")
+    assert model.mtp_heads is not None and model.mtp_heads.k == 2
+    torch.testing.assert_close(model.new_state_dict(), trainer.model.new_state_dict())
+    assert model.new_state_dict()["mtp_heads.blocks.1.weight"].abs().sum() > 0  # trained away from zero
+    out = model.generate([[5, 6, 7]], max_new_tokens=5, mtp="verify")
+    assert out.tokens == model.generate([[5, 6, 7]], max_new_tokens=5).tokens
+    problems = TrainConfig(mtp_heads=2).validate(2048, 4)
+    assert any("only for --baseline" in p and "--length-policy mtp" in p for p in problems)
