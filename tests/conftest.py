@@ -49,6 +49,7 @@ POLICIES = {
     "fixed-emit2": ("fixed", {"every": 3, "emit": 2}),  # two concept slots at each boundary
     "entropy": ("entropy", {"min_chunk": 2, "max_chunk": 4}),
     "mtp": ("mtp", {"heads": 3, "min_chunk": 2, "max_chunk": 4}),
+    "mtp-untracked": ("mtp", {"heads": 3, "min_chunk": 2, "max_chunk": 4, "track": 0}),
 }
 
 

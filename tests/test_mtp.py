@@ -69,7 +69,7 @@ def test_objective_matches_a_naive_per_position_sum():
 def test_heads_start_as_the_logit_lens_and_the_policy_as_entropy():
     """Zero-initialised blocks: head 0's confidence is exactly the `entropy` policy's lens, and
     with the same tau both policies decide the same boundaries."""
-    mtp = concept.build(tiny_config(policy=("mtp", {"heads": 2, "tau": 0.03, "max_chunk": 5})))
+    mtp = concept.build(tiny_config(policy=("mtp", {"heads": 2, "tau": 0.03, "max_chunk": 5, "track": 0})))
     ent = concept.build(tiny_config(policy=("entropy", {"tau": 0.03, "max_chunk": 5})))
     x = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -155,3 +155,21 @@ def test_eval_reports_each_heads_accuracy_against_a_naive_count():
                     hits += int(model.mtp_heads.logits(out.shallow[row, t], i).argmax() == ids[row, t + 1 + i])
         assert acc == round(hits / n, 4)
     assert 0 < result["mtp_tau"] < 1
+
+
+def test_ratio_tracker_holds_the_target_when_confidences_shift():
+    """A bias set for other text (every token 'confident': only max_chunk forcing) gives 1/max_chunk
+    concepts per token without the tracker; with it, each document pulls itself to the target."""
+    ids = torch.randint(0, 97, (4, 96), generator=torch.Generator().manual_seed(3))
+    ratios = {}
+    for track in (0.0, 1.0):
+        model = concept.build(tiny_config(policy=("mtp", {"heads": 2, "max_chunk": 16, "track": track})))
+        policy = model.length_policy
+        with torch.no_grad():
+            policy.null_bias.zero_()
+            raw = policy.keep_logit(None, model.shallow_states(ids, torch.ones_like(ids, dtype=torch.bool)))
+            policy.null_bias.fill_(float(raw.max()) + 0.5)  # just above every token: nothing is unsure
+            policy.target_ratio.fill_(0.25)
+            ratios[track] = float(model(ids).keep.float().mean())
+    assert abs(ratios[0.0] - 1 / 16) < 0.01
+    assert abs(ratios[1.0] - 0.25) < 0.03

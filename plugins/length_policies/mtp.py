@@ -21,8 +21,11 @@ batched decision and the step-wise one (decoding) both have, identically.
 Ratio control works through a bias: ``keep_logit = log((1 - c) / c) - null_bias`` and
 ``tau = sigmoid(-null_bias)``, so the trainer's controller and its final calibration move tau
 like the `null` policy's NULL bias (the ratio loss does not apply: the decision has no gradient;
-the heads learn from the MTP objective only). The rule is sequential (a minimum length), so the
-batched decision is a scan of the step rule over t on batched confidences.
+the heads learn from the MTP objective only). A per-document ratio tracker (``track``, default 1, as
+the `null` policy's: the document's concept deficit ``target * tokens - concepts`` so far is added to
+the keep logit) holds the ratio on text whose confidences differ from the training data's. The rule
+is sequential (a minimum length), so the batched decision is a scan of the step rule over t on
+batched confidences.
 """
 from __future__ import annotations
 
@@ -45,9 +48,13 @@ class MTPPolicyConfig:
     max_chunk: int = 16  # bounds the deep tail (max_chunk - 1 tokens)
     block: int = 256  # tokens per LM-head matmul when computing confidences
     lr: float = 0.0  # the heads' learning rate (0: --lr-new)
+    track: float = 1.0  # per-document ratio tracker gain, as the `null` policy's (0 = off)
 
     def validate(self) -> list[str]:
         problems = chunks.validate(self)
+        if isinstance(self.track, bool) or not isinstance(self.track, (int, float)) \
+                or not math.isfinite(self.track) or self.track < 0:
+            problems.append(f"track: must be a finite number >= 0 (0 = no ratio tracker), got {self.track!r}")
         if self.heads < 1:
             problems.insert(0, f"heads: must be >= 1 (k, the tokens predicted at once), got {self.heads}")
         if self.lr < 0:
@@ -66,6 +73,14 @@ class MTPPolicy(nn.Module):
         self.config = config
         self.heads = MTPHeads(ctx.hidden_size, config.heads)
         self.register_buffer("null_bias", torch.tensor(math.log((1 - config.tau) / config.tau)))
+        self.register_buffer("target_ratio", torch.tensor(0.25))  # the trainer sets it (the tracker's target)
+        self.track = float(config.track)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "target_ratio" not in state_dict:  # saved before the tracker existed: decide without it
+            state_dict[prefix + "target_ratio"] = self.target_ratio.detach().clone()
+            self.track = 0.0
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def predictor(self):
@@ -93,15 +108,51 @@ class MTPPolicy(nn.Module):
         c = self.confidence(h).clamp(1e-7, 1 - 1e-7)
         return torch.log1p(-c) - torch.log(c) - self.null_bias
 
-    def init_state(self, batch_size: int, device) -> torch.Tensor:
-        return torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens of the open chunk
+    def init_state(self, batch_size: int, device):
+        """The open chunk's length [B]; with the tracker also the document's real tokens and concepts
+        so far: (length, tokens, concepts)."""
+        count = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return (count, count.clone(), count.clone()) if self.track else count
 
-    def step(self, h_t, head_logits_t, count):
-        return chunks.advance(self.keep_logit(head_logits_t, h_t) > 0, count, self.config.min_chunk, self.config.max_chunk)
+    def _ahead(self, keep_logit, tokens):
+        """keep_logit + track * target_ratio * tokens (the same float ops in the scan and the step)."""
+        return keep_logit + self.track * (self.target_ratio.float() * tokens.float())
+
+    def step(self, h_t, head_logits_t, state):
+        cfg, logit = self.config, self.keep_logit(head_logits_t, h_t)
+        if not self.track:
+            return chunks.advance(logit > 0, state, cfg.min_chunk, cfg.max_chunk)
+        count, tokens, concepts = state
+        unsure = self._ahead(logit, tokens) - self.track * concepts.float() > 0
+        keep, count = chunks.advance(unsure, count, cfg.min_chunk, cfg.max_chunk)
+        return keep, (count, tokens + 1, concepts + keep.long())
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
-        """Batched: confidences in one go, then a scan of the step rule over t (``concept.chunks``)."""
-        return chunks.scan(self.keep_logit(head_logits, h) > 0, valid, self.config.min_chunk, self.config.max_chunk, reset)
+        """Batched: confidences in one go, then a scan of the step rule over t (``concept.chunks``; with
+        the tracker, the per-document credit joins the score as in the `null` policy)."""
+        cfg, logit = self.config, self.keep_logit(head_logits, h)
+        if not self.track:
+            return chunks.scan(logit > 0, valid, cfg.min_chunk, cfg.max_chunk, reset)
+        B, T = valid.shape
+        real = valid.long()
+        seen = torch.cumsum(real, dim=1)
+        base = torch.zeros_like(seen[:, :1])
+        if reset is not None:  # counts restart at each document start
+            base = torch.cummax(torch.where(reset, seen - real, torch.zeros_like(seen)), dim=1).values
+        ahead = self._ahead(logit, seen - real - base)
+        count = torch.zeros(B, dtype=torch.long, device=valid.device)
+        concepts = torch.zeros(B, dtype=torch.long, device=valid.device)
+        keep = torch.zeros_like(valid)
+        for t in range(T):
+            if reset is not None:
+                count = torch.where(reset[:, t], torch.zeros_like(count), count)
+                concepts = torch.where(reset[:, t], torch.zeros_like(concepts), concepts)
+            k, new = chunks.advance(ahead[:, t] - self.track * concepts.float() > 0, count, cfg.min_chunk, cfg.max_chunk)
+            k = k & valid[:, t]
+            keep[:, t] = k
+            count = torch.where(valid[:, t], new, count)
+            concepts = concepts + k.long()
+        return keep, (count, (seen - base)[:, -1] if T else count.clone(), concepts)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset)[0]
