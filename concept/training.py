@@ -163,9 +163,9 @@ class TrainConfig:
             if self.align and self.align_at == "deep-input":
                 p.append(f"align-at deep-input: a {self.baseline} baseline has no deep stack whose input could be "
                          f"aligned; use --align-at final, or drop --align")
-            if self.train_only == "new":
-                p.append(f"train-only new: a {self.baseline} baseline has no new modules (only LoRA adapters); "
-                         f"drop --train-only or train a streaming model")
+            if self.train_only == "new" and not self.mtp_heads:
+                p.append(f"train-only new: a {self.baseline} baseline has no new modules (only LoRA adapters) unless "
+                         f"it has MTP heads (--mtp-heads K); drop --train-only or add heads")
         if self.prune_layers is not None:
             if self.baseline != "pruned":
                 p.append(f"prune-layers {self.prune_layers}: only for --baseline pruned")
