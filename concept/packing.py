@@ -151,6 +151,18 @@ def document_starts(valid: torch.Tensor, doc: torch.Tensor | None) -> torch.Tens
     return valid & ((doc != prev) | first_real)
 
 
+def document_tokens(valid: torch.Tensor, reset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real tokens before t in t's document [B, T], and in each row's last document [B] (``reset``:
+    document starts [B, T]; None: one document per row). The per-document ratio trackers' counts."""
+    real = valid.long()
+    seen = torch.cumsum(real, dim=1)  # real tokens up to and including t
+    base = torch.zeros_like(seen[:, :1])
+    if reset is not None:  # counts restart at each document start
+        base = torch.cummax(torch.where(reset, seen - real, torch.zeros_like(seen)), dim=1).values
+    total = (seen - base)[:, -1] if valid.shape[1] else real.new_zeros(valid.shape[0])
+    return seen - real - base, total
+
+
 def time_positions(valid: torch.Tensor, doc: torch.Tensor | None = None,
                    starts: torch.Tensor | None = None) -> torch.Tensor:
     """Position ids of real tokens (0, 1, ... restarting at each document), whatever the padding

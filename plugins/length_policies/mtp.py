@@ -38,6 +38,7 @@ from torch import nn
 from concept import chunks
 
 from concept.mtp import MTPHeads
+from concept.packing import document_tokens
 
 
 @dataclass
@@ -134,12 +135,8 @@ class MTPPolicy(nn.Module):
         if not self.track:
             return chunks.scan(logit > 0, valid, cfg.min_chunk, cfg.max_chunk, reset)
         B, T = valid.shape
-        real = valid.long()
-        seen = torch.cumsum(real, dim=1)
-        base = torch.zeros_like(seen[:, :1])
-        if reset is not None:  # counts restart at each document start
-            base = torch.cummax(torch.where(reset, seen - real, torch.zeros_like(seen)), dim=1).values
-        ahead = self._ahead(logit, seen - real - base)
+        before, total = document_tokens(valid, reset)
+        ahead = self._ahead(logit, before)
         count = torch.zeros(B, dtype=torch.long, device=valid.device)
         concepts = torch.zeros(B, dtype=torch.long, device=valid.device)
         keep = torch.zeros_like(valid)
@@ -152,7 +149,7 @@ class MTPPolicy(nn.Module):
             keep[:, t] = k
             count = torch.where(valid[:, t], new, count)
             concepts = concepts + k.long()
-        return keep, (count, (seen - base)[:, -1] if T else count.clone(), concepts)
+        return keep, (count, total, concepts)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset)[0]

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.packing import document_tokens
+
 DEFAULT_TARGET_RATIO = 0.25
 
 
@@ -159,11 +161,8 @@ class NullPolicy(nn.Module):
         B, T = valid.shape
         logit = self.keep_logit(head_logits).detach()
         real = valid.long()
-        seen = torch.cumsum(real, dim=1)  # real tokens up to and including t
-        base = torch.zeros_like(seen[:, :1])
-        if reset is not None:  # counts restart at each document start
-            base = torch.cummax(torch.where(reset, seen - real, torch.zeros_like(seen)), dim=1).values
-        ahead = self._ahead(logit, seen - real - base)
+        before, total = document_tokens(valid, reset)
+        ahead = self._ahead(logit, before)
         run = torch.zeros(B, dtype=torch.long, device=valid.device)
         concepts = torch.zeros(B, dtype=torch.float32, device=valid.device)
         keeps = []
@@ -176,7 +175,7 @@ class NullPolicy(nn.Module):
             run = (run + real[:, t]) * ~k
             keeps.append(k)
         keep = torch.stack(keeps, dim=1) if keeps else torch.zeros_like(valid)
-        return keep, (run, (seen - base)[:, -1] if T else run.clone(), concepts.long())
+        return keep, (run, total, concepts.long())
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         """Batched: head_logits [B, T, K+1], valid [B, T], reset [B, T] (document starts) -> keep [B, T]."""
