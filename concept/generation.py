@@ -206,7 +206,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
             return reasons[b] is not None or len(new[b]) >= budget
 
         if s.mtp:
-            ids, kept_logits, steps = _multitoken_loop(model, decoder, logits, ids, pad, record, s, streamer,
+            ids, kept_logits, steps = _multitoken_loop(model, decoder, logits, ids, pad, record, new, s, streamer,
                                                        output_logits)
         for i in range(budget if not s.mtp else 0):
             if output_logits:
@@ -245,14 +245,14 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     )
 
 
-def _multitoken_loop(model, decoder, logits, ids, pad, record, s, streamer, output_logits):
-    """Greedy decoding a block of tokens per forward (``concept.multitoken``). Returns the sequences,
+def _multitoken_loop(model, decoder, logits, ids, pad, record, new, s, streamer, output_logits):
+    """Greedy decoding a block of tokens per forward (``concept.multitoken``); ``record(b, t)`` appends
+    row b's token to ``new[b]`` and says whether the row is finished. Returns the sequences,
     the logits that predicted each new token ([B, N, V], padded with zeros) and the forwards run."""
     from . import multitoken
 
     B = ids.shape[0]
     done = [False] * B
-    new = [[] for _ in range(B)]
     per_row = [[] for _ in range(B)]
     steps = 0
     first = logits.argmax(-1)
@@ -265,7 +265,6 @@ def _multitoken_loop(model, decoder, logits, ids, pad, record, s, streamer, outp
             while not done[b] and c < int(count[b]):
                 t = int(block[b, c])
                 per_row[b].append(logits[b] if c == 0 else block_logits[b, c - 1])
-                new[b].append(t)
                 done[b] = record(b, t)
                 c += 1
             kept.append(c)
