@@ -99,10 +99,11 @@ def pytest_terminal_summary(terminalreporter):
     if decode:
         tr.write_line("")
         tr.write_line(f"{'decode case':44} {'dense tok/s':>11} {'concept tok/s':>13} {'ratio (decode)':>14} "
-                      f"{'KV MiB dense':>12} {'KV MiB concept':>14} {'KV saving':>9}")
+                      f"{'ratio (prompt)':>14} {'KV MiB dense':>12} {'KV MiB concept':>14} {'KV saving':>9}")
         for r in decode:
             tr.write_line(f"{r['case']:44} {r['dense_tokens_per_s']:11.2f} {r['concept_tokens_per_s']:13.2f} "
-                          f"{r['decode_ratio']:14.3f} {r['dense_kv_bytes'] / 2**20:12.2f} "
+                          f"{r['decode_ratio']:14.3f} {r.get('prompt_ratio', float('nan')):14.3f} "
+                          f"{r['dense_kv_bytes'] / 2**20:12.2f} "
                           f"{r['kv_bytes'] / 2**20:14.2f} {r['kv_saving']:8.2f}x")
 
 

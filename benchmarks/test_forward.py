@@ -17,13 +17,15 @@ from .conftest import side_by_side
 RATIO = 0.25
 
 
-def _model(backbone: str, attention: str):
+def _model(backbone: str, attention: str, length_policy: ComponentRef | None = None):
+    policy = length_policy or ComponentRef("null")
     if backbone == "smollm2":
-        cfg = BuildConfig(split="4,22,4", attention=ComponentRef(attention))
+        cfg = BuildConfig(split="4,22,4", attention=ComponentRef(attention), length_policy=policy)
     else:
         cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 8, "hidden": 256, "heads": 4, "kv_heads": 2,
                                                               "intermediate": 512, "vocab": 1024}),
-                          split="1,6,1", attention=ComponentRef(attention), vocabulary=ComponentRef("embedding", {"size": 256}))
+                          split="1,6,1", attention=ComponentRef(attention), vocabulary=ComponentRef("embedding", {"size": 256}),
+                          length_policy=policy)
     return concept.build(cfg)
 
 

@@ -71,12 +71,14 @@ def check_fail_on(expressions: tuple[str, ...]) -> list[str]:
 
 
 def render(rows: list[dict]) -> None:
-    t = table("case", "dense s", "concept s", "speed-up", "ideal", "of ideal", "peak MiB (dense / concept)",
-              title="concept vs dense (measured side by side)")
+    t = table("case", "dense s", "concept s", "speed-up", "ideal", "of ideal", "concepts/token",
+              "peak MiB (dense / concept)", title="concept vs dense (measured side by side)")
     for r in rows:
         peak = f"{r['dense_peak_mib']:.0f} / {r['concept_peak_mib']:.0f}" if "dense_peak_mib" in r else "-"
+        # the realised concepts per token (decoding: over the timed steps)
+        ratio = f"{r['ratio']:.3f}" if isinstance(r.get("ratio"), (int, float)) else "-"
         t.add_row(r["case"], f"{r['dense_s']:.4f}", f"{r['concept_s']:.4f}", f"{r['speedup']:.2f}x",
-                  f"{r['ideal_speedup']:.2f}x", f"{100 * r['fraction_of_ideal']:.0f}%", peak)
+                  f"{r['ideal_speedup']:.2f}x", f"{100 * r['fraction_of_ideal']:.0f}%", ratio, peak)
     stdout.print(t)
 
 

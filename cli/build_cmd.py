@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.markup import escape
 
 from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
@@ -28,7 +29,9 @@ def load_config_file(path: str):
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"--config {path}: not valid JSON ({exc})"]) from exc
     if isinstance(data, dict) and "format" in data and isinstance(data.get("config"), dict):
-        data = data["config"]  # a run folder's concept.json
+        from concept.builder import localise_backbone_path
+
+        data = localise_backbone_path(data["config"], p.parent)  # a run folder's concept.json (an export's ./backbone)
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: expected a JSON object, got {type(data).__name__}"])
     return BuildConfig.from_dict(data)
@@ -77,6 +80,35 @@ def check_output(folder: Path, config, force: bool) -> None:
         )
 
 
+def calibrate(model, target_ratio: float, data, batches: int, given: set) -> dict | None:
+    """Set the NULL bias of a fresh model for ``target_ratio`` (``concept.calibration``); status on stderr.
+    A policy without such a bias is left alone; unreadable default data only skips the calibration."""
+    from concept.calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, calibratable
+    from concept.calibration import calibrate as calibrate_model
+    from concept.errors import ConceptError
+
+    if not calibratable(model):
+        if given:
+            status("note:", f"length policy {model.plan.config.length_policy.name} sets its ratio by its own "
+                            f"parameters; {', '.join('--' + k.replace('_', '-') for k in sorted(given))} does nothing")
+        return None
+    status("calibrating", f"NULL bias for {target_ratio:g} concepts per token on {batches} x {DEFAULT_BATCH} x "
+                          f"{DEFAULT_SEQ_LEN} tokens of {data or 'the Python standard library'} ...")
+    try:
+        result = calibrate_model(model, target_ratio, data, batches)
+    except ConceptError as exc:
+        if "calibration_data" in given:
+            raise
+        status("note:", f"not calibrated ({exc}); the NULL bias stays 0 (pass --calibration-data, or --no-calibrate)")
+        return None
+    status("calibrated", f"NULL bias {result['null_bias']:+.4f}: {result['ratio']:.4f} concepts per token on "
+                         f"{result['tokens']:,} tokens (target {target_ratio:g})")
+    if abs(result["ratio"] - target_ratio) > 0.05 * target_ratio:
+        status("note:", f"the length policy cannot reach {target_ratio:g} concepts per token with these settings "
+                        f"(it reached {result['ratio']:.4f})")
+    return result
+
+
 def print_plan(plan, output: Path | None) -> None:
     d = plan.describe()
     where = f" to {output}" if output else ""
@@ -102,6 +134,16 @@ def print_plan(plan, output: Path | None) -> None:
               help="Concept input: the emitting token's shallow state + a gated embedding (identity, default) "
                    "or the discrete embedding alone.")
 @click.option("--seed", type=int, help="Seed for the new modules (default: 0).")
+@click.option("--target-ratio", type=float, default=0.25, show_default=True,
+              help="Concepts per token the untrained model is calibrated to: its NULL bias is set so that it "
+                   "emits this many on a few rows of --calibration-data (recorded in concept.json).")
+@click.option("--calibration-data", metavar="DATA", default=None,
+              help="Text to calibrate on: a built-in corpus, file or folder, as `concept train --data` "
+                   "(default: the Python standard library, training split).")
+@click.option("--calibration-batches", type=int, default=4, show_default=True,
+              help="Calibrate on this many batches of 4 rows x 128 tokens.")
+@click.option("--no-calibrate", is_flag=True,
+              help="Keep the NULL bias at 0 (an untrained `null` head then emits a concept at almost every token).")
 @click.option("--set", "overrides", multiple=True, metavar="SLOT.KEY=VALUE",
               help="Set a component option, e.g. --set sampler.tau=0.7 (repeatable; values parsed as JSON).")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=True), metavar="FILE",
@@ -111,14 +153,19 @@ def print_plan(plan, output: Path | None) -> None:
 @click.option("--force", is_flag=True, help="Replace an output folder that holds a different model.")
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
-def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme, vocabulary, attention, tail_fusion,
-          concept_input, seed, overrides, config_file, output, force, dry_run, as_json) -> None:
+@click.pass_context
+def build(ctx, backbone, split, length_policy, sampler, eval_sampler, position_scheme, vocabulary, attention,
+          tail_fusion, concept_input, seed, target_ratio, calibration_data, calibration_batches, no_calibrate,
+          overrides, config_file, output, force, dry_run, as_json) -> None:
     """Build a streaming concept model from a backbone and components, and save it to a run folder.
 
     \b
     concept build --length-policy null --rope per-type -o runs/m1
     concept build --backbone tiny-llama --split 2,4,2 --set sampler.tau=0.7 -o runs/tiny --json
     concept build --dry-run --json
+
+    The NULL bias of a policy with one (null, threshold, mtp) is calibrated on a few rows of text so
+    that the untrained model already emits about --target-ratio concepts per token (--no-calibrate: off).
     """
     if output is None and not dry_run:
         raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
@@ -126,7 +173,13 @@ def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme
                  position_scheme=position_scheme, vocabulary=vocabulary, attention=attention, tail_fusion=tail_fusion)
     config = make_config(config_file, names, split, seed, overrides, concept_input)
     from concept import resolve
+    from concept.calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, check
 
+    problems = [] if no_calibrate else check(target_ratio, calibration_batches, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
+    if problems:
+        from concept.errors import ConfigError
+
+        raise ConfigError(problems)
     plan = resolve(config)
     if output is not None:
         check_output(output, config, force)
@@ -146,6 +199,11 @@ def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme
                        f"({plan.backbone_info.num_layers} layers) ...")
     start = time.perf_counter()
     model = concept.build(plan=plan)
+    calibration = None
+    if not no_calibrate:
+        given = {k for k in ("target_ratio", "calibration_data", "calibration_batches")
+                 if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+        calibration = calibrate(model, target_ratio, calibration_data, calibration_batches, given)
     status("saving", f"{output} ...")
     concept.save(model, output, force=force)
     status("built", f"{output} in {time.perf_counter() - start:.1f} s")
@@ -153,7 +211,7 @@ def build(backbone, split, length_policy, sampler, eval_sampler, position_scheme
     counts = param_counts(model)
     if as_json:
         print_json({"path": str(output), "plan": plan.describe(), "stacks": stack_layers(plan.split),
-                    "params": counts})
+                    "params": counts, "calibration": calibration})
         return
     stdout.print(f"[bold]built[/] {escape(str(output))}")
     stdout.print(f"backbone: {escape(describe_backbone(plan.describe()['backbone']))}")

@@ -57,9 +57,10 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 @click.command(name="eval")
 @click.argument("runs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--data", multiple=True, metavar="SOURCE",
-              help="Held-out text: a file, folder or JSONL (read whole), or a built-in corpus (stdlib/code, "
-                   "pydoc/prose: its held-out split); repeat for one table per domain. Default: the held-out "
-                   "split of the run's data.")
+              help="Held-out text: a file, folder or JSONL, a Hugging Face datasets save_to_disk folder "
+                   "(PATH:SPLIT picks a DatasetDict split; default train) or .parquet / .arrow files (read "
+                   "whole), or a built-in corpus (stdlib/code, pydoc/prose: its held-out split); repeat for one "
+                   "table per domain. Default: the held-out split of the run's data.")
 @click.option("--seq-len", type=int, default=None, help="Default: the run's training --seq-len (or 256).")
 @click.option("--batches", type=int, default=8, show_default=True)
 @click.option("--batch", type=int, default=4, show_default=True)

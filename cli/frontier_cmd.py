@@ -156,7 +156,9 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--ratio-start", type=float, help="Ratio curriculum: the target ratio at step 0.")
 @click.option("--lora-rank", type=int)
 @click.option("--seed", type=int, help="Training seed.")
-@click.option("--data", help="Training text (default: the Python standard library's train split).")
+@click.option("--data", help="Training text: a file, folder or JSONL, or Hugging Face datasets (a save_to_disk "
+              "folder, PATH:SPLIT for a DatasetDict split, .parquet / .arrow files); its train split is used "
+              "(default: the Python standard library's).")
 @click.option("--device", help="auto, cpu or cuda.")
 @click.option("--train-set", multiple=True, metavar="KEY=VALUE",
               help="Any other `concept train` option, by TrainConfig field name (repeatable), e.g. "

@@ -22,6 +22,23 @@ def module_params(model) -> dict:
     return out
 
 
+def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
+    """The NULL bias the model runs with and where it comes from: the build's calibration (concept.json),
+    training (train.json), or nothing (built with --no-calibrate). None for a policy without a bias."""
+    policy = getattr(model, "length_policy", None)
+    if policy is None or not hasattr(policy, "null_bias"):
+        return None
+    out = {"null_bias": float(policy.null_bias), "target_ratio": None, "ratio": None, "by": None}
+    target = getattr(policy, "target_ratio", None)  # the ratio tracker's target (null, mtp)
+    if target is not None:
+        out["target_ratio"] = float(target)
+    if train is not None and train.get("ratio_control", "both") != "none":  # the trainer's controller set it
+        out.update(by="training", target_ratio=train.get("target_ratio", out["target_ratio"]))
+    elif record.get("calibration"):
+        out.update(record["calibration"], by="build", null_bias=out["null_bias"])
+    return out
+
+
 @click.command()
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=str))
 @click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), default=0.25, show_default=True,
@@ -32,7 +49,7 @@ def module_params(model) -> dict:
 def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     """Summarise a run folder: stacks, parameters, components and the ideal FLOP ratio."""
     import concept
-    from concept.builder import read_run
+    from concept.builder import read_run, read_train
     from concept.flops import ideal_ratio
 
     record = read_run(run_dir)  # clear error for a missing or corrupt folder, before loading anything
@@ -45,12 +62,13 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     per_slot = module_params(model)
     flops = ideal_ratio(model, ratio, seq_len)
     flop_summary = {"concepts_per_token": ratio, **flops.to_dict()}
+    calibration = ratio_calibration(model, record, read_train(run_dir))
 
     if as_json:
         components = {slot: {**c, "parameters": per_slot.get(slot)} for slot, c in plan["components"].items()}
         print_json({"path": run_dir, "format": record.get("format"), "backbone": plan["backbone"],
                     "stacks": stack_layers(model.split), "params": counts, "components": components,
-                    "flops": flop_summary})
+                    "flops": flop_summary, "calibration": calibration})
         return
 
     stdout.print(f"[bold]run[/] {escape(run_dir)}")
@@ -58,6 +76,19 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     stdout.print(render_stacks(model.split, plan["backbone"]["num_layers"]))
     stdout.print(render_params(counts))
     stdout.print(render_components(plan["components"], module_params=per_slot))
+    if calibration is not None:
+        t = table("ratio control", "value", title="NULL bias")
+        t.add_row("NULL bias", f"{calibration['null_bias']:+.4f}")
+        if calibration["target_ratio"] is not None:
+            t.add_row("target ratio", f"{calibration['target_ratio']:g} concepts per token")
+        if calibration["by"] == "build":
+            t.add_row("calibrated ratio", f"{calibration['ratio']:.4f} on {calibration['tokens']:,} tokens of "
+                                          f"{calibration['data']} (at build)")
+        elif calibration["by"] == "training":
+            t.add_row("calibrated by", "training (its ratio controller; null_bias in metrics.jsonl)")
+        else:
+            t.add_row("calibrated by", "nothing: built with --no-calibrate")
+        stdout.print(t)
     t = table("ideal FLOPs", "value", title=f"ideal FLOPs at {ratio:g} concepts/token, T={seq_len}")
     t.add_row("concepts", f"{flops.concepts:,} of {flops.T:,} tokens")
     t.add_row("dense backbone", f"{flops.dense:.3e}")

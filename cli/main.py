@@ -15,6 +15,7 @@ import click
 from .bench_cmd import bench
 from .build_cmd import build
 from .eval_cmd import eval_
+from .export_cmd import export
 from .frontier_cmd import frontier
 from .generate_cmd import generate
 from .inspect_cmd import inspect
@@ -64,6 +65,7 @@ cli.add_command(build)
 cli.add_command(inspect)
 cli.add_command(train)
 cli.add_command(eval_)
+cli.add_command(export)
 cli.add_command(generate)
 cli.add_command(bench)
 cli.add_command(frontier)

@@ -39,8 +39,20 @@ def print_error(message: str) -> None:
     click.echo(f"{click.style('error:', fg='red', bold=True)} {message}", err=True)
 
 
+_QUIET = False
+
+
+def quiet_rank() -> None:
+    """A non-zero rank under torchrun: no status lines and no data on stdout (errors still print)."""
+    global _QUIET
+    _QUIET = True
+    sys.stdout = open(os.devnull, "w")
+
+
 def status(verb: str, detail: str = "") -> None:
     """A progress line on stderr, e.g. ``building tiny-llama ...``."""
+    if _QUIET:
+        return
     stderr.print(f"[bold cyan]{escape(verb)}[/] {escape(detail)}".rstrip())
 
 

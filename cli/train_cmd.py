@@ -6,12 +6,13 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from .output import print_json, quiet_progress_bars, status, stdout, table
+from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
 
 # CLI option -> TrainConfig field (LoRA options map into config.lora)
 FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum": "grad_accum", "lr": "lr",
-          "lr_new": "lr_new", "warmup": "warmup", "clip": "clip", "target_ratio": "target_ratio",
-          "ratio_control": "ratio_control", "ratio_loss_weight": "ratio_loss_weight", "usage_weight": "usage_weight", "data": "data",
+          "lr_new": "lr_new", "weight_decay": "weight_decay", "warmup": "warmup", "min_lr": "min_lr", "clip": "clip",
+          "target_ratio": "target_ratio", "ratio_control": "ratio_control", "ratio_loss_weight": "ratio_loss_weight",
+          "pi_ki": "pi_ki", "usage_weight": "usage_weight", "data": "data",
           "text_field": "text_field", "encoding_errors": "encoding_errors", "seed": "seed",
           "eval_every": "eval_every", "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
           "log_every": "log_every", "grad_checkpointing": "grad_checkpointing", "baseline": "baseline",
@@ -20,7 +21,7 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
           "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
           "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads"}
-LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
+LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_targets": "targets"}
 
 
 @click.command()
@@ -36,7 +37,9 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
               "FLOP-matched to the streaming model at --target-ratio and --seq-len).")
 @click.option("--prune-layers", metavar="START:STOP", default=None,
               help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block.")
-@click.option("--data", type=str, default=None, help="Text file, folder, or JSONL (default: the Python standard library).")
+@click.option("--data", type=str, default=None, help="Text file, folder, or JSONL; or Hugging Face datasets: a save_to_disk folder "
+              "(DatasetDict: its train split, or PATH:SPLIT), .parquet / .arrow files "
+              "(default: the Python standard library).")
 @click.option("--text-field", default="text", show_default=True, help="JSONL field holding the text.")
 @click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
 @click.option("--steps", type=int, default=300, show_default=True)
@@ -45,11 +48,18 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.option("--grad-accum", type=int, default=1, show_default=True)
 @click.option("--lr", type=float, default=2e-4, show_default=True, help="Learning rate of the LoRA adapters.")
 @click.option("--lr-new", type=float, default=1e-3, show_default=True, help="Learning rate of the new modules.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True,
+              help="AdamW weight decay (decoupled), for every trained group.")
 @click.option("--warmup", type=int, default=10, show_default=True)
+@click.option("--min-lr", type=float, default=0.1, show_default=True,
+              help="After the warmup the cosine schedule decays to this fraction of each peak learning rate (0..1).")
 @click.option("--clip", type=float, default=1.0, show_default=True)
 @click.option("--target-ratio", type=float, default=0.25, show_default=True, help="Concepts per token to aim for.")
 @click.option("--ratio-control", type=click.Choice(["both", "pi", "loss", "none"]), default="both", show_default=True)
 @click.option("--ratio-loss-weight", type=float, default=0.1, show_default=True)
+@click.option("--pi-ki", type=float, default=0.05, show_default=True,
+              help="Integral gain of the ratio controller (--ratio-control pi / both): the NULL bias moves by "
+              "this times the keep log-odds spread per unit of summed ratio error (0: no integral term).")
 @click.option("--usage-weight", type=float, default=0.0, show_default=True,
               help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
 @click.option("--ratio-start", type=float, default=1.0, show_default=True,
@@ -88,6 +98,8 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.option("--tau-end", type=float, default=0.5, show_default=True, help="Gumbel temperature at the last step.")
 @click.option("--lora-rank", type=int, default=8, show_default=True)
 @click.option("--lora-alpha", type=float, default=16.0, show_default=True)
+@click.option("--lora-dropout", type=float, default=0.0, show_default=True,
+              help="Dropout on the LoRA adapters' input while training, in [0, 1).")
 @click.option("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-every", type=int, default=50, show_default=True)
@@ -96,9 +108,12 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
 @click.option("--log-every", type=int, default=10, show_default=True)
 @click.option("--grad-checkpointing", is_flag=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--distributed", type=click.Choice(["auto", "ddp", "fsdp2", "none"]), default="auto", show_default=True,
+              help="Under torchrun: ddp (auto's choice; gloo on CPU, nccl on GPU) or fsdp2 (parameters sharded). "
+              "--batch is per process: the global batch is batch x processes x grad-accum. See docs/distributed.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final evaluation as JSON.")
 @click.pass_context
-def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
+def train(ctx, source: Path, out, resume, force, as_json, distributed, **options) -> None:
     """Train a built model (or the dense baseline) on text.
 
     \b
@@ -108,6 +123,18 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     concept train runs/m1 --baseline pruned --distill 1 --out runs/pruned
     concept train runs/m1 --distill 1 --ratio-warmup 0.3 --out runs/m1-kd
     """
+    from concept.distributed import setup, teardown
+
+    dist = setup(distributed, options["device"])
+    if not dist.is_main:  # one voice: rank 0 reports, the other ranks only fail loudly
+        quiet_rank()
+    try:
+        _train(ctx, source, out, resume, force, as_json, dist, options)
+    finally:
+        teardown(dist)
+
+
+def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> None:
     from concept.lora import LoraSettings
     from concept.training import TrainConfig, Trainer
 
@@ -120,15 +147,27 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
         overrides.update({f"lora.{LORA[k]}": options[k] for k in given if k in LORA})
         if "baseline" in overrides and overrides["baseline"] is None:
             overrides.pop("baseline")
+        done = already_done(source, overrides.get("steps"))
+        if done is not None:  # nothing to train: say so and leave the run folder untouched
+            step, steps = done
+            more = step + max(10, step // 2)
+            asked = (f"--steps {steps} is not beyond it" if "steps" in overrides
+                     else f"the end of its --steps {steps}")
+            message = (f"{source} is already at step {step} ({asked}); nothing to train. To train further, "
+                       f"pass a larger --steps, e.g. `concept train {source} --resume --steps {more}`")
+            status("nothing to do:", message)
+            if as_json:
+                print_json({"path": str(source), "step": step, "steps": steps, "trained": False, "message": message})
+            return
         status("resuming", f"{source} ...")
-        trainer = Trainer.resume(source, **overrides)
+        trainer = Trainer.resume(source, dist=dist, **overrides)
         out = source
     else:
         config = TrainConfig(**{FIELDS[k]: v for k, v in options.items() if k in FIELDS},
                              lora=LoraSettings(**{LORA[k]: v for k, v in options.items() if k in LORA}))
         out = out or source.with_name(source.name + (f"-{config.baseline}" if config.baseline else "-train"))
         status("preparing", f"{f'{config.baseline} baseline' if config.baseline else 'concept model'} from {source} -> {out} ...")
-        trainer = Trainer.start(source, out, config, force=force)
+        trainer = Trainer.start(source, out, config, force=force, dist=dist)
     cfg = trainer.config
     for note in trainer.notes:
         status("note:", note)
@@ -136,9 +175,10 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
     accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, "
                        f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}"
-                       f"{f', attention auto -> {trainer.attention}' if trainer.attention else ''}")
+                       f"{f', attention auto -> {trainer.attention}' if trainer.attention else ''}"
+                       f"{f', {dist.describe()}, global batch {trainer.global_batch}' if dist.active else ''}")
     try:
-        final = run_with_progress(trainer)
+        final = run_with_progress(trainer) if dist.is_main else trainer.train()
     except KeyboardInterrupt:
         from concept.checkpoint import read_meta
 
@@ -159,6 +199,23 @@ def train(ctx, source: Path, out, resume, force, as_json, **options) -> None:
             if not isinstance(v, dict):
                 t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
         stdout.print(t)
+
+
+def already_done(run: Path, steps: int | None) -> tuple[int, int] | None:
+    """(step reached, steps asked for) when ``--resume`` has nothing to train: the last checkpoint is
+    at or beyond ``steps`` (default: the saved run's). Reads only; anything else (no train.json, no
+    checkpoint, an invalid --steps) is left to ``Trainer.resume`` and its errors."""
+    from concept.builder import read_train
+    from concept.checkpoint import read_meta
+
+    saved = read_train(run) if run.is_dir() else None
+    meta = read_meta(run) if saved is not None else None
+    if meta is None:
+        return None
+    steps = saved.get("steps") if steps is None else steps
+    if not isinstance(steps, int) or steps < 1 or steps > meta["step"]:
+        return None
+    return meta["step"], steps
 
 
 def run_with_progress(trainer) -> dict:

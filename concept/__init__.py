@@ -10,7 +10,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "build": "builder", "load": "builder", "save": "builder",
+    "build": "builder", "load": "builder", "save": "builder", "calibrate": "calibration",
     "BuildConfig": "config", "ComponentRef": "config", "resolve": "config",
     "ConceptModel": "model", "ConceptOutput": "model",
     "ConceptError": "errors", "ConfigError": "errors",

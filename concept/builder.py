@@ -90,7 +90,10 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None) ->
 # -- run folders -----------------------------------------------------------------------------
 
 def _run_record(model: ConceptModel) -> dict:
-    return {"format": FORMAT_VERSION, "config": model.plan.config.to_dict(), "plan": model.plan.describe()}
+    record = {"format": FORMAT_VERSION, "config": model.plan.config.to_dict(), "plan": model.plan.describe()}
+    if getattr(model, "calibration", None):  # the build-time NULL-bias calibration (concept.calibration)
+        record["calibration"] = model.calibration
+    return record
 
 
 def read_run(path: str | os.PathLike) -> dict:
@@ -105,7 +108,21 @@ def read_run(path: str | os.PathLike) -> dict:
             config.setdefault(key, value)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise RunFolderError(f"{file} is corrupt ({exc}); rebuild the run with `concept build -o {folder} --force`") from exc
+    localise_backbone_path(record["config"], folder)
     return record
+
+
+def localise_backbone_path(config: dict, folder: Path) -> dict:
+    """A relative local path of an ``hf`` backbone that exists inside the run folder (``concept export``
+    writes ``./backbone``) is made absolute, so the folder loads wherever it is moved and whatever the
+    working directory; any other relative path keeps meaning the working directory. Edits ``config``."""
+    backbone = config.get("backbone") if isinstance(config, dict) else None
+    params = backbone.get("params") if isinstance(backbone, dict) and backbone.get("name") == "hf" else None
+    path = params.get("path") if isinstance(params, dict) else None
+    if isinstance(path, str) and path and not path.startswith("~") and not Path(path).is_absolute() \
+            and (Path(folder) / path / "config.json").is_file():
+        params["path"] = str((Path(folder) / path).resolve())
+    return config
 
 
 def save(model: ConceptModel, path: str | os.PathLike, force: bool = False) -> Path:
@@ -157,6 +174,7 @@ def publish_permissions(folder: Path) -> None:
 
 
 TRAIN_FILE = "train.json"
+PEFT_ADAPTER_DIR = "adapter"  # a run's LoRA adapters as a standard peft folder (concept.lora.save_peft_adapter)
 
 
 def read_train(folder: Path) -> dict | None:
@@ -196,9 +214,12 @@ def load_new_modules(model, state: dict) -> None:
 
 def load(path: str | os.PathLike):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
-    LoRA adapters and the newest checkpoint's weights) or a trained dense (or pruned) baseline."""
+    LoRA adapters and the newest checkpoint's weights) or a trained dense (or pruned) baseline; also a
+    folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
+    folder ``adapter/`` or merged into the backbone)."""
+    from . import checkpoint
     from .dense import DenseModel
-    from .lora import LoraSettings, add_lora, load_lora_state_dict
+    from .lora import PEFT_CONFIG_FILE, LoraSettings, add_lora, load_lora_state_dict, load_peft_adapter
 
     folder = Path(path)
     record = read_run(folder)
@@ -216,11 +237,19 @@ def load(path: str | os.PathLike):
     backbone_state = newest_weights(folder, "backbone")
     if backbone_state is not None:
         model.backbone.load_state_dict(backbone_state)
-    if train:
-        add_lora(model.backbone, LoraSettings(**train["lora"]))
+    exported = record.get("export")
+    if exported is not None and checkpoint.folder(folder) is None:  # a `concept export` folder (not a run trained
+        # from one): its adapters in adapter/ (peft), merged into the backbone, or none
+        if exported.get("lora") == "adapter":
+            load_peft_adapter(model.backbone, folder / PEFT_ADAPTER_DIR)
+    elif train:
         adapter = newest_weights(folder, "adapter")
-        if adapter:
-            load_lora_state_dict(model.backbone, adapter)
+        if adapter is None and (folder / PEFT_ADAPTER_DIR / PEFT_CONFIG_FILE).is_file():  # a peft adapter folder
+            load_peft_adapter(model.backbone, folder / PEFT_ADAPTER_DIR)
+        else:
+            add_lora(model.backbone, LoraSettings(**train["lora"]))
+            if adapter:
+                load_lora_state_dict(model.backbone, adapter)
     modules = newest_weights(folder, "modules")
     if modules is None and model.new_modules():
         raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")

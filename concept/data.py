@@ -6,7 +6,13 @@
 
 * Sources: a built-in corpus (always on the machine, no download), a text file (one document),
   a ``.jsonl`` file (one document per line, text in ``text_field``), or a folder of those
-  (recursive, sorted; hidden entries and binaries skipped). Built-in corpora, by name:
+  (recursive, sorted; hidden entries and binaries skipped). Hugging Face ``datasets`` input,
+  read through the ``datasets`` library (imported only then), one document per row, text in
+  the column ``text_field``, rows named ``NAME#ROW`` (0-based): a folder written by
+  ``Dataset.save_to_disk``; a ``DatasetDict.save_to_disk`` folder (its ``train`` split, or
+  ``PATH:SPLIT`` for another; rows named ``SPLIT#ROW`` like ``PATH/SPLIT`` read as a Dataset
+  folder); a ``.parquet`` or ``.arrow`` file; and those inside a folder. Nothing is written
+  next to the data (no ``datasets`` cache). Built-in corpora, by name:
 
   - ``stdlib`` (alias ``code``; the default): the ``.py`` sources of the Python standard
     library, one document per file (tests, ``site-packages`` and ``pydoc_data`` excluded);
@@ -63,11 +69,13 @@ BINARY_SUFFIXES = {
     ".woff", ".woff2", ".xz", ".zip", ".zst",
 }
 ENCODING_HINT = "pass --encoding-errors replace to decode it with U+FFFD replacement characters"
+TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through `datasets`, one document per row (binary otherwise)
+DATASETS_PIN = "datasets==5.2.0"
 
 
 @dataclass
 class Document:
-    name: str  # path relative to the source root, or "file.jsonl:LINE"
+    name: str  # path relative to the source root, "file.jsonl:LINE", or "file.parquet#ROW" / "folder#ROW"
     text: str
 
 
@@ -136,18 +144,140 @@ def _read_file(path: Path, name: str, text_field: str, errors: str, explicit: bo
     return [(0, Document(name, text))] if text.strip() else []
 
 
+# -- Hugging Face `datasets` input (imported lazily: only for such input) ---------------------------
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ConceptError(f"reading Hugging Face datasets folders, .parquet and .arrow files needs the `datasets` "
+                           f"package ({exc}); install it: pip install {DATASETS_PIN}") from None
+    return datasets
+
+
+def _datasets_folder(path: Path) -> str | None:
+    """"dataset" for a folder written by ``Dataset.save_to_disk``, "dict" for one written by
+    ``DatasetDict.save_to_disk``, else None (checked by file names, without importing ``datasets``)."""
+    if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        return "dataset"
+    if (path / "dataset_dict.json").is_file():
+        return "dict"
+    return None
+
+
+def _read_errors():
+    import pyarrow
+
+    return OSError, ValueError, KeyError, TypeError, pyarrow.ArrowException
+
+
+def _table_rows(features, read_column, path: Path, name: str, text_field: str) -> list[tuple[int, Document]]:
+    """Documents of one table (``features``: its ``datasets.Features``; ``read_column()``: the text
+    column as a list) as (row, Document), rows named ``NAME#ROW``; the checks of ``_jsonl``."""
+    import datasets
+
+    def is_string(feature) -> bool:
+        return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "string_view")
+
+    strings = [c for c, f in features.items() if is_string(f)]
+    if len(strings) == 1:
+        hint = f"; pass --text-field {strings[0]}"
+    elif strings:
+        hint = f"; choose one with --text-field NAME (string columns: {', '.join(repr(c) for c in strings)})"
+    else:
+        hint = "; no column holds strings: pass --text-field NAME naming a column of text"
+    if text_field not in features:
+        columns = ", ".join(repr(c) for c in features) or "none"
+        raise ConceptError(f"{path} has no {text_field!r} column (columns: {columns}){hint}")
+    if not is_string(features[text_field]):
+        raise ConceptError(f"{path}: column {text_field!r} holds {features[text_field]!r}, expected strings{hint}")
+    try:
+        values = read_column()
+    except _read_errors() as exc:
+        raise ConceptError(f"cannot read column {text_field!r} of {path}: {exc}") from None
+    docs = []
+    for row, value in enumerate(values):
+        if value is None:
+            raise ConceptError(f"{path} row {row}: column {text_field!r} is null (a missing value), expected a "
+                               f"string; drop or fill the rows without text")
+        if value.strip():
+            docs.append((row, Document(f"{name}#{row}", value)))
+    return docs
+
+
+def _read_dataset_folder(path: Path, name: str, text_field: str, split: str | None = None) -> list[tuple[int, Document]]:
+    """Documents of a ``save_to_disk`` folder: a Dataset (rows ``NAME#ROW``), or a DatasetDict's
+    ``split`` (default "train"; rows ``NAME/SPLIT#ROW``, or ``SPLIT#ROW`` for an empty ``name``)."""
+    if _datasets_folder(path) == "dict":
+        index = path / "dataset_dict.json"
+        try:
+            splits = json.loads(_read_bytes(index)).get("splits")
+        except (ValueError, AttributeError):
+            splits = None
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise ConceptError(f"{index} is not a valid DatasetDict index (no list of \"splits\"); "
+                               f"save the data again with DatasetDict.save_to_disk")
+        listed = ", ".join(repr(s) for s in splits) or "none"
+        if split is None and "train" not in splits:
+            example = f", e.g. --data {path}:{splits[0]}" if splits else ""
+            raise ConceptError(f"{path} is a Hugging Face DatasetDict without a 'train' split (splits: {listed}); "
+                               f"choose one with --data {path}:SPLIT{example}")
+        split = "train" if split is None else split
+        if split not in splits:
+            raise ConceptError(f"{path} has no split {split!r} (splits: {listed}); pass --data {path}:SPLIT "
+                               f"with one of them")
+        return _read_dataset_folder(path / split, f"{name}/{split}" if name else split, text_field)
+    if split is not None:
+        raise ConceptError(f"--data {path}:{split}: {path} is a single Hugging Face Dataset, not a DatasetDict "
+                           f"with splits; pass --data {path}")
+    datasets = _import_datasets()
+    try:
+        ds = datasets.Dataset.load_from_disk(str(path))  # memory-mapped; writes nothing
+    except _read_errors() as exc:
+        raise ConceptError(f"cannot read the Hugging Face datasets folder {path}: {exc}") from None
+    return _table_rows(ds.features, lambda: ds.data.column(text_field).to_pylist(), path, name, text_field)
+
+
+def _read_table_file(path: Path, name: str, text_field: str) -> list[tuple[int, Document]]:
+    """Documents of a ``.parquet`` or ``.arrow`` file (Arrow IPC stream, as ``datasets`` writes, or
+    IPC file / Feather v2), one per row, read in place."""
+    datasets = _import_datasets()
+    import pyarrow as pa
+
+    try:
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            features = datasets.Features.from_arrow_schema(pq.read_schema(path))
+            return _table_rows(features, lambda: pq.read_table(path, columns=[text_field]).column(0).to_pylist(),
+                               path, name, text_field)
+        try:
+            table = datasets.Dataset.from_file(str(path)).data  # memory-mapped stream format
+        except pa.ArrowInvalid:
+            with pa.memory_map(str(path)) as source:
+                table = pa.ipc.open_file(source).read_all()
+        features = datasets.Features.from_arrow_schema(table.schema)
+    except _read_errors() as exc:
+        raise ConceptError(f"cannot read {path} as a {path.suffix.lower()[1:]} table: {exc}") from None
+    return _table_rows(features, lambda: table.column(text_field).to_pylist(), path, name, text_field)
+
+
 def _walk(root: Path, stdlib: bool) -> list[Path]:
     def onerror(exc: OSError):
         reason = "permission denied" if isinstance(exc, PermissionError) else (exc.strerror or str(exc))
         raise ConceptError(f"cannot read folder {exc.filename}: {reason}; make it readable or point --data elsewhere")
 
-    files = []
+    files = []  # and, outside the stdlib, `save_to_disk` folders (read whole, not walked into)
     for folder, dirs, names in os.walk(root, onerror=onerror):
+        if not stdlib and Path(folder) != root and _datasets_folder(Path(folder)):
+            files.append(Path(folder))
+            dirs[:] = []
+            continue
         dirs[:] = [d for d in dirs if not d.startswith(".") and not (stdlib and d in STDLIB_EXCLUDED_DIRS)]
         for n in names:
             path = Path(folder, n)
             suffix = path.suffix.lower()
-            if n.startswith(".") or (stdlib and suffix != ".py") or suffix in BINARY_SUFFIXES:
+            if n.startswith(".") or (stdlib and suffix != ".py") or (suffix in BINARY_SUFFIXES and
+                                                                     (stdlib or suffix not in TABLE_SUFFIXES)):
                 continue
             if path.is_file():
                 files.append(path)
@@ -195,8 +325,9 @@ def _is_heldout(name: str, fraction: float) -> bool:
 def read_documents(source: str | os.PathLike | None = None, split: str = "all", text_field: str = "text",
                    heldout_fraction: float = 0.05, encoding_errors: str = "strict") -> list[Document]:
     """Documents of ``source`` (None or "stdlib"/"code": the Python standard library's sources;
-    "pydoc"/"prose": its English help topics; a text or .jsonl file; or a folder of them),
-    restricted to ``split`` ("train", "heldout" or "all"), sorted."""
+    "pydoc"/"prose": its English help topics; a text, .jsonl, .parquet or .arrow file; a folder of
+    them; or a ``datasets`` ``save_to_disk`` folder, ``PATH:SPLIT`` for a DatasetDict's split other
+    than "train"), restricted to ``split`` ("train", "heldout" or "all"), sorted."""
     if split not in SPLITS:
         raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if not 0.0 <= heldout_fraction < 1.0:
@@ -215,24 +346,46 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
         if not docs:
             raise ConceptError("the standard library's pydoc_data.topics is empty; pass a folder of text files to --data")
         return _split(docs, split, heldout_fraction, label)
+    dataset_split = None  # PATH:SPLIT picks a split of a DatasetDict folder
+    if corpus is None and not root.exists():
+        base, colon, chosen = str(source).rpartition(":")
+        if colon and base and chosen and "/" not in chosen and _datasets_folder(Path(base).expanduser()):
+            root, dataset_split, label = Path(base).expanduser(), chosen, str(source)
     if not root.exists():
         raise ConceptError(f"data path {root} does not exist; pass an existing text file, .jsonl file or folder "
                            f"to --data, or leave it out to use the default corpus (the Python standard library)")
     keyed = []  # (sort key, Document)
-    if root.is_dir():
+    kind = None if stdlib or not root.is_dir() else _datasets_folder(root)
+    if kind or dataset_split is not None:  # a `save_to_disk` folder: read through `datasets`
+        # a Dataset's rows are named after the folder (like a single file), a DatasetDict's after the split
+        keyed = [((root.name, row), doc) for row, doc in
+                 _read_dataset_folder(root, root.name if kind == "dataset" else "", text_field, dataset_split)]
+        if not keyed:
+            raise ConceptError(f"{label} holds no documents (no rows, or every row's {text_field!r} is empty); "
+                               f"add text or point --data elsewhere")
+    elif root.is_dir():
         files = _walk(root, stdlib)
         for path in files:
             rel = path.relative_to(root).as_posix()
-            keyed += [((rel, line), doc) for line, doc in _read_file(path, rel, text_field, encoding_errors, False)]
+            if path.is_dir():  # a `save_to_disk` folder inside the folder
+                found = _read_dataset_folder(path, rel, text_field)
+            elif not stdlib and path.suffix.lower() in TABLE_SUFFIXES:
+                found = _read_table_file(path, rel, text_field)
+            else:
+                found = _read_file(path, rel, text_field, encoding_errors, False)
+            keyed += [((rel, line), doc) for line, doc in found]
         if not keyed:
             what = "no files" if not files else f"{len(files)} file(s), all empty or binary"
             raise ConceptError(f"{label} holds no readable documents ({what}; hidden entries and binary files are "
                                f"skipped); point --data at text or .jsonl files")
     elif root.is_file():
-        keyed = [((root.name, line), doc)
-                 for line, doc in _read_file(root, root.name, text_field, encoding_errors, True)]
+        table = root.suffix.lower() in TABLE_SUFFIXES
+        found = (_read_table_file(root, root.name, text_field) if table
+                 else _read_file(root, root.name, text_field, encoding_errors, True))
+        keyed = [((root.name, line), doc) for line, doc in found]
         if not keyed:
-            detail = "every line is blank or has an empty text" if root.suffix.lower() == ".jsonl" else "it is empty"
+            detail = ("every line is blank or has an empty text" if root.suffix.lower() == ".jsonl" else
+                      f"no rows, or every row's {text_field!r} is empty" if table else "it is empty")
             raise ConceptError(f"{root} holds no documents ({detail}); add text or point --data elsewhere")
     else:
         raise ConceptError(f"data path {root} is neither a regular file nor a folder")

@@ -364,9 +364,9 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
 def recipe(train: dict, kind: str) -> dict:
     """What a run learns from: the training config minus logging / device (and, for a baseline, the
     streaming-only options, which do nothing there)."""
-    from .training import TrainConfig
+    from .training import DERIVED, TrainConfig
 
-    saved = {k: v for k, v in train.items() if k not in ("source", "attention_resolved", "pruned")}
+    saved = {k: v for k, v in train.items() if k not in DERIVED}
     d = TrainConfig.from_dict(saved).to_dict()
     drop = NOT_RECIPE | (STREAMING_ONLY if kind != "streaming" else set())
     return {k: v for k, v in d.items() if k not in drop}

@@ -85,7 +85,15 @@ class PIController:
 
     def update(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, ratio: float, h=None) -> float:
         """After a step with realised ``ratio``: move the bias for the next step."""
-        quantile, spread = self._quantile(policy, head_logits, valid, h)
+        return self.apply(policy, *self.statistics(policy, head_logits, valid, h), ratio)
+
+    def statistics(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> tuple[float, float]:
+        """(the bias that would give exactly ``target`` on this batch, the keep log-odds spread): what
+        :meth:`apply` needs, averaged by the trainer over micro-batches and processes."""
+        return self._quantile(policy, head_logits, valid, h)
+
+    def apply(self, policy, quantile: float, spread: float, ratio: float) -> float:
+        """Move the bias for the next step from a step's statistics and its realised ``ratio``."""
         self.ema = quantile if self.ema is None else self.momentum * self.ema + (1 - self.momentum) * quantile
         self.integral += ratio - self.target
         bias = self.ema + self.ki * spread * self.integral

@@ -17,8 +17,11 @@ curriculum (``ratio_start`` -> ``target_ratio`` over ``ratio_warmup`` of the ste
 ``baseline="dense"`` (the backbone + LoRA) or ``"pruned"`` (minus a FLOP-matched block of
 layers, ``concept.flops.matched_prune``). AdamW, linear warmup then cosine
 decay, gradient clipping and accumulation, bf16 autocast on GPU, optional gradient
-checkpointing. The data position is a pure function of the step, and every RNG state is
-saved, so a resumed run reproduces the uninterrupted loss curve exactly.
+checkpointing. The data position is a pure function of the step and each micro-batch's
+randomness is seeded from (seed, step, micro-batch), so a resumed run reproduces the
+uninterrupted loss curve exactly. Under ``torchrun`` the same loop runs with DDP or FSDP2
+(``concept.distributed``): the global batch is ``batch x world_size x grad_accum`` and the loss
+curve is that of one process running the same global batch.
 """
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ import math
 import shutil
 import signal
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from torch import nn
 
 from . import checkpoint, data
 from . import objectives as objectives_
@@ -40,6 +45,7 @@ from .backbone import decoder
 from .builder import RUN_FILE, TRAIN_FILE, build, build_backbone, read_run, read_train
 from .config import BuildConfig, resolve
 from .dense import DenseModel
+from .distributed import Dist, full_tensor
 from .errors import ConceptError, ConfigError, RunFolderError
 from .lora import LoraSettings, add_lora, lora_state_dict
 from .objectives import ALIGN_AT, ALIGN_LOSSES
@@ -49,6 +55,8 @@ METRICS = "metrics.jsonl"
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
 BASELINES = ("dense", "pruned")
 TRAIN_ONLY = ("all", "new")
+# train.json keys that record what a run resolved to, beside the TrainConfig fields
+DERIVED = ("source", "attention_resolved", "pruned", "distributed")
 
 
 class TrainingError(ConceptError):
@@ -123,6 +131,8 @@ class TrainConfig:
                 p.append(f"{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")
         if self.usage_weight < 0:
             p.append(f"usage-weight: must be >= 0, got {self.usage_weight}")
+        if not self.pi_ki >= 0:  # (NaN fails too)
+            p.append(f"pi-ki: must be >= 0, got {self.pi_ki}")
         if self.clip <= 0 or self.weight_decay < 0 or not 0 <= self.min_lr <= 1 or self.warmup < 0:
             p.append("clip > 0, weight-decay >= 0, min-lr in [0, 1] and warmup >= 0 are required")
         if self.encoding_errors not in ("strict", "replace"):
@@ -282,13 +292,55 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+def micro_seed(seed: int, step: int, micro: int) -> int:
+    """The seed of micro-batch ``micro`` of (0-based) ``step``: its Gumbel noise and dropout do not
+    depend on which process computes it, nor on what ran before (exact resume)."""
+    return (seed * 1_000_003 + step * 65_537 + micro) % 2 ** 63
+
+
+class StepModule(nn.Module):
+    """One training forward: the frozen teacher (when an objective reads it), the model and every
+    loss term. One module, so that DDP / FSDP2 see every parameter the loss touches inside its
+    forward (the MTP heads and the objectives read the model outside the model's own forward)."""
+
+    def __init__(self, model: nn.Module, objectives: list, ce_weight: float, autocast, sync):
+        super().__init__()
+        self.model = model
+        self.objectives, self.ce_weight, self.autocast, self.sync = objectives, ce_weight, autocast, sync
+        self.teacher_needs = frozenset().union(*(o.teacher_needs for o in objectives))
+
+    def forward(self, b: dict):
+        """Returns (model output, total loss, {objective name: term}, seconds spent in the teacher)."""
+        teacher, teacher_s = None, 0.0
+        if self.teacher_needs:  # before the student: its graph never sees the adapters switched off
+            from .teacher import teacher_forward
+
+            self.sync()
+            t0 = time.perf_counter()
+            with self.autocast():
+                teacher = teacher_forward(self.model, b["input_ids"], b["attention_mask"], b["document_ids"],
+                                          self.teacher_needs)
+            self.sync()
+            teacher_s = time.perf_counter() - t0
+        with self.autocast():
+            out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
+                             document_ids=b["document_ids"])
+        loss, terms = self.ce_weight * out.loss, {}
+        for objective in self.objectives:
+            terms[objective.name] = objective(self.model, b, out, teacher)
+            loss = loss + terms[objective.name]
+        return out, loss, terms, teacher_s
+
+
 class Trainer:
     """One training run in a run folder (``out``)."""
 
-    def __init__(self, out: Path, config: TrainConfig, build_config: BuildConfig, resume: bool):
+    def __init__(self, out: Path, config: TrainConfig, build_config: BuildConfig, resume: bool,
+                 dist: Dist | None = None):
         self.out, self.config, self.build_config = Path(out), config, build_config
+        self.dist = dist or Dist()
         self.notes: list[str] = []  # warnings for the user (the CLI prints them)
-        plan, self.device = self.check(config, build_config)
+        plan, self.device = self.check(config, build_config, self.dist)
         torch.manual_seed(config.seed)
         self.prune = None
         if config.baseline:
@@ -328,27 +380,22 @@ class Trainer:
                     p.requires_grad_(False)
         self.model.to(self.device)
         self.model.gradient_checkpointing = config.grad_checkpointing
+        if resume:  # weights before any sharding; the optimizer state once the optimizer exists
+            self._restore_weights()
 
         tokenizer = data.tokenizer_for(self.model)
-        self.train_data = data.PackedSequences(
-            data.read_documents(config.data, "train", config.text_field, encoding_errors=config.encoding_errors),
-            tokenizer, config.seq_len, seed=config.seed)
-        try:
-            heldout = data.read_documents(config.data, "heldout", config.text_field, encoding_errors=config.encoding_errors)
-            self.eval_data = data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
-        except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
-            self.eval_data = None
-            self.notes.append(f"no held-out evaluation during training: {exc}")
+        with self.dist.main_first():  # rank 0 fills the tokenisation cache, the others read it
+            self.train_data = data.PackedSequences(
+                data.read_documents(config.data, "train", config.text_field, encoding_errors=config.encoding_errors),
+                tokenizer, config.seq_len, seed=config.seed)
+            try:
+                heldout = data.read_documents(config.data, "heldout", config.text_field,
+                                              encoding_errors=config.encoding_errors)
+                self.eval_data = data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
+            except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
+                self.eval_data = None
+                self.notes.append(f"no held-out evaluation during training: {exc}")
 
-        lora = [p for p in self.model.backbone.parameters() if p.requires_grad]
-        groups = [{"params": lora, "lr": config.lr, "name": "lora"}] if lora else []
-        for name, module in self.model.new_modules().items():
-            params = [p for p in module.parameters() if p.requires_grad]
-            if params:
-                groups.append({"params": params, "lr": getattr(module, "learning_rate", None) or config.lr_new,
-                               "name": name})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         controls = config.ratio_control
         streaming = not config.baseline
         policy = getattr(self.model, "length_policy", None)
@@ -369,10 +416,23 @@ class Trainer:
         # the loss terms beyond the CE, each named in metrics.jsonl (concept.objectives)
         self.objectives = objectives_.from_config(config, streaming, controls in ("loss", "both"), self.target_ratio,
                                                   has_mtp=getattr(self.model, "mtp_heads", None) is not None)
-        self.teacher_needs = frozenset().union(*(o.teacher_needs for o in self.objectives))
+        self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast, self._sync)
+        self.teacher_needs = self.step_module.teacher_needs
+        self.train_forward = self._wrap(self.step_module)  # DDP / FSDP2 under torchrun, else the module itself
+
+        lora = [p for p in self.model.backbone.parameters() if p.requires_grad]
+        groups = [{"params": lora, "lr": config.lr, "name": "lora"}] if lora else []
+        for name, module in self.model.new_modules().items():
+            params = [p for p in module.parameters() if p.requires_grad]
+            if params:
+                groups.append({"params": params, "lr": getattr(module, "learning_rate", None) or config.lr_new,
+                               "name": name})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.step = 0
+        self.last_row: dict = {}
         if resume:
-            self._restore()
+            self._restore_state()
         self._stop = False
         self.attention = resolved_attention(self.model, self.device)
         record = json.loads((self.out / TRAIN_FILE).read_text())
@@ -381,14 +441,58 @@ class Trainer:
         if self.prune is not None:  # which layers the pruned baseline skips (concept.load reads it)
             record["pruned"] = {**self.prune.to_dict(), "note": describe_prune(self.prune, plan.split,
                                                                             config.prune_layers is not None)}
-        if self.attention or self.prune is not None:
-            (self.out / TRAIN_FILE).write_text(json.dumps(record, indent=2))
+        record["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
+                                 "global_batch": self.global_batch}
+        self.dist.on_main((self.out / TRAIN_FILE).write_text, json.dumps(record, indent=2))
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of ``batch`` rows per optimizer step, over all processes."""
+        return self.config.grad_accum * self.dist.world_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.batch * self.micro_batches
+
+    def _wrap(self, module: nn.Module):
+        """The training forward under torchrun: DDP (gradients all-reduced in backward) or FSDP2
+        (each decoder layer and the rest sharded over the ranks, gathered for its forward)."""
+        if self.dist.mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=False)
+        if self.dist.mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in decoder(self.model.backbone).layers:
+                fully_shard(layer)
+            fully_shard(module)
+            # FSDP2 initialises lazily in the root's first forward; calibration and evaluation call the layers
+            # outside it, so initialise now (else each layer would take itself for a root)
+            module._get_fsdp_state()._lazy_init()
+        return module
+
+    @contextmanager
+    def gathered(self):
+        """FSDP2: the root's parameters (embeddings, head, new modules) gathered whole, for a forward
+        outside the training step (calibration, evaluation); the decoder layers gather their own."""
+        if self.dist.mode != "fsdp2":
+            yield
+            return
+        self.step_module.unshard()
+        try:
+            yield
+        finally:
+            self.step_module.reshard()
 
     @staticmethod
-    def check(config: TrainConfig, build_config: BuildConfig):
+    def check(config: TrainConfig, build_config: BuildConfig, dist: Dist | None = None):
         """Validate a training config against the build (all problems at once, ``ConfigError``) before
         anything is loaded or written. Returns the resolved build plan and the device."""
         device = pick_device(config.device)
+        if device.type == "cuda" and dist is not None and dist.active:
+            device = torch.device("cuda", dist.local_rank)
         plan = resolve(build_config)
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
         attention = plan.components["attention"]
@@ -420,56 +524,69 @@ class Trainer:
 
     # -- starting and resuming -----------------------------------------------------------------
     @classmethod
-    def start(cls, source: str | Path, out: str | Path, config: TrainConfig, force: bool = False) -> "Trainer":
-        """A new run in ``out`` from a built (or trained) run folder ``source``."""
-        source, out = Path(source), Path(out)
+    def start(cls, source: str | Path, out: str | Path, config: TrainConfig, force: bool = False,
+              dist: Dist | None = None) -> "Trainer":
+        """A new run in ``out`` from a built (or trained) run folder ``source`` (under torchrun: every
+        rank calls it; rank 0 prepares the folder)."""
+        source, out, dist = Path(source), Path(out), dist or Dist()
         record = read_run(source)
         build_config = BuildConfig.from_dict(record["config"])
-        cls.check(config, build_config)  # bad options fail before anything is written (or replaced by --force)
-        if out.exists() and any(out.iterdir()) and out.resolve() != source.resolve():
-            if not force:
-                raise RunFolderError(f"{out} already exists and is not empty; pass --resume to continue it, "
-                                     f"--force to replace it, or choose another --out")
-            shutil.rmtree(out)
-        created = not out.exists()
+        cls.check(config, build_config, dist)  # bad options fail before anything is written (or replaced by --force)
+        replace = out.exists() and any(out.iterdir()) and out.resolve() != source.resolve()
+        if replace and not force:
+            raise RunFolderError(f"{out} already exists and is not empty; pass --resume to continue it, "
+                                 f"--force to replace it, or choose another --out")
+        if out.resolve() == source.resolve() and read_train(out) is not None:
+            raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
+        created = replace or not out.exists()
+        dist.barrier()  # every rank has checked the folder before rank 0 changes it
+        dist.on_main(cls._prepare, source, out, config, replace)
         try:
-            return cls._start(source, out, config, build_config)
+            return cls(out, config, build_config, resume=False, dist=dist)
         except BaseException:
-            if created:  # never leave a half-initialised run folder behind
+            if created and dist.is_main:  # never leave a half-initialised run folder behind
                 shutil.rmtree(out, ignore_errors=True)
             raise
 
-    @classmethod
-    def _start(cls, source: Path, out: Path, config: TrainConfig, build_config: BuildConfig) -> "Trainer":
+    @staticmethod
+    def _prepare(source: Path, out: Path, config: TrainConfig, replace: bool) -> None:
+        if replace:
+            shutil.rmtree(out)
         if out.resolve() != source.resolve():
             out.mkdir(parents=True, exist_ok=True)
-            for name in (RUN_FILE, "modules.safetensors", "backbone.safetensors"):
+            for name in ("modules.safetensors", "backbone.safetensors"):
                 if (source / name).is_file():
                     shutil.copy2(source / name, out / name)
+            record = {k: v for k, v in read_run(source).items() if k != "export"}  # an export's ./backbone made absolute
+            (out / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
             from safetensors.torch import save_file
 
             for stem in ("modules", "adapter"):  # continue from a trained model's modules and adapters
                 state = checkpoint.read_tensors(source, stem)
+                if state is None and stem == "adapter":  # an export: its adapters as a peft folder
+                    from .builder import PEFT_ADAPTER_DIR
+                    from .lora import peft_adapter_state
+
+                    state = peft_adapter_state(source / PEFT_ADAPTER_DIR)
                 if state:
                     save_file(state, out / f"{stem}.safetensors")
-        elif read_train(out) is not None:
-            raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
         (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": str(source)}, indent=2))
         (out / METRICS).write_text("")
-        return cls(out, config, build_config, resume=False)
 
     @classmethod
-    def resume(cls, out: str | Path, **overrides) -> "Trainer":
-        """Continue the run in ``out``; only ``steps`` (and logging cadence) may differ from the saved config."""
-        out = Path(out)
+    def resume(cls, out: str | Path, dist: Dist | None = None, **overrides) -> "Trainer":
+        """Continue the run in ``out``; only ``steps`` (and logging cadence) may differ from the saved config,
+        and ``batch`` / ``grad_accum`` as long as the global batch stays (a different number of processes)."""
+        out, dist = Path(out), dist or Dist()
         record = read_run(out)
         saved = read_train(out)
         if saved is None:
             raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
         source = saved.pop("source", None)
-        derived = {k: saved.pop(k) for k in ("attention_resolved", "pruned") if k in saved}  # not config fields
+        derived = {k: saved.pop(k) for k in DERIVED[1:] if k in saved}  # not config fields
         config = TrainConfig.from_dict(saved)
-        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device"}
+        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device", "batch", "grad_accum"}
+
         def saved_value(key):
             return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
 
@@ -477,45 +594,97 @@ class Trainer:
                      for k, v in overrides.items() if k not in changeable and v != saved_value(k)]
         if conflicts:
             raise ConfigError(["--resume continues the saved configuration; these differ:", *conflicts])
+        before = derived.get("distributed", {}).get("world_size", 1)
+        global_batch = config.batch * config.grad_accum * before
         for k, v in overrides.items():
             if k.startswith("lora."):
                 setattr(config.lora, k[5:], v)
             else:
                 setattr(config, k, v)
+        if config.batch * config.grad_accum * dist.world_size != global_batch:
+            cls._fit_global_batch(config, global_batch, before, dist.world_size, set(overrides))
         if checkpoint.read_meta(out) is None:
             raise RunFolderError(f"{out} has no checkpoint to resume from")
-        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": source, **derived}, indent=2))
-        return cls(out, config, BuildConfig.from_dict(record["config"]), resume=True)
+        dist.barrier()
+        dist.on_main((out / TRAIN_FILE).write_text,
+                     json.dumps({**config.to_dict(), "source": source, **derived}, indent=2))
+        return cls(out, config, BuildConfig.from_dict(record["config"]), resume=True, dist=dist)
 
-    def _restore(self) -> None:
+    @staticmethod
+    def _fit_global_batch(config: TrainConfig, global_batch: int, before: int, world: int, given: set) -> None:
+        """Resuming on another number of processes: keep the global batch, by the accumulation when the
+        user did not choose --batch / --grad-accum; anything else is an error that says what to pass."""
+        was = f"the run's global batch is {global_batch} rows per step ({before} process{'es' if before > 1 else ''})"
+        if not given & {"batch", "grad_accum"} and global_batch % (config.batch * world) == 0:
+            config.grad_accum = global_batch // (config.batch * world)
+            return
+        if global_batch % world:
+            raise ConfigError([f"{world} processes do not divide the global batch: {was}; resume on a number of "
+                               f"processes that divides {global_batch}"])
+        per_rank = global_batch // world
+        raise ConfigError([f"resuming with a different global batch: {was}, but --batch {config.batch} x "
+                           f"{world} process{'es' if world > 1 else ''} x --grad-accum {config.grad_accum} = "
+                           f"{config.batch * world * config.grad_accum}; pass --batch and --grad-accum whose "
+                           f"product is {per_rank}"])
+
+    def _restore_weights(self) -> None:
         from .builder import load_new_modules
         from .lora import load_lora_state_dict
 
-        meta = checkpoint.read_meta(self.out)
         load_lora_state_dict(self.model.backbone, checkpoint.read_tensors(self.out, "adapter") or {})
         modules = checkpoint.read_tensors(self.out, "modules")
         if modules:
             load_new_modules(self.model, modules)
+
+    def _restore_state(self) -> None:
+        meta = checkpoint.read_meta(self.out)
         objects = checkpoint.read_objects(self.out)
-        self.optimizer.load_state_dict(objects["optimizer"])
+        if objects.get("optimizer_format") == "fqn":  # keyed by parameter name: any number of processes
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, objects["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:  # older checkpoints: keyed by position
+            self.optimizer.load_state_dict(objects["optimizer"])
         self.scheduler.load_state_dict(objects["scheduler"])
         if self.pi is not None and meta.get("pi"):
             self.pi.load_state_dict(meta["pi"])
         checkpoint.set_rng_state(objects["rng"])
         self.step = meta["step"]
-        # drop metrics logged after the checkpoint: the resumed run logs those steps again
+        self.dist.on_main(self._truncate_metrics)
+
+    def _truncate_metrics(self) -> None:
+        """Drop metrics logged after the checkpoint: the resumed run logs those steps again."""
         lines = (self.out / METRICS).read_text().splitlines() if (self.out / METRICS).is_file() else []
         kept = [line for line in lines if _parse(line) and _parse(line).get("step", 0) <= self.step]  # a torn last line is dropped
         (self.out / METRICS).write_text("".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
+        """Every rank gathers (FSDP2: a collective), rank 0 writes; an error on rank 0 stops every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
         model = self.model
-        tensors = {"adapter": lora_state_dict(model.backbone), "modules": model.new_state_dict()}
-        objects = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        tensors = {"adapter": lora_state_dict(model.backbone),
+                   "modules": {k: full_tensor(v) for k, v in model.new_state_dict().items()}}
+        optimizer = get_optimizer_state_dict(model, self.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        objects = {"optimizer": optimizer, "optimizer_format": "fqn", "scheduler": self.scheduler.state_dict(),
                    "rng": checkpoint.rng_state()}
-        meta = {"step": self.step, "pi": self.pi.state_dict() if self.pi else None}
+        meta = {"step": self.step, "pi": self.pi.state_dict() if self.pi else None,
+                "world_size": self.dist.world_size, "global_batch": self.global_batch}
+        self.dist.on_main(self._write_checkpoint, tensors, objects, meta)
+
+    def _write_checkpoint(self, tensors, objects, meta) -> None:
         try:
             checkpoint.write(self.out, tensors, objects, meta)
+            # the adapters also as a standard peft folder (RUN/adapter/), loadable onto the plain HF backbone;
+            # concept.load reads the checkpoint's copy first, so a torn peft folder never wins
+            from .builder import PEFT_ADAPTER_DIR
+            from .lora import save_peft_adapter
+
+            save_peft_adapter(self.model.backbone, self.out / PEFT_ADAPTER_DIR, state=tensors["adapter"],
+                              base_model_name_or_path=self.model.plan.backbone_info.name,
+                              removed=getattr(self.model, "removed", None))
         except (OSError, RuntimeError, SafetensorError) as exc:  # e.g. a full disk (torch.save raises RuntimeError)
             prev = checkpoint.read_meta(self.out)
             where = f"the previous checkpoint (step {prev['step']}) is intact" if prev else "no earlier checkpoint exists"
@@ -533,24 +702,19 @@ class Trainer:
         return torch.autocast("cpu", enabled=False)
 
     def forward(self, b):
+        """The model alone on a batch (no objectives, no teacher), e.g. to calibrate the NULL bias."""
         with self.autocast():
             return self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
                               document_ids=b["document_ids"])
-
-    def teacher(self, b):
-        """The frozen backbone (adapters disabled, no grad) on the same batch (``concept.teacher``)."""
-        from .teacher import teacher_forward
-
-        with self.autocast():
-            return teacher_forward(self.model, b["input_ids"], b["attention_mask"], b["document_ids"],
-                                   self.teacher_needs)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":  # honest timings of asynchronous kernels
             torch.cuda.synchronize(self.device)
 
     def train_step(self) -> dict:
-        cfg, model = self.config, self.model
+        """One optimizer step over the global batch: this rank's ``grad_accum`` micro-batches (DDP /
+        FSDP2 average the gradients over the ranks in backward), then every logged value reduced."""
+        cfg, model, dist = self.config, self.model, self.dist
         model.train()
         sampler = getattr(model, "sampler", None)
         if sampler is not None and hasattr(sampler, "tau"):
@@ -560,47 +724,56 @@ class Trainer:
         if streaming:
             self.set_target(target)
         if self.pi is not None and self.pi.base is None:  # first step: calibrate the NULL bias on this batch
-            with torch.no_grad():
-                b = self.batch(0)
+            with torch.no_grad(), self.gathered():
+                b = self.batch(0)  # the same rows on every rank: the same bias
                 out = self.forward(b)
             self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
         start = time.perf_counter()
-        terms = {o.name: torch.zeros((), device=self.device) for o in self.objectives}
-        totals = {"loss": 0.0, "total_loss": 0.0, "kept": 0, "tokens": 0, "teacher_s": 0.0}
-        for micro in range(cfg.grad_accum):
-            b = self.batch(self.step * cfg.grad_accum + micro)
-            teacher = None
-            if self.teacher_needs:  # before the student: its graph never sees the adapters switched off
-                self._sync()
-                t0 = time.perf_counter()
-                teacher = self.teacher(b)
-                self._sync()
-                totals["teacher_s"] += time.perf_counter() - t0
-            out = self.forward(b)
-            loss = cfg.ce_weight * out.loss
-            for objective in self.objectives:
-                term = objective(model, b, out, teacher)
-                terms[objective.name] += term.detach() / cfg.grad_accum
-                loss = loss + term
-            if not torch.isfinite(loss):
-                prev = checkpoint.read_meta(self.out)
-                where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
-                raise TrainingError(f"the loss became {loss.item()} at step {self.step + 1}; {where}. "
-                                    f"Try a lower --lr / --lr-new or a larger --clip.")
-            (loss / cfg.grad_accum).backward()
-            totals["loss"] += out.loss.item() / cfg.grad_accum
-            totals["total_loss"] += loss.item() / cfg.grad_accum
+        names = [o.name for o in self.objectives]
+        # summed over this rank's micro-batches, then over the ranks
+        sums = dict.fromkeys(["loss", "total_loss", "kept", "tokens", "teacher_s", "bad", "quantile", "spread",
+                              *names], 0.0)
+        micros = self.micro_batches
+        for m in range(cfg.grad_accum):
+            j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
+            b = self.batch(self.step * micros + j)
+            torch.manual_seed(micro_seed(cfg.seed, self.step, j))
+            last = m == cfg.grad_accum - 1
+            no_sync = getattr(self.train_forward, "no_sync", None) if not last else None
+            with no_sync() if no_sync else nullcontext():  # DDP: all-reduce once, in the last backward
+                out, loss, terms, teacher_s = self.train_forward(b)
+                (loss / cfg.grad_accum).backward()
+            for name, term in terms.items():
+                sums[name] += float(term.detach())
+            sums["bad"] += 0.0 if torch.isfinite(loss) else 1.0
+            sums["loss"] += out.loss.item()
+            sums["total_loss"] += loss.item()
+            sums["teacher_s"] += teacher_s
             valid = b["attention_mask"].bool()
-            totals["tokens"] += int(valid.sum())
+            sums["tokens"] += int(valid.sum())
             if hasattr(out, "keep"):
-                totals["kept"] += int(out.keep.sum()) * getattr(model, "emit", 1)
+                sums["kept"] += int(out.keep.sum()) * getattr(model, "emit", 1)
+            if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
+                q, spread = self.pi.statistics(model.length_policy, out.head_logits.detach(), valid,
+                                               out.shallow.detach())
+                sums["quantile"] += q
+                sums["spread"] += spread
+        total = dict(zip(sums, dist.sum(list(sums.values()), self.device)))
+        mean = {k: v / micros for k, v in total.items()}  # per micro-batch, over the global batch
+        if total["bad"]:
+            self.optimizer.zero_grad(set_to_none=True)
+            prev = checkpoint.read_meta(self.out)
+            where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
+            loss_value = mean["loss"] if not math.isfinite(mean["total_loss"]) else mean["total_loss"]
+            raise TrainingError(f"the loss became {loss_value} at step {self.step + 1}; {where}. "
+                                f"Try a lower --lr / --lr-new or a larger --clip.")
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
             from .diagnostics import grad_norms, step_diagnostics
 
             diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
-            if hasattr(out, "keep"):
-                with torch.no_grad():
+            if hasattr(out, "keep"):  # (this rank's last micro-batch)
+                with torch.no_grad(), self.gathered():
                     diag.update(step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step used
@@ -610,18 +783,21 @@ class Trainer:
         self.step += 1
         self._sync()
         seconds = time.perf_counter() - start
-        row = {"step": self.step, "loss": totals["loss"], "total_loss": totals["total_loss"], "lr": lr,
-               "grad_norm": float(grad_norm), "tokens_per_s": totals["tokens"] / seconds}
-        row.update({name: float(value) for name, value in terms.items()})  # each objective's term, by name
+        row = {"step": self.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": lr,
+               "grad_norm": float(full_tensor(grad_norm)), "tokens_per_s": total["tokens"] / seconds}
+        row.update({name: mean[name] for name in names})  # each objective's term, by name
         if self.teacher_needs:
-            row.update(teacher_s=totals["teacher_s"], teacher_fraction=totals["teacher_s"] / seconds)
+            teacher_s = total["teacher_s"] / dist.world_size  # per process
+            row.update(teacher_s=teacher_s, teacher_fraction=teacher_s / seconds)
         if hasattr(out, "keep"):
-            ratio = totals["kept"] / max(1, totals["tokens"])
+            ratio = total["kept"] / max(1, total["tokens"])
             row.update(ratio=ratio, target_ratio=target, null_bias=float(getattr(model.length_policy, "null_bias", 0.0)),
                        tau=getattr(sampler, "tau", None))
             if self.pi is not None and self.tracking:
-                self.pi.update(model.length_policy, out.head_logits.detach(), valid, ratio, out.shallow.detach())
-        row.update(diag)
+                self.pi.apply(model.length_policy, mean["quantile"], mean["spread"], ratio)
+        if dist.world_size > 1:
+            row["world_size"] = dist.world_size
+        row.update({k: v for k, v in diag.items() if k not in row})  # (the step's ratio is the global one)
         return row
 
     def calibrate_ratio(self) -> None:
@@ -639,9 +815,9 @@ class Trainer:
         was_training = model.training
         model.eval()  # the decisions the evaluated model will make (e.g. no LoRA dropout)
         try:
-            with torch.no_grad():  # only the shallow stack and the head are needed
+            with torch.no_grad(), self.gathered():  # only the shallow stack and the head are needed
                 for i in range(cfg.calibration_batches):
-                    b = self.batch(self.step * cfg.grad_accum + i)
+                    b = self.batch(self.step * self.micro_batches + i)  # the same rows on every rank
                     mask = b["attention_mask"].bool()
                     h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
                     logits.append(model.vocabulary.logits(h))
@@ -657,17 +833,22 @@ class Trainer:
                               f"{cfg.target_ratio}: the length policy cannot reach it with these settings")
 
     def evaluate(self) -> dict:
+        """Held-out evaluation. Under torchrun every rank evaluates the same batches (FSDP2 needs every
+        rank in each forward; the results are identical) and rank 0 logs them."""
         from .diagnostics import evaluate
 
         if self.eval_data is None:
             return {}
 
         batches = (self.eval_data.batch(i, self.config.batch) for i in range(self.config.eval_batches))
-        return evaluate(self.model, ({k: v.to(self.device) for k, v in b.items()} for b in batches), controls=False)
+        with self.gathered():
+            return evaluate(self.model, ({k: v.to(self.device) for k, v in b.items()} for b in batches),
+                            controls=False)
 
     def log(self, row: dict) -> None:
-        with open(self.out / METRICS, "a") as f:
-            f.write(json.dumps(_finite(row)) + "\n")
+        if self.dist.is_main:
+            with open(self.out / METRICS, "a") as f:
+                f.write(json.dumps(_finite(row)) + "\n")
 
     def _on_sigint(self, signum, frame):
         if self._stop:  # second Ctrl-C: stop now
@@ -688,16 +869,22 @@ class Trainer:
                 if self.eval_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     row["eval"] = self.evaluate()
                 self.log(row)
+                self.last_row = row
                 if progress is not None:
                     progress(row)
+                if self.dist.world_size > 1:  # a Ctrl-C seen by one rank stops them all at the same step
+                    self._stop = self.dist.any(self._stop)
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or self._stop:
                     self.save_checkpoint()
         finally:
             signal.signal(signal.SIGINT, previous)
-        self.plot()
+        if self.dist.is_main:
+            self.plot()
         if self._stop:
             raise KeyboardInterrupt(f"interrupted at step {self.step}; checkpoint saved in {self.out}")
-        return self.metrics()[-1].get("eval", {})
+        if self.last_row:
+            return self.last_row.get("eval", {})
+        return self.metrics()[-1].get("eval", {}) if self.dist.is_main and self.metrics() else {}
 
     def metrics(self) -> list[dict]:
         return [json.loads(line) for line in (self.out / METRICS).read_text().splitlines() if line.strip()]

@@ -67,7 +67,7 @@ def test_version():
 
 def test_help_lists_the_commands():
     out = ok(invoke("--help")).stdout
-    for cmd in ("build", "inspect", "plugins", "train", "eval", "generate", "bench"):
+    for cmd in ("build", "inspect", "plugins", "train", "eval", "generate", "bench", "export"):
         assert cmd in out
 
 

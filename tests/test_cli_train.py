@@ -80,3 +80,46 @@ def test_train_bad_input(built, corpus, tmp_path):  # noqa: F811
     assert r.exit_code != 0 and "encoding-errors replace" in r.stderr
     r = run("train", built, "--resume", "--steps", 1)
     assert r.exit_code != 0 and "not a training run" in r.stderr
+
+
+def _files(folder):
+    """Every file under a run folder: contents and mtime (nothing may change)."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_new_options_reach_the_config_and_resume_below_the_reached_step_changes_nothing(built, corpus, tmp_path):  # noqa: F811
+    out = tmp_path / "m-train"
+    r = run("train", built, "--data", corpus, "--steps", 2, *FAST, "--weight-decay", 0.01, "--min-lr", 0.05,
+            "--pi-ki", 0.1, "--lora-dropout", 0.1, "--out", out)
+    assert r.exit_code == 0, r.output
+    saved = json.loads((out / "train.json").read_text())
+    assert (saved["weight_decay"], saved["min_lr"], saved["pi_ki"], saved["lora"]["dropout"]) == (0.01, 0.05, 0.1, 0.1)
+
+    before = _files(out)
+    for steps in ([], ["--steps", 2], ["--steps", 1]):  # at or below step 2: nothing to train
+        r = run("train", out, "--resume", *steps)
+        assert r.exit_code == 0, r.output
+        assert "already at step 2" in r.stderr and "--resume --steps 12" in r.stderr
+        assert r.stdout == "" and "training" not in r.stderr
+    r = run("train", out, "--resume", "--steps", 1, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["step"] == 2 and report["steps"] == 1 and report["trained"] is False and "already at step 2" in report["message"]
+    # the new options are part of the saved recipe: a different value on --resume is refused
+    r = run("train", out, "--resume", "--steps", 3, "--weight-decay", 0.5)
+    assert r.exit_code == 2 and "weight_decay: the run was trained with 0.01" in r.stderr
+    assert _files(out) == before  # nothing in the run folder changed
+
+    r = run("train", out, "--resume", "--steps", 3, "--lora-dropout", 0.1, "--json")  # same value: fine
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["step"] == 3
+
+
+def test_new_options_are_validated(built, corpus, tmp_path):  # noqa: F811
+    for flag, value, message in (("--min-lr", 2, "min-lr in [0, 1]"), ("--weight-decay", -1, "weight-decay >= 0"),
+                                 ("--pi-ki", -0.1, "pi-ki: must be >= 0"),
+                                 ("--lora-dropout", 1, "lora dropout must be in [0, 1)")):
+        r = run("train", built, "--data", corpus, "--steps", 1, *FAST, flag, value, "--out", tmp_path / "x")
+        assert r.exit_code == 2 and message in r.stderr, (flag, r.stderr)
+        assert not (tmp_path / "x").exists()

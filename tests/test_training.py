@@ -103,15 +103,15 @@ def test_dense_baseline_trains_and_loads(built, corpus, tmp_path):
 
 def test_nan_loss_stops_with_last_checkpoint_intact(built, corpus, tmp_path, monkeypatch):
     trainer = Trainer.start(built, tmp_path / "run", small(data=str(corpus), steps=6))
-    real = trainer.forward
+    real = trainer.model.forward
 
-    def poisoned(b):
-        out = real(b)
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
         if trainer.step >= 4:
             out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setattr(trainer, "forward", poisoned)
+    monkeypatch.setattr(trainer.model, "forward", poisoned)
     with pytest.raises(TrainingError, match=r"nan at step 5.*checkpoint \(step 3\) is intact"):
         trainer.train()
     assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 3

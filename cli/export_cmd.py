@@ -1,0 +1,60 @@
+"""``concept export``: a run as a self-contained folder (HF backbone, peft adapter, concept modules, model card)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from rich.markup import escape
+
+from .output import human_bytes, print_json, quiet_progress_bars, status, stdout, table
+
+LORA = {"adapter": "peft adapter folder (adapter/)", "merged": "merged into backbone/", None: "none"}
+
+
+@click.command(name="export")
+@click.argument("run", metavar="RUN_DIR", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), metavar="DIR", required=True,
+              help="Folder to write (refused if it exists and is not empty, unless --force).")
+@click.option("--merge-lora", is_flag=True,
+              help="Merge the LoRA adapters into the backbone's weights (peft merge_and_unload) instead of "
+                   "writing them as a peft adapter folder.")
+@click.option("--force", is_flag=True,
+              help="Replace a non-empty DIR; the old folder is removed only once the new export is complete.")
+@click.option("--no-check", is_flag=True,
+              help="Skip loading the export back and comparing its logits with the run's before publishing it.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
+def export(run: Path, out: Path, merge_lora: bool, force: bool, no_check: bool, as_json: bool) -> None:
+    """Export a run to a self-contained folder that `concept.load(DIR)` opens anywhere: the backbone as a
+    Hugging Face folder, the LoRA adapters as a peft folder (or merged), the concept modules, the build
+    plan and a model card with the run's held-out numbers.
+
+    \b
+    concept export runs/m1-train --out exports/m1
+    concept export runs/m1-train --out exports/m1-merged --merge-lora --json
+    concept export runs/dense --out exports/dense --force
+    """
+    from concept.export import export as export_run
+
+    quiet_progress_bars()
+    start = time.perf_counter()
+    result = export_run(run, out, merge_lora=merge_lora, force=force, check=not no_check, report=status)
+    if result.check is not None:
+        status("checked", f"the export reproduces the run's logits (max |Δ| {result.check['max_abs_diff']:.2g})")
+    status("exported", f"{out} in {time.perf_counter() - start:.1f} s")
+
+    if as_json:
+        print_json(result.to_dict())
+        return
+    step = f", step {result.step}" if result.step is not None else ", untrained"
+    stdout.print(f"[bold]exported[/] {escape(str(out))} ({escape(result.kind)} model{step}; "
+                 f"LoRA: {escape(LORA[result.lora])})")
+    t = table("file", "size", title="files")
+    for f in result.files:
+        t.add_row(escape(f["path"]), human_bytes(f["bytes"]))
+    stdout.print(t)
+    if result.heldout:
+        ev = result.heldout["eval"]
+        stdout.print(f"held-out (run's last evaluation, step {result.heldout['step']}): "
+                     f"NLL {ev['nll']:.4f} nats/token, {ev['bits_per_token']:.4f} bits/token"
+                     + (f", {ev['ratio']:.4f} concepts/token" if ev.get("ratio") is not None else ""))

@@ -1,0 +1,391 @@
+"""``concept export``: a run as a self-contained folder that ``concept.load`` opens anywhere.
+
+    from concept.export import export
+    result = export("runs/m1-train", "exports/m1")              # base weights + peft adapter folder
+    result = export("runs/m1-train", "exports/m1-merged", merge_lora=True, force=True)
+    model = concept.load("exports/m1")                          # no run folder, no backbone cache needed
+
+The exported folder::
+
+    README.md            model card: what the model is, held-out numbers, how to load it
+    concept.json         the build plan; its backbone is ``hf`` with path ``./backbone`` (relative to
+                         this folder: ``concept.load`` finds it wherever the folder is moved); split and
+                         every other component unchanged; ``export`` records where it came from
+    train.json           the run's training record (baseline kind, pruned layers, LoRA settings, data)
+    modules.safetensors  the concept modules (streaming model; baselines only with MTP heads)
+    backbone/            the backbone as a Hugging Face folder: config.json, model.safetensors
+                         (``save_pretrained``), tokenizer files; LoRA merged in with ``merge_lora``
+    adapter/             the LoRA adapters as a standard peft folder (adapter_config.json,
+                         adapter_model.safetensors; ``concept.lora.save_peft_adapter``); not with ``merge_lora``
+    metrics.jsonl, curves.png   the run's training log and curves, when it has them
+
+Merging uses peft's own ``PeftModel.from_pretrained(...).merge_and_unload()`` on the plain transformers
+backbone. The folder is written next to the target under a temporary name, checked (by default it is
+loaded back and its logits compared with the run's on fixed tokens) and only then renamed into place,
+so a failure never leaves a half-written export and never removes what was there (``force`` replaces an
+existing folder only once the new one is complete).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings as warnings_
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .builder import (MODULES_FILE, PEFT_ADAPTER_DIR, RUN_FILE, TRAIN_FILE, load, newest_weights, read_run,
+                      read_train)
+from .errors import ConceptError, RunFolderError
+
+BACKBONE_DIR = "backbone"
+BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)
+CARD_FILE = "README.md"
+COPIED = ("metrics.jsonl", "curves.png")  # the run's log and curves travel with the export
+CHECK_TOKENS = 48
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    source: Path
+    kind: str  # streaming | dense | pruned
+    lora: str | None  # "adapter" (peft folder), "merged" (into backbone/), None (no adapters: an untrained run)
+    step: int | None  # the training step of the exported weights (None: untrained)
+    files: list[dict] = field(default_factory=list)  # {"path": relative path, "bytes": size}
+    heldout: dict | None = None  # the run's last held-out evaluation (see ``last_evaluation``)
+    check: dict | None = None  # {"max_abs_diff", "tolerance", "tokens"}: the reloaded export vs the run
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["path"], d["source"] = str(self.path), str(self.source)
+        return d
+
+
+def last_evaluation(run: Path, train: dict | None) -> dict | None:
+    """The run's last held-out evaluation (metrics.jsonl's last row with an ``eval``), with what it was
+    measured on: ``{"step", "eval", "data", "split", "batches", "batch", "seq_len", "tokens"}``."""
+    file = Path(run) / "metrics.jsonl"
+    if not file.is_file():
+        return None
+    row = None
+    for line in file.read_text().splitlines():
+        try:
+            parsed = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line
+            continue
+        if isinstance(parsed, dict) and parsed.get("eval"):
+            row = parsed
+    if row is None:
+        return None
+    train = train or {}
+    return {"step": row.get("step"), "eval": row["eval"], "data": train.get("data"), "split": "heldout",
+            "batches": train.get("eval_batches"), "batch": train.get("batch"), "seq_len": train.get("seq_len"),
+            "tokens": row["eval"].get("tokens")}
+
+
+def check_target(run: Path, out: Path, force: bool) -> None:
+    """Refuse, before anything is loaded or written, a target that is not ours to (re)place."""
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} exists and is not a folder; choose another --out")
+    run_abs, out_abs = run.resolve(), out.resolve()
+    if out_abs == run_abs:
+        raise RunFolderError(f"--out {out} is the run folder itself; export to another folder")
+    if out_abs in run_abs.parents:
+        raise RunFolderError(f"--out {out} contains the run {run}; replacing it would delete the run. Choose another --out")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise RunFolderError(f"--out {out} already exists and is not empty; choose another --out, or pass --force "
+                             f"to replace it (the old folder is kept until the new export is complete)")
+
+
+def _relative_paths(value, absolute: str, relative: str):
+    """``value`` with every string equal to ``absolute`` replaced by ``relative`` (nested dicts and lists)."""
+    if isinstance(value, dict):
+        return {k: _relative_paths(v, absolute, relative) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relative_paths(v, absolute, relative) for v in value]
+    return relative if value == absolute else value
+
+
+def _dtype_name(model: torch.nn.Module) -> str:
+    dtype = next(model.parameters()).dtype
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
+def _files(folder: Path) -> list[dict]:
+    return [{"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size}
+            for p in sorted(folder.rglob("*")) if p.is_file()]
+
+
+def _compare(model, folder: Path, merged: bool) -> dict:
+    """Load the written folder back and compare its logits with the run's on fixed tokens. A streaming
+    model's concept decisions are taken from the run, so that a decision on the threshold cannot flip
+    under the rounding of merged weights; the decisions themselves are compared too."""
+    again = load(folder)
+    vocab = int(model.backbone.config.vocab_size)
+    ids = torch.randint(0, vocab, (1, CHECK_TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids)
+        keep = getattr(ours, "keep", None)
+        theirs = again(ids, keep=keep) if keep is not None else again(ids)
+        free = again(ids) if keep is not None else None
+    diff = float((ours.logits - theirs.logits).abs().max())
+    tolerance = (1e-3 if merged else 1e-5) * max(1.0, float(ours.logits.abs().max()))
+    result = {"max_abs_diff": diff, "tolerance": tolerance, "tokens": CHECK_TOKENS}
+    if free is not None:
+        result["decisions_equal"] = bool(torch.equal(free.keep, keep))
+    if not diff <= tolerance:
+        raise ConceptError(f"the exported folder does not reproduce the run: its logits differ by up to {diff:.3g} "
+                           f"(tolerance {tolerance:.3g}) on a fixed input; nothing was written")
+    return result
+
+
+def publish_tree(folder: Path) -> None:
+    """The usual umask-based modes for a finished folder and everything in it (mkdtemp makes the folder
+    0700 and safetensors writes its files 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out``; an existing ``out`` is swapped out first and only removed
+    once the new folder is in place (restored if the swap fails)."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export(run, out, merge_lora: bool = False, force: bool = False, check: bool = True,
+           report: Callable[[str, str], None] | None = None) -> ExportResult:
+    """Export the run folder ``run`` (built, trained, or a dense / pruned baseline) to ``out``.
+
+    ``merge_lora``: merge the LoRA adapters into the backbone's weights (peft's ``merge_and_unload``)
+    instead of writing them as a peft adapter folder. ``force``: replace a non-empty ``out`` (atomically).
+    ``check``: load the written folder back and compare its logits with the run's before publishing it.
+    ``report(verb, detail)`` receives progress lines and warnings (verb ``"warning:"``); without it,
+    warnings go through :mod:`warnings`. An untrained run (no training checkpoint) is exported as built,
+    with a warning."""
+    from . import __version__, checkpoint
+    from .config import BuildConfig, resolve
+    from .lora import save_peft_adapter
+
+    run, out = Path(run), Path(out)
+    record = read_run(run)  # a clear error for anything that is not a run folder
+    check_target(run, out, force)
+    train = read_train(run)
+    meta = checkpoint.read_meta(run)
+    result_warnings: list[str] = []
+
+    def say(verb: str, detail: str) -> None:
+        if report is not None:
+            report(verb, detail)
+        elif verb == "warning:":
+            warnings_.warn(detail, stacklevel=4)  # (say <- warn <- export <- the caller)
+
+    def warn(message: str) -> None:
+        result_warnings.append(message)
+        say("warning:", message)
+
+    if train is None:
+        warn(f"{run} was built but never trained (no training checkpoint): exporting the model as built, "
+             f"with untrained concept modules and no LoRA adapters")
+    elif meta is None:
+        warn(f"{run} has no training checkpoint (training stopped before its first one?): exporting the weights "
+             f"it started from")
+
+    say("loading", f"{run} ...")
+    model = load(run)
+    plan = model.plan
+    kind = getattr(model, "kind", "streaming")
+    removed = getattr(model, "removed", None)
+    has_lora = "default" in (getattr(model.backbone, "peft_config", None) or {})
+    lora = ("merged" if merge_lora else "adapter") if has_lora else None
+    if merge_lora and not has_lora:
+        warn(f"--merge-lora: {run} has no LoRA adapters; the backbone is exported as it is")
+
+    bb = plan.components["backbone"]
+    loaded = bb.cls.load(bb.config)  # the plain transformers backbone: no attention routing, no adapters
+    base_state = newest_weights(run, "backbone")  # randomly initialised backbones travel with the run
+    if base_state is not None:
+        loaded.model.load_state_dict(base_state)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-export-", dir=out.parent))
+    try:
+        how = {"merged": "LoRA merged into the backbone", "adapter": "LoRA as a peft adapter folder"}.get(lora, "no LoRA")
+        say("exporting", f"{kind} model -> {out} ({how}) ...")
+        hf_model = loaded.model
+        if has_lora:
+            save_peft_adapter(model.backbone, tmp / PEFT_ADAPTER_DIR, base_model_name_or_path=plan.backbone_info.name,
+                              removed=removed)
+        if lora == "merged":
+            from peft import PeftModel
+
+            with warnings_.catch_warnings():  # transformers' deprecation notes from inside peft
+                warnings_.simplefilter("ignore", FutureWarning)
+                hf_model = PeftModel.from_pretrained(hf_model, str(tmp / PEFT_ADAPTER_DIR)).merge_and_unload()
+            shutil.rmtree(tmp / PEFT_ADAPTER_DIR)
+        hf_model.save_pretrained(tmp / BACKBONE_DIR)
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save_pretrained(tmp / BACKBONE_DIR)
+        dtype = _dtype_name(hf_model)
+        del hf_model, loaded
+
+        modules = model.new_state_dict()
+        if modules:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous().cpu() for k, v in modules.items()}, tmp / MODULES_FILE)
+
+        # the build plan, its backbone now the exported folder (absolute while resolving, relative on disk)
+        config = json.loads(json.dumps(record["config"]))
+        original_backbone = ((record.get("export") or {}).get("backbone")  # (an export of an export: the first one's)
+                             or json.loads((run / RUN_FILE).read_text())["config"].get("backbone"))
+        absolute = str((tmp / BACKBONE_DIR).resolve())
+        config["backbone"] = {"name": "hf", "params": {"path": absolute, "dtype": dtype}}
+        new_plan = resolve(BuildConfig.from_dict(config))
+        if tuple(new_plan.split) != tuple(plan.split):
+            raise ConceptError(f"the exported backbone resolves to split {new_plan.split}, not the run's {plan.split}")
+        exported = {"from": str(run.resolve()), "step": meta["step"] if meta else None, "kind": kind, "lora": lora,
+                    "removed_layers": list(removed) if removed else None, "backbone": original_backbone,
+                    "concept_version": __version__}
+        new_record = {**record, "config": config, "plan": new_plan.describe(), "export": exported}
+        new_record = _relative_paths(new_record, absolute, BACKBONE_PATH)
+        (tmp / RUN_FILE).write_text(json.dumps(new_record, indent=2, sort_keys=True))
+        if train is not None:
+            (tmp / TRAIN_FILE).write_text(json.dumps(train, indent=2))
+        for name in COPIED:
+            if (run / name).is_file():
+                shutil.copy2(run / name, tmp / name)
+        heldout = last_evaluation(run, train)
+        (tmp / CARD_FILE).write_text(model_card(out.name, run, model, train, exported, heldout))
+
+        comparison = None
+        if check:
+            say("checking", "loading the export back and comparing its logits with the run's ...")
+            comparison = _compare(model, tmp, lora == "merged")
+        publish_tree(tmp)
+        files = _files(tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(path=out, source=run, kind=kind, lora=lora, step=exported["step"], files=files,
+                        heldout=heldout, check=comparison, warnings=result_warnings)
+
+
+# -- the model card --------------------------------------------------------------------------------
+def _describe_model(model, kind: str, removed) -> str:
+    info = model.plan.backbone_info
+    if kind == "streaming":
+        comps = model.plan.components
+        shallow, middle, deep = model.plan.split
+        return (f"a streaming concept model: the backbone's {info.num_layers} layers split {shallow}/{middle}/{deep} "
+                f"(shallow / middle / deep), length policy `{comps['length_policy'].name}`, vocabulary "
+                f"`{comps['vocabulary'].name}`, position scheme `{comps['position_scheme'].name}`, attention "
+                f"`{comps['attention'].name}`, tail fusion `{comps['tail_fusion'].name}`")
+    if kind == "pruned":
+        a, b = removed
+        return (f"the pruned baseline: the backbone with layers {a}..{b - 1} skipped ({b - a} of {info.num_layers}; "
+                f"they stay in `backbone/`, `train.json` records which)")
+    return "the dense baseline: the backbone with LoRA adapters, plain next-token prediction"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def model_card(name: str, run: Path, model, train: dict | None, exported: dict, heldout: dict | None) -> str:
+    kind, lora, removed = exported["kind"], exported["lora"], exported["removed_layers"]
+    info = model.plan.backbone_info
+    backbone = exported["backbone"] or {}
+    tags = f"concept, {kind}" + (", peft, lora" if lora == "adapter" else "")
+    when = f" at training step {exported['step']}" if exported["step"] is not None else " (untrained)"
+    lines = ["---", "library_name: concept", f"tags: [{tags}]", "---", "", f"# {name}", "",
+             f"Exported by `concept export` (concept {exported['concept_version']}) from the run `{run}`{when}.", "",
+             f"**Model**: {_describe_model(model, kind, removed)}.", "",
+             f"**Backbone**: `{backbone.get('name', '?')}` ({info.name}: {info.architecture}, {info.num_layers} layers, hidden "
+             f"{info.hidden_size}, vocabulary {info.vocab_size}), saved in `backbone/` as a Hugging Face folder.", ""]
+    if train:
+        settings = train.get("lora") or {}
+        where = {"adapter": "a peft adapter folder in `adapter/` (the weights in `backbone/` are the base weights)",
+                 "merged": "merged into the weights in `backbone/` (no separate adapter)"}.get(lora, "none")
+        lines += [f"**LoRA**: rank {settings.get('rank')}, alpha {settings.get('alpha')}, on "
+                  f"`{settings.get('targets')}`: {where}.", ""]
+        data = train.get("data") or "the Python standard library"
+        steps = exported["step"] or 0
+        tokens = steps * int(train.get("batch", 0)) * int(train.get("grad_accum", 1)) * int(train.get("seq_len", 0))
+        accum = int(train.get("grad_accum", 1))
+        accumulated = f" x {accum} accumulated" if accum > 1 else ""
+        lines += [f"**Training**: {steps:,} steps on {data} (train split), {train.get('batch')} x "
+                  f"{train.get('seq_len')} tokens per step{accumulated} (about {tokens:,} tokens).", ""]
+    lines += ["## Held-out evaluation", ""]
+    if heldout:
+        ev = heldout["eval"]
+        data = heldout["data"] or "the Python standard library"
+        lines += [f"The run's last evaluation (`metrics.jsonl`, step {heldout['step']}): the held-out split of {data}, "
+                  f"{heldout['batches']} batch{'es' * (heldout['batches'] != 1)} of {heldout['batch']} x {heldout['seq_len']} tokens "
+                  f"({_fmt(heldout['tokens'])} predicted tokens).", ""]
+        if exported["step"] is not None and heldout["step"] != exported["step"]:
+            lines += [f"Note: evaluated at step {heldout['step']}; the exported weights are from step {exported['step']}.", ""]
+        lines += ["| metric | value |", "|---|---|"]
+        for key, label in (("nll", "NLL (nats / token)"), ("bits_per_token", "bits / token"), ("perplexity", "perplexity"),
+                           ("ratio", "concepts / token"), ("usage_perplexity", "concept usage perplexity"),
+                           ("tokens", "tokens evaluated")):
+            if ev.get(key) is not None:
+                lines.append(f"| {label} | {_fmt(ev[key])} |")
+        lines.append("")
+        if train and train.get("seed", 0) == 0 and heldout["batches"] and heldout["batch"]:
+            lines += ["The same batches again (with the training data at its path):", "", "```bash",
+                      f"concept eval {name} --batches {heldout['batches']} --batch {heldout['batch']} "
+                      f"--seq-len {heldout['seq_len']}", "```", ""]
+    else:
+        lines += [f"No held-out evaluation was recorded for this run. Evaluate it with `concept eval {name} --data HELD_OUT`.", ""]
+
+    lines += ["## Files", "", "| path | what |", "|---|---|",
+              "| `concept.json` | the build plan (backbone: `hf` at `./backbone`, relative to this folder) |",
+              "| `backbone/` | the backbone: `config.json`, `model.safetensors`, tokenizer files |"]
+    if lora == "adapter":
+        lines.append("| `adapter/` | the LoRA adapters, a standard peft folder |")
+    if train:
+        lines.append("| `train.json` | the training record (baseline kind, pruned layers, LoRA settings, data) |")
+    if model.new_modules():
+        lines.append(f"| `{MODULES_FILE}` | the concept modules |")
+    lines += ["", "## Loading", "", "```python", "import concept", "", f'model = concept.load("{name}")   # the whole model; '
+              "no run folder or backbone cache needed", "```", ""]
+    if lora == "adapter":
+        lines += ["The adapters with peft, on the plain transformers backbone:", "", "```python",
+                  "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
+                  f'base = AutoModelForCausalLM.from_pretrained("{name}/backbone")',
+                  f'model = PeftModel.from_pretrained(base, "{name}/adapter")', "```", ""]
+    elif lora == "merged":
+        lines += ["The backbone with the adapters merged in, with transformers alone:", "", "```python",
+                  "from transformers import AutoModelForCausalLM", "",
+                  f'model = AutoModelForCausalLM.from_pretrained("{name}/backbone")', "```", ""]
+    if lora and kind == "streaming":
+        lines += ["That is the backbone's ordinary forward with this run's adapters; the streaming model "
+                  "(concept modules, the three stacks) needs `concept.load`.", ""]
+    if lora and kind == "pruned":
+        a, b = removed
+        lines += [f"That runs every layer; the pruned baseline skips layers {a}..{b - 1}: delete them "
+                  f"(`del model.base_model.model.model.layers[{a}:{b}]` with peft, `del model.model.layers[{a}:{b}]` "
+                  f"merged) and set `config.num_hidden_layers` to {info.num_layers - (b - a)}"
+                  f"{' (the adapter covers only the kept layers)' if lora == 'adapter' else ''}.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""Training under torchrun (gloo, CPU, 2 processes): DDP and FSDP2 give the single-process loss curve of
+the same global batch; a rank killed with SIGKILL leaves the last checkpoint intact and the run
+resumes exactly (on another number of processes too); bad launches get clear errors."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import concept
+from concept import BuildConfig, ComponentRef
+from concept.errors import ConfigError
+from concept.training import TrainConfig, Trainer
+from concept_cli.main import cli
+
+from .test_training import corpus  # noqa: F401  (the shared JSONL corpus fixture)
+
+TRAIN = ["--seq-len", "32", "--eval-every", "3", "--eval-batches", "1", "--log-every", "2", "--warmup", "1",
+         "--lora-rank", "2", "--calibration-batches", "2"]
+# fp32: the ranks' gradients are summed in another order than one process's accumulation
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "tiny"
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64}),
+                      split="1,2,1", vocabulary=ComponentRef("embedding", {"size": 32}),
+                      attention=ComponentRef("chunked", {"chunk": 16}))
+    concept.save(concept.build(cfg), out)
+    return out
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(*args, nproc=2, wait=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "concept_cli", "train", *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return out, err
+
+
+def single(*args):
+    result = CliRunner().invoke(cli, ["train", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_curve(a: Path, b: Path):
+    ra, rb = rows(a), rows(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb):
+        for key in ("loss", "total_loss", "ratio", "null_bias", "grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=RTOL, abs=1e-6), (key, x["step"], x[key], y[key])
+        if "eval" in x:
+            assert y["eval"]["nll"] == pytest.approx(x["eval"]["nll"], rel=RTOL)
+    wa, wb = (load_file(r / "checkpoint" / "adapter.safetensors") for r in (a, b))
+    for k in wa:
+        assert (wa[k] - wb[k]).abs().max() < 1e-4, k
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, corpus, tmp_path_factory):  # noqa: F811
+    """One process, the global batch of 2 ranks x batch 2 as 2 accumulated micro-batches."""
+    out = tmp_path_factory.mktemp("ref") / "single"
+    single(tiny, "--out", out, "--data", corpus, "--steps", 6, "--batch", 2, "--grad-accum", 2,
+           "--checkpoint-every", 3, *TRAIN)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_processes_give_the_single_process_curve(mode, tiny, corpus, reference, tmp_path):  # noqa: F811
+    out = tmp_path / mode
+    _, err = torchrun(tiny, "--out", out, "--data", corpus, "--steps", 6, "--batch", 2, "--checkpoint-every", 3,
+                      "--distributed", mode, *TRAIN)
+    assert f"{mode.upper()} over 2 processes (gloo), global batch 4" in err
+    assert_same_curve(reference, out)
+    record = json.loads((out / "train.json").read_text())
+    assert record["distributed"] == {"mode": mode, "world_size": 2, "global_batch": 4}
+    assert rows(out)[-1]["world_size"] == 2
+    assert not list(out.glob(".checkpoint-*"))  # rank 0 alone wrote, atomically
+    # the trained run loads in a plain process, as any other
+    assert type(concept.load(out)).__name__ == "ConceptModel"
+
+
+def _workers(parent: int) -> dict[int, int]:
+    """rank -> pid of the processes torchrun started (read from their environment)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            environ = dict(e.split("=", 1) for e in (proc / "environ").read_bytes().decode().split("\0") if "=" in e)
+            found[int(environ["RANK"])] = int(proc.name)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return found
+
+
+def test_kill_one_rank_then_resume_exactly(tiny, corpus, tmp_path):  # noqa: F811
+    args = ["--data", corpus, "--steps", 24, "--batch", 2, "--checkpoint-every", 4, *TRAIN]
+    straight = tmp_path / "straight"
+    single(tiny, "--out", straight, "--grad-accum", 2, *args)
+
+    run = tmp_path / "killed"
+    proc = torchrun(tiny, "--out", run, *args, wait=False)
+    deadline = time.time() + 300
+    state = run / "checkpoint" / "state.json"
+    while not (state.is_file() and json.loads(state.read_text())["step"] >= 4):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(_workers(proc.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run; torchrun stops rank 0
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    step = json.loads(state.read_text())["step"]
+    assert 4 <= step < 24, step
+    assert load_file(run / "checkpoint" / "adapter.safetensors")  # intact and readable
+    assert max(r["step"] for r in rows(run)) >= step
+
+    # resume on ONE process: the global batch (4) is kept by accumulating 2 micro-batches
+    result = single(run, "--resume")
+    assert rows(run)[-1]["step"] == 24
+    assert_same_curve(straight, run)
+    assert json.loads((run / "train.json").read_text())["grad_accum"] == 2, result.output
+
+
+def test_fsdp2_without_torchrun_is_a_clear_error(tiny, tmp_path):
+    result = CliRunner().invoke(cli, ["train", str(tiny), "--out", str(tmp_path / "x"), "--distributed", "fsdp2"])
+    assert result.exit_code == 2
+    assert "torchrun --nproc-per-node N -m concept_cli train" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_resume_must_keep_the_global_batch(tiny, corpus, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    single(tiny, "--out", run, "--data", corpus, "--steps", 2, "--batch", 2, "--grad-accum", 2,
+           "--checkpoint-every", 2, *TRAIN)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(cli, ["train", str(run), "--resume", "--steps", "4", "--batch", "3"])
+    assert result.exit_code == 2
+    assert "different global batch" in result.output and "product is 4" in result.output, result.output
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+def test_world_size_that_does_not_divide_the_global_batch():
+    config = TrainConfig(batch=2, grad_accum=2)
+    with pytest.raises(ConfigError, match="3 processes do not divide the global batch: the run's global batch is 4"):
+        Trainer._fit_global_batch(config, 4, 1, 3, set())
+    Trainer._fit_global_batch(config, 8, 1, 2, set())  # 2 processes x batch 2: accumulate 2
+    assert config.grad_accum == 2
