@@ -18,7 +18,7 @@ TRAIN_FLAGS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_a
                "lr_new": "lr_new", "warmup": "warmup", "distill": "distill",
                "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
                "ratio_warmup": "ratio_warmup", "ratio_start": "ratio_start", "seed": "seed", "data": "data",
-               "device": "device"}
+               "device": "device", "placement": "placement"}
 
 
 def command_line(ctx: click.Context) -> str:
@@ -153,6 +153,7 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--align", type=float, help="Weight of the hidden-state alignment (baselines: only at --align-at final).")
 @click.option("--align-at", type=click.Choice(["deep-input", "final"]))
 @click.option("--ratio-warmup", type=float, help="Ratio curriculum: fraction of the steps to anneal over.")
+@click.option("--placement", type=float, help="Learned placement weight (streaming runs; baselines have no concepts).")
 @click.option("--ratio-start", type=float, help="Ratio curriculum: the target ratio at step 0.")
 @click.option("--lora-rank", type=int)
 @click.option("--seed", type=int, help="Training seed.")

@@ -20,7 +20,8 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "calibration_batches": "calibration_batches", "prune_layers": "prune_layers", "ce_weight": "ce_weight",
           "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
           "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
-          "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads"}
+          "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads",
+          "placement": "placement"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_targets": "targets"}
 
 
@@ -82,6 +83,10 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
               "decoding (the streaming model's come with --length-policy mtp).")
 @click.option("--mtp-ce", type=float, default=0.5, show_default=True,
               help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
+@click.option("--placement", type=float, default=0.0, show_default=True,
+              help="Learned placement: weight of a BCE that trains the `null` policy's keep score to emit concepts "
+              "where skipping the middle stack costs most (KL of the frozen backbone to this model without its "
+              "middle stack); one teacher forward and one shallow+deep forward per step, no gradient.")
 @click.option("--align", type=float, default=0.0, show_default=True,
               help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
 @click.option("--align-at", type=click.Choice(["deep-input", "final"]), default="deep-input", show_default=True,
@@ -237,6 +242,8 @@ def run_with_progress(trainer) -> dict:
                 info += f"  align {row['align']:.3f}"
             if "mtp" in row:
                 info += f"  mtp {row['mtp']:.3f}"
+            if "placement" in row:
+                info += f"  place {row['placement']:.3f}"
             if "ratio" in row:
                 info += f"  ratio {row['ratio']:.3f}"
                 if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:

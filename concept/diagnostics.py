@@ -266,6 +266,11 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     NLL with the concepts' whole inputs permuted among the concept slots of each batch (seeded), or
     rebuilt from random ids and random tokens' shallow states (see :func:`_control`), with the
     same keep pattern, minus the normal NLL. Both > 0 means the concepts carry information.
+    With ``controls`` a streaming model also gets the **depth decomposition**: its NLL at the
+    positions that emitted a concept (``nll_concepts``) and at tail positions (``nll_tails``), and
+    at the same positions the NLL of two reference paths of the same weights: every token a
+    concept (``*_keep_all``: the backbone with this run's adapters, full depth and context) and no
+    concept (``*_skip_middle``: the middle stack skipped, every earlier token visible).
     A model with MTP heads (the `mtp` policy) also gets ``mtp_tau`` (the confidence threshold the
     ratio control reached) and ``mtp_accuracy``: per head i, how often its top-1 is the real token
     t+1+i (what a drafter's acceptance rests on).
@@ -286,6 +291,7 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     by_bucket_sum: dict[int, float] = defaultdict(float)
     by_bucket_n: dict[int, int] = defaultdict(int)
     control_sum = {"shuffle": 0.0, "random": 0.0}
+    depth: dict[str, float] = defaultdict(float)  # NLL sums and counts at concept / tail positions
     stats = None
     heads = getattr(base, "mtp_heads", None)
     mtp_hits = torch.zeros(heads.k if heads is not None else 0, dtype=torch.float64)
@@ -338,6 +344,10 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
                     bad = fn(input_ids, keep=keep, perturb=perturb, **kwargs)
                     bad_nll, _ = _pair_nll(bad.logits, input_ids, valid, doc)
                     control_sum[name] += float(bad_nll.double()[pair].sum()) - float(batch_sum)
+                if hasattr(base, "skip_middle"):
+                    _depth_split(depth, nll, pair, keep, {
+                        "keep_all": _pair_nll(fn(input_ids, keep=valid, **kwargs).logits, input_ids, valid, doc)[0],
+                        "skip_middle": _pair_nll(base.skip_middle(input_ids, valid.long(), doc), input_ids, valid, doc)[0]})
     finally:
         _restore(modes)
 
@@ -362,9 +372,23 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
         if controls:
             result["delta_nll_shuffle"] = control_sum["shuffle"] / count if count else nan
             result["delta_nll_random"] = control_sum["random"] / count if count else nan
+            for part in ("concept", "tail") if depth else ():
+                n = depth[f"{part}_n"]
+                for path in ("", "_keep_all", "_skip_middle"):
+                    result[f"nll_{part}s{path}"] = depth[f"{part}{path}"] / n if n else nan
     if heads is not None:
         result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp_hits, mtp_pairs_n)]
     return result
+
+
+def _depth_split(depth: dict, nll, pair, keep, paths: dict) -> None:
+    """Add to ``depth`` the NLL sums of the model (``nll``) and of the reference ``paths`` at the
+    positions that emitted a concept and at tail positions (the position predicting t + 1)."""
+    for part, at in (("concept", pair & keep[:, :-1]), ("tail", pair & ~keep[:, :-1])):
+        depth[f"{part}_n"] += int(at.sum())
+        depth[part] += float(nll[at].sum())
+        for name, x in paths.items():
+            depth[f"{part}_{name}"] += float(x.double()[at].sum())
 
 
 # -- evaluating a run folder -------------------------------------------------------------------

@@ -233,6 +233,18 @@ class ConceptModel(nn.Module):
         loss = None if labels is None else next_token_loss(logits, labels, valid, doc)
         return ConceptOutput(logits, keep, sampled_ids, head_logits, loss, layout, h, in_time_order(z_in), z, updates)
 
+    def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
+        """Logits [B, T, V] of every position as a tail token with no concept before it: the backbone
+        with its middle stack skipped (shallow -> tail fusion without an update -> deep, plain causal
+        attention). Equal to ``forward(keep=all False).logits`` (tested), without the head, the sampler
+        or the packing; the placement objective reads it to see where the middle stack is needed."""
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        pos = packing.time_positions(valid, document_ids)
+        h = self.shallow_states(input_ids, valid, document_ids, pos)
+        x = self.fuse_step(h, torch.zeros_like(h[:, :1]), torch.zeros_like(valid))
+        z = self.run_stack(self.deep, x, self.positions.text_positions(pos), CausalPlan(valid, document_ids))
+        return self.backbone.lm_head(self.inner.norm(z))
+
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Generate with online compression and three KV caches; see :func:`concept.generation.generate`."""
         from .generation import generate

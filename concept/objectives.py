@@ -21,6 +21,7 @@ branches on which objectives are there.
 | ``distill_kl`` | weight x T^2 x KL(teacher || student) on next-token distributions | ``--distill``, ``--distill-temperature`` |
 | ``align`` | weight x hidden-state distance to the teacher (MSE / scale or 1 - cos) | ``--align``, ``--align-at``, ``--align-loss`` |
 | ``mtp`` | weight x mean over the MTP heads of KL(teacher at t+i || head i at t) + ce x CE | ``--mtp``, ``--mtp-ce`` |
+| ``placement`` | weight x BCE(keep logit, "t is among the r positions where skipping the middle stack costs most") | ``--placement`` |
 """
 from __future__ import annotations
 
@@ -179,10 +180,61 @@ class MTPObjective:
         return self.weight * total / heads.k
 
 
+def depth_gain(teacher_logits: torch.Tensor, skip_logits: torch.Tensor) -> torch.Tensor:
+    """[B, T] KL(teacher_t || skip_t): how far the model's prediction at t falls from the frozen
+    backbone's when t is a tail token with no concept (the middle stack skipped). It depends on
+    the tokens up to t only, like the decision it supervises."""
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    return (teacher.exp() * (teacher - F.log_softmax(skip_logits.float(), dim=-1))).sum(-1)
+
+
+def top_fraction(score: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    """[B, N] bool: in each row, the round(fraction * n) positions of ``mask`` with the highest
+    ``score`` (n = the row's masked positions; ties at the cut are all kept)."""
+    k = torch.round(mask.sum(1).float() * fraction).long()  # [B]
+    ranked = score.float().masked_fill(~mask, float("-inf")).sort(dim=1, descending=True).values
+    cut = ranked.gather(1, (k - 1).clamp(min=0)[:, None])  # the k-th largest score of each row
+    return mask & (k[:, None] > 0) & (score.float() >= cut)
+
+
+@dataclass
+class PlacementObjective:
+    """Learned placement: train the length policy's keep score (``keep_logit``, read from the
+    shallow state, so the same decision exists at decoding time) to emit concepts where the model
+    needs its middle stack most.
+
+    At a concept the next token is predicted through the full depth; at a tail token from
+    ``Ls + Ld`` layers plus attention to the concepts. Which positions lose most as tail tokens is
+    measured on the batch: ``depth_gain`` = KL(frozen backbone || this model with the middle stack
+    skipped, ``model.skip_middle``) at every position, no gradient. The label of position t is 1
+    when t is among the ``target()`` fraction of its row's positions with the largest gain (t and
+    t+1 real and of one document, as the CE's pairs), and the term is
+    ``weight * BCE(keep_logit[t], label[t])``. The ratio controller still sets how many concepts
+    there are; this term only decides where. Cost per step: the teacher's forward and the
+    ``Ls + Ld``-layer skip-middle forward, both without gradient, and two KLs over the vocabulary."""
+    weight: float
+    target: Callable[[], float]
+    name: str = "placement"
+    teacher_needs: frozenset[str] = frozenset({"logits"})
+
+    def __call__(self, model, batch, out, teacher=None):
+        valid, doc = _valid(batch), batch.get("document_ids")
+        pair = next_token_pairs(valid, doc)  # [B, T-1]: position t predicts the real token t+1
+        ratio = float(self.target())
+        if ratio >= 1.0 or not bool(pair.any()):  # every token a concept: nothing to place
+            return _zero(out.logits)
+        with torch.no_grad():
+            skip = model.skip_middle(batch["input_ids"], batch.get("attention_mask"), doc)
+            gain = depth_gain(teacher.logits[:, :-1], skip[:, :-1])
+            label = top_fraction(gain, pair, ratio)
+        logit = model.length_policy.keep_logit(out.head_logits, out.shallow)[:, :-1]
+        return self.weight * F.binary_cross_entropy_with_logits(logit[pair].float(), label[pair].float())
+
+
 def from_config(config, streaming: bool, ratio_loss: bool, target: Callable[[], float],
                 has_mtp: bool = False) -> list[Objective]:
     """The objectives a ``TrainConfig`` asks for, in a fixed order (ratio, usage, distillation,
-    alignment, MTP heads: for a model that has them)."""
+    alignment, MTP heads: for a model that has them, placement)."""
     objectives: list[Objective] = []
     if streaming and ratio_loss:
         objectives.append(RatioObjective(config.ratio_loss_weight, target))
@@ -194,4 +246,6 @@ def from_config(config, streaming: bool, ratio_loss: bool, target: Callable[[], 
         objectives.append(AlignObjective(config.align, config.align_at, config.align_loss))
     if has_mtp and config.mtp:
         objectives.append(MTPObjective(config.mtp, config.mtp_ce))
+    if streaming and config.placement:
+        objectives.append(PlacementObjective(config.placement, target))
     return objectives

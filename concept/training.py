@@ -102,6 +102,7 @@ class TrainConfig:
     mtp: float = 1.0  # weight of the MTP heads' self-distillation (a model with MTP heads only: the `mtp` policy)
     mtp_ce: float = 0.5  # ... and of the CE on the real tokens inside it, relative to the KL
     mtp_heads: int = 0  # baselines: K MTP heads on the dense / pruned model (streaming: --length-policy mtp)
+    placement: float = 0.0  # weight of the learned-placement term (concept.objectives.PlacementObjective)
     align_at: str = "deep-input"  # deep-input | final
     align_loss: str = "mse"  # mse | cosine
     train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
@@ -149,13 +150,13 @@ class TrainConfig:
         elif self.mtp_heads and not self.baseline:
             p.append("mtp-heads: only for --baseline dense / pruned; the streaming model's MTP heads come with its "
                      "length policy (`concept build --length-policy mtp --set length_policy.heads=K`)")
-        for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce"):
+        for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce", "placement"):
             if not getattr(self, name) >= 0:  # (NaN fails too)
                 p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
         if not self.distill_temperature > 0:
             p.append(f"distill-temperature: must be > 0, got {self.distill_temperature}")
-        if self.ce_weight == 0 and not self.distill and not self.align:
-            p.append("ce-weight 0 with neither --distill nor --align: nothing to train on")
+        if self.ce_weight == 0 and not self.distill and not self.align and not self.placement:
+            p.append("ce-weight 0 with neither --distill, --align nor --placement: nothing to train on")
         if self.align_at not in ALIGN_AT:
             p.append(f"align-at: one of {', '.join(ALIGN_AT)}, got {self.align_at!r}")
         if self.align_loss not in ALIGN_LOSSES:
@@ -411,8 +412,9 @@ class Trainer:
         if config.baseline == "dense" and config.distill:
             self.notes.append("--distill with the dense baseline: the teacher is this model without its adapters, so the "
                               "KL starts at 0 and only keeps the adapters close to the backbone (a regulariser)")
-        if not streaming and (config.ratio_warmup or config.usage_weight):
-            self.notes.append(f"a {config.baseline} baseline has no concepts: --ratio-warmup / --usage-weight do nothing")
+        if not streaming and (config.ratio_warmup or config.usage_weight or config.placement):
+            self.notes.append(f"a {config.baseline} baseline has no concepts: --ratio-warmup / --usage-weight / "
+                              f"--placement do nothing")
         # the loss terms beyond the CE, each named in metrics.jsonl (concept.objectives)
         self.objectives = objectives_.from_config(config, streaming, controls in ("loss", "both"), self.target_ratio,
                                                   has_mtp=getattr(self.model, "mtp_heads", None) is not None)
@@ -500,6 +502,11 @@ class Trainer:
         reason = check(device) if callable(check) and not config.baseline else ""
         if reason:
             problems.append(f"attention '{attention.name}' cannot train on {device}: {reason}")
+        policy = plan.components["length_policy"]
+        if config.placement and not config.baseline and not getattr(policy.cls, "learned_placement", False):
+            problems.append(f"placement: length policy '{policy.name}' has no per-token keep score that --placement "
+                            f"could train (it decides by its own rule); build with --length-policy null, or drop "
+                            f"--placement")
         if problems:
             raise ConfigError(problems)
         return plan, device

@@ -16,6 +16,7 @@ DENSE_KEYS = {"tokens", "nll", "bits_per_token", "perplexity", "nll_by_position"
 CONCEPT_KEYS = {"ratio", "concepts", "usage_perplexity", "usage_fraction", "head_entropy", "max_prob",
                 "boundary_prob", "cos_soft_hard"}
 CONTROL_KEYS = {"delta_nll_shuffle", "delta_nll_random"}
+DEPTH_KEYS = {f"nll_{part}{path}" for part in ("concepts", "tails") for path in ("", "_keep_all", "_skip_middle")}
 
 
 def make_batch(seed=0, B=3, T=24):
@@ -207,11 +208,42 @@ def test_delta_shuffle_nonzero_with_several_concepts(model):
     with torch.no_grad():
         model.vocabulary.table.weight.mul_(20.0)  # concepts dominate the deep stack's input
     result = evaluate(model, [make_batch(3), make_batch(4)], seed=1)
-    assert set(result) == DENSE_KEYS | CONCEPT_KEYS | CONTROL_KEYS
+    assert set(result) == DENSE_KEYS | CONCEPT_KEYS | CONTROL_KEYS | DEPTH_KEYS
     assert result["concepts"] > 5 and result["usage_fraction"] > 1 / K
     assert result["delta_nll_shuffle"] != 0.0
     assert result["delta_nll_random"] != 0.0
     assert evaluate(model, [make_batch(3), make_batch(4)], seed=1) == result  # seeded
+
+
+def test_depth_decomposition_by_hand(model):
+    """NLL at concept / tail positions of the model, of keep-all and of no-concept (skip-middle)
+    forwards of the same weights, each computed by hand from the per-pair CE."""
+    batches = [make_batch(5), make_batch(6, B=2, T=19)]
+    result = evaluate(model, batches)
+    sums = {}
+    with torch.no_grad():
+        for b in batches:
+            ids, mask, doc = b["input_ids"], b["attention_mask"], b["document_ids"]
+            out = model(ids, attention_mask=mask, document_ids=doc)
+            keep = out.keep
+            paths = {"": out.logits,
+                     "_keep_all": model(ids, attention_mask=mask, document_ids=doc, keep=mask.bool()).logits,
+                     "_skip_middle": model(ids, attention_mask=mask, document_ids=doc, keep=torch.zeros_like(keep)).logits}
+            for bi in range(ids.shape[0]):
+                for t in range(ids.shape[1] - 1):
+                    if mask[bi, t] and mask[bi, t + 1] and doc[bi, t] == doc[bi, t + 1]:
+                        part = "concepts" if keep[bi, t] else "tails"
+                        sums[part] = sums.get(part, 0) + 1
+                        for path, logits in paths.items():
+                            ce = F.cross_entropy(logits[bi, t][None].float(), ids[bi, t + 1][None]).item()
+                            sums["nll_" + part + path] = sums.get("nll_" + part + path, 0.0) + ce
+    assert sums["concepts"] > 3 and sums["tails"] > 3
+    for key in DEPTH_KEYS:
+        part = key.split("_")[1]
+        assert result[key] == pytest.approx(sums[key] / sums[part], rel=1e-5), key
+    weighted = (result["nll_concepts"] * sums["concepts"] + result["nll_tails"] * sums["tails"]) / result["tokens"]
+    assert weighted == pytest.approx(result["nll"], rel=1e-6)
+    assert not DEPTH_KEYS & set(evaluate(model, batches, controls=False))
 
 
 def test_delta_nll_positive_when_concepts_were_fitted(model):

@@ -72,6 +72,7 @@ class NullPolicyConfig:
 class NullPolicy(nn.Module):
     Config = NullPolicyConfig
     uses_null_class = True
+    learned_placement = True  # keep[t] thresholds a trainable per-token score (--placement trains where concepts go)
 
     def __init__(self, config: NullPolicyConfig, ctx):
         super().__init__()
