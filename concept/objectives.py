@@ -209,8 +209,9 @@ class PlacementObjective:
     skipped, ``model.skip_middle``) at every position, no gradient. The label of position t is 1
     when t is among the ``target()`` fraction of its row's positions with the largest gain (t and
     t+1 real and of one document, as the CE's pairs), and the term is
-    ``weight * BCE(keep_logit[t], label[t])``. The ratio controller still sets how many concepts
-    there are; this term only decides where. Cost per step: the teacher's forward and the
+    ``weight * BCE(keep_logit[t], label[t])``, with the keep logit recomputed from the detached
+    shallow states: the term trains the head (where concepts go), never the states it reads. The
+    ratio controller still sets how many concepts there are; this term only decides where. Cost per step: the teacher's forward and the
     ``Ls + Ld``-layer skip-middle forward, both without gradient, and two KLs over the vocabulary."""
     weight: float
     target: Callable[[], float]
@@ -227,7 +228,8 @@ class PlacementObjective:
             skip = model.skip_middle(batch["input_ids"], batch.get("attention_mask"), doc)
             gain = depth_gain(teacher.logits[:, :-1], skip[:, :-1])
             label = top_fraction(gain, pair, ratio)
-        logit = model.length_policy.keep_logit(out.head_logits, out.shallow)[:, :-1]
+        h = out.shallow.detach()  # a router term: it trains the head, never the states it reads (as MoD's predictor)
+        logit = model.length_policy.keep_logit(model.vocabulary.logits(h), h)[:, :-1]
         return self.weight * F.binary_cross_entropy_with_logits(logit[pair].float(), label[pair].float())
 
 

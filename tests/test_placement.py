@@ -94,7 +94,9 @@ def test_placement_labels_are_the_rows_largest_depth_gains_and_reach_the_head():
     ref = 2.0 * torch.nn.functional.binary_cross_entropy_with_logits(logit, torch.tensor(labels))
     torch.testing.assert_close(loss, ref)
     loss.backward()
-    assert model.vocabulary.head.weight.grad.abs().sum() > 0  # it trains the keep score
+    assert model.vocabulary.head.weight.grad.abs().sum() > 0  # it trains the keep score ...
+    lora = [p for n, p in model.backbone.named_parameters() if "lora_" in n]
+    assert lora and all(p.grad is None or not p.grad.any() for p in lora)  # ... and never the states it reads
     assert objective(model, b, out, teacher).requires_grad
     assert float(PlacementObjective(1.0, lambda: 1.0)(model, b, out, teacher)) == 0.0  # every token a concept
 
