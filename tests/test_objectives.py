@@ -173,6 +173,20 @@ def test_streaming_deep_input_alignment_trains_what_feeds_the_tail():
 
 # -- in the trainer -------------------------------------------------------------------------------
 
+def interrupted_at_three(source, out, config):
+    """Start a run, stop it with Ctrl-C after step 3 (the checkpoint is written on the way out) and
+    return the trainer that resumes it."""
+    first = Trainer.start(source, out, config)
+
+    def interrupt_at_three(row):
+        if row["step"] == 3:
+            first._on_sigint(None, None)
+
+    with pytest.raises(KeyboardInterrupt):
+        first.train(progress=interrupt_at_three)
+    return Trainer.resume(out)
+
+
 def rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -215,15 +229,7 @@ def test_exact_resume_with_curriculum_and_distillation(built, corpus, tmp_path):
     straight.train()
     targets = [r["target_ratio"] for r in rows(tmp_path / "straight")]
     assert targets == pytest.approx([1.0, 1 / 2.0, 1 / 3.0, 0.25, 0.25, 0.25])  # 6 steps, warm-up over 3
-    first = Trainer.start(built, tmp_path / "resumed", cfg())
-
-    def interrupt_at_three(row):
-        if row["step"] == 3:
-            first._on_sigint(None, None)
-
-    with pytest.raises(KeyboardInterrupt):
-        first.train(progress=interrupt_at_three)
-    again = Trainer.resume(tmp_path / "resumed")
+    again = interrupted_at_three(built, tmp_path / "resumed", cfg())
     assert again.config.ratio_warmup == 0.5 and again.config.distill == 1.0  # round trip through train.json
     again.train()
     a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")

@@ -1,6 +1,4 @@
 """Learned placement (``--placement``): the skip-middle forward, the labels, the objective, training."""
-import json
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from concept.objectives import PlacementObjective, depth_gain, next_token_pairs,
 from concept.teacher import teacher_forward
 from concept.training import TrainConfig, Trainer
 from tests.conftest import randomize_new_modules, tiny_config
-from tests.test_objectives import batch, with_lora
+from tests.test_objectives import batch, interrupted_at_three, rows, with_lora
 from tests.test_training import built, corpus, small  # noqa: F401  (fixtures)
 
 
@@ -150,17 +148,8 @@ def test_trainer_logs_placement_and_resumes_exactly(built, corpus, tmp_path):  #
     straight = Trainer.start(built, tmp_path / "straight", cfg())
     assert [o.name for o in straight.objectives] == ["ratio_loss", "placement"] and straight.teacher_needs == {"logits"}
     straight.train()
-    first = Trainer.start(built, tmp_path / "resumed", cfg())
-
-    def interrupt_at_three(row):
-        if row["step"] == 3:
-            first._on_sigint(None, None)
-
-    with pytest.raises(KeyboardInterrupt):
-        first.train(progress=interrupt_at_three)
-    Trainer.resume(tmp_path / "resumed").train()
-    read = lambda run: [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    a, b = read(tmp_path / "straight"), read(tmp_path / "resumed")
+    interrupted_at_three(built, tmp_path / "resumed", cfg()).train()
+    a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
     assert all(r["placement"] > 0 for r in a)
     for key in ("loss", "placement", "ratio", "null_bias"):
         assert [r[key] for r in a] == [r[key] for r in b], key
