@@ -118,13 +118,14 @@ def _workers(parent: int) -> dict[int, int]:
     return found
 
 
-def test_kill_one_rank_then_resume_exactly(tiny, corpus, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_kill_one_rank_then_resume_exactly(mode, tiny, corpus, tmp_path):  # noqa: F811
     args = ["--data", corpus, "--steps", 24, "--batch", 2, "--checkpoint-every", 4, *TRAIN]
     straight = tmp_path / "straight"
     single(tiny, "--out", straight, "--grad-accum", 2, *args)
 
     run = tmp_path / "killed"
-    proc = torchrun(tiny, "--out", run, *args, wait=False)
+    proc = torchrun(tiny, "--out", run, *args, "--distributed", mode, wait=False)
     deadline = time.time() + 300
     state = run / "checkpoint" / "state.json"
     while not (state.is_file() and json.loads(state.read_text())["step"] >= 4):
