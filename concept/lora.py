@@ -2,6 +2,8 @@
 views of the decoder layers stay valid)."""
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import asdict, dataclass
 
 import torch
@@ -130,11 +132,26 @@ def save_peft_adapter(backbone: nn.Module, folder, base_model_name_or_path: str 
     config.task_type = "CAUSAL_LM"  # PeftModel.from_pretrained then gives a PeftModelForCausalLM (generate, ...)
     if isinstance(config.target_modules, (set, list, tuple)):
         config.target_modules = sorted(config.target_modules)  # (a set: the file would differ run to run)
+    # written whole into a sibling folder, then swapped in: a crash never leaves a torn adapter folder
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(folder))
-    save_file({PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}, str(folder / PEFT_WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fresh, stale = (folder.with_name(f".{folder.name}.{what}-{os.getpid()}") for what in ("new", "old"))
+    shutil.rmtree(fresh, ignore_errors=True)
+    fresh.mkdir()
+    try:
+        config.save_pretrained(str(fresh))
+        save_file({PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()},
+                  str(fresh / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    if folder.exists():
+        shutil.rmtree(stale, ignore_errors=True)
+        folder.rename(stale)
+        fresh.rename(folder)
+        shutil.rmtree(stale)
+    else:
+        fresh.rename(folder)
     return folder
 
 

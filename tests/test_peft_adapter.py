@@ -152,3 +152,25 @@ def test_a_run_with_only_a_peft_adapter_folder_loads_it(dense_run, tmp_path):
     with torch.no_grad():
         for other in (again, only_peft):
             torch.testing.assert_close(other(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_adapter_folder_is_replaced_whole_or_not_at_all(dense_run, tmp_path, monkeypatch):
+    """Training leaves RUN/adapter/ as a peft folder; a write that fails midway (a full disk) keeps
+    the previous folder as it was and leaves no temporary folder behind."""
+    import safetensors.torch
+
+    folder = dense_run / "adapter"
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    model = concept.build(tiny_config())
+    add_lora(model.backbone, LoraSettings(rank=2))
+    target = save_peft_adapter(model.backbone, tmp_path / "adapter")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError):
+        save_peft_adapter(model.backbone, target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
