@@ -77,6 +77,27 @@ def calibration_rows(model, data=None, rows: int = DEFAULT_BATCHES * DEFAULT_BAT
     return batch, label
 
 
+
+def decision_inputs(model, batches):
+    """What a length policy decides on, for ``batches`` (dicts of ``input_ids`` / ``attention_mask`` /
+    ``document_ids``), concatenated over them: (head logits, valid mask, document starts, shallow
+    states or None). Only the shallow stack and the head run; call it under ``torch.no_grad()``
+    with the model in the mode whose decisions are wanted. The shallow states are kept only for a
+    policy that reads them (``reads_hidden``). Shared by ``calibrate`` and the trainer's final
+    calibration."""
+    from .packing import document_starts
+
+    reads_h = getattr(model.length_policy, "reads_hidden", False)
+    logits, valid, reset, states = [], [], [], []
+    for b in batches:
+        mask = b["attention_mask"].bool()
+        h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
+        logits.append(model.vocabulary.logits(h))
+        states.append(h if reads_h else None)
+        valid.append(mask)
+        reset.append(document_starts(mask, b["document_ids"]))
+    return torch.cat(logits), torch.cat(valid), torch.cat(reset), torch.cat(states) if reads_h else None
+
 def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batches: int = DEFAULT_BATCHES,
               batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN, text_field: str = "text",
               encoding_errors: str = "strict") -> dict | None:
@@ -87,7 +108,6 @@ def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batc
     ``concept.json``): target_ratio, ratio (reached on those rows), null_bias, data, tokens, rows,
     seq_len; None for a policy whose ratio no bias controls. ``ConfigError`` for bad settings,
     ``ConceptError`` for unreadable data."""
-    from .packing import document_starts
     from .ratio import PIController
 
     problems = check(target_ratio, batches, batch, seq_len)
@@ -106,24 +126,15 @@ def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batc
                 policy.target_ratio.fill_(target_ratio)
             else:
                 policy.target_ratio = target_ratio
-    reads_h = getattr(policy, "reads_hidden", False)
-    logits, valid, reset, states = [], [], [], []
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():  # only the shallow stack and the head
-            for start in range(0, rows["input_ids"].shape[0], batch):
-                b = {k: v[start:start + batch].to(device) for k, v in rows.items()}
-                mask = b["attention_mask"].bool()
-                h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
-                logits.append(model.vocabulary.logits(h))
-                states.append(h if reads_h else None)
-                valid.append(mask)
-                reset.append(document_starts(mask, b["document_ids"]))
-            valid_all = torch.cat(valid)
-            h = torch.cat(states) if reads_h else None
+            logits, valid_all, reset, h = decision_inputs(model, ({k: v[start:start + batch].to(device)
+                                                                   for k, v in rows.items()}
+                                                                  for start in range(0, rows["input_ids"].shape[0], batch)))
             reached = PIController(target_ratio).calibrate_exact(  # 20 halvings: the bias to ~1e-5 of its range
-                policy, torch.cat(logits), valid_all, torch.cat(reset), iters=20, h=h)
+                policy, logits, valid_all, reset, iters=20, h=h)
     finally:
         model.train(was_training)
     result = {"target_ratio": float(target_ratio), "ratio": float(reached), "null_bias": float(policy.null_bias),

@@ -815,24 +815,16 @@ class Trainer:
             self.set_target(cfg.target_ratio)  # the curriculum's end: the model is saved with the final target
         if self.pi is None or cfg.calibration_batches < 1:
             return
-        from .packing import document_starts
+        from .calibration import decision_inputs
 
-        logits, valid, reset, states = [], [], [], []
-        reads_h = getattr(model.length_policy, "reads_hidden", False)  # only then keep the shallow states
         was_training = model.training
         model.eval()  # the decisions the evaluated model will make (e.g. no LoRA dropout)
         try:
             with torch.no_grad(), self.gathered():  # only the shallow stack and the head are needed
-                for i in range(cfg.calibration_batches):
-                    b = self.batch(self.step * self.micro_batches + i)  # the same rows on every rank
-                    mask = b["attention_mask"].bool()
-                    h = model.shallow_states(b["input_ids"], mask, b["document_ids"])
-                    logits.append(model.vocabulary.logits(h))
-                    states.append(h if reads_h else None)
-                    valid.append(mask)
-                    reset.append(document_starts(mask, b["document_ids"]))
-            reached = self.pi.calibrate_exact(model.length_policy, torch.cat(logits), torch.cat(valid), torch.cat(reset),
-                                              h=torch.cat(states) if reads_h else None)
+                # the same rows on every rank
+                batches = (self.batch(self.step * self.micro_batches + i) for i in range(cfg.calibration_batches))
+                logits, valid, reset, h = decision_inputs(model, batches)
+                reached = self.pi.calibrate_exact(model.length_policy, logits, valid, reset, h=h)
         finally:
             model.train(was_training)
         if abs(reached - cfg.target_ratio) > 0.05 * cfg.target_ratio:
