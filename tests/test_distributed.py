@@ -14,12 +14,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import concept
-from concept import BuildConfig, ComponentRef
 from concept.errors import ConfigError
 from concept.training import TrainConfig, Trainer
 from concept_cli.main import cli
 
-from .test_training import corpus  # noqa: F401  (the shared JSONL corpus fixture)
+from .test_training import built, corpus  # noqa: F401  (the shared tiny build and JSONL corpus fixtures)
 
 TRAIN = ["--seq-len", "32", "--eval-every", "3", "--eval-batches", "1", "--log-every", "2", "--warmup", "1",
          "--lora-rank", "2", "--calibration-batches", "2"]
@@ -28,14 +27,8 @@ RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist") / "tiny"
-    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1,
-                                                          "intermediate": 64}),
-                      split="1,2,1", vocabulary=ComponentRef("embedding", {"size": 32}),
-                      attention=ComponentRef("chunked", {"chunk": 16}))
-    concept.save(concept.build(cfg), out)
-    return out
+def tiny(built):  # noqa: F811  (test_training's tiny streaming build)
+    return built
 
 
 def env():
