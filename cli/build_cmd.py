@@ -10,7 +10,7 @@ from click.core import ParameterSource
 from rich.markup import escape
 
 from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
-                     render_params, render_stacks, stack_layers, status, stdout)
+                     render_params, render_structure, stack_layers, status, stdout)
 
 
 def load_config_file(path: str):
@@ -37,11 +37,16 @@ def load_config_file(path: str):
     return BuildConfig.from_dict(data)
 
 
-def make_config(config_file, names: dict, split, seed, overrides, concept_input=None):
-    """Start from the defaults (or --config) and apply the flags; --set last."""
+def make_config(config_file, names: dict, split, seed, overrides, concept_input=None, family=None):
+    """Start from the defaults (or --config) and apply the flags; --set last. ``--family planner-executor``
+    brings its own default position scheme (``per-type``) unless --rope names one."""
     from concept import BuildConfig, ComponentRef
 
     config = load_config_file(config_file) if config_file else BuildConfig()
+    if family is not None and family != config.family:
+        config.family = family
+        if family == "planner-executor" and names.get("position_scheme") is None:
+            config.position_scheme = ComponentRef("per-type")
     for slot, name in names.items():
         if name is not None and name != getattr(config, slot).name:
             setattr(config, slot, ComponentRef(name))  # another component: its options start fresh
@@ -114,11 +119,15 @@ def print_plan(plan, output: Path | None) -> None:
     where = f" to {output}" if output else ""
     stdout.print(f"[bold]plan[/] (dry run: nothing written{escape(where)})")
     stdout.print(f"backbone: {escape(describe_backbone(d['backbone']))}")
-    stdout.print(render_stacks(plan.split, d["backbone"]["num_layers"]))
+    stdout.print(render_structure(plan))
     stdout.print(render_components(d["components"]))
 
 
 @click.command()
+@click.option("--family", type=click.Choice(["streaming", "planner-executor"]), default=None,
+              help="Model family: streaming (default; online concept compression) or planner-executor (the LLM "
+                   "plans typed concepts, then writes text from the plan alone; configure its types with --set "
+                   "planner.types='[{\"name\": ..., \"size\": K, \"max_len\": N}, ...]').")
 @click.option("--backbone", metavar="NAME", help="Backbone plugin (default: smollm2, the offline SmolLM2-135M).")
 @click.option("--split", metavar="TEXT", help="Layers per stack: 'auto', counts '4,22,4' or fractions '0.15,0.7,0.15'.")
 @click.option("--length-policy", metavar="NAME", help="Length policy plugin (default: null).")
@@ -154,7 +163,7 @@ def print_plan(plan, output: Path | None) -> None:
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
 @click.pass_context
-def build(ctx, backbone, split, length_policy, sampler, eval_sampler, position_scheme, vocabulary, attention,
+def build(ctx, family, backbone, split, length_policy, sampler, eval_sampler, position_scheme, vocabulary, attention,
           tail_fusion, concept_input, seed, target_ratio, calibration_data, calibration_batches, no_calibrate,
           overrides, config_file, output, force, dry_run, as_json) -> None:
     """Build a streaming concept model from a backbone and components, and save it to a run folder.
@@ -171,7 +180,7 @@ def build(ctx, backbone, split, length_policy, sampler, eval_sampler, position_s
         raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
     names = dict(backbone=backbone, length_policy=length_policy, sampler=sampler, eval_sampler=eval_sampler,
                  position_scheme=position_scheme, vocabulary=vocabulary, attention=attention, tail_fusion=tail_fusion)
-    config = make_config(config_file, names, split, seed, overrides, concept_input)
+    config = make_config(config_file, names, split, seed, overrides, concept_input, family)
     from concept import resolve
     from concept.calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, check
 
@@ -195,12 +204,13 @@ def build(ctx, backbone, split, length_policy, sampler, eval_sampler, position_s
 
     quiet_progress_bars()
     bb = plan.components["backbone"]
-    status("building", f"{bb.name} backbone, split {'/'.join(map(str, plan.split))} "
-                       f"({plan.backbone_info.num_layers} layers) ...")
+    shape = (f"split {'/'.join(map(str, plan.split))}" if plan.family == "streaming" else
+             f"planner-executor, {len(plan.planner.types)} plan type(s)")
+    status("building", f"{bb.name} backbone, {shape} ({plan.backbone_info.num_layers} layers) ...")
     start = time.perf_counter()
     model = concept.build(plan=plan)
     calibration = None
-    if not no_calibrate:
+    if not no_calibrate and plan.family == "streaming":
         given = {k for k in ("target_ratio", "calibration_data", "calibration_batches")
                  if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
         calibration = calibrate(model, target_ratio, calibration_data, calibration_batches, given)
@@ -210,10 +220,11 @@ def build(ctx, backbone, split, length_policy, sampler, eval_sampler, position_s
 
     counts = param_counts(model)
     if as_json:
-        print_json({"path": str(output), "plan": plan.describe(), "stacks": stack_layers(plan.split),
+        print_json({"path": str(output), "family": plan.family, "plan": plan.describe(),
+                    "stacks": stack_layers(plan.split) if plan.family == "streaming" else None,
                     "params": counts, "calibration": calibration})
         return
-    stdout.print(f"[bold]built[/] {escape(str(output))}")
+    stdout.print(f"[bold]built[/] {escape(str(output))} ({plan.family})")
     stdout.print(f"backbone: {escape(describe_backbone(plan.describe()['backbone']))}")
-    stdout.print(render_stacks(plan.split, plan.backbone_info.num_layers))
+    stdout.print(render_structure(plan))
     stdout.print(render_params(counts))

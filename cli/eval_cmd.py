@@ -10,7 +10,11 @@ from .output import print_json, quiet_progress_bars, status, stdout, table
 # (key, label, format) rows of the table, in order
 ROWS = [("model", "model", "{}"), ("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token)", "{:.4f}"),
         ("perplexity", "perplexity", "{:.2f}"), ("ratio", "concepts / token", "{:.4f}"),
+        ("nll_nothing", "NLL(y | empty plan): the floor", "{:.4f}"),
+        ("nll_dense_given_u", "NLL(y | u), frozen backbone", "{:.4f}"), ("nll_dense", "NLL(y), frozen backbone", "{:.4f}"),
+        ("plan_len", "plan length (concepts / example)", "{:.2f}"), ("plan_per_token", "plan length / |u|", "{:.4f}"),
         ("delta_nll_shuffle", "ΔNLL concepts shuffled", "{:+.4f}"), ("delta_nll_random", "ΔNLL random concepts", "{:+.4f}"),
+        ("delta_nll_mask", "ΔNLL plan masked", "{:+.4f}"),
         ("nll_concepts", "NLL at concept positions", "{:.4f}"),
         ("nll_concepts_keep_all", "  … every token a concept", "{:.4f}"),
         ("nll_concepts_skip_middle", "  … no concept (middle skipped)", "{:.4f}"),
@@ -23,6 +27,10 @@ ROWS = [("model", "model", "{}"), ("bits_per_token", "bits / token", "{:.4f}"), 
         ("mtp_accuracy", "MTP heads top-1 accuracy (t+1, t+2, ...)", "{}"), ("tokens", "tokens evaluated", "{:,}"),
         ("train_steps", "training steps", "{:,}"), ("train_tokens_per_s", "training tokens/s (median)", "{:.0f}"),
         ("train_speed_vs_dense", "training speed vs dense", "{:.2f}x")]
+
+
+PER_TYPE = {"plan_len": "plan length", "entropy": "planner entropy (nats)", "max_prob": "planner mean max-prob",
+            "usage_perplexity": "concept usage perplexity"}
 
 
 def speed_vs_dense(results: dict) -> None:
@@ -128,6 +136,10 @@ def print_tables(results: dict, suffix: str = "") -> None:
     for key, label, fmt in ROWS:
         if any(key in r for r in results.values()):
             t.add_row(label, *(fmt.format(r[key]) if key in r else "-" for r in results.values()))
+    typed = dict.fromkeys(k for r in results.values() for k in r if k.split("/")[0] in PER_TYPE and "/" in k)
+    for key in typed:  # the planner-executor's per-type rows: plan_len/topic, entropy/topic, ...
+        what, name = key.split("/", 1)
+        t.add_row(f"{PER_TYPE[what]} ({name})", *(f"{r[key]:.3f}" if key in r else "-" for r in results.values()))
     stdout.print(t)
     buckets = next((r["nll_by_position"] for r in results.values() if r.get("nll_by_position")), None)
     if buckets:

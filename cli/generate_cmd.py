@@ -94,17 +94,20 @@ def kv_summary(kv: dict) -> dict:
               help="confadapt: keep drafted tokens while the heads' top-1 probability is at least this.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts generated together.")
 @click.option("--show-concepts", is_flag=True, help="Print prompt and output with the tokens that emitted a concept highlighted.")
+@click.option("--show-plan", is_flag=True, help="Planner-executor runs: print each prompt's plan (type by type, its "
+              "concept ids) before the text.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt (JSON lines).")
 def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed,
-             mtp, mtp_tau, batch_size, show_concepts, device, as_json):
-    """Generate text from a trained run (the streaming model or a dense baseline).
+             mtp, mtp_tau, batch_size, show_concepts, show_plan, device, as_json):
+    """Generate text from a trained run (the streaming model, a planner-executor or a dense baseline).
 
     \b
     concept generate runs/m1-train --prompt "def fibonacci(n):" --max-new-tokens 64
     concept generate runs/m1-train -p "import os" --temperature 0.8 --top-p 0.95 --seed 0 --show-concepts
     concept generate runs/m1-train --prompt-file prompts.txt --json
     concept generate runs/mtp-train -p "def f(x):" --mtp verify          # same text, fewer forwards
+    concept generate runs/pe-cont --prompt-file p.txt --show-plan          # the plan, then the text
     """
     import concept
     from concept.builder import read_run, read_train
@@ -122,11 +125,18 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
         raise ConfigError([f"--batch-size: must be >= 1, got {batch_size}"])
     settings = settings_from(None, {**sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                                                         stop, seed), "mtp": mtp, "mtp_tau": mtp_tau})
-    read_run(run)  # a clear error for a folder that is not a run
+    record = read_run(run)  # a clear error for a folder that is not a run
+    planned = record["config"].get("family") == "planner-executor"
+    wrong = ([("--show-concepts", show_concepts), ("--mtp", mtp)] if planned else [("--show-plan", show_plan)])
+    wrong = [flag for flag, given in wrong if given]
+    if wrong:
+        raise ConfigError([f"{flag}: {'a planner-executor run has no streaming concepts or MTP heads' if planned else 'only planner-executor runs write a plan'} "
+                           f"({run} is {'a planner-executor' if planned else 'a streaming or dense'} run); drop it"
+                           for flag in wrong])
     train = read_train(run)
     status("loading", str(run))
     model = concept.load(run).to(pick_device(device))
-    is_concept = hasattr(model, "length_policy")
+    is_concept = hasattr(model, "length_policy") or planned
     if train is None and is_concept:
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")
@@ -136,9 +146,9 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     if empty:
         raise ConceptError(f"prompt {', '.join(map(str, empty))} is empty; give at least one character of text")
 
-    stream = not as_json and not show_concepts and len(texts) == 1
+    stream = not as_json and not show_concepts and not show_plan and len(texts) == 1
     status("generating", f"{len(texts)} prompt{'s' * (len(texts) != 1)}, {'sampling' if settings.do_sample else 'greedy'}, "
-                         f"{'streaming model' if is_concept else 'dense baseline'} ...")
+                         f"{'planner-executor' if planned else 'streaming model' if is_concept else 'dense baseline'} ...")
     for start in range(0, len(texts), batch_size):
         batch = encoded[start:start + batch_size]
         streamer = TextStream(tokenizer, settings.stop_strings) if stream else None
@@ -160,8 +170,12 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
                     "prompt": texts[index], "text": out.texts[b], "tokens": out.tokens[b],
                     "finish_reason": out.finish_reasons[b], "prompt_tokens": len(ids), "new_tokens": len(out.tokens[b]),
                     "concept_positions": None if keep is None else [t for t, k in enumerate(keep) if k],
-                    "forwards": out.steps, "kv": kv}))
+                    "forwards": out.steps, "kv": kv, **({"plan": out.plans[b]} if out.plans else {})}))
                 continue
+            if show_plan:
+                if len(texts) > 1:
+                    stdout.print(f"[dim]── prompt {index + 1} ──[/]")
+                stdout.print("[bold]plan[/] " + "  ".join(f"{p['type']}: {p['ids']}" for p in out.plans[b]))
             if streamer is not None:
                 streamer.finish(out.texts[b])
                 click.echo()
@@ -170,10 +184,12 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
                     stdout.print(f"[dim]── prompt {index + 1} ──[/]")
                 stdout.print(render_concepts(tokenizer, ids + out.tokens[b], keep))
             else:
-                if len(texts) > 1:
+                if len(texts) > 1 and not show_plan:
                     stdout.print(f"[dim]── prompt {index + 1} ──[/]")
                 click.echo(out.texts[b])
             concepts = "" if keep is None else f", {kv['concepts']} concepts / {len(keep)} tokens"
+            if out.plans:
+                concepts = f", plan of {sum(len(p['ids']) for p in out.plans[b])} concepts for {len(ids)} prompt tokens"
             status("done", f"prompt {index + 1}: {len(out.tokens[b])} tokens ({out.finish_reasons[b]}){concepts}; "
                            f"KV {human_bytes(kv['bytes'])} vs dense {human_bytes(kv['dense_bytes'])}")
         new_tokens = sum(map(len, out.tokens))

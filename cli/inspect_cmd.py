@@ -5,7 +5,7 @@ import click
 from rich.markup import escape
 
 from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
-                     render_params, render_stacks, stack_layers, status, stdout, table)
+                     render_params, render_plan_types, render_stacks, stack_layers, status, stdout, table)
 
 # config slot -> attribute of ConceptModel holding that component (attention has no parameters)
 SLOT_MODULES = {"backbone": "backbone", "length_policy": "length_policy", "sampler": "sampler",
@@ -60,6 +60,8 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     plan = model.plan.describe()
     counts = param_counts(model)
     per_slot = module_params(model)
+    if plan["family"] == "planner-executor":  # no stacks, no keep ratio: its plan types and length control
+        return inspect_planner_executor(run_dir, model, plan, counts, record, as_json)
     flops = ideal_ratio(model, ratio, seq_len)
     flop_summary = {"concepts_per_token": ratio, **flops.to_dict()}
     calibration = ratio_calibration(model, record, read_train(run_dir))
@@ -95,4 +97,25 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     t.add_row("concept model", f"{flops.concept:.3e}")
     t.add_row("ratio (concept / dense)", f"{flops.ratio:.3f}")
     t.add_row("ideal speedup", f"{flops.speedup:.2f}x")
+    stdout.print(t)
+
+
+def inspect_planner_executor(run_dir: str, model, plan: dict, counts: dict, record: dict, as_json: bool) -> None:
+    """``concept inspect`` of a planner-executor run: plan types, parameters, components, <EOS> bias, task."""
+    planner = {**plan["planner"], "eos_bias": float(model.eos_bias.value), "task": model.task,
+               "context_len": model.context_len}
+    used = ("backbone", "sampler", "eval_sampler", "position_scheme", "vocabulary")
+    components = {slot: c for slot, c in plan["components"].items() if slot in used}
+    if as_json:
+        print_json({"path": run_dir, "format": record.get("format"), "family": plan["family"],
+                    "backbone": plan["backbone"], "planner": planner, "params": counts, "components": components})
+        return
+    stdout.print(f"[bold]run[/] {escape(run_dir)} (planner-executor)")
+    stdout.print(f"backbone: {escape(describe_backbone(plan['backbone']))}")
+    stdout.print(render_plan_types(plan["planner"]))
+    stdout.print(render_params(counts))
+    stdout.print(render_components(components))
+    t = table("plan length control", "value", title="planner")
+    t.add_row("<EOS> bias (quota controller)", f"{planner['eos_bias']:+.4f}")
+    t.add_row("task", f"{model.task}" + (f", context {model.context_len} tokens" if model.task == "continue" else ""))
     stdout.print(t)

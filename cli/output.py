@@ -138,6 +138,21 @@ def render_stacks(split: tuple[int, int, int], num_layers: int | None = None) ->
     return t
 
 
+def render_plan_types(planner: dict) -> Table:
+    """The planner-executor's concept types (``Plan.describe()["planner"]``)."""
+    t = table("type", "vocabulary", "max_len", title=f"plan types (budget {planner['target']:g} concepts per example)")
+    for i, pt in enumerate(planner["types"]):
+        t.add_row(f"{i + 1}: {pt['name']}", str(pt["size"]), str(pt["max_len"]))
+    return t
+
+
+def render_structure(plan) -> Table:
+    """What a build plan wires: the streaming model's stacks, or the planner-executor's plan types."""
+    if plan.planner is not None:
+        return render_plan_types(plan.describe()["planner"])
+    return render_stacks(plan.split, plan.backbone_info.num_layers)
+
+
 def render_params(counts: dict) -> Table:
     t = table("parameters", "count", title="parameters")
     t.add_row("total", human(counts["total"]))

@@ -21,7 +21,8 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
           "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
           "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads",
-          "placement": "placement"}
+          "placement": "placement", "task": "task", "context_len": "context_len", "commitment": "commitment",
+          "eos_weight": "eos_weight", "quota_weight": "quota_weight"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_targets": "targets"}
 
 
@@ -87,6 +88,17 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
               help="Learned placement: weight of a BCE that trains the `null` policy's keep score to emit concepts "
               "where skipping the middle stack costs most (KL of the frozen backbone to this model without its "
               "middle stack); one teacher forward and one shallow+deep forward per step, no gradient.")
+@click.option("--task", type=click.Choice(["reconstruct", "continue"]), default=None,
+              help="Planner-executor runs: reconstruct (default: the executor rebuilds the row u from the plan "
+              "alone) or continue (u = the first --context-len tokens, the executor writes the rest from the plan).")
+@click.option("--context-len", type=int, default=0, show_default=True,
+              help="Planner-executor, --task continue: tokens of each row the planner reads (u).")
+@click.option("--commitment", type=float, default=0.1, show_default=True,
+              help="Planner-executor: weight of the commitment term (the soft and hard concept samples agree).")
+@click.option("--eos-weight", type=float, default=0.1, show_default=True,
+              help="Planner-executor: weight of the <EOS> loss where a type reached its max_len.")
+@click.option("--quota-weight", type=float, default=0.1, show_default=True,
+              help="Planner-executor: weight of the quota loss (expected plan length against the budget).")
 @click.option("--align", type=float, default=0.0, show_default=True,
               help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
 @click.option("--align-at", type=click.Choice(["deep-input", "final"]), default="deep-input", show_default=True,
@@ -127,6 +139,7 @@ def train(ctx, source: Path, out, resume, force, as_json, distributed, **options
     concept train runs/m1 --baseline --out runs/dense
     concept train runs/m1 --baseline pruned --distill 1 --out runs/pruned
     concept train runs/m1 --distill 1 --ratio-warmup 0.3 --out runs/m1-kd
+    concept train runs/pe --task continue --context-len 192 --out runs/pe-cont
     """
     from concept.distributed import setup, teardown
 
@@ -244,6 +257,8 @@ def run_with_progress(trainer) -> dict:
                 info += f"  mtp {row['mtp']:.3f}"
             if "placement" in row:
                 info += f"  place {row['placement']:.3f}"
+            if "plan_len" in row:
+                info += f"  plan {row['plan_len']:.1f}"
             if "ratio" in row:
                 info += f"  ratio {row['ratio']:.3f}"
                 if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:

@@ -72,8 +72,25 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
     return parts
 
 
-def build(config: BuildConfig | dict | None = None, plan: Plan | None = None) -> ConceptModel:
-    """Build a streaming concept model from a config (validated first, all errors at once)."""
+def build_streaming(plan: Plan, loaded: LoadedBackbone) -> ConceptModel:
+    parts = build_components(plan, loaded)
+    return ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
+                        identity_start=plan.config.concept_input == "identity", **parts)
+
+
+def build_planner_executor(plan: Plan, loaded: LoadedBackbone):
+    from . import planner_executor
+
+    return planner_executor.build(plan, loaded)
+
+
+# the model families (SPEC §2): the same registry, components and training loop; their own orchestration
+FAMILIES = {"streaming": build_streaming, "planner-executor": build_planner_executor}
+
+
+def build(config: BuildConfig | dict | None = None, plan: Plan | None = None):
+    """Build a concept model of the config's family (``streaming``: ``ConceptModel``; ``planner-executor``:
+    ``PlannerExecutor``) from a config, validated first (all errors at once)."""
     if plan is None:
         if isinstance(config, dict):
             config = BuildConfig.from_dict(config)
@@ -81,9 +98,7 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None) ->
     loaded = build_backbone(plan)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.config.seed)
-        parts = build_components(plan, loaded)
-    model = ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
-                         identity_start=plan.config.concept_input == "identity", **parts)
+        model = FAMILIES[plan.family](plan, loaded)
     return model.eval()
 
 
@@ -106,6 +121,8 @@ def read_run(path: str | os.PathLike) -> dict:
         config = record["config"]
         for key, value in LEGACY_CONFIG.get(record.get("format", 1), {}).items():
             config.setdefault(key, value)
+        config.setdefault("family", "streaming")  # (written before the planner-executor family existed)
+        config.setdefault("planner", {})
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise RunFolderError(f"{file} is corrupt ({exc}); rebuild the run with `concept build -o {folder} --force`") from exc
     localise_backbone_path(record["config"], folder)
@@ -250,6 +267,8 @@ def load(path: str | os.PathLike):
             add_lora(model.backbone, LoraSettings(**train["lora"]))
             if adapter:
                 load_lora_state_dict(model.backbone, adapter)
+    if train and getattr(model, "family", None) == "planner-executor":  # the task the executor was trained on
+        model.task, model.context_len = train.get("task") or "reconstruct", train.get("context_len", 0)
     modules = newest_weights(folder, "modules")
     if modules is None and model.new_modules():
         raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")

@@ -51,3 +51,4 @@ class BuildContext:
     split: tuple[int, int, int]
     concept_vocab_size: int = 0  # K, filled once the vocabulary is built
     uses_null_class: bool = True
+    num_types: int = 1  # concept types (the planner-executor family has one per plan type)

@@ -20,6 +20,7 @@ from .registry import KINDS, Provider, registry
 SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
          "tail_fusion")
 CONCEPT_INPUTS = ("identity", "embedding")
+FAMILIES = ("streaming", "planner-executor")  # SPEC §2: the two concept model families (dense is a baseline)
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
 assert set(SLOT_KIND.values()) == set(KINDS)
 
@@ -47,6 +48,10 @@ class BuildConfig:
     # "embedding" = the discrete concept embedding alone
     concept_input: str = "identity"
     seed: int = 0
+    # which model family the builder wires: "streaming" (concept.model) or "planner-executor"
+    # (concept.planner_executor, configured by ``planner``: its concept types, plan budget, ...)
+    family: str = "streaming"
+    planner: dict[str, Any] = field(default_factory=dict)
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -69,6 +74,8 @@ class BuildConfig:
                     problems.append(f"{key}: expected {{'name': ..., 'params': {{...}}}}, got {value!r}")
                     continue
                 kwargs[key] = ComponentRef(value["name"], dict(value.get("params") or {}))
+            elif key == "planner" and not isinstance(value, dict):
+                problems.append(f"planner: expected an object of planner options, got {value!r}")
             else:
                 kwargs[key] = value
         if problems:
@@ -89,7 +96,9 @@ class BuildConfig:
                 continue
             path, raw = item.split("=", 1)
             value = parse_value(raw)
-            if "." in path:
+            if path.startswith("planner."):
+                self.planner[path.split(".", 1)[1]] = value
+            elif "." in path:
                 slot, key = path.split(".", 1)
                 if slot not in SLOTS:
                     problems.append(_unknown_msg(f"--set {path}: slot", slot, list(SLOTS)))
@@ -97,10 +106,11 @@ class BuildConfig:
                 getattr(self, slot).params[key] = value
             elif path in SLOTS:
                 getattr(self, path).name = str(value)
-            elif path in ("split", "seed", "concept_input"):
+            elif path in ("split", "seed", "concept_input", "family"):
                 setattr(self, path, value if path == "seed" else str(raw))
             else:
-                problems.append(_unknown_msg("--set key", path, list(SLOTS) + ["split", "seed", "concept_input"]))
+                problems.append(_unknown_msg("--set key", path, list(SLOTS) + ["split", "seed", "concept_input",
+                                                                              "family", "planner.KEY"]))
         if problems:
             raise ConfigError(problems)
         return self
@@ -224,9 +234,17 @@ class Plan:
     components: dict[str, ResolvedComponent]
     split: tuple[int, int, int]
     backbone_info: Any
+    planner: Any = None  # the planner-executor family: its validated ``PlannerSettings``
+
+    @property
+    def family(self) -> str:
+        return self.config.family
 
     def describe(self) -> dict:
+        extra = {"planner": self.planner.to_dict()} if self.planner is not None else {}
         return {
+            "family": self.config.family,
+            **extra,
             "config": self.config.to_dict(),
             "split": {"shallow": self.split[0], "middle": self.split[1], "deep": self.split[2]},
             "backbone": dataclasses.asdict(self.backbone_info),
@@ -295,6 +313,21 @@ def resolve(config: BuildConfig) -> Plan:
         problems.append(f"seed: expected an integer, got {config.seed!r}")
     if config.concept_input not in CONCEPT_INPUTS:
         problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
+    planner = None
+    if config.family not in FAMILIES:
+        problems.append(_unknown_msg("family", str(config.family), list(FAMILIES)))
+    elif config.family == "planner-executor":
+        from .planner_executor import PlannerSettings
+
+        planner, errs = PlannerSettings.parse(config.planner)
+        problems.extend(errs)
+        scheme = config.position_scheme.name
+        if scheme != "per-type":
+            problems.append(f"position_scheme: the planner-executor family numbers each token type's positions from 1 "
+                            f"(SPEC §2.4); build it with --rope per-type, not {scheme!r}")
+    elif config.planner:
+        problems.append(f"planner: {', '.join(sorted(config.planner))} configure the planner-executor family; this "
+                        f"build is {config.family!r} (pass --family planner-executor, or drop the planner options)")
 
     split, info = None, None
     if "backbone" in components:
@@ -308,11 +341,11 @@ def resolve(config: BuildConfig) -> Plan:
             problems.extend(errs)
 
     # Cross-component compatibility: each component may veto a combination, with its reason.
-    if not problems:
+    if not problems and config.family == "streaming":  # (the other family uses no length policy, attention, ...)
         for comp in components.values():
             check = getattr(comp.cls, "check_compatible", None)
             if callable(check):
                 problems.extend(f"{comp.slot} '{comp.name}': {p}" for p in check(comp.config, components))
     if problems:
         raise ConfigError(problems, exit_code=1 if environment_problem else 2)
-    return Plan(config=config, components=components, split=split, backbone_info=info)
+    return Plan(config=config, components=components, split=split, backbone_info=info, planner=planner)

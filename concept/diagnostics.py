@@ -279,6 +279,10 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     otherwise attention may cross packed documents (the loss never does).
     """
     base = _unwrap(model)
+    if getattr(base, "family", None) == "planner-executor":  # NLL(y | plan) and the plan's own statistics
+        from .plan_diagnostics import evaluate_planned
+
+        return evaluate_planned(base, batches, bucket, controls, seed)
     concept = _is_concept_model(model)
     fn = model if callable(model) else model.forward
     forward = getattr(base, "forward", fn)
@@ -423,7 +427,8 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
     n = min(batches, max(1, len(packed) // batch))
     result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
-    result["model"] = getattr(model, "kind", "streaming")  # streaming | dense | pruned
+    result["model"] = getattr(model, "kind", None) or getattr(model, "family", "streaming")  # streaming | dense | pruned
+    # | planner-executor
     return model, tokenizer, docs, result
 
 

@@ -66,6 +66,7 @@ class GenerationOutput:
     texts: list[str] | None = None  # per row: the new text (cut before a stop string), if a tokenizer is known
     logits: torch.Tensor | None = None  # [B, N, V] raw next-token logits of every step (output_logits=True)
     steps: int = 0  # decoding steps run (forwards after the prefill; with mtp each feeds a block of tokens)
+    plans: list[list[dict]] | None = None  # planner-executor: per row, the plan ({"type": name, "ids": [...]} per type)
 
 
 def settings_from(settings: GenerationSettings | None, overrides: dict) -> GenerationSettings:
@@ -126,6 +127,10 @@ def _context_limit(model) -> int | None:
 def _decoder(model):
     from .decoding import ConceptDecoder, DenseDecoder
 
+    if getattr(model, "family", None) == "planner-executor":
+        from .plan_decoding import PlannedDecoder
+
+        return PlannedDecoder(model)
     if hasattr(model, "length_policy"):
         return ConceptDecoder(model)
     heads = getattr(model, "mtp_heads", None)  # a dense model with MTP heads: keep the state they read
@@ -242,6 +247,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
         sequences=ids, prompt_lengths=[len(r) for r in rows], tokens=new, finish_reasons=reasons,
         kv=decoder.kv_stats(), keep=getattr(decoder, "keep", None), texts=texts if tokenizer is not None else None,
         logits=(kept_logits if s.mtp else torch.stack(kept_logits, dim=1)) if output_logits else None, steps=steps,
+        plans=getattr(decoder, "plans", None),
     )
 
 

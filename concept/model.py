@@ -16,6 +16,8 @@ loop over positions (see ``concept.packing`` for the layout and the mask rule).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -269,12 +271,18 @@ def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointin
     for layer in layers:
         kwargs = dict(attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[cache_keyword(type(layer))] = cache
         if checkpointing:
             x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
         else:
             x = layer(x, **kwargs)
     return x
+
+
+@functools.lru_cache(maxsize=None)
+def cache_keyword(layer_class) -> str:
+    """The KV-cache argument of a decoder layer: ``cache`` (transformers >= 5.x) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(layer_class.forward).parameters else "past_key_values"
 
 
 def next_token_loss(logits, labels, valid, document_ids=None, reduction="mean"):

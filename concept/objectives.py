@@ -234,9 +234,14 @@ class PlacementObjective:
 
 
 def from_config(config, streaming: bool, ratio_loss: bool, target: Callable[[], float],
-                has_mtp: bool = False) -> list[Objective]:
+                has_mtp: bool = False, planned=None) -> list[Objective]:
     """The objectives a ``TrainConfig`` asks for, in a fixed order (ratio, usage, distillation,
-    alignment, MTP heads: for a model that has them, placement)."""
+    alignment, MTP heads: for a model that has them, placement). ``planned``: a planner-executor
+    model, whose objectives are ``concept.plan_objectives``'."""
+    if planned is not None:
+        from . import plan_objectives
+
+        return plan_objectives.from_config(config, planned)
     objectives: list[Objective] = []
     if streaming and ratio_loss:
         objectives.append(RatioObjective(config.ratio_loss_weight, target))

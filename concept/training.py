@@ -103,6 +103,11 @@ class TrainConfig:
     mtp_ce: float = 0.5  # ... and of the CE on the real tokens inside it, relative to the KL
     mtp_heads: int = 0  # baselines: K MTP heads on the dense / pruned model (streaming: --length-policy mtp)
     placement: float = 0.0  # weight of the learned-placement term (concept.objectives.PlacementObjective)
+    task: str | None = None  # planner-executor: reconstruct (y = u, the default) | continue (y = the text after u)
+    context_len: int = 0  # planner-executor, task continue: u = the first context_len tokens of each row
+    commitment: float = 0.1  # planner-executor: weight of the commitment term (soft and hard samples agree)
+    eos_weight: float = 0.1  # planner-executor: weight of the <EOS> loss where max_len cut a type
+    quota_weight: float = 0.1  # planner-executor: weight of the quota loss (plan length against the budget)
     align_at: str = "deep-input"  # deep-input | final
     align_loss: str = "mse"  # mse | cosine
     train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
@@ -150,7 +155,17 @@ class TrainConfig:
         elif self.mtp_heads and not self.baseline:
             p.append("mtp-heads: only for --baseline dense / pruned; the streaming model's MTP heads come with its "
                      "length policy (`concept build --length-policy mtp --set length_policy.heads=K`)")
-        for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce", "placement"):
+        from .planner_executor import TASKS
+
+        if self.task is not None and self.task not in TASKS:
+            p.append(f"task: one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.task == "continue" and not 0 < self.context_len < self.seq_len:
+            p.append(f"context-len: task continue reads the first --context-len tokens of each row and predicts the "
+                     f"rest, so it must be in [1, seq-len - 1] = [1, {self.seq_len - 1}]; got {self.context_len}")
+        elif self.context_len and self.task != "continue":
+            p.append(f"context-len: only for --task continue (task {self.task or 'reconstruct'} reads the whole row)")
+        for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce", "placement", "commitment", "eos_weight",
+                     "quota_weight"):
             if not getattr(self, name) >= 0:  # (NaN fails too)
                 p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
         if not self.distill_temperature > 0:
@@ -354,6 +369,8 @@ class Trainer:
                                     mtp_heads=config.mtp_heads)
         else:
             self.model = build(plan=plan)
+            if plan.family == "planner-executor":  # what the executor is trained to write
+                self.model.task, self.model.context_len = config.task or "reconstruct", config.context_len
             if not resume and (self.out / "modules.safetensors").is_file():  # the source run's weights
                 from safetensors.torch import load_file
 
@@ -398,7 +415,10 @@ class Trainer:
                 self.notes.append(f"no held-out evaluation during training: {exc}")
 
         controls = config.ratio_control
-        streaming = not config.baseline
+        planned = plan.family == "planner-executor" and not config.baseline
+        streaming = not config.baseline and not planned
+        if planned:
+            controls = "none"  # the plan length has its own controller (concept.plan_objectives)
         policy = getattr(self.model, "length_policy", None)
         if streaming and controls != "none" and not ratio_controllable(policy):
             self.notes.append(f"length policy {type(policy).__name__} sets its ratio by its own parameters; "
@@ -412,12 +432,13 @@ class Trainer:
         if config.baseline == "dense" and config.distill:
             self.notes.append("--distill with the dense baseline: the teacher is this model without its adapters, so the "
                               "KL starts at 0 and only keeps the adapters close to the backbone (a regulariser)")
-        if not streaming and (config.ratio_warmup or config.usage_weight or config.placement):
+        if config.baseline and (config.ratio_warmup or config.usage_weight or config.placement):
             self.notes.append(f"a {config.baseline} baseline has no concepts: --ratio-warmup / --usage-weight / "
                               f"--placement do nothing")
         # the loss terms beyond the CE, each named in metrics.jsonl (concept.objectives)
         self.objectives = objectives_.from_config(config, streaming, controls in ("loss", "both"), self.target_ratio,
-                                                  has_mtp=getattr(self.model, "mtp_heads", None) is not None)
+                                                  has_mtp=getattr(self.model, "mtp_heads", None) is not None,
+                                                  planned=self.model if planned else None)
         self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast, self._sync)
         self.teacher_needs = self.step_module.teacher_needs
         self.train_forward = self._wrap(self.step_module)  # DDP / FSDP2 under torchrun, else the module itself
@@ -499,11 +520,24 @@ class Trainer:
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
         attention = plan.components["attention"]
         check = getattr(attention.cls, "check_trainable", None)  # e.g. `flex` has no backward on CPU
-        reason = check(device) if callable(check) and not config.baseline else ""
+        reason = check(device) if callable(check) and not config.baseline and plan.family == "streaming" else ""
         if reason:
             problems.append(f"attention '{attention.name}' cannot train on {device}: {reason}")
         policy = plan.components["length_policy"]
-        if config.placement and not config.baseline and not getattr(policy.cls, "learned_placement", False):
+        planned = plan.family == "planner-executor"
+        if planned and not config.baseline:
+            problems += [f"{flag}: the planner-executor family has no {what}; drop it" for flag, given, what in (
+                ("placement", config.placement, "keep decisions to place"),
+                ("align", config.align, "deep stack to align"),
+                ("distill", config.distill, "teacher distillation yet"),
+                ("ratio-warmup", config.ratio_warmup, "concepts-per-token ratio (its plan length is set by the "
+                                                      "planner's budget, `--set planner.budget=N` at build)"),
+                ("train-only", config.train_only == "new", "frozen-adapter stage")) if given]
+        elif config.task is not None or config.context_len:
+            problems.append(f"task: --task / --context-len are for planner-executor runs (`concept build --family "
+                            f"planner-executor`); {'a baseline' if config.baseline else 'this streaming model'} "
+                            f"trains on next-token prediction of every row")
+        if config.placement and not config.baseline and not planned and not getattr(policy.cls, "learned_placement", False):
             problems.append(f"placement: length policy '{policy.name}' has no per-token keep score that --placement "
                             f"could train (it decides by its own rule); build with --length-policy null, or drop "
                             f"--placement")
@@ -738,8 +772,8 @@ class Trainer:
         start = time.perf_counter()
         names = [o.name for o in self.objectives]
         # summed over this rank's micro-batches, then over the ranks
-        sums = dict.fromkeys(["loss", "total_loss", "kept", "tokens", "teacher_s", "bad", "quantile", "spread",
-                              *names], 0.0)
+        base = ["loss", "total_loss", "kept", "tokens", "teacher_s", "bad", "quantile", "spread"]
+        sums = dict.fromkeys([*base, *names], 0.0)
         micros = self.micro_batches
         for m in range(cfg.grad_accum):
             j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
@@ -752,6 +786,10 @@ class Trainer:
                 (loss / cfg.grad_accum).backward()
             for name, term in terms.items():
                 sums[name] += float(term.detach())
+            for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
+                if hasattr(objective, "stats"):
+                    for key, value in objective.stats(model, out).items():
+                        sums[key] = sums.get(key, 0.0) + value
             sums["bad"] += 0.0 if torch.isfinite(loss) else 1.0
             sums["loss"] += out.loss.item()
             sums["total_loss"] += loss.item()
@@ -793,6 +831,10 @@ class Trainer:
         row = {"step": self.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": lr,
                "grad_norm": float(full_tensor(grad_norm)), "tokens_per_s": total["tokens"] / seconds}
         row.update({name: mean[name] for name in names})  # each objective's term, by name
+        row.update({k: mean[k] for k in mean if k not in row and k not in base})  # the objectives' statistics
+        for objective in self.objectives:
+            if hasattr(objective, "after_step"):  # e.g. the quota controller moves the <EOS> bias
+                row.update(objective.after_step(model, mean))
         if self.teacher_needs:
             teacher_s = total["teacher_s"] / dist.world_size  # per process
             row.update(teacher_s=teacher_s, teacher_fraction=teacher_s / seconds)

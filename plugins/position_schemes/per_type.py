@@ -4,6 +4,9 @@ Normal text keeps the backbone's positions (0, 1, 2, ...); concepts are numbered
 rank among concepts, starting at ``offset``. A learned type embedding (zero-initialised, so
 the base model is unchanged at step 0) is added to text inputs and to concept inputs so
 the stacks can tell the types apart. 2D-RoPE was considered and rejected (SPEC §2.4).
+
+The planner-executor family (``concept.planner_executor``) has one embedding row per concept type
+(``add_types``) and numbers each type's block from 1 (its separator at 0) in the executor.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ class PerTypePositions(nn.Module):
     def __init__(self, config: PerTypeConfig, ctx):
         super().__init__()
         self.config = config
-        self.type_embedding = nn.Embedding(2, ctx.hidden_size) if config.type_embedding else None
+        # row 0: text; row i: concept type i (the streaming model has one concept type)
+        self.type_embedding = nn.Embedding(1 + getattr(ctx, "num_types", 1), ctx.hidden_size) \
+            if config.type_embedding else None
         if self.type_embedding is not None:
             nn.init.zeros_(self.type_embedding.weight)
 
@@ -47,3 +52,7 @@ class PerTypePositions(nn.Module):
 
     def add_concept_type(self, x: torch.Tensor) -> torch.Tensor:
         return self._add(x, self.CONCEPT)
+
+    def add_types(self, x: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        """x [..., d] plus the type embedding of ``types`` [...] (0: text, i >= 1: concept type i)."""
+        return x if self.type_embedding is None else x + self.type_embedding(types).to(x.dtype)

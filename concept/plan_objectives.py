@@ -1,0 +1,137 @@
+"""The planner-executor's training objectives (SPEC §2.6), small loss objects the trainer composes
+like ``concept.objectives`` (same protocol: ``objective(model, batch, out, teacher) -> weighted term``,
+logged by ``name``), plus the ``PlannerQuotaController``.
+
+| name | what | option |
+|---|---|---|
+| ``commitment`` | weight x mean over planned concepts of ‖e_soft − sg(e_hard)‖² / mean ‖e_hard‖²: the sampler's soft mixture agrees with the hard choice | ``--commitment`` |
+| ``plan_usage`` | weight x mean over types of KL(mean concept distribution of the type ‖ uniform), anti-collapse | ``--usage-weight`` |
+| ``eos`` | weight x mean over the steps where ``max_len`` forced an <EOS_i> of −log p(<EOS_i>): the planner learns to end a type itself | ``--eos-weight`` |
+| ``quota`` | weight x ((mean over rows of Σ_steps (1 − p(<EOS>))) − budget)² / budget², a differentiable surrogate of the total plan length against the budget | ``--quota-weight`` |
+
+The ``PlannerQuotaController`` is the integral half of the length control: after every step it moves
+the bias on every <EOS_i> logit (``model.eos_bias``, a buffer saved with the run) by
+``ki x (realised mean plan length − budget) / budget``, from the step's plan lengths reduced over every
+micro-batch and process. Objectives with statistics (``stats``) report them to the trainer, which sums
+them like the loss terms and hands the means back through ``after_step``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .ratio import usage_kl
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=like.device)
+
+
+def eos_probs(model, plan) -> torch.Tensor:
+    """[B, S] p(<EOS>) of every step under the planner's logits (before max_len forcing)."""
+    logp = F.log_softmax(plan.logits.float(), dim=-1)
+    K = model.sizes[plan.types.clamp(min=0)]
+    return logp.gather(-1, K[..., None]).squeeze(-1).exp()
+
+
+@dataclass
+class CommitmentObjective:
+    weight: float
+    name: str = "commitment"
+    teacher_needs: frozenset[str] = frozenset()
+
+    def __call__(self, model, batch, out, teacher=None):
+        plan = out.plan
+        mask = plan.concepts
+        if plan.soft is None or not bool(mask.any()):
+            return _zero(out.logits)
+        soft, hard = plan.soft[mask].float(), plan.hard[mask].float().detach()
+        return self.weight * (soft - hard).pow(2).sum(-1).mean() / hard.pow(2).sum(-1).mean().clamp_min(1e-12)
+
+
+@dataclass
+class PlanUsageObjective:
+    weight: float
+    name: str = "plan_usage"
+    teacher_needs: frozenset[str] = frozenset()
+
+    def __call__(self, model, batch, out, teacher=None):
+        plan, total, used = out.plan, _zero(out.logits), 0
+        for i, size in enumerate(model.sizes.tolist()):
+            mask = plan.concepts & (plan.types == i)
+            if bool(mask.any()):
+                total = total + usage_kl(plan.logits[..., :size], mask)
+                used += 1
+        return self.weight * total / max(1, used)
+
+
+@dataclass
+class EOSObjective:
+    weight: float
+    name: str = "eos"
+    teacher_needs: frozenset[str] = frozenset()
+
+    def __call__(self, model, batch, out, teacher=None):
+        plan = out.plan
+        mask = plan.forced
+        if mask is None or not bool(mask.any()):
+            return _zero(out.logits)
+        return self.weight * -torch.log(eos_probs(model, plan)[mask].clamp_min(1e-12)).mean()
+
+
+@dataclass
+class PlannerQuotaController:
+    """Integral control of the total plan length: after each step, ``eos_bias += ki x (length − budget) /
+    budget`` (clamped to ±20); its state is the bias buffer itself, so resume is exact."""
+    budget: float
+    ki: float = 0.05
+    limit: float = 20.0
+
+    def apply(self, model, length: float) -> None:
+        with torch.no_grad():
+            bias = model.eos_bias.value
+            bias.add_(self.ki * (length - self.budget) / self.budget).clamp_(-self.limit, self.limit)
+
+
+@dataclass
+class QuotaObjective:
+    weight: float
+    controller: PlannerQuotaController
+    name: str = "quota"
+    teacher_needs: frozenset[str] = frozenset()
+
+    def __call__(self, model, batch, out, teacher=None):
+        plan = out.plan
+        budget = self.controller.budget
+        expected = ((1 - eos_probs(model, plan)) * plan.active).sum(1).mean()
+        return self.weight * (expected - budget).pow(2) / budget ** 2
+
+    @staticmethod
+    def stats(model, out) -> dict[str, float]:
+        """Summed by the trainer over micro-batches and processes, then averaged (``after_step``)."""
+        lengths = out.plan.lengths(model.num_types).float()
+        u = out.u_valid.sum(1).clamp(min=1).float()
+        row = {"plan_len": float(lengths.sum(1).mean()), "plan_per_token": float((lengths.sum(1) / u).mean())}
+        row.update({f"plan_len/{t.name}": float(lengths[:, i].mean()) for i, t in enumerate(model.settings.types)})
+        return row
+
+    def after_step(self, model, means: dict[str, float]) -> dict[str, float]:
+        self.controller.apply(model, means["plan_len"])
+        return {"eos_bias": float(model.eos_bias.value)}
+
+
+def from_config(config, model) -> list:
+    """The planner-executor's objectives a ``TrainConfig`` asks for (the quota always: its controller
+    keeps the plan length near the budget even at weight 0)."""
+    objectives: list = []
+    if config.commitment:
+        objectives.append(CommitmentObjective(config.commitment))
+    if config.usage_weight:
+        objectives.append(PlanUsageObjective(config.usage_weight))
+    if config.eos_weight:
+        objectives.append(EOSObjective(config.eos_weight))
+    settings = model.settings
+    objectives.append(QuotaObjective(config.quota_weight, PlannerQuotaController(settings.target, settings.quota_ki)))
+    return objectives

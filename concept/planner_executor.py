@@ -1,0 +1,503 @@
+"""The planner-executor family (SPEC §2.6), readable top to bottom.
+
+One backbone with one set of LoRA adapters plays two parts:
+
+    planner:   [u, <PLAN>] --backbone--> for each concept type i in order: concepts of vocabulary i,
+               one per step, ended by <EOS_i> (at most max_len_i concepts), sampled (Gumbel-ST in
+               training, the eval sampler at inference) with a KV cache
+    executor:  [<SEP_1>, C_1, <SEP_2>, C_2, ..., <SEP_n>, C_n] + y --backbone--> next-token logits of y
+
+The executor never sees ``u``: its only input besides ``y`` is the plan. Gradients of the executor's
+loss reach the planner through the straight-through concept embeddings
+(``e = e_hard + e_soft - sg(e_soft)``).
+
+Token layout. The unified vocabulary is the base vocabulary (ids ``0..V-1``), then for each type i
+its ``K_i`` concept ids followed by ``<EOS_i>``, then ``<PLAN>`` and ``<SEP_1..n>``
+(:class:`TokenLayout`). An input embedding is the token's embedding plus its type's embedding
+(``per-type`` position scheme: row 0 text, row i concept type i; ``<SEP_i>`` and ``<EOS_i>`` are of
+type i, ``<PLAN>`` of text). One output head: the base LM head for text, and for type i the type's
+vocabulary head whose extra (NULL) class is ``<EOS_i>``; logits are restricted to what the phase
+allows (``unified_logits``): type i's concepts and ``<EOS_i>`` while planning type i, the base
+vocabulary while executing.
+
+Positions. The planner continues the text's positions (``<PLAN>`` at ``|u|``, the plan after it),
+as an LM continuing its prompt. The executor restarts every type at 1 under one shared RoPE:
+``<SEP_i>`` at 0, type i's concepts at 1, 2, ...; the text ``y_k`` at ``k + 1``.
+
+Batches. Plans differ in length between rows: the planner runs until every row has ended its last
+type (a finished row's steps are masked out of every later key), and the executor right-aligns the
+plan blocks (left padding) so that every row's text starts in the same column.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import packing
+from .attention import CausalPlan
+from .backbone import decoder
+from .kv_cache import DecodePlan
+from .model import next_token_loss, run_layers
+
+TASKS = ("reconstruct", "continue")
+DEFAULT_TYPES = ({"name": "topic", "size": 512, "max_len": 8}, {"name": "gist", "size": 2048, "max_len": 32})
+
+
+# -- settings ------------------------------------------------------------------------------------
+@dataclass
+class PlanType:
+    name: str
+    size: int  # K_i concept ids
+    max_len: int  # at most this many concepts of the type per plan
+
+
+@dataclass
+class PlannerSettings:
+    """``concept build --family planner-executor --set planner.KEY=VALUE``."""
+
+    types: list[PlanType] = field(default_factory=lambda: [PlanType(**t) for t in DEFAULT_TYPES])
+    budget: float | None = None  # total plan tokens per example the quota aims for (default: half of sum max_len)
+    quota_ki: float = 0.5  # the quota controller's integral gain on the <EOS> bias (per step, at 100% over budget)
+
+    KEYS = ("types", "budget", "quota_ki")
+
+    @property
+    def target(self) -> float:
+        return float(self.budget) if self.budget is not None else sum(t.max_len for t in self.types) / 2
+
+    def to_dict(self) -> dict:
+        return {"types": [dataclasses.asdict(t) for t in self.types], "budget": self.budget, "quota_ki": self.quota_ki,
+                "target": self.target}
+
+    @classmethod
+    def parse(cls, params: dict) -> tuple["PlannerSettings | None", list[str]]:
+        """Validate ``planner`` options all at once: (settings or None, problems)."""
+        problems = [f"planner.{k}: unknown option (known: {', '.join(cls.KEYS)})" for k in params if k not in cls.KEYS]
+        raw = params.get("types", list(DEFAULT_TYPES))
+        types: list[PlanType] = []
+        if not isinstance(raw, list) or not raw:
+            problems.append(f"planner.types: a non-empty list of types, each {{\"name\": ..., \"size\": K, "
+                            f"\"max_len\": N}}, got {raw!r}")
+            raw = []
+        seen = set()
+        for i, t in enumerate(raw):
+            where = f"planner.types[{i}]"
+            if not isinstance(t, dict) or set(t) - {"name", "size", "max_len"} or "name" not in t:
+                problems.append(f"{where}: expected {{\"name\": str, \"size\": int >= 2, \"max_len\": int >= 1}}, got {t!r}")
+                continue
+            name, size, max_len = t["name"], t.get("size", 512), t.get("max_len", 8)
+            if not isinstance(name, str) or not name:
+                problems.append(f"{where}.name: a non-empty string, got {name!r}")
+            elif name in seen:
+                problems.append(f"{where}.name: duplicate type name {name!r}; every type needs its own name")
+            seen.add(name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+                problems.append(f"{where}.size: a vocabulary needs at least 2 concept ids, got {size!r}")
+            if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+                problems.append(f"{where}.max_len: at least 1 concept per type, got {max_len!r}")
+            types.append(PlanType(str(name), size, max_len) if not problems else PlanType("?", 2, 1))
+        budget, ki = params.get("budget"), params.get("quota_ki", 0.5)
+        if budget is not None and (not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0):
+            problems.append(f"planner.budget: plan tokens per example, > 0, got {budget!r}")
+        elif budget is not None and types and budget > sum(t.max_len for t in types):
+            problems.append(f"planner.budget: {budget} is above the longest possible plan "
+                            f"({sum(t.max_len for t in types)} = the sum of max_len)")
+        if not isinstance(ki, (int, float)) or isinstance(ki, bool) or ki < 0:
+            problems.append(f"planner.quota_ki: must be >= 0, got {ki!r}")
+        if problems:
+            return None, problems
+        return cls(types=types, budget=budget, quota_ki=float(ki)), []
+
+
+@dataclass
+class TokenLayout:
+    """The unified vocabulary: base ids, then per type its concept ids and <EOS_i>, then <PLAN>, <SEP_i>."""
+
+    base: int
+    sizes: tuple[int, ...]
+
+    def offset(self, i: int) -> int:
+        return self.base + sum(k + 1 for k in self.sizes[:i])
+
+    def concept_id(self, i: int, local: int) -> int:
+        return self.offset(i) + local
+
+    def eos_id(self, i: int) -> int:
+        return self.offset(i) + self.sizes[i]
+
+    @property
+    def plan_id(self) -> int:
+        return self.offset(len(self.sizes))
+
+    def sep_id(self, i: int) -> int:
+        return self.plan_id + 1 + i
+
+    @property
+    def output_size(self) -> int:  # base + every type's concepts and <EOS_i>
+        return self.plan_id
+
+    @property
+    def size(self) -> int:
+        return self.plan_id + 1 + len(self.sizes)
+
+
+# -- outputs -------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """A batch of plans, step by step as the planner wrote them (a step is a concept or an <EOS_i>)."""
+
+    classes: torch.Tensor  # [B, S] class inside the step's type: 0..K_t-1 a concept, K_t its <EOS>; -1 after the end
+    types: torch.Tensor  # [B, S] the step's type index (-1 after the end)
+    active: torch.Tensor  # [B, S] bool: the step exists (a prefix of each row)
+    rank: torch.Tensor  # [B, S] a concept's 1-based place in its type's block (0 for <EOS>)
+    is_eos: torch.Tensor  # [B, S] bool
+    logits: torch.Tensor | None = None  # [B, S, Kmax+1] the planner's logits over its type (EOS at K_t, -inf beyond;
+    # before max_len forces an <EOS>)
+    embeds: torch.Tensor | None = None  # [B, S, d] the steps' input embeddings (straight-through while training)
+    soft: torch.Tensor | None = None  # [B, S, d] e_soft, the sampler's probability-weighted embedding (training)
+    hard: torch.Tensor | None = None  # [B, S, d] e_hard, the chosen token's embedding (training)
+    forced: torch.Tensor | None = None  # [B, S] bool: <EOS> forced by max_len
+
+    @property
+    def concepts(self) -> torch.Tensor:
+        return self.active & ~self.is_eos
+
+    def lengths(self, num_types: int) -> torch.Tensor:
+        """[B, n] concepts per type."""
+        onehot = F.one_hot(self.types.clamp(min=0), num_types) * self.concepts[..., None]
+        return onehot.sum(1)
+
+    def rows(self) -> list[list[tuple[int, int]]]:
+        """Per row: the (type, concept id) of every concept, in order."""
+        return [[(t, c) for t, c, keep in zip(ts, cs, ks) if keep]
+                for ts, cs, ks in zip(self.types.tolist(), self.classes.tolist(), self.concepts.tolist())]
+
+    def select(self, rows: torch.Tensor) -> "Plan":
+        """The plans of ``rows`` (e.g. a permutation: the shuffled-plan control)."""
+        return Plan(**{f.name: (v[rows] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                       for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_rows(cls, rows: list[list[tuple[int, int]]], sizes: tuple[int, ...], device=None) -> "Plan":
+        """Plans from per-row (type, concept id) lists in type order (<EOS> steps added)."""
+        n, steps = len(sizes), []
+        for row in rows:
+            if any(b[0] < a[0] for a, b in zip(row, row[1:])) or any(not 0 <= t < n or not 0 <= c < sizes[t] for t, c in row):
+                raise ValueError(f"a plan lists its concepts type by type, with ids inside each type's vocabulary: {row}")
+            seq = []
+            for t in range(n):
+                mine = [c for tt, c in row if tt == t]
+                seq += [(t, c, r + 1) for r, c in enumerate(mine)] + [(t, sizes[t], 0)]
+            steps.append(seq)
+        S = max(len(s) for s in steps)
+        classes = torch.full((len(rows), S), -1, dtype=torch.long)
+        types, rank = classes.clone(), torch.zeros_like(classes)
+        for b, seq in enumerate(steps):
+            for j, (t, c, r) in enumerate(seq):
+                classes[b, j], types[b, j], rank[b, j] = c, t, r
+        active = classes >= 0
+        is_eos = active & (classes == torch.tensor(sizes)[types.clamp(min=0)])
+        return cls(classes.to(device), types.to(device), active.to(device), rank.to(device), is_eos.to(device))
+
+
+@dataclass
+class PlannedOutput:
+    logits: torch.Tensor  # [B, Ty, V] logits[:, k] predicts y_k
+    plan: Plan
+    loss: torch.Tensor | None = None  # mean CE over the real tokens of y
+    y: torch.Tensor | None = None  # [B, Ty] the text the executor was trained / scored on
+    y_valid: torch.Tensor | None = None
+    u_valid: torch.Tensor | None = None
+
+
+# -- the model -----------------------------------------------------------------------------------
+class PlanSpecials(nn.Module):
+    """Input embeddings of <PLAN>, <SEP_1..n> and <EOS_1..n> (rows 0, 1..n, n+1..2n)."""
+
+    def __init__(self, num_types: int, hidden_size: int):
+        super().__init__()
+        self.num_types = num_types
+        self.table = nn.Embedding(1 + 2 * num_types, hidden_size)
+
+    def init_from_backbone(self, token_embedding: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.table.weight.normal_(0.0, float(token_embedding.float().std()))
+
+    def plan(self) -> torch.Tensor:
+        return self.table.weight[0]
+
+    def sep(self, types: torch.Tensor) -> torch.Tensor:
+        return self.table(1 + types)
+
+    def eos(self, types: torch.Tensor) -> torch.Tensor:
+        return self.table(1 + self.num_types + types)
+
+
+class EOSBias(nn.Module):
+    """The bias the ``PlannerQuotaController`` adds to every <EOS_i> logit (a buffer: moved by the
+    controller, not by gradients; saved with the run so inference plans as training ended)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("value", torch.zeros(()))
+
+
+class PlannerExecutor(nn.Module):
+    family = "planner-executor"
+
+    def __init__(self, backbone, settings: PlannerSettings, vocabularies, sampler, eval_sampler, positions,
+                 specials: PlanSpecials, plan=None, tokenizer=None):
+        super().__init__()
+        self.backbone = backbone  # HF *ForCausalLM, frozen (LoRA when training)
+        self.settings = settings
+        self.vocabularies = nn.ModuleList(vocabularies)  # one per type; its NULL class is <EOS_i>
+        self.sampler, self.eval_sampler = sampler, eval_sampler
+        self.positions = positions  # `per-type`
+        self.specials = specials
+        self.eos_bias = EOSBias()
+        self.plan = plan  # the resolved build plan
+        self.tokenizer = tokenizer
+        self.layout = TokenLayout(backbone.config.vocab_size, tuple(t.size for t in settings.types))
+        self.gradient_checkpointing = False
+        self.task, self.context_len = "reconstruct", None  # set by the trainer / a trained run's train.json
+        sizes = torch.tensor([t.size for t in settings.types])
+        self.register_buffer("sizes", sizes, persistent=False)
+        self.register_buffer("max_lens", torch.tensor([t.max_len for t in settings.types]), persistent=False)
+
+    @property
+    def num_types(self) -> int:
+        return len(self.settings.types)
+
+    @property
+    def inner(self) -> nn.Module:
+        return decoder(self.backbone)
+
+    # -- pieces ------------------------------------------------------------------------------
+    def run(self, x, position_ids, attention_plan, cache=None):
+        return run_layers(self.inner.layers, x, position_ids, attention_plan, self.inner.rotary_emb,
+                          self.gradient_checkpointing and self.training and cache is None, cache)
+
+    def embed_text(self, ids):
+        return self.positions.add_types(self.inner.embed_tokens(ids), torch.zeros_like(ids))
+
+    def text_logits(self, h):
+        return self.backbone.lm_head(self.inner.norm(h))
+
+    def plan_logits(self, h, types):
+        """[B, Kmax+1] the head of each row's current type over its concepts and <EOS> (at K_t; -inf
+        beyond), the quota's <EOS> bias added. h: [B, d] the backbone's last hidden state (pre-norm)."""
+        x = self.inner.norm(h)
+        width = int(self.sizes.max()) + 1
+        out = x.new_full((x.shape[0], width), float("-inf"))
+        for i, vocab in enumerate(self.vocabularies):
+            rows = types == i
+            logits = vocab.logits(x)
+            logits = torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.value.to(logits.dtype)], dim=-1)
+            out = torch.where(rows[:, None], F.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")), out)
+        return out
+
+    def unified_logits(self, h, phase: int | None):
+        """Logits over the whole output vocabulary (``layout.output_size``), restricted to what ``phase``
+        allows: None = executing (the base vocabulary), i = planning type i (its concepts and <EOS_i>)."""
+        x = self.inner.norm(h)
+        out = x.new_full((*x.shape[:-1], self.layout.output_size), float("-inf"))
+        if phase is None:
+            out[..., : self.layout.base] = self.backbone.lm_head(x)
+        else:
+            logits = self.vocabularies[phase].logits(x)
+            logits[..., -1] += self.eos_bias.value.to(logits.dtype)
+            start = self.layout.offset(phase)
+            out[..., start: start + logits.shape[-1]] = logits
+        return out
+
+    def step_embedding(self, classes, types, probs=None):
+        """Input embeddings [..., d] of planner steps (``classes`` / ``types`` [...]): the concept's embedding or <EOS_t>'s, plus
+        the type embedding; with ``probs`` (training) the straight-through ``e_hard + e_soft - sg(e_soft)``.
+        Returns (embedding, e_soft or None, e_hard)."""
+        eos_row = self.specials.eos(types.clamp(min=0))
+        hard, soft = eos_row.clone(), None
+        for i, vocab in enumerate(self.vocabularies):
+            K, rows = vocab.size, types == i
+            concept = rows & (classes < K)
+            e = vocab.embed_hard(classes.clamp(0, K - 1))
+            hard = torch.where(concept[..., None], e.to(hard.dtype), hard)
+            if probs is not None:
+                mix = vocab.embed_soft(probs[..., :K]) + probs[..., K:K + 1] * self.specials.eos(torch.full_like(types, i))
+                soft = mix if soft is None else torch.where(rows[..., None], mix, soft)
+        e = hard if soft is None else hard + (soft - soft.detach())
+        return self.positions.add_types(e, types.clamp(min=0) + 1), soft, hard
+
+    # -- planner -------------------------------------------------------------------------------
+    def planner(self, u_ids, u_valid, teacher: Plan | None = None, cache=None, sample: bool | None = None) -> Plan:
+        """Write a plan for each row of ``u`` (one step per forward, with a KV cache). ``teacher``: feed
+        this plan instead of sampling (teacher forcing: the logits are those the planner gives it).
+        ``sample``: draw with the training sampler (default: while training); else the eval sampler.
+        ``cache``: a transformers ``DynamicCache`` to fill (default: a fresh one)."""
+        from transformers import DynamicCache
+
+        sample = self.training if sample is None else sample
+        sampler = self.sampler if sample else self.eval_sampler
+        straight_through = sample and torch.is_grad_enabled() and getattr(sampler, "straight_through", False)
+        B, dev = u_ids.shape[0], u_ids.device
+        cache = DynamicCache() if cache is None else cache
+        x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype)], 1)
+        valid = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
+        pos = packing.time_positions(valid)
+        h = self.run(x, pos, CausalPlan(valid), cache)[:, -1]
+        next_pos = pos[:, -1] + 1
+        keys = valid
+        n = self.num_types
+        cur = torch.zeros(B, dtype=torch.long, device=dev)
+        count = torch.zeros_like(cur)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        rec = {k: [] for k in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds", "soft", "hard", "forced")}
+        max_steps = sum(t.max_len + 1 for t in self.settings.types) if teacher is None else teacher.classes.shape[1]
+        for s in range(max_steps):
+            active = ~done
+            types = torch.where(active, cur, torch.full_like(cur, -1))
+            logits = self.plan_logits(h, cur.clamp(max=n - 1))
+            K = self.sizes[cur.clamp(max=n - 1)]
+            forced = active & (count >= self.max_lens[cur.clamp(max=n - 1)])
+            concept_cols = torch.arange(logits.shape[-1], device=dev)[None, :] < K[:, None]
+            probs = sampler(logits.masked_fill(forced[:, None] & concept_cols, float("-inf")))
+            classes = probs.argmax(-1) if teacher is None else teacher.classes[:, s].clamp(min=0)
+            classes = torch.where(active, classes, torch.full_like(classes, -1))
+            is_eos = active & (classes == K)
+            e, soft, hard = self.step_embedding(classes, types, probs if straight_through else None)
+            for k, v in (("classes", classes), ("types", types), ("active", active), ("is_eos", is_eos),
+                         ("rank", torch.where(active & ~is_eos, count + 1, torch.zeros_like(count))), ("logits", logits),
+                         ("embeds", e), ("soft", soft), ("hard", hard if straight_through else None), ("forced", forced)):
+                rec[k].append(v)
+            count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
+            cur = cur + is_eos.long()
+            done = done | (cur >= n)
+            if bool(done.all()):
+                break
+            keys = torch.cat([keys, active[:, None]], dim=1)
+            h = self.run(e[:, None], next_pos[:, None], DecodePlan(keys), cache)[:, 0]
+            next_pos = next_pos + 1
+        stacked = {k: (torch.stack(v, 1) if v and v[0] is not None else None) for k, v in rec.items()}
+        return Plan(**stacked)
+
+    # -- executor ------------------------------------------------------------------------------
+    def plan_block(self, plan: Plan, embeds: torch.Tensor | None = None):
+        """The executor's plan block ``[<SEP_1>, C_1, ..., <SEP_n>, C_n]`` of each row, right-aligned:
+        (x [B, S, d], valid [B, S], positions [B, S]). A step's concept keeps its embedding (``embeds``,
+        default the plan's own, else the hard ones); an <EOS_t> becomes <SEP_t+1>; the last <EOS> is dropped."""
+        B, S = plan.classes.shape
+        dev = plan.classes.device
+        if embeds is None:
+            embeds = plan.embeds if plan.embeds is not None else self.step_embedding(plan.classes, plan.types)[0]
+        types = plan.types.clamp(min=0)
+        sep_type = torch.where(plan.is_eos, types + 1, types).clamp(max=self.num_types - 1)
+        sep = self.positions.add_types(self.specials.sep(sep_type), sep_type + 1).to(embeds.dtype)
+        step_x = torch.where(plan.is_eos[..., None], sep, embeds)  # (a step's own embedding carries its type)
+        first = self.positions.add_types(self.specials.sep(torch.zeros(B, 1, dtype=torch.long, device=dev)),
+                                         torch.ones(B, 1, dtype=torch.long, device=dev)).to(embeds.dtype)
+        x = torch.cat([first, step_x[:, :-1]], dim=1)  # slot j holds step j-1
+        pos = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), plan.rank[:, :-1]], dim=1)
+        lengths = plan.active.sum(1)  # slots per row: <SEP_1> + every step but the last <EOS>
+        shift = S - lengths  # right-align: slot j of the row goes to column j + shift
+        col = torch.arange(S, device=dev)[None, :] - shift[:, None]
+        valid = col >= 0
+        src = col.clamp(min=0)
+        x = x.gather(1, src[..., None].expand(-1, -1, x.shape[-1]))
+        pos = pos.gather(1, src).masked_fill(~valid, 0)
+        return x, valid, pos
+
+    def executor(self, plan: Plan, y_ids, y_valid, embeds=None, cache=None, logits_to_keep: int = 0):
+        """Text logits [B, Ty, V] of ``y`` given the plan alone (logits[:, k] predicts y_k)."""
+        bx, bvalid, bpos = self.plan_block(plan, embeds)
+        x = torch.cat([bx, self.embed_text(y_ids).to(bx.dtype)], dim=1)
+        valid = torch.cat([bvalid, y_valid], dim=1)
+        ypos = torch.cumsum(y_valid.long(), 1) * y_valid  # y_k at k + 1 (padding: 0)
+        pos = torch.cat([bpos, ypos], dim=1)
+        h = self.run(x, pos, CausalPlan(valid), cache)
+        S = bx.shape[1]
+        h = h[:, S - 1: -1] if logits_to_keep == 0 else h[:, -logits_to_keep:]
+        return self.text_logits(h)
+
+    # -- forward -------------------------------------------------------------------------------
+    def split_example(self, input_ids, attention_mask=None):
+        """(u, u_valid, y, y_valid) of the configured task: ``reconstruct`` (y = u, the whole row) or
+        ``continue`` (u = the first ``context_len`` tokens, y = the rest)."""
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if self.task == "continue":
+            c = int(self.context_len or 0)
+            if not 0 < c < input_ids.shape[1]:
+                raise ValueError(f"task continue: context_len {c} must leave text to predict in rows of "
+                                 f"{input_ids.shape[1]} tokens")
+            return input_ids[:, :c], valid[:, :c], input_ids[:, c:], valid[:, c:]
+        return input_ids, valid, input_ids, valid
+
+    def forward(self, input_ids, attention_mask=None, labels=None, document_ids=None, plan: Plan | None = None,
+                **_) -> PlannedOutput:
+        """Plan from u, execute y from the plan alone; ``loss`` is the CE of y (when ``labels`` is given).
+        ``plan``: use this plan (teacher forcing the planner) instead of writing one. Rows are one text
+        each: packed documents inside a row are read as one stream."""
+        u, u_valid, y, y_valid = self.split_example(input_ids, attention_mask)
+        plan = self.planner(u, u_valid, teacher=plan)
+        logits = self.executor(plan, y, y_valid)
+        loss = None
+        if labels is not None:
+            loss = text_loss(logits, y, y_valid)
+        return PlannedOutput(logits, plan, loss, y, y_valid, u_valid)
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Plan from the prompt, then generate text from the plan alone; see :func:`concept.generation.generate`."""
+        from .generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    # -- parameters ----------------------------------------------------------------------------
+    def new_modules(self) -> dict[str, nn.Module]:
+        modules = {"vocabularies": self.vocabularies, "specials": self.specials, "positions": self.positions,
+                   "sampler": self.sampler, "eos_bias": self.eos_bias}
+        return {k: m for k, m in modules.items() if any(True for _ in m.parameters()) or any(True for _ in m.buffers())}
+
+    def new_state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}
+
+
+def text_loss(logits, y, y_valid, reduction: str = "mean"):
+    """CE of y_k from logits[:, k] over the real tokens of y."""
+    target = y.masked_fill(~y_valid, -100)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100, reduction=reduction)
+    return loss if reduction == "mean" else loss.view(y.shape)
+
+
+def build(plan, loaded) -> PlannerExecutor:
+    """Wire a planner-executor from a resolved build plan and a loaded backbone (``concept.builder``)."""
+    from .components import BuildContext
+
+    comps, info, settings = plan.components, loaded.info, plan.planner
+    ctx = BuildContext(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers,
+                       split=plan.split, uses_null_class=True, num_types=len(settings.types))
+    token_embedding = loaded.model.get_input_embeddings().weight
+    vocab = comps["vocabulary"]
+    vocabularies = []
+    for t in settings.types:  # the type's vocabulary: the `vocabulary` plugin at the type's size; NULL = <EOS_t>
+        v = vocab.cls(dataclasses.replace(vocab.config, size=t.size), dataclasses.replace(ctx, concept_vocab_size=t.size))
+        if callable(getattr(v, "init_from_backbone", None)):
+            v.init_from_backbone(token_embedding)
+        vocabularies.append(v)
+    specials = PlanSpecials(len(settings.types), info.hidden_size)
+    specials.init_from_backbone(token_embedding)
+    model = PlannerExecutor(
+        loaded.model, settings, vocabularies,
+        sampler=comps["sampler"].cls(comps["sampler"].config, ctx),
+        eval_sampler=comps["eval_sampler"].cls(comps["eval_sampler"].config, ctx),
+        positions=comps["position_scheme"].cls(comps["position_scheme"].config, ctx),
+        specials=specials, plan=plan, tokenizer=loaded.tokenizer)
+    return model
+
+
+def describe_plan(model: PlannerExecutor, plan: Plan, row: int) -> list[dict[str, Any]]:
+    """Row ``row``'s plan for people: per type, its name and concept ids (``concept generate --show-plan``)."""
+    mine = plan.rows()[row]
+    return [{"type": t.name, "ids": [c for tt, c in mine if tt == i]} for i, t in enumerate(model.settings.types)]
