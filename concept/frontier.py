@@ -275,8 +275,11 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
                  for b in spec.baselines if b not in ("pruned", "dense")]
     if not spec.max_flops > 0:
         problems.append(f"--max-flops: a FLOP ratio to dense, > 0, got {spec.max_flops}")
+    if spec.build.family != "streaming":
+        problems.append(f"--config: the frontier trains streaming models over splits x ratios; this config is a "
+                        f"{spec.build.family} build (evaluate it with `concept train` and `concept eval`)")
     plans = {}  # split text -> resolved build plan
-    for text in spec.splits:
+    for text in spec.splits if spec.build.family == "streaming" else ():
         cfg = copy.deepcopy(spec.build)
         cfg.split = text
         try:

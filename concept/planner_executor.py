@@ -45,6 +45,7 @@ from .kv_cache import DecodePlan
 from .model import next_token_loss, run_layers
 
 TASKS = ("reconstruct", "continue")
+PLANNER_HEAD_INIT_SCALE = 1.0  # the typed vocabularies' head init (``embedding``), unless --set vocabulary.head_init_scale
 DEFAULT_TYPES = ({"name": "topic", "size": 512, "max_len": 8}, {"name": "gist", "size": 2048, "max_len": 32})
 
 
@@ -62,7 +63,7 @@ class PlannerSettings:
 
     types: list[PlanType] = field(default_factory=lambda: [PlanType(**t) for t in DEFAULT_TYPES])
     budget: float | None = None  # total plan tokens per example the quota aims for (default: half of sum max_len)
-    quota_ki: float = 0.5  # the quota controller's integral gain on the <EOS> bias (per step, at 100% over budget)
+    quota_ki: float = 0.2  # the quota controller's integral gain on the <EOS> bias (per step, at 100% over budget)
 
     KEYS = ("types", "budget", "quota_ki")
 
@@ -101,7 +102,7 @@ class PlannerSettings:
             if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
                 problems.append(f"{where}.max_len: at least 1 concept per type, got {max_len!r}")
             types.append(PlanType(str(name), size, max_len) if not problems else PlanType("?", 2, 1))
-        budget, ki = params.get("budget"), params.get("quota_ki", 0.5)
+        budget, ki = params.get("budget"), params.get("quota_ki", 0.2)
         if budget is not None and (not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0):
             problems.append(f"planner.budget: plan tokens per example, > 0, got {budget!r}")
         elif budget is not None and types and budget > sum(t.max_len for t in types):
@@ -481,8 +482,14 @@ def build(plan, loaded) -> PlannerExecutor:
     token_embedding = loaded.model.get_input_embeddings().weight
     vocab = comps["vocabulary"]
     vocabularies = []
+    options = {"size": None}
+    if "head_init_scale" in {f.name for f in dataclasses.fields(vocab.config)} and "head_init_scale" not in vocab.user_params:
+        # the planner learns through its sampler's soft probabilities: start them spread (logits of std ~1), not
+        # near one-hot as the streaming head's decisive default (8) would (the straight-through gradient ~ 0)
+        options["head_init_scale"] = PLANNER_HEAD_INIT_SCALE
     for t in settings.types:  # the type's vocabulary: the `vocabulary` plugin at the type's size; NULL = <EOS_t>
-        v = vocab.cls(dataclasses.replace(vocab.config, size=t.size), dataclasses.replace(ctx, concept_vocab_size=t.size))
+        config = dataclasses.replace(vocab.config, **{**options, "size": t.size})
+        v = vocab.cls(config, dataclasses.replace(ctx, concept_vocab_size=t.size))
         if callable(getattr(v, "init_from_backbone", None)):
             v.init_from_backbone(token_embedding)
         vocabularies.append(v)

@@ -64,6 +64,8 @@ def test_options_of_the_other_family_are_refused(runs, corpus, tmp_path):  # noq
     r = run("train", streaming, "--task", "continue", "--context-len", 8, "--data", corpus, "--steps", 1, *FAST,
             "--out", tmp_path / "t")
     assert r.exit_code == 2 and "planner-executor runs" in r.output and not (tmp_path / "t").exists()
+    r = run("frontier", "--config", built, "--steps", 1, "--dry-run")
+    assert r.exit_code == 2 and "frontier trains streaming models" in r.output
     r = run("train", built, "--task", "continue", "--context-len", 32, "--data", corpus, "--steps", 1, *FAST,
             "--out", tmp_path / "u")
     assert r.exit_code == 2 and "context-len" in r.output and not (tmp_path / "u").exists()
