@@ -289,17 +289,20 @@ class PlannerExecutor(nn.Module):
     def text_logits(self, h):
         return self.backbone.lm_head(self.inner.norm(h))
 
+    def type_logits(self, x, i: int):
+        """[..., K_i + 1] type i's head on normed states ``x``: its concepts, then <EOS_i> (+ the quota's bias)."""
+        logits = self.vocabularies[i].logits(x)
+        return torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.value.to(logits.dtype)], dim=-1)
+
     def plan_logits(self, h, types):
         """[B, Kmax+1] the head of each row's current type over its concepts and <EOS> (at K_t; -inf
-        beyond), the quota's <EOS> bias added. h: [B, d] the backbone's last hidden state (pre-norm)."""
+        beyond). h: [B, d] the backbone's last hidden state (pre-norm)."""
         x = self.inner.norm(h)
         width = int(self.sizes.max()) + 1
         out = x.new_full((x.shape[0], width), float("-inf"))
-        for i, vocab in enumerate(self.vocabularies):
-            rows = types == i
-            logits = vocab.logits(x)
-            logits = torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.value.to(logits.dtype)], dim=-1)
-            out = torch.where(rows[:, None], F.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")), out)
+        for i in range(self.num_types):
+            logits = F.pad(self.type_logits(x, i), (0, width - int(self.sizes[i]) - 1), value=float("-inf"))
+            out = torch.where((types == i)[:, None], logits, out)
         return out
 
     def unified_logits(self, h, phase: int | None):
@@ -310,15 +313,13 @@ class PlannerExecutor(nn.Module):
         if phase is None:
             out[..., : self.layout.base] = self.backbone.lm_head(x)
         else:
-            logits = self.vocabularies[phase].logits(x)
-            logits[..., -1] += self.eos_bias.value.to(logits.dtype)
             start = self.layout.offset(phase)
-            out[..., start: start + logits.shape[-1]] = logits
+            out[..., start: self.layout.eos_id(phase) + 1] = self.type_logits(x, phase)
         return out
 
     def step_embedding(self, classes, types, probs=None):
-        """Input embeddings [..., d] of planner steps (``classes`` / ``types`` [...]): the concept's embedding or <EOS_t>'s, plus
-        the type embedding; with ``probs`` (training) the straight-through ``e_hard + e_soft - sg(e_soft)``.
+        """Input embeddings [..., d] of planner steps (``classes`` / ``types`` [...]): the concept's embedding
+        or <EOS_t>'s, plus the type embedding; with ``probs`` (training) the straight-through ``e_hard + e_soft - sg(e_soft)``.
         Returns (embedding, e_soft or None, e_hard)."""
         eos_row = self.specials.eos(types.clamp(min=0))
         hard, soft = eos_row.clone(), None
@@ -431,8 +432,11 @@ class PlannerExecutor(nn.Module):
         if self.task == "continue":
             c = int(self.context_len or 0)
             if not 0 < c < input_ids.shape[1]:
-                raise ValueError(f"task continue: context_len {c} must leave text to predict in rows of "
-                                 f"{input_ids.shape[1]} tokens")
+                from .errors import ConceptError
+
+                raise ConceptError(f"this run was trained with --task continue --context-len {c}: rows of "
+                                   f"{input_ids.shape[1]} tokens leave no text after the context; evaluate with "
+                                   f"--seq-len > {c}")
             return input_ids[:, :c], valid[:, :c], input_ids[:, c:], valid[:, c:]
         return input_ids, valid, input_ids, valid
 

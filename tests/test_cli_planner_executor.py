@@ -39,6 +39,8 @@ def test_eval_reports_plan_and_controls(runs, corpus):  # noqa: F811
     table = run("eval", cont, rec, "--data", corpus, "--batches", 1, "--batch", 2, "--no-controls")
     assert table.exit_code == 0, table.output
     assert "NLL(y | empty plan)" in table.stdout and "plan length (topic)" in table.stdout
+    short = run("eval", cont, "--data", corpus, "--seq-len", 16, "--batches", 1, "--batch", 2)  # = its context length
+    assert short.exit_code != 0 and "--seq-len > 16" in short.output
 
 
 def test_generate_shows_the_plan_then_the_text(runs, tmp_path):
