@@ -22,11 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .objectives import _zero
 from .ratio import usage_kl
-
-
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float32, device=like.device)
 
 
 def eos_probs(model, plan) -> torch.Tensor:
