@@ -427,8 +427,8 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
     n = min(batches, max(1, len(packed) // batch))
     result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
-    result["model"] = getattr(model, "kind", None) or getattr(model, "family", "streaming")  # streaming | dense | pruned
-    # | planner-executor
+    # streaming | dense | pruned | planner-executor
+    result["model"] = getattr(model, "kind", None) or getattr(model, "family", "streaming")
     return model, tokenizer, docs, result
 
 

@@ -6,7 +6,7 @@ Per batch the planner writes a plan for ``u`` with the eval sampler (argmax), an
 
 * ``nll`` (= NLL(y | plan)), ``bits_per_token``, ``perplexity``, ``nll_by_position`` (buckets of y);
 * ``nll_nothing``: NLL(y | an empty plan: every type's block empty) — the floor a useless plan gives;
-* ``nll_dense_given_u``: the frozen backbone (adapters off) on ``[u ; y]``, scored on y — the
+* with ``controls`` also the frozen backbone's references: ``nll_dense_given_u``: the frozen backbone (adapters off) on ``[u ; y]``, scored on y — the
   reference a model that keeps all of u reaches (for ``reconstruct`` y repeats u, so this is a copy);
 * ``nll_dense``: the frozen backbone on y alone (its own prior, no context);
 * ``plan_len`` (concepts per example), ``plan_len/<type>``, ``plan_per_token`` (plan length / |u|);
@@ -101,10 +101,11 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
                 by_bucket[b][0] += v
                 by_bucket[b][1] += 1
             sums["nll_nothing"] += float(_score(model, empty_plan(model, len(ids), device), y, y_valid)[y_valid].sum())
-            sums["nll_dense_given_u"] += float(dense_given_u(model, u, u_valid, y, y_valid)[y_valid].sum())
-            alone, alone_mask = dense_alone(model, y, y_valid)
-            sums["nll_dense"] += float(alone[alone_mask].sum())
-            sums["dense_tokens"] += float(alone_mask.sum())
+            if controls:  # the frozen backbone's references (two extra forwards): not in the trainer's periodic eval
+                sums["nll_dense_given_u"] += float(dense_given_u(model, u, u_valid, y, y_valid)[y_valid].sum())
+                alone, alone_mask = dense_alone(model, y, y_valid)
+                sums["nll_dense"] += float(alone[alone_mask].sum())
+                sums["dense_tokens"] += float(alone_mask.sum())
             lengths = plan.lengths(model.num_types).float()
             sums["rows"] += len(ids)
             sums["plan_len"] += float(lengths.sum())
@@ -131,8 +132,7 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
     nll = sums["nll"] / tokens
     result = {"tokens": int(sums["tokens"]), "nll": nll, "bits_per_token": nll / math.log(2),
               "perplexity": math.exp(min(nll, 50.0)),
-              "nll_nothing": sums["nll_nothing"] / tokens, "nll_dense_given_u": sums["nll_dense_given_u"] / tokens,
-              "nll_dense": sums["nll_dense"] / max(1.0, sums["dense_tokens"]),
+              "nll_nothing": sums["nll_nothing"] / tokens,
               "plan_len": sums["plan_len"] / rows, "plan_per_token": sums["plan_per_token"] / rows,
               "nll_by_position": {f"{b * bucket}-{(b + 1) * bucket}": s / c for b, (s, c) in sorted(by_bucket.items())},
               "tokens_by_position": {f"{b * bucket}-{(b + 1) * bucket}": int(c) for b, (s, c) in sorted(by_bucket.items())},
@@ -145,6 +145,8 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
         share = used[i] / used[i].sum().clamp_min(1)
         result[f"usage_perplexity/{name}"] = float(torch.exp(-(share * share.clamp_min(1e-12).log()).sum()))
     if controls:
+        result["nll_dense_given_u"] = sums["nll_dense_given_u"] / tokens
+        result["nll_dense"] = sums["nll_dense"] / max(1.0, sums["dense_tokens"])
         for key in ("shuffle", "mask", "random"):
             result[f"delta_nll_{key}"] = sums[f"control_{key}"] / tokens - nll
     return result
