@@ -22,7 +22,8 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
           "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads",
           "placement": "placement", "task": "task", "context_len": "context_len", "commitment": "commitment",
-          "eos_weight": "eos_weight", "quota_weight": "quota_weight"}
+          "eos_weight": "eos_weight", "quota_weight": "quota_weight", "plan_training": "plan_training",
+          "estep_every": "estep_every", "beam": "beam", "plan_ce": "plan_ce", "curriculum": "curriculum"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_targets": "targets"}
 
 
@@ -99,6 +100,17 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
               help="Planner-executor: weight of the <EOS> loss where a type reached its max_len.")
 @click.option("--quota-weight", type=float, default=0.1, show_default=True,
               help="Planner-executor: weight of the quota loss (expected plan length against the budget).")
+@click.option("--plan-training", type=click.Choice(["gumbel", "hard-em"]), default="gumbel", show_default=True,
+              help="Planner-executor: gumbel (a plan sampled with Gumbel-ST in every step) or hard-em (the best of a "
+              "beam of plans per example, cached and refreshed every --estep-every steps; docs/planner_executor.md).")
+@click.option("--estep-every", type=int, default=50, show_default=True,
+              help="Hard-EM: search an example's plan again once its cached plan is this many steps old.")
+@click.option("--beam", type=int, default=4, show_default=True, help="Hard-EM: the E-step's beam width k.")
+@click.option("--plan-ce", type=float, default=1.0, show_default=True,
+              help="Hard-EM: weight of the planner's cross-entropy on the best plan z*.")
+@click.option("--curriculum", default=None, metavar="START:FRACTION",
+              help="Short-to-long: rows grow linearly from START tokens to --seq-len over FRACTION of the steps "
+              "(--context-len grows in proportion), e.g. 64:0.5.")
 @click.option("--align", type=float, default=0.0, show_default=True,
               help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
 @click.option("--align-at", type=click.Choice(["deep-input", "final"]), default="deep-input", show_default=True,

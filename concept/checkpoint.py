@@ -38,11 +38,15 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write(run: Path, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, meta: dict) -> Path:
-    """tensors: file stem -> state dict (safetensors); objects: torch.save'd; meta: state.json."""
+def write(run: Path, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, meta: dict,
+          files: dict[str, bytes] | None = None) -> Path:
+    """tensors: file stem -> state dict (safetensors); objects: torch.save'd; meta: state.json; files: name ->
+    bytes, written as they are (e.g. an objective's state)."""
     run = Path(run)
     tmp = Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=run))
     try:
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         for stem, state in tensors.items():
             if state:
                 save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp / f"{stem}.safetensors")
@@ -85,6 +89,13 @@ def read_tensors(run: Path, stem: str) -> dict[str, torch.Tensor] | None:
         return load_file(file)
     except Exception as exc:
         raise RunFolderError(f"{file} is unreadable ({exc})") from exc
+
+
+def read_file(run: Path, name: str) -> bytes | None:
+    """A file written with ``write(files=...)``, or None."""
+    path = folder(run)
+    file = None if path is None else path / name
+    return file.read_bytes() if file is not None and file.is_file() else None
 
 
 def read_objects(run: Path) -> dict:

@@ -83,6 +83,14 @@ class Dist:
     def mean(self, values: list[float], device=None) -> list[float]:
         return [v / self.world_size for v in self.sum(values, device)]
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if not self.active or self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (e.g. a Ctrl-C seen by one rank)."""
         return self.sum([1.0 if flag else 0.0])[0] > 0

@@ -129,6 +129,10 @@ def from_config(config, model) -> list:
         objectives.append(PlanUsageObjective(config.usage_weight))
     if config.eos_weight:
         objectives.append(EOSObjective(config.eos_weight))
+    if config.plan_training == "hard-em":
+        from .hard_em import HardEMObjective
+
+        objectives.append(HardEMObjective(config.plan_ce, beam=config.beam, every=config.estep_every))
     settings = model.settings
     objectives.append(QuotaObjective(config.quota_weight, PlannerQuotaController(settings.target, settings.quota_ki)))
     return objectives

@@ -163,6 +163,7 @@ class Plan:
     soft: torch.Tensor | None = None  # [B, S, d] e_soft, the sampler's probability-weighted embedding (training)
     hard: torch.Tensor | None = None  # [B, S, d] e_hard, the chosen token's embedding (training)
     forced: torch.Tensor | None = None  # [B, S] bool: <EOS> forced by max_len
+    hidden: torch.Tensor | None = None  # [B, S, d] the planner's state that predicted the step (one-pass teacher forcing)
 
     @property
     def concepts(self) -> torch.Tensor:
@@ -182,6 +183,26 @@ class Plan:
         """The plans of ``rows`` (e.g. a permutation: the shuffled-plan control)."""
         return Plan(**{f.name: (v[rows] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
                        for f in dataclasses.fields(self)})
+
+    def pad_to(self, steps: int) -> "Plan":
+        """The same plans with ``steps`` columns (inactive steps appended); tensors other than the
+        step indices are dropped."""
+        extra = steps - self.classes.shape[1]
+        if extra <= 0:
+            return self
+
+        def pad(t, value):
+            return F.pad(t, (0, extra), value=value)
+
+        return Plan(pad(self.classes, -1), pad(self.types, -1), pad(self.active, False), pad(self.rank, 0),
+                    pad(self.is_eos, False))
+
+    @classmethod
+    def cat(cls, plans: list["Plan"]) -> "Plan":
+        """The rows of several batches of plans, in order (step indices only)."""
+        steps = max(p.classes.shape[1] for p in plans)
+        plans = [p.pad_to(steps) for p in plans]
+        return cls(*(torch.cat([getattr(p, k) for p in plans]) for k in ("classes", "types", "active", "rank", "is_eos")))
 
     @classmethod
     def from_rows(cls, rows: list[list[tuple[int, int]]], sizes: tuple[int, ...], device=None) -> "Plan":
@@ -386,6 +407,25 @@ class PlannerExecutor(nn.Module):
         stacked = {k: (torch.stack(v, 1) if v and v[0] is not None else None) for k, v in rec.items()}
         return Plan(**stacked)
 
+    def planner_forced(self, u_ids, u_valid, plan: Plan) -> Plan:
+        """Teacher forcing of the planner in one forward: the planner's logits for every step of ``plan``
+        (those :meth:`planner` gives when fed ``plan`` step by step), its states and the plan's hard step
+        embeddings. The sequence is ``[u, <PLAN>, step_0, ..., step_{S-2}]``: ``<PLAN>`` predicts step 0 and
+        step j predicts step j + 1, under the causal mask over the real elements."""
+        B, S = plan.classes.shape
+        Lu = u_ids.shape[1]
+        e, _, _ = self.step_embedding(plan.classes, plan.types)
+        x = torch.cat([self.embed_text(u_ids),
+                       self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype),
+                       e[:, :-1].to(self.inner.embed_tokens.weight.dtype)], 1)
+        valid = torch.cat([u_valid, u_valid.new_ones(B, 1), plan.active[:, :-1]], dim=1)
+        h = self.run(x, packing.time_positions(valid), CausalPlan(valid))[:, Lu:]  # [B, S, d]: state before step j
+        types = plan.types.clamp(min=0)
+        logits = self.plan_logits(h.flatten(0, 1), types.flatten()).view(B, S, -1)
+        before = torch.where(plan.is_eos, plan.lengths(self.num_types).gather(1, types), plan.rank - 1)
+        forced = plan.active & (before >= self.max_lens[types])
+        return dataclasses.replace(plan, logits=logits, embeds=e, hard=e, forced=forced, hidden=h, soft=None)
+
     # -- executor ------------------------------------------------------------------------------
     def plan_block(self, plan: Plan, embeds: torch.Tensor | None = None):
         """The executor's plan block ``[<SEP_1>, C_1, ..., <SEP_n>, C_n]`` of each row, right-aligned:
@@ -443,10 +483,11 @@ class PlannerExecutor(nn.Module):
     def forward(self, input_ids, attention_mask=None, labels=None, document_ids=None, plan: Plan | None = None,
                 **_) -> PlannedOutput:
         """Plan from u, execute y from the plan alone; ``loss`` is the CE of y (when ``labels`` is given).
-        ``plan``: use this plan (teacher forcing the planner) instead of writing one. Rows are one text
+        ``plan``: use this plan (the planner teacher-forced in one forward, :meth:`planner_forced`; the executor
+        reads its hard embeddings, e.g. Hard-EM's M-step) instead of writing one. Rows are one text
         each: packed documents inside a row are read as one stream."""
         u, u_valid, y, y_valid = self.split_example(input_ids, attention_mask)
-        plan = self.planner(u, u_valid, teacher=plan)
+        plan = self.planner(u, u_valid) if plan is None else self.planner_forced(u, u_valid, plan)
         logits = self.executor(plan, y, y_valid)
         loss = None
         if labels is not None:

@@ -26,6 +26,7 @@ curve is that of one process running the same global batch.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -108,6 +109,11 @@ class TrainConfig:
     commitment: float = 0.1  # planner-executor: weight of the commitment term (soft and hard samples agree)
     eos_weight: float = 0.1  # planner-executor: weight of the <EOS> loss where max_len cut a type
     quota_weight: float = 0.1  # planner-executor: weight of the quota loss (plan length against the budget)
+    plan_training: str = "gumbel"  # planner-executor: gumbel (online Gumbel-ST plans) | hard-em (concept.hard_em)
+    estep_every: int = 50  # hard-em: a cached plan is searched again once it is this many steps old
+    beam: int = 4  # hard-em: the E-step's beam width
+    plan_ce: float = 1.0  # hard-em: weight of the planner's CE on the best plan z*
+    curriculum: str | None = None  # "START:FRACTION": rows grow from START tokens to --seq-len over FRACTION of the steps
     align_at: str = "deep-input"  # deep-input | final
     align_loss: str = "mse"  # mse | cosine
     train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
@@ -164,8 +170,19 @@ class TrainConfig:
                      f"rest, so it must be in [1, seq-len - 1] = [1, {self.seq_len - 1}]; got {self.context_len}")
         elif self.context_len and self.task != "continue":
             p.append(f"context-len: only for --task continue (task {self.task or 'reconstruct'} reads the whole row)")
+        if self.plan_training not in PLAN_TRAINING:
+            p.append(f"plan-training: one of {', '.join(PLAN_TRAINING)}, got {self.plan_training!r}")
+        if self.estep_every < 1:
+            p.append(f"estep-every: the E-step refreshes a cached plan every M >= 1 steps, got {self.estep_every}")
+        if self.beam < 1:
+            p.append(f"beam: the E-step's beam keeps k >= 1 plans, got {self.beam}")
+        if self.curriculum is not None:
+            try:
+                parse_curriculum(self.curriculum, self.seq_len)
+            except ValueError as exc:
+                p.append(f"curriculum {self.curriculum}: {exc}")
         for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce", "placement", "commitment", "eos_weight",
-                     "quota_weight"):
+                     "quota_weight", "plan_ce"):
             if not getattr(self, name) >= 0:  # (NaN fails too)
                 p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
         if not self.distill_temperature > 0:
@@ -212,6 +229,38 @@ class TrainConfig:
         d = dict(d)
         d["lora"] = LoraSettings(**d.get("lora", {}))
         return cls(**d)  # (__post_init__ reads a bool baseline)
+
+
+PLAN_TRAINING = ("gumbel", "hard-em")
+
+
+def parse_curriculum(text: str, seq_len: int) -> tuple[int, float]:
+    """``"START:FRACTION"`` -> (START, FRACTION): rows start at START tokens and grow linearly to ``seq_len``
+    over FRACTION of the steps."""
+    try:
+        start, fraction = str(text).split(":")
+        start, fraction = int(start), float(fraction)
+    except ValueError:
+        raise ValueError("expected START:FRACTION, e.g. 64:0.5 (rows grow from 64 tokens to --seq-len over the "
+                         "first half of the steps)") from None
+    if start < 2:
+        raise ValueError(f"rows need at least 2 tokens, the curriculum starts at {start}")
+    if start > seq_len:
+        raise ValueError(f"the curriculum would end shorter than it starts: it starts at {start} tokens and ends at "
+                         f"--seq-len {seq_len}; pass a START <= {seq_len}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"FRACTION is the share of the steps over which rows grow, in (0, 1], got {fraction}")
+    return start, fraction
+
+
+def curriculum_len(config, step: int) -> int:
+    """The row length of (0-based) ``step`` under ``config.curriculum`` (``seq_len`` without one): a pure
+    function of the step, so resume is exact."""
+    if not config.curriculum:
+        return config.seq_len
+    start, fraction = parse_curriculum(config.curriculum, config.seq_len)
+    progress = min(1.0, step / max(1.0, fraction * config.steps))
+    return int(round(start + (config.seq_len - start) * progress))
 
 
 def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
@@ -338,9 +387,10 @@ class StepModule(nn.Module):
                                           self.teacher_needs)
             self.sync()
             teacher_s = time.perf_counter() - t0
-        with self.autocast():
+        extra = {k: v for k, v in b.items() if k not in ("input_ids", "attention_mask", "document_ids")}
+        with self.autocast():  # (extra: what an objective's `prepare` adds, e.g. Hard-EM's plan)
             out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
-                             document_ids=b["document_ids"])
+                             document_ids=b["document_ids"], **extra)
         loss, terms = self.ce_weight * out.loss, {}
         for objective in self.objectives:
             terms[objective.name] = objective(self.model, b, out, teacher)
@@ -533,7 +583,11 @@ class Trainer:
                 ("ratio-warmup", config.ratio_warmup, "concepts-per-token ratio (its plan length is set by the "
                                                       "planner's budget, `--set planner.budget=N` at build)"),
                 ("train-only", config.train_only == "new", "frozen-adapter stage")) if given]
-        elif config.task is not None or config.context_len:
+        elif config.plan_training != "gumbel":
+            problems.append(f"plan-training {config.plan_training}: only for planner-executor runs (`concept build "
+                            f"--family planner-executor`); {'a baseline' if config.baseline else 'a streaming model'} "
+                            f"has no planner to train")
+        if (config.task is not None or config.context_len) and not (planned and not config.baseline):
             problems.append(f"task: --task / --context-len are for planner-executor runs (`concept build --family "
                             f"planner-executor`); {'a baseline' if config.baseline else 'this streaming model'} "
                             f"trains on next-token prediction of every row")
@@ -692,7 +746,29 @@ class Trainer:
             self.pi.load_state_dict(meta["pi"])
         checkpoint.set_rng_state(objects["rng"])
         self.step = meta["step"]
+        self._restore_objective_states(meta)
         self.dist.on_main(self._truncate_metrics)
+
+    def _restore_objective_states(self, meta: dict) -> None:
+        """Objective states (e.g. the plan cache) from the checkpoint, checked against the SHA-256 in its
+        state.json: a missing, corrupted or unfitting one is dropped with a warning and rebuilt."""
+        for objective in self.objectives:
+            if not hasattr(objective, "load_state_dict"):
+                continue
+            name = f"{objective.name}.json"
+            data = checkpoint.read_file(self.out, name)
+            expected = meta.get("files", {}).get(name)
+            problem = ("it is missing" if data is None or expected is None else
+                       "its checksum does not match the one saved with it" if hashlib.sha256(data).hexdigest() != expected
+                       else None)
+            if problem is None:
+                try:
+                    objective.load_state_dict(json.loads(data), self.model)
+                    continue
+                except (ValueError, TypeError, KeyError) as exc:
+                    problem = f"it does not fit this run ({exc})"
+            self.notes.append(f"warning: the checkpoint's {objective.name} state ({name}) is not used: {problem}; "
+                              f"it is rebuilt from scratch (Hard-EM: every example's plan is searched again)")
 
     def _truncate_metrics(self) -> None:
         """Drop metrics logged after the checkpoint: the resumed run logs those steps again."""
@@ -713,11 +789,13 @@ class Trainer:
                    "rng": checkpoint.rng_state()}
         meta = {"step": self.step, "pi": self.pi.state_dict() if self.pi else None,
                 "world_size": self.dist.world_size, "global_batch": self.global_batch}
-        self.dist.on_main(self._write_checkpoint, tensors, objects, meta)
+        files = {f"{name}.json": json.dumps(state).encode() for name, state in self.objective_states().items()}
+        meta["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+        self.dist.on_main(self._write_checkpoint, tensors, objects, meta, files)
 
-    def _write_checkpoint(self, tensors, objects, meta) -> None:
+    def _write_checkpoint(self, tensors, objects, meta, files=None) -> None:
         try:
-            checkpoint.write(self.out, tensors, objects, meta)
+            checkpoint.write(self.out, tensors, objects, meta, files)
             # the adapters also as a standard peft folder (RUN/adapter/), loadable onto the plain HF backbone;
             # concept.load reads the checkpoint's copy first, so a torn peft folder never wins
             from .builder import PEFT_ADAPTER_DIR
@@ -775,9 +853,15 @@ class Trainer:
         base = ["loss", "total_loss", "kept", "tokens", "teacher_s", "bad", "quantile", "spread"]
         sums = dict.fromkeys([*base, *names], 0.0)
         micros = self.micro_batches
+        length = curriculum_len(cfg, self.step)
+        if cfg.task == "continue":  # the context grows with the rows (the model reads it in split_example)
+            model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
         for m in range(cfg.grad_accum):
             j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
-            b = self.batch(self.step * micros + j)
+            b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
+            for objective in self.objectives:  # e.g. Hard-EM's E-step puts the batch's plans in it
+                if hasattr(objective, "prepare"):
+                    b = objective.prepare(model, b, self.step)
             torch.manual_seed(micro_seed(cfg.seed, self.step, j))
             last = m == cfg.grad_accum - 1
             no_sync = getattr(self.train_forward, "no_sync", None) if not last else None
@@ -831,7 +915,12 @@ class Trainer:
         row = {"step": self.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": lr,
                "grad_norm": float(full_tensor(grad_norm)), "tokens_per_s": total["tokens"] / seconds}
         row.update({name: mean[name] for name in names})  # each objective's term, by name
-        row.update({k: mean[k] for k in mean if k not in row and k not in base})  # the objectives' statistics
+        # the objectives' statistics (``_``-prefixed ones are inputs of their after_step, not logged)
+        row.update({k: mean[k] for k in mean if k not in row and k not in base and not k.startswith("_")})
+        if cfg.curriculum:
+            row["seq_len"] = length
+            if cfg.task == "continue":
+                row["context_len"] = model.context_len
         for objective in self.objectives:
             if hasattr(objective, "after_step"):  # e.g. the quota controller moves the <EOS> bias
                 row.update(objective.after_step(model, mean))
@@ -848,6 +937,18 @@ class Trainer:
             row["world_size"] = dist.world_size
         row.update({k: v for k, v in diag.items() if k not in row})  # (the step's ratio is the global one)
         return row
+
+    def objective_states(self) -> dict[str, dict]:
+        """The state of every objective that keeps one (e.g. Hard-EM's plan cache), by name; under torchrun
+        the union over the ranks (each caches the examples of its own micro-batches)."""
+        states = {}
+        for objective in self.objectives:
+            if hasattr(objective, "state_dict"):
+                state = objective.state_dict()
+                if self.dist.world_size > 1:
+                    state = objective.merge_states(self.dist.gather_objects(state))
+                states[objective.name] = state
+        return states
 
     def calibrate_ratio(self) -> None:
         """Re-estimate the NULL bias on ``calibration_batches`` training batches with the final weights

@@ -1,0 +1,115 @@
+"""Searching for plans (SPEC §2.6, "Hard-EM"): beam search over the planner's typed vocabularies, and
+the score ``S(z) = log p(y | z) + log p(z | u)`` of a batch of candidate plans in one batched
+teacher-forced forward of the executor and one of the planner.
+
+Beam search keeps the ``k`` most probable partial plans of each row under the planner (``log p(z | u)``
+summed over the steps; <EOS_i> forced at ``max_len``). A finished beam carries on unchanged (one
+continuation, log-probability 0), so finished and unfinished plans compete on their total score. The
+prefix ``[u, <PLAN>]`` runs once per row; its KV cache is repeated for the beams and reordered with
+them at every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import packing
+from .attention import CausalPlan
+from .kv_cache import DecodePlan
+from .planner_executor import Plan, text_loss
+
+
+@torch.no_grad()
+def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
+    """The ``k`` most probable plans of every row of ``u`` under the planner: (plans of ``B * k`` rows,
+    row-major: row b's beams at ``b * k .. b * k + k - 1``, best first; their log p(z | u) [B, k]).
+    Fewer than ``k`` distinct plans (tiny vocabularies) leave beams at ``-inf``."""
+    from transformers import DynamicCache
+
+    if k < 1:
+        raise ValueError(f"beam width k must be >= 1, got {k}")
+    B, dev, n = u_ids.shape[0], u_ids.device, model.num_types
+    cache = DynamicCache()
+    x = torch.cat([model.embed_text(u_ids), model.specials.plan().expand(B, 1, -1).to(model.inner.embed_tokens.weight.dtype)], 1)
+    valid = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
+    pos = packing.time_positions(valid)
+    h = model.run(x, pos, CausalPlan(valid), cache)[:, -1].repeat_interleave(k, 0)
+    cache.batch_repeat_interleave(k)
+    N = B * k
+    keys = valid.repeat_interleave(k, 0)
+    next_pos = (pos[:, -1] + 1).repeat_interleave(k, 0)
+    score = torch.full((B, k), float("-inf"), device=dev)
+    score[:, 0] = 0.0  # one live beam per row at the start
+    score = score.flatten()
+    cur = torch.zeros(N, dtype=torch.long, device=dev)
+    count, done = torch.zeros_like(cur), torch.zeros(N, dtype=torch.bool, device=dev)
+    hist_c, hist_t, hist_a = [], [], []
+    width = int(model.sizes.max()) + 1
+    cols = torch.arange(width, device=dev)[None, :]
+    for _ in range(sum(t.max_len + 1 for t in model.settings.types)):
+        t = cur.clamp(max=n - 1)
+        K = model.sizes[t]
+        forced = count >= model.max_lens[t]
+        logp = F.log_softmax(model.plan_logits(h, t).float().masked_fill(forced[:, None] & (cols < K[:, None]),
+                                                                           float("-inf")), dim=-1)
+        logp = torch.where(done[:, None], torch.where(cols == 0, 0.0, float("-inf")), logp)  # finished: carry on
+        total = (score[:, None] + logp).view(B, k * width)
+        score, flat = total.topk(k, dim=-1)
+        beam = torch.div(flat, width, rounding_mode="floor") + torch.arange(B, device=dev)[:, None] * k
+        beam, classes, score = beam.flatten(), (flat % width).flatten(), score.flatten()
+        cur, count, done, next_pos, keys = cur[beam], count[beam], done[beam], next_pos[beam], keys[beam]
+        hist_c, hist_t, hist_a = [c[beam] for c in hist_c], [c[beam] for c in hist_t], [c[beam] for c in hist_a]
+        cache.reorder_cache(beam)
+        active = ~done
+        classes = torch.where(active, classes, torch.full_like(classes, -1))
+        types = torch.where(active, cur, torch.full_like(cur, -1))
+        hist_c.append(classes), hist_t.append(types), hist_a.append(active)
+        is_eos = active & (classes == model.sizes[cur.clamp(max=n - 1)])
+        count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
+        cur = cur + is_eos.long()
+        done = done | (cur >= n)
+        if bool(done.all()):
+            break
+        keys = torch.cat([keys, active[:, None]], dim=1)
+        e = model.step_embedding(classes, types)[0]
+        h = model.run(e[:, None], next_pos[:, None], DecodePlan(keys), cache)[:, 0]
+        next_pos = next_pos + 1
+    classes, types, active = torch.stack(hist_c, 1), torch.stack(hist_t, 1), torch.stack(hist_a, 1)
+    is_eos = active & (classes == model.sizes[types.clamp(min=0)])
+    rank = torch.where(active & ~is_eos, _rank(types, active & ~is_eos), torch.zeros_like(classes))
+    return Plan(classes, types, active, rank, is_eos), score.view(B, k)
+
+
+def _rank(types, concepts) -> torch.Tensor:
+    """1-based place of each concept inside its type's block."""
+    onehot = F.one_hot(types.clamp(min=0), int(types.max().clamp(min=0)) + 1) * concepts[..., None]
+    return (onehot.cumsum(1) * onehot).sum(-1)
+
+
+@dataclass
+class Scores:
+    """S(z) = log p(y | z) + log p(z | u) of candidate plans (summed over tokens / steps), [B, C] each."""
+    text: torch.Tensor  # log p(y | z)
+    plan: torch.Tensor  # log p(z | u)
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.text + self.plan
+
+
+@torch.no_grad()
+def score_plans(model, u_ids, u_valid, y_ids, y_valid, candidates: Plan, per_row: int) -> Scores:
+    """Score ``per_row`` candidate plans for every row (``candidates``: ``B * per_row`` rows, row-major)
+    in one batched teacher-forced forward of the planner and one of the executor."""
+    rep = lambda t: t.repeat_interleave(per_row, 0)  # noqa: E731
+    B = u_ids.shape[0]
+    forced = model.planner_forced(rep(u_ids), rep(u_valid), candidates)
+    logp = F.log_softmax(forced.logits.float(), dim=-1)
+    # max_len forces its <EOS>: the planner's own distribution there is not part of p(z | u)
+    step = logp.gather(-1, candidates.classes.clamp(min=0)[..., None]).squeeze(-1)
+    step = torch.where(candidates.active & ~forced.forced, step, torch.zeros_like(step))
+    logits = model.executor(candidates, rep(y_ids), rep(y_valid), embeds=forced.embeds)
+    text = -text_loss(logits, rep(y_ids), rep(y_valid), reduction="none").sum(1)
+    return Scores(text.view(B, per_row), step.sum(1).view(B, per_row))
