@@ -832,7 +832,19 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch: this rank's ``grad_accum`` micro-batches (DDP /
-        FSDP2 average the gradients over the ranks in backward), then every logged value reduced."""
+        FSDP2 average the gradients over the ranks in backward), then every logged value reduced. Rows
+        are ``curriculum_len`` tokens long (``--curriculum``; the context of ``--task continue`` in proportion)."""
+        cfg, model = self.config, self.model
+        length = curriculum_len(cfg, self.step)
+        if cfg.task == "continue":  # the model reads it in split_example
+            model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
+        try:
+            return self._train_step(length)
+        finally:
+            if cfg.task == "continue":  # evaluation and the saved model read the full context
+                model.context_len = cfg.context_len
+
+    def _train_step(self, length: int) -> dict:
         cfg, model, dist = self.config, self.model, self.dist
         model.train()
         sampler = getattr(model, "sampler", None)
@@ -853,9 +865,6 @@ class Trainer:
         base = ["loss", "total_loss", "kept", "tokens", "teacher_s", "bad", "quantile", "spread"]
         sums = dict.fromkeys([*base, *names], 0.0)
         micros = self.micro_batches
-        length = curriculum_len(cfg, self.step)
-        if cfg.task == "continue":  # the context grows with the rows (the model reads it in split_example)
-            model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
         for m in range(cfg.grad_accum):
             j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
             b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
