@@ -149,6 +149,10 @@ def step_diagnostics(model, out, batch) -> dict[str, float]:
     Values that are undefined for the batch (no kept position) are ``nan``. A model without a
     length policy gets an empty dict.
     """
+    if getattr(out, "plan", None) is not None:  # the planner-executor's own (concept.plan_diagnostics)
+        from .plan_diagnostics import step_diagnostics as planned
+
+        return planned(_unwrap(model), out, batch)
     if not _is_concept_model(model) or getattr(out, "keep", None) is None:
         return {}
     with torch.no_grad():

@@ -12,17 +12,28 @@ Per batch the planner writes a plan for ``u`` with the eval sampler (argmax), an
 * ``plan_len`` (concepts per example), ``plan_len/<type>``, ``plan_per_token`` (plan length / |u|);
 * per type: ``entropy/<type>`` and ``max_prob/<type>`` of the planner at its concept steps,
   ``usage_perplexity/<type>`` (exp of the entropy of the used concept ids: 1 = collapse);
-* with ``controls``: ``delta_nll_shuffle`` (plans permuted across the batch), ``delta_nll_mask`` (every
-  concept's embedding zeroed, the separators and types kept) and ``delta_nll_random`` (random ids, same
-  lengths and types), each the NLL under that plan minus ``nll``. > 0 means the plan carries information.
+* ``cos_soft_hard``: mean cosine between the planner's probability-weighted concept embedding (e_soft) and
+  the chosen concept's (e_hard): near 1 = a decisive planner, low = a spread, undecided one;
+* with ``controls``: ``delta_nll_shuffle`` (plans rolled by one row across the batch), ``delta_nll_mask``
+  (every concept's embedding zeroed, the separators and types kept), ``delta_nll_random`` (random ids,
+  same lengths and types) and ``delta_nll_dropout`` (each concept dropped with probability 1/2), each the
+  NLL under that plan minus ``nll``. > 0 means the plan carries information;
+* with ``controls`` and ``beam`` > 0, the E-step's search (``concept.plan_search``): ``nll_zstar``, NLL(y | z*)
+  of the best of a beam of ``beam`` plans under S(z) = log p(y | z) + log p(z | u) (below ``nll``: the search
+  finds better plans than the planner's greedy one), and ``estep_margin``, S(z⁽¹⁾) − S(z⁽²⁾) per example.
+
+``step_diagnostics`` computes the same signals on a training micro-batch (logged every ``--log-every``
+steps); the E-step's own statistics (flip rate, staleness gap) come from ``concept.hard_em``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
 import torch
 
+from .plan_search import beam_search, score_plans
 from .planner_executor import Plan, text_loss
 from .teacher import adapters_disabled
 
@@ -51,6 +62,80 @@ def masked_embeds(model, plan: Plan) -> torch.Tensor:
     return torch.where(plan.concepts[..., None], zero, e)
 
 
+def dropout_plan(model, plan: Plan, generator: torch.Generator, p: float = 0.5) -> Plan:
+    """Each concept of each plan dropped with probability ``p`` (the types' blocks otherwise kept)."""
+    rows = [[c for c in row if float(torch.rand((), generator=generator)) >= p] for row in plan.rows()]
+    return Plan.from_rows(rows, tuple(model.sizes.tolist()), plan.classes.device)
+
+
+CONTROLS = ("shuffle", "mask", "random", "dropout")
+
+
+def control_nlls(model, plan: Plan, y, y_valid, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """[B, Ty] NLL of y under each perturbed plan: ``shuffle`` (plans rolled by one row across the batch),
+    ``mask`` (concept embeddings zeroed), ``random`` (random ids, same lengths and types), ``dropout`` (half
+    the concepts dropped at random)."""
+    perm = torch.roll(torch.arange(y.shape[0], device=y.device), 1)
+    return {"shuffle": _score(model, plan.select(perm), y, y_valid),
+            "mask": _score(model, plan, y, y_valid, embeds=masked_embeds(model, plan)),
+            "random": _score(model, random_plan(model, plan, generator), y, y_valid),
+            "dropout": _score(model, dropout_plan(model, plan, generator), y, y_valid)}
+
+
+def planner_signals(model, plan: Plan) -> dict[str, float]:
+    """Sums over the concept steps of each type: the planner's entropy and max-prob over the type's
+    concepts (``entropy/<type>``, ``max_prob/<type>``, ``steps/<type>``), and of the cosine between the
+    probability-weighted embedding e_soft and the chosen one e_hard (``cos_soft_hard``, ``steps``)."""
+    probs = torch.softmax(plan.logits.float(), dim=-1)
+    out: dict[str, float] = defaultdict(float)
+    for i, t in enumerate(model.settings.types):
+        at = plan.concepts & (plan.types == i)
+        p = probs[at][:, : t.size]
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+        out[f"entropy/{t.name}"] += float(-(p * p.clamp_min(1e-12).log()).sum(-1).sum())
+        out[f"max_prob/{t.name}"] += float(p.max(-1).values.sum()) if len(p) else 0.0
+        out[f"steps/{t.name}"] += float(at.sum())
+    if bool(plan.concepts.any()):
+        _, soft, hard = model.step_embedding(plan.classes, plan.types, probs.to(model.specials.table.weight.dtype))
+        mask = plan.concepts
+        out["cos_soft_hard"] += float(torch.cosine_similarity(soft[mask].float(), hard[mask].float(), dim=-1).sum())
+        out["steps"] += float(mask.sum())
+    return out
+
+
+@torch.no_grad()
+def step_diagnostics(model, out, batch, bucket: int = 64, seed: int = 0) -> dict[str, float]:
+    """The planner diagnostics of one training micro-batch (``out``: its ``PlannedOutput``), logged every
+    ``--log-every`` steps: ΔNLL of each control against NLL(y | the plan trained on: z* under Hard-EM, the
+    sampled plan under Gumbel), the planner's entropy / max-prob per type, cos(e_soft, e_hard) and the NLL
+    by position bucket of y. A few executor forwards without gradients; the planner does not run again."""
+    plan = dataclasses.replace(out.plan, embeds=None)  # (the hard embeddings: what the controls perturb)
+    y, y_valid = out.y, out.y_valid
+    nll = text_loss(out.logits.detach(), y, y_valid, reduction="none")
+    tokens = max(1.0, float(y_valid.sum()))
+    base = float(nll[y_valid].sum()) / tokens
+    was_training = model.training
+    model.eval()
+    try:
+        controls = control_nlls(model, plan, y, y_valid, torch.Generator().manual_seed(seed))
+    finally:
+        model.train(was_training)
+    row = {f"delta_nll_{k}": float(v[y_valid].sum()) / tokens - base for k, v in controls.items()}
+    signals = planner_signals(model, out.plan)
+    for t in model.settings.types:
+        steps = signals[f"steps/{t.name}"]
+        if steps:
+            row[f"entropy/{t.name}"] = signals[f"entropy/{t.name}"] / steps
+            row[f"max_prob/{t.name}"] = signals[f"max_prob/{t.name}"] / steps
+    if signals.get("steps"):
+        row["cos_soft_hard"] = signals["cos_soft_hard"] / signals["steps"]
+    index = (torch.cumsum(y_valid.long(), 1) - 1) // bucket
+    for b in sorted(set(index[y_valid].tolist())):
+        at = y_valid & (index == b)
+        row[f"nll_by_position/{b * bucket}-{(b + 1) * bucket}"] = float(nll[at].mean())
+    return row
+
+
 def frozen_logits(model, ids, valid) -> torch.Tensor:
     """[B, T, V] next-token logits of the frozen backbone (adapters off) on ``ids``."""
     from .attention import CausalPlan
@@ -76,7 +161,7 @@ def dense_alone(model, y, y_valid) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, seed: int = 0) -> dict:
+def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, seed: int = 0, beam: int = 4) -> dict:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -110,22 +195,22 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
             sums["rows"] += len(ids)
             sums["plan_len"] += float(lengths.sum())
             sums["plan_per_token"] += float((lengths.sum(1) / u_valid.sum(1).clamp(min=1)).sum())
-            probs = torch.softmax(plan.logits.float(), dim=-1)
+            for key, value in planner_signals(model, plan).items():
+                sums[key] += value
             for i, name in enumerate(names):
                 sums[f"plan_len/{name}"] += float(lengths[:, i].sum())
                 at = plan.concepts & (plan.types == i)
-                p = probs[at][:, : int(model.sizes[i])]
-                p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
-                sums[f"entropy/{name}"] += float(-(p * p.clamp_min(1e-12).log()).sum(-1).sum())
-                sums[f"max_prob/{name}"] += float(p.max(-1).values.sum())
-                sums[f"steps/{name}"] += float(at.sum())
                 used[i] += torch.bincount(plan.classes[at].cpu(), minlength=len(used[i])).double()
             if controls:
-                perm = torch.roll(torch.arange(len(ids), device=device), 1)
-                for key, score in (("shuffle", lambda: _score(model, plan.select(perm), y, y_valid)),
-                                   ("mask", lambda: _score(model, plan, y, y_valid, embeds=masked_embeds(model, plan))),
-                                   ("random", lambda: _score(model, random_plan(model, plan, generator), y, y_valid))):
-                    sums[f"control_{key}"] += float(score()[y_valid].sum())
+                for key, value in control_nlls(model, plan, y, y_valid, generator).items():
+                    sums[f"control_{key}"] += float(value[y_valid].sum())
+                if beam:  # the E-step's search: its best plan z* under S(z) = log p(y | z) + log p(z | u)
+                    beams, _ = beam_search(model, u, u_valid, beam)
+                    scores = score_plans(model, u, u_valid, y, y_valid, beams, beam)
+                    top = scores.total.topk(min(2, beam), dim=-1)
+                    sums["nll_zstar"] += float(-scores.text.gather(1, top.indices[:, :1]).sum())
+                    if beam > 1:
+                        sums["estep_margin"] += float((top.values[:, 0] - top.values[:, 1]).sum())
     finally:
         model.train(was_training)
     tokens, rows = max(1.0, sums["tokens"]), max(1.0, sums["rows"])
@@ -147,6 +232,12 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
     if controls:
         result["nll_dense_given_u"] = sums["nll_dense_given_u"] / tokens
         result["nll_dense"] = sums["nll_dense"] / max(1.0, sums["dense_tokens"])
-        for key in ("shuffle", "mask", "random"):
+        for key in CONTROLS:
             result[f"delta_nll_{key}"] = sums[f"control_{key}"] / tokens - nll
+        if beam:
+            result["nll_zstar"] = sums["nll_zstar"] / tokens
+            if beam > 1:
+                result["estep_margin"] = sums["estep_margin"] / rows
+    if sums.get("steps"):
+        result["cos_soft_hard"] = sums["cos_soft_hard"] / sums["steps"]
     return result

@@ -910,7 +910,7 @@ class Trainer:
             from .diagnostics import grad_norms, step_diagnostics
 
             diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
-            if hasattr(out, "keep"):  # (this rank's last micro-batch)
+            if hasattr(out, "keep") or hasattr(out, "plan"):  # (this rank's last micro-batch)
                 with torch.no_grad(), self.gathered():
                     diag.update(step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)

@@ -160,6 +160,10 @@ def test_hard_em_trains_logs_and_resumes_exactly(pe_run, tmp_path):
     for key in ("plan_ce", "estep_share", "estep_margin", "estep_s", "plan_len", "eos_bias"):
         assert key in rows[0], key
     assert not any(k.startswith("_") for r in rows for k in r)
+    for key in ("delta_nll_shuffle", "delta_nll_mask", "delta_nll_random", "delta_nll_dropout", "entropy/gist",
+                "max_prob/topic", "cos_soft_hard", "nll_by_position/0-64", "grad_norm/vocabularies", "grad_norm/lora"):
+        assert key in rows[1], key  # the planner diagnostics, every --log-every 2 steps
+    assert rows[1]["grad_norm/vocabularies"] > 0
     assert json.loads((tmp_path / "full" / "checkpoint" / "state.json").read_text())["files"]["plan_ce.json"]
     resumed = interrupted_at_three(pe_run, tmp_path / "part", hard())
     assert not resumed.notes and resumed.objectives[-2].cache  # the cache came back with the checkpoint
@@ -208,3 +212,19 @@ def test_bad_hard_em_options(pe_run, tmp_path):
     concept.save(concept.build(concept.BuildConfig(backbone=pe_config().backbone)), streaming)
     with pytest.raises(ConfigError, match="plan-training hard-em: only for planner-executor"):
         Trainer.start(streaming, tmp_path / "b", TrainConfig(steps=1, seq_len=16, plan_training="hard-em"))
+
+
+def test_step_diagnostics_are_the_controls_against_the_trained_plan(model):
+    from concept.plan_diagnostics import masked_embeds, step_diagnostics
+
+    u, valid = inputs()
+    plan = Plan.from_rows([[(0, 1), (1, 3)], [(1, 2)], [(0, 0), (0, 1), (1, 1)]], (8, 16))
+    with torch.no_grad():
+        out = model(u, attention_mask=valid, labels=u, plan=plan)
+        row = step_diagnostics(model, out, {"input_ids": u, "attention_mask": valid})
+        base = text_loss(out.logits, u, valid)
+        masked = text_loss(model.executor(out.plan, u, valid, embeds=masked_embeds(model, out.plan)), u, valid)
+        shuffled = text_loss(model.executor(plan.select(torch.tensor([2, 0, 1])), u, valid), u, valid)
+    assert row["delta_nll_mask"] == pytest.approx(float(masked - base), abs=1e-5)
+    assert row["delta_nll_shuffle"] == pytest.approx(float(shuffled - base), abs=1e-5)
+    assert row["delta_nll_mask"] != 0 and 0 < row["cos_soft_hard"] <= 1
