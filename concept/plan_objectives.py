@@ -123,7 +123,7 @@ def from_config(config, model) -> list:
     """The planner-executor's objectives a ``TrainConfig`` asks for (the quota always: its controller
     keeps the plan length near the budget even at weight 0)."""
     objectives: list = []
-    if config.commitment:
+    if config.commitment and config.plan_training == "gumbel":  # (Hard-EM feeds hard embeddings: no soft sample)
         objectives.append(CommitmentObjective(config.commitment))
     if config.usage_weight:
         objectives.append(PlanUsageObjective(config.usage_weight))

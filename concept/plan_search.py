@@ -25,25 +25,50 @@ from .planner_executor import Plan, text_loss
 def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
     """The ``k`` most probable plans of every row of ``u`` under the planner: (plans of ``B * k`` rows,
     row-major: row b's beams at ``b * k .. b * k + k - 1``, best first; their log p(z | u) [B, k]).
-    Fewer than ``k`` distinct plans (tiny vocabularies) leave beams at ``-inf``."""
-    from transformers import DynamicCache
-
+    Fewer than ``k`` distinct plans (tiny vocabularies) leave beams at ``-inf``. With parallel types each
+    type is searched alone (one chain per type, all in the same forwards) and the ``k`` best joint plans
+    are the best sums of one beam per type (the types are independent given u)."""
     if k < 1:
         raise ValueError(f"beam width k must be >= 1, got {k}")
+    if not model.settings.parallel:
+        return _beam(model, u_ids, u_valid, k)
+    n, B = model.num_types, u_ids.shape[0]
+    chains, logp = _beam(model, u_ids, u_valid, k, chains=n)  # rows (b, type i, beam j), row-major
+    rows, logp = chains.rows(), logp.view(B, n, k)
+    score, picks = logp[:, 0], [[[j] for j in range(k)] for _ in range(B)]
+    for i in range(1, n):  # the k best sums so far x the k beams of type i
+        total = (score[:, :, None] + logp[:, i, None, :]).flatten(1)
+        score, flat = total.topk(k, dim=-1)
+        picks = [[picks[b][f // k] + [f % k] for f in flat[b].tolist()] for b in range(B)]
+    joint = [sum((rows[(b * n + i) * k + j] for i, j in enumerate(pick)), []) for b in range(B) for pick in picks[b]]
+    return Plan.from_rows(joint, tuple(model.sizes.tolist()), u_ids.device), score
+
+
+def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.Tensor]:
+    """Beam search over the types in order; ``chains`` > 0: every row becomes one row per type first
+    (row ``b * chains + i`` searching type ``i`` alone), as the parallel planner plans."""
+    from transformers import DynamicCache
+
     B, dev, n = u_ids.shape[0], u_ids.device, model.num_types
     cache = DynamicCache()
     x = torch.cat([model.embed_text(u_ids), model.specials.plan().expand(B, 1, -1).to(model.inner.embed_tokens.weight.dtype)], 1)
     valid = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
     pos = packing.time_positions(valid)
-    h = model.run(x, pos, CausalPlan(valid), cache)[:, -1].repeat_interleave(k, 0)
+    h = model.run(x, pos, CausalPlan(valid), cache)[:, -1]
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    last = torch.full_like(cur, n - 1)
+    next_pos, keys = pos[:, -1] + 1, valid
+    if chains:
+        h, keys, next_pos = (t.repeat_interleave(chains, 0) for t in (h, keys, next_pos))
+        cache.batch_repeat_interleave(chains)
+        cur = last = torch.arange(chains, device=dev).repeat(B)
+        B = B * chains
+    h, keys, next_pos, cur, last = (t.repeat_interleave(k, 0) for t in (h, keys, next_pos, cur, last))
     cache.batch_repeat_interleave(k)
     N = B * k
-    keys = valid.repeat_interleave(k, 0)
-    next_pos = (pos[:, -1] + 1).repeat_interleave(k, 0)
     score = torch.full((B, k), float("-inf"), device=dev)
     score[:, 0] = 0.0  # one live beam per row at the start
     score = score.flatten()
-    cur = torch.zeros(N, dtype=torch.long, device=dev)
     count, done = torch.zeros_like(cur), torch.zeros(N, dtype=torch.bool, device=dev)
     hist_c, hist_t, hist_a = [], [], []
     width = int(model.sizes.max()) + 1
@@ -60,6 +85,7 @@ def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
         beam = torch.div(flat, width, rounding_mode="floor") + torch.arange(B, device=dev)[:, None] * k
         beam, classes, score = beam.flatten(), (flat % width).flatten(), score.flatten()
         cur, count, done, next_pos, keys = cur[beam], count[beam], done[beam], next_pos[beam], keys[beam]
+        last = last[beam]
         hist_c, hist_t, hist_a = [c[beam] for c in hist_c], [c[beam] for c in hist_t], [c[beam] for c in hist_a]
         cache.reorder_cache(beam)
         active = ~done
@@ -69,7 +95,7 @@ def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
         is_eos = active & (classes == model.sizes[cur.clamp(max=n - 1)])
         count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
         cur = cur + is_eos.long()
-        done = done | (cur >= n)
+        done = done | (cur > last)
         if bool(done.all()):
             break
         keys = torch.cat([keys, active[:, None]], dim=1)

@@ -64,8 +64,10 @@ class PlannerSettings:
     types: list[PlanType] = field(default_factory=lambda: [PlanType(**t) for t in DEFAULT_TYPES])
     budget: float | None = None  # total plan tokens per example the quota aims for (default: half of sum max_len)
     quota_ki: float = 0.2  # the quota controller's integral gain on the <EOS> bias (per step, at 100% over budget)
+    parallel: bool = False  # plan every type at once, each independent of the others given u
+    mtp: int = 1  # concept tokens the planner writes per forward (MTP heads; 1: one, the plain planner)
 
-    KEYS = ("types", "budget", "quota_ki")
+    KEYS = ("types", "budget", "quota_ki", "parallel", "mtp")
 
     @property
     def target(self) -> float:
@@ -73,7 +75,7 @@ class PlannerSettings:
 
     def to_dict(self) -> dict:
         return {"types": [dataclasses.asdict(t) for t in self.types], "budget": self.budget, "quota_ki": self.quota_ki,
-                "target": self.target}
+                "parallel": self.parallel, "mtp": self.mtp, "target": self.target}
 
     @classmethod
     def parse(cls, params: dict) -> tuple["PlannerSettings | None", list[str]]:
@@ -110,9 +112,17 @@ class PlannerSettings:
                             f"({sum(t.max_len for t in types)} = the sum of max_len)")
         if not isinstance(ki, (int, float)) or isinstance(ki, bool) or ki < 0:
             problems.append(f"planner.quota_ki: must be >= 0, got {ki!r}")
+        parallel, mtp = params.get("parallel", False), params.get("mtp", 1)
+        if not isinstance(parallel, bool):
+            problems.append(f"planner.parallel: true or false, got {parallel!r}")
+        if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 1:
+            problems.append(f"planner.mtp: the planner writes k >= 1 concept tokens per forward, got {mtp!r}")
+        elif mtp > 1 and parallel is True:
+            problems.append("planner.mtp with planner.parallel: MTP heads and parallel types do not combine yet; "
+                            "choose one")
         if problems:
             return None, problems
-        return cls(types=types, budget=budget, quota_ki=float(ki)), []
+        return cls(types=types, budget=budget, quota_ki=float(ki), parallel=parallel, mtp=mtp), []
 
 
 @dataclass
@@ -196,6 +206,45 @@ class Plan:
 
         return Plan(pad(self.classes, -1), pad(self.types, -1), pad(self.active, False), pad(self.rank, 0),
                     pad(self.is_eos, False))
+
+    def split_types(self, n: int) -> "Plan":
+        """One chain per type: row ``b * n + i`` holds row b's type-i steps (its concepts and <EOS_i>), from
+        step 0 (step indices only). The inverse of :meth:`join_types`."""
+        B, S = self.classes.shape
+        dev = self.classes.device
+        types = self.types.clamp(min=0)
+        chain = (torch.arange(B, device=dev)[:, None] * n + types)[self.active]  # the chain of every active step
+        onehot = F.one_hot(types, n) * self.active[..., None]
+        index = ((onehot.cumsum(1) - 1) * onehot).sum(-1)[self.active]  # the step's place in its chain
+        width = int(onehot.sum(1).max()) if self.active.any() else 1
+        out = {}
+        for k, fill in (("classes", -1), ("types", -1), ("active", False), ("rank", 0), ("is_eos", False)):
+            t = getattr(self, k)
+            out[k] = t.new_full((B * n, width), fill).index_put((chain, index), t[self.active])
+        return Plan(**out)
+
+    def join_types(self, n: int) -> "Plan":
+        """Rows of ``n`` chains (row ``b * n + i``: type i's steps of row b) joined type by type into one
+        plan per row, every tensor field carried (differentiably: the straight-through embeddings)."""
+        Bn, S = self.classes.shape
+        B, dev = Bn // n, self.classes.device
+        lengths = self.active.sum(1).view(B, n)
+        offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
+        width = int(lengths.sum(1).max())
+        rows, steps = self.active.nonzero(as_tuple=True)
+        target = (rows // n, offset[rows] + steps)
+        out = {}
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is None:
+                out[f.name] = None
+                continue
+            fill = {"classes": -1, "types": -1}.get(f.name, 0)
+            base = t.new_full((B, width, *t.shape[2:]), fill)
+            if f.name == "logits":
+                base = base.fill_(float("-inf"))
+            out[f.name] = base.index_put(target, t[rows, steps])
+        return Plan(**out)
 
     @classmethod
     def cat(cls, plans: list["Plan"]) -> "Plan":
@@ -360,7 +409,20 @@ class PlannerExecutor(nn.Module):
         """Write a plan for each row of ``u`` (one step per forward, with a KV cache). ``teacher``: feed
         this plan instead of sampling (teacher forcing: the logits are those the planner gives it).
         ``sample``: draw with the training sampler (default: while training); else the eval sampler.
-        ``cache``: a transformers ``DynamicCache`` to fill (default: a fresh one)."""
+        ``cache``: a transformers ``DynamicCache`` to fill (default: a fresh one).
+
+        With parallel types (``planner.parallel``) every type is planned at once: each row becomes one
+        chain per type (``[u, <PLAN>]`` then that type's steps only, its own positions), all chains advance
+        in the same forward, and the chains are joined type by type into the row's plan."""
+        if self.settings.parallel:
+            if teacher is not None:
+                return self.planner_forced(u_ids, u_valid, teacher)
+            return self._steps(u_ids, u_valid, None, cache, sample, chains=self.num_types).join_types(self.num_types)
+        return self._steps(u_ids, u_valid, teacher, cache, sample)
+
+    def _steps(self, u_ids, u_valid, teacher: Plan | None, cache, sample: bool | None, chains: int = 0) -> Plan:
+        """The step-by-step planner. ``chains`` > 0: after the shared prefix every row becomes ``chains``
+        rows (row-major), row ``b * chains + i`` planning type ``i`` alone."""
         from transformers import DynamicCache
 
         sample = self.training if sample is None else sample
@@ -376,9 +438,16 @@ class PlannerExecutor(nn.Module):
         keys = valid
         n = self.num_types
         cur = torch.zeros(B, dtype=torch.long, device=dev)
+        last = torch.full_like(cur, n - 1)  # a row is done once it ends this type
+        if chains:
+            h, keys, next_pos = (t.repeat_interleave(chains, 0) for t in (h, keys, next_pos))
+            cache.batch_repeat_interleave(chains)
+            cur = last = torch.arange(chains, device=dev).repeat(B)
+            B = B * chains
         count = torch.zeros_like(cur)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        rec = {k: [] for k in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds", "soft", "hard", "forced")}
+        rec = {k: [] for k in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds", "soft", "hard",
+                               "forced", "hidden")}
         max_steps = sum(t.max_len + 1 for t in self.settings.types) if teacher is None else teacher.classes.shape[1]
         for s in range(max_steps):
             active = ~done
@@ -394,11 +463,12 @@ class PlannerExecutor(nn.Module):
             e, soft, hard = self.step_embedding(classes, types, probs if straight_through else None)
             for k, v in (("classes", classes), ("types", types), ("active", active), ("is_eos", is_eos),
                          ("rank", torch.where(active & ~is_eos, count + 1, torch.zeros_like(count))), ("logits", logits),
-                         ("embeds", e), ("soft", soft), ("hard", hard if straight_through else None), ("forced", forced)):
+                         ("embeds", e), ("soft", soft), ("hard", hard if straight_through else None), ("forced", forced),
+                         ("hidden", h)):
                 rec[k].append(v)
             count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
             cur = cur + is_eos.long()
-            done = done | (cur >= n)
+            done = done | (cur > last)
             if bool(done.all()):
                 break
             keys = torch.cat([keys, active[:, None]], dim=1)
@@ -411,7 +481,16 @@ class PlannerExecutor(nn.Module):
         """Teacher forcing of the planner in one forward: the planner's logits for every step of ``plan``
         (those :meth:`planner` gives when fed ``plan`` step by step), its states and the plan's hard step
         embeddings. The sequence is ``[u, <PLAN>, step_0, ..., step_{S-2}]``: ``<PLAN>`` predicts step 0 and
-        step j predicts step j + 1, under the causal mask over the real elements."""
+        step j predicts step j + 1, under the causal mask over the real elements. With parallel types the
+        plan is split into one chain per type (``Plan.split_types``), forced the same way, and joined."""
+        if self.settings.parallel:
+            n = self.num_types
+            chains = plan.split_types(n)
+            forced = self._forced(u_ids.repeat_interleave(n, 0), u_valid.repeat_interleave(n, 0), chains)
+            return forced.join_types(n)
+        return self._forced(u_ids, u_valid, plan)
+
+    def _forced(self, u_ids, u_valid, plan: Plan) -> Plan:
         B, S = plan.classes.shape
         Lu = u_ids.shape[1]
         e, _, _ = self.step_embedding(plan.classes, plan.types)

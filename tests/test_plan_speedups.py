@@ -1,0 +1,132 @@
+"""Planner speed-ups (SPEC §2.6): parallel types (every type planned at once, independent given u) and MTP
+concepts (several concept tokens per planner forward). Each is checked against the plain planner."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import concept
+from concept.errors import ConfigError
+from concept.plan_search import beam_search, score_plans
+from concept.planner_executor import Plan, PlannerSettings
+
+from .conftest import randomize_new_modules
+from .test_planner_executor import TYPES, pe_config
+
+
+def built(**planner):
+    torch.manual_seed(0)
+    m = randomize_new_modules(concept.build(pe_config(**planner)))
+    concept.lora.add_lora(m.backbone, concept.lora.LoraSettings(rank=2))
+    with torch.no_grad():
+        for name, p in m.backbone.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return m.eval()
+
+
+def inputs(B=3, L=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 256, (B, L), generator=g)
+    valid = torch.ones_like(u, dtype=torch.bool)
+    valid[B // 2, :3] = False
+    return u, valid
+
+
+def same_logits(a, b, atol=1e-5):
+    assert torch.equal(torch.isinf(a), torch.isinf(b))
+    assert (a - b).nan_to_num().abs().max() < atol
+
+
+def only_type(model, i):
+    """The planner of type ``i`` alone: the same weights, a one-type model (sequential)."""
+    one = copy.deepcopy(model)
+    t = model.settings.types[i]
+    one.settings = PlannerSettings(types=[t], parallel=False)
+    one.vocabularies = nn.ModuleList([model.vocabularies[i]])
+    one.sizes, one.max_lens = model.sizes[i:i + 1].clone(), model.max_lens[i:i + 1].clone()
+    n = model.num_types
+    with torch.no_grad():
+        rows = torch.tensor([0, 1 + i, 1 + n + i])  # <PLAN>, <SEP_i>, <EOS_i>
+        one.specials.table = nn.Embedding.from_pretrained(model.specials.table.weight[rows].clone(), freeze=False)
+        one.specials.num_types = 1
+        emb = model.positions.type_embedding.weight[torch.tensor([0, 1 + i])]
+        one.positions.type_embedding = nn.Embedding.from_pretrained(emb.clone(), freeze=False)
+    return one
+
+
+def test_parallel_types_equal_the_sequential_planner_of_each_type_alone():
+    model = built(parallel=True)
+    u, valid = inputs()
+    with torch.no_grad():
+        plan = model.planner(u, valid, sample=False)
+        for i in range(2):
+            alone = only_type(model, i).planner(u, valid, sample=False)
+            mine = plan.concepts & (plan.types == i)
+            assert [[c for t, c in row if t == i] for row in plan.rows()] == [[c for _, c in r] for r in alone.rows()]
+            at = plan.active & (plan.types == i)
+            same_logits(plan.logits[at][:, : 1 + TYPES[i]["size"]], alone.logits[alone.active][:, : 1 + TYPES[i]["size"]])
+            assert mine.sum() == alone.concepts.sum()
+
+
+def test_one_type_parallel_is_the_sequential_planner():
+    types = [{"name": "gist", "size": 16, "max_len": 4}]
+    sequential, parallel = built(types=types), built(types=types, parallel=True)
+    parallel.load_state_dict(sequential.state_dict())
+    u, valid = inputs()
+    with torch.no_grad():
+        a, b = sequential.planner(u, valid, sample=False), parallel.planner(u, valid, sample=False)
+    assert a.rows() == b.rows()
+    same_logits(a.logits[a.active], b.logits[b.active])
+
+
+def test_parallel_types_plan_in_fewer_forwards_and_force_exactly():
+    model = built(parallel=True)
+    u, valid = inputs()
+    calls = []
+    hook = model.inner.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with torch.no_grad():
+            plan = model.planner(u, valid, sample=False)
+    finally:
+        hook.remove()
+    assert len(calls) <= 1 + max(t["max_len"] for t in TYPES) + 1  # prefix + the longest type, not the sum
+    with torch.no_grad():
+        forced = model.planner_forced(u, valid, plan)  # one forward for every chain: decode = teacher forcing
+    same_logits(plan.logits[plan.active], forced.logits[plan.active])
+    assert torch.equal(plan.forced & plan.active, forced.forced & plan.active)
+    rows = [[(0, 1), (0, 2), (1, 3)], [], [(1, 1)] * 4]
+    p = Plan.from_rows(rows, (8, 16))
+    assert p.split_types(2).join_types(2).rows() == rows
+
+
+def test_parallel_beam_search_is_the_best_joint_plans():
+    model = built(parallel=True)
+    u, valid = inputs()
+    with torch.no_grad():
+        greedy = model.planner(u, valid, sample=False)
+        one, _ = beam_search(model, u, valid, 1)
+        beams, logp = beam_search(model, u, valid, 3)
+        scores = score_plans(model, u, valid, u, valid, beams, 3)
+    assert one.rows() == greedy.rows()
+    assert torch.allclose(scores.plan, logp, atol=1e-4) and (logp[:, :-1] >= logp[:, 1:]).all()
+
+
+def test_parallel_trains_with_gradients_to_every_type():
+    model = built(parallel=True).train()
+    u, valid = inputs()
+    out = model(u, attention_mask=valid, labels=u)
+    out.loss.backward()
+    for i in range(2):
+        grad = model.vocabularies[i].table.weight.grad if hasattr(model.vocabularies[i], "table") else None
+        assert grad is not None and grad.abs().sum() > 0, i
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("planner, message", [
+    ({"parallel": "yes"}, "true or false"), ({"mtp": 0}, "k >= 1"), ({"mtp": 2, "parallel": True}, "do not combine"),
+])
+def test_bad_speedup_options(planner, message):
+    with pytest.raises(ConfigError, match=message):
+        concept.build(pe_config(**planner))
