@@ -23,7 +23,8 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads",
           "placement": "placement", "task": "task", "context_len": "context_len", "commitment": "commitment",
           "eos_weight": "eos_weight", "quota_weight": "quota_weight", "plan_training": "plan_training",
-          "estep_every": "estep_every", "beam": "beam", "plan_ce": "plan_ce", "curriculum": "curriculum"}
+          "estep_every": "estep_every", "beam": "beam", "plan_ce": "plan_ce", "curriculum": "curriculum",
+          "plan_mtp": "plan_mtp"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_targets": "targets"}
 
 
@@ -108,6 +109,8 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
 @click.option("--beam", type=int, default=4, show_default=True, help="Hard-EM: the E-step's beam width k.")
 @click.option("--plan-ce", type=float, default=1.0, show_default=True,
               help="Hard-EM: weight of the planner's cross-entropy on the best plan z*.")
+@click.option("--plan-mtp", type=float, default=1.0, show_default=True,
+              help="Planner-executor built with MTP concepts (--set planner.mtp=K): weight of the MTP heads' CE.")
 @click.option("--curriculum", default=None, metavar="START:FRACTION",
               help="Short-to-long: rows grow linearly from START tokens to --seq-len over FRACTION of the steps "
               "(--context-len grows in proportion), e.g. 64:0.5.")

@@ -7,6 +7,7 @@ logged by ``name``), plus the ``PlannerQuotaController``.
 | ``commitment`` | weight x mean over planned concepts of ‖e_soft − sg(e_hard)‖² / mean ‖e_hard‖²: the sampler's soft mixture agrees with the hard choice | ``--commitment`` |
 | ``plan_usage`` | weight x mean over types of KL(mean concept distribution of the type ‖ uniform), anti-collapse | ``--usage-weight`` |
 | ``eos`` | weight x mean over the steps where ``max_len`` forced an <EOS_i> of −log p(<EOS_i>): the planner learns to end a type itself | ``--eos-weight`` |
+| ``plan_mtp`` | weight x mean over the MTP heads j of CE(head j at step s, the plan's step s + j); only with ``planner.mtp`` > 1 | ``--plan-mtp`` |
 | ``quota`` | weight x ((mean over rows of Σ_steps (1 − p(<EOS>))) − budget)² / budget², a differentiable surrogate of the total plan length against the budget | ``--quota-weight`` |
 
 The ``PlannerQuotaController`` is the integral half of the length control: after every step it moves
@@ -79,6 +80,33 @@ class EOSObjective:
 
 
 @dataclass
+class PlanMTPObjective:
+    """MTP concepts (``planner.mtp`` = k): weight x mean over heads j = 1..k-1 of the CE of head j, read at the
+    state that predicts step s, on the plan's step s + j (its type's vocabulary; forced <EOS> excluded). The
+    states are the planner's teacher-forced ones on the trained plan (one extra forward when the plan was
+    written k steps per forward), detached: the heads learn to read the planner, never to change it."""
+    weight: float
+    name: str = "plan_mtp"
+    teacher_needs: frozenset[str] = frozenset()
+
+    def __call__(self, model, batch, out, teacher=None):
+        plan = out.plan
+        if plan.head is not None and bool((plan.head > 0).any()):  # written by the MTP heads: force it
+            with torch.no_grad():
+                u, u_valid, _, _ = model.split_example(batch["input_ids"], batch.get("attention_mask"))
+                plan = model.planner_forced(u, u_valid, plan)
+        hidden, total, heads = plan.hidden.detach(), _zero(out.logits), model.settings.mtp
+        for j in range(1, min(heads, plan.classes.shape[1])):
+            mask = plan.active[:, j:] & ~plan.forced[:, j:]
+            if not bool(mask.any()):
+                continue
+            state = model.mtp_heads.state(hidden[:, :-j][mask], j - 1)
+            logits = model.plan_logits(state, plan.types[:, j:][mask])
+            total = total + F.cross_entropy(logits.float(), plan.classes[:, j:][mask])
+        return self.weight * total / max(1, heads - 1)
+
+
+@dataclass
 class PlannerQuotaController:
     """Integral control of the total plan length: after each step, ``eos_bias += ki x (length − budget) /
     budget`` (clamped to ±20); its state is the bias buffer itself, so resume is exact."""
@@ -129,6 +157,8 @@ def from_config(config, model) -> list:
         objectives.append(PlanUsageObjective(config.usage_weight))
     if config.eos_weight:
         objectives.append(EOSObjective(config.eos_weight))
+    if model.settings.mtp > 1 and config.plan_mtp:
+        objectives.append(PlanMTPObjective(config.plan_mtp))
     if config.plan_training == "hard-em":
         from .hard_em import HardEMObjective
 

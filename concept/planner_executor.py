@@ -43,6 +43,7 @@ from .attention import CausalPlan
 from .backbone import decoder
 from .kv_cache import DecodePlan
 from .model import next_token_loss, run_layers
+from .mtp import MTPHeads
 
 TASKS = ("reconstruct", "continue")
 PLANNER_HEAD_INIT_SCALE = 1.0  # the typed vocabularies' head init (``embedding``), unless --set vocabulary.head_init_scale
@@ -173,7 +174,8 @@ class Plan:
     soft: torch.Tensor | None = None  # [B, S, d] e_soft, the sampler's probability-weighted embedding (training)
     hard: torch.Tensor | None = None  # [B, S, d] e_hard, the chosen token's embedding (training)
     forced: torch.Tensor | None = None  # [B, S] bool: <EOS> forced by max_len
-    hidden: torch.Tensor | None = None  # [B, S, d] the planner's state that predicted the step (one-pass teacher forcing)
+    hidden: torch.Tensor | None = None  # [B, S, d] the state whose head predicted the step
+    head: torch.Tensor | None = None  # [B, S] which head wrote the step: 0 the next-step head, j > 0 MTP head j
 
     @property
     def concepts(self) -> torch.Tensor:
@@ -331,6 +333,9 @@ class PlannerExecutor(nn.Module):
         self.positions = positions  # `per-type`
         self.specials = specials
         self.eos_bias = EOSBias()
+        # MTP concepts: head j > 0 writes the step j after the next from the same state (concept.mtp's residual
+        # blocks, zero at init: every head starts as the next-step head)
+        self.mtp_heads = MTPHeads(backbone.config.hidden_size, settings.mtp - 1) if settings.mtp > 1 else None
         self.plan = plan  # the resolved build plan
         self.tokenizer = tokenizer
         self.layout = TokenLayout(backbone.config.vocab_size, tuple(t.size for t in settings.types))
@@ -447,33 +452,49 @@ class PlannerExecutor(nn.Module):
         count = torch.zeros_like(cur)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         rec = {k: [] for k in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds", "soft", "hard",
-                               "forced", "hidden")}
+                               "forced", "hidden", "head")}
         max_steps = sum(t.max_len + 1 for t in self.settings.types) if teacher is None else teacher.classes.shape[1]
-        for s in range(max_steps):
-            active = ~done
-            types = torch.where(active, cur, torch.full_like(cur, -1))
-            logits = self.plan_logits(h, cur.clamp(max=n - 1))
-            K = self.sizes[cur.clamp(max=n - 1)]
-            forced = active & (count >= self.max_lens[cur.clamp(max=n - 1)])
-            concept_cols = torch.arange(logits.shape[-1], device=dev)[None, :] < K[:, None]
-            probs = sampler(logits.masked_fill(forced[:, None] & concept_cols, float("-inf")))
-            classes = probs.argmax(-1) if teacher is None else teacher.classes[:, s].clamp(min=0)
-            classes = torch.where(active, classes, torch.full_like(classes, -1))
-            is_eos = active & (classes == K)
-            e, soft, hard = self.step_embedding(classes, types, probs if straight_through else None)
-            for k, v in (("classes", classes), ("types", types), ("active", active), ("is_eos", is_eos),
-                         ("rank", torch.where(active & ~is_eos, count + 1, torch.zeros_like(count))), ("logits", logits),
-                         ("embeds", e), ("soft", soft), ("hard", hard if straight_through else None), ("forced", forced),
-                         ("hidden", h)):
-                rec[k].append(v)
-            count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
-            cur = cur + is_eos.long()
-            done = done | (cur > last)
+        heads = self.settings.mtp if teacher is None else 1  # steps written per forward (MTP concepts)
+        step = 0
+        while step < max_steps:
+            group, fed = [], []
+            for j in range(heads):  # head j writes step `step` (j = 0: the plain next-step head)
+                if j and (bool(done.all()) or step >= max_steps):
+                    break
+                state = h if j == 0 else self.mtp_heads.state(h, j - 1)
+                active = ~done
+                types = torch.where(active, cur, torch.full_like(cur, -1))
+                logits = self.plan_logits(state, cur.clamp(max=n - 1))
+                K = self.sizes[cur.clamp(max=n - 1)]
+                forced = active & (count >= self.max_lens[cur.clamp(max=n - 1)])
+                concept_cols = torch.arange(logits.shape[-1], device=dev)[None, :] < K[:, None]
+                probs = sampler(logits.masked_fill(forced[:, None] & concept_cols, float("-inf")))
+                classes = probs.argmax(-1) if teacher is None else teacher.classes[:, step].clamp(min=0)
+                classes = torch.where(active, classes, torch.full_like(classes, -1))
+                is_eos = active & (classes == K)
+                e, soft, hard = self.step_embedding(classes, types, probs if straight_through else None)
+                for k, v in (("classes", classes), ("types", types), ("active", active), ("is_eos", is_eos),
+                             ("rank", torch.where(active & ~is_eos, count + 1, torch.zeros_like(count))),
+                             ("logits", logits), ("embeds", e), ("soft", soft),
+                             ("hard", hard if straight_through else None), ("forced", forced), ("hidden", state),
+                             ("head", torch.full_like(count, j))):
+                    rec[k].append(v)
+                count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
+                cur = cur + is_eos.long()
+                done = done | (cur > last)
+                group.append(e)
+                fed.append(active)
+                step += 1
             if bool(done.all()):
                 break
-            keys = torch.cat([keys, active[:, None]], dim=1)
-            h = self.run(e[:, None], next_pos[:, None], DecodePlan(keys), cache)[:, 0]
-            next_pos = next_pos + 1
+            # the group's steps in one forward, causal among themselves (a step that does not exist is no key)
+            g = len(group)
+            new = torch.stack(fed, 1)
+            own = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[None] & new[:, None, :]
+            mask = torch.cat([keys[:, None, :].expand(-1, g, -1), own], dim=-1)
+            h = self.run(torch.stack(group, 1), next_pos[:, None] + torch.arange(g, device=dev), DecodePlan(mask), cache)[:, -1]
+            keys = torch.cat([keys, new], dim=1)
+            next_pos = next_pos + g
         stacked = {k: (torch.stack(v, 1) if v and v[0] is not None else None) for k, v in rec.items()}
         return Plan(**stacked)
 
@@ -582,8 +603,9 @@ class PlannerExecutor(nn.Module):
     # -- parameters ----------------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:
         modules = {"vocabularies": self.vocabularies, "specials": self.specials, "positions": self.positions,
-                   "sampler": self.sampler, "eos_bias": self.eos_bias}
-        return {k: m for k, m in modules.items() if any(True for _ in m.parameters()) or any(True for _ in m.buffers())}
+                   "sampler": self.sampler, "eos_bias": self.eos_bias, "mtp_heads": self.mtp_heads}
+        return {k: m for k, m in modules.items()
+                if m is not None and (any(True for _ in m.parameters()) or any(True for _ in m.buffers()))}
 
     def new_state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}

@@ -130,3 +130,70 @@ def test_parallel_trains_with_gradients_to_every_type():
 def test_bad_speedup_options(planner, message):
     with pytest.raises(ConfigError, match=message):
         concept.build(pe_config(**planner))
+
+
+def planner_forwards(model, u, valid):
+    calls = []
+    hook = model.inner.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with torch.no_grad():
+            plan = model.planner(u, valid, sample=False)
+    finally:
+        hook.remove()
+    return plan, len(calls)
+
+
+def test_mtp_with_one_head_is_the_plain_planner():
+    model = built(mtp=1)
+    assert model.mtp_heads is None
+    u, valid = inputs()
+    plan, forwards = planner_forwards(model, u, valid)
+    with torch.no_grad():
+        forced = model.planner_forced(u, valid, plan)
+        greedy, _ = beam_search(model, u, valid, 1)
+    assert plan.rows() == greedy.rows() and (plan.head == 0).all()
+    same_logits(plan.logits[plan.active], forced.logits[plan.active])
+    assert forwards == plan.active.sum(1).max()  # the prefix, then one forward per step but the last
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_mtp_heads_write_k_steps_per_forward_exactly(k):
+    model = built(mtp=k)
+    with torch.no_grad():  # trained-looking heads (zero at init would copy the next-step head)
+        for block in model.mtp_heads.blocks:
+            block.weight.normal_(0, 0.2)
+    u, valid = inputs()
+    plan, forwards = planner_forwards(model, u, valid)
+    steps = int(plan.active.sum(1).max())
+    assert forwards == -(-steps // k)  # the prefix, then one forward per group of k steps but the last
+    assert set(plan.head[plan.active].tolist()) == set(range(k))
+    # decode = teacher forcing: step s, written by head j from the state before step s - j
+    with torch.no_grad():
+        forced = model.planner_forced(u, valid, plan)
+        for s in range(steps):
+            rows = plan.active[:, s]
+            j = plan.head[rows, s]
+            assert (j == s % k).all()
+            start = forced.hidden[rows, s - int(j[0])]
+            state = start if int(j[0]) == 0 else model.mtp_heads.state(start, int(j[0]) - 1)
+            same_logits(model.plan_logits(state, plan.types[rows, s]), plan.logits[rows, s])
+    assert plan.lengths(2).le(torch.tensor([2, 4])).all()  # max_len holds inside a group too
+
+
+def test_mtp_objective_trains_the_heads_on_later_steps():
+    from concept.plan_objectives import PlanMTPObjective
+
+    model = built(mtp=2).train()
+    u, valid = inputs()
+    plan = Plan.from_rows([[(0, 1), (1, 3), (1, 4)], [(1, 2)], [(0, 0), (0, 1), (1, 1)]], (8, 16))
+    out = model(u, attention_mask=valid, labels=u, plan=plan)
+    term = PlanMTPObjective(0.5)(model, {"input_ids": u, "attention_mask": valid}, out)
+    p = out.plan
+    mask = p.active[:, 1:] & ~p.forced[:, 1:]
+    state = model.mtp_heads.state(p.hidden[:, :-1][mask].detach(), 0)
+    logp = torch.log_softmax(model.plan_logits(state, p.types[:, 1:][mask]).float(), -1)
+    assert torch.allclose(term, -0.5 * logp.gather(-1, p.classes[:, 1:][mask][:, None]).mean())
+    term.backward()
+    assert model.mtp_heads.blocks[0].weight.grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in model.backbone.named_parameters() if "lora_" in n)  # reads, never changes
+    model.zero_grad()
