@@ -241,11 +241,8 @@ class Plan:
             if t is None:
                 out[f.name] = None
                 continue
-            fill = {"classes": -1, "types": -1}.get(f.name, 0)
-            base = t.new_full((B, width, *t.shape[2:]), fill)
-            if f.name == "logits":
-                base = base.fill_(float("-inf"))
-            out[f.name] = base.index_put(target, t[rows, steps])
+            fill = {"classes": -1, "types": -1}.get(f.name, 0)  # (logits after the end: 0, finite like the planner's)
+            out[f.name] = t.new_full((B, width, *t.shape[2:]), fill).index_put(target, t[rows, steps])
         return Plan(**out)
 
     @classmethod

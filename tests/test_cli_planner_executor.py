@@ -93,3 +93,32 @@ def test_inspect_shows_plan_types_and_length_control(runs):
     assert info["family"] == "planner-executor" and info["planner"]["task"] == "continue"
     assert [t["max_len"] for t in info["planner"]["types"]] == [2, 4] and "eos_bias" in info["planner"]
     assert "plan types" in run("inspect", cont).stdout
+
+
+@pytest.mark.parametrize("speedup", [["--set", "planner.mtp=2"], ["--set", "planner.parallel=true"]])
+def test_hard_em_with_a_planner_speedup_as_a_user_runs_it(speedup, corpus, tmp_path):  # noqa: F811
+    built, out = tmp_path / "pe", tmp_path / "hem"
+    assert run("build", *PE, *speedup, "-o", built).exit_code == 0
+    r = run("train", built, "--plan-training", "hard-em", "--beam", 2, "--estep-every", 2, "--curriculum", "16:0.5",
+            "--data", corpus, "--steps", 2, *FAST, "--log-every", 1, "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["seq_len"] for r in rows] == [16, 32]
+    expected = {"plan_ce", "estep_share", "estep_margin", "delta_nll_shuffle", "cos_soft_hard"}
+    expected |= {"plan_mtp"} if "planner.mtp=2" in speedup else set()
+    assert expected <= set(rows[0]), expected - set(rows[0])
+    r = run("eval", out, "--data", corpus, "--batches", 1, "--batch", 2, "--json")
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    assert {"nll_zstar", "estep_margin", "delta_nll_dropout", "cos_soft_hard"} <= set(result)
+    assert result["nll_zstar"] <= result["nll"] + 1e-6 or result["estep_margin"] >= 0
+    g = run("generate", out, "--prompt", "import os", "--max-new-tokens", 3, "--show-plan")
+    assert g.exit_code == 0, g.output
+
+
+def test_bad_speedup_options_as_a_user_sees_them(runs, tmp_path):
+    built, rec, _ = runs
+    r = run("build", *PE, "--set", "planner.mtp=0", "-o", tmp_path / "x")
+    assert r.exit_code != 0 and "planner.mtp" in r.output and "Traceback" not in r.output
+    r = run("train", built, "--plan-training", "hard-em", "--estep-every", 0, "--beam", 0, "--out", tmp_path / "y")
+    assert r.exit_code != 0 and "estep-every" in r.output and "beam" in r.output and not (tmp_path / "y").exists()
