@@ -24,7 +24,7 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "placement": "placement", "task": "task", "context_len": "context_len", "commitment": "commitment",
           "eos_weight": "eos_weight", "quota_weight": "quota_weight", "plan_training": "plan_training",
           "estep_every": "estep_every", "beam": "beam", "plan_ce": "plan_ce", "curriculum": "curriculum",
-          "plan_mtp": "plan_mtp"}
+          "plan_mtp": "plan_mtp", "estep_prior": "estep_prior"}
 LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_targets": "targets"}
 
 
@@ -107,6 +107,9 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
 @click.option("--estep-every", type=int, default=50, show_default=True,
               help="Hard-EM: search an example's plan again once its cached plan is this many steps old.")
 @click.option("--beam", type=int, default=4, show_default=True, help="Hard-EM: the E-step's beam width k.")
+@click.option("--estep-prior", type=float, default=1.0, show_default=True,
+              help="Hard-EM: β in the E-step's score S(z) = log p(y|z) + β log p(z|u) (1: the posterior mode; 0: the "
+              "beam's plan that best explains y).")
 @click.option("--plan-ce", type=float, default=1.0, show_default=True,
               help="Hard-EM: weight of the planner's cross-entropy on the best plan z*.")
 @click.option("--plan-mtp", type=float, default=1.0, show_default=True,

@@ -4,8 +4,11 @@ Instead of sampling a plan with Gumbel-ST in every step, each example gets a bes
 
 * **E-step** (no gradients, the model in eval mode): beam search proposes the ``k`` most probable plans
   under the planner (``--beam``); together with the example's cached plan they are scored by
-  ``S(z) = log p(y | z) + log p(z | u)`` in one batched teacher-forced forward
-  (``concept.plan_search``), and the best becomes ``z*``. The cached plan competes, so a refresh never
+  ``S(z) = log p(y | z) + β log p(z | u)`` in one batched teacher-forced forward
+  (``concept.plan_search``), and the best becomes ``z*``. β = 1 (``--estep-prior``, the default) is the
+  posterior mode; every concept then costs its prior log-probability (about log K nats for a spread
+  planner), so while the executor has not learned to read plans the empty plan wins (measured:
+  docs/results.md); β = 0 picks the beam's plan that best explains y. The cached plan competes, so a refresh never
   picks a plan the current model scores lower than the one it had.
 * **Cache**: ``z*`` is kept per example, keyed by a hash of the example's tokens (u and y), and refreshed
   only when it is ``--estep-every M`` steps old (or missing). The cache is saved with every checkpoint
@@ -57,6 +60,7 @@ class HardEMObjective:
     weight: float  # of the planner's CE on z*
     beam: int = 4
     every: int = 50  # --estep-every
+    prior: float = 1.0  # --estep-prior β: S(z) = log p(y | z) + β log p(z | u)
     name: str = "plan_ce"
     teacher_needs: frozenset[str] = frozenset()
     cache: dict[str, CachedPlan] = field(default_factory=dict)
@@ -92,7 +96,8 @@ class HardEMObjective:
                 candidates = [z for i, o in enumerate(old)
                               for z in (*beam_rows[i * k:(i + 1) * k], o if o is not None else beam_rows[i * k])]
                 plans = Plan.from_rows(candidates, sizes, u.device)
-                total = score_plans(model, u, u_valid, y, y_valid, plans, per_row).total
+                scores = score_plans(model, u, u_valid, y, y_valid, plans, per_row)
+                total = scores.text + self.prior * scores.plan
         finally:
             model.train(was_training)
         allowed = torch.cat([torch.isfinite(beam_logp), torch.tensor([[o is not None] for o in old], device=u.device)], 1)

@@ -162,7 +162,8 @@ def from_config(config, model) -> list:
     if config.plan_training == "hard-em":
         from .hard_em import HardEMObjective
 
-        objectives.append(HardEMObjective(config.plan_ce, beam=config.beam, every=config.estep_every))
+        objectives.append(HardEMObjective(config.plan_ce, beam=config.beam, every=config.estep_every,
+                                          prior=config.estep_prior))
     settings = model.settings
     objectives.append(QuotaObjective(config.quota_weight, PlannerQuotaController(settings.target, settings.quota_ki)))
     return objectives

@@ -113,6 +113,7 @@ class TrainConfig:
     estep_every: int = 50  # hard-em: a cached plan is searched again once it is this many steps old
     beam: int = 4  # hard-em: the E-step's beam width
     plan_ce: float = 1.0  # hard-em: weight of the planner's CE on the best plan z*
+    estep_prior: float = 1.0  # hard-em: β in the E-step's score S(z) = log p(y | z) + β log p(z | u)
     plan_mtp: float = 1.0  # planner-executor with MTP concepts (planner.mtp > 1): weight of the MTP heads' CE
     curriculum: str | None = None  # "START:FRACTION": rows grow from START tokens to --seq-len over FRACTION of the steps
     align_at: str = "deep-input"  # deep-input | final
@@ -183,7 +184,7 @@ class TrainConfig:
             except ValueError as exc:
                 p.append(f"curriculum {self.curriculum}: {exc}")
         for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce", "placement", "commitment", "eos_weight",
-                     "quota_weight", "plan_ce", "plan_mtp"):
+                     "quota_weight", "plan_ce", "plan_mtp", "estep_prior"):
             if not getattr(self, name) >= 0:  # (NaN fails too)
                 p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
         if not self.distill_temperature > 0:

@@ -228,3 +228,17 @@ def test_step_diagnostics_are_the_controls_against_the_trained_plan(model):
     assert row["delta_nll_mask"] == pytest.approx(float(masked - base), abs=1e-5)
     assert row["delta_nll_shuffle"] == pytest.approx(float(shuffled - base), abs=1e-5)
     assert row["delta_nll_mask"] != 0 and 0 < row["cos_soft_hard"] <= 1
+
+
+def test_estep_prior_weight(model):
+    """β = 0: z* is the beam's plan that best explains y, whatever its prior."""
+    u, valid = inputs()
+    with torch.no_grad():
+        beams, _ = beam_search(model, u, valid, 3)
+        scores = score_plans(model, u, valid, u, valid, beams, 3)
+    rows = beams.rows()
+    for prior, total in ((0.0, scores.text), (1.0, scores.total), (2.0, scores.text + 2 * scores.plan)):
+        objective = HardEMObjective(1.0, beam=3, prior=prior)
+        objective.prepare(model, {"input_ids": u, "attention_mask": valid}, step=0)
+        keys = [example_key(u[b][valid[b]], u[b][valid[b]]) for b in range(3)]
+        assert [objective.cache[k].rows for k in keys] == [rows[b * 3 + int(total[b].argmax())] for b in range(3)]
