@@ -321,6 +321,11 @@ def resolve(config: BuildConfig) -> Plan:
 
         planner, errs = PlannerSettings.parse(config.planner)
         problems.extend(errs)
+        levels = getattr(components["vocabulary"].config, "levels", 1) if "vocabulary" in components else 1
+        for t in planner.types if planner is not None and levels > 1 else ():
+            if t.max_len % levels:
+                problems.append(f"planner.types: {t.name!r} has max_len {t.max_len}, but with vocabulary.levels {levels} "
+                                f"a concept is {levels} code tokens; use a multiple of {levels}")
         scheme = config.position_scheme.name
         if scheme != "per-type":
             problems.append(f"position_scheme: the planner-executor family numbers each token type's positions from 1 "

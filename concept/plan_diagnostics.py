@@ -11,7 +11,8 @@ Per batch the planner writes a plan for ``u`` with the eval sampler (argmax), an
 * ``nll_dense``: the frozen backbone on y alone (its own prior, no context);
 * ``plan_len`` (concepts per example), ``plan_len/<type>``, ``plan_per_token`` (plan length / |u|);
 * per type: ``entropy/<type>`` and ``max_prob/<type>`` of the planner at its concept steps,
-  ``usage_perplexity/<type>`` (exp of the entropy of the used concept ids: 1 = collapse);
+  ``usage_perplexity/<type>`` (exp of the entropy of the used concept ids: 1 = collapse); with multi-level
+  codes also ``usage_perplexity/<type>/level<l>``, per code level (a collapsed level reads 1);
 * ``cos_soft_hard``: mean cosine between the planner's probability-weighted concept embedding (e_soft) and
   the chosen concept's (e_hard): near 1 = a decisive planner, low = a spread, undecided one;
 * with ``controls``: ``delta_nll_shuffle`` (plans rolled by one row across the batch), ``delta_nll_mask``
@@ -57,7 +58,7 @@ def random_plan(model, plan: Plan, generator: torch.Generator) -> Plan:
 
 def masked_embeds(model, plan: Plan) -> torch.Tensor:
     """Step embeddings with every concept's own embedding zeroed (its type embedding kept)."""
-    e = model.step_embedding(plan.classes, plan.types)[0]
+    e = model.step_embedding(plan.classes, plan.types, rank=plan.rank)[0]
     zero = model.positions.add_types(torch.zeros_like(e), plan.types.clamp(min=0) + 1)
     return torch.where(plan.concepts[..., None], zero, e)
 
@@ -96,7 +97,8 @@ def planner_signals(model, plan: Plan) -> dict[str, float]:
         out[f"max_prob/{t.name}"] += float(p.max(-1).values.sum()) if len(p) else 0.0
         out[f"steps/{t.name}"] += float(at.sum())
     if bool(plan.concepts.any()):
-        _, soft, hard = model.step_embedding(plan.classes, plan.types, probs.to(model.specials.table.weight.dtype))
+        _, soft, hard = model.step_embedding(plan.classes, plan.types, probs.to(model.specials.table.weight.dtype),
+                                             rank=plan.rank)
         mask = plan.concepts
         out["cos_soft_hard"] += float(torch.cosine_similarity(soft[mask].float(), hard[mask].float(), dim=-1).sum())
         out["steps"] += float(mask.sum())
@@ -160,6 +162,11 @@ def dense_alone(model, y, y_valid) -> tuple[torch.Tensor, torch.Tensor]:
     return text_loss(frozen_logits(model, y, y_valid)[:, :-1], y[:, 1:], mask, reduction="none"), mask
 
 
+def _usage_perplexity(counts: torch.Tensor) -> float:
+    share = counts / counts.sum().clamp_min(1)
+    return float(torch.exp(-(share * share.clamp_min(1e-12).log()).sum()))
+
+
 @torch.no_grad()
 def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, seed: int = 0, beam: int = 4) -> dict:
     was_training = model.training
@@ -170,6 +177,7 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
     sums: dict[str, float] = defaultdict(float)
     by_bucket: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
     used = [torch.zeros(int(k), dtype=torch.float64) for k in model.sizes.tolist()]
+    by_level: dict[tuple[int, int], torch.Tensor] = {}
     try:
         for batch in batches:
             ids = batch["input_ids"].to(device)
@@ -201,6 +209,11 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
                 sums[f"plan_len/{name}"] += float(lengths[:, i].sum())
                 at = plan.concepts & (plan.types == i)
                 used[i] += torch.bincount(plan.classes[at].cpu(), minlength=len(used[i])).double()
+                levels = int(model.levels[i])
+                for level in range(levels if levels > 1 else 0):  # multi-level codes: usage per level (collapse)
+                    mine = at & (model.level(plan.types, plan.before(model.num_types)) == level)
+                    counts = torch.bincount(plan.classes[mine].cpu(), minlength=len(used[i])).double()
+                    by_level[(i, level)] = by_level.get((i, level), 0) + counts
             if controls:
                 for key, value in control_nlls(model, plan, y, y_valid, generator).items():
                     sums[f"control_{key}"] += float(value[y_valid].sum())
@@ -227,8 +240,10 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
         result[f"plan_len/{name}"] = sums[f"plan_len/{name}"] / rows
         result[f"entropy/{name}"] = sums[f"entropy/{name}"] / steps
         result[f"max_prob/{name}"] = sums[f"max_prob/{name}"] / steps
-        share = used[i] / used[i].sum().clamp_min(1)
-        result[f"usage_perplexity/{name}"] = float(torch.exp(-(share * share.clamp_min(1e-12).log()).sum()))
+        result[f"usage_perplexity/{name}"] = _usage_perplexity(used[i])
+        for (j, level), counts in sorted(by_level.items()):
+            if j == i:
+                result[f"usage_perplexity/{name}/level{level}"] = _usage_perplexity(counts)
     if controls:
         result["nll_dense_given_u"] = sums["nll_dense_given_u"] / tokens
         result["nll_dense"] = sums["nll_dense"] / max(1.0, sums["dense_tokens"])

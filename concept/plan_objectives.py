@@ -101,7 +101,7 @@ class PlanMTPObjective:
             if not bool(mask.any()):
                 continue
             state = model.mtp_heads.state(hidden[:, :-j][mask], j - 1)
-            logits = model.plan_logits(state, plan.types[:, j:][mask])
+            logits = model.plan_logits(state, plan.types[:, j:][mask], plan.before(model.num_types)[:, j:][mask])
             total = total + F.cross_entropy(logits.float(), plan.classes[:, j:][mask])
         return self.weight * total / max(1, heads - 1)
 

@@ -77,7 +77,7 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
         t = cur.clamp(max=n - 1)
         K = model.sizes[t]
         forced = count >= model.max_lens[t]
-        logp = F.log_softmax(model.plan_logits(h, t).float().masked_fill(forced[:, None] & (cols < K[:, None]),
+        logp = F.log_softmax(model.plan_logits(h, t, count).float().masked_fill(forced[:, None] & (cols < K[:, None]),
                                                                            float("-inf")), dim=-1)
         logp = torch.where(done[:, None], torch.where(cols == 0, 0.0, float("-inf")), logp)  # finished: carry on
         total = (score[:, None] + logp).view(B, k * width)
@@ -99,7 +99,7 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
         if bool(done.all()):
             break
         keys = torch.cat([keys, active[:, None]], dim=1)
-        e = model.step_embedding(classes, types)[0]
+        e = model.step_embedding(classes, types, rank=torch.where(active & ~is_eos, count, torch.zeros_like(count)))[0]
         h = model.run(e[:, None], next_pos[:, None], DecodePlan(keys), cache)[:, 0]
         next_pos = next_pos + 1
     classes, types, active = torch.stack(hist_c, 1), torch.stack(hist_t, 1), torch.stack(hist_a, 1)

@@ -186,6 +186,11 @@ class Plan:
         onehot = F.one_hot(self.types.clamp(min=0), num_types) * self.concepts[..., None]
         return onehot.sum(1)
 
+    def before(self, num_types: int) -> torch.Tensor:
+        """[B, S] concepts of the step's type written before the step."""
+        types = self.types.clamp(min=0)
+        return torch.where(self.is_eos, self.lengths(num_types).gather(1, types), (self.rank - 1).clamp(min=0))
+
     def rows(self) -> list[list[tuple[int, int]]]:
         """Per row: the (type, concept id) of every concept, in order."""
         return [[(t, c) for t, c, keep in zip(ts, cs, ks) if keep]
@@ -341,6 +346,9 @@ class PlannerExecutor(nn.Module):
         sizes = torch.tensor([t.size for t in settings.types])
         self.register_buffer("sizes", sizes, persistent=False)
         self.register_buffer("max_lens", torch.tensor([t.max_len for t in settings.types]), persistent=False)
+        levels = [getattr(v, "levels", 1) for v in vocabularies]  # multi-level codes: code tokens per concept
+        self.register_buffer("levels", torch.tensor(levels), persistent=False)
+        self.multilevel = max(levels) > 1
 
     @property
     def num_types(self) -> int:
@@ -361,19 +369,30 @@ class PlannerExecutor(nn.Module):
     def text_logits(self, h):
         return self.backbone.lm_head(self.inner.norm(h))
 
-    def type_logits(self, x, i: int):
-        """[..., K_i + 1] type i's head on normed states ``x``: its concepts, then <EOS_i> (+ the quota's bias)."""
-        logits = self.vocabularies[i].logits(x)
+    def type_logits(self, x, i: int, level=0):
+        """[..., K_i + 1] type i's head on normed states ``x``: its concepts, then <EOS_i> (+ the quota's bias).
+        ``level``: the code level of the step (multi-level codes; an int or a tensor like ``x``'s leading dims)."""
+        vocab = self.vocabularies[i]
+        logits = vocab.logits(x, level) if getattr(vocab, "levels", 1) > 1 else vocab.logits(x)
         return torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.value.to(logits.dtype)], dim=-1)
 
-    def plan_logits(self, h, types):
+    def level(self, types, count):
+        """The code level of a step of type ``types`` after ``count`` concepts of its type (0 without levels)."""
+        return count % self.levels[types.clamp(min=0)]
+
+    def plan_logits(self, h, types, count=None):
         """[B, Kmax+1] the head of each row's current type over its concepts and <EOS> (at K_t; -inf
-        beyond). h: [B, d] the backbone's last hidden state (pre-norm)."""
+        beyond). h: [B, d] the backbone's last hidden state (pre-norm). ``count``: concepts of the type
+        already written (multi-level codes: the step's level, and <EOS> only after a complete concept)."""
         x = self.inner.norm(h)
         width = int(self.sizes.max()) + 1
         out = x.new_full((x.shape[0], width), float("-inf"))
+        level = None if count is None or not self.multilevel else self.level(types, count)
         for i in range(self.num_types):
-            logits = F.pad(self.type_logits(x, i), (0, width - int(self.sizes[i]) - 1), value=float("-inf"))
+            logits = self.type_logits(x, i, 0 if level is None else level)
+            if level is not None:  # inside a concept: its next level, never <EOS>
+                logits = torch.cat([logits[:, :-1], logits[:, -1:].masked_fill((level > 0)[:, None], float("-inf"))], -1)
+            logits = F.pad(logits, (0, width - int(self.sizes[i]) - 1), value=float("-inf"))
             out = torch.where((types == i)[:, None], logits, out)
         return out
 
@@ -389,19 +408,21 @@ class PlannerExecutor(nn.Module):
             out[..., start: self.layout.eos_id(phase) + 1] = self.type_logits(x, phase)
         return out
 
-    def step_embedding(self, classes, types, probs=None):
+    def step_embedding(self, classes, types, probs=None, rank=None):
         """Input embeddings [..., d] of planner steps (``classes`` / ``types`` [...]): the concept's embedding
         or <EOS_t>'s, plus the type embedding; with ``probs`` (training) the straight-through ``e_hard + e_soft - sg(e_soft)``.
-        Returns (embedding, e_soft or None, e_hard)."""
+        ``rank``: the concept's 1-based place in its type (multi-level codes: its level). Returns (embedding, e_soft or None, e_hard)."""
         eos_row = self.specials.eos(types.clamp(min=0))
         hard, soft = eos_row.clone(), None
+        level = self.level(types, (rank - 1).clamp(min=0)) if rank is not None and self.multilevel else None
         for i, vocab in enumerate(self.vocabularies):
             K, rows = vocab.size, types == i
             concept = rows & (classes < K)
-            e = vocab.embed_hard(classes.clamp(0, K - 1))
+            extra = (level,) if level is not None and getattr(vocab, "levels", 1) > 1 else ()
+            e = vocab.embed_hard(classes.clamp(0, K - 1), *extra)
             hard = torch.where(concept[..., None], e.to(hard.dtype), hard)
             if probs is not None:
-                mix = vocab.embed_soft(probs[..., :K]) + probs[..., K:K + 1] * self.specials.eos(torch.full_like(types, i))
+                mix = vocab.embed_soft(probs[..., :K], *extra) + probs[..., K:K + 1] * self.specials.eos(torch.full_like(types, i))
                 soft = mix if soft is None else torch.where(rows[..., None], mix, soft)
         e = hard if soft is None else hard + (soft - soft.detach())
         return self.positions.add_types(e, types.clamp(min=0) + 1), soft, hard
@@ -461,7 +482,7 @@ class PlannerExecutor(nn.Module):
                 state = h if j == 0 else self.mtp_heads.state(h, j - 1)
                 active = ~done
                 types = torch.where(active, cur, torch.full_like(cur, -1))
-                logits = self.plan_logits(state, cur.clamp(max=n - 1))
+                logits = self.plan_logits(state, cur.clamp(max=n - 1), count)
                 K = self.sizes[cur.clamp(max=n - 1)]
                 forced = active & (count >= self.max_lens[cur.clamp(max=n - 1)])
                 concept_cols = torch.arange(logits.shape[-1], device=dev)[None, :] < K[:, None]
@@ -469,9 +490,10 @@ class PlannerExecutor(nn.Module):
                 classes = probs.argmax(-1) if teacher is None else teacher.classes[:, step].clamp(min=0)
                 classes = torch.where(active, classes, torch.full_like(classes, -1))
                 is_eos = active & (classes == K)
-                e, soft, hard = self.step_embedding(classes, types, probs if straight_through else None)
+                rank = torch.where(active & ~is_eos, count + 1, torch.zeros_like(count))
+                e, soft, hard = self.step_embedding(classes, types, probs if straight_through else None, rank)
                 for k, v in (("classes", classes), ("types", types), ("active", active), ("is_eos", is_eos),
-                             ("rank", torch.where(active & ~is_eos, count + 1, torch.zeros_like(count))),
+                             ("rank", rank),
                              ("logits", logits), ("embeds", e), ("soft", soft),
                              ("hard", hard if straight_through else None), ("forced", forced), ("hidden", state),
                              ("head", torch.full_like(count, j))):
@@ -511,15 +533,15 @@ class PlannerExecutor(nn.Module):
     def _forced(self, u_ids, u_valid, plan: Plan) -> Plan:
         B, S = plan.classes.shape
         Lu = u_ids.shape[1]
-        e, _, _ = self.step_embedding(plan.classes, plan.types)
+        e, _, _ = self.step_embedding(plan.classes, plan.types, rank=plan.rank)
         x = torch.cat([self.embed_text(u_ids),
                        self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype),
                        e[:, :-1].to(self.inner.embed_tokens.weight.dtype)], 1)
         valid = torch.cat([u_valid, u_valid.new_ones(B, 1), plan.active[:, :-1]], dim=1)
         h = self.run(x, packing.time_positions(valid), CausalPlan(valid))[:, Lu:]  # [B, S, d]: state before step j
         types = plan.types.clamp(min=0)
-        logits = self.plan_logits(h.flatten(0, 1), types.flatten()).view(B, S, -1)
-        before = torch.where(plan.is_eos, plan.lengths(self.num_types).gather(1, types), plan.rank - 1)
+        before = plan.before(self.num_types)
+        logits = self.plan_logits(h.flatten(0, 1), types.flatten(), before.flatten()).view(B, S, -1)
         forced = plan.active & (before >= self.max_lens[types])
         return dataclasses.replace(plan, logits=logits, embeds=e, hard=e, forced=forced, hidden=h, soft=None)
 
@@ -531,7 +553,8 @@ class PlannerExecutor(nn.Module):
         B, S = plan.classes.shape
         dev = plan.classes.device
         if embeds is None:
-            embeds = plan.embeds if plan.embeds is not None else self.step_embedding(plan.classes, plan.types)[0]
+            embeds = plan.embeds if plan.embeds is not None else self.step_embedding(plan.classes, plan.types,
+                                                                                     rank=plan.rank)[0]
         types = plan.types.clamp(min=0)
         sep_type = torch.where(plan.is_eos, types + 1, types).clamp(max=self.num_types - 1)
         sep = self.positions.add_types(self.specials.sep(sep_type), sep_type + 1).to(embeds.dtype)

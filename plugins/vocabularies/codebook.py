@@ -13,8 +13,15 @@ keep decision and the choice of code depend on directions, not on norms. The sof
 
 Collapse (a few codes taking every token) is the known failure of codebooks: watch
 ``concept eval``'s usage perplexity and train with ``--usage-weight`` (a KL from the batch's
-mean code distribution to uniform, ``concept.training``). Only one level of codes is built;
-multi-level codes with beam search over levels are not.
+mean code distribution to uniform, ``concept.training``).
+
+Multi-level codes (``levels`` L > 1, semantic-ID style): L codebooks of K codes, one per level, sharing
+the projections. A concept is L consecutive code tokens, level 0 first; token l reads and writes level
+l's codebook (the ``level`` argument of ``logits`` / ``embed_hard`` / ``embed_soft``: an int, or a tensor
+of levels shaped like the ids). The planner-executor interleaves them as consecutive plan steps (a
+type's ``max_len`` counts code tokens, a multiple of L, and its <EOS> may only follow a complete
+concept), so its beam search, greedy decoding and Hard-EM E-step search over the levels. The streaming
+family has one concept token per boundary and refuses ``levels`` > 1.
 """
 from __future__ import annotations
 
@@ -33,9 +40,12 @@ class CodebookVocabConfig:
     size: int = 4096  # K codes
     code_dim: int = 64
     logit_scale: float = 8.0  # initial scale of the cosine logits
+    levels: int = 1  # L codebooks, one per level: a concept is L consecutive code tokens
 
     def validate(self) -> list[str]:
         problems = []
+        if not isinstance(self.levels, int) or isinstance(self.levels, bool) or self.levels < 1:
+            problems.append(f"levels: at least 1 codebook, got {self.levels!r}")
         if self.size < 1:
             problems.append(f"size: K must be >= 1, got {self.size}")
         if self.code_dim < 1:
@@ -48,12 +58,23 @@ class CodebookVocabConfig:
 class CodebookVocabulary(nn.Module):
     Config = CodebookVocabConfig
 
+    @staticmethod
+    def check_compatible(config: CodebookVocabConfig, components) -> list[str]:
+        """(Called for streaming builds.) One concept token per boundary leaves no room for the levels."""
+        if config.levels > 1:
+            return [f"levels {config.levels}: multi-level codes are L consecutive concept tokens; the streaming family "
+                    f"emits one concept token per boundary, so they are for --family planner-executor (where they "
+                    f"interleave as consecutive plan steps); drop --set vocabulary.levels"]
+        return []
+
     def __init__(self, config: CodebookVocabConfig, ctx):
         super().__init__()
         self.config = config
         self.size = config.size
+        self.levels = config.levels
         d, c = ctx.hidden_size, config.code_dim
-        self.codebook = nn.Parameter(torch.randn(config.size, c))
+        self.codebook = nn.Parameter(torch.randn(config.size, c))  # level 0
+        self.deeper = nn.ParameterList(nn.Parameter(torch.randn(config.size, c)) for _ in range(config.levels - 1))
         self.proj_in = nn.Linear(c, d, bias=False)
         self.proj_out = nn.Linear(d, c, bias=False)
         self.log_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale)))
@@ -69,18 +90,33 @@ class CodebookVocabulary(nn.Module):
         with torch.no_grad():
             self.proj_in.weight.normal_(0.0, target / self.config.code_dim ** 0.5 / self.proj_in.out_features ** 0.5)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def book(self, level: int) -> torch.Tensor:
+        """[K, code_dim] level ``level``'s codebook."""
+        return self.codebook if level == 0 else self.deeper[level - 1]
+
+    def _per_level(self, fn, level, like: torch.Tensor) -> torch.Tensor:
+        """``fn(codebook)`` for an int level; for a tensor of levels (shaped like ``like``'s leading dims), each
+        element's own level's result."""
+        if not isinstance(level, torch.Tensor):
+            return fn(self.book(int(level)))
+        out = None
+        for l in range(self.levels):
+            r = fn(self.book(l))
+            out = r if out is None else torch.where((level == l)[..., None], r, out)
+        return out
+
+    def logits(self, h: torch.Tensor, level=0) -> torch.Tensor:
         x = rms_normalize(h)
         query = F.normalize(self.proj_out(x), dim=-1)
-        codes = F.normalize(self.codebook, dim=-1).to(query.dtype)
-        logits = self.log_scale.exp().to(query.dtype) * query @ codes.T
+        scale = self.log_scale.exp().to(query.dtype)
+        logits = self._per_level(lambda book: scale * query @ F.normalize(book, dim=-1).to(query.dtype).T, level, h)
         if self.null is not None:
             logits = torch.cat([logits, self.null(x)], dim=-1)
         return logits
 
-    def embed_hard(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.proj_in(self.codebook[ids])
+    def embed_hard(self, ids: torch.Tensor, level=0) -> torch.Tensor:
+        return self._per_level(lambda book: self.proj_in(book[ids]), level, ids)
 
-    def embed_soft(self, probs: torch.Tensor) -> torch.Tensor:
+    def embed_soft(self, probs: torch.Tensor, level=0) -> torch.Tensor:
         """probs: [..., K] weights over codes (sum to 1)."""
-        return self.proj_in(probs.to(self.codebook.dtype) @ self.codebook)
+        return self._per_level(lambda book: self.proj_in(probs.to(book.dtype) @ book), level, probs)
