@@ -44,3 +44,49 @@ def training_curves(rows: list[dict], path: Path, target_ratio: float | None = N
     plt.close(fig)
     tmp.replace(path)
     return path
+
+
+PLANNER_PANELS = (
+    ("train NLL(y | plan)", ("loss",)),
+    ("plan length (concepts / example)", ("plan_len",)),
+    ("ΔNLL vs the trained plan (nats)", ("delta_nll_shuffle", "delta_nll_mask", "delta_nll_dropout")),
+    ("planner entropy per type (nats)", ("entropy/",)),
+    ("cos(e_soft, e_hard)", ("cos_soft_hard",)),
+    ("E-step: margin S(z1) − S(z2) (nats)", ("estep_margin",)),
+)
+
+
+def planner_curves(runs: dict[str, list[dict]], path: Path) -> Path | None:
+    """The planner diagnostics of one or more planner-executor runs (metrics.jsonl rows by run label)
+    against the step, one panel per signal (a key ending in ``/`` plots every key with that prefix)."""
+    runs = {label: rows for label, rows in runs.items() if rows}
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, (title, keys) in zip(axes.flat, PLANNER_PANELS):
+        for n, (label, rows) in enumerate(runs.items()):
+            names = sorted({k for r in rows for k in r if any(k == key or (key.endswith("/") and k.startswith(key))
+                                                              for key in keys)})
+            for name in names:
+                points = [(r["step"], r[name]) for r in rows if isinstance(r.get(name), (int, float))]
+                if points:
+                    ax.plot(*zip(*points), styles[n % len(styles)], lw=1.2, marker="." if len(points) < 30 else None,
+                            label=f"{label}: {name}" if len(names) > 1 else label)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1043,6 +1043,8 @@ class Trainer:
         return [json.loads(line) for line in (self.out / METRICS).read_text().splitlines() if line.strip()]
 
     def plot(self) -> Path | None:
-        from .plots import training_curves
+        from .plots import planner_curves, training_curves
 
+        if getattr(self.model, "family", None) == "planner-executor":  # curves.png, then its planner diagnostics
+            planner_curves({self.out.name: self.metrics()}, self.out / "planner.png")
         return training_curves(self.metrics(), self.out / "curves.png", self.config.target_ratio if not self.config.baseline else None)

@@ -165,6 +165,7 @@ def test_hard_em_trains_logs_and_resumes_exactly(pe_run, tmp_path):
         assert key in rows[1], key  # the planner diagnostics, every --log-every 2 steps
     assert rows[1]["grad_norm/vocabularies"] > 0
     assert json.loads((tmp_path / "full" / "checkpoint" / "state.json").read_text())["files"]["plan_ce.json"]
+    assert (tmp_path / "full" / "planner.png").stat().st_size > 1000  # the planner diagnostics' curves
     resumed = interrupted_at_three(pe_run, tmp_path / "part", hard())
     assert not resumed.notes and resumed.objectives[-2].cache  # the cache came back with the checkpoint
     resumed.train()
