@@ -14,27 +14,12 @@ from concept.training import TrainConfig, Trainer
 
 from .conftest import randomize_new_modules
 from .test_objectives import interrupted_at_three
-from .test_planner_executor import pe_config, small
+from .test_planner_executor import built, pe_config, pe_run, plan_inputs, small  # noqa: F401 (pe_run: fixture)
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = randomize_new_modules(concept.build(pe_config()))
-    concept.lora.add_lora(m.backbone, concept.lora.LoraSettings(rank=2))
-    with torch.no_grad():
-        for name, p in m.backbone.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return m.eval()
-
-
-def inputs(seed=1, B=3, L=11):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 256, (B, L), generator=g)
-    valid = torch.ones_like(u, dtype=torch.bool)
-    valid[B // 2, :3] = False  # a left-padded row
-    return u, valid
+    return built()
 
 
 def close_where_finite(a, b, atol=1e-5):
@@ -43,7 +28,7 @@ def close_where_finite(a, b, atol=1e-5):
 
 
 def test_one_pass_teacher_forcing_equals_the_stepwise_planner(model):
-    u, valid = inputs()
+    u, valid = plan_inputs()
     plans = [Plan.from_rows([[(0, 1), (0, 2), (1, 3)], [], [(1, 1)] * 4], (8, 16))]
     with torch.no_grad():
         plans.append(model.planner(u, valid, sample=False))
@@ -59,7 +44,7 @@ def test_one_pass_teacher_forcing_equals_the_stepwise_planner(model):
 
 
 def test_beam_search(model):
-    u, valid = inputs()
+    u, valid = plan_inputs()
     with torch.no_grad():
         greedy = model.planner(u, valid, sample=False)
         one, _ = beam_search(model, u, valid, 1)
@@ -83,7 +68,7 @@ def test_beam_search(model):
 def test_beam_search_keeps_minus_inf_beyond_the_distinct_plans():
     torch.manual_seed(0)
     tiny = randomize_new_modules(concept.build(pe_config(types=[{"name": "a", "size": 2, "max_len": 1}]))).eval()
-    u, valid = inputs()
+    u, valid = plan_inputs()
     with torch.no_grad():
         beams, logp = beam_search(tiny, u, valid, 4)  # plans: [], [0], [1]: three
     assert torch.isfinite(logp[:, :3]).all() and torch.isinf(logp[:, 3]).all()
@@ -92,7 +77,7 @@ def test_beam_search_keeps_minus_inf_beyond_the_distinct_plans():
 
 def test_estep_cache_refresh_and_statistics(model):
     objective = HardEMObjective(1.0, beam=3, every=2)
-    u, valid = inputs()
+    u, valid = plan_inputs()
     batch = {"input_ids": u, "attention_mask": valid}
     out = objective.prepare(model, batch, step=0)
     assert objective._stats["rows"] == 3 and objective._stats["old"] == 0
@@ -114,7 +99,7 @@ def test_estep_cache_refresh_and_statistics(model):
 
 def test_the_cached_plan_competes(model):
     """A cached plan competes with the beam: z* is the better of the two under S(z)."""
-    u, valid = inputs(B=1)
+    u, valid = plan_inputs(B=1)
     key = example_key(u[0][valid[0]], u[0][valid[0]])
     with torch.no_grad():
         beams, _ = beam_search(model, u, valid, 4)
@@ -133,7 +118,7 @@ def test_the_cached_plan_competes(model):
 
 def test_mstep_loss_is_the_planners_ce_on_zstar(model):
     objective = HardEMObjective(0.5)
-    u, valid = inputs()
+    u, valid = plan_inputs()
     plan = Plan.from_rows([[(0, 1), (1, 3)], [(1, 2)], [(0, 0), (0, 1), (1, 1)]], (8, 16))
     out = model(u, attention_mask=valid, labels=u, plan=plan)
     term = objective(model, {}, out)
@@ -141,13 +126,6 @@ def test_mstep_loss_is_the_planners_ce_on_zstar(model):
     logp = torch.log_softmax(out.plan.logits.float(), -1).gather(-1, out.plan.classes.clamp(min=0)[..., None])[..., 0]
     assert torch.allclose(term, -0.5 * logp[mask].mean())
     assert out.plan.forced[2, 2]  # row 2's forced <EOS> of `topic` (max_len 2) is not part of the CE
-
-
-@pytest.fixture(scope="module")
-def pe_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hem") / "pe"
-    concept.save(concept.build(pe_config()), out)
-    return out
 
 
 def hard(**kw):
@@ -218,7 +196,7 @@ def test_bad_hard_em_options(pe_run, tmp_path):
 def test_step_diagnostics_are_the_controls_against_the_trained_plan(model):
     from concept.plan_diagnostics import masked_embeds, step_diagnostics
 
-    u, valid = inputs()
+    u, valid = plan_inputs()
     plan = Plan.from_rows([[(0, 1), (1, 3)], [(1, 2)], [(0, 0), (0, 1), (1, 1)]], (8, 16))
     with torch.no_grad():
         out = model(u, attention_mask=valid, labels=u, plan=plan)
@@ -233,7 +211,7 @@ def test_step_diagnostics_are_the_controls_against_the_trained_plan(model):
 
 def test_estep_prior_weight(model):
     """β = 0: z* is the beam's plan that best explains y, whatever its prior."""
-    u, valid = inputs()
+    u, valid = plan_inputs()
     with torch.no_grad():
         beams, _ = beam_search(model, u, valid, 3)
         scores = score_plans(model, u, valid, u, valid, beams, 3)

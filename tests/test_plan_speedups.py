@@ -11,27 +11,19 @@ from concept.errors import ConfigError
 from concept.plan_search import beam_search, score_plans
 from concept.planner_executor import Plan, PlannerSettings
 
-from .conftest import randomize_new_modules
-from .test_planner_executor import TYPES, pe_config
+from .test_planner_executor import TYPES, built, pe_config
+from .test_planner_executor import plan_inputs as inputs
 
 
-def built(**planner):
-    torch.manual_seed(0)
-    m = randomize_new_modules(concept.build(pe_config(**planner)))
-    concept.lora.add_lora(m.backbone, concept.lora.LoraSettings(rank=2))
-    with torch.no_grad():
-        for name, p in m.backbone.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return m.eval()
-
-
-def inputs(B=3, L=11, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 256, (B, L), generator=g)
-    valid = torch.ones_like(u, dtype=torch.bool)
-    valid[B // 2, :3] = False
-    return u, valid
+def planner_forwards(model, u, valid):
+    calls = []
+    hook = model.inner.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with torch.no_grad():
+            plan = model.planner(u, valid, sample=False)
+    finally:
+        hook.remove()
+    return plan, len(calls)
 
 
 def same_logits(a, b, atol=1e-5):
@@ -84,14 +76,8 @@ def test_one_type_parallel_is_the_sequential_planner():
 def test_parallel_types_plan_in_fewer_forwards_and_force_exactly():
     model = built(parallel=True)
     u, valid = inputs()
-    calls = []
-    hook = model.inner.layers[0].register_forward_hook(lambda *a: calls.append(1))
-    try:
-        with torch.no_grad():
-            plan = model.planner(u, valid, sample=False)
-    finally:
-        hook.remove()
-    assert len(calls) <= 1 + max(t["max_len"] for t in TYPES) + 1  # prefix + the longest type, not the sum
+    plan, forwards = planner_forwards(model, u, valid)
+    assert forwards <= 1 + max(t["max_len"] for t in TYPES) + 1  # prefix + the longest type, not the sum
     with torch.no_grad():
         forced = model.planner_forced(u, valid, plan)  # one forward for every chain: decode = teacher forcing
     same_logits(plan.logits[plan.active], forced.logits[plan.active])
@@ -130,17 +116,6 @@ def test_parallel_trains_with_gradients_to_every_type():
 def test_bad_speedup_options(planner, message):
     with pytest.raises(ConfigError, match=message):
         concept.build(pe_config(**planner))
-
-
-def planner_forwards(model, u, valid):
-    calls = []
-    hook = model.inner.layers[0].register_forward_hook(lambda *a: calls.append(1))
-    try:
-        with torch.no_grad():
-            plan = model.planner(u, valid, sample=False)
-    finally:
-        hook.remove()
-    return plan, len(calls)
 
 
 def test_mtp_with_one_head_is_the_plain_planner():

@@ -24,16 +24,30 @@ def pe_config(types=TYPES, **planner):
                        planner={"types": types, **planner})
 
 
-@pytest.fixture(scope="module")
-def model():
+def built(**planner):
+    """A tiny planner-executor with random new modules and LoRA adapters that count, in eval mode."""
     torch.manual_seed(0)
-    m = randomize_new_modules(concept.build(pe_config()))
+    m = randomize_new_modules(concept.build(pe_config(**planner)))
     concept.lora.add_lora(m.backbone, concept.lora.LoraSettings(rank=2))
     with torch.no_grad():  # LoRA B starts at 0: make the adapters count
         for name, p in m.backbone.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     return m.eval()
+
+
+def plan_inputs(B=3, L=11, seed=1):
+    """Rows of u (one of them left-padded) and their mask."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 256, (B, L), generator=g)
+    valid = torch.ones_like(u, dtype=torch.bool)
+    valid[B // 2, :3] = False
+    return u, valid
+
+
+@pytest.fixture(scope="module")
+def model():
+    return built()
 
 
 def test_build_and_layout(model):
