@@ -16,7 +16,7 @@ import click
 from .output import print_json, status, stdout, table
 
 SUITES = {"forward": "test_forward.py", "train": "test_train_step.py", "decode": "test_decode.py",
-          "attention": "test_attention.py"}
+          "attention": "test_attention.py", "planner": "test_planner.py"}
 FAIL_ON = re.compile(r"^(min|max|mean|median|stddev|iqr):\d+(\.\d+)?%?$")
 
 
