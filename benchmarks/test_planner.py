@@ -62,8 +62,10 @@ def test_hard_em_step_vs_gumbel(benchmark, record, request, device, backbone, B,
         model(ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
 
+    calls = iter(range(1, 10 ** 9))
+
     def hard():
-        b = hard_em.prepare(model, batch, step=1)  # every=1: refreshed each call (the plan is one step old)
+        b = hard_em.prepare(model, batch, step=next(calls))  # every=1: the E-step runs at every call
         out = model(ids, labels=ids, plan=b["plan"])
         (out.loss + hard_em(model, b, out)).backward()
         model.zero_grad(set_to_none=True)
@@ -75,6 +77,8 @@ def test_hard_em_step_vs_gumbel(benchmark, record, request, device, backbone, B,
     timing = side_by_side(gumbel, hard, rounds=3, device=device)
     benchmark.pedantic(hard, rounds=1, iterations=1)
     plan_len = float(len(next(iter(hard_em.cache.values())).rows))
+    searched = hard_em._stats["rows"]  # the last call's E-step: every row (uncached) or none (cached)
+    assert searched == (0 if cached else B)
     ideal = float("nan")  # (no FLOP ideal: the steps differ in kind, not only in size)
     record(benchmark, f"train step hard-em ({'cached' if cached else 'E-step'}) vs gumbel {backbone} B={B} T={T}",
            {"dense_s": timing["dense_s"], "concept_s": timing["concept_s"], "speedup": timing["speedup"]}, ideal,
