@@ -53,6 +53,8 @@ PLANNER_PANELS = (
     ("planner entropy per type (nats)", ("entropy/",)),
     ("cos(e_soft, e_hard)", ("cos_soft_hard",)),
     ("E-step: margin S(z1) − S(z2) (nats)", ("estep_margin",)),
+    ("E-step: flip rate and staleness gap", ("flip_rate", "staleness_gap")),
+    ("gradient norm per group", ("grad_norm/",)),
 )
 
 
@@ -67,7 +69,7 @@ def planner_curves(runs: dict[str, list[dict]], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), squeeze=False)
+    fig, axes = plt.subplots(2, 4, figsize=(20, 7.5), squeeze=False)
     styles = ["-", "--", ":", "-."]
     for ax, (title, keys) in zip(axes.flat, PLANNER_PANELS):
         for n, (label, rows) in enumerate(runs.items()):
