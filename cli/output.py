@@ -143,6 +143,9 @@ def render_plan_types(planner: dict) -> Table:
     t = table("type", "vocabulary", "max_len", title=f"plan types (budget {planner['target']:g} concepts per example)")
     for i, pt in enumerate(planner["types"]):
         t.add_row(f"{i + 1}: {pt['name']}", str(pt["size"]), str(pt["max_len"]))
+    mtp = planner.get("mtp", 1)
+    t.caption = (("parallel types (all at once)" if planner.get("parallel") else "types in order")
+                 + (f"; {mtp} concept tokens per planner forward (MTP)" if mtp > 1 else ""))
     return t
 
 
