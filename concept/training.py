@@ -585,6 +585,10 @@ class Trainer:
                 ("ratio-warmup", config.ratio_warmup, "concepts-per-token ratio (its plan length is set by the "
                                                       "planner's budget, `--set planner.budget=N` at build)"),
                 ("train-only", config.train_only == "new", "frozen-adapter stage")) if given]
+            if dist is not None and dist.mode == "fsdp2":
+                problems.append("distributed fsdp2: the planner-executor's planner and E-step run as many forwards as "
+                                "each rank's plans need, but FSDP2 gathers every layer's weights in a collective that "
+                                "all ranks must enter together; use --distributed ddp")
         elif config.plan_training != "gumbel":
             problems.append(f"plan-training {config.plan_training}: only for planner-executor runs (`concept build "
                             f"--family planner-executor`); {'a baseline' if config.baseline else 'a streaming model'} "
@@ -872,7 +876,8 @@ class Trainer:
             b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
             for objective in self.objectives:  # e.g. Hard-EM's E-step puts the batch's plans in it
                 if hasattr(objective, "prepare"):
-                    b = objective.prepare(model, b, self.step)
+                    with self.gathered():  # (FSDP2: the search runs outside the wrapped forward)
+                        b = objective.prepare(model, b, self.step)
             torch.manual_seed(micro_seed(cfg.seed, self.step, j))
             last = m == cfg.grad_accum - 1
             no_sync = getattr(self.train_forward, "no_sync", None) if not last else None

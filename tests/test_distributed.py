@@ -164,3 +164,35 @@ def test_world_size_that_does_not_divide_the_global_batch():
         Trainer._fit_global_batch(config, 4, 1, 3, set())
     Trainer._fit_global_batch(config, 8, 1, 2, set())  # 2 processes x batch 2: accumulate 2
     assert config.grad_accum == 2
+
+
+@pytest.mark.parametrize("mode", ["ddp"])
+def test_hard_em_under_torchrun_gives_the_single_process_curve(mode, corpus, tmp_path):  # noqa: F811
+    """Each rank searches and caches the plans of its own micro-batches; the checkpoint holds their union."""
+    from .test_planner_executor import pe_config
+
+    pe = tmp_path / "pe"
+    concept.save(concept.build(pe_config()), pe)
+    args = ["--data", corpus, "--steps", 4, "--checkpoint-every", 2, "--plan-training", "hard-em", "--beam", 2,
+            "--estep-every", 2, *TRAIN]
+    single(pe, "--out", tmp_path / "single", "--batch", 2, "--grad-accum", 2, *args)
+    torchrun(pe, "--out", tmp_path / mode, "--batch", 2, "--distributed", mode, *args)
+    ra, rb = rows(tmp_path / "single"), rows(tmp_path / mode)
+    for x, y in zip(ra, rb):
+        for key in ("loss", "plan_ce", "estep_share", "plan_len"):
+            assert y[key] == pytest.approx(x[key], rel=RTOL, abs=1e-6), (key, x["step"])
+    caches = [json.loads((tmp_path / r / "checkpoint" / "plan_ce.json").read_text())["entries"]
+              for r in ("single", mode)]
+    assert sorted(caches[0]) == sorted(caches[1]) and len(caches[0]) == 16  # 4 steps x 4 rows, every rank's
+
+
+def test_planner_executor_under_fsdp2_is_a_clear_error(tmp_path):
+    from concept.distributed import Dist
+
+    from .test_planner_executor import pe_config
+
+    concept.save(concept.build(pe_config()), tmp_path / "pe")
+    dist = Dist(mode="fsdp2", world_size=2)  # (checked before any process group is used)
+    with pytest.raises(ConfigError, match="use --distributed ddp"):
+        Trainer.check(TrainConfig(steps=1, seq_len=16), concept.BuildConfig.from_dict(
+            json.loads((tmp_path / "pe" / "concept.json").read_text())["config"]), dist)
