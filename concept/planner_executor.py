@@ -543,7 +543,7 @@ class PlannerExecutor(nn.Module):
         before = plan.before(self.num_types)
         logits = self.plan_logits(h.flatten(0, 1), types.flatten(), before.flatten()).view(B, S, -1)
         forced = plan.active & (before >= self.max_lens[types])
-        return dataclasses.replace(plan, logits=logits, embeds=e, hard=e, forced=forced, hidden=h, soft=None)
+        return dataclasses.replace(plan, logits=logits, embeds=e, hard=e, forced=forced, hidden=h, soft=None, head=None)
 
     # -- executor ------------------------------------------------------------------------------
     def plan_block(self, plan: Plan, embeds: torch.Tensor | None = None):
