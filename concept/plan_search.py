@@ -15,8 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import packing
-from .attention import CausalPlan
 from .kv_cache import DecodePlan
 from .planner_executor import Plan, text_loss
 
@@ -49,20 +47,9 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
     (row ``b * chains + i`` searching type ``i`` alone), as the parallel planner plans."""
     from transformers import DynamicCache
 
-    B, dev, n = u_ids.shape[0], u_ids.device, model.num_types
     cache = DynamicCache()
-    x = torch.cat([model.embed_text(u_ids), model.specials.plan().expand(B, 1, -1).to(model.inner.embed_tokens.weight.dtype)], 1)
-    valid = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
-    pos = packing.time_positions(valid)
-    h = model.run(x, pos, CausalPlan(valid), cache)[:, -1]
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
-    last = torch.full_like(cur, n - 1)
-    next_pos, keys = pos[:, -1] + 1, valid
-    if chains:
-        h, keys, next_pos = (t.repeat_interleave(chains, 0) for t in (h, keys, next_pos))
-        cache.batch_repeat_interleave(chains)
-        cur = last = torch.arange(chains, device=dev).repeat(B)
-        B = B * chains
+    h, keys, next_pos, cur, last = model.prefix(u_ids, u_valid, cache, chains)
+    B, dev, n = h.shape[0], h.device, model.num_types
     h, keys, next_pos, cur, last = (t.repeat_interleave(k, 0) for t in (h, keys, next_pos, cur, last))
     cache.batch_repeat_interleave(k)
     N = B * k

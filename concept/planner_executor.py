@@ -443,30 +443,35 @@ class PlannerExecutor(nn.Module):
             return self._steps(u_ids, u_valid, None, cache, sample, chains=self.num_types).join_types(self.num_types)
         return self._steps(u_ids, u_valid, teacher, cache, sample)
 
+    def prefix(self, u_ids, u_valid, cache, chains: int = 0):
+        """Run ``[u, <PLAN>]`` into ``cache`` (a ``DynamicCache``): the state that predicts the first step, the
+        key mask, the next position, and each row's first and last type to plan. ``chains`` > 0: every row
+        then becomes ``chains`` rows (row-major, the cache repeated), row ``b * chains + i`` planning type i
+        alone (parallel types). Returns (h [B', d], keys [B', L], next_pos [B'], first [B'], last [B'])."""
+        B, dev = u_ids.shape[0], u_ids.device
+        x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype)], 1)
+        keys = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
+        pos = packing.time_positions(keys)
+        h = self.run(x, pos, CausalPlan(keys), cache)[:, -1]
+        next_pos = pos[:, -1] + 1
+        first = torch.zeros(B, dtype=torch.long, device=dev)
+        last = torch.full_like(first, self.num_types - 1)  # a row is done once it ends this type
+        if chains:
+            h, keys, next_pos = (t.repeat_interleave(chains, 0) for t in (h, keys, next_pos))
+            cache.batch_repeat_interleave(chains)
+            first = last = torch.arange(chains, device=dev).repeat(B)
+        return h, keys, next_pos, first, last
+
     def _steps(self, u_ids, u_valid, teacher: Plan | None, cache, sample: bool | None, chains: int = 0) -> Plan:
-        """The step-by-step planner. ``chains`` > 0: after the shared prefix every row becomes ``chains``
-        rows (row-major), row ``b * chains + i`` planning type ``i`` alone."""
+        """The step-by-step planner (``chains``: see :meth:`prefix`)."""
         from transformers import DynamicCache
 
         sample = self.training if sample is None else sample
         sampler = self.sampler if sample else self.eval_sampler
         straight_through = sample and torch.is_grad_enabled() and getattr(sampler, "straight_through", False)
-        B, dev = u_ids.shape[0], u_ids.device
         cache = DynamicCache() if cache is None else cache
-        x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype)], 1)
-        valid = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
-        pos = packing.time_positions(valid)
-        h = self.run(x, pos, CausalPlan(valid), cache)[:, -1]
-        next_pos = pos[:, -1] + 1
-        keys = valid
-        n = self.num_types
-        cur = torch.zeros(B, dtype=torch.long, device=dev)
-        last = torch.full_like(cur, n - 1)  # a row is done once it ends this type
-        if chains:
-            h, keys, next_pos = (t.repeat_interleave(chains, 0) for t in (h, keys, next_pos))
-            cache.batch_repeat_interleave(chains)
-            cur = last = torch.arange(chains, device=dev).repeat(B)
-            B = B * chains
+        h, keys, next_pos, cur, last = self.prefix(u_ids, u_valid, cache, chains)
+        B, dev, n = h.shape[0], h.device, self.num_types
         count = torch.zeros_like(cur)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         rec = {k: [] for k in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds", "soft", "hard",
