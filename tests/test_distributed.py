@@ -42,7 +42,9 @@ def torchrun(*args, nproc=2, wait=True):
     if not wait:
         return proc
     out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    # every rank's own error lines first (a crash on one rank shows on the other as a lost connection)
+    errors = [line for line in err.splitlines() if "Error" in line and "Traceback" not in line][:20]
+    assert proc.returncode == 0, "\n".join(errors) + "\n...\n" + err[-3000:]
     return out, err
 
 
