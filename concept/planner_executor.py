@@ -201,19 +201,6 @@ class Plan:
         return Plan(**{f.name: (v[rows] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
                        for f in dataclasses.fields(self)})
 
-    def pad_to(self, steps: int) -> "Plan":
-        """The same plans with ``steps`` columns (inactive steps appended); tensors other than the
-        step indices are dropped."""
-        extra = steps - self.classes.shape[1]
-        if extra <= 0:
-            return self
-
-        def pad(t, value):
-            return F.pad(t, (0, extra), value=value)
-
-        return Plan(pad(self.classes, -1), pad(self.types, -1), pad(self.active, False), pad(self.rank, 0),
-                    pad(self.is_eos, False))
-
     def split_types(self, n: int) -> "Plan":
         """One chain per type: row ``b * n + i`` holds row b's type-i steps (its concepts and <EOS_i>), from
         step 0 (step indices only). The inverse of :meth:`join_types`."""
@@ -249,13 +236,6 @@ class Plan:
             fill = {"classes": -1, "types": -1}.get(f.name, 0)  # (logits after the end: 0, finite like the planner's)
             out[f.name] = t.new_full((B, width, *t.shape[2:]), fill).index_put(target, t[rows, steps])
         return Plan(**out)
-
-    @classmethod
-    def cat(cls, plans: list["Plan"]) -> "Plan":
-        """The rows of several batches of plans, in order (step indices only)."""
-        steps = max(p.classes.shape[1] for p in plans)
-        plans = [p.pad_to(steps) for p in plans]
-        return cls(*(torch.cat([getattr(p, k) for p in plans]) for k in ("classes", "types", "active", "rank", "is_eos")))
 
     @classmethod
     def from_rows(cls, rows: list[list[tuple[int, int]]], sizes: tuple[int, ...], device=None) -> "Plan":

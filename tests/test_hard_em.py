@@ -14,7 +14,7 @@ from concept.training import TrainConfig, Trainer
 
 from .conftest import randomize_new_modules
 from .test_objectives import interrupted_at_three
-from .test_planner_executor import built, pe_config, pe_run, plan_inputs, small  # noqa: F401 (pe_run: fixture)
+from .test_planner_executor import built, check_beam_search, pe_config, pe_run, plan_inputs, small  # noqa: F401 (pe_run: fixture)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,7 @@ def test_one_pass_teacher_forcing_equals_the_stepwise_planner(model):
 
 def test_beam_search(model):
     u, valid = plan_inputs()
-    with torch.no_grad():
-        greedy = model.planner(u, valid, sample=False)
-        one, _ = beam_search(model, u, valid, 1)
-        beams, logp = beam_search(model, u, valid, 4)
-        scores = score_plans(model, u, valid, u, valid, beams, 4)
-    assert one.rows() == greedy.rows()  # k = 1 is greedy decoding
-    assert torch.allclose(scores.plan, logp, atol=1e-4)  # the batched teacher-forced score = the search's own
-    assert (logp[:, :-1] >= logp[:, 1:]).all()  # best first
+    beams, logp, scores = check_beam_search(model, u, valid, 4)
     rows = beams.rows()
     for b in range(3):
         mine = rows[b * 4:(b + 1) * 4]

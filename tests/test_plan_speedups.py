@@ -8,10 +8,10 @@ from torch import nn
 
 import concept
 from concept.errors import ConfigError
-from concept.plan_search import beam_search, score_plans
+from concept.plan_search import beam_search
 from concept.planner_executor import Plan, PlannerSettings
 
-from .test_planner_executor import TYPES, built, pe_config
+from .test_planner_executor import TYPES, built, check_beam_search, pe_config
 from .test_planner_executor import plan_inputs as inputs
 
 
@@ -89,14 +89,7 @@ def test_parallel_types_plan_in_fewer_forwards_and_force_exactly():
 
 def test_parallel_beam_search_is_the_best_joint_plans():
     model = built(parallel=True)
-    u, valid = inputs()
-    with torch.no_grad():
-        greedy = model.planner(u, valid, sample=False)
-        one, _ = beam_search(model, u, valid, 1)
-        beams, logp = beam_search(model, u, valid, 3)
-        scores = score_plans(model, u, valid, u, valid, beams, 3)
-    assert one.rows() == greedy.rows()
-    assert torch.allclose(scores.plan, logp, atol=1e-4) and (logp[:, :-1] >= logp[:, 1:]).all()
+    check_beam_search(model, *inputs(), 3)
 
 
 def test_parallel_trains_with_gradients_to_every_type():

@@ -45,6 +45,21 @@ def plan_inputs(B=3, L=11, seed=1):
     return u, valid
 
 
+def check_beam_search(model, u, valid, k: int):
+    """Beam search against the slow references: k = 1 is greedy decoding, and the search's own log p(z | u)
+    equals the batched teacher-forced re-score, best first. Returns (beams, log p, scores)."""
+    from concept.plan_search import beam_search, score_plans
+
+    with torch.no_grad():
+        greedy = model.planner(u, valid, sample=False)
+        one, _ = beam_search(model, u, valid, 1)
+        beams, logp = beam_search(model, u, valid, k)
+        scores = score_plans(model, u, valid, u, valid, beams, k)
+    assert one.rows() == greedy.rows()
+    assert torch.allclose(scores.plan, logp, atol=1e-4) and (logp[:, :-1] >= logp[:, 1:]).all()
+    return beams, logp, scores
+
+
 @pytest.fixture(scope="module")
 def model():
     return built()
