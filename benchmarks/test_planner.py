@@ -4,7 +4,8 @@ its baseline on the same input (``baseline s`` / ``concept s`` columns: the base
 * a training step: online Gumbel-ST (the baseline) vs Hard-EM with the example's plan not cached (the
   E-step runs: beam search + batched scoring) and cached (teacher-forced planner and executor only);
 * greedy planning: the plain planner (the baseline) vs MTP concepts (k = 2, 4 steps per forward) and
-  parallel types (every type at once). The "ideal" is the ratio of sequential planner forwards.
+  parallel types (every type at once). The "ideal" is the ratio of sequential planner forwards;
+* the E-step's beam search (width 4): the plain planner's vs the MTP planner's (k = 2, 4), same ideal.
 
     .venv/bin/python -m pytest benchmarks/test_planner.py [--smollm2]
 """
@@ -115,3 +116,27 @@ def test_planning_speedup(benchmark, record, request, device, backbone, B, T, na
     label = "parallel types" if name == "parallel" else f"MTP k={planner['mtp']}"
     record(benchmark, f"planning {label} vs plain {backbone} B={B} T={T}", timing, steps / fast_steps,
            planner_forwards=fast_steps, plain_forwards=steps)
+
+
+@pytest.mark.parametrize("k", [2, 4], ids=["mtp2", "mtp4"])
+@pytest.mark.parametrize("backbone,B,T", CASES, ids=[f"{b}-B{n}-T{t}" for b, n, t in CASES])
+def test_beam_search_speedup(benchmark, record, request, device, backbone, B, T, k):
+    from concept.plan_search import beam_search
+
+    _skip(request, backbone)
+    plain, fast = _model(backbone).to(device).eval(), _model(backbone, mtp=k).to(device).eval()
+    with torch.no_grad():  # full plans: every beam runs every step
+        for m in (plain, fast):
+            m.eos_bias.value.fill_(-20.0)
+    ids = torch.randint(0, plain.backbone.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    search = lambda m: beam_search(m, ids, valid, 4)  # noqa: E731
+    if benchmark.disabled:
+        search(plain), search(fast)
+        return
+    timing = side_by_side(lambda: search(plain), lambda: search(fast), rounds=3, device=device)
+    benchmark.pedantic(lambda: search(fast), rounds=1, iterations=1)
+    types = SMOL_TYPES if backbone == "smollm2" else TINY_TYPES
+    steps = sum(t["max_len"] + 1 for t in types)
+    record(benchmark, f"beam search (4) MTP k={k} vs plain {backbone} B={B} T={T}", timing, steps / -(-steps // k),
+           planner_forwards=-(-steps // k), plain_forwards=steps)

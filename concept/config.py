@@ -322,6 +322,9 @@ def resolve(config: BuildConfig) -> Plan:
         planner, errs = PlannerSettings.parse(config.planner)
         problems.extend(errs)
         levels = getattr(components["vocabulary"].config, "levels", 1) if "vocabulary" in components else 1
+        if "vocabulary" in components and getattr(components["vocabulary"].config, "beam", 1) > 1:
+            problems.append("vocabulary.beam: the levels' beam is the streaming family's; the planner-executor "
+                            "searches its plans, levels included, with --beam (drop --set vocabulary.beam)")
         for t in planner.types if planner is not None and levels > 1 else ():
             if t.max_len % levels:
                 problems.append(f"planner.types: {t.name!r} has max_len {t.max_len}, but with vocabulary.levels {levels} "

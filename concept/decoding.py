@@ -59,13 +59,13 @@ class ConceptDecoder:
         self.num_concepts = out.keep.sum(1) * model.emit  # concept slots so far
         self.keep = [out.keep[b, valid[b]].tolist() for b in range(B)]
         self.state = self._replay(out, valid)
-        # the last `emit` real tokens of each row: where the next concepts take their ids from
-        M = model.emit
+        # the last M real tokens of each row (M concepts per boundary): where the next concepts take their ids from
+        M = model.emit // model.levels
         src = (last_real(valid)[:, None] - (M - 1) + torch.arange(M, device=valid.device)).clamp(min=0)
         h_src = out.shallow.gather(1, src[..., None].expand(-1, -1, out.shallow.shape[-1]))
-        probs = model.concept_probs(out.head_logits.gather(1, src[..., None].expand(-1, -1, out.head_logits.shape[-1])))
+        probs, ids = model.codes(h_src, out.head_logits.gather(1, src[..., None].expand(-1, -1, out.head_logits.shape[-1])))
         positions = packing.time_positions(valid).gather(1, src)
-        self.recent = (h_src, probs, probs.argmax(-1), positions)
+        self.recent = (h_src, probs, ids, positions)
         # tail fusion: each row's latest concept's middle-stack update (what its next tail tokens receive)
         d = out.shallow.shape[-1]
         self.has_update = self.num_concepts > 0
@@ -119,23 +119,26 @@ class ConceptDecoder:
         keep, state = model.length_policy.step(h[:, 0], head_logits[:, 0], self.state)
         self.state = _where(active, state, self.state)
         keep = keep.bool() & active
-        probs = model.concept_probs(head_logits)
-        shifted = (torch.cat([old[:, 1:], new], dim=1) for old, new in zip(self.recent, (h, probs, probs.argmax(-1), pos)))
+        probs, ids = model.codes(h, head_logits)
+        shifted = (torch.cat([old[:, 1:], new], dim=1) for old, new in zip(self.recent, (h, probs, ids, pos)))
         self.recent = tuple(_where(active, new, old) for new, old in zip(shifted, self.recent))
 
         # a concept drops the row's tail; its slots go through the middle stack, then the deep one
         deep_in, deep_pos = model.fuse_step(h, self.last_update, self.has_update), text_pos
         if bool(keep.any()):
             cache.deep.drop_tail(keep)
-            for m in range(model.emit):  # slot m takes its id and position from token t - emit + 1 + m
+            for s in range(model.emit):  # slot s: level s % L of the concept from token t - M + 1 + s // L
+                m, level = divmod(s, model.levels)
                 h_m, probs_m, ids_m, pos_m = (x[:, m:m + 1] for x in self.recent)
-                rank = (self.num_concepts + m)[:, None]
-                c_in = model.positions.add_concept_type(model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m))
+                rank = (self.num_concepts + s)[:, None]
+                level = None if model.levels == 1 else torch.full_like(pos, level)
+                c_in = model.positions.add_concept_type(
+                    model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m, level))
                 middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
                 c = model.run_stack(model.middle, c_in, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
                 cache.middle.commit()
                 concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
-                if m < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
+                if s < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
                     model.run_stack(model.deep, c, concept_pos, DecodePlan(cache.deep.begin(keep)), cache.deep)
                     cache.deep.commit()
             deep_in = torch.where(keep[:, None, None], c, deep_in)
@@ -169,8 +172,8 @@ class ConceptDecoder:
         boundary only."""
         model, cache = self.model, self.cache
         if model.emit != 1:
-            raise ConceptError(f"multi-token decoding needs a length policy that emits one concept per boundary "
-                               f"(this one emits {model.emit})")
+            raise ConceptError(f"multi-token decoding needs one concept slot per boundary (this model has {model.emit}: "
+                               f"a policy emitting several concepts, or multi-level codes); decode one token at a time")
         B, n = tokens.shape
         dev = tokens.device
         index = torch.arange(n, device=dev)

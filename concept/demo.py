@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     bits = lambda logits: next_token_loss(logits, ids, valid).item() / math.log(2)  # noqa: E731
     ratio = out.keep.float().mean().item()
     classes = out.head_logits.shape[-1]
-    ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, out.keep[0], classes)
+    ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, out.keep[0], classes,
+                          emit=model.emit)
 
     table = Table(title=f"{args.run}: concept model vs dense backbone on the same {ids.shape[1]} tokens")
     table.add_column("")

@@ -73,12 +73,17 @@ def _concept_stats(model, out, valid: torch.Tensor) -> dict:
     stats = {
         "real": int(valid.sum()),
         "kept": int(keep.sum()),
-        "slots": int(keep.sum()) * getattr(m, "emit", 1),  # concept slots (emit per emitting token)
+        # concepts (a policy's emit per emitting token; a multi-level concept is one concept of L slots)
+        "slots": int(keep.sum()) * (getattr(m, "emit", 1) // getattr(m, "levels", 1)),
         "histogram": torch.bincount(ids.long().flatten(), minlength=K)[:K].cpu(),
         "entropy_sum": 0.0,
         "max_prob_sum": 0.0,
         "cos_sum": 0.0,
     }
+    codes = getattr(out, "codes", None)
+    if codes is not None:  # multi-level codes: a histogram per level (a collapsed level reads perplexity 1)
+        stats["level_histograms"] = torch.stack([torch.bincount(codes[..., level][keep].long(), minlength=K)[:K].cpu()
+                                                 for level in range(codes.shape[-1])])
     policy = m.length_policy
     if hasattr(policy, "boundary_prob"):
         p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None)).float()
@@ -124,6 +129,8 @@ def _finish_concept_stats(total: dict, K: int) -> dict[str, float]:
     if "boundary_sum" in total:
         result["boundary_prob"] = total["boundary_sum"] / real if real else nan
     result["usage_perplexity"], result["usage_fraction"] = _usage(total["histogram"], K)
+    for level, histogram in enumerate(total.get("level_histograms", ())):
+        result[f"usage_perplexity/level{level}"] = _usage(histogram, K)[0]
     result["cos_soft_hard"] = total["cos_sum"] / kept if kept else nan
     return result
 
@@ -242,10 +249,11 @@ def _control(name: str, model, out, valid: torch.Tensor, K: int, generator: torc
         tokens = valid.nonzero()
         pick = tokens[torch.randint(len(tokens), (B * C,), generator=generator).to(tokens.device)]
         h = out.shallow[pick[:, 0], pick[:, 1]].view(B, C, -1)
-        ids = torch.randint(0, K, (B, C), generator=generator).to(c.device)
+        level = out.layout.concept_level  # multi-level codes: one random code for each slot's level
+        ids = torch.randint(0, K, (B, C) if level is None else (B, C, model.levels), generator=generator).to(c.device)
         probs = torch.nn.functional.one_hot(ids, K).to(h.dtype)
         src = torch.arange(C, device=c.device).expand(B, C)
-        return torch.where(slots[..., None], model.concept_inputs(probs, ids, src, h).to(c.dtype), c)
+        return torch.where(slots[..., None], model.concept_inputs(probs, ids, src, h, level).to(c.dtype), c)
 
     return {"shuffle": shuffle, "random": random}[name]
 
@@ -266,7 +274,7 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     A concept model (with ``.length_policy``) also gets, over the whole evaluation: ``ratio``
     (concepts per real token), ``concepts`` (count), ``usage_perplexity``, ``usage_fraction``,
     ``head_entropy``, ``max_prob``, ``boundary_prob`` (if the policy has it),
-    ``cos_soft_hard`` and, with ``controls``, ``delta_nll_shuffle`` / ``delta_nll_random``: the
+    ``cos_soft_hard`` (with multi-level codes also ``usage_perplexity/level<l>``) and, with ``controls``, ``delta_nll_shuffle`` / ``delta_nll_random``: the
     NLL with the concepts' whole inputs permuted among the concept slots of each batch (seeded), or
     rebuilt from random ids and random tokens' shallow states (see :func:`_control`), with the
     same keep pattern, minus the normal NLL. Both > 0 means the concepts carry information.

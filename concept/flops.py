@@ -123,10 +123,12 @@ def head_classes(model) -> int:
 
 
 def ideal_ratio(model, ratio: float, T: int) -> FlopReport:
-    """Ideal FLOPs of ``model`` at realised concepts-per-token ``ratio`` and length ``T``."""
+    """Ideal FLOPs of ``model`` at realised concepts-per-token ``ratio`` and length ``T`` (a boundary
+    emits the policy's ``emit`` concepts, each of the vocabulary's ``levels`` code slots)."""
     shape = Shape.from_hf_config(model.backbone.config)
-    return forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), head_classes(model),
-                         fusion=fusion_flops(model))
+    emit, levels = getattr(model, "emit", 1), getattr(model, "levels", 1)
+    return forward_flops(shape, model.split, evenly_spaced_keep(T, ratio * levels / emit), head_classes(model),
+                         emit=emit, fusion=fusion_flops(model))
 
 
 def decode_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,

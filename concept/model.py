@@ -8,7 +8,8 @@
 
 A concept's input is, with the identity start (the default), the emitting token's shallow
 state plus its discrete embedding behind a gate that starts at zero: with every token a
-concept the model is then exactly the backbone (tested).
+concept the model is then exactly the backbone (tested). With multi-level codes (a `codebook`
+vocabulary with L levels) a concept is L consecutive concept slots, one code level each.
 
 The backbone's decoder layers are reused unchanged; their attention is routed through
 ``concept.attention`` with a plan object per stack. One forward pass is O(T): there is no
@@ -42,6 +43,7 @@ class ConceptOutput:
     deep_input: torch.Tensor | None = None  # [B, T, d] the deep stack's input element of each position t
     hidden: torch.Tensor | None = None  # [B, T, d] the deep stack's output at t (before the final norm)
     updates: torch.Tensor | None = None  # [B, C, d] each concept slot's middle-stack update (tail fusion)
+    codes: torch.Tensor | None = None  # [B, T, L] every level's code where keep, else -1 (multi-level codes)
 
 
 class ConceptGate(nn.Module):
@@ -70,7 +72,9 @@ class ConceptModel(nn.Module):
         self.tail_fusion = tail_fusion
         self.concept_gate = ConceptGate(backbone.config.hidden_size) if identity_start else None
         self.split = tuple(split)
-        self.emit = getattr(length_policy, "emit", 1)  # concept slots per emitting token
+        self.levels = getattr(vocabulary, "levels", 1)  # code levels per concept (multi-level codebooks)
+        self.level_beam = getattr(getattr(vocabulary, "config", None), "beam", 1)  # inference search over levels
+        self.emit = getattr(length_policy, "emit", 1) * self.levels  # concept slots per emitting token
         self.plan = plan  # the resolved build plan (config + provenance)
         self.tokenizer = tokenizer
         inner = decoder(backbone)
@@ -109,37 +113,75 @@ class ConceptModel(nn.Module):
 
     def decide(self, h, valid, keep=None, reset=None):
         """Head -> length policy (keep) and sampler (which concept).
-        Returns (head_logits, probs over the K concepts, keep, concept_ids)."""
+        Returns (head_logits, probs over the K concepts, keep, the concept id of every token): see ``codes``."""
         head_logits = self.vocabulary.logits(h)
         if keep is None:
             keep = self.length_policy.decide(h, head_logits, valid, reset)
         keep = keep.bool() & valid
+        probs, ids = self.codes(h, head_logits)
+        return head_logits, probs, keep, ids
+
+    def codes(self, h, head_logits):
+        """Which concept each token would emit: the sampler's probabilities over the K codes and the
+        chosen id, [B, T, K] / [B, T]. With L code levels, [B, T, L, K] / [B, T, L]: level l reads the
+        query that the codes of levels < l left (the codebook's ``before``), greedily, or at inference
+        by a beam of ``vocabulary.beam`` over the levels (``level_search``; its probabilities are one-hot)."""
         probs = self.concept_probs(head_logits)
-        concept_ids = torch.where(keep, probs.argmax(-1), torch.full_like(keep, -1, dtype=torch.long))
-        return head_logits, probs, keep, concept_ids
+        if self.levels == 1:
+            return probs, probs.argmax(-1)
+        if not self.training and self.level_beam > 1:
+            ids = self.level_search(h, head_logits, self.level_beam)
+            return F.one_hot(ids, self.vocabulary.size).to(probs.dtype), ids
+        all_probs, ids = [probs], [probs.argmax(-1)]
+        for level in range(1, self.levels):
+            p = self.concept_probs(self.vocabulary.logits(h, level, torch.stack(ids, -1)))
+            all_probs.append(p)
+            ids.append(p.argmax(-1))
+        return torch.stack(all_probs, -2), torch.stack(ids, -1)
+
+    def level_search(self, h, head_logits, width: int) -> torch.Tensor:
+        """[..., L] the codes of highest total log-probability ``sum_l log p_l(id_l | ids_<l)`` under the
+        head, by a beam of ``width`` over the levels (exhaustive when ``width >= K ** (L - 1)``)."""
+        K = self.vocabulary.size
+        score, ids = head_logits[..., :K].float().log_softmax(-1).topk(min(width, K), -1)  # [..., W]
+        ids = ids[..., None]  # [..., W, levels so far]
+        for level in range(1, self.levels):
+            state = h[..., None, :].expand(*ids.shape[:-1], h.shape[-1])
+            logp = self.vocabulary.logits(state, level, ids)[..., :K].float().log_softmax(-1)  # [..., W, K]
+            total = (score[..., None] + logp).flatten(-2)
+            score, best = total.topk(min(width, total.shape[-1]), -1)  # sorted: the best first
+            beams = ids.gather(-2, (best // K)[..., None].expand(*best.shape, ids.shape[-1]))
+            ids = torch.cat([beams, (best % K)[..., None]], -1)
+        return ids[..., 0, :]
 
     def concept_probs(self, head_logits):
         """The sampler's probabilities over the K concepts (the NULL column is not passed)."""
         sampler = self.sampler if self.training else self.eval_sampler
         return sampler(head_logits[..., : self.vocabulary.size])
 
-    def concept_inputs(self, probs, concept_ids, src, h):
+    def concept_inputs(self, probs, concept_ids, src, h, level=None):
         """Inputs of the concepts emitted at time indices ``src`` [B, C]: the hard embedding with a
         straight-through soft part (e_hard + e_soft - sg(e_soft)), or the soft mixture for a
-        sampler without a hard step; a latent-feedback sampler then mixes in the shallow state."""
+        sampler without a hard step; a latent-feedback sampler then mixes in the shallow state.
+        Multi-level codes: ``probs`` [B, T, L, K], ``concept_ids`` [B, T, L] and ``level`` [B, C], the
+        code level of each slot."""
         sampler = self.sampler if self.training else self.eval_sampler
-        at_src = lambda x: x.gather(1, src[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
+        at = lambda x, index: x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
+        pick, by_level = src, {}
+        if level is not None:  # token t's level l at t * L + l
+            probs, concept_ids = probs.flatten(1, 2), concept_ids.flatten(1, 2)
+            pick, by_level = src * self.levels + level, {"level": level}
         if getattr(sampler, "hard", True):
-            e = self.vocabulary.embed_hard(concept_ids.gather(1, src).clamp(min=0))
+            e = self.vocabulary.embed_hard(concept_ids.gather(1, pick).clamp(min=0), **by_level)
             if sampler.straight_through and torch.is_grad_enabled():
-                e_soft = self.vocabulary.embed_soft(at_src(probs))
+                e_soft = self.vocabulary.embed_soft(at(probs, pick), **by_level)
                 e = e + (e_soft - e_soft.detach())
         else:
-            e = self.vocabulary.embed_soft(at_src(probs))
+            e = self.vocabulary.embed_soft(at(probs, pick), **by_level)
         if hasattr(self.sampler, "mix"):  # e.g. `hidden-projection`, in training and at inference
-            e = self.sampler.mix(e, at_src(h))
+            e = self.sampler.mix(e, at(h, src))
         if self.concept_gate is not None:  # identity start: the shallow state + the gated embedding
-            e = self.concept_gate(at_src(h), e)
+            e = self.concept_gate(at(h, src), e)
         return e
 
     def fuse_tail(self, tail, updates, layout):
@@ -178,8 +220,8 @@ class ConceptModel(nn.Module):
 
         attention_mask [B, T]: 1 for real tokens (either padding side). keep [B, T]: force the
         decisions. document_ids [B, T]: several documents packed in a row (attention, positions
-        and runs of NULLs never cross a document boundary). concept_ids [B, T]: replace the
-        concept ids read from the tokens where it is >= 0 (diagnostics, e.g. shuffled concepts). cache: a
+        and runs of NULLs never cross a document boundary). concept_ids [B, T] ([B, T, L] with L code
+        levels): replace the concept ids read from the tokens where it is >= 0 (diagnostics, e.g. shuffled concepts). cache: a
         ``concept.kv_cache.ConceptCache`` that records each stack's keys and values (prefill).
         logits_to_keep: compute logits for the last n positions only (0: all), as in transformers.
         perturb: ``f(inputs [B, C, d], valid [B, C]) -> inputs`` replaces the concepts' whole inputs
@@ -193,17 +235,16 @@ class ConceptModel(nn.Module):
         # shallow: every token, causal
         h = self.shallow_states(input_ids, valid, doc, pos, None if cache is None else cache.shallow)
 
-        # concept decisions
-        head_logits, probs, keep, sampled_ids = self.decide(h, valid, keep, starts)
-        token_ids = torch.where(keep, sampled_ids, probs.argmax(-1))  # with emit > 1 ids also come from earlier tokens
+        # concept decisions (every token's would-be concept: with emit > 1 ids also come from earlier tokens)
+        head_logits, probs, keep, token_ids = self.decide(h, valid, keep, starts)
         if concept_ids is not None:
             token_ids = torch.where(concept_ids >= 0, concept_ids, token_ids)
-            sampled_ids = torch.where(keep, token_ids, sampled_ids)
-        layout = packing.pack(keep, valid, doc, self.emit)
+        emitted = torch.where(keep.view(*keep.shape, *(1,) * (token_ids.dim() - 2)), token_ids, -1)
+        layout = packing.pack(keep, valid, doc, self.emit, self.levels)
         concept_pos = pos.gather(1, layout.concept_id_src)
 
         # middle: concepts only, causal among concepts
-        c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h)
+        c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h, layout.concept_level)
         if self.training and torch.is_grad_enabled() and hasattr(self.length_policy, "gate"):
             # straight-through gate of the policy's soft boundary (forward value exactly 1)
             g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)
@@ -233,7 +274,9 @@ class ConceptModel(nn.Module):
         z = in_time_order(z)
         logits = self.backbone.lm_head(self.inner.norm(z))
         loss = None if labels is None else next_token_loss(logits, labels, valid, doc)
-        return ConceptOutput(logits, keep, sampled_ids, head_logits, loss, layout, h, in_time_order(z_in), z, updates)
+        multi = self.levels > 1
+        return ConceptOutput(logits, keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
+                             in_time_order(z_in), z, updates, emitted if multi else None)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
         """Logits [B, T, V] of every position as a tail token with no concept before it: the backbone

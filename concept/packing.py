@@ -16,7 +16,10 @@ A policy may emit M > 1 concepts at one boundary (``emit``): token t then owns M
 slots at time t, numbered ``sub`` = 0..M-1, and among slots of the same time the order is
 causal (``t_j < t_i or (t_j == t_i and sub_j <= sub_i)``). Slot ``sub`` takes its concept
 id (and its RoPE position) from token ``t - M + 1 + sub``, one of the chunk's last M tokens
-(``concept_id_src``); the logits at t are read from the last slot.
+(``concept_id_src``); the logits at t are read from the last slot. With multi-level codes
+(``levels`` L > 1) each of those M concepts is L consecutive slots, level 0 first: slot ``sub``
+is level ``sub % L`` (``concept_level``) of the concept taken from token
+``t - M + 1 + sub // L``, so ``emit`` = M * L slots per emitting token.
 
 (concept -> concept causal, tail -> concept allowed, tail -> tail causal inside its own
 segment, concept -> tail forbidden), keys must be real and of the same document, and
@@ -72,6 +75,7 @@ class PackedLayout:
     concept_rank: torch.Tensor  # [B, C] 0, 1, ... rank among the concepts of the same document
     concept_id_src: torch.Tensor | None = None  # [B, C] token giving each slot's id and position
     emit: int = 1  # concept slots per emitting token
+    concept_level: torch.Tensor | None = None  # [B, C] code level of each slot (multi-level codes)
 
     def __post_init__(self):
         if self.concept_id_src is None:
@@ -97,9 +101,11 @@ def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, present
 
 
-def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = None, emit: int = 1) -> PackedLayout:
+def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = None, emit: int = 1,
+         levels: int = 1) -> PackedLayout:
     """Build the concepts-first packed layout for ``keep`` / ``valid`` [B, T] (bool), optional
-    document ids ``doc`` [B, T], and ``emit`` concept slots per emitting token."""
+    document ids ``doc`` [B, T], and ``emit`` concept slots per emitting token (``levels`` code
+    levels per concept: ``emit`` is a multiple of it)."""
     keep = keep & valid
     doc = torch.zeros_like(keep, dtype=torch.long) if doc is None else doc
     tail = valid & ~keep
@@ -137,8 +143,9 @@ def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = Non
         tail_src=tail_src,
         slot_of_time=slot_of_time,
         concept_rank=concept_rank,
-        concept_id_src=None if emit == 1 else (concept_src - (emit - 1) + concept_sub).clamp(min=0),
+        concept_id_src=None if emit == 1 else (concept_src - (emit // levels - 1) + concept_sub // levels).clamp(min=0),
         emit=emit,
+        concept_level=None if levels == 1 else concept_sub % levels,
     )
 
 

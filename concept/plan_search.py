@@ -6,7 +6,9 @@ Beam search keeps the ``k`` most probable partial plans of each row under the pl
 summed over the steps; <EOS_i> forced at ``max_len``). A finished beam carries on unchanged (one
 continuation, log-probability 0), so finished and unfinished plans compete on their total score. The
 prefix ``[u, <PLAN>]`` runs once per row; its KV cache is repeated for the beams and reordered with
-them at every step.
+them at every step. With MTP concepts the beam scores each step with the head that writes it (so its
+log p(z | u) is the MTP planner's); the E-step's ``score_plans`` re-scores the candidates with the
+next-step head in one teacher-forced forward.
 """
 from __future__ import annotations
 
@@ -44,7 +46,10 @@ def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
 
 def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.Tensor]:
     """Beam search over the types in order; ``chains`` > 0: every row becomes one row per type first
-    (row ``b * chains + i`` searching type ``i`` alone), as the parallel planner plans."""
+    (row ``b * chains + i`` searching type ``i`` alone), as the parallel planner plans. With MTP concepts
+    (``planner.mtp`` m > 1) the steps come in groups of m, as the greedy planner writes them: step j of a
+    group is scored by head j on the group's start state, the beams are pruned after every step, and the
+    group's m steps then run in one forward (so a search takes ⌈steps / m⌉ forwards)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -52,43 +57,55 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
     B, dev, n = h.shape[0], h.device, model.num_types
     h, keys, next_pos, cur, last = (t.repeat_interleave(k, 0) for t in (h, keys, next_pos, cur, last))
     cache.batch_repeat_interleave(k)
-    N = B * k
     score = torch.full((B, k), float("-inf"), device=dev)
     score[:, 0] = 0.0  # one live beam per row at the start
     score = score.flatten()
-    count, done = torch.zeros_like(cur), torch.zeros(N, dtype=torch.bool, device=dev)
+    count, done = torch.zeros_like(cur), torch.zeros(B * k, dtype=torch.bool, device=dev)
     hist_c, hist_t, hist_a = [], [], []
     width = int(model.sizes.max()) + 1
     cols = torch.arange(width, device=dev)[None, :]
-    for _ in range(sum(t.max_len + 1 for t in model.settings.types)):
-        t = cur.clamp(max=n - 1)
-        K = model.sizes[t]
-        forced = count >= model.max_lens[t]
-        logp = F.log_softmax(model.plan_logits(h, t, count).float().masked_fill(forced[:, None] & (cols < K[:, None]),
-                                                                           float("-inf")), dim=-1)
-        logp = torch.where(done[:, None], torch.where(cols == 0, 0.0, float("-inf")), logp)  # finished: carry on
-        total = (score[:, None] + logp).view(B, k * width)
-        score, flat = total.topk(k, dim=-1)
-        beam = torch.div(flat, width, rounding_mode="floor") + torch.arange(B, device=dev)[:, None] * k
-        beam, classes, score = beam.flatten(), (flat % width).flatten(), score.flatten()
-        cur, count, done, next_pos, keys = cur[beam], count[beam], done[beam], next_pos[beam], keys[beam]
-        last = last[beam]
-        hist_c, hist_t, hist_a = [c[beam] for c in hist_c], [c[beam] for c in hist_t], [c[beam] for c in hist_a]
-        cache.reorder_cache(beam)
-        active = ~done
-        classes = torch.where(active, classes, torch.full_like(classes, -1))
-        types = torch.where(active, cur, torch.full_like(cur, -1))
-        hist_c.append(classes), hist_t.append(types), hist_a.append(active)
-        is_eos = active & (classes == model.sizes[cur.clamp(max=n - 1)])
-        count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
-        cur = cur + is_eos.long()
-        done = done | (cur > last)
+    max_steps, heads, step = sum(t.max_len + 1 for t in model.settings.types), model.settings.mtp, 0
+    while step < max_steps:
+        group, fed = [], []  # the group's step embeddings and which beams took each step
+        for j in range(heads):
+            if j and (bool(done.all()) or step >= max_steps):
+                break
+            state = h if j == 0 else model.mtp_heads.state(h, j - 1)
+            t = cur.clamp(max=n - 1)
+            K = model.sizes[t]
+            forced = count >= model.max_lens[t]
+            logp = F.log_softmax(model.plan_logits(state, t, count).float().masked_fill(
+                forced[:, None] & (cols < K[:, None]), float("-inf")), dim=-1)
+            logp = torch.where(done[:, None], torch.where(cols == 0, 0.0, float("-inf")), logp)  # finished: carry on
+            total = (score[:, None] + logp).view(B, k * width)
+            score, flat = total.topk(k, dim=-1)
+            beam = torch.div(flat, width, rounding_mode="floor") + torch.arange(B, device=dev)[:, None] * k
+            beam, classes, score = beam.flatten(), (flat % width).flatten(), score.flatten()
+            cur, count, done, next_pos, keys, last, h = (x[beam] for x in (cur, count, done, next_pos, keys, last, h))
+            hist_c, hist_t, hist_a = [c[beam] for c in hist_c], [c[beam] for c in hist_t], [c[beam] for c in hist_a]
+            group, fed = [e[beam] for e in group], [f[beam] for f in fed]
+            cache.reorder_cache(beam)
+            active = ~done
+            classes = torch.where(active, classes, torch.full_like(classes, -1))
+            types = torch.where(active, cur, torch.full_like(cur, -1))
+            hist_c.append(classes), hist_t.append(types), hist_a.append(active)
+            is_eos = active & (classes == model.sizes[cur.clamp(max=n - 1)])
+            count = torch.where(is_eos, torch.zeros_like(count), count + active.long())
+            cur = cur + is_eos.long()
+            done = done | (cur > last)
+            rank = torch.where(active & ~is_eos, count, torch.zeros_like(count))
+            group.append(model.step_embedding(classes, types, rank=rank)[0])
+            fed.append(active)
+            step += 1
         if bool(done.all()):
             break
-        keys = torch.cat([keys, active[:, None]], dim=1)
-        e = model.step_embedding(classes, types, rank=torch.where(active & ~is_eos, count, torch.zeros_like(count)))[0]
-        h = model.run(e[:, None], next_pos[:, None], DecodePlan(keys), cache)[:, 0]
-        next_pos = next_pos + 1
+        # the group's steps in one forward, causal among themselves (a step a beam did not take is no key)
+        g, new = len(group), torch.stack(fed, 1)
+        own = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[None] & new[:, None, :]
+        mask = torch.cat([keys[:, None, :].expand(-1, g, -1), own], dim=-1)
+        h = model.run(torch.stack(group, 1), next_pos[:, None] + torch.arange(g, device=dev), DecodePlan(mask), cache)[:, -1]
+        keys = torch.cat([keys, new], dim=1)
+        next_pos = next_pos + g
     classes, types, active = torch.stack(hist_c, 1), torch.stack(hist_t, 1), torch.stack(hist_a, 1)
     is_eos = active & (classes == model.sizes[types.clamp(min=0)])
     rank = torch.where(active & ~is_eos, _rank(types, active & ~is_eos), torch.zeros_like(classes))

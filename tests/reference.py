@@ -36,8 +36,8 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
     """
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     h = shallow_states(model, input_ids, valid)
-    _, probs, keep, concept_ids = model.decide(h, valid, keep)
-    token_ids = torch.where(keep, concept_ids, probs.argmax(-1))
+    _, probs, keep, token_ids = model.decide(h, valid, keep)  # every token's would-be concept (all levels)
+    L = model.levels  # code levels: each concept is L consecutive slots
     M = getattr(model.length_policy, "emit", 1)  # concepts per emitting token
     inner = decoder(model.backbone)
     B, T = input_ids.shape
@@ -46,20 +46,23 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
         times = valid[b].nonzero().flatten()  # real tokens of this row, in order
         pos = torch.arange(len(times))
         kept = keep[b, times]
-        # the M concepts of an emitting token i take ids and positions from tokens i-M+1 .. i
-        src = torch.tensor([i - M + 1 + m for i in kept.nonzero().flatten().tolist() for m in range(M)], dtype=torch.long)
+        # the M concepts of an emitting token i take ids and positions from tokens i-M+1 .. i, L levels each
+        emitting = kept.nonzero().flatten().tolist()
+        src = torch.tensor([i - M + 1 + m for i in emitting for m in range(M) for _ in range(L)], dtype=torch.long)
+        level = torch.tensor([lv for _ in emitting for _ in range(M) for lv in range(L)], dtype=torch.long)
         c_times = times[src]
         c_pos = pos[src]
         c_rank = torch.arange(len(c_times))
         middle_out = None
         if len(c_times):
-            e = model.concept_inputs(probs[b:b + 1], token_ids[b:b + 1], c_times[None], h[b:b + 1])
+            e = model.concept_inputs(probs[b:b + 1], token_ids[b:b + 1], c_times[None], h[b:b + 1],
+                                     None if L == 1 else level[None])
             e = model.positions.add_concept_type(e)
             middle_pos = model.positions.concept_positions(c_pos[None], c_rank[None], "middle")
             middle_out = _run(model, model.middle, e, middle_pos)[0]
             update = middle_out - e[0]  # what the middle stack added to each concept
         for i, t in enumerate(times.tolist()):
-            n_c = M * int(kept[: i + 1].sum())  # concepts emitted at positions <= t
+            n_c = M * L * int(kept[: i + 1].sum())  # concepts emitted at positions <= t
             last = int(kept[: i + 1].nonzero().max()) if n_c else -1  # tau(t), as an index into `times`
             tail_idx = times[last + 1: i + 1]
             tail = h[b, tail_idx][None]

@@ -78,7 +78,7 @@ def test_multi_token_steps_need_one_concept_per_boundary():
     prompt, valid, cont = prompts_and_continuation()
     d = ConceptDecoder(model)
     d.prefill(prompt, valid)
-    with pytest.raises(ConceptError, match="one concept per boundary"):
+    with pytest.raises(ConceptError, match="one concept slot per boundary"):
         d.extend(cont[:, :2])
 
 

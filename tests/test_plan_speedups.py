@@ -148,6 +148,40 @@ def test_mtp_heads_write_k_steps_per_forward_exactly(k):
     assert plan.lengths(2).le(torch.tensor([2, 4])).all()  # max_len holds inside a group too
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_mtp_beam_search_scores_each_step_with_its_head(k):
+    """Beam search with MTP heads: width 1 is the greedy MTP planner; every beam's log p(z | u) is the sum
+    of its steps' log-probabilities under the head that wrote them (head j on the state before the
+    group's first step, from the teacher-forced planner), best first; ⌈steps / k⌉ forwards."""
+    from concept.plan_search import beam_search
+
+    model = built(mtp=k)
+    with torch.no_grad():
+        for block in model.mtp_heads.blocks:
+            block.weight.normal_(0, 0.2)
+    u, valid = inputs()
+    calls = []
+    hook = model.inner.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with torch.no_grad():
+            beams, logp = beam_search(model, u, valid, 3)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        greedy, one = model.planner(u, valid, sample=False), beam_search(model, u, valid, 1)[0]
+        forced = model.planner_forced(u.repeat_interleave(3, 0), valid.repeat_interleave(3, 0), beams)
+        total = torch.zeros(beams.classes.shape[0])
+        for s in range(beams.classes.shape[1]):
+            j = s % k
+            state = forced.hidden[:, s - j] if j == 0 else model.mtp_heads.state(forced.hidden[:, s - j], j - 1)
+            step = torch.log_softmax(model.plan_logits(state, beams.types[:, s].clamp(min=0)).float(), -1)
+            step = step.gather(-1, beams.classes[:, s].clamp(min=0)[:, None])[:, 0]
+            total += torch.where(beams.active[:, s] & ~forced.forced[:, s], step, torch.zeros_like(step))
+    assert one.rows() == greedy.rows()
+    assert torch.allclose(total.view(-1, 3), logp, atol=1e-4) and (logp[:, :-1] >= logp[:, 1:]).all()
+    assert len(calls) == -(-beams.classes.shape[1] // k)  # the prefix, then one forward per group but the last
+
+
 def test_mtp_objective_trains_the_heads_on_later_steps():
     from concept.plan_objectives import PlanMTPObjective
 

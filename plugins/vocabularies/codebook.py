@@ -18,10 +18,17 @@ mean code distribution to uniform, ``concept.training``).
 Multi-level codes (``levels`` L > 1, semantic-ID style): L codebooks of K codes, one per level, sharing
 the projections. A concept is L consecutive code tokens, level 0 first; token l reads and writes level
 l's codebook (the ``level`` argument of ``logits`` / ``embed_hard`` / ``embed_soft``: an int, or a tensor
-of levels shaped like the ids). The planner-executor interleaves them as consecutive plan steps (a
-type's ``max_len`` counts code tokens, a multiple of L, and its <EOS> may only follow a complete
-concept), so its beam search, greedy decoding and Hard-EM E-step search over the levels. The streaming
-family has one concept token per boundary and refuses ``levels`` > 1.
+of levels shaped like the ids).
+
+- The planner-executor interleaves them as consecutive plan steps (a type's ``max_len`` counts code
+  tokens, a multiple of L, and its <EOS> may only follow a complete concept), so its beam search,
+  greedy decoding and Hard-EM E-step search over the levels; each step's state already depends on the
+  earlier levels.
+- The streaming family reads all L levels from one shallow state: level l's query is what is left of
+  the level-0 query after removing its components along the codes chosen at levels < l (``before``;
+  residual quantisation on the unit sphere), and a boundary's L code tokens enter the middle and deep
+  stacks as L consecutive concept slots. At inference ``beam`` > 1 searches the levels jointly for the
+  codes of highest total log-probability (``concept.model.ConceptModel.codes``).
 """
 from __future__ import annotations
 
@@ -41,11 +48,14 @@ class CodebookVocabConfig:
     code_dim: int = 64
     logit_scale: float = 8.0  # initial scale of the cosine logits
     levels: int = 1  # L codebooks, one per level: a concept is L consecutive code tokens
+    beam: int = 1  # streaming, at inference: beam width of the search over the levels (1: greedy)
 
     def validate(self) -> list[str]:
         problems = []
         if not isinstance(self.levels, int) or isinstance(self.levels, bool) or self.levels < 1:
             problems.append(f"levels: at least 1 codebook, got {self.levels!r}")
+        if not isinstance(self.beam, int) or isinstance(self.beam, bool) or self.beam < 1:
+            problems.append(f"beam: a beam width >= 1, got {self.beam!r}")
         if self.size < 1:
             problems.append(f"size: K must be >= 1, got {self.size}")
         if self.code_dim < 1:
@@ -57,15 +67,6 @@ class CodebookVocabConfig:
 
 class CodebookVocabulary(nn.Module):
     Config = CodebookVocabConfig
-
-    @staticmethod
-    def check_compatible(config: CodebookVocabConfig, components) -> list[str]:
-        """(Called for streaming builds.) One concept token per boundary leaves no room for the levels."""
-        if config.levels > 1:
-            return [f"levels {config.levels}: multi-level codes are L consecutive concept tokens; the streaming family "
-                    f"emits one concept token per boundary, so they are for --family planner-executor (where they "
-                    f"interleave as consecutive plan steps); drop --set vocabulary.levels"]
-        return []
 
     def __init__(self, config: CodebookVocabConfig, ctx):
         super().__init__()
@@ -105,9 +106,15 @@ class CodebookVocabulary(nn.Module):
             out = r if out is None else torch.where((level == l)[..., None], r, out)
         return out
 
-    def logits(self, h: torch.Tensor, level=0) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, level=0, before: torch.Tensor | None = None) -> torch.Tensor:
+        """Cosine logits over ``level``'s codes (+ the NULL logit). ``before`` [..., l]: the codes chosen at
+        levels 0..l-1 for the same state (streaming multi-level codes); the query then loses its
+        components along them, one level after the other, so level l codes what they left."""
         x = rms_normalize(h)
         query = F.normalize(self.proj_out(x), dim=-1)
+        for j in range(0 if before is None else before.shape[-1]):
+            code = F.normalize(self.book(j)[before[..., j]], dim=-1).to(query.dtype)
+            query = F.normalize(query - (query * code).sum(-1, keepdim=True) * code, dim=-1)
         scale = self.log_scale.exp().to(query.dtype)
         logits = self._per_level(lambda book: scale * query @ F.normalize(book, dim=-1).to(query.dtype).T, level, h)
         if self.null is not None:
