@@ -38,6 +38,27 @@ def _model(backbone: str, **planner):
     return concept.build(cfg)
 
 
+def _planners(backbone, device, B, T, **planner):
+    """The plain planner and one with ``planner`` options (eval mode), both confident enough to write full
+    plans (every type to ``max_len``: the worst case for sequential planning), and B rows of T tokens."""
+    plain, fast = _model(backbone).to(device).eval(), _model(backbone, **planner).to(device).eval()
+    with torch.no_grad():
+        for m in (plain, fast):
+            m.eos_bias.value.fill_(-20.0)
+    ids = torch.randint(0, plain.backbone.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
+    return plain, fast, ids, torch.ones_like(ids, dtype=torch.bool)
+
+
+def _side_by_side(benchmark, device, baseline, case):
+    """Time ``case`` against ``baseline`` in alternating rounds; None (after one call of each) when timing is off."""
+    if benchmark.disabled:
+        baseline(), case()
+        return None
+    timing = side_by_side(baseline, case, rounds=3, device=device)
+    benchmark.pedantic(case, rounds=1, iterations=1)
+    return timing
+
+
 def _skip(request, backbone):
     if backbone == "smollm2" and not request.config.getoption("--smollm2"):
         pytest.skip("pass --smollm2 to run the real-backbone cases")
@@ -94,22 +115,15 @@ SPEEDUPS = [("mtp", {"mtp": 2}), ("mtp", {"mtp": 4}), ("parallel", {"parallel": 
 @pytest.mark.parametrize("backbone,B,T", CASES, ids=[f"{b}-B{n}-T{t}" for b, n, t in CASES])
 def test_planning_speedup(benchmark, record, request, device, backbone, B, T, name, planner):
     _skip(request, backbone)
-    plain, fast = _model(backbone).to(device).eval(), _model(backbone, **planner).to(device).eval()
-    with torch.no_grad():  # a confident planner writes full plans (the worst case for sequential planning)
-        for m in (plain, fast):
-            m.eos_bias.value.fill_(-20.0)
-    ids = torch.randint(0, plain.backbone.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
-    valid = torch.ones_like(ids, dtype=torch.bool)
+    plain, fast, ids, valid = _planners(backbone, device, B, T, **planner)
 
     def plan(m):
         with torch.no_grad():
             return m.planner(ids, valid, sample=False)
 
-    if benchmark.disabled:
-        plan(plain), plan(fast)
+    timing = _side_by_side(benchmark, device, lambda: plan(plain), lambda: plan(fast))
+    if timing is None:
         return
-    timing = side_by_side(lambda: plan(plain), lambda: plan(fast), rounds=3, device=device)
-    benchmark.pedantic(lambda: plan(fast), rounds=1, iterations=1)
     types = SMOL_TYPES if backbone == "smollm2" else TINY_TYPES
     steps = sum(t["max_len"] + 1 for t in types)
     fast_steps = (max(t["max_len"] + 1 for t in types) if name == "parallel" else -(-steps // planner["mtp"]))
@@ -124,18 +138,10 @@ def test_beam_search_speedup(benchmark, record, request, device, backbone, B, T,
     from concept.plan_search import beam_search
 
     _skip(request, backbone)
-    plain, fast = _model(backbone).to(device).eval(), _model(backbone, mtp=k).to(device).eval()
-    with torch.no_grad():  # full plans: every beam runs every step
-        for m in (plain, fast):
-            m.eos_bias.value.fill_(-20.0)
-    ids = torch.randint(0, plain.backbone.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    search = lambda m: beam_search(m, ids, valid, 4)  # noqa: E731
-    if benchmark.disabled:
-        search(plain), search(fast)
+    plain, fast, ids, valid = _planners(backbone, device, B, T, mtp=k)
+    timing = _side_by_side(benchmark, device, lambda: beam_search(plain, ids, valid, 4), lambda: beam_search(fast, ids, valid, 4))
+    if timing is None:
         return
-    timing = side_by_side(lambda: search(plain), lambda: search(fast), rounds=3, device=device)
-    benchmark.pedantic(lambda: search(fast), rounds=1, iterations=1)
     types = SMOL_TYPES if backbone == "smollm2" else TINY_TYPES
     steps = sum(t["max_len"] + 1 for t in types)
     record(benchmark, f"beam search (4) MTP k={k} vs plain {backbone} B={B} T={T}", timing, steps / -(-steps // k),

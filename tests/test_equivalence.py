@@ -63,7 +63,11 @@ def test_one_pass_matches_naive(tiny_models, backend, positions, name):
 @pytest.mark.parametrize("backend", FORWARD_BACKENDS)
 @pytest.mark.parametrize("positions", SCHEMES)
 def test_padded_batch_matches_naive(tiny_models, backend, positions):
-    model = tiny_models(attention=backend, positions=positions)
+    assert_padded_batch_matches_naive(tiny_models(attention=backend, positions=positions))
+
+
+def assert_padded_batch_matches_naive(model):
+    """One-pass logits = the naive loop's on ``padded_batch`` (forced decisions). Returns the output."""
     ids, mask, keep = padded_batch()
     with torch.no_grad():
         out = model(ids, attention_mask=mask, keep=keep)
@@ -71,6 +75,7 @@ def test_padded_batch_matches_naive(tiny_models, backend, positions):
     real = mask.bool()
     assert torch.equal(out.keep, keep & real)
     torch.testing.assert_close(out.logits[real], ref[real], atol=ATOL, rtol=0)
+    return out
 
 
 @pytest.mark.parametrize("backbone", ["tiny-llama", "tiny-qwen2"])
@@ -92,26 +97,12 @@ def _new_module_grads(model, logits, ids, valid):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("positions", SCHEMES)
-def test_gradients_match_naive(tiny_models, backend, positions):
-    model = tiny_models(attention=backend, positions=positions)
+def assert_gradients_match_naive(model, training=False) -> dict:
+    """The new modules' gradients of the one-pass loss equal the naive loop's on ``padded_batch``
+    (``training``: train mode, the same sampler noise in both passes). Returns the one-pass gradients."""
     ids, mask, keep = padded_batch()
     valid = mask.bool()
-    grads = _new_module_grads(model, model(ids, attention_mask=mask, keep=keep).logits, ids, valid)
-    ref_grads = _new_module_grads(model, reference_logits(model, ids, attention_mask=mask, keep=keep)[0], ids, valid)
-    assert set(grads) == set(ref_grads)
-    assert any(n.startswith("vocabulary.head") for n in grads), "the straight-through path must reach the head"
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
-
-
-def test_gumbel_training_gradients_match_naive(tiny_models):
-    """Training mode (gumbel-st): the same noise in both passes gives the same logits and gradients."""
-    model = tiny_models(attention="chunked", positions="time")
-    ids, mask, keep = padded_batch()
-    valid = mask.bool()
-    model.train()
+    model.train(training)
     try:
         torch.manual_seed(3)
         grads = _new_module_grads(model, model(ids, attention_mask=mask, keep=keep).logits, ids, valid)
@@ -119,8 +110,23 @@ def test_gumbel_training_gradients_match_naive(tiny_models):
         ref_grads = _new_module_grads(model, reference_logits(model, ids, attention_mask=mask, keep=keep)[0], ids, valid)
     finally:
         model.eval()
+        model.zero_grad(set_to_none=True)
+    assert set(grads) == set(ref_grads)
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    return grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("positions", SCHEMES)
+def test_gradients_match_naive(tiny_models, backend, positions):
+    grads = assert_gradients_match_naive(tiny_models(attention=backend, positions=positions))
+    assert any(n.startswith("vocabulary.head") for n in grads), "the straight-through path must reach the head"
+
+
+def test_gumbel_training_gradients_match_naive(tiny_models):
+    """Training mode (gumbel-st): the same noise in both passes gives the same logits and gradients."""
+    assert_gradients_match_naive(tiny_models(attention="chunked", positions="time"), training=True)
 
 
 def test_negative_control_packed_index_positions_in_one_pass(tiny_models, monkeypatch):

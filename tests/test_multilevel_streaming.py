@@ -15,7 +15,8 @@ from concept.errors import ConfigError
 from tests.conftest import (assert_decoding_matches_teacher_forcing, assert_packed_documents_equal_separate_rows,
                             mix_decisions, randomize_new_modules, tiny_config)
 from tests.reference import reference_logits
-from tests.test_equivalence import _new_module_grads, padded_batch
+from tests.test_equivalence import (_new_module_grads, assert_gradients_match_naive, assert_padded_batch_matches_naive,
+                                    padded_batch)
 
 K = 8  # codes per level
 
@@ -65,13 +66,7 @@ def test_a_boundary_emits_one_slot_per_level(models):
 @pytest.mark.parametrize("attention", ["sdpa", "chunked", "xformers", "flex"])
 @pytest.mark.parametrize("positions", ["time", "per-type"])
 def test_one_pass_matches_naive(models, attention, positions):
-    model = models(attention=attention, positions=positions)
-    ids, mask, keep = padded_batch()
-    with torch.no_grad():
-        out = model(ids, attention_mask=mask, keep=keep)
-        ref, _ = reference_logits(model, ids, attention_mask=mask, keep=keep)
-    valid = mask.bool()
-    torch.testing.assert_close(out.logits[valid], ref[valid], atol=1e-5, rtol=0)
+    assert assert_padded_batch_matches_naive(models(attention=attention, positions=positions)).layout.emit == 2
 
 
 def test_several_concepts_per_boundary_with_levels_match_naive(models):
@@ -97,13 +92,7 @@ def test_packed_documents_equal_separate_rows(models):
 @pytest.mark.parametrize("attention", ["sdpa", "chunked"])
 def test_gradients_match_naive_and_reach_every_level(models, attention, monkeypatch):
     model = models(attention=attention)
-    ids, mask, keep = padded_batch()
-    valid = mask.bool()
-    grads = _new_module_grads(model, model(ids, attention_mask=mask, keep=keep).logits, ids, valid)
-    ref_grads = _new_module_grads(model, reference_logits(model, ids, attention_mask=mask, keep=keep)[0], ids, valid)
-    assert set(grads) == set(ref_grads)
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    grads = assert_gradients_match_naive(model)
     books = ("vocabulary.codebook", "vocabulary.deeper.0")
     assert all(grads[b].abs().sum() > 0 for b in books)
     # the check fails when a level is cut off: detach level 1's codebook
@@ -111,27 +100,15 @@ def test_gradients_match_naive_and_reach_every_level(models, attention, monkeypa
     original = vocab_class.book
     monkeypatch.setattr(vocab_class, "book", lambda self, level: original(self, level).detach() if level == 1 else
                         original(self, level))
-    cut = _new_module_grads(model, model(ids, attention_mask=mask, keep=keep).logits, ids, valid)
+    ids, mask, keep = padded_batch()
+    cut = _new_module_grads(model, model(ids, attention_mask=mask, keep=keep).logits, ids, mask.bool())
     assert cut["vocabulary.codebook"].abs().sum() > 0 and "vocabulary.deeper.0" not in cut
     model.zero_grad(set_to_none=True)
 
 
 def test_gumbel_training_gradients_match_naive(models):
     """Training mode: the same noise in both passes (every level sampled in the same order)."""
-    model = models(attention="chunked")
-    ids, mask, keep = padded_batch()
-    valid = mask.bool()
-    model.train()
-    try:
-        torch.manual_seed(3)
-        grads = _new_module_grads(model, model(ids, attention_mask=mask, keep=keep).logits, ids, valid)
-        torch.manual_seed(3)
-        ref_grads = _new_module_grads(model, reference_logits(model, ids, attention_mask=mask, keep=keep)[0], ids, valid)
-    finally:
-        model.eval()
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
-    model.zero_grad(set_to_none=True)
+    assert_gradients_match_naive(models(attention="chunked"), training=True)
 
 
 def test_deeper_levels_code_what_the_earlier_ones_left(models):
