@@ -92,7 +92,8 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
             t.add_row("calibrated by", "nothing: built with --no-calibrate")
         stdout.print(t)
     t = table("ideal FLOPs", "value", title=f"ideal FLOPs at {ratio:g} concepts/token, T={seq_len}")
-    t.add_row("concepts", f"{flops.concepts:,} of {flops.T:,} tokens")
+    per = f" ({flops.concepts // model.emit:,} boundaries x {model.emit})" if model.emit > 1 else ""  # concepts / levels
+    t.add_row("concept slots", f"{flops.concepts:,} for {flops.T:,} tokens{per}")
     t.add_row("dense backbone", f"{flops.dense:.3e}")
     t.add_row("concept model", f"{flops.concept:.3e}")
     t.add_row("ratio (concept / dense)", f"{flops.ratio:.3f}")

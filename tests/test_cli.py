@@ -386,7 +386,7 @@ def test_inspect_table(tiny_run):
     out, _, _ = tiny_run
     result = ok(invoke("inspect", out))
     for text in ("run", "stacks", "shallow", "0-1", "2-5", "6-7", "trainable", "frozen", "components",
-                 "gumbel-st", "tau=0.7", "ideal FLOPs", "ratio", "speedup", "512 of 2,048"):
+                 "gumbel-st", "tau=0.7", "ideal FLOPs", "ratio", "speedup", "512 for 2,048"):
         assert text in result.stdout, text
 
 
