@@ -73,8 +73,8 @@ def _concept_stats(model, out, valid: torch.Tensor) -> dict:
     stats = {
         "real": int(valid.sum()),
         "kept": int(keep.sum()),
-        # concepts (a policy's emit per emitting token; a multi-level concept is one concept of L slots)
-        "slots": int(keep.sum()) * (getattr(m, "emit", 1) // getattr(m, "levels", 1)),
+        # concepts: a policy's emit per emitting token (a multi-level concept is one concept of L slots)
+        "concepts": int(keep.sum()) * (getattr(m, "emit", 1) // getattr(m, "levels", 1)),
         "histogram": torch.bincount(ids.long().flatten(), minlength=K)[:K].cpu(),
         "entropy_sum": 0.0,
         "max_prob_sum": 0.0,
@@ -122,7 +122,7 @@ def _finish_concept_stats(total: dict, K: int) -> dict[str, float]:
     kept, real = total["kept"], total["real"]
     nan = float("nan")
     result = {
-        "ratio": total.get("slots", kept) / real if real else nan,  # concepts per token
+        "ratio": total.get("concepts", kept) / real if real else nan,  # concepts per token
         "head_entropy": total["entropy_sum"] / kept if kept else nan,
         "max_prob": total["max_prob_sum"] / kept if kept else nan,
     }
@@ -381,7 +381,7 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
         if stats is None:
             stats = {"real": 0, "kept": 0, "histogram": torch.zeros(K, dtype=torch.long),
                      "entropy_sum": 0.0, "max_prob_sum": 0.0, "cos_sum": 0.0}
-        result["concepts"] = stats.get("slots", stats["kept"])
+        result["concepts"] = stats.get("concepts", stats["kept"])
         result.update(_finish_concept_stats(stats, K))
         if heads is not None:
             result["mtp_tau"] = base.length_policy.tau
