@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import DecodePlan
 from .planner_executor import Plan, text_loss
 
 
@@ -99,13 +98,7 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
             step += 1
         if bool(done.all()):
             break
-        # the group's steps in one forward, causal among themselves (a step a beam did not take is no key)
-        g, new = len(group), torch.stack(fed, 1)
-        own = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[None] & new[:, None, :]
-        mask = torch.cat([keys[:, None, :].expand(-1, g, -1), own], dim=-1)
-        h = model.run(torch.stack(group, 1), next_pos[:, None] + torch.arange(g, device=dev), DecodePlan(mask), cache)[:, -1]
-        keys = torch.cat([keys, new], dim=1)
-        next_pos = next_pos + g
+        h, keys, next_pos = model.feed(group, fed, keys, next_pos, cache)  # the group in one forward
     classes, types, active = torch.stack(hist_c, 1), torch.stack(hist_t, 1), torch.stack(hist_a, 1)
     is_eos = active & (classes == model.sizes[types.clamp(min=0)])
     rank = torch.where(active & ~is_eos, _rank(types, active & ~is_eos), torch.zeros_like(classes))

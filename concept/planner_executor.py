@@ -491,16 +491,20 @@ class PlannerExecutor(nn.Module):
                 step += 1
             if bool(done.all()):
                 break
-            # the group's steps in one forward, causal among themselves (a step that does not exist is no key)
-            g = len(group)
-            new = torch.stack(fed, 1)
-            own = torch.ones(g, g, dtype=torch.bool, device=dev).tril()[None] & new[:, None, :]
-            mask = torch.cat([keys[:, None, :].expand(-1, g, -1), own], dim=-1)
-            h = self.run(torch.stack(group, 1), next_pos[:, None] + torch.arange(g, device=dev), DecodePlan(mask), cache)[:, -1]
-            keys = torch.cat([keys, new], dim=1)
-            next_pos = next_pos + g
+            h, keys, next_pos = self.feed(group, fed, keys, next_pos, cache)
         stacked = {k: (torch.stack(v, 1) if v and v[0] is not None else None) for k, v in rec.items()}
         return Plan(**stacked)
+
+    def feed(self, group, fed, keys, next_pos, cache):
+        """Run a group of planner steps (``group``: step embeddings [B, d] each, ``fed``: which rows took
+        each step) in one forward into ``cache``, causal among themselves (a step a row did not take is
+        no key). Returns (the state after the group's last step [B, d], the key mask, the next position)."""
+        g, new = len(group), torch.stack(fed, 1)
+        own = torch.ones(g, g, dtype=torch.bool, device=new.device).tril()[None] & new[:, None, :]
+        mask = torch.cat([keys[:, None, :].expand(-1, g, -1), own], dim=-1)
+        positions = next_pos[:, None] + torch.arange(g, device=new.device)
+        h = self.run(torch.stack(group, 1), positions, DecodePlan(mask), cache)[:, -1]
+        return h, torch.cat([keys, new], dim=1), next_pos + g
 
     def planner_forced(self, u_ids, u_valid, plan: Plan) -> Plan:
         """Teacher forcing of the planner in one forward: the planner's logits for every step of ``plan``
