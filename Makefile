@@ -22,9 +22,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 # The main job on the embedded defaults (offline SmolLM2-135M, Python stdlib corpus): build the
-# streaming model (identity start, split 4,22,4), train it, the FLOP-matched pruned baseline and the
+# streaming model (identity start, the default operating point: split 4,18,8, 0.125 concepts per token), train it, the FLOP-matched pruned baseline and the
 # dense baseline the same way, and evaluate all three side by side on held-out code and prose.
-DEMO_TRAIN := --steps 30 --seq-len 128 --batch 4 --lr 3e-3 --lr-new 3e-3 --warmup 3 --target-ratio 0.25 \
+DEMO_TRAIN := --steps 30 --seq-len 128 --batch 4 --lr 3e-3 --lr-new 3e-3 --warmup 3 --target-ratio 0.125 \
               --eval-every 30 --eval-batches 2 --checkpoint-every 30 --force
 demo: $(STAMP)
 	$(BIN)/concept build -o runs/demo --force

@@ -9,6 +9,8 @@ import click
 from click.core import ParameterSource
 from rich.markup import escape
 
+from concept.config import DEFAULT_TARGET_RATIO
+
 from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
                      render_params, render_structure, stack_layers, status, stdout)
 
@@ -143,7 +145,7 @@ def print_plan(plan, output: Path | None) -> None:
               help="Concept input: the emitting token's shallow state + a gated embedding (identity, default) "
                    "or the discrete embedding alone.")
 @click.option("--seed", type=int, help="Seed for the new modules (default: 0).")
-@click.option("--target-ratio", type=float, default=0.25, show_default=True,
+@click.option("--target-ratio", type=float, default=DEFAULT_TARGET_RATIO, show_default=True,
               help="Concepts per token the untrained model is calibrated to: its NULL bias is set so that it "
                    "emits this many on a few rows of --calibration-data (recorded in concept.json).")
 @click.option("--calibration-data", metavar="DATA", default=None,

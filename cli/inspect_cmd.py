@@ -4,6 +4,8 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
+from concept.config import DEFAULT_TARGET_RATIO
+
 from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
                      render_params, render_plan_types, render_stacks, stack_layers, status, stdout, table)
 
@@ -41,7 +43,7 @@ def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
 
 @click.command()
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=str))
-@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), default=0.25, show_default=True,
+@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_TARGET_RATIO, show_default=True,
               help="Concepts per token for the ideal FLOP ratio.")
 @click.option("--seq-len", "seq_len", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Sequence length T for the ideal FLOP ratio.")

@@ -6,6 +6,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from concept.config import DEFAULT_TARGET_RATIO
+
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
 
 # CLI option -> TrainConfig field (LoRA options map into config.lora)
@@ -58,7 +60,7 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
 @click.option("--min-lr", type=float, default=0.1, show_default=True,
               help="After the warmup the cosine schedule decays to this fraction of each peak learning rate (0..1).")
 @click.option("--clip", type=float, default=1.0, show_default=True)
-@click.option("--target-ratio", type=float, default=0.25, show_default=True, help="Concepts per token to aim for.")
+@click.option("--target-ratio", type=float, default=DEFAULT_TARGET_RATIO, show_default=True, help="Concepts per token to aim for.")
 @click.option("--ratio-control", type=click.Choice(["both", "pi", "loss", "none"]), default="both", show_default=True)
 @click.option("--ratio-loss-weight", type=float, default=0.1, show_default=True)
 @click.option("--pi-ki", type=float, default=0.05, show_default=True,
@@ -122,8 +124,9 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
 @click.option("--align-at", type=click.Choice(["deep-input", "final"]), default="deep-input", show_default=True,
               help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; "
               "final: the last layer's output (before the final norm) at every token.")
-@click.option("--align-loss", type=click.Choice(["mse", "cosine"]), default="mse", show_default=True,
-              help="mse: squared error / the teacher states' mean square; cosine: 1 - cos.")
+@click.option("--align-loss", type=click.Choice(["cosine", "mse"]), default="cosine", show_default=True,
+              help="cosine: 1 - cos per token; mse: squared error / the teacher states' mean square (dominated "
+              "by a few tokens with massive activations on SmolLM2; docs/training.md).")
 @click.option("--train-only", type=click.Choice(["all", "new"]), default="all", show_default=True,
               help="new: train only the new modules (the LoRA adapters stay frozen), e.g. a first stage that "
               "fits a tail bridge with --align.")
@@ -152,7 +155,7 @@ def train(ctx, source: Path, out, resume, force, as_json, distributed, **options
     """Train a built model (or the dense baseline) on text.
 
     \b
-    concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.25 --out runs/m1-train
+    concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.125 --out runs/m1-train
     concept train runs/m1-train --resume --steps 600
     concept train runs/m1 --baseline --out runs/dense
     concept train runs/m1 --baseline pruned --distill 1 --out runs/pruned

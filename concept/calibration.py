@@ -20,7 +20,7 @@ run's ``concept.json`` under ``calibration``. Training recalibrates the bias at 
 and at its end anyway (with ``--ratio-control`` other than ``none``).
 
     model = concept.build(concept.BuildConfig(split="4,22,4"))
-    concept.calibrate(model, target_ratio=0.25)   # {'target_ratio': 0.25, 'ratio': 0.25, 'null_bias': ...}
+    concept.calibrate(model, target_ratio=0.125)   # {'target_ratio': 0.125, 'ratio': 0.125, 'null_bias': ...}
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ import hashlib
 
 import torch
 
+from .config import DEFAULT_TARGET_RATIO  # noqa: F401  (re-exported: the default operating point)
 from .errors import ConfigError
 
-DEFAULT_TARGET_RATIO = 0.25
 DEFAULT_BATCHES = 4  # batches of DEFAULT_BATCH rows of DEFAULT_SEQ_LEN tokens: 2,048 tokens
 DEFAULT_BATCH = 4
 DEFAULT_SEQ_LEN = 128

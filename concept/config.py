@@ -22,6 +22,13 @@ SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_schem
 CONCEPT_INPUTS = ("identity", "embedding")
 FAMILIES = ("streaming", "planner-executor")  # SPEC §2: the two concept model families (dense is a baseline)
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
+
+# The default operating point: the best measured streaming point at <= 0.6x the dense backbone's FLOPs
+# (docs/results.md, "The default operating point: 4,18,8 at 0.125"). Split "auto" gives the shallow
+# stack 2/15 and the deep stack 4/15 of the backbone's layers (4,18,8 on SmolLM2's 30), and the
+# build's calibration, the trainer and the `null` policy aim at DEFAULT_TARGET_RATIO concepts per token.
+AUTO_SHALLOW, AUTO_DEEP = 2 / 15, 4 / 15
+DEFAULT_TARGET_RATIO = 0.125
 assert set(SLOT_KIND.values()) == set(KINDS)
 
 
@@ -34,7 +41,8 @@ class ComponentRef:
 @dataclass
 class BuildConfig:
     backbone: ComponentRef = field(default_factory=lambda: ComponentRef("smollm2"))
-    # "auto", counts "4,22,4" (shallow, middle, deep) or fractions "0.15,0.7,0.15"
+    # "auto" (AUTO_SHALLOW / AUTO_DEEP of the layers: 4,18,8 on 30), counts "4,22,4" (shallow, middle,
+    # deep) or fractions "0.15,0.7,0.15"
     split: str = "auto"
     length_policy: ComponentRef = field(default_factory=lambda: ComponentRef("null"))
     sampler: ComponentRef = field(default_factory=lambda: ComponentRef("gumbel-st"))
@@ -253,11 +261,12 @@ class Plan:
 
 
 def parse_split(spec: str, num_layers: int) -> tuple[tuple[int, int, int] | None, list[str]]:
-    """Turn "auto", "4,22,4" or "0.15,0.7,0.15" into (shallow, middle, deep) layer counts."""
+    """Turn "auto", "4,22,4" or "0.15,0.7,0.15" into (shallow, middle, deep) layer counts. "auto" is the
+    default operating point's split: AUTO_SHALLOW and AUTO_DEEP of the layers (at least one each)."""
     spec = str(spec).strip()
     if spec == "auto":
-        edge = max(1, round(num_layers * 2 / 15))
-        counts = (edge, num_layers - 2 * edge, edge)
+        shallow, deep = max(1, round(num_layers * AUTO_SHALLOW)), max(1, round(num_layers * AUTO_DEEP))
+        counts = (shallow, num_layers - shallow - deep, deep)
         if counts[1] < 1:
             return None, [f"split: the backbone has {num_layers} layers; at least 3 are needed (one per stack)"]
         return counts, []

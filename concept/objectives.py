@@ -126,7 +126,7 @@ class AlignObjective:
     zeros), ``cosine`` the mean of 1 - cos."""
     weight: float
     at: str = "deep-input"
-    loss: str = "mse"
+    loss: str = "cosine"
     name: str = "align"
     teacher_needs: frozenset[str] = field(default=frozenset())
 

@@ -1,6 +1,6 @@
 """Training: LoRA + new modules on text, ratio control, exact resume.
 
-    trainer = Trainer.start("runs/m1", "runs/m1-train", TrainConfig(steps=300, target_ratio=0.25))
+    trainer = Trainer.start("runs/m1", "runs/m1-train", TrainConfig(steps=300, target_ratio=0.125))
     trainer.train()                                   # writes checkpoints, metrics.jsonl, curves.png
     Trainer.resume("runs/m1-train", steps=600).train()   # continues exactly where it stopped
 
@@ -44,7 +44,7 @@ from . import checkpoint, data
 from . import objectives as objectives_
 from .backbone import decoder
 from .builder import RUN_FILE, TRAIN_FILE, build, build_backbone, read_run, read_train
-from .config import BuildConfig, resolve
+from .config import DEFAULT_TARGET_RATIO, BuildConfig, resolve
 from .dense import DenseModel
 from .distributed import Dist, full_tensor
 from .errors import ConceptError, ConfigError, RunFolderError
@@ -77,7 +77,7 @@ class TrainConfig:
     min_lr: float = 0.1  # cosine decays to this fraction of the peak
     clip: float = 1.0
     lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
-    target_ratio: float = 0.25
+    target_ratio: float = DEFAULT_TARGET_RATIO
     ratio_control: str = "both"  # pi | loss | both | none
     ratio_loss_weight: float = 0.1
     usage_weight: float = 0.0  # anti-collapse: weight of KL(mean concept distribution || uniform)
@@ -117,7 +117,7 @@ class TrainConfig:
     plan_mtp: float = 1.0  # planner-executor with MTP concepts (planner.mtp > 1): weight of the MTP heads' CE
     curriculum: str | None = None  # "START:FRACTION": rows grow from START tokens to --seq-len over FRACTION of the steps
     align_at: str = "deep-input"  # deep-input | final
-    align_loss: str = "mse"  # mse | cosine
+    align_loss: str = "cosine"  # cosine | mse (mse is dominated by massive-activation tokens: docs/training.md)
     train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
     ratio_start: float = 1.0  # ratio curriculum: target ratio at step 0 ...
     ratio_warmup: float = 0.0  # ... annealed (linearly in 1/ratio) to target_ratio over this fraction of the steps

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 import concept
 from concept import BuildConfig, ComponentRef
 from concept import data as data_
+from concept.config import DEFAULT_TARGET_RATIO
 from concept.tokens import tokenizer_for
 from concept_cli.main import cli
 
@@ -43,14 +44,14 @@ def calibrated(tmp_path_factory):
 def test_build_calibrates_the_null_bias_for_the_target(calibrated):
     out, built, result = calibrated
     cal = built["calibration"]
-    assert cal["target_ratio"] == 0.25 and cal["data"] == "stdlib" and cal["tokens"] == 4 * 4 * 128
-    assert abs(cal["ratio"] - 0.25) < 0.01  # on its own rows: the bisection's precision
+    assert cal["target_ratio"] == DEFAULT_TARGET_RATIO and cal["data"] == "stdlib" and cal["tokens"] == 4 * 4 * 128
+    assert abs(cal["ratio"] - DEFAULT_TARGET_RATIO) < 0.01  # on its own rows: the bisection's precision
     assert cal["null_bias"] != 0.0 and "calibrated" in result.stderr
     assert json.loads((out / "concept.json").read_text())["calibration"] == cal  # recorded with the run
     model = concept.load(out)
     assert float(model.length_policy.null_bias) == pytest.approx(cal["null_bias"])
-    assert float(model.length_policy.target_ratio) == 0.25  # the tracker aims at the same target
-    assert abs(heldout_ratio(model) - 0.25) <= TOLERANCE
+    assert float(model.length_policy.target_ratio) == DEFAULT_TARGET_RATIO  # the tracker aims at the same target
+    assert abs(heldout_ratio(model) - DEFAULT_TARGET_RATIO) <= TOLERANCE
 
 
 def test_inspect_shows_the_bias_and_the_calibrated_ratio(calibrated):
@@ -59,7 +60,7 @@ def test_inspect_shows_the_bias_and_the_calibrated_ratio(calibrated):
     assert r.exit_code == 0, r.output
     cal = json.loads(r.stdout)["calibration"]
     assert cal["by"] == "build" and cal["null_bias"] == pytest.approx(built["calibration"]["null_bias"])
-    assert cal["ratio"] == built["calibration"]["ratio"] and cal["target_ratio"] == 0.25
+    assert cal["ratio"] == built["calibration"]["ratio"] and cal["target_ratio"] == DEFAULT_TARGET_RATIO
     table = invoke("inspect", out).stdout
     bias = f"{built['calibration']['null_bias']:+.4f}"
     for text in ("NULL bias", bias, "calibrated ratio", "2,048 tokens of stdlib"):

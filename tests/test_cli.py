@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from concept.config import DEFAULT_TARGET_RATIO
 from concept_cli.main import cli
 
 TINY = ["--backbone", "tiny-llama", "--split", "2,4,2"]
@@ -372,7 +373,7 @@ def test_inspect_json(tiny_run):
     assert comps["vocabulary"]["parameters"] == data["params"]["new_modules"]["vocabulary"] > 0
     assert comps["backbone"]["parameters"] == data["params"]["backbone"]
     flops = data["flops"]
-    assert flops["T"] == 2048 and flops["concepts"] == 512 and flops["concepts_per_token"] == 0.25
+    assert flops["T"] == 2048 and flops["concepts"] == 256 and flops["concepts_per_token"] == DEFAULT_TARGET_RATIO
     assert 0 < flops["ratio"] < 1 and flops["speedup"] == pytest.approx(1 / flops["ratio"])
 
 
@@ -386,7 +387,7 @@ def test_inspect_table(tiny_run):
     out, _, _ = tiny_run
     result = ok(invoke("inspect", out))
     for text in ("run", "stacks", "shallow", "0-1", "2-5", "6-7", "trainable", "frozen", "components",
-                 "gumbel-st", "tau=0.7", "ideal FLOPs", "ratio", "speedup", "512 for 2,048"):
+                 "gumbel-st", "tau=0.7", "ideal FLOPs", "ratio", "speedup", "256 for 2,048"):
         assert text in result.stdout, text
 
 

@@ -41,10 +41,16 @@ def test_type_coercion_from_cli_strings():
 
 
 @pytest.mark.parametrize("spec,expected", [
-    ("auto", (4, 22, 4)), ("4,22,4", (4, 22, 4)), ("0.2,0.6,0.2", (6, 18, 6)), (" 1, 28 ,1", (1, 28, 1)),
+    ("auto", (4, 18, 8)), ("4,22,4", (4, 22, 4)), ("0.2,0.6,0.2", (6, 18, 6)), (" 1, 28 ,1", (1, 28, 1)),
 ])
 def test_split_ok(spec, expected):
     assert parse_split(spec, 30) == (expected, [])
+
+
+@pytest.mark.parametrize("layers,expected", [(3, (1, 1, 1)), (4, (1, 2, 1)), (8, (1, 5, 2)), (32, (4, 19, 9))])
+def test_auto_split_is_the_default_operating_point_on_any_depth(layers, expected):
+    """"auto" = 2/15 shallow, 4/15 deep (at least one layer each): 4,18,8 on SmolLM2's 30 layers."""
+    assert parse_split("auto", layers) == (expected, [])
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from concept import chunks
+from concept.config import DEFAULT_TARGET_RATIO
 
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
@@ -74,7 +75,7 @@ class MTPPolicy(nn.Module):
         self.config = config
         self.heads = MTPHeads(ctx.hidden_size, config.heads)
         self.register_buffer("null_bias", torch.tensor(math.log((1 - config.tau) / config.tau)))
-        self.register_buffer("target_ratio", torch.tensor(0.25))  # the trainer sets it (the tracker's target)
+        self.register_buffer("target_ratio", torch.tensor(DEFAULT_TARGET_RATIO))  # the trainer sets it (the tracker's target)
         self.track = float(config.track)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -23,7 +23,8 @@ realised ratio: along each document, before token t,
 A document that falls behind the target lowers its own threshold, one that runs ahead raises
 it: over a document the realised ratio cannot drift far from ``target_ratio`` (the credit
 stays within about spread(keep_logit) / track concepts), while *where* the concepts go is
-still decided by the head. ``target_ratio`` is a buffer saved with the model (default 0.25);
+still decided by the head. ``target_ratio`` is a buffer saved with the model (default
+``concept.config.DEFAULT_TARGET_RATIO``);
 the trainer sets it to the current (scheduled) target. ``keep_logit`` / ``boundary_prob``
 (what the ratio controller and the ratio loss read) exclude the credit term. Weights saved
 before the tracker existed (no ``target_ratio``) load with the tracker off: they were
@@ -51,9 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.config import DEFAULT_TARGET_RATIO
 from concept.packing import document_tokens
-
-DEFAULT_TARGET_RATIO = 0.25
 
 
 @dataclass
