@@ -131,7 +131,8 @@ def print_plan(plan, output: Path | None) -> None:
                    "plans typed concepts, then writes text from the plan alone; configure its types with --set "
                    "planner.types='[{\"name\": ..., \"size\": K, \"max_len\": N}, ...]').")
 @click.option("--backbone", metavar="NAME", help="Backbone plugin (default: smollm2, the offline SmolLM2-135M).")
-@click.option("--split", metavar="TEXT", help="Layers per stack: 'auto', counts '4,22,4' or fractions '0.15,0.7,0.15'.")
+@click.option("--split", metavar="TEXT", help="Layers per stack: 'auto' (the default: 2/15 shallow, 4/15 deep, "
+              "4,18,8 on 30 layers), counts '4,22,4' or fractions '0.15,0.7,0.15'.")
 @click.option("--length-policy", metavar="NAME", help="Length policy plugin (default: null).")
 @click.option("--sampler", metavar="NAME", help="Training sampler plugin (default: gumbel-st).")
 @click.option("--eval-sampler", metavar="NAME", help="Inference sampler plugin (default: argmax).")
