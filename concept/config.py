@@ -23,13 +23,14 @@ CONCEPT_INPUTS = ("identity", "embedding")
 FAMILIES = ("streaming", "planner-executor")  # SPEC §2: the two concept model families (dense is a baseline)
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
 
+assert set(SLOT_KIND.values()) == set(KINDS)
+
 # The default operating point: the best measured streaming point at <= 0.6x the dense backbone's FLOPs
 # (docs/results.md, "The default operating point: 4,18,8 at 0.125"). Split "auto" gives the shallow
 # stack 2/15 and the deep stack 4/15 of the backbone's layers (4,18,8 on SmolLM2's 30), and the
 # build's calibration, the trainer and the `null` policy aim at DEFAULT_TARGET_RATIO concepts per token.
 AUTO_SHALLOW, AUTO_DEEP = 2 / 15, 4 / 15
 DEFAULT_TARGET_RATIO = 0.125
-assert set(SLOT_KIND.values()) == set(KINDS)
 
 
 @dataclass
