@@ -28,7 +28,7 @@ import hashlib
 
 import torch
 
-from .config import DEFAULT_TARGET_RATIO  # noqa: F401  (re-exported: the default operating point)
+from .config import DEFAULT_TARGET_RATIO
 from .errors import ConfigError
 
 DEFAULT_BATCHES = 4  # batches of DEFAULT_BATCH rows of DEFAULT_SEQ_LEN tokens: 2,048 tokens
