@@ -22,7 +22,6 @@ SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_schem
 CONCEPT_INPUTS = ("identity", "embedding")
 FAMILIES = ("streaming", "planner-executor")  # SPEC §2: the two concept model families (dense is a baseline)
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
-
 assert set(SLOT_KIND.values()) == set(KINDS)
 
 # The default operating point: the best measured streaming point at <= 0.6x the dense backbone's FLOPs
