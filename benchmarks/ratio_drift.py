@@ -1,6 +1,6 @@
 """Ratio drift across domains: the realised concepts / token of the `null` length policy on code
-and on prose, with its per-document ratio tracker off (gain 0) and at several gains
-(docs/results.md, "Second domain").
+and on prose, with its per-document ratio tracker off (gain 0) and at several gains, in keep-logit
+units per token of lag (docs/results.md, "Second domain").
 
 Forward only: the model's shallow stack and ConceptHead give every token's keep logit (no
 training needed; pass a trained run to measure its head). For each gain the NULL bias is
@@ -12,11 +12,12 @@ stdlib (code, in domain), on the `pydoc` corpus (English prose) and, when Debian
 has seen nowhere). ``agree``: the fraction of held-out code decisions equal to the gain-0
 ones (how much the tracker overrides the head in domain). ``--stress F`` adds a synthetic
 column: the pydoc keep logits lowered by the constant that puts the untracked (gain-0) ratio
-at F x target (0.62: the -38% of a demo-trained head on prose, issue 10).
+at F x target (0.62: the -38% of a demo-trained head on prose, issue 10). ``--domain NAME=SOURCE``
+adds a column for any text ``concept eval --data`` reads (read whole).
 
     concept build -o /tmp/m --force
     python benchmarks/ratio_drift.py --model /tmp/m                  # seq-len 128 and 512
-    python benchmarks/ratio_drift.py --model runs/x-train --gains 0 1 2 --json
+    python benchmarks/ratio_drift.py --model runs/x-train --gains 0 0.5 1 --domain readmes=/data/readmes --json
 """
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ from pathlib import Path
 
 import torch
 
+from concept.config import DEFAULT_TARGET_RATIO
+
 PYDOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
 
 
-def domains() -> dict:
+def domains(extra=()) -> dict:
+    """The built-in domains, then ``extra`` ("NAME=SOURCE" strings) in order."""
     from concept.data import read_documents
 
     out = {"code (stdlib held-out)": read_documents("stdlib", "heldout"),
@@ -38,6 +42,11 @@ def domains() -> dict:
     folders = [PYDOC_SOURCES / f for f in ("tutorial", "howto", "faq") if (PYDOC_SOURCES / f).is_dir()]
     if folders:
         out["prose (python3.11-doc)"] = [d for f in folders for d in read_documents(f, "all")]
+    for item in extra:
+        name, sep, source = item.partition("=")
+        if not sep or not name or not source:
+            raise SystemExit(f"--domain {item!r}: expected NAME=SOURCE, e.g. --domain readmes=/data/readmes")
+        out[name] = read_documents(source, "all")
     return out
 
 
@@ -96,8 +105,10 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="/tmp/m", help="a run folder (built or trained)")
     ap.add_argument("--seq-len", type=int, nargs="+", default=[128, 512])
-    ap.add_argument("--gains", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0, 4.0])
-    ap.add_argument("--target", type=float, default=0.25)
+    ap.add_argument("--gains", type=float, nargs="+", default=[0.0, 0.125, 0.25, 0.5, 1.0],
+                    help="tracker gains (keep-logit units per token of lag; 0 = off)")
+    ap.add_argument("--target", type=float, default=DEFAULT_TARGET_RATIO)
+    ap.add_argument("--domain", action="append", default=[], metavar="NAME=SOURCE", help="another domain (repeatable)")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per domain and sequence length")
     ap.add_argument("--calibration-rows", type=int, default=64, help="stdlib training rows for the bias")
     ap.add_argument("--stress", type=float, default=0.62, help="synthetic shift: untracked prose ratio / target (0: off)")
@@ -113,7 +124,7 @@ def main(argv=None) -> list[dict]:
     model = concept.load(args.model).eval()
     tokenizer = tokenizer_for(model)
     max_run = model.length_policy.max_run
-    sources = domains()
+    sources = domains(args.domain)
     train = read_documents("stdlib", "train")
     rows = []
     for T in args.seq_len:

@@ -1,6 +1,7 @@
 """Ratio control: keep the realised concepts-per-token at a target (SPEC §2.2).
 
-Two tools, selectable and combinable (``--ratio-control pi|loss|both|none``):
+Two tools, selectable and combinable (``--ratio-control pi|loss|both|none``), plus the length
+policies' per-document tracker (``tracker_ahead`` / ``concept_price``, below):
 
 * ``RatioLoss`` — the batch-level boundary loss of H-Net / DLCM. With N = 1/target,
   F the fraction of real tokens that emitted a concept (no gradient) and G the mean
@@ -106,6 +107,29 @@ class PIController:
 
     def load_state_dict(self, state: dict) -> None:
         self.ema, self.integral = state["ema"], state["integral"]
+
+
+def tracker_ahead(keep_logit: torch.Tensor, tokens: torch.Tensor, track: float) -> torch.Tensor:
+    """The per-document ratio tracker's score before the concepts are paid for (the `null` and `mtp`
+    policies' ``track``): ``keep_logit + track * tokens``, ``tokens`` the document's real tokens
+    before t. Token t emits a concept when
+
+        tracker_ahead(keep_logit, tokens, track) - concept_price(track, target) * concepts >= 0
+
+    i.e. ``keep_logit + track * lag >= 0`` with ``lag = tokens - concepts / target``: how many
+    tokens the document is behind the schedule of one concept every 1 / target tokens (negative:
+    ahead). ``track`` is in keep-logit units per token of lag, so a domain whose keep logits are
+    shifted by ``s`` settles at a lag of about ``-s / track`` tokens: a ratio error of about
+    ``s / (track * N)`` on an N-token document, whatever the target. The part that does not
+    depend on earlier decisions is computed for every t at once by the batched scans; the scans
+    and the step rules use these same float ops, so they agree exactly."""
+    return keep_logit + track * tokens.float()
+
+
+def concept_price(track: float, target: torch.Tensor) -> torch.Tensor:
+    """What one emitted concept takes off the tracker's score: ``track / target`` keep-logit units
+    (the 1 / target tokens of lag a concept pays for)."""
+    return track / target.float()
 
 
 def usage_kl(concept_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

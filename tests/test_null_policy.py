@@ -112,7 +112,7 @@ def test_invalid_track():
 
 
 # -- the ratio tracker ----------------------------------------------------------------------------
-def tracked(max_run=16, track=1.0, target=0.25):
+def tracked(max_run=16, track=0.5, target=0.25):
     ctx = BuildContext(hidden_size=8, vocab_size=10, num_layers=3, split=(1, 1, 1), concept_vocab_size=K)
     p = NullPolicy(NullPolicyConfig(max_run=max_run, track=track), ctx)
     p.target_ratio.fill_(target)
@@ -130,7 +130,7 @@ def tracker_loop(p, logit, valid, reset=None):
                 run = tokens = concepts = 0
             if not valid[b, t]:
                 continue
-            k = float(logit[b, t]) + p.track * (r * tokens - concepts) >= 0 or run >= p.max_run
+            k = float(logit[b, t]) + p.track * (tokens - concepts / r) >= 0 or run >= p.max_run
             keep[b, t] = k
             run, tokens, concepts = (0 if k else run + 1), tokens + 1, concepts + int(k)
     return keep
@@ -204,7 +204,7 @@ def test_track_zero_keeps_the_vectorised_rule_and_its_step_state():
 
 
 def test_tracker_forces_after_max_run_and_catches_up():
-    """A head that says NULL everywhere: max_run still bounds the tail, and the credit makes
+    """A head that says NULL everywhere: max_run still bounds the tail, and the lag makes
     the document emit at the target ratio even when max_run alone would give fewer."""
     p = tracked(max_run=7, track=1.0, target=0.25)
     logits = logits_with_keep_logit(torch.full((1, 400), -1.5))
@@ -214,11 +214,22 @@ def test_tracker_forces_after_max_run_and_catches_up():
     assert untracked.float().mean() == pytest.approx(1 / 8, abs=0.01)  # forced only
     huge = tracked(max_run=3, track=1.0).decide(None, logits_with_keep_logit(torch.full((1, 40), -1e6)),
                                                torch.ones(1, 40, dtype=torch.bool))
-    assert keep.any() and huge.sum() == 10  # forced every 4th token, the credit cannot beat -1e6
+    assert keep.any() and huge.sum() == 10  # forced every 4th token, the lag cannot beat -1e6
+
+
+@pytest.mark.parametrize("target", [0.5, 0.25, 0.125])
+def test_tracker_lag_is_counted_in_tokens(target):
+    """``track`` is per token of lag: a keep logit of -2 everywhere with track 0.5 waits until the
+    document is 4 tokens behind its schedule, at every target; then one concept every 1 / target
+    tokens (so the ratio error of a shifted domain, s / (track * N), does not grow as the target falls)."""
+    p = tracked(max_run=1000, track=0.5, target=target)
+    keep = p.decide(None, logits_with_keep_logit(torch.full((1, 64), -2.0)), torch.ones(1, 64, dtype=torch.bool))
+    every = round(1 / target)
+    assert keep[0].nonzero().flatten().tolist() == list(range(4, 64, every))
 
 
 def test_tracker_resets_at_document_starts():
-    """Packed documents decide as if each were alone (the credit restarts at 0)."""
+    """Packed documents decide as if each were alone (the lag restarts at 0)."""
     p = tracked(max_run=16, track=0.7)
     g = torch.Generator().manual_seed(5)
     lengths = [13, 30, 21]
@@ -242,13 +253,13 @@ def test_tracker_holds_the_ratio_under_a_domain_shift():
     home = torch.randn(16, 256, generator=g) * 2.0
     away = torch.randn(16, 256, generator=g) * 2.0 - 1.5
     ratios = {}
-    for track in (0.0, 1.0):
+    for track in (0.0, 0.5):
         p = tracked(max_run=16, track=track, target=0.25)
         reached = PIController(0.25).calibrate_exact(p, logits_with_keep_logit(home), valid)
         assert reached == pytest.approx(0.25, abs=0.005)  # the bisection still works with the tracker
         ratios[track] = float(p.decide(None, logits_with_keep_logit(away), valid).float().mean())
     assert ratios[0.0] < 0.2  # the untracked ratio drifts
-    assert ratios[1.0] == pytest.approx(0.25, rel=0.05)
+    assert ratios[0.5] == pytest.approx(0.25, rel=0.05)
 
 
 def test_target_ratio_is_saved_and_old_weights_still_load():
@@ -260,7 +271,7 @@ def test_target_ratio_is_saved_and_old_weights_still_load():
     q.load_state_dict(old)  # loads, and decides as it was trained: without the tracker
     assert float(q.target_ratio) == pytest.approx(0.4) and q.track == 0 and not hasattr(q, "decide_with_state")
     assert isinstance(q.init_state(2, "cpu"), torch.Tensor)
-    assert NullPolicyConfig().track == 1.0  # the measured default
+    assert NullPolicyConfig().track == 0.5  # the measured default
 
 
 # -- the tracker in a model: one pass = naive reference, decoding = teacher forcing ----------------

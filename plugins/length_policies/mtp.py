@@ -21,9 +21,10 @@ batched decision and the step-wise one (decoding) both have, identically.
 Ratio control works through a bias: ``keep_logit = log((1 - c) / c) - null_bias`` and
 ``tau = sigmoid(-null_bias)``, so the trainer's controller and its final calibration move tau
 like the `null` policy's NULL bias (the ratio loss does not apply: the decision has no gradient;
-the heads learn from the MTP objective only). A per-document ratio tracker (``track``, default 1, as
-the `null` policy's: the document's concept deficit ``target * tokens - concepts`` so far is added to
-the keep logit) holds the ratio on text whose confidences differ from the training data's. The rule
+the heads learn from the MTP objective only). A per-document ratio tracker (``track``, default 0.5,
+as the `null` policy's: ``track`` times the document's lag ``tokens - concepts / target`` so far is
+added to the keep logit, ``concept.ratio.tracker_ahead``) holds the ratio on text whose confidences
+differ from the training data's. The rule
 is sequential (a minimum length), so the batched decision is a scan of the step rule over t on
 batched confidences.
 """
@@ -40,6 +41,7 @@ from concept.config import DEFAULT_TARGET_RATIO
 
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
+from concept.ratio import concept_price, tracker_ahead
 
 
 @dataclass
@@ -50,7 +52,7 @@ class MTPPolicyConfig:
     max_chunk: int = 16  # bounds the deep tail (max_chunk - 1 tokens)
     block: int = 256  # tokens per LM-head matmul when computing confidences
     lr: float = 0.0  # the heads' learning rate (0: --lr-new)
-    track: float = 1.0  # per-document ratio tracker gain, as the `null` policy's (0 = off)
+    track: float = 0.5  # per-document ratio tracker gain per token of lag, as the `null` policy's (0 = off)
 
     def validate(self) -> list[str]:
         problems = chunks.validate(self)
@@ -116,28 +118,25 @@ class MTPPolicy(nn.Module):
         count = torch.zeros(batch_size, dtype=torch.long, device=device)
         return (count, count.clone(), count.clone()) if self.track else count
 
-    def _ahead(self, keep_logit, tokens):
-        """keep_logit + track * target_ratio * tokens (the same float ops in the scan and the step)."""
-        return keep_logit + self.track * (self.target_ratio.float() * tokens.float())
-
     def step(self, h_t, head_logits_t, state):
         cfg, logit = self.config, self.keep_logit(head_logits_t, h_t)
         if not self.track:
             return chunks.advance(logit > 0, state, cfg.min_chunk, cfg.max_chunk)
         count, tokens, concepts = state
-        unsure = self._ahead(logit, tokens) - self.track * concepts.float() > 0
+        unsure = tracker_ahead(logit, tokens, self.track) - concept_price(self.track, self.target_ratio) * concepts.float() > 0
         keep, count = chunks.advance(unsure, count, cfg.min_chunk, cfg.max_chunk)
         return keep, (count, tokens + 1, concepts + keep.long())
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
         """Batched: confidences in one go, then a scan of the step rule over t (``concept.chunks``; with
-        the tracker, the per-document credit joins the score as in the `null` policy)."""
+        the tracker, the per-document lag joins the score as in the `null` policy)."""
         cfg, logit = self.config, self.keep_logit(head_logits, h)
         if not self.track:
             return chunks.scan(logit > 0, valid, cfg.min_chunk, cfg.max_chunk, reset)
         B, T = valid.shape
         before, total = document_tokens(valid, reset)
-        ahead = self._ahead(logit, before)
+        ahead = tracker_ahead(logit, before, self.track)
+        price = concept_price(self.track, self.target_ratio)
         count = torch.zeros(B, dtype=torch.long, device=valid.device)
         concepts = torch.zeros(B, dtype=torch.long, device=valid.device)
         keep = torch.zeros_like(valid)
@@ -145,7 +144,7 @@ class MTPPolicy(nn.Module):
             if reset is not None:
                 count = torch.where(reset[:, t], torch.zeros_like(count), count)
                 concepts = torch.where(reset[:, t], torch.zeros_like(concepts), concepts)
-            k, new = chunks.advance(ahead[:, t] - self.track * concepts.float() > 0, count, cfg.min_chunk, cfg.max_chunk)
+            k, new = chunks.advance(ahead[:, t] - price * concepts.float() > 0, count, cfg.min_chunk, cfg.max_chunk)
             k = k & valid[:, t]
             keep[:, t] = k
             count = torch.where(valid[:, t], new, count)

@@ -9,28 +9,32 @@ with the model. The concept *identity* is chosen separately by the sampler.
 A maximum run of consecutive NULLs bounds the deep tail: after ``max_run`` NULLs in a row
 the next token is forced to emit a concept.
 
-**Ratio tracker** (``track``, default 1.0; 0 = off; see ``docs/results.md``, "Second domain").
+**Ratio tracker** (``track``, default 0.5; 0 = off; see ``docs/results.md``, "Second domain").
 A bias calibrated on one domain gives another ratio on another domain (a head trained on
-code emits fewer concepts on prose). The tracker is a causal, per-document feedback on the
-realised ratio: along each document, before token t,
+code emits fewer concepts on prose, one trained on code emits more on Markdown READMEs). The
+tracker is a causal, per-document feedback on the realised ratio: along each document, before
+token t,
 
-    credit_t = target_ratio * (real tokens before t) - (concepts emitted before t)
+    lag_t = (real tokens before t) - (concepts emitted before t) / target_ratio
 
-(0 at each document start), and token t emits a concept when
+(0 at each document start: how many tokens the document is behind its schedule of one concept
+every 1 / target_ratio tokens), and token t emits a concept when
 
-    keep_logit[t] + track * credit_t >= 0      or      max_run NULLs in a row.
+    keep_logit[t] + track * lag_t >= 0      or      max_run NULLs in a row.
 
 A document that falls behind the target lowers its own threshold, one that runs ahead raises
-it: over a document the realised ratio cannot drift far from ``target_ratio`` (the credit
-stays within about spread(keep_logit) / track concepts), while *where* the concepts go is
-still decided by the head. ``target_ratio`` is a buffer saved with the model (default
-``concept.config.DEFAULT_TARGET_RATIO``);
-the trainer sets it to the current (scheduled) target. ``keep_logit`` / ``boundary_prob``
-(what the ratio controller and the ratio loss read) exclude the credit term. Weights saved
-before the tracker existed (no ``target_ratio``) load with the tracker off: they were
-trained and calibrated without it. Gain 1 (the default) was chosen by measurement
-(``benchmarks/ratio_drift.py``): the keep logits of SmolLM2's head have a spread of about
-5, so one concept of deficit moves the threshold by about 0.2 standard deviations.
+it, while *where* the concepts go is still decided by the head. ``track`` is in keep-logit units
+per token of lag (``concept.ratio.tracker_ahead``): a domain whose keep logits are shifted by
+``s`` settles at a lag of about ``-s / track`` tokens, a ratio error of about ``s / (track * N)``
+on an N-token document, the same relative error at every target. ``target_ratio`` is a buffer
+saved with the model (default ``concept.config.DEFAULT_TARGET_RATIO``); the trainer sets it to
+the current (scheduled) target. ``keep_logit`` / ``boundary_prob`` (what the ratio controller
+and the ratio loss read) exclude the lag term. Weights saved before the tracker existed (no
+``target_ratio``) load with the tracker off: they were trained and calibrated without it.
+Gain 0.5 (the default) was chosen by measurement (``benchmarks/ratio_drift.py``): the keep
+logits of SmolLM2's head have a spread of about 5, and at target 0.125 it holds package READMEs,
+a domain no run trained on, within +6 % on 128-token rows where 0.125 (the previous gain of
+1 per concept) left +22 %.
 
 Batched vs step-wise. With ``track == 0`` the batched rule is vectorised (no loop over t):
 with ``last`` the index of the latest natural boundary (or the token before a document
@@ -39,7 +43,7 @@ start), a NULL at offset ``d = t - last - 1`` in its run is forced exactly when
 ones, so the batched decision is a scan over t of the step rule itself (``_advance``; O(T)
 small tensor ops, vectorised over the batch, no host synchronisation: about 0.1 ms per t on
 CPU, e.g. 64 ms for 4 x 512 tokens); the state is the NULL run and the integer counts
-behind the credit, so the scan and ``step`` compute the same floating-point numbers and
+behind the lag, so the scan and ``step`` compute the same floating-point numbers and
 agree exactly; ``decide_with_state`` (decisions + final state, what
 the decoder's prefill reads) exists then. Padding does not advance a row's state; a document
 start resets it. With ``track == 0`` the step state is the NULL run alone, as before.
@@ -54,12 +58,13 @@ from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
 from concept.packing import document_tokens
+from concept.ratio import concept_price, tracker_ahead
 
 
 @dataclass
 class NullPolicyConfig:
     max_run: int = 16  # longest run of consecutive NULL tokens (bounds the deep tail)
-    track: float = 1.0  # ratio tracker gain: keep-logit units per concept of per-document deficit (0 = off)
+    track: float = 0.5  # ratio tracker gain: keep-logit units per token of per-document lag (0 = off)
 
     def validate(self) -> list[str]:
         problems = [] if self.max_run >= 1 else [f"max_run: must be >= 1, got {self.max_run}"]
@@ -122,16 +127,11 @@ class NullPolicy(nn.Module):
         run = torch.zeros(batch_size, dtype=torch.long, device=device)
         return (run, run.clone(), run.clone()) if self.track else run
 
-    def _ahead(self, keep_logit: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """keep_logit + track * target_ratio * tokens: the part of the score that does not depend on
-        earlier decisions (the scan computes it for every t at once, with the same float ops)."""
-        return keep_logit + self.track * (self.target_ratio.float() * tokens.float())
-
     def _advance(self, keep_logit_t: torch.Tensor, state):
-        """The tracker's step rule: one token per row -> (keep [B], next state).
-        score = (keep_logit + track * target_ratio * tokens) - track * concepts."""
+        """The tracker's step rule: one token per row -> (keep [B], next state)."""
         run, tokens, concepts = state
-        keep = (self._ahead(keep_logit_t, tokens) - self.track * concepts.float() >= 0) | (run >= self.max_run)
+        score = tracker_ahead(keep_logit_t, tokens, self.track) - concept_price(self.track, self.target_ratio) * concepts.float()
+        keep = (score >= 0) | (run >= self.max_run)
         return keep, (torch.where(keep, torch.zeros_like(run), run + 1), tokens + 1, concepts + keep.long())
 
     def step(self, h_t, head_logits_t, state):
@@ -163,7 +163,8 @@ class NullPolicy(nn.Module):
         logit = self.keep_logit(head_logits).detach()
         real = valid.long()
         before, total = document_tokens(valid, reset)
-        ahead = self._ahead(logit, before)
+        ahead = tracker_ahead(logit, before, self.track)
+        price = concept_price(self.track, self.target_ratio)
         run = torch.zeros(B, dtype=torch.long, device=valid.device)
         concepts = torch.zeros(B, dtype=torch.float32, device=valid.device)
         keeps = []
@@ -171,7 +172,7 @@ class NullPolicy(nn.Module):
             if reset is not None:
                 fresh = ~reset[:, t]
                 run, concepts = run * fresh, concepts * fresh
-            k = ((ahead[:, t] - self.track * concepts >= 0) | (run >= self.max_run)) & valid[:, t]
+            k = ((ahead[:, t] - price * concepts >= 0) | (run >= self.max_run)) & valid[:, t]
             concepts = concepts + k
             run = (run + real[:, t]) * ~k
             keeps.append(k)
