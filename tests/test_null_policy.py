@@ -271,7 +271,7 @@ def test_target_ratio_is_saved_and_old_weights_still_load():
     q.load_state_dict(old)  # loads, and decides as it was trained: without the tracker
     assert float(q.target_ratio) == pytest.approx(0.4) and q.track == 0 and not hasattr(q, "decide_with_state")
     assert isinstance(q.init_state(2, "cpu"), torch.Tensor)
-    assert NullPolicyConfig().track == 0.5  # the measured default
+    assert NullPolicyConfig().track == 0.25  # the measured default
 
 
 # -- the tracker in a model: one pass = naive reference, decoding = teacher forcing ----------------

@@ -21,7 +21,7 @@ batched decision and the step-wise one (decoding) both have, identically.
 Ratio control works through a bias: ``keep_logit = log((1 - c) / c) - null_bias`` and
 ``tau = sigmoid(-null_bias)``, so the trainer's controller and its final calibration move tau
 like the `null` policy's NULL bias (the ratio loss does not apply: the decision has no gradient;
-the heads learn from the MTP objective only). A per-document ratio tracker (``track``, default 0.5,
+the heads learn from the MTP objective only). A per-document ratio tracker (``track``, default 0.25,
 as the `null` policy's: ``track`` times the document's lag ``tokens - concepts / target`` so far is
 added to the keep logit, ``concept.ratio.tracker_ahead``) holds the ratio on text whose confidences
 differ from the training data's. The rule
@@ -52,7 +52,7 @@ class MTPPolicyConfig:
     max_chunk: int = 16  # bounds the deep tail (max_chunk - 1 tokens)
     block: int = 256  # tokens per LM-head matmul when computing confidences
     lr: float = 0.0  # the heads' learning rate (0: --lr-new)
-    track: float = 0.5  # per-document ratio tracker gain per token of lag, as the `null` policy's (0 = off)
+    track: float = 0.25  # per-document ratio tracker gain per token of lag, as the `null` policy's (0 = off)
 
     def validate(self) -> list[str]:
         problems = chunks.validate(self)

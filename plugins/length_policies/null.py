@@ -9,7 +9,7 @@ with the model. The concept *identity* is chosen separately by the sampler.
 A maximum run of consecutive NULLs bounds the deep tail: after ``max_run`` NULLs in a row
 the next token is forced to emit a concept.
 
-**Ratio tracker** (``track``, default 0.5; 0 = off; see ``docs/results.md``, "Second domain").
+**Ratio tracker** (``track``, default 0.25; 0 = off; see ``docs/results.md``, "Second domain").
 A bias calibrated on one domain gives another ratio on another domain (a head trained on
 code emits fewer concepts on prose, one trained on code emits more on Markdown READMEs). The
 tracker is a causal, per-document feedback on the realised ratio: along each document, before
@@ -31,10 +31,12 @@ saved with the model (default ``concept.config.DEFAULT_TARGET_RATIO``); the trai
 the current (scheduled) target. ``keep_logit`` / ``boundary_prob`` (what the ratio controller
 and the ratio loss read) exclude the lag term. Weights saved before the tracker existed (no
 ``target_ratio``) load with the tracker off: they were trained and calibrated without it.
-Gain 0.5 (the default) was chosen by measurement (``benchmarks/ratio_drift.py``): the keep
-logits of SmolLM2's head have a spread of about 5, and at target 0.125 it holds package READMEs,
-a domain no run trained on, within +6 % on 128-token rows where 0.125 (the previous gain of
-1 per concept) left +22 %.
+Gain 0.25 (the default) was chosen by measurement (``benchmarks/ratio_drift.py`` and trained
+runs, ``docs/results.md``): it is the gain of 1 per concept chosen at target 0.25, where the
+keep logits of SmolLM2's head have a spread of about 5; at target 0.125 it holds package
+READMEs, a domain no run trained on, within +11–12 % on 128-token rows (+3–4 % on 512) where the
+same gain per concept left +22 %, while a gain of 0.5 (+5 %) cost about 0.25 bits at the demo
+budget.
 
 Batched vs step-wise. With ``track == 0`` the batched rule is vectorised (no loop over t):
 with ``last`` the index of the latest natural boundary (or the token before a document
@@ -64,7 +66,7 @@ from concept.ratio import concept_price, tracker_ahead
 @dataclass
 class NullPolicyConfig:
     max_run: int = 16  # longest run of consecutive NULL tokens (bounds the deep tail)
-    track: float = 0.5  # ratio tracker gain: keep-logit units per token of per-document lag (0 = off)
+    track: float = 0.25  # ratio tracker gain: keep-logit units per token of per-document lag (0 = off)
 
     def validate(self) -> list[str]:
         problems = [] if self.max_run >= 1 else [f"max_run: must be >= 1, got {self.max_run}"]
