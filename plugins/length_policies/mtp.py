@@ -24,9 +24,8 @@ like the `null` policy's NULL bias (the ratio loss does not apply: the decision 
 the heads learn from the MTP objective only). A per-document ratio tracker (``track``, default 0.25,
 as the `null` policy's: ``track`` times the document's lag ``tokens - concepts / target`` so far is
 added to the keep logit, ``concept.ratio.tracker_ahead``) holds the ratio on text whose confidences
-differ from the training data's. The rule
-is sequential (a minimum length), so the batched decision is a scan of the step rule over t on
-batched confidences.
+differ from the training data's. The rule is sequential (a minimum length), so the batched
+decision is a scan of the step rule over t on batched confidences.
 """
 from __future__ import annotations
 
@@ -123,7 +122,8 @@ class MTPPolicy(nn.Module):
         if not self.track:
             return chunks.advance(logit > 0, state, cfg.min_chunk, cfg.max_chunk)
         count, tokens, concepts = state
-        unsure = tracker_ahead(logit, tokens, self.track) - concept_price(self.track, self.target_ratio) * concepts.float() > 0
+        price = concept_price(self.track, self.target_ratio)
+        unsure = tracker_ahead(logit, tokens, self.track) - price * concepts.float() > 0
         keep, count = chunks.advance(unsure, count, cfg.min_chunk, cfg.max_chunk)
         return keep, (count, tokens + 1, concepts + keep.long())
 

@@ -132,8 +132,8 @@ class NullPolicy(nn.Module):
     def _advance(self, keep_logit_t: torch.Tensor, state):
         """The tracker's step rule: one token per row -> (keep [B], next state)."""
         run, tokens, concepts = state
-        score = tracker_ahead(keep_logit_t, tokens, self.track) - concept_price(self.track, self.target_ratio) * concepts.float()
-        keep = (score >= 0) | (run >= self.max_run)
+        price = concept_price(self.track, self.target_ratio)
+        keep = (tracker_ahead(keep_logit_t, tokens, self.track) - price * concepts.float() >= 0) | (run >= self.max_run)
         return keep, (torch.where(keep, torch.zeros_like(run), run + 1), tokens + 1, concepts + keep.long())
 
     def step(self, h_t, head_logits_t, state):
