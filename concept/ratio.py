@@ -22,6 +22,7 @@ policies' per-document tracker (``tracker_ahead`` / ``concept_price``, below):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,13 @@ class PIController:
 
     def load_state_dict(self, state: dict) -> None:
         self.ema, self.integral = state["ema"], state["integral"]
+
+
+def track_problems(track) -> list[str]:
+    """What is wrong with a tracker gain ``track`` (a length policy's config value), as config problems."""
+    if isinstance(track, bool) or not isinstance(track, (int, float)) or not math.isfinite(track) or track < 0:
+        return [f"track: must be a finite number >= 0 (0 = no ratio tracker), got {track!r}"]
+    return []
 
 
 def tracker_ahead(keep_logit: torch.Tensor, tokens: torch.Tensor, track: float) -> torch.Tensor:

@@ -40,7 +40,7 @@ from concept.config import DEFAULT_TARGET_RATIO
 
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
-from concept.ratio import concept_price, tracker_ahead
+from concept.ratio import concept_price, track_problems, tracker_ahead
 
 
 @dataclass
@@ -55,9 +55,7 @@ class MTPPolicyConfig:
 
     def validate(self) -> list[str]:
         problems = chunks.validate(self)
-        if isinstance(self.track, bool) or not isinstance(self.track, (int, float)) \
-                or not math.isfinite(self.track) or self.track < 0:
-            problems.append(f"track: must be a finite number >= 0 (0 = no ratio tracker), got {self.track!r}")
+        problems += track_problems(self.track)
         if self.heads < 1:
             problems.insert(0, f"heads: must be >= 1 (k, the tokens predicted at once), got {self.heads}")
         if self.lr < 0:

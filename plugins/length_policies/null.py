@@ -52,7 +52,6 @@ start resets it. With ``track == 0`` the step state is the NULL run alone, as be
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +59,7 @@ from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
 from concept.packing import document_tokens
-from concept.ratio import concept_price, tracker_ahead
+from concept.ratio import concept_price, track_problems, tracker_ahead
 
 
 @dataclass
@@ -70,9 +69,7 @@ class NullPolicyConfig:
 
     def validate(self) -> list[str]:
         problems = [] if self.max_run >= 1 else [f"max_run: must be >= 1, got {self.max_run}"]
-        if isinstance(self.track, bool) or not isinstance(self.track, (int, float)) \
-                or not math.isfinite(self.track) or self.track < 0:
-            problems.append(f"track: must be a finite number >= 0 (0 = no ratio tracker), got {self.track!r}")
+        problems += track_problems(self.track)
         return problems
 
 
