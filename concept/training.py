@@ -510,15 +510,21 @@ class Trainer:
             self._restore_state()
         self._stop = False
         self.attention = resolved_attention(self.model, self.device)
-        record = json.loads((self.out / TRAIN_FILE).read_text())
+        derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
-            record["attention_resolved"] = self.attention
+            derived["attention_resolved"] = self.attention
         if self.prune is not None:  # which layers the pruned baseline skips (concept.load reads it)
-            record["pruned"] = {**self.prune.to_dict(), "note": describe_prune(self.prune, plan.split,
-                                                                            config.prune_layers is not None)}
-        record["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
-                                 "global_batch": self.global_batch}
-        self.dist.on_main((self.out / TRAIN_FILE).write_text, json.dumps(record, indent=2))
+            derived["pruned"] = {**self.prune.to_dict(), "note": describe_prune(self.prune, plan.split,
+                                                                             config.prune_layers is not None)}
+        derived["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
+                                  "global_batch": self.global_batch}
+        # rank 0 reads and rewrites train.json while the others wait (a rank reading it could see it half-written)
+        self.dist.on_main(self._record, derived)
+
+    def _record(self, derived: dict) -> None:
+        """Add what training derived (resolved attention, pruned block, distribution) to train.json."""
+        record = json.loads((self.out / TRAIN_FILE).read_text())
+        (self.out / TRAIN_FILE).write_text(json.dumps({**record, **derived}, indent=2))
 
     @property
     def micro_batches(self) -> int:
