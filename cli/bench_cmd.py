@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,17 @@ def _cpu_name() -> str | None:
 def _saved(storage: Path, name: str) -> list[Path]:
     """Saved runs named ``name`` in ``storage`` (pytest-benchmark nests them one folder deeper)."""
     return sorted(storage.glob(f"*/[0-9][0-9][0-9][0-9]_{name}.json")) if storage.is_dir() else []
+
+
+def publish_new_files(staged: Path, storage: Path) -> None:
+    """Copy the files of ``staged`` that ``storage`` lacks into it, each atomically (``concept.fs``)."""
+    from concept import fs
+
+    for path in sorted(staged.rglob("*")):
+        target = storage / path.relative_to(staged)
+        if path.is_file() and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.write_atomic(target, path.read_bytes())
 
 
 def run_to_stderr(args: list[str]) -> int:
@@ -144,12 +156,20 @@ def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storag
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "rows.json"
         args.append(f"--concept-results={results}")
+        staged = Path(tmp) / "storage"  # --save: pytest-benchmark writes into a copy, published on success
+        if save:
+            if storage.is_dir():
+                shutil.copytree(storage, staged)
+            args = [f"--benchmark-storage=file://{staged}" if a.startswith("--benchmark-storage=") else a for a in args]
         status("benchmarking", f"{suite} on {device} (machine {mid}) ...")
         code = run_to_stderr(args)
         rows = json.loads(results.read_text()) if results.is_file() else []
-    if code not in (0, 5):  # 5: no case selected
-        raise ConceptError(f"the benchmark run failed (pytest exit code {code}"
-                           f"{'; a regression against the baseline' if compare and fail_on else ''}); see its output above")
+        if code not in (0, 5):  # 5: no case selected
+            raise ConceptError(f"the benchmark run failed (pytest exit code {code}"
+                               f"{'; a regression against the baseline' if compare and fail_on else ''}); see its "
+                               f"output above{'; no baseline was saved' if save else ''}")
+        if save:
+            publish_new_files(staged, storage)
     if save:
         status("saved", f"baseline {save!r} in {storage}")
     if as_json:

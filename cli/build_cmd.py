@@ -39,7 +39,7 @@ def load_config_file(path: str):
     return BuildConfig.from_dict(data)
 
 
-def make_config(config_file, names: dict, split, seed, overrides, concept_input=None, family=None):
+def make_config(config_file, names: dict, split, seed, overrides, concept_input=None, family=None, problems=None):
     """Start from the defaults (or --config) and apply the flags; --set last. ``--family planner-executor``
     brings its own default position scheme (``per-type``) unless --rope names one."""
     from concept import BuildConfig, ComponentRef
@@ -58,20 +58,25 @@ def make_config(config_file, names: dict, split, seed, overrides, concept_input=
         config.seed = seed
     if concept_input is not None:
         config.concept_input = concept_input
-    return config.apply_overrides(list(overrides))
+    return config.apply_overrides(list(overrides), problems)
 
 
-def check_output(folder: Path, config, force: bool) -> None:
-    """Refuse (before the slow build) to overwrite a folder holding something else, unless --force."""
+def check_output(folder: Path, config, force: bool, inputs: dict | None = None) -> None:
+    """Refuse (before the slow build) to overwrite a folder holding something else, unless --force, or one
+    holding the command's own ``inputs`` (name -> path), even with --force."""
+    from concept import fs
     from concept.builder import read_run
     from concept.errors import RunFolderError
 
-    if not folder.exists():
+    fs.check_target(folder, True, inputs or {}, flag="-o")
+    if not folder.exists() or force or not any(folder.iterdir()):
         return
-    if not folder.is_dir():
-        raise RunFolderError(f"{folder} exists and is not a folder; choose another -o")
-    if force or not any(folder.iterdir()):
-        return
+    from concept.builder import BUILT_FILES
+
+    extra = sorted(p.name for p in folder.iterdir() if p.name not in BUILT_FILES)
+    if extra and (folder / "concept.json").is_file():
+        raise RunFolderError(f"{folder} holds more than a build ({', '.join(extra)}: e.g. a training run); choose "
+                             f"another -o, or pass --force to replace it")
     try:
         old = read_run(folder)["config"]
     except RunFolderError:
@@ -183,18 +188,17 @@ def build(ctx, family, backbone, split, length_policy, sampler, eval_sampler, po
         raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
     names = dict(backbone=backbone, length_policy=length_policy, sampler=sampler, eval_sampler=eval_sampler,
                  position_scheme=position_scheme, vocabulary=vocabulary, attention=attention, tail_fusion=tail_fusion)
-    config = make_config(config_file, names, split, seed, overrides, concept_input, family)
     from concept import resolve
     from concept.calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, check
 
     problems = [] if no_calibrate else check(target_ratio, calibration_batches, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
-    if problems:
-        from concept.errors import ConfigError
-
-        raise ConfigError(problems)
-    plan = resolve(config)
+    config = make_config(config_file, names, split, seed, overrides, concept_input, family, problems)
+    plan = resolve(config, problems)  # every problem at once: --set items, calibration options, the config
     if output is not None:
-        check_output(output, config, force)
+        from concept.data import local_path
+
+        check_output(output, config, force, {"calibration data": None if no_calibrate else local_path(calibration_data),
+                                             "config": config_file})
 
     if dry_run:
         if as_json:

@@ -77,9 +77,10 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
                    "(PATH:SPLIT picks a DatasetDict split; default train) or .parquet / .arrow files (read "
                    "whole), or a built-in corpus (stdlib/code, pydoc/prose: its held-out split); repeat for one "
                    "table per domain. Default: the held-out split of the run's data.")
-@click.option("--seq-len", type=int, default=None, help="Default: the run's training --seq-len (or 256).")
-@click.option("--batches", type=int, default=8, show_default=True)
-@click.option("--batch", type=int, default=4, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=2), default=None,
+              help="Default: the run's training --seq-len (or 256).")
+@click.option("--batches", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--no-controls", is_flag=True, help="Skip the ΔNLL shuffled / random concept passes.")
 @click.option("--show-map", is_flag=True, help="Print a held-out sample with the tokens that became concepts highlighted.")
 @click.option("--compare", is_flag=True, help="Side-by-side table of several runs (implied by several RUN_DIRs).")

@@ -119,6 +119,9 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
 
     quiet_progress_bars()
     texts = read_prompts(prompts, prompt_file)
+    if not texts and prompt_file is not None:
+        raise click.UsageError(f"--prompt-file {prompt_file} holds no prompt (it is empty or only blank lines); "
+                               f"put one prompt per line in it, or pass --prompt TEXT")
     if not texts:
         raise click.UsageError("give a prompt: --prompt TEXT or --prompt-file FILE")
     if batch_size < 1:

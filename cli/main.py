@@ -39,6 +39,9 @@ class ConceptGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
+        except KeyboardInterrupt:  # Ctrl-C: every command exits 130, as a shell expects (what was written is kept)
+            print_error("interrupted (Ctrl-C)")
+            ctx.exit(130)
         except OSError as exc:  # e.g. no permission to write the output folder
             print_error(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
             ctx.exit(1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any, Iterable
@@ -64,8 +65,20 @@ def quiet_progress_bars() -> None:
         hf_logging.disable_progress_bar()
 
 
+def json_safe(data: Any) -> Any:
+    """``data`` with every NaN or infinite float replaced by None: JSON has no NaN (``json.dumps`` would
+    write a bare ``NaN`` that strict parsers refuse)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: json_safe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(v) for v in data]
+    return data
+
+
 def print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(json_safe(data), indent=2, default=str, allow_nan=False))
 
 
 def table(*columns: str, title: str | None = None, fold: Iterable[str] = ()) -> Table:

@@ -18,7 +18,7 @@ FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum"
           "text_field": "text_field", "encoding_errors": "encoding_errors", "seed": "seed",
           "eval_every": "eval_every", "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
           "log_every": "log_every", "grad_checkpointing": "grad_checkpointing", "baseline": "baseline",
-          "device": "device", "tau_start": "tau_start", "tau_end": "tau_end",
+          "device": "device", "dtype": "dtype", "tau_start": "tau_start", "tau_end": "tau_end",
           "calibration_batches": "calibration_batches", "prune_layers": "prune_layers", "ce_weight": "ce_weight",
           "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
           "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
@@ -35,8 +35,10 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
 @click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or "
               "RUN_DIR-dense / RUN_DIR-pruned with --baseline).")
 @click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped "
-              "(a larger --steps stretches the LR and temperature schedules from there on).")
-@click.option("--force", is_flag=True, help="Replace a non-empty --out folder.")
+              "(a larger --steps stretches the LR and temperature schedules from there on; --data continues on "
+              "other data).")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out folder, once the new run has trained every "
+              "step (until then, and after a failure or Ctrl-C, the old folder stays as it was).")
 @click.option("--baseline", type=click.Choice(["dense", "pruned"]), is_flag=False, flag_value="dense", default=None,
               help="Train a baseline instead of the streaming model: `dense` (the default of a bare --baseline: "
               "backbone + LoRA, no compression) or `pruned` (the backbone minus a contiguous block of middle layers, "
@@ -146,6 +148,9 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
 @click.option("--log-every", type=int, default=10, show_default=True)
 @click.option("--grad-checkpointing", is_flag=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="Compute precision: bf16 autocast (weights and optimizer state stay fp32) with bf16, or with "
+                   "auto on CUDA; fp32 otherwise.")
 @click.option("--distributed", type=click.Choice(["auto", "ddp", "fsdp2", "none"]), default="auto", show_default=True,
               help="Under torchrun: ddp (auto's choice; gloo on CPU, nccl on GPU) or fsdp2 (parameters sharded). "
               "--batch is per process: the global batch is batch x processes x grad-accum. See docs/distributed.md.")
@@ -186,6 +191,7 @@ def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> Non
         overrides.update({f"lora.{LORA[k]}": options[k] for k in given if k in LORA})
         if "baseline" in overrides and overrides["baseline"] is None:
             overrides.pop("baseline")
+        Trainer.resumed_config(source, dist.world_size, overrides)  # a conflict is an error even with nothing to train
         done = already_done(source, overrides.get("steps"))
         if done is not None:  # nothing to train: say so and leave the run folder untouched
             step, steps = done
@@ -216,11 +222,16 @@ def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> Non
                        f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}"
                        f"{f', attention auto -> {trainer.attention}' if trainer.attention else ''}"
                        f"{f', {dist.describe()}, global batch {trainer.global_batch}' if dist.active else ''}")
+    replacing = trainer.staging is not None
     try:
         final = run_with_progress(trainer) if dist.is_main else trainer.train()
     except KeyboardInterrupt:
         from concept.checkpoint import read_meta
 
+        if replacing:
+            status("interrupted", f"at step {trainer.step}; {out} is unchanged (--force replaces it only once "
+                                  f"training finishes) and the new run was discarded")
+            raise SystemExit(130)
         meta = read_meta(out)
         saved = f"last checkpoint: step {meta['step']}" if meta else "no checkpoint was written"
         status("interrupted", f"at step {trainer.step}; {saved}. Continue with: concept train {out} --resume")

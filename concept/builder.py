@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import attention
+from . import attention, fs
 from .backbone import LoadedBackbone
 from .components import BuildContext
 from .config import BuildConfig, Plan, resolve
@@ -142,6 +140,19 @@ def localise_backbone_path(config: dict, folder: Path) -> dict:
     return config
 
 
+BUILT_FILES = {RUN_FILE, MODULES_FILE, BACKBONE_FILE}
+
+
+def rebuildable(folder: Path, config: dict) -> bool:
+    """``folder`` holds only a build of ``config`` (no training, no other files): rebuilding it loses nothing."""
+    if not {p.name for p in Path(folder).iterdir()} <= BUILT_FILES:
+        return False
+    try:
+        return read_run(folder)["config"] == config
+    except RunFolderError:
+        return False
+
+
 def save(model: ConceptModel, path: str | os.PathLike, force: bool = False) -> Path:
     """Write a run folder atomically. An existing folder holding a *different* model is refused
     unless ``force``; it is only replaced once the new folder is complete."""
@@ -151,43 +162,18 @@ def save(model: ConceptModel, path: str | os.PathLike, force: bool = False) -> P
         if not folder.is_dir():
             raise RunFolderError(f"{folder} exists and is not a folder")
         if any(folder.iterdir()) and not force:
-            try:
-                same = read_run(folder)["config"] == record["config"]
-            except RunFolderError:
-                same = False
+            same = rebuildable(folder, record["config"])
             if not same:
                 raise RunFolderError(
                     f"{folder} already holds a different model (or other files); choose another -o or pass --force to replace it"
                 )
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+    with fs.staged(folder) as tmp:  # published whole, or not at all
         save_file({k: v.detach().contiguous().cpu() for k, v in model.new_state_dict().items()}, tmp / MODULES_FILE)
         if not model.plan.backbone_info.pretrained:
             state = {k: v.detach().contiguous().cpu() for k, v in model.backbone.state_dict().items()}
             save_file(state, tmp / BACKBONE_FILE)
         (tmp / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
-        publish_permissions(tmp)
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
-
-
-def publish_permissions(folder: Path) -> None:
-    """mkdtemp creates 0700 folders; give the finished folder the usual umask-based modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
 
 
 TRAIN_FILE = "train.json"

@@ -9,7 +9,6 @@ leaves the previous checkpoint intact.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .builder import publish_permissions
+from . import fs
 from .errors import RunFolderError
 
 CHECKPOINT = "checkpoint"
@@ -51,15 +50,9 @@ def write(run: Path, tensors: dict[str, dict[str, torch.Tensor]], objects: dict,
             if state:
                 save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp / f"{stem}.safetensors")
         torch.save(objects, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps(meta, indent=2))
-        publish_permissions(tmp)
-        final, old = run / CHECKPOINT, run / f".{CHECKPOINT}-old"
-        if old.exists():
-            shutil.rmtree(old)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2))  # written last: marks the folder complete
+        fs.publish_permissions(tmp)
+        fs.replace_dir(tmp, run / CHECKPOINT)  # one atomic swap: the previous checkpoint until the new one is whole
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -67,12 +60,21 @@ def write(run: Path, tensors: dict[str, dict[str, torch.Tensor]], objects: dict,
 
 
 def folder(run: Path) -> Path | None:
-    """The newest complete checkpoint folder (falls back to the previous one after an interrupted swap)."""
+    """The newest complete checkpoint folder (``.checkpoint-old``: left by an interrupted swap of an older
+    version, which renamed the previous checkpoint aside first)."""
     for name in (CHECKPOINT, f".{CHECKPOINT}-old"):
         path = Path(run) / name
         if (path / "state.json").is_file():
             return path
     return None
+
+
+def check_intact(run: Path, fix: str) -> None:
+    """Refuse a run whose ``checkpoint/`` folder exists but is incomplete (no ``state.json``), rather
+    than take it for a run that was never checkpointed; ``fix`` says what to do instead."""
+    if (Path(run) / CHECKPOINT).exists() and folder(run) is None:
+        raise RunFolderError(f"{Path(run) / CHECKPOINT} is damaged (it has no state.json) and no earlier "
+                             f"checkpoint is left; {fix}")
 
 
 def read_meta(run: Path) -> dict | None:

@@ -95,9 +95,12 @@ class BuildConfig:
         return cls.from_dict(json.loads(text))
 
     # -- overrides --------------------------------------------------------------------
-    def apply_overrides(self, overrides: list[str]) -> "BuildConfig":
-        """Apply ``slot.key=value`` / ``key=value`` strings (values parsed as JSON when possible)."""
-        problems = []
+    def apply_overrides(self, overrides: list[str], problems: list[str] | None = None) -> "BuildConfig":
+        """Apply ``slot.key=value`` / ``key=value`` strings (values parsed as JSON when possible). The ones that
+        cannot apply are added to ``problems`` (to be reported with :func:`resolve`'s, all at once), or raised
+        as one ``ConfigError`` without it."""
+        collect = problems is not None
+        problems = problems if collect else []
         for item in overrides:
             if "=" not in item:
                 problems.append(f"--set {item!r}: expected slot.key=value, e.g. sampler.tau=0.7")
@@ -119,7 +122,7 @@ class BuildConfig:
             else:
                 problems.append(_unknown_msg("--set key", path, list(SLOTS) + ["split", "seed", "concept_input",
                                                                               "family", "planner.KEY"]))
-        if problems:
+        if problems and not collect:
             raise ConfigError(problems)
         return self
 
@@ -295,9 +298,10 @@ def parse_split(spec: str, num_layers: int) -> tuple[tuple[int, int, int] | None
     return counts, []
 
 
-def resolve(config: BuildConfig) -> Plan:
-    """Validate the whole config; raise one ConfigError listing every problem."""
-    problems: list[str] = []
+def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
+    """Validate the whole config; raise one ConfigError listing every problem (``earlier``: the caller's
+    own, e.g. ``--set`` items that did not apply, listed first)."""
+    problems: list[str] = list(earlier)
     environment_problem = False
     components: dict[str, ResolvedComponent] = {}
     for slot in SLOTS:

@@ -204,6 +204,15 @@ def _table_rows(features, read_column, path: Path, name: str, text_field: str) -
     return docs
 
 
+def _empty_dataset(path: Path) -> bool:
+    """A ``Dataset.save_to_disk`` folder whose ``state.json`` lists no data files (a dataset of 0 rows)."""
+    try:
+        state = json.loads(_read_bytes(path / "state.json"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
+
+
 def _read_dataset_folder(path: Path, name: str, text_field: str, split: str | None = None) -> list[tuple[int, Document]]:
     """Documents of a ``save_to_disk`` folder: a Dataset (rows ``NAME#ROW``), or a DatasetDict's
     ``split`` (default "train"; rows ``NAME/SPLIT#ROW``, or ``SPLIT#ROW`` for an empty ``name``)."""
@@ -229,6 +238,8 @@ def _read_dataset_folder(path: Path, name: str, text_field: str, split: str | No
     if split is not None:
         raise ConceptError(f"--data {path}:{split}: {path} is a single Hugging Face Dataset, not a DatasetDict "
                            f"with splits; pass --data {path}")
+    if _empty_dataset(path):  # `datasets` itself fails on a folder with no data files (IndexError)
+        raise ConceptError(f"the Hugging Face dataset {path} has no rows; add data to it, or point --data elsewhere")
     datasets = _import_datasets()
     try:
         ds = datasets.Dataset.load_from_disk(str(path))  # memory-mapped; writes nothing
@@ -301,6 +312,30 @@ def builtin_corpus(source) -> str | None:
                            f"path in the current folder; pass ./{source} for the path or "
                            f"{CORPORA[source]} for the corpus")
     return CORPORA[source]
+
+
+def local_path(source) -> Path | None:
+    """The file or folder ``source`` reads (``PATH:SPLIT``: its ``PATH``), or None for a built-in corpus
+    or a path that does not exist."""
+    if builtin_corpus(source) is not None:
+        return None
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    base, colon, split = str(source).rpartition(":")
+    if colon and base and split and "/" not in split and Path(base).expanduser().exists():
+        return Path(base).expanduser()
+    return None
+
+
+def stored_source(source) -> str | None:
+    """``source`` as a run records it: a path made absolute (so ``--resume`` works from any folder),
+    a built-in corpus name or anything else unchanged."""
+    path = local_path(source)
+    if path is None:
+        return source
+    absolute = str(path.resolve())
+    return absolute if Path(source).expanduser().exists() else f"{absolute}:{str(source).rpartition(':')[2]}"
 
 
 def _pydoc_documents() -> list[Document]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import packing
+from .errors import ConfigError
 from .model import next_token_loss
 
 LN2 = math.log(2.0)
@@ -432,6 +433,11 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     from . import data as concept_data
     from .training import pick_device
 
+    problems = [f"{name}: at least {low}, got {value}" for name, value, low in
+                (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
+                if value is not None and (not isinstance(value, int) or value < low)]
+    if problems:
+        raise ConfigError(problems)
     source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
     model = concept.load(path).to(pick_device(device)) if model is None else model
     tokenizer = concept_data.tokenizer_for(model)

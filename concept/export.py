@@ -28,9 +28,7 @@ existing folder only once the new one is complete).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import warnings as warnings_
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,7 +38,8 @@ import torch
 
 from .builder import (MODULES_FILE, PEFT_ADAPTER_DIR, RUN_FILE, TRAIN_FILE, load, newest_weights, read_run,
                       read_train)
-from .errors import ConceptError, RunFolderError
+from . import fs
+from .errors import ConceptError
 
 BACKBONE_DIR = "backbone"
 BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)
@@ -53,7 +52,7 @@ CHECK_TOKENS = 48
 class ExportResult:
     path: Path
     source: Path
-    kind: str  # streaming | dense | pruned
+    kind: str  # streaming | planner-executor | dense | pruned
     lora: str | None  # "adapter" (peft folder), "merged" (into backbone/), None (no adapters: an untrained run)
     step: int | None  # the training step of the exported weights (None: untrained)
     files: list[dict] = field(default_factory=list)  # {"path": relative path, "bytes": size}
@@ -91,16 +90,7 @@ def last_evaluation(run: Path, train: dict | None) -> dict | None:
 
 def check_target(run: Path, out: Path, force: bool) -> None:
     """Refuse, before anything is loaded or written, a target that is not ours to (re)place."""
-    if out.exists() and not out.is_dir():
-        raise RunFolderError(f"--out {out} exists and is not a folder; choose another --out")
-    run_abs, out_abs = run.resolve(), out.resolve()
-    if out_abs == run_abs:
-        raise RunFolderError(f"--out {out} is the run folder itself; export to another folder")
-    if out_abs in run_abs.parents:
-        raise RunFolderError(f"--out {out} contains the run {run}; replacing it would delete the run. Choose another --out")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise RunFolderError(f"--out {out} already exists and is not empty; choose another --out, or pass --force "
-                             f"to replace it (the old folder is kept until the new export is complete)")
+    fs.check_target(out, force, {"run": run})
 
 
 def _relative_paths(value, absolute: str, relative: str):
@@ -145,31 +135,6 @@ def _compare(model, folder: Path, merged: bool) -> dict:
     return result
 
 
-def publish_tree(folder: Path) -> None:
-    """The usual umask-based modes for a finished folder and everything in it (mkdtemp makes the folder
-    0700 and safetensors writes its files 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``; an existing ``out`` is swapped out first and only removed
-    once the new folder is in place (restored if the swap fails)."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def export(run, out, merge_lora: bool = False, force: bool = False, check: bool = True,
            report: Callable[[str, str], None] | None = None) -> ExportResult:
     """Export the run folder ``run`` (built, trained, or a dense / pruned baseline) to ``out``.
@@ -188,6 +153,7 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     record = read_run(run)  # a clear error for anything that is not a run folder
     check_target(run, out, force)
     train = read_train(run)
+    checkpoint.check_intact(run, "export an earlier copy of the run, or retrain it")
     meta = checkpoint.read_meta(run)
     result_warnings: list[str] = []
 
@@ -211,7 +177,7 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     say("loading", f"{run} ...")
     model = load(run)
     plan = model.plan
-    kind = getattr(model, "kind", "streaming")
+    kind = getattr(model, "kind", None) or getattr(model, "family", "streaming")  # dense / pruned, or the family
     removed = getattr(model, "removed", None)
     has_lora = "default" in (getattr(model.backbone, "peft_config", None) or {})
     lora = ("merged" if merge_lora else "adapter") if has_lora else None
@@ -224,8 +190,8 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     if base_state is not None:
         loaded.model.load_state_dict(base_state)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-export-", dir=out.parent))
+    staging = fs.Staging(out).open()
+    tmp = staging.path
     try:
         how = {"merged": "LoRA merged into the backbone", "adapter": "LoRA as a peft adapter folder"}.get(lora, "no LoRA")
         say("exporting", f"{kind} model -> {out} ({how}) ...")
@@ -279,12 +245,11 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
         if check:
             say("checking", "loading the export back and comparing its logits with the run's ...")
             comparison = _compare(model, tmp, lora == "merged")
-        publish_tree(tmp)
         files = _files(tmp)
-        _publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
+    staging.publish()
     return ExportResult(path=out, source=run, kind=kind, lora=lora, step=exported["step"], files=files,
                         heldout=heldout, check=comparison, warnings=result_warnings)
 
@@ -299,6 +264,14 @@ def _describe_model(model, kind: str, removed) -> str:
                 f"(shallow / middle / deep), length policy `{comps['length_policy'].name}`, vocabulary "
                 f"`{comps['vocabulary'].name}`, position scheme `{comps['position_scheme'].name}`, attention "
                 f"`{comps['attention'].name}`, tail fusion `{comps['tail_fusion'].name}`")
+    if kind == "planner-executor":
+        s = model.settings
+        types = ", ".join(f"`{t.name}` ({t.size} ids, at most {t.max_len})" for t in s.types)
+        return (f"a planner-executor concept model: the planner reads the context and writes a plan of discrete "
+                f"concepts of {len(s.types)} type{'s' * (len(s.types) != 1)} ({types}; about {s.target:g} per example"
+                f"{', the types planned in parallel' if s.parallel else ''}"
+                f"{f', {s.mtp} concepts per planner forward' if s.mtp > 1 else ''}), the executor (the same "
+                f"backbone) writes the text given the plan")
     if kind == "pruned":
         a, b = removed
         return (f"the pruned baseline: the backbone with layers {a}..{b - 1} skipped ({b - a} of {info.num_layers}; "

@@ -36,13 +36,12 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import tempfile
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import fs
 from .config import BuildConfig, _coerce, parse_value, resolve
 from .errors import ConceptError, ConfigError, RunFolderError
 
@@ -256,6 +255,7 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
     """Every run of the frontier, validated up front (one ``ConfigError`` listing every problem:
     splits that do not fit the backbone, bad training options, existing runs with another recipe
     unless ``force``). Loads at most the backbone's config (or, without a cheap one, the backbone)."""
+    from .data import local_path
     from .training import Trainer, prune_plan
 
     problems = []
@@ -275,6 +275,11 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
                  for b in spec.baselines if b not in ("pruned", "dense")]
     if not spec.max_flops > 0:
         problems.append(f"--max-flops: a FLOP ratio to dense, > 0, got {spec.max_flops}")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        problems.append(f"--out {out}: exists and is not a folder; the frontier writes a folder of runs there")
+    data_path = local_path(spec.train.data)
+    if out is not None and data_path is not None and fs.contains(Path(out), data_path):
+        problems.append(f"--out {out}: holds the training data {spec.train.data}; choose an --out of its own")
     if spec.build.family != "streaming":
         problems.append(f"--config: the frontier trains streaming models over splits x ratios; this config is a "
                         f"{spec.build.family} build (evaluate it with `concept train` and `concept eval`)")
@@ -369,8 +374,11 @@ def recipe(train: dict, kind: str) -> dict:
     streaming-only options, which do nothing there)."""
     from .training import DERIVED, TrainConfig
 
+    from .data import stored_source
+
     saved = {k: v for k, v in train.items() if k not in DERIVED}
     d = TrainConfig.from_dict(saved).to_dict()
+    d["data"] = stored_source(d["data"])  # the same data however it is spelled (runs store it absolute)
     drop = NOT_RECIPE | (STREAMING_ONLY if kind != "streaming" else set())
     return {k: v for k, v in d.items() if k not in drop}
 
@@ -481,9 +489,7 @@ def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
 
 
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    fs.write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, force: bool = False,
@@ -516,11 +522,11 @@ def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, f
                 if action != "restart" and not force:  # (plan() refuses these first)
                     raise RunFolderError(f"{folder} holds another run; pass --force to replace it")
                 log("replacing" if action != "restart" else "restarting",
-                    f"{folder}" + (" (no checkpoint was written)" if action == "restart" else ""))
-                shutil.rmtree(folder)
+                    f"{folder}" + (" (no checkpoint was written)" if action == "restart" else "")
+                    + " once the new run has finished")
             source = _ensure_build(out / BUILDS / r.build_name, r.build, log)
             log("training", f"{tag} ({r.kind}: {describe_kind(r)}) ...")
-            trainer = Trainer.start(source, folder, r.train)
+            trainer = Trainer.start(source, folder, r.train, force=True)  # replaces `folder` only when trained
             _train(trainer, train, log, r.name)
         rows.append(_row(r, folder, spec, action, log))
     return summarise(spec, planned, rows)
@@ -707,10 +713,10 @@ def plot(result: dict, path: Path) -> Path:
                   Line2D([], [], color="0.6", ls=":", label=f"{result['max_flops']:g}x dense FLOPs")])
     axes[0][-1].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fs.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -721,10 +727,8 @@ def write(result: dict, out: str | os.PathLike) -> dict[str, Path]:
     paths = {"json": out / "frontier.json", "md": out / "frontier.md", "png": out / "frontier.png"}
     plot(result, paths["png"])
     _write_json(paths["json"], result)
-    tmp = paths["md"].with_name(".frontier.md.tmp")
-    tmp.write_text("# Frontier: held-out bits/token against FLOP ratio to dense\n\n" + report_block(result, "frontier.png")
-                   + "\n")
-    os.replace(tmp, paths["md"])
+    fs.write_atomic(paths["md"], "# Frontier: held-out bits/token against FLOP ratio to dense\n\n"
+                    + report_block(result, "frontier.png") + "\n")
     return paths
 
 
@@ -754,13 +758,4 @@ def update_doc(path: str | os.PathLike, result: dict, png: str | os.PathLike) ->
     image = Path(os.path.relpath(Path(png).resolve(), path.resolve().parent)).as_posix()
     start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
     new = text[:start] + "\n" + report_block(result, image) + "\n" + text[stop:]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.resolve().parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(new)
-        os.chmod(tmp, path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return fs.write_atomic(path.resolve(), new)

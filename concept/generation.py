@@ -167,6 +167,11 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     if limit is not None and longest >= limit:
         raise ConceptError(f"a prompt has {longest} tokens but the backbone's context limit is {limit}; shorten the "
                            f"prompt (keep its last {limit - 1} tokens or fewer)")
+    planned = getattr(model, "plan_positions", 0)  # a planner writes its plan after the prompt
+    if limit is not None and planned and longest + planned > limit:
+        raise ConceptError(f"a prompt has {longest} tokens and the planner writes up to {planned} plan positions after "
+                           f"it, past the backbone's context limit of {limit}; shorten the prompt to at most "
+                           f"{limit - planned} tokens")
     budget = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - longest)
     if budget < s.max_new_tokens:
         warnings.warn(f"max_new_tokens={s.max_new_tokens} would pass the context limit ({limit} positions); "
@@ -285,7 +290,7 @@ def _multitoken_loop(model, decoder, logits, ids, pad, record, new, s, streamer,
     width = max(len(r) for r in new)
     tail = torch.full((B, width), pad, dtype=torch.long, device=ids.device)
     for b, r in enumerate(new):
-        tail[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        tail[b, : len(r)] = torch.tensor(r, dtype=torch.long, device=ids.device)
     kept_logits = None
     if output_logits:
         kept_logits = torch.zeros(B, width, logits.shape[-1], dtype=logits.dtype, device=logits.device)

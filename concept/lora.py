@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from . import fs
+
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
@@ -135,7 +137,7 @@ def save_peft_adapter(backbone: nn.Module, folder, base_model_name_or_path: str 
     # written whole into a sibling folder, then swapped in: a crash never leaves a torn adapter folder
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    fresh, stale = (folder.with_name(f".{folder.name}.{what}-{os.getpid()}") for what in ("new", "old"))
+    fresh = folder.with_name(f".{folder.name}.new-{os.getpid()}")
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir()
     try:
@@ -145,13 +147,7 @@ def save_peft_adapter(backbone: nn.Module, folder, base_model_name_or_path: str 
     except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
         raise
-    if folder.exists():
-        shutil.rmtree(stale, ignore_errors=True)
-        folder.rename(stale)
-        fresh.rename(folder)
-        shutil.rmtree(stale)
-    else:
-        fresh.rename(folder)
+    fs.replace_dir(fresh, folder)
     return folder
 
 

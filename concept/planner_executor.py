@@ -338,6 +338,13 @@ class PlannerExecutor(nn.Module):
     def inner(self) -> nn.Module:
         return decoder(self.backbone)
 
+    @property
+    def plan_positions(self) -> int:
+        """Positions the planner fills after the context: ``<PLAN>``, then at most ``max_len`` concepts and
+        an ``<EOS>`` a type (with parallel types, each chain holds one type's steps)."""
+        steps = [t.max_len + 1 for t in self.settings.types]
+        return 1 + (max(steps) if self.settings.parallel else sum(steps))
+
     # -- pieces ------------------------------------------------------------------------------
     def run(self, x, position_ids, attention_plan, cache=None):
         return run_layers(self.inner.layers, x, position_ids, attention_plan, self.inner.rotary_emb,

@@ -22,13 +22,13 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from . import fs
 from .errors import ConceptError
 
 log = logging.getLogger("concept.data")
@@ -212,21 +212,6 @@ def default_cache_dir() -> Path:
     return cache_root() / "data"
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _load_cached(npy: Path, meta: Path, count: int) -> tuple[np.ndarray, np.ndarray] | None:
     try:
         info = json.loads(meta.read_text())
@@ -260,10 +245,10 @@ def tokenize_documents(documents, tokenizer, cache_dir: str | os.PathLike | None
     ids, lengths = _tokenize(texts, tokenizer)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(npy, lambda f: np.save(f, ids, allow_pickle=False))
+        fs.write_atomic(npy, lambda f: np.save(f, ids, allow_pickle=False))
         record = {"version": CACHE_VERSION, "tokenizer": fingerprint, "documents": len(documents),
                   "tokens": int(ids.shape[0]), "lengths": lengths.tolist()}
-        _atomic_write(meta, lambda f: f.write(json.dumps(record).encode()))  # written last: marks it complete
+        fs.write_atomic(meta, json.dumps(record))  # written last: marks it complete
     except OSError as exc:
         log.warning("concept: could not write the token cache in %s (%s); continuing without it", folder, exc)
         return TokenizedDocuments(ids, lengths)

@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data
+from . import checkpoint, data, fs
 from . import objectives as objectives_
 from .backbone import decoder
 from .builder import RUN_FILE, TRAIN_FILE, build, build_backbone, read_run, read_train
@@ -56,8 +56,10 @@ METRICS = "metrics.jsonl"
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
 BASELINES = ("dense", "pruned")
 TRAIN_ONLY = ("all", "new")
+DTYPES = ("auto", "fp32", "bf16")
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
 DERIVED = ("source", "attention_resolved", "pruned", "distributed")
+DATA_FIELDS = {"data", "text_field", "encoding_errors"}  # --resume may point at other data (with a note)
 
 
 class TrainingError(ConceptError):
@@ -122,6 +124,7 @@ class TrainConfig:
     ratio_start: float = 1.0  # ratio curriculum: target ratio at step 0 ...
     ratio_warmup: float = 0.0  # ... annealed (linearly in 1/ratio) to target_ratio over this fraction of the steps
     device: str = "auto"
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 elsewhere) | fp32 | bf16 (autocast on any device)
 
     def __post_init__(self):
         if isinstance(self.baseline, bool):  # the older API: baseline=True was the dense baseline
@@ -151,6 +154,8 @@ class TrainConfig:
             p.append("clip > 0, weight-decay >= 0, min-lr in [0, 1] and warmup >= 0 are required")
         if self.encoding_errors not in ("strict", "replace"):
             p.append(f"encoding-errors: strict or replace, got {self.encoding_errors!r}")
+        if self.dtype not in DTYPES:
+            p.append(f"dtype: one of {', '.join(DTYPES)}, got {self.dtype!r}")
         return p + self._validate_recipe(num_layers) + self.lora.validate()
 
     def _validate_recipe(self, num_layers: int = 0) -> list[str]:
@@ -406,6 +411,8 @@ class Trainer:
     def __init__(self, out: Path, config: TrainConfig, build_config: BuildConfig, resume: bool,
                  dist: Dist | None = None):
         self.out, self.config, self.build_config = Path(out), config, build_config
+        self.name = self.out.name  # the run's name (``out`` may still be its staging folder)
+        self.staging: fs.Staging | None = None  # set while the run replaces an existing folder (``start(force=True)``)
         self.dist = dist or Dist()
         self.notes: list[str] = []  # warnings for the user (the CLI prints them)
         plan, self.device = self.check(config, build_config, self.dist)
@@ -518,13 +525,13 @@ class Trainer:
                                                                              config.prune_layers is not None)}
         derived["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
                                   "global_batch": self.global_batch}
-        # rank 0 reads and rewrites train.json while the others wait (a rank reading it could see it half-written)
-        self.dist.on_main(self._record, derived)
+        self.derived = derived  # written to train.json by start / resume once everything is checked
 
-    def _record(self, derived: dict) -> None:
-        """Add what training derived (resolved attention, pruned block, distribution) to train.json."""
-        record = json.loads((self.out / TRAIN_FILE).read_text())
-        (self.out / TRAIN_FILE).write_text(json.dumps({**record, **derived}, indent=2))
+    def _record(self, source: str | None) -> None:
+        """train.json: the config, the source run and what training derived (resolved attention, pruned
+        block, distribution); replaced atomically (a reader never sees it half-written)."""
+        fs.write_atomic(self.out / TRAIN_FILE,
+                        json.dumps({**self.config.to_dict(), "source": source, **self.derived}, indent=2))
 
     @property
     def micro_batches(self) -> int:
@@ -583,6 +590,10 @@ class Trainer:
             problems.append(f"attention '{attention.name}' cannot train on {device}: {reason}")
         policy = plan.components["length_policy"]
         planned = plan.family == "planner-executor"
+        if planned and config.baseline == "pruned" and config.prune_layers is None:
+            problems.append("baseline pruned: its default block is FLOP-matched to a streaming model's split and "
+                            "concept ratio, which a planner-executor run does not have; choose the block with "
+                            "--prune-layers START:STOP, or use --baseline dense")
         if planned and not config.baseline:
             problems += [f"{flag}: the planner-executor family has no {what}; drop it" for flag, given, what in (
                 ("placement", config.placement, "keep decisions to place"),
@@ -634,88 +645,129 @@ class Trainer:
     def start(cls, source: str | Path, out: str | Path, config: TrainConfig, force: bool = False,
               dist: Dist | None = None) -> "Trainer":
         """A new run in ``out`` from a built (or trained) run folder ``source`` (under torchrun: every
-        rank calls it; rank 0 prepares the folder)."""
+        rank calls it; rank 0 writes). Everything is checked and the run is set up in a staging folder
+        beside ``out`` (``concept.fs``): a new ``out`` appears once the run is set up, while an existing
+        one (``force``) is replaced only when :meth:`train` has trained every step."""
         source, out, dist = Path(source), Path(out), dist or Dist()
         record = read_run(source)
         build_config = BuildConfig.from_dict(record["config"])
-        cls.check(config, build_config, dist)  # bad options fail before anything is written (or replaced by --force)
-        replace = out.exists() and any(out.iterdir()) and out.resolve() != source.resolve()
-        if replace and not force:
-            raise RunFolderError(f"{out} already exists and is not empty; pass --resume to continue it, "
-                                 f"--force to replace it, or choose another --out")
-        if out.resolve() == source.resolve() and read_train(out) is not None:
+        config = dataclasses.replace(config, data=data.stored_source(config.data))  # resumable from any folder
+        cls.check(config, build_config, dist)  # bad options fail before anything is written
+        if out.exists() and out.resolve() == source.resolve() and read_train(out) is not None:
             raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
-        created = replace or not out.exists()
-        dist.barrier()  # every rank has checked the folder before rank 0 changes it
-        dist.on_main(cls._prepare, source, out, config, replace)
+        fs.check_target(out, force, {"source run": source, "training data": data.local_path(config.data)})
+        replace = out.exists() and any(out.iterdir())
+        staging = fs.Staging(out)
+        dist.on_main(staging.open)
         try:
-            return cls(out, config, build_config, resume=False, dist=dist)
+            dist.on_main(cls._prepare, source, staging.path)
+            trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
+            dist.on_main(trainer._record, str(source.resolve()))
+            trainer.name = out.name
+            if staging.swept:
+                trainer.notes.append(f"removed {staging.path}, left by an earlier run into {out} that was killed")
+            if replace:  # the old folder stays until training has finished (Trainer.train publishes)
+                trainer.staging = staging
+            else:
+                dist.on_main(staging.publish)
+                trainer.out = out
         except BaseException:
-            if created and dist.is_main:  # never leave a half-initialised run folder behind
-                shutil.rmtree(out, ignore_errors=True)
+            if dist.is_main:  # nothing half-set-up is left behind, and `out` was never touched
+                staging.discard()
             raise
+        return trainer
 
     @staticmethod
-    def _prepare(source: Path, out: Path, config: TrainConfig, replace: bool) -> None:
-        if replace:
-            shutil.rmtree(out)
-        if out.resolve() != source.resolve():
-            out.mkdir(parents=True, exist_ok=True)
-            for name in ("modules.safetensors", "backbone.safetensors"):
-                if (source / name).is_file():
-                    shutil.copy2(source / name, out / name)
-            record = {k: v for k, v in read_run(source).items() if k != "export"}  # an export's ./backbone made absolute
-            (out / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
-            from safetensors.torch import save_file
+    def _prepare(source: Path, out: Path) -> None:
+        """Fill the empty staging folder ``out``: the source's record, weights, modules and adapters."""
+        for name in ("modules.safetensors", "backbone.safetensors"):
+            if (source / name).is_file():
+                shutil.copy2(source / name, out / name)
+        record = {k: v for k, v in read_run(source).items() if k != "export"}  # an export's ./backbone made absolute
+        (out / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+        from safetensors.torch import save_file
 
-            for stem in ("modules", "adapter"):  # continue from a trained model's modules and adapters
-                state = checkpoint.read_tensors(source, stem)
-                if state is None and stem == "adapter":  # an export: its adapters as a peft folder
-                    from .builder import PEFT_ADAPTER_DIR
-                    from .lora import peft_adapter_state
+        for stem in ("modules", "adapter"):  # continue from a trained model's modules and adapters
+            state = checkpoint.read_tensors(source, stem)
+            if state is None and stem == "adapter":  # an export: its adapters as a peft folder
+                from .builder import PEFT_ADAPTER_DIR
+                from .lora import peft_adapter_state
 
-                    state = peft_adapter_state(source / PEFT_ADAPTER_DIR)
-                if state:
-                    save_file(state, out / f"{stem}.safetensors")
-        (out / TRAIN_FILE).write_text(json.dumps({**config.to_dict(), "source": str(source)}, indent=2))
+                state = peft_adapter_state(source / PEFT_ADAPTER_DIR)
+            if state:
+                save_file(state, out / f"{stem}.safetensors")
         (out / METRICS).write_text("")
 
     @classmethod
     def resume(cls, out: str | Path, dist: Dist | None = None, **overrides) -> "Trainer":
         """Continue the run in ``out``; only ``steps`` (and logging cadence) may differ from the saved config,
-        and ``batch`` / ``grad_accum`` as long as the global batch stays (a different number of processes)."""
+        ``batch`` / ``grad_accum`` as long as the global batch stays (a different number of processes), and
+        the data (``data``, ``text_field``, ``encoding_errors``: a note says the data changed). Nothing is
+        written until the checkpoint, the data and the device have been read and checked. A run killed
+        before its first checkpoint starts again from step 0."""
         out, dist = Path(out), dist or Dist()
+        record, config, source, changed = cls.resumed_config(out, dist.world_size, overrides)
+        checkpoint.check_intact(out, f"start a new run from {source or 'its source'} instead of --resume")
+        found = checkpoint.folder(out)
+        trainer = cls(out, config, BuildConfig.from_dict(record["config"]), resume=found is not None, dist=dist)
+        if found is None:
+            trainer.notes.append(f"{out} has no checkpoint yet (stopped before its first one): training starts "
+                                 f"again from step 0")
+        if changed:
+            trainer.notes.append(f"the data changed ({'; '.join(changed)}): training continues at step "
+                                 f"{trainer.step} on the new data, so it no longer reproduces an uninterrupted run")
+        dist.on_main(trainer._commit_resume, source)
+        return trainer
+
+    @classmethod
+    def resumed_config(cls, out: Path, world_size: int, overrides: dict) -> tuple[dict, TrainConfig, str | None, list]:
+        """What ``resume`` would continue, read and checked without loading anything: (the run record, the
+        config with ``overrides`` applied, the source run, the data options that changed). Raises the
+        errors ``resume`` raises for a folder that is not a run or options that conflict with it."""
+        out = Path(out)
         record = read_run(out)
         saved = read_train(out)
         if saved is None:
             raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
+        if record.get("export"):
+            raise RunFolderError(f"{out} is an export (a published model), not a training run to continue; train on from "
+                                 f"it in a new run: `concept train {out} --out DIR`")
         source = saved.pop("source", None)
-        derived = {k: saved.pop(k) for k in DERIVED[1:] if k in saved}  # not config fields
+        before = (saved.get("distributed") or {}).get("world_size", 1)
+        for key in DERIVED[1:]:  # not config fields
+            saved.pop(key, None)
         config = TrainConfig.from_dict(saved)
+        overrides = dict(overrides)
+        if "data" in overrides:
+            overrides["data"] = data.stored_source(overrides["data"])
         changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device", "batch", "grad_accum"}
 
         def saved_value(key):
             return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
 
+        def same(key, value):
+            if key == "data":  # a relative path saved by an older run, or spelled differently
+                return data.stored_source(saved_value(key)) == value
+            return value == saved_value(key)
+
         conflicts = [f"{k}: the run was trained with {saved_value(k)!r}, you passed {v!r}"
-                     for k, v in overrides.items() if k not in changeable and v != saved_value(k)]
+                     for k, v in overrides.items() if k not in changeable | DATA_FIELDS and not same(k, v)]
         if conflicts:
             raise ConfigError(["--resume continues the saved configuration; these differ:", *conflicts])
-        before = derived.get("distributed", {}).get("world_size", 1)
+        changed = [f"{k} {saved_value(k)!r} -> {v!r}" for k, v in overrides.items() if k in DATA_FIELDS and not same(k, v)]
         global_batch = config.batch * config.grad_accum * before
         for k, v in overrides.items():
             if k.startswith("lora."):
                 setattr(config.lora, k[5:], v)
             else:
                 setattr(config, k, v)
-        if config.batch * config.grad_accum * dist.world_size != global_batch:
-            cls._fit_global_batch(config, global_batch, before, dist.world_size, set(overrides))
-        if checkpoint.read_meta(out) is None:
-            raise RunFolderError(f"{out} has no checkpoint to resume from")
-        dist.barrier()
-        dist.on_main((out / TRAIN_FILE).write_text,
-                     json.dumps({**config.to_dict(), "source": source, **derived}, indent=2))
-        return cls(out, config, BuildConfig.from_dict(record["config"]), resume=True, dist=dist)
+        if config.batch * config.grad_accum * world_size != global_batch:
+            cls._fit_global_batch(config, global_batch, before, world_size, set(overrides))
+        return record, config, source, changed
+
+    def _commit_resume(self, source: str | None) -> None:
+        self._record(source)
+        self._truncate_metrics()
 
     @staticmethod
     def _fit_global_batch(config: TrainConfig, global_batch: int, before: int, world: int, given: set) -> None:
@@ -759,7 +811,6 @@ class Trainer:
         checkpoint.set_rng_state(objects["rng"])
         self.step = meta["step"]
         self._restore_objective_states(meta)
-        self.dist.on_main(self._truncate_metrics)
 
     def _restore_objective_states(self, meta: dict) -> None:
         """Objective states (e.g. the plan cache) from the checkpoint, checked against the SHA-256 in its
@@ -786,7 +837,7 @@ class Trainer:
         """Drop metrics logged after the checkpoint: the resumed run logs those steps again."""
         lines = (self.out / METRICS).read_text().splitlines() if (self.out / METRICS).is_file() else []
         kept = [line for line in lines if _parse(line) and _parse(line).get("step", 0) <= self.step]  # a torn last line is dropped
-        (self.out / METRICS).write_text("".join(line + "\n" for line in kept))
+        fs.write_atomic(self.out / METRICS, "".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         """Every rank gathers (FSDP2: a collective), rank 0 writes; an error on rank 0 stops every rank."""
@@ -828,9 +879,10 @@ class Trainer:
         return {k: v.to(self.device) for k, v in b.items()}
 
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        """bf16 autocast (weights and optimizer state stay fp32) where ``--dtype`` asks for it: ``bf16`` on
+        any device, ``auto`` on CUDA only."""
+        bf16 = self.config.dtype == "bf16" or (self.config.dtype == "auto" and self.device.type == "cuda")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def forward(self, b):
         """The model alone on a batch (no objectives, no teacher), e.g. to calibrate the NULL bias."""
@@ -1040,12 +1092,23 @@ class Trainer:
                     self._stop = self.dist.any(self._stop)
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or self._stop:
                     self.save_checkpoint()
+        except BaseException:
+            if self.staging is not None and self.dist.is_main:  # an unfinished replacement: the old folder stays
+                self.staging.discard()
+            raise
         finally:
             signal.signal(signal.SIGINT, previous)
         if self.dist.is_main:
             self.plot()
         if self._stop:
+            if self.staging is not None:
+                self.dist.on_main(self.staging.discard)
+                raise KeyboardInterrupt(f"interrupted at step {self.step}; {self.staging.dest} is unchanged (--force "
+                                        f"replaces it only once training finishes) and the new run was discarded")
             raise KeyboardInterrupt(f"interrupted at step {self.step}; checkpoint saved in {self.out}")
+        if self.staging is not None:  # every step trained: the new run replaces the old folder now
+            self.dist.on_main(self.staging.publish)
+            self.out, self.staging = self.staging.dest, None
         if self.last_row:
             return self.last_row.get("eval", {})
         return self.metrics()[-1].get("eval", {}) if self.dist.is_main and self.metrics() else {}
@@ -1057,5 +1120,5 @@ class Trainer:
         from .plots import planner_curves, training_curves
 
         if getattr(self.model, "family", None) == "planner-executor":  # curves.png, then its planner diagnostics
-            planner_curves({self.out.name: self.metrics()}, self.out / "planner.png")
+            planner_curves({self.name: self.metrics()}, self.out / "planner.png")
         return training_curves(self.metrics(), self.out / "curves.png", self.config.target_ratio if not self.config.baseline else None)

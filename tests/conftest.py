@@ -29,6 +29,16 @@ def randomize_new_modules(model, seed=0):
     return model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: threads only add contention (``pytestmark =
+    pytest.mark.usefixtures("one_thread")`` in a module whose tests train or run many tiny models)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_models():
     cache = {}
@@ -91,15 +101,16 @@ def assert_packed_documents_equal_separate_rows(model, ids, keep, atol=1e-5):
             torch.testing.assert_close(packed.logits[:, cols], alone.logits, atol=atol, rtol=0)
 
 
-def assert_decoding_matches_teacher_forcing(model, prompts, max_new_tokens):
+def assert_decoding_matches_teacher_forcing(model, prompts, max_new_tokens, atol=1e-5):
     """Step-wise decoding: its decisions are the batched ones on the final sequence, and its logits
-    are the teacher-forced one-pass logits with those decisions. Returns the generation."""
+    are the teacher-forced one-pass logits with those decisions (on the model's device). Returns the generation."""
     gen = model.generate(prompts, max_new_tokens=max_new_tokens, output_logits=True)
+    device = next(model.parameters()).device
     with torch.no_grad():
         for b, p in enumerate(prompts):
-            seq = torch.tensor([p + gen.tokens[b]])
+            seq = torch.tensor([p + gen.tokens[b]], device=device)
             assert model(seq[:, :-1]).keep[0].tolist() == gen.keep[b]  # step-wise = batched decisions
-            forced = model(seq, keep=torch.tensor([gen.keep[b] + [False]])).logits[0]
+            forced = model(seq, keep=torch.tensor([gen.keep[b] + [False]], device=device)).logits[0]
             n = len(gen.tokens[b])
-            torch.testing.assert_close(gen.logits[b, :n], forced[len(p) - 1:len(p) - 1 + n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(gen.logits[b, :n], forced[len(p) - 1:len(p) - 1 + n], atol=atol, rtol=atol)
     return gen

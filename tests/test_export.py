@@ -209,7 +209,7 @@ def test_bad_targets_and_atomic_replacement(trained, built, tmp_path, monkeypatc
     assert r.exit_code == 1 and "not a concept run folder" in r.stderr
     r = run("export", target / "backbone", "--out", tmp_path / "x")  # a folder, but no run
     assert r.exit_code == 1 and "not a concept run folder" in r.stderr
-    for bad, message in ((trained, "the run folder itself"), (trained.parent, "contains the run")):
+    for bad, message in ((trained, "is the run"), (trained.parent, "contains the run")):
         with pytest.raises(RunFolderError, match=message):
             export(trained, bad, force=True)
     (tmp_path / "file").write_text("")

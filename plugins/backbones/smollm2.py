@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from concept.builder import publish_permissions
+from concept.fs import publish_permissions
 from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config, read_folder_config
 from concept.errors import BackboneError
 

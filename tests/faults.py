@@ -1,0 +1,154 @@
+"""Fault injection for the commands that write: count every filesystem write a command makes under a
+folder, then run it again with a fault at the k-th one (an ``OSError``, a real SIGINT, or a real
+SIGKILL in a child process) and check what it left.
+
+A write is any call, for a path under the watched folder, of ``open``/``io.open`` in a writing mode,
+``os.open`` with a writing flag, ``os.mkdir``, ``os.rename``, ``os.replace``, ``os.unlink``,
+``os.remove`` or ``os.rmdir``; ``shutil.rmtree``, ``tempfile``, ``Path.write_*``, ``shutil.copy2``
+and ``torch.save`` all go through these. (safetensors writes from Rust, so its files are seen only
+through the renames and folders around them.)
+
+Run as a script, it is the child of a SIGKILL injection::
+
+    python tests/faults.py ROOT K -- concept ARGS...    # kill itself at the K-th write under ROOT
+"""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import hashlib
+import io
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+@dataclass
+class Injector:
+    """Counts writes under ``root``; at write number ``at`` (1-based) does ``action``:
+    "error" (raise OSError EIO), "sigint" (send this process SIGINT) or "sigkill"."""
+
+    root: Path
+    at: int = 0
+    action: str = "error"
+    count: int = 0
+    log: list = field(default_factory=list)
+    fired: bool = False
+
+    def hit(self, what: str, path) -> None:
+        if isinstance(path, int) or path is None:
+            return
+        try:
+            p = Path(os.fsdecode(path))
+        except TypeError:
+            return
+        p = p if p.is_absolute() else Path.cwd() / p
+        if not str(p).startswith(str(self.root)):
+            return
+        self.count += 1
+        self.log.append((self.count, what, str(p.relative_to(self.root)) if p != self.root else "."))
+        if self.count == self.at and not self.fired:
+            self.fired = True
+            if self.action == "error":
+                raise OSError(errno.EIO, f"injected fault at write {self.count} ({what})", str(p))
+            os.kill(os.getpid(), signal.SIGINT if self.action == "sigint" else signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def injected(injector: Injector):
+    """Patch the write primitives so that ``injector`` sees every write (restored afterwards)."""
+    real = {name: getattr(os, name) for name in ("open", "mkdir", "rename", "replace", "unlink", "remove", "rmdir")}
+    real_open = builtins.open
+
+    def opener(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            injector.hit(f"open({mode})", file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def os_open(path, flags, *args, **kwargs):
+        if flags & WRITE_FLAGS and kwargs.get("dir_fd") is None:
+            injector.hit("os.open", path)
+        return real["open"](path, flags, *args, **kwargs)
+
+    def one_path(name):
+        def wrapped(path, *args, **kwargs):
+            if kwargs.get("dir_fd") is None:
+                injector.hit(name, path)
+            return real[name](path, *args, **kwargs)
+        return wrapped
+
+    def two_paths(name):
+        def wrapped(src, dst, *args, **kwargs):
+            injector.hit(name, dst)
+            return real[name](src, dst, *args, **kwargs)
+        return wrapped
+
+    patches = {"open": os_open, "rename": two_paths("rename"), "replace": two_paths("replace"),
+               **{n: one_path(n) for n in ("mkdir", "unlink", "remove", "rmdir")}}
+    for name, fn in patches.items():
+        setattr(os, name, fn)
+    builtins.open = io.open = opener
+    try:
+        yield injector
+    finally:
+        for name, fn in real.items():
+            setattr(os, name, fn)
+        builtins.open = io.open = real_open
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``root`` (folders as "<dir>")."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        out[rel] = "<dir>" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def under(rel: str, folder: str) -> bool:
+    return rel == folder or rel.startswith(folder + "/")
+
+
+def leftovers(after: dict, before: dict, output: str) -> list[str]:
+    """New paths outside ``output`` (staging folders of a killed writer are the only ones allowed)."""
+    name = output.rsplit("/", 1)[-1]
+    staging = (output.rsplit("/", 1)[0] + "/" if "/" in output else "") + f".{name}.partial"
+    return [rel for rel in after if rel not in before and not under(rel, output)
+            and not under(rel, staging) and rel != staging + ".lock"]
+
+
+def damaged(before: dict, after: dict, output: str) -> list[str]:
+    """Pre-existing paths outside ``output`` that changed or vanished."""
+    return [rel for rel, digest in before.items() if not under(rel, output) and after.get(rel) != digest]
+
+
+def part(snap: dict, output: str) -> dict:
+    """The entries of ``snap`` inside ``output``, relative to it."""
+    return {rel[len(output) + 1:]: d for rel, d in snap.items() if rel.startswith(output + "/")}
+
+
+def run_killed(root: Path, at: int, argv: list[str], env: dict | None = None) -> int:
+    """Run ``concept ARGV`` in a child that SIGKILLs itself at write ``at`` under ``root``."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(root), str(at), "--", *argv]
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
+           "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode
+
+
+if __name__ == "__main__":
+    root, at, sep, *argv = sys.argv[1:]
+    assert sep == "--"
+    from concept_cli.main import cli
+
+    with injected(Injector(Path(root).resolve(), int(at), "sigkill")):
+        try:
+            cli.main(args=argv, prog_name="concept", standalone_mode=True)
+        except SystemExit as exc:
+            sys.exit(exc.code)
