@@ -74,7 +74,7 @@ class ConceptDecoder:
             last = (self.num_concepts - 1).clamp(min=0)
             self.last_update = out.updates.gather(1, last[:, None, None].expand(-1, 1, d))
         self.max_tail = int(self.cache.deep.tail_entries().max()) if B else 0
-        return out.logits[:, -1] if left_padded else out.logits[torch.arange(B), last_real(valid)]
+        return out.logits[:, -1] if left_padded else out.logits[torch.arange(B, device=valid.device), last_real(valid)]
 
     def _replay(self, out, valid):
         """The length policy's step-wise state after the prompt, by stepping its rule over the
@@ -314,9 +314,10 @@ class DenseDecoder:
         out, hidden = self._forward(input_ids=input_ids, attention_mask=self.mask,
                                     position_ids=packing.time_positions(valid), logits_to_keep=int(left_padded))
         last = last_real(valid)
+        rows = torch.arange(len(valid), device=valid.device)
         if hidden is not None:
-            self.last_hidden = hidden[torch.arange(len(valid)), last]
-        return out.logits[:, -1] if left_padded else out.logits[torch.arange(len(valid)), last]
+            self.last_hidden = hidden[rows, last]
+        return out.logits[:, -1] if left_padded else out.logits[rows, last]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:

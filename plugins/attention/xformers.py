@@ -1,36 +1,49 @@
-"""`xformers`: the deep stack's one-pass rule as one xformers block-diagonal attention call (CUDA).
+"""`xformers`: the deep stack's one-pass rule as xformers block-diagonal attention calls (CUDA).
 
 The valid slots of the packed layout are flattened into one row of query blocks (xformers'
-block-diagonal biases want batch 1, BMHK), and each block gets its own gathered keys:
+block-diagonal biases want batch 1, BMHK): one document's concepts, or one segment of one
+document's tail tokens. Two layouts give the blocks their keys; both are exactly the one-pass rule
+(SPEC §2.1, ``concept.packing.allowed``): concepts causal among themselves, a tail token sees every
+concept of its document up to its time and its own segment causally, documents never mix, padding
+is never a key. Padding queries are left out (their outputs are zeros, and are never read).
+
+**gathered** (one kernel call): each block gets its own copy of its keys,
 
     a document's concepts          queries c_0 .. c_{n-1}    keys c_0 .. c_{n-1}             (square, causal)
     one segment of a document's    queries x_a .. x_b        keys [ the document's concepts
     tail tokens                                                    up to the segment ;
                                                                   x_a .. x_b ]               (causal from bottom right)
 
-``BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, kv_lens)`` is then exactly the
-one-pass rule (SPEC §2.1, ``concept.packing.allowed``): concepts causal among themselves, a tail
-token sees every concept of its document up to its time and its own segment causally, documents
-never mix, padding is never a key. Padding queries are left out (their outputs are zeros, and
-are never read).
+under ``BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, kv_lens)``. The gathered keys
+repeat each segment's concept prefix: about C^2/2 per document, K/V memory that grows as r^2 T^2.
 
-Costs, built once per forward and shared by every deep layer: the block lengths are Python lists
-(one host sync per forward, and xformers checks every block in Python: O(blocks) host work);
-the gathered keys repeat each segment's concept prefix, about C^2/2 keys per document in the
-worst case (``docs/benchmarks.md`` measures where that stops paying). ``memory_limit_gib``
-refuses a layout whose gathered K/V would not fit, naming the backend to use instead.
+**shared** (``shared_prefix.py``): every key once. A local partial (each block against itself,
+square causal) plus one partial per bit of the prefix length (a tail segment reads its document's
+concepts as dyadic intervals, each interval once per level), merged by their log-sum-exps:
+``1 + log2(C)`` kernel calls, O(T + C) memory.
+
+**Which** (``layout``): ``auto`` takes the gathered layout while its K/V of one deep layer is at most
+``gathered_max_mib`` (and within ``memory_limit_gib``), the shared one otherwise; ``gathered`` and
+``shared`` force one. ``memory_limit_gib`` (0: half the free CUDA memory, divided by the deep layers
+when training) refuses a forced gathered layout that would not fit. The choice is made once per
+forward, at its first deep layer, and shared by every layer, as are the blocks: index arithmetic
+on the layout's device, the block lengths as Python lists (a host sync, and xformers checks every
+block in Python: O(blocks) host work). ``docs/benchmarks.md`` counts both layouts' memory.
 
 Kernels: xformers' CUDA kernels (cutlass for fp32, flash / cutlass for bf16 and fp16). Grouped-
-query heads: forward-only calls use xformers' 5-D (BMGHK) layout without copying; 5-D has no
-backward, so training repeats K/V to the query heads. ``kernel = "reference"`` runs the same
-gathered layout with the *materialised* bias in plain torch on any device (O(queries x keys)
-memory): the slow, obviously correct path the tests compare against, and a debugging aid.
+query heads: gathered forward-only calls use xformers' 5-D (BMGHK) layout without copying; 5-D has
+no backward, so training repeats K/V to the query heads, and so does the shared layout (per partial,
+a transient copy). ``kernel = "reference"`` runs the same layouts in plain torch with the
+*materialised* biases on any device (O(queries x keys) memory): the slow, obviously correct path
+the tests compare against, and a debugging aid.
 """
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -38,19 +51,28 @@ from concept.attention import AttentionPlan
 from concept.errors import ConceptError
 from concept.packing import PackedLayout
 
+from .shared_prefix import MergedAttention, Partial, ReferencePartials, prefix_levels
+
 KERNELS = ("xformers", "reference")
+LAYOUTS = ("auto", "gathered", "shared")
 INSTEAD = "use --attention flex (CUDA) or chunked (any device)"
 
 
 @dataclass
 class XFormersConfig:
-    kernel: str = "xformers"  # "reference": the materialised bias in plain torch (tests, debugging)
+    kernel: str = "xformers"  # "reference": the same layouts, biases materialised, in plain torch (tests, debugging)
+    layout: str = "auto"  # "gathered" (prefix copied per segment), "shared" (one copy, merged partials), or by size
+    gathered_max_mib: float = 256.0  # auto: the gathered layout while its K/V of one deep layer is at most this
     memory_limit_gib: float = 0.0  # gathered K/V of one deep layer; 0 = auto (a share of free CUDA memory)
 
     def validate(self) -> list[str]:
         problems = []
         if self.kernel not in KERNELS:
             problems.append(f"kernel: one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        if self.layout not in LAYOUTS:
+            problems.append(f"layout: one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if not self.gathered_max_mib >= 0:
+            problems.append(f"gathered_max_mib: >= 0, got {self.gathered_max_mib}")
         if not self.memory_limit_gib >= 0:
             problems.append(f"memory_limit_gib: >= 0 (0 = auto), got {self.memory_limit_gib}")
         return problems
@@ -85,13 +107,19 @@ def kernel_unavailable() -> str:
     return ""
 
 
-def block_layout(layout: PackedLayout):
-    """The gathered layout of :class:`XFormersPlan`, as tensors on the layout's device:
-    ``q_index`` [Nq] (flat ``b * L + slot`` of every valid slot, in block order), ``kv_index``
-    [Nkv] (flat slot of every gathered key), ``q_lens`` / ``kv_lens`` [blocks]."""
+class QueryBlocks(NamedTuple):
+    """The query blocks both layouts share, as tensors on the layout's device."""
+
+    q_index: torch.Tensor  # [Nq] flat slot b * L + slot of every valid slot, in block order
+    q_lens: torch.Tensor  # [blocks]
+    prefix_start: torch.Tensor  # [blocks] flat slot of the first concept of its document a block sees
+    n_prefix: torch.Tensor  # [blocks] how many concepts it sees (0 for a block of concepts)
+
+
+def query_blocks(layout: PackedLayout) -> QueryBlocks:
+    """One block per document's concepts, and one per segment of a document's tail."""
     meta, emit = layout.meta, layout.emit
     B, L = meta.time.shape
-    device = meta.time.device
     q_index = meta.valid.reshape(-1).nonzero().squeeze(1)  # row-major: a row's concepts, then its tail
     row = q_index // L
     keep, doc, seg = (t.reshape(-1)[q_index] for t in (meta.keep, meta.doc, meta.seg))
@@ -112,69 +140,122 @@ def block_layout(layout: PackedLayout):
         n_prefix = torch.where((hi > 0) & (last_doc == b_doc), last_rank + 1, torch.zeros_like(hi))
     else:
         n_prefix = torch.zeros_like(hi)
+    return QueryBlocks(q_index, q_lens, b_row * L + hi - n_prefix, n_prefix)
+
+
+def gathered_keys(q_index, q_lens, prefix_start, n_prefix):
+    """The gathered layout's keys for the :class:`QueryBlocks`: ``kv_index`` [Nkv] (flat slot of every
+    gathered key: each block's concept prefix, then its own slots) and ``kv_lens`` [blocks]."""
+    device = q_index.device
     kv_lens = n_prefix + q_lens
-    block = torch.repeat_interleave(torch.arange(starts.numel(), device=device), kv_lens)
+    block = torch.repeat_interleave(torch.arange(q_lens.numel(), device=device), kv_lens)
     offset = torch.arange(block.numel(), device=device) - (torch.cumsum(kv_lens, 0) - kv_lens)[block]
     prefix = n_prefix[block]
-    own = q_index[(starts[block] + offset - prefix).clamp(0, max(q_index.numel() - 1, 0))]
-    kv_index = torch.where(offset < prefix, b_row[block] * L + hi[block] - prefix + offset, own)
-    return q_index, kv_index, q_lens, kv_lens
+    block_start = torch.cumsum(q_lens, 0) - q_lens
+    own = q_index[(block_start[block] + offset - prefix).clamp(0, max(q_index.numel() - 1, 0))]
+    return torch.where(offset < prefix, prefix_start[block] + offset, own), kv_lens
+
+
+def shared_partials(blocks: QueryBlocks, device) -> list[Partial]:
+    """The shared-prefix layout: the local partial, then one per prefix level."""
+    attn_bias = _fmha().attn_bias
+    levels = prefix_levels(*blocks)
+    lens = torch.cat([blocks.q_lens, *(t for lv in levels for t in lv[2:])]).tolist()  # one host sync
+    local, lens = lens[:blocks.q_lens.numel()], lens[blocks.q_lens.numel():]
+    partials = [Partial(blocks.q_index, blocks.q_index,
+                        attn_bias.BlockDiagonalCausalMask.from_seqlens(local, device=device))]
+    for level_q, level_kv, level_q_lens, _ in levels:
+        n = level_q_lens.numel()
+        q_lens_l, kv_lens_l, lens = lens[:n], lens[n:2 * n], lens[2 * n:]
+        partials.append(Partial(level_q, level_kv, attn_bias.BlockDiagonalMask.from_seqlens(q_lens_l, kv_lens_l,
+                                                                                            device=device)))
+    return partials
 
 
 class XFormersPlan(AttentionPlan):
     def __init__(self, layout: PackedLayout, config: XFormersConfig, deep_layers: int = 1):
-        fmha = _fmha()
         self.config = config
         self.deep_layers = deep_layers
-        B, L = layout.meta.time.shape
-        self.shape = (B, L)
-        self.q_index, self.kv_index, q_lens, kv_lens = block_layout(layout)
-        lens = torch.stack([q_lens, kv_lens]).tolist() if q_lens.numel() else [[], []]  # one host sync
-        self.bias = (fmha.attn_bias.BlockDiagonalCausalFromBottomRightMask.from_seqlens(
-            lens[0], lens[1], device=layout.meta.time.device) if lens[0] else None)
-        self._checked = False
+        self.device = layout.meta.time.device
+        self.blocks = query_blocks(layout)
+        self.num_keys = int((self.blocks.q_lens + self.blocks.n_prefix).sum())  # gathered keys (a host sync)
+        self.chosen = None  # "gathered" or "shared", at the first call
+        self._gathered = self._shared = None
 
-    @property
-    def num_keys(self) -> int:
-        return self.kv_index.numel()
+    def gathered(self):
+        """(q_index, kv_index, bias) of the gathered layout, built once."""
+        if self._gathered is None:
+            kv_index, kv_lens = gathered_keys(*self.blocks)
+            lens = torch.stack([self.blocks.q_lens, kv_lens]).tolist()  # one host sync
+            bias = _fmha().attn_bias.BlockDiagonalCausalFromBottomRightMask.from_seqlens(lens[0], lens[1],
+                                                                                        device=self.device)
+            self._gathered = (self.blocks.q_index, kv_index, bias)
+        return self._gathered
 
-    def _check_memory(self, key, heads: int, training: bool) -> None:
-        """Refuse a gathered K/V that would not fit, before any kernel runs (once per forward)."""
-        if self._checked:
-            return
-        self._checked = True
-        per_layer = 2 * self.num_keys * heads * key.shape[-1] * key.element_size()
+    def shared(self) -> list[Partial]:
+        """The partials of the shared-prefix layout, built once."""
+        if self._shared is None:
+            self._shared = shared_partials(self.blocks, self.device)
+        return self._shared
+
+    def _memory_limit(self, key, training: bool) -> float:
         limit = self.config.memory_limit_gib * 2**30
         if not limit and key.is_cuda:
             free, _ = torch.cuda.mem_get_info(key.device)
             limit = free / (2 * (self.deep_layers if training else 1))  # training keeps one per deep layer
-        if limit and per_layer > limit:
-            tokens = self.q_index.numel()
-            raise ConceptError(
-                f"attention 'xformers': the gathered key/value layout needs {per_layer / 2**30:.2f} GiB per deep "
-                f"layer ({self.num_keys} keys for {tokens} tokens: each segment repeats its concept prefix), over "
-                f"the {limit / 2**30:.2f} GiB allowed; {INSTEAD}, or use shorter sequences")
+        return limit
+
+    def layout_for(self, key, heads: int, training: bool) -> str:
+        """The layout of this forward, decided at its first deep layer (module docstring, "Which")."""
+        if self.chosen is None:
+            need = 2 * self.num_keys * heads * key.shape[-1] * key.element_size()  # gathered K and V
+            limit = self._memory_limit(key, training)
+            fits = not limit or need <= limit
+            if self.config.layout == "gathered" and not fits:
+                tokens = self.blocks.q_index.numel()
+                raise ConceptError(
+                    f"attention 'xformers': the gathered key/value layout needs {need / 2**30:.2f} GiB per deep "
+                    f"layer ({self.num_keys} keys for {tokens} tokens: each segment repeats its concept prefix), over "
+                    f"the {limit / 2**30:.2f} GiB allowed; --set attention.layout=shared (or auto) keeps one copy of "
+                    f"each key, or {INSTEAD}, or use shorter sequences")
+            small = fits and need <= self.config.gathered_max_mib * 2**20
+            self.chosen = self.config.layout if self.config.layout != "auto" else ("gathered" if small else "shared")
+        return self.chosen
 
     def __call__(self, query, key, value, scaling):
         B, H, L, hd = query.shape
         Hkv = key.shape[1]
-        out = query.new_zeros(B * L, H, hd)
-        if self.bias is None:  # no real token in the batch
-            return out.view(B, L, H, hd)
+        if not self.blocks.q_index.numel():  # no real token in the batch
+            return query.new_zeros(B, L, H, hd)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        self._check_memory(key, H if training else Hkv, training)
-        q = query.transpose(1, 2).reshape(B * L, H, hd)[self.q_index]
-        k = key.transpose(1, 2).reshape(B * L, Hkv, hd)[self.kv_index]
-        v = value.transpose(1, 2).reshape(B * L, Hkv, hd)[self.kv_index]
-        attend = reference_attention if self.config.kernel == "reference" else kernel_attention
-        return out.index_copy(0, self.q_index, attend(q, k, v, self.bias, scaling, training)).view(B, L, H, hd)
+        flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], hd) for t in (query, key, value)]
+        reference = self.config.kernel == "reference"
+        if self.layout_for(key, H if training else Hkv, training) == "shared":
+            kernels = ReferencePartials() if reference else XFormersPartials()
+            return MergedAttention.apply(*flat, self.shared(), kernels, scaling).view(B, L, H, hd)
+        q_index, kv_index, bias = self.gathered()
+        attend = reference_attention if reference else kernel_attention
+        out = attend(flat[0][q_index], flat[1][kv_index], flat[2][kv_index], bias, scaling, training)
+        return query.new_zeros(B * L, H, hd).index_copy(0, q_index, out).view(B, L, H, hd)
+
+
+@contextmanager
+def named_kernel_errors(q):
+    """xformers' "No operator found" (a head dim, dtype or device its kernels refuse) as one line
+    naming the backends to use instead."""
+    try:
+        yield
+    except NotImplementedError as exc:
+        reasons = "; ".join(line.strip() for line in str(exc).splitlines()[1:] if line.strip())[:600]
+        raise ConceptError(f"attention 'xformers': no xformers kernel accepts these inputs "
+                           f"(head dim {q.shape[-1]}, {q.dtype}, {q.device}): {reasons}; {INSTEAD}") from None
 
 
 def kernel_attention(q, k, v, bias, scaling, training: bool):
     """xformers' fused kernel over the gathered layout: q [Nq, H, hd], k / v [Nkv, Hkv, hd]."""
     fmha = _fmha()
     H, Hkv = q.shape[1], k.shape[1]
-    try:
+    with named_kernel_errors(q):
         if Hkv == H:
             return fmha.memory_efficient_attention(q[None], k[None], v[None], attn_bias=bias, scale=scaling)[0]
         group = H // Hkv
@@ -185,10 +266,6 @@ def kernel_attention(q, k, v, bias, scaling, training: bool):
         k5, v5 = (t[:, :, None].expand(-1, -1, group, -1)[None] for t in (k, v))
         out = fmha.memory_efficient_attention(q5, k5, v5, attn_bias=bias, scale=scaling)
         return out[0].reshape(q.shape)
-    except NotImplementedError as exc:  # no kernel for this head dim / dtype / device
-        reasons = "; ".join(line.strip() for line in str(exc).splitlines()[1:] if line.strip())[:600]
-        raise ConceptError(f"attention 'xformers': no xformers kernel accepts these inputs "
-                           f"(head dim {q.shape[-1]}, {q.dtype}, {q.device}): {reasons}; {INSTEAD}") from None
 
 
 def reference_attention(q, k, v, bias, scaling, training: bool = False):
@@ -198,6 +275,40 @@ def reference_attention(q, k, v, bias, scaling, training: bool = False):
     mask = bias.materialize((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scaling + mask
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def _lse_positions(shape, bias, queries: int):
+    """Where query m's log-sum-exp sits in a kernel's [*, H, *] layout: packed [1, H, >= M] (flash,
+    or a single block), or per block [blocks, H, longest block] (cutlass)."""
+    m = torch.arange(queries, device=bias.q_seqinfo.seqstart.device)
+    if shape[0] == 1:
+        return torch.zeros_like(m), m
+    starts = bias.q_seqinfo.seqstart.long()
+    block = torch.searchsorted(starts[1:], m, right=True)
+    return block, m - starts[block]
+
+
+class XFormersPartials:
+    """xformers' kernels as the partial attentions of the shared-prefix layout (``MergedAttention``):
+    the forward that also returns the log-sum-exp, and the backward given the merged output and
+    log-sum-exp, written back into the layout the forward kernel used (so the matching backward
+    kernel is dispatched)."""
+
+    def forward(self, q, k, v, bias, scale):
+        with named_kernel_errors(q):
+            out, lse = _fmha().memory_efficient_attention_forward_requires_grad(q[None], k[None], v[None],
+                                                                                attn_bias=bias, scale=scale)
+        block, pos = _lse_positions(lse.shape, bias, q.shape[0])
+        return out[0], lse[block, :, pos], lse.shape
+
+    def backward(self, d_out, out, lse, q, k, v, bias, scale, lse_shape):
+        block, pos = _lse_positions(lse_shape, bias, q.shape[0])
+        kernel_lse = lse.new_zeros(lse_shape)
+        kernel_lse[block, :, pos] = lse
+        with named_kernel_errors(q):
+            grads = _fmha().memory_efficient_attention_backward(d_out[None], out[None], kernel_lse, q[None], k[None],
+                                                                v[None], attn_bias=bias, scale=scale)
+        return tuple(g[0] for g in grads)
 
 
 class XFormersBackend:
