@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: demo test test-slow bench install clean
+.PHONY: demo test test-slow bench install clean gpu-pack gpu-kit
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,14 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/concept bench
+
+# The GPU kit (docs/gpu.md). gpu-pack fills .gpukit/ with what a lent GPU machine lacks (downloads from
+# PyPI) and prints the device calls; gpu-kit runs a stage here, e.g. STAGE=report, or ARGS=--dry (all, CPU).
+gpu-pack: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_pack $(ARGS)
+
+gpu-kit: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_kit $(STAGE) $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -20,6 +20,8 @@ def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", help="also run the longest attention cases (16k tokens)")
     parser.addoption("--device", default="cpu", help="cpu or cuda")
     parser.addoption("--concept-results", default=None, help="write the side-by-side rows to this JSON file")
+    parser.addoption("--dtype", default="fp32", choices=("fp32", "bf16"),
+                     help="bf16: the inference cases in bfloat16 weights, the training steps under bf16 autocast")
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
@@ -45,6 +47,45 @@ def device(request):
     if name.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return torch.device(name)
+
+
+@pytest.fixture
+def dtype(request):
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[request.config.getoption("--dtype")]
+
+
+# The GPU cases (docs/gpu.md): the default operating point (split 4,18,8, 0.125 concepts per token)
+# at long contexts, on CUDA only.
+GPU_LENGTHS = (2048, 8192, 16384)
+
+
+def gpu_case(request, device, T: int, real_backbone: bool = True) -> None:
+    """Skip a GPU case unless it was asked for: a CUDA device, --long beyond 4k tokens, and --smollm2
+    for the cases on the real backbone."""
+    if device.type != "cuda":
+        pytest.skip("a GPU case (the default operating point at 2k-16k tokens): pass --device cuda")
+    if T > 4096 and not request.config.getoption("--long"):
+        pytest.skip("pass --long for the 8k- and 16k-token cases")
+    if real_backbone and not request.config.getoption("--smollm2"):
+        pytest.skip("pass --smollm2 to run the real-backbone cases")
+
+
+def skip_unavailable(backend: str) -> None:
+    """Skip a case whose attention backend cannot run here (e.g. xformers without its CUDA kernels)."""
+    from concept.registry import registry
+
+    reason = getattr(registry("attention").get(backend), "unavailable_reason", lambda: "")()
+    if reason:
+        pytest.skip(f"attention {backend}: {reason}")
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def autocast(device, dtype):
+    """bf16 autocast for training steps (what the trainer does on CUDA); off for fp32."""
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def synchronize(device) -> None:

@@ -5,11 +5,14 @@ head_dim 64).
     .venv/bin/python -m pytest benchmarks/test_attention.py            # T = 1k, 4k
     .venv/bin/python -m pytest benchmarks/test_attention.py --long     # + T = 8k, 16k
     .venv/bin/python -m pytest benchmarks/test_attention.py --long --device cuda   # the GPU cases
+    .venv/bin/python -m pytest benchmarks/test_attention.py --long --device cuda --dtype bf16 -k r0.125   # the GPU kit's
 
-Backends: the exact ones of the registry (``xformers`` only where its CUDA kernels run), and
-``flex-time-ordered``: FlexAttention with the same rule over the slots in *time* order instead of
-concepts first (the "dense time-ordered mask" the concepts-first layout is measured against: its
-BlockMask can skip far fewer tiles).
+Backends: the exact ones of the registry, ``xformers`` once per layout (``xformers-gathered``: each
+segment's concept prefix copied as K/V, one call; ``xformers-shared``: every key once, partials
+merged by their log-sum-exps; only where xformers' CUDA kernels run), and ``flex-time-ordered``:
+FlexAttention with the same rule over the slots in *time* order instead of concepts first (the
+"dense time-ordered mask" the concepts-first layout is measured against: its BlockMask can skip
+far fewer tiles).
 
 The plan (masks, key ranges) is built once per forward and shared by all deep layers, so it
 is built outside the timed call; its build time is recorded as ``plan_s``.
@@ -26,13 +29,15 @@ from concept.flops import deep_pairs, evenly_spaced_keep
 from concept.packing import PackedLayout, SlotMeta, allowed, pack
 from concept.registry import registry
 
-from .conftest import side_by_side
+from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 LENGTHS = [1024, 4096, 8192, 16384]
 RATIOS = [0.1, 0.25, 0.5]
-BACKENDS = ["chunked", "flex", "flex-time-ordered", "xformers", "sdpa"]
+BACKENDS = ["chunked", "flex", "flex-time-ordered", "xformers-gathered", "xformers-shared", "sdpa"]
 CASES = [(b, t, r) for b in BACKENDS for t in LENGTHS for r in RATIOS if not (b == "sdpa" and t > 4096)]
+GPU_RATIO = 0.125  # the default operating point's concepts per token: the GPU cases (CUDA only)
+CASES += [(b, t, GPU_RATIO) for b in BACKENDS for t in GPU_LENGTHS if not (b == "sdpa" and t > 4096)]
 
 
 def time_ordered(layout: PackedLayout) -> PackedLayout:
@@ -49,21 +54,27 @@ def make_plan(backend: str, layout: PackedLayout):
         if layout.meta.time.device.type != "cuda":
             pytest.skip("flex-time-ordered: a GPU comparison (torch's CPU FlexAttention is slower than dense anyway)")
         return registry("attention").get("flex")().plan(time_ordered(layout))
-    if backend == "xformers":
-        from concept_plugins.attention.xformers import kernel_unavailable
+    if backend.startswith("xformers-"):
+        from concept_plugins.attention.xformers import XFormersConfig, kernel_unavailable
 
         if kernel_unavailable():
             pytest.skip(f"xformers: {kernel_unavailable()}")
+        which = backend.split("-")[1]
+        plan = registry("attention").get("xformers")(XFormersConfig(layout=which)).plan(layout)
+        getattr(plan, which)()  # the layout is built on first use: here, so that plan_s counts it
+        return plan
     return registry("attention").get(backend)().plan(layout)
 
 
 @pytest.mark.parametrize("backend,T,ratio", CASES, ids=[f"{b}-T{t}-r{r}" for b, t, r in CASES])
-def test_attention_vs_dense_causal(benchmark, record, request, device, backend, T, ratio):
+def test_attention_vs_dense_causal(benchmark, record, request, device, dtype, backend, T, ratio):
+    if ratio == GPU_RATIO:
+        gpu_case(request, device, T, real_backbone=False)
     if T > 4096 and not request.config.getoption("--long"):
         pytest.skip("pass --long for the 8k- and 16k-token cases")
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, HEADS, T, HEAD_DIM, generator=g).to(device)
-    k, v = (torch.randn(1, KV_HEADS, T, HEAD_DIM, generator=g).to(device) for _ in range(2))
+    q = torch.randn(1, HEADS, T, HEAD_DIM, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, KV_HEADS, T, HEAD_DIM, generator=g).to(device, dtype) for _ in range(2))
     keep = evenly_spaced_keep(T, ratio)[None].to(device)
     scale = HEAD_DIM ** -0.5
     start = time.perf_counter()
@@ -78,7 +89,8 @@ def test_attention_vs_dense_causal(benchmark, record, request, device, backend, 
             return
         timing = side_by_side(dense, packed, rounds=5, device=device)
         benchmark.pedantic(packed, rounds=3, iterations=1)
-    record(benchmark, f"attention {backend} T={T} r={ratio}", timing, ideal, T=T, ratio=ratio, plan_s=plan_s)
+    record(benchmark, f"attention {backend} T={T} r={ratio}", timing, ideal, T=T, ratio=ratio, plan_s=plan_s,
+           suite="attention", backend=backend, dtype=dtype_name(dtype))
 
 
 def test_time_ordered_layout_is_the_same_rule():

@@ -3,6 +3,7 @@ transformers' DynamicCache, side by side, after the same prompt, at several cont
 
     .venv/bin/python -m pytest benchmarks/test_decode.py              # tiny backbone (fast)
     .venv/bin/python -m pytest benchmarks/test_decode.py --smollm2    # + SmolLM2-135M at 512..4096
+    .venv/bin/python -m pytest benchmarks/test_decode.py --smollm2 --long --device cuda --dtype bf16   # + the GPU cases
 
 Each round prefills both models on the prompt (untimed), then times STEPS greedy decoding
 steps of each, alternating. Two streaming models per context length:
@@ -14,7 +15,13 @@ steps of each, alternating. Two streaming models per context length:
 
 Each case's name and ``extra_info`` carry the ratio realised in the timed steps
 (``decode_ratio``) and over the prompt (``prompt_ratio``); the ideal speed-up is computed from
-the realised decisions (``concept.flops.decode_flops``).
+the realised decisions (``concept.flops.decode_flops``). On CUDA the peak memory of each model's
+prefill and steps is recorded too.
+
+The GPU cases: the default build (split 4,18,8 on SmolLM2) with the ``fixed`` policy at its
+operating point (a concept every 8 tokens: 0.125 per token), after 2k / 8k / 16k tokens of context;
+and **prefill** alone (the one-pass forward over the prompt that fills the KV caches, logits for
+the last token only) against the dense backbone's prefill, next to its ideal FLOP ratio.
 """
 from __future__ import annotations
 
@@ -25,10 +32,11 @@ import pytest
 import torch
 
 from concept import ComponentRef
+from concept.config import DEFAULT_TARGET_RATIO
 from concept.decoding import ConceptDecoder, DenseDecoder
-from concept.flops import Shape, decode_flops, head_classes
+from concept.flops import Shape, decode_flops, evenly_spaced_keep, forward_flops, head_classes
 
-from .conftest import synchronize
+from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side, synchronize
 from .test_forward import _model
 
 RATIO = 0.25
@@ -36,6 +44,8 @@ STEPS = 32
 CONTEXTS = [("tiny-llama", 256), ("tiny-llama", 1024), ("smollm2", 512), ("smollm2", 2048), ("smollm2", 4096)]
 POLICIES = {"null": ComponentRef("null"), "fixed": ComponentRef("fixed", {"every": round(1 / RATIO)})}
 CASES = [(b, t, p) for b, t in CONTEXTS for p in POLICIES]
+DEFAULT_POLICY = ComponentRef("fixed", {"every": round(1 / DEFAULT_TARGET_RATIO)})  # the GPU cases' decisions
+PREFILL_CASES = [("tiny-llama", 512)] + [("default", t) for t in GPU_LENGTHS]
 
 
 def _calibrate(model, ids, ratio):
@@ -54,21 +64,42 @@ def _steps(decoder, logits, steps=STEPS):
         logits = decoder.step(logits.argmax(-1))
 
 
-def _decode(decoder, ids, steps):
-    """Prefill (untimed), then ``steps`` greedy steps (timed). Returns (seconds, decoder)."""
+def _decode(decoder, ids, steps, peak=None):
+    """Prefill (untimed), then ``steps`` greedy steps (timed). Returns (seconds, decoder). On CUDA,
+    ``peak[name]`` gets the peak memory (MiB) of the prefill and the steps."""
+    cuda = ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ids.device)
     decoder, logits = _prefill(decoder, ids)
     synchronize(logits.device)
     start = time.perf_counter()
     _steps(decoder, logits, steps)
     synchronize(logits.device)
-    return time.perf_counter() - start, decoder
+    seconds = time.perf_counter() - start
+    if cuda and peak is not None:
+        peak["dense" if isinstance(decoder, DenseDecoder) else "concept"] = torch.cuda.max_memory_allocated(ids.device) / 2**20
+    return seconds, decoder
 
 
 @pytest.mark.parametrize("backbone,T,policy", CASES, ids=[f"{b}-T{t}-{p}" for b, t, p in CASES])
 def test_decode_vs_dense(benchmark, record, request, device, backbone, T, policy):
     if backbone == "smollm2" and not request.config.getoption("--smollm2"):
         pytest.skip("pass --smollm2 to run the real-backbone cases")
-    model = _model(backbone, "chunked", POLICIES[policy]).eval().to(device)
+    measure_decode(benchmark, record, _model(backbone, "chunked", POLICIES[policy]).eval().to(device), T, device,
+                   f"decode {backbone} ctx={T} {policy}", policy=policy, target_ratio=RATIO)
+
+
+@pytest.mark.parametrize("T", GPU_LENGTHS, ids=[f"default-T{t}-fixed" for t in GPU_LENGTHS])
+def test_decode_default_point_vs_dense(benchmark, record, request, device, dtype, T):
+    gpu_case(request, device, T)
+    model = _model("default", "chunked", DEFAULT_POLICY).eval().to(device, dtype)
+    measure_decode(benchmark, record, model, T, device, f"decode default ctx={T} fixed", policy="fixed",
+                   target_ratio=DEFAULT_TARGET_RATIO, backend="chunked", dtype=dtype_name(dtype))
+
+
+def measure_decode(benchmark, record, model, T, device, name, **extra):
+    """Prefill both models on the same random prompt (untimed), then time STEPS greedy steps of each,
+    alternating (median of 3 rounds), next to the ideal FLOP ratio of the realised decisions."""
     torch.manual_seed(0)
     ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
     if hasattr(model.length_policy, "null_bias"):
@@ -76,11 +107,11 @@ def test_decode_vs_dense(benchmark, record, request, device, backbone, T, policy
     if benchmark.disabled:  # smoke run (CI): a few steps each, no timing claims
         _decode(ConceptDecoder(model), ids, 2), _decode(DenseDecoder(model.backbone), ids, 2)
         return
-    dense_s, concept_s = [], []
+    dense_s, concept_s, peak = [], [], {}
     _decode(DenseDecoder(model.backbone), ids, 2), _decode(ConceptDecoder(model), ids, 2)  # warm-up
     for _ in range(3):
-        dense_s.append(_decode(DenseDecoder(model.backbone), ids, STEPS)[0])
-        seconds, decoder = _decode(ConceptDecoder(model), ids, STEPS)
+        dense_s.append(_decode(DenseDecoder(model.backbone), ids, STEPS, peak)[0])
+        seconds, decoder = _decode(ConceptDecoder(model), ids, STEPS, peak)
         concept_s.append(seconds)
     d, c = statistics.median(dense_s), statistics.median(concept_s)
     keep = torch.tensor(decoder.keep[0])
@@ -89,8 +120,35 @@ def test_decode_vs_dense(benchmark, record, request, device, backbone, T, policy
     kv = decoder.kv_stats()[0]
     benchmark.pedantic(_steps, setup=lambda: (_prefill(ConceptDecoder(model), ids), {}), rounds=3, iterations=1)
     decode_ratio, prompt_ratio = float(keep[-STEPS:].float().mean()), float(keep[:T].float().mean())
-    record(benchmark, f"decode {backbone} ctx={T} {policy} r={decode_ratio:.2f} ({STEPS} steps)",
-           {"dense_s": d, "concept_s": c, "speedup": d / c}, ideal.speedup,
-           T=T, policy=policy, target_ratio=RATIO, dense_tokens_per_s=STEPS / d, concept_tokens_per_s=STEPS / c,
+    memory = {"dense_peak_mib": peak["dense"], "concept_peak_mib": peak["concept"]} if peak else {}
+    record(benchmark, f"{name} r={decode_ratio:.2f} ({STEPS} steps)",
+           {"dense_s": d, "concept_s": c, "speedup": d / c, **memory}, ideal.speedup,
+           T=T, dense_tokens_per_s=STEPS / d, concept_tokens_per_s=STEPS / c,
            decode_ratio=decode_ratio, prompt_ratio=prompt_ratio, ratio=decode_ratio,
-           kv_bytes=kv["bytes"], dense_kv_bytes=kv["dense_bytes"], kv_saving=kv["dense_bytes"] / kv["bytes"])
+           kv_bytes=kv["bytes"], dense_kv_bytes=kv["dense_bytes"], kv_saving=kv["dense_bytes"] / kv["bytes"],
+           suite="decode", **extra)
+
+
+@pytest.mark.parametrize("backbone,T", PREFILL_CASES, ids=[f"{b}-T{t}" for b, t in PREFILL_CASES])
+def test_prefill_vs_dense(benchmark, record, request, device, dtype, backbone, T):
+    if backbone == "default":
+        gpu_case(request, device, T)
+    policy = DEFAULT_POLICY if backbone == "default" else POLICIES["fixed"]
+    model = _model(backbone, "chunked", policy).eval().to(device, dtype)
+    ratio = DEFAULT_TARGET_RATIO if backbone == "default" else RATIO
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    dense = lambda: DenseDecoder(model.backbone).prefill(ids, valid)  # noqa: E731
+    concept = lambda: ConceptDecoder(model).prefill(ids, valid)  # noqa: E731
+    if benchmark.disabled:  # smoke run (CI): one call each, no timing claims
+        dense(), concept()
+        return
+    timing = side_by_side(dense, concept, device=device)
+    benchmark.pedantic(concept, rounds=3, iterations=1)
+    shape = Shape.from_hf_config(model.backbone.config)
+    flops = forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), head_classes(model))
+    lm_head = 2.0 * shape.hidden * shape.vocab  # per position; a prefill computes the last position's logits only
+    ideal = (flops.dense - (T - 1) * lm_head) / (flops.concept - (T - 1) * lm_head)
+    record(benchmark, f"prefill {backbone} T={T} r={ratio}", timing, ideal, T=T, ratio=ratio, backend="chunked",
+           suite="prefill", dtype=dtype_name(dtype))

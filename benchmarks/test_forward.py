@@ -2,6 +2,10 @@
 
     .venv/bin/python -m pytest benchmarks/test_forward.py              # tiny backbone (fast)
     .venv/bin/python -m pytest benchmarks/test_forward.py --smollm2    # + SmolLM2-135M at T=2048
+    .venv/bin/python -m pytest benchmarks/test_forward.py --smollm2 --long --device cuda --dtype bf16   # + the GPU cases
+
+The GPU cases run the default build (split 4,18,8 on SmolLM2) at its operating point, 0.125 concepts
+per token, at 2k / 8k / 16k tokens (16k is past SmolLM2's 8192 trained positions: a speed case only).
 """
 from __future__ import annotations
 
@@ -10,15 +14,21 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
+from concept.config import DEFAULT_TARGET_RATIO
 from concept.flops import Shape, evenly_spaced_keep, forward_flops, head_classes
 
-from .conftest import side_by_side
+from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side, skip_unavailable
 
 RATIO = 0.25
+GPU_BACKENDS = ("chunked", "flex", "xformers")
 
 
 def _model(backbone: str, attention: str, length_policy: ComponentRef | None = None):
+    """``default``: the default build (split auto = 4,18,8 on SmolLM2); ``smollm2``: split 4,22,4; else
+    the tiny random backbone."""
     policy = length_policy or ComponentRef("null")
+    if backbone == "default":
+        return concept.build(BuildConfig(attention=ComponentRef(attention), length_policy=policy))
     if backbone == "smollm2":
         cfg = BuildConfig(split="4,22,4", attention=ComponentRef(attention), length_policy=policy)
     else:
@@ -37,10 +47,28 @@ CASES = [("tiny-llama", 512, "chunked"), ("tiny-llama", 512, "sdpa"),
 def test_forward_vs_dense(benchmark, record, request, device, backbone, T, attention):
     if backbone == "smollm2" and not request.config.getoption("--smollm2"):
         pytest.skip("pass --smollm2 to run the real-backbone cases")
-    model = _model(backbone, attention).to(device)
+    measure_forward(benchmark, record, _model(backbone, attention).to(device), T, RATIO, device,
+                    f"forward {backbone} T={T} r={RATIO} {attention}", backend=attention)
+
+
+GPU_CASES = [(t, a) for t in GPU_LENGTHS for a in GPU_BACKENDS]
+
+
+@pytest.mark.parametrize("T,attention", GPU_CASES, ids=[f"default-T{t}-{a}" for t, a in GPU_CASES])
+def test_forward_default_point_vs_dense(benchmark, record, request, device, dtype, T, attention):
+    gpu_case(request, device, T)
+    skip_unavailable(attention)
+    measure_forward(benchmark, record, _model("default", attention).to(device, dtype), T, DEFAULT_TARGET_RATIO,
+                    device, f"forward default T={T} r={DEFAULT_TARGET_RATIO} {attention}", backend=attention,
+                    dtype=dtype_name(dtype))
+
+
+def measure_forward(benchmark, record, model, T, ratio, device, name, **extra):
+    """The concept model (decisions forced evenly at ``ratio``) and its dense backbone on the same
+    random tokens, side by side, next to the ideal FLOP ratio."""
     torch.manual_seed(0)
     ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
-    keep = evenly_spaced_keep(T, RATIO)[None].to(device)
+    keep = evenly_spaced_keep(T, ratio)[None].to(device)
     ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep[0].cpu(),
                           head_classes(model))
     with torch.no_grad():
@@ -49,4 +77,4 @@ def test_forward_vs_dense(benchmark, record, request, device, backbone, T, atten
             return
         timing = side_by_side(lambda: model.backbone(ids), lambda: model(ids, keep=keep), device=device)
         benchmark.pedantic(lambda: model(ids, keep=keep), rounds=3, iterations=1)
-    record(benchmark, f"forward {backbone} T={T} r={RATIO} {attention}", timing, ideal.speedup, T=T, ratio=RATIO)
+    record(benchmark, name, timing, ideal.speedup, T=T, ratio=ratio, suite="forward", **extra)

@@ -50,20 +50,25 @@ def losses(run):
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(built, corpus, tmp_path):
-    straight = Trainer.start(built, tmp_path / "straight", small(data=str(corpus)))
-    straight.train()
-    first = Trainer.start(built, tmp_path / "resumed", small(data=str(corpus)))
+def train_interrupted_and_resumed(built, out, config) -> None:
+    """A run stopped by Ctrl-C after step 3 (the checkpoint is written on the way out), then resumed to its end."""
+    first = Trainer.start(built, out, config)
 
-    def interrupt_at_three(row):  # Ctrl-C after step 3 (the checkpoint is written on the way out)
+    def interrupt_at_three(row):
         if row["step"] == 3:
             first._on_sigint(None, None)
 
     with pytest.raises(KeyboardInterrupt):
         first.train(progress=interrupt_at_three)
-    again = Trainer.resume(tmp_path / "resumed")
+    again = Trainer.resume(out)
     assert again.step == 3
     again.train()
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(built, corpus, tmp_path):
+    straight = Trainer.start(built, tmp_path / "straight", small(data=str(corpus)))
+    straight.train()
+    train_interrupted_and_resumed(built, tmp_path / "resumed", small(data=str(corpus)))
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")  # bit for bit
     a, b = concept.load(tmp_path / "straight"), concept.load(tmp_path / "resumed")
     ids = torch.randint(0, 256, (1, 20))

@@ -1,0 +1,126 @@
+"""``python -m benchmarks.gpu_kit STAGE... [--out DIR] [--minutes M]`` (``--dry``: every stage on the CPU).
+
+    python3 -m benchmarks.gpu_kit setup exact --out $OUT      # on the GPU machine (docs/gpu.md)
+    python -m benchmarks.gpu_kit --dry                         # every stage on this CPU, tiny backbone, < 1 min
+    python -m benchmarks.gpu_kit report                        # the results that came back -> the docs
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from . import exact_stage, quality_stage, report_stage, setup_stage, speed_stage
+from .common import CALL_LIMIT_S, KIT, ROOT, STAGE_ORDER, WORK, KitError, Stage, activate, read_json
+
+MODULES = {"setup": setup_stage, "exact": exact_stage, "speed": speed_stage, "quality": quality_stage,
+           "report": report_stage}
+# each stage's default time budget (minutes): the two set-up calls (setup + exact, setup + speed) take
+# 11.5 minutes at most, less in practice (docs/gpu.md)
+BUDGET_MIN = {"setup": 2.5, "exact": 2.5, "speed": 4.0, "quality": 7.0, "report": 2.0}
+DEVICE_STAGES = ("setup", "exact", "speed", "quality")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_kit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stages", nargs="*", metavar="STAGE",
+                   help=f"one or more of {', '.join(STAGE_ORDER)}, run in the order given (with --dry and none: all)")
+    p.add_argument("--out", type=Path, help="folder for STAGE.json and STAGE.log (on the device: $OUT); "
+                                            "default .gpukit/out, with --dry .gpukit/dry")
+    p.add_argument("--dry", action="store_true",
+                   help="run on this CPU with the tiny random backbone: the same JSON, in under a minute")
+    p.add_argument("--minutes", type=float, help="each stage's time budget in minutes (default: "
+                   + ", ".join(f"{k} {v:g}" for k, v in BUDGET_MIN.items()) + ")")
+    p.add_argument("--again", action="store_true", help="setup: measure the training throughput again")
+    p.add_argument("--total-minutes", type=float, default=14.0,
+                   help="quality: minutes of the lease for quality over all its calls; sizes the plan at the first "
+                        "call (default 14)")
+    p.add_argument("--tokens", type=float, help="quality: at most this many training tokens per model "
+                                                "(default: the aim, 3e7)")
+    p.add_argument("--batch", type=int, help="quality: sequences of 128 tokens per step (default 128)")
+    p.add_argument("--from", dest="sources", action="append", type=Path, metavar="DIR",
+                   help="report: a folder holding the files that came back (repeatable; default .gpukit/results)")
+    return p
+
+
+def check(args) -> list[str]:
+    problems = [f"unknown stage {s!r}: choose from {', '.join(STAGE_ORDER)}" for s in args.stages if s not in MODULES]
+    if not args.stages and not args.dry:
+        problems.append(f"name a stage ({', '.join(STAGE_ORDER)}), or pass --dry to run them all on this CPU")
+    for name in ("minutes", "total_minutes", "tokens", "batch"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            problems.append(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    on_device = [s for s in args.stages if s in DEVICE_STAGES]
+    total = sum(60 * (args.minutes or BUDGET_MIN[s]) for s in on_device)
+    if not args.dry and total > CALL_LIMIT_S - 30:
+        problems.append(f"the budgets of {', '.join(on_device)} add up to {total:.0f} s, more than one device call "
+                        f"allows ({CALL_LIMIT_S} s with a margin): split them over calls, or pass --minutes")
+    return problems
+
+
+def run_stage(name: str, args, out: Path, argv: list[str]) -> int:
+    """One stage. The device stages keep their state in .gpukit/work (a dry run: inside --out) and see the
+    installed kit; `report` runs here and needs neither."""
+    on_device = name in DEVICE_STAGES and not args.dry
+    work = WORK if on_device else out / "work"
+    if name in DEVICE_STAGES:
+        activate(work, args.dry)
+    stage = Stage(name, out, work, args.dry, 60 * (args.minutes or BUDGET_MIN[name]), argv)
+    try:
+        return MODULES[name].run(stage, args)
+    except KitError as exc:
+        stage.problem(str(exc))
+    except Exception as exc:  # an unexpected failure: one line here, the traceback in the log
+        stage.raw(traceback.format_exc())
+        stage.problem(f"{type(exc).__name__}: {exc} (the traceback is in {stage.log_path})")
+    return stage.finish({})
+
+
+def run_dry_in_parallel(stages: list[str], args, out: Path, argv: list[str]) -> int:
+    """--dry with several stages: the device stages are independent there, so each runs in its own
+    process at once (their output goes to STAGE.log); then `report`, which reads their JSON."""
+    parallel = [s for s in stages if s in DEVICE_STAGES]
+    extra = [a for a in argv if a not in stages]
+    procs = {s: subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_kit", s, *extra], cwd=ROOT,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for s in parallel}
+    code = 0
+    for name, proc in procs.items():
+        code = max(code, proc.wait())
+        data = read_json(out / f"{name}.json") or {}
+        print(f"gpu_kit --dry: {name}: {data.get('status', 'no result')} in {data.get('seconds', 0):.1f} s "
+              f"({out / (name + '.log')})", flush=True)
+    for name in [s for s in stages if s not in DEVICE_STAGES]:
+        code = max(code, run_stage(name, args, out, ["python", "-m", "benchmarks.gpu_kit", *argv]))
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    problems = check(args)
+    if problems:
+        print("gpu_kit: " + "\n  ".join(["bad arguments:", *problems]), file=sys.stderr)
+        return 2
+    stages = args.stages or list(STAGE_ORDER)
+    out = args.out or KIT / ("dry" if args.dry else "out")
+    command = ["python", "-m", "benchmarks.gpu_kit", *argv]
+    if args.dry and len(stages) > 1:
+        return run_dry_in_parallel(stages, args, out, [*argv, *([] if args.out else ["--out", str(out)])])
+    code = 0
+    for i, name in enumerate(stages):
+        rc = run_stage(name, args, out, command)
+        code = max(code, rc)
+        if name == "setup" and rc:
+            if stages[i + 1:]:
+                print(f"gpu_kit: setup failed; not running {', '.join(stages[i + 1:])} (see {out / 'setup.json'})",
+                      file=sys.stderr)
+            break
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""`quality`: the streaming model against its FLOP-matched pruned baseline and the dense baseline, on
+the same tokens, in bf16, sized by the throughput `setup` measured.
+
+1. **The default point**: `make demo`'s recipe (the default build, split 4,18,8 at 0.125 concepts
+   per token, ``--lr 3e-3 --lr-new 3e-3``, seq-len 128, warm-up 10%) on a GPU batch, the streaming
+   model, its pruned baseline and the dense baseline, each trained on the same number of tokens:
+   as many as ``--total-minutes`` allow (at least 1e7 per model is the aim's floor, 3e7 the aim,
+   ``--tokens`` caps it).
+2. **If time remains**, the frontier point nearest 0.8x dense FLOPs (among a few splits and ratios,
+   chosen from ``concept frontier --dry-run``) against its own pruned baseline, on the same tokens.
+
+Both run through ``concept frontier`` (one ``--out`` for both, so the dense run is shared), which
+evaluates every run on held-out code (``stdlib``) and prose (``pydoc``). The plan is fixed at the
+first call and kept on the machine: a later call resumes where the last one stopped (the frontier
+skips complete runs and resumes interrupted ones from their checkpoints). At the call's budget
+(``--minutes``) the training is interrupted cleanly (a checkpoint is written). The table comes in
+the frontier's format, with training curves (``quality-curves.png``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from . import recipe
+from .common import Stage, kit_env, python_cmd, read_json, run_logged, write_json
+from .setup_stage import measure_throughput, needs_setup, smollm2_ready, throughput
+
+MIN_TOKENS, AIM_TOKENS = 1e7, 3e7
+TARGET_FLOPS = 0.8
+# candidates for the point near 0.8x dense FLOPs (the frontier's dry run gives each one's FLOP ratio)
+CANDIDATES = {"splits": ["10,10,10", "8,14,8", "6,18,6", "12,6,12"], "ratios": [0.25, 0.5]}
+DRY_CANDIDATES = {"splits": ["3,2,3", "2,4,2"], "ratios": [0.25, 0.5]}
+EVAL = {"batches": 6, "batch": 16}  # 12,288 tokens per domain: about all of pydoc's held-out split
+DRY_EVAL = {"batches": 2, "batch": 2}
+DRY_STEPS = 4
+DRY_TRAIN = {"calibration_batches": 2, "eval_batches": 1}  # the dry run's final calibration and evaluations: tiny
+SAFETY = 0.8  # throughput in a real run (evaluations, diagnostics, checkpoints) against `setup`'s steps
+OVERHEAD_S = 45  # per run: process start, build, data, the final calibration and evaluation
+
+
+def folder(stage: Stage) -> Path:
+    return stage.work / "quality"
+
+
+def main_split(dry: bool) -> str:
+    return recipe.DRY_SPLIT if dry else "auto"
+
+
+def frontier_args(stage: Stage, plan: dict, splits: str, ratios: str, baselines: str) -> list[str]:
+    """``concept frontier`` with the kit's recipe, the plan's steps, held-out code and prose."""
+    dry = stage.dry
+    every = plan["steps"] // 20 if plan["steps"] >= 40 else plan["steps"]  # ~20 evaluations and checkpoints a run
+    evaluation = DRY_EVAL if dry else EVAL
+    args = ["-m", "concept_cli", "frontier", "--splits", splits, "--ratios", ratios, "--baselines", baselines,
+            "--steps", str(plan["steps"]), "--seq-len", str(plan["seq_len"]), "--batch", str(plan["batch"]),
+            "--lr", str(recipe.DEMO["lr"]), "--lr-new", str(recipe.DEMO["lr_new"]), "--warmup", str(plan["warmup"]),
+            "--eval-batches", str(evaluation["batches"]), "--eval-batch", str(evaluation["batch"]),
+            "--device", plan["device"], "--out", str(folder(stage) / "runs"), *recipe.build_args(dry),
+            "--train-set", f"eval_every={every}", "--train-set", f"checkpoint_every={every}",
+            "--train-set", f"log_every={min(every, 50)}"]
+    for domain in recipe.domains(dry):
+        args += ["--eval-data", domain]
+    if dry:
+        args += ["--data", recipe.data(dry)]
+    for key, value in {**recipe.precision(dry), **(DRY_TRAIN if dry else {})}.items():
+        args += ["--train-set", f"{key}={value}"]
+    return args
+
+
+def planned_flops(stage: Stage, plan: dict, splits: list[str], ratios: list[float]) -> list[dict]:
+    """The frontier's plan (what ``concept frontier --dry-run`` shows) of splits x ratios with their pruned
+    baselines: ``[{kind, split, target_ratio, flop_ratio, pruned_baseline}]`` in plan order, streaming runs
+    first. Loads at most the backbone."""
+    from concept.frontier import FrontierSpec, domains, plan as plan_runs
+
+    train = recipe.train_config(stage.dry, steps=plan["steps"], batch_size=plan["batch"], device=plan["device"])
+    spec = FrontierSpec(build=recipe.build_config(stage.dry), splits=splits, ratios=ratios, train=train,
+                        domains=domains(list(recipe.domains(stage.dry)))[0], baselines=("pruned",))
+    runs = plan_runs(spec)
+    flops = {r.name: r.planned_flop_ratio for r in runs}
+    return [{"kind": r.kind, "split": ",".join(map(str, r.split)) if r.split else None, "target_ratio": r.target_ratio,
+             "flop_ratio": r.planned_flop_ratio, "pruned_baseline": r.pruned,
+             "pruned_flop_ratio": flops.get(r.pruned)} for r in runs]
+
+
+def make_plan(stage: Stage, args) -> dict:
+    """Tokens per model and the points to train, from the measured throughput and the minutes given."""
+    dry = stage.dry
+    batch, seq = args.batch or recipe.batch(dry), recipe.seq_len(dry)
+    plan = {"created_at": stage.started_at, "device": "cpu" if dry else "cuda", "batch": batch, "seq_len": seq,
+            "tokens_per_step": batch * seq, "total_minutes": args.total_minutes, "used_s": 0.0, "steps": 1,
+            "warmup": 1, "recipe": {**recipe.DEMO, **recipe.precision(dry)}, "domains": list(recipe.domains(dry)),
+            "data": recipe.data(dry) or "stdlib"}
+    cands = DRY_CANDIDATES if dry else CANDIDATES
+    main = planned_flops(stage, plan, [main_split(dry)], [recipe.DEMO["target_ratio"]])[0]
+    near = min((r for r in planned_flops(stage, plan, cands["splits"], cands["ratios"])
+                if r["kind"] == "streaming" and r["pruned_baseline"]), key=lambda r: abs(r["flop_ratio"] - TARGET_FLOPS))
+    points = [{"name": name, "splits": r["split"], "ratios": str(r["target_ratio"]), "baselines": "pruned,dense",
+               "flop_ratio": r["flop_ratio"], "state": "planned"}
+              for name, r in (("default", main), (f"near-{TARGET_FLOPS}x", near))]
+    if dry:
+        steps = DRY_STEPS
+        points[1].update(state="skipped", reason="dry run: one point keeps the self-check within seconds (on the GPU "
+                                                 "this point runs when the lease's minutes fit it)")
+    else:
+        steps, seconds, reason = size(stage, args, plan["tokens_per_step"], main, near)
+        plan["estimate_s"] = {p["name"]: s for p, s in zip(points, seconds)}
+        if reason:
+            points[1].update(state="skipped", reason=reason)
+    plan.update(steps=steps, warmup=recipe.warmup(steps), tokens_per_model=steps * plan["tokens_per_step"],
+                points=points)
+    return plan
+
+
+def size(stage: Stage, args, per_step: int, main: dict, near: dict) -> tuple[int, tuple[int, int], str]:
+    """Steps per model for the default point (as many tokens as ``--total-minutes`` allow, up to the aim), the
+    seconds each point should take, and why the near-0.8x point does not fit ('' if it does). Seconds per
+    token: the default point's three models as `setup` measured them; the other point's two scaled by FLOPs."""
+    tp = (throughput(stage.work) or {}).get("models", {})
+    if set(tp) != {"streaming", "pruned", "dense"}:
+        stage.warn("`setup` did not measure the throughput of all three models on this machine: measuring it now")
+        tp = measure_throughput(stage)["models"]
+    per_token_main = sum(1 / tp[k]["tokens_per_s"] for k in tp) / SAFETY
+    per_token_near = (near["flop_ratio"] / main["flop_ratio"] / tp["streaming"]["tokens_per_s"]
+                      + near["pruned_flop_ratio"] / (main["pruned_flop_ratio"] or 1.0) / tp["pruned"]["tokens_per_s"]
+                      ) / SAFETY
+    available = args.total_minutes * 60 - 3 * OVERHEAD_S
+    tokens = max(per_step, min(args.tokens or AIM_TOKENS, AIM_TOKENS, available / per_token_main))
+    steps = max(1, int(tokens // per_step))
+    tokens = steps * per_step
+    if tokens < MIN_TOKENS:
+        stage.warn(f"only {tokens:.2e} tokens per model fit {args.total_minutes} minutes (the floor is "
+                   f"{MIN_TOKENS:.0e}): the quality numbers are indicative only")
+    estimate = (round(tokens * per_token_main + 3 * OVERHEAD_S), round(tokens * per_token_near + 2 * OVERHEAD_S))
+    left = args.total_minutes * 60 - estimate[0]
+    reason = "" if left >= estimate[1] else (
+        f"{args.total_minutes:g} minutes fit the default point at {tokens:.2e} tokens per model, not also this point "
+        f"(~{estimate[1] / 60:.1f} more minutes)")
+    return steps, estimate, reason
+
+
+def run_point(stage: Stage, plan: dict, point: dict) -> None:
+    runs = folder(stage) / "runs"
+    res = run_logged(stage, python_cmd(*frontier_args(stage, plan, point["splits"], point["ratios"], point["baselines"])),
+                     env=kit_env(stage.work, stage.dry), deadline=stage.deadline() - 20)
+    if res["returncode"] == 0 and (runs / "frontier.json").is_file():
+        point["state"] = "complete"
+        write_json(folder(stage) / f"{point['name']}.json", json.loads((runs / "frontier.json").read_text()))
+    elif res["interrupted"]:
+        point["state"] = "interrupted"
+        stage.skip(f"the rest of point {point['name']}", "this call's time budget ran out (checkpoints are saved): "
+                                                          "run `quality` again to resume")
+    else:
+        point["state"] = "failed"
+        stage.problem(f"`concept frontier` for point {point['name']} exited with code {res['returncode']} (quality.log)")
+
+
+def merged(stage: Stage, plan: dict) -> dict | None:
+    """The completed points' frontier results as one (rows of later points appended once)."""
+    results = [read_json(folder(stage) / f"{p['name']}.json") for p in plan["points"] if p["state"] == "complete"]
+    results = [r for r in results if r]
+    if not results:
+        return None
+    combined = dict(results[0])
+    names = {r["run"] for r in combined["rows"]}
+    combined["rows"] = list(combined["rows"]) + [r for res in results[1:] for r in res["rows"] if r["run"] not in names]
+    return combined
+
+
+def metrics(stage: Stage) -> dict[str, list[dict]]:
+    """Every run's logged steps so far (``metrics.jsonl``), complete or not, by run name."""
+    out = {}
+    for path in sorted((folder(stage) / "runs").glob("*/metrics.jsonl")):
+        out[path.parent.name] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def progress(runs: dict[str, list[dict]], plan: dict) -> list[dict]:
+    """How far each run got: step, tokens seen, the last train loss and held-out NLL."""
+    out = []
+    for name, rows in runs.items():
+        last_eval = next((r["eval"] for r in reversed(rows) if r.get("eval")), {})
+        step = rows[-1]["step"] if rows else 0
+        out.append({"run": name, "step": step, "steps": plan["steps"], "tokens": step * plan["tokens_per_step"],
+                    "loss": rows[-1]["loss"] if rows else None, "heldout_nll": last_eval.get("nll")})
+    return out
+
+
+def curves(stage: Stage, runs: dict[str, list[dict]], plan: dict) -> str | None:
+    """Train loss and held-out NLL against tokens seen, one line per run: ``quality-curves.png``."""
+    if not any(runs.values()):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from concept import fs
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, rows in runs.items():
+        axes[0].plot([r["step"] * plan["tokens_per_step"] for r in rows], [r["loss"] for r in rows], lw=0.8, label=name)
+        evals = [(r["step"] * plan["tokens_per_step"], r["eval"]["nll"]) for r in rows if r.get("eval")]
+        if evals:
+            axes[1].plot(*zip(*evals), "o-", ms=3, lw=1, label=name)
+    for ax, title in zip(axes, ("train loss (nats / token)", "held-out NLL, training data's split (nats / token)")):
+        ax.set_title(title)
+        ax.set_xlabel("tokens seen")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = stage.out / "quality-curves.png"
+    try:
+        fs.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
+    return path.name
+
+
+def next_point(stage: Stage, plan: dict) -> dict | None:
+    """The next point to train, or None; a later point that no longer fits the minutes left is skipped."""
+    for i, point in enumerate(plan["points"]):
+        if point["state"] in ("complete", "skipped", "failed"):
+            continue
+        needed = plan.get("estimate_s", {}).get(point["name"], 0)
+        left = plan["total_minutes"] * 60 - plan["used_s"]
+        if i and point["state"] == "planned" and needed > left:
+            point.update(state="skipped", reason=f"the quality minutes left ({left / 60:.1f}) do not fit it "
+                                                 f"(~{needed / 60:.1f} minutes)")
+            continue
+        return point
+    return None
+
+
+def run(stage: Stage, args) -> int:
+    if needs_setup(stage):
+        return stage.finish({})
+    if not stage.dry and not smollm2_ready(stage.work):
+        stage.problem("SmolLM2 is not set up on this machine: make every set-up call first, then `quality`")
+        return stage.finish({})
+    plan_path = folder(stage) / "plan.json"
+    plan = read_json(plan_path)
+    if plan is None:
+        plan = make_plan(stage, args)
+        write_json(plan_path, plan)
+        stage.say(f"plan: {plan['tokens_per_model']:.3g} tokens per model ({plan['steps']} steps of "
+                  f"{plan['tokens_per_step']}); points: " + ", ".join(f"{p['name']} ({p['state']})" for p in plan["points"]))
+    else:
+        stage.say(f"continuing the plan of {plan['created_at']} ({plan['used_s'] / 60:.1f} of {plan['total_minutes']} "
+                  f"minutes used)")
+    while (point := next_point(stage, plan)) is not None:
+        if stage.remaining() < 60:
+            stage.skip(f"point {point['name']}", "this call's time budget ran out: run `quality` again to continue")
+            break
+        start = time.monotonic()
+        run_point(stage, plan, point)
+        plan["used_s"] += time.monotonic() - start
+        write_json(plan_path, plan)
+        if point["state"] != "complete":
+            break
+    for point in plan["points"]:
+        if point["state"] == "skipped":
+            stage.skip(f"point {point['name']}", point["reason"])
+    write_json(plan_path, plan)
+    result = merged(stage, plan)
+    runs = metrics(stage)
+    from concept.frontier import markdown_table
+
+    out = {"plan": plan, "points": [{k: p.get(k) for k in ("name", "splits", "ratios", "flop_ratio", "state", "reason")}
+                                    for p in plan["points"]],
+           "complete": all(p["state"] in ("complete", "skipped") for p in plan["points"]),
+           "runs": progress(runs, plan), "frontier": result, "table": markdown_table(result) if result else None,
+           "curves": curves(stage, runs, plan)}
+    return stage.finish(out)

@@ -1,0 +1,259 @@
+"""`report` (on the CPU machine): the stages' JSON into the GPU sections of the docs, and the files to commit.
+
+Reads the ``STAGE.json`` files that came back from the device (default ``.gpukit/results/``; the
+latest run of each stage counts) and replaces the block between ``<!-- gpu-kit:STAGE:begin -->`` and
+``<!-- gpu-kit:STAGE:end -->``: setup, exact and speed in ``docs/benchmarks.md``, quality in
+``docs/results.md``; each file is replaced atomically. It also files the pytest-benchmark baseline
+under ``benchmarks/baselines/<gpu>/``, the training curves under ``docs/img/`` and the raw JSON under
+``benchmarks/gpu_results/<gpu>/``, and prints the one ``git add`` to commit them. Results of a dry
+run are never written into the docs; ``--dry`` renders the dry run's own results into copies of the
+docs inside ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .common import RESULTS, ROOT, KitError, Stage, read_json
+
+DOC = {"setup": "docs/benchmarks.md", "exact": "docs/benchmarks.md", "speed": "docs/benchmarks.md",
+       "quality": "docs/results.md"}
+CURVES = "docs/img/gpu-quality-curves.png"
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- gpu-kit:{name}:begin -->", f"<!-- gpu-kit:{name}:end -->"
+
+
+def replace_block(text: str, name: str, body: str, where: str) -> str:
+    begin, end = markers(name)
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise KitError(f"{where} needs exactly one line {begin} followed by one line {end} (found {text.count(begin)} "
+                       f"and {text.count(end)}); restore them and run `report` again")
+    return text[:text.index(begin) + len(begin)] + "\n" + body.strip() + "\n" + text[text.index(end):]
+
+
+def load(sources: list[Path]) -> dict[str, dict]:
+    """The latest finished JSON of each stage found in ``sources`` (each a folder, searched two levels deep)."""
+    found: dict[str, dict] = {}
+    for source in sources:
+        for path in sorted(Path(source).glob("**/*.json")):
+            if path.stem not in DOC or len(path.relative_to(source).parts) > 3:
+                continue
+            data = read_json(path)
+            if not isinstance(data, dict) or data.get("stage") != path.stem or data.get("status") == "running":
+                continue
+            data["_path"] = path
+            if path.stem not in found or data["started_at"] > found[path.stem]["started_at"]:
+                found[path.stem] = data
+    return found
+
+
+def _f(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def heading(data: dict) -> str:
+    m = data.get("machine") or {}
+    return (f"Measured {data['started_at'][:10]} by the GPU kit (`{data['command'] or data['stage']}`, "
+            f"{data['seconds']:.0f} s, status **{data['status']}**) on {m.get('gpu') or 'no GPU'}, torch {m.get('torch')} "
+            f"(CUDA {m.get('cuda')}), transformers {m.get('transformers')}, Python {m.get('host_python')}.")
+
+
+def skipped_lines(data: dict) -> list[str]:
+    lines = [f"- skipped: {s['what']}: {s['reason']}" for s in data.get("skipped", [])]
+    lines += [f"- problem: {p}" for p in data.get("problems", [])]
+    lines += [f"- warning: {w}" for w in data.get("warnings", [])]
+    return lines
+
+
+def render_setup(data: dict) -> str:
+    r = data["result"]
+    env = r.get("environment") or {}
+    flex = env.get("flex") or {}
+    xf = env.get("xformers") or {}
+    deps = env.get("dependencies") or {}
+    flex_text = ("compiled, forward and backward in {:.0f} s, relative error {:.1e} against causal SDPA".format(
+        flex["forward_backward_s"], flex["relative_error_vs_sdpa"]) if flex.get("compiled")
+        else flex.get("error") or flex.get("note") or flex.get("reason") or "–")
+    xf_text = (f"{xf.get('version')}: kernels {'load' if xf.get('kernels_load') else 'do not load: ' + str(xf.get('unavailable_reason'))}"
+               if xf.get("installed") else f"not installed: {xf.get('reason')}")
+    off = [f"{n} {d['found']} (needs {d['required']})" + (f": {d['note']}" if d.get("note") else "")
+           for n, d in deps.items() if not d["ok"]]
+    lines = [heading(data), "", "| check | result |", "|---|---|",
+             f"| GPU | {env.get('gpu', '–')}, capability {env.get('capability', '–')}, {env.get('gpu_memory_gib', '–')} GiB; "
+             f"nvidia-smi: {env.get('nvidia_smi') or '–'} |",
+             f"| versions | torch {env.get('torch')}, CUDA {env.get('torch_cuda')}, transformers {env.get('transformers')}, "
+             f"peft {env.get('peft')}, gguf {env.get('gguf')}, Triton {env.get('triton')} |",
+             f"| FlexAttention | {flex_text} |", f"| xformers | {xf_text} |",
+             f"| dependencies out of range | {'; '.join(off) if off else 'none'} |"]
+    tp = r.get("throughput")
+    if tp:
+        rec = tp["recipe"]
+        lines += ["", f"Training throughput of the default recipe (batch {rec['batch']} x {rec['seq_len']} tokens, "
+                      f"{rec['precision']}, median of {tp['steps']['timed']} steps after {tp['steps']['warm-up']}):", "",
+                  "| model | tokens/s | s / step | peak MiB |", "|---|---:|---:|---:|"]
+        lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {m['step_s']:.3f} | {_f(m.get('peak_mib'), ',.0f')} |"
+                  for kind, m in tp["models"].items()]
+    return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def render_exact(data: dict) -> str:
+    r = data["result"]
+    if not r:
+        return "\n".join([heading(data), ""] + skipped_lines(data))
+    c = r["counts"]
+    tol = r["tolerances"]
+    lines = [heading(data), "",
+             f"`{r['command']}`: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped. "
+             f"Tolerances (relative L2 error against the float32 naive reference): "
+             + "; ".join(f"{d}: logits {t['logits']:g}, gradients {t['grads']:g} (each tensor {t['grad_each']:g})"
+                         for d, t in tol["relative_l2"].items())
+             + f"; the tiny backbone's attention sharpened x{tol['attention_sharpened']:g}.", "",
+             "| test (all its cases) | passed | failed | skipped | s | first failure or skip reason |",
+             "|---|---:|---:|---:|---:|---|"]
+    groups: dict[str, list[dict]] = {}
+    for t in r["tests"]:
+        groups.setdefault(t["id"].split("[")[0], []).append(t)
+    for name, tests in groups.items():
+        n = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}
+        first = next((t for t in tests if t["outcome"] in ("failed", "error")), None) or \
+            next((t for t in tests if t["outcome"] == "skipped"), None)
+        why = (f"`{first['id'].split('::')[-1]}`: " + re.sub(r"\s+", " ", first["message"])[:200]).replace("|", "\\|") \
+            if first else ""
+        lines.append(f"| `{name}` | {n['passed']} | {n['failed'] + n['error']} | {n['skipped']} | "
+                     f"{sum(t['seconds'] for t in tests):.1f} | {why} |")
+    return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def render_speed(data: dict) -> str:
+    r = data["result"]
+    if not r:
+        return "\n".join([heading(data), ""] + skipped_lines(data))
+    lines = [heading(data), "", f"`{r['command']}`", "",
+             "| case | dense ms | concept ms | speed-up | ideal | of ideal | peak MiB (dense / concept) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in r["rows"]:
+        peak = (f"{row['dense_peak_mib']:,.0f} / {row['concept_peak_mib']:,.0f}" if "dense_peak_mib" in row else "–")
+        lines.append(f"| {row['case']} | {1000 * row['dense_s']:.2f} | {1000 * row['concept_s']:.2f} | "
+                     f"{row['speedup']:.2f}x | {row['ideal_speedup']:.2f}x | {100 * row['fraction_of_ideal']:.0f}% | {peak} |")
+    lines += ["", "Fastest exact backend (speed-up over dense) per length:", "", "| suite | T | fastest | all |",
+              "|---|---:|---|---|"]
+    for suite, lengths in r["fastest"].items():
+        for T, v in lengths.items():
+            lines.append(f"| {suite} | {T} | `{v['fastest']}` | "
+                         + ", ".join(f"{b} {x:.2f}x" for b, x in sorted(v["speedups"].items(), key=lambda i: -i[1])) + " |")
+    rec = r["auto_recommendation"]
+    lines += ["", f"`auto` on CUDA today: `{rec['current_choice_on_cuda']}`. Recommendation from these rows:"]
+    for mode, v in rec.items():
+        if isinstance(v, dict):
+            lines.append(f"- {mode}: " + (f"`{v['backend']}` ({v['reason']})" if v.get("backend") else v["reason"]))
+    return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def render_quality(data: dict, image: str | None) -> str:
+    r = data["result"]
+    if not r:
+        return "\n".join([heading(data), ""] + skipped_lines(data))
+    plan = r["plan"]
+    lines = [heading(data), "",
+             f"Recipe: `make demo`'s ({', '.join(f'{k} {v}' for k, v in plan['recipe'].items())}), batch {plan['batch']} x "
+             f"{plan['seq_len']} tokens, {plan['steps']} steps (warm-up {plan['warmup']}): "
+             f"**{plan['tokens_per_model']:.3g} tokens per model**, the same batches of `{plan['data']}` for every "
+             f"model; held-out: {', '.join(f'`{d}`' for d in plan['domains'])} (`stdlib` and `pydoc` are this "
+             f"machine's Python's).", ""]
+    lines += [f"- point {p['name']}: split {p['splits']}, ratio {p['ratios']}, planned {_f(p['flop_ratio'], '.3f')}x dense "
+              f"FLOPs: {p['state']}" + (f" ({p['reason']})" if p.get("reason") else "") for p in r["points"]]
+    if r.get("runs"):
+        lines += ["", "| run | steps done | tokens seen | last train loss | last held-out NLL (training data's split) |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {x['run']} | {x['step']} / {x['steps']} | {x['tokens']:.3g} | {_f(x['loss'], '.3f')} | "
+                  f"{_f(x['heldout_nll'], '.3f')} |" for x in r["runs"]]
+    if r.get("table"):
+        lines += ["", "Held-out evaluation (the frontier's table):", "", r["table"]]
+    if image:
+        lines += ["", f"![training curves: train loss and held-out NLL against tokens seen]({image})"]
+    return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def free_baseline_path(base: Path, relative: str, data: bytes) -> str:
+    """``relative`` (``.../NNNN_NAME.json``), or the next free NNNN where an earlier lease's run is there:
+    a saved baseline is never overwritten (``concept bench --compare NAME`` takes the latest)."""
+    path = Path(relative)
+    number, name = path.name.split("_", 1)
+    n = int(number)
+    while (base / path).exists() and (base / path).read_bytes() != data:
+        n += 1
+        path = path.with_name(f"{n:04d}_{name}")
+    return path.as_posix()
+
+
+def machine_slug(found: dict) -> str:
+    speed = (found.get("speed") or {}).get("result") or {}
+    if speed.get("machine_id"):
+        return speed["machine_id"]
+    gpu = next((d["machine"].get("gpu") for d in found.values() if (d.get("machine") or {}).get("gpu")), None) or "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+
+
+def run(stage: Stage, args) -> int:
+    from concept import fs
+
+    sources = [stage.out] if stage.dry else [Path(s) for s in (args.sources or [RESULTS])]
+    found = load(sources)
+    if not found:
+        stage.problem(f"no stage results (setup.json, exact.json, speed.json, quality.json) in "
+                      f"{', '.join(map(str, sources))}: copy the files each device call brought back there (docs/gpu.md)")
+        return stage.finish({})
+    dry_results = [n for n, d in found.items() if d.get("dry")]
+    if dry_results and not stage.dry:
+        stage.problem(f"{', '.join(dry_results)}: results of a dry run (CPU, tiny backbone); they are never written into "
+                      f"the docs. Remove them from {', '.join(map(str, sources))}")
+        return stage.finish({})
+    base = stage.out if stage.dry else ROOT
+    slug = machine_slug(found)
+    quality, speed = found.get("quality"), found.get("speed")
+    curves = quality["_path"].parent / "quality-curves.png" if quality else None
+    image = "img/" + Path(CURVES).name if curves is not None and curves.is_file() else None
+    renders = {"setup": render_setup, "exact": render_exact, "speed": render_speed,
+               "quality": lambda d: render_quality(d, image)}
+    docs = {}
+    try:  # every doc and its markers first: nothing is written unless all of them are fine
+        for doc in sorted(set(DOC.values())):
+            text = (ROOT / doc).read_text(encoding="utf-8")
+            for name in [n for n, d in DOC.items() if d == doc]:
+                text = replace_block(text, name, renders[name](found[name]) if name in found else "", doc)
+                if name not in found:
+                    stage.skip(f"the {name} block of {doc}", f"no {name}.json among the results")
+            docs[doc] = text
+    except KitError as exc:
+        stage.problem(str(exc))
+        return stage.finish({})
+    written: list[str] = []
+
+    def place(relative: str, data: bytes) -> None:
+        target = base / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.write_atomic(target, data)
+        written.append(relative)
+
+    if image:
+        place(CURVES, curves.read_bytes())
+    baseline = ((speed or {}).get("result") or {}).get("baseline")
+    if baseline and (speed["_path"].parent / baseline["file"]).is_file():
+        data = (speed["_path"].parent / baseline["file"]).read_bytes()
+        place(free_baseline_path(base, f"benchmarks/baselines/{baseline['path']}", data), data)
+    for name, data in found.items():
+        clean = {k: v for k, v in data.items() if k != "_path"}
+        place(f"benchmarks/gpu_results/{slug}/{name}.json", (json.dumps(clean, indent=1) + "\n").encode())
+    for doc, text in docs.items():
+        place(doc, text.encode("utf-8"))
+    commit = "git add " + " ".join(sorted({w if not w.startswith("benchmarks/") else "/".join(w.split("/")[:3])
+                                           for w in written}))
+    if stage.dry:
+        stage.say(f"dry run: rendered {len(written)} files into copies under {base} (the real docs are untouched)")
+    else:
+        stage.say(f"wrote {len(written)} files; to commit them: {commit}")
+    return stage.finish({"stages": {n: found[n]["status"] for n in found}, "sources": [str(s) for s in sources],
+                         "written": written, "commit": commit, "machine": slug})

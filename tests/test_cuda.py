@@ -1,0 +1,191 @@
+"""Exactness on a CUDA device: every attention backend against the naive reference, decoding against
+teacher forcing, and a bf16 training run that resumes exactly.
+
+Marked ``cuda``; without a CUDA device every test skips. The GPU kit's ``exact`` stage runs them
+(``python -m benchmarks.gpu_kit exact``, docs/gpu.md); by hand: ``pytest -m cuda tests/test_cuda.py``.
+
+* **Backends** (each one the registry lists, with its default configuration: compiled FlexAttention,
+  xformers' own kernels): the padded batch of the equivalence tests (right and left padding, every
+  kind of decision run), logits and the new modules' gradients, against the naive per-position loop
+  (``tests/reference.py``) run in float32 on the CPU with the same weights. In fp32 the CUDA model
+  must agree to ``TOLERANCES["fp32"]``; under bf16 autocast (what training uses on CUDA) to
+  ``TOLERANCES["bf16"]``, with the concept ids fixed to the reference's (an argmax over near-equal
+  logits may pick another id in bf16: a different input, not an error). The tiny backbone's attention
+  is sharpened (q and k projections x8) so that the deep stack's rule matters: a wrong position rule
+  moves the logits by 5-12% (measured on CPU), above the bf16 tolerance of 3% (the negative control
+  checks it with the GPU's own bf16 output).
+  Errors are relative L2 norms, ``|x - ref| / |ref|``.
+* **Decoding** with the KV caches equals the teacher-forced one-pass forward (fp32).
+* **Training** in bf16 on CUDA, interrupted after 3 of 6 steps and resumed, gives the same losses
+  and weights bit for bit as the uninterrupted run (under ``torch.use_deterministic_algorithms``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (read when it first starts)
+
+import concept  # noqa: E402
+from concept import BuildConfig, ComponentRef  # noqa: E402
+from concept.model import next_token_loss  # noqa: E402
+from concept.registry import registry  # noqa: E402
+from concept.training import TrainConfig, Trainer  # noqa: E402
+from tests.conftest import (POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions,  # noqa: E402
+                            randomize_new_modules, tiny_config)
+from tests.reference import reference_logits, shallow_states  # noqa: E402
+from tests.test_equivalence import padded_batch  # noqa: E402
+from tests.test_training import (corpus, losses, small,  # noqa: E402,F401  (corpus: a fixture)
+                                 train_interrupted_and_resumed)
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# relative L2 error allowed against the float32 reference: logits, all new-module gradients together,
+# and each gradient tensor alone
+TOLERANCES = {"fp32": {"logits": 1e-4, "grads": 1e-4, "grad_each": 1e-3},
+              "bf16": {"logits": 3e-2, "grads": 5e-2, "grad_each": 1e-1}}
+SHARPEN = 8.0
+BACKENDS = registry("attention").names()
+
+
+def cuda_models(name: str, seed: int = 0):
+    """(CPU float32 model, its copy on CUDA): tiny backbone with sharpened attention, random new modules,
+    backend ``name`` with its default configuration."""
+    reason = getattr(registry("attention").get(name), "unavailable_reason", lambda: "")()
+    if reason:
+        pytest.skip(f"attention {name!r}: {reason}")
+    cfg = tiny_config()
+    cfg.attention = ComponentRef(name)
+    model = randomize_new_modules(concept.build(cfg), seed=seed).eval()
+    with torch.no_grad():
+        for n, p in model.backbone.named_parameters():
+            if "q_proj" in n or "k_proj" in n:
+                p.mul_(SHARPEN)
+    return model, copy.deepcopy(model).to("cuda")
+
+
+def relative(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    return float((x - ref).norm() / max(float(ref.norm()), floor))
+
+
+def new_module_grads(model, logits, ids, valid) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    next_token_loss(logits, ids, valid).backward()
+    grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def run_cuda(model, ids, mask, keep, concept_ids, dtype: str):
+    """The CUDA model's logits on the batch, under bf16 autocast for ``dtype == "bf16"``."""
+    dev = [t.to("cuda") for t in (ids, mask, keep, concept_ids)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        return model(dev[0], attention_mask=dev[1], keep=dev[2], concept_ids=dev[3]).logits
+
+
+def reference(model):
+    """The padded batch, the reference's concept ids, its logits and gradients (CPU, float32)."""
+    ids, mask, keep = padded_batch()
+    valid = mask.bool()
+    with torch.no_grad():
+        concept_ids = model.decide(shallow_states(model, ids, valid), valid, keep)[3]
+    ref = reference_logits(model, ids, attention_mask=mask, keep=keep)[0]
+    return ids, mask, keep, valid, concept_ids, ref, new_module_grads(model, ref, ids, valid)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_the_naive_reference_on_cuda(backend, dtype):
+    cpu, gpu = cuda_models(backend)
+    ids, mask, keep, valid, concept_ids, ref, ref_grads = reference(cpu)
+    tol = TOLERANCES[dtype]
+    logits = run_cuda(gpu, ids, mask, keep, concept_ids, dtype)
+    assert torch.isfinite(logits[valid.to("cuda")]).all(), "non-finite logits at real tokens"
+    err = relative(logits.float().cpu()[valid], ref[valid])
+    assert err <= tol["logits"], (f"{backend} {dtype}: logits differ from the naive reference by {err:.2e} "
+                                  f"(allowed {tol['logits']:.0e})")
+    grads = new_module_grads(gpu, logits, ids.to("cuda"), valid.to("cuda"))
+    assert set(grads) == set(ref_grads)
+    flat, ref_flat = (torch.cat([g[n].flatten() for n in sorted(ref_grads)]) for g in (grads, ref_grads))
+    err = relative(flat, ref_flat)
+    assert err <= tol["grads"], f"{backend} {dtype}: gradients differ by {err:.2e} (allowed {tol['grads']:.0e})"
+    floor = 1e-3 * float(ref_flat.norm())
+    worst = max((relative(grads[n], ref_grads[n], floor), n) for n in ref_grads)
+    assert worst[0] <= tol["grad_each"], f"{backend} {dtype}: the gradient of {worst[1]} differs by {worst[0]:.2e}"
+
+
+def test_bf16_tolerance_separates_a_wrong_rule():
+    """Negative control: the bf16 output on this GPU is outside the bf16 tolerance of a wrong reference
+    (positions numbered by packed index): agreement within that tolerance above is not vacuous."""
+    cpu, gpu = cuda_models("chunked")
+    ids, mask, keep = padded_batch()
+    valid = mask.bool()
+    with torch.no_grad():
+        concept_ids = cpu.decide(shallow_states(cpu, ids, valid), valid, keep)[3]
+        wrong = reference_logits(cpu, ids, attention_mask=mask, keep=keep, deep_positions="packed-index")[0]
+        logits = run_cuda(gpu, ids, mask, keep, concept_ids, "bf16").float().cpu()
+    err = relative(logits[valid], wrong[valid])
+    assert err > TOLERANCES["bf16"]["logits"], f"a wrong rule is only {err:.2e} away: the bf16 tolerance cannot see it"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_matches_teacher_forcing_on_cuda(backend):
+    cpu, _ = cuda_models(backend)
+    model = mix_decisions(cpu).to("cuda")  # about 30% of the tokens emit a concept
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 13, 1)]
+    gen = assert_decoding_matches_teacher_forcing(model, prompts, 16, atol=1e-4)
+    decisions = [k for row in gen.keep for k in row]
+    assert 0 < sum(decisions) < len(decisions)  # both kinds of step happen
+
+
+def test_decoding_with_other_policies_on_cuda():
+    for policy in ("fixed", "threshold"):
+        cfg = tiny_config(policy=POLICIES[policy], attention="chunked")
+        model = mix_decisions(randomize_new_modules(concept.build(cfg))).eval().to("cuda")
+        assert_decoding_matches_teacher_forcing(model, [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3]], 12, atol=1e-4)
+
+
+def precision() -> dict:
+    """bf16 explicitly where the training config has a ``dtype`` (else CUDA's default bf16 autocast)."""
+    return {"dtype": "bf16"} if "dtype" in {f.name for f in dataclasses.fields(TrainConfig)} else {}
+
+
+@pytest.mark.parametrize("attention", ["chunked", "auto"])
+def test_bf16_training_resumes_exactly_on_cuda(corpus, tmp_path, attention):  # noqa: F811
+    built = tmp_path / "built"
+    concept.save(concept.build(BuildConfig(
+        backbone=ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1, "intermediate": 64}),
+        split="1,2,1", vocabulary=ComponentRef("embedding", {"size": 32}), attention=ComponentRef(attention))), built)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_three_runs(built, tmp_path, small(data=str(corpus), device="cuda", **precision()))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    ops = sorted({str(w.message).split(" does not have a deterministic")[0] for w in caught
+                  if "deterministic" in str(w.message)})
+    straight, rerun, resumed = (losses(tmp_path / n) for n in ("straight", "again", "resumed"))
+    spread = max(abs(a - b) for a, b in zip(straight, rerun))
+    assert straight == rerun, (f"two uninterrupted bf16 runs differ (max |Δloss| {spread:.2e}): not deterministic "
+                               f"here; ops without a deterministic kernel: {ops or 'none reported'}")
+    gap = max(abs(a - b) for a, b in zip(straight, resumed))
+    assert straight == resumed, f"the resumed run's losses differ from the uninterrupted run's (max |Δloss| {gap:.2e})"
+    a, b = concept.load(tmp_path / "straight").to("cuda"), concept.load(tmp_path / "resumed").to("cuda")
+    ids = torch.randint(0, 256, (1, 20), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
+
+
+def train_three_runs(built, tmp_path, config) -> None:
+    """Two uninterrupted runs (the determinism control) and one stopped after step 3 and resumed."""
+    for name in ("straight", "again"):
+        Trainer.start(built, tmp_path / name, copy.deepcopy(config)).train()
+    train_interrupted_and_resumed(built, tmp_path / "resumed", copy.deepcopy(config))
