@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: demo test test-slow bench install clean gpu-pack gpu-kit
+.PHONY: demo test test-slow bench install clean gpu-pack gpu-kit mutate
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/concept bench
+
+# deliberate bugs, one at a time, each of which the tests must catch (tests/mutate.py; ONLY=text picks some)
+mutate: $(STAMP)
+	$(BIN)/python -m tests.mutate $(if $(ONLY),--only "$(ONLY)")
 
 # The GPU kit (docs/gpu.md). gpu-pack fills .gpukit/ with what a lent GPU machine lacks (downloads from
 # PyPI) and prints the device calls; gpu-kit runs a stage here, e.g. STAGE=report, or ARGS=--dry (all, CPU).

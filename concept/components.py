@@ -35,12 +35,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def rms_normalize(h):
-    """``h / rms(h)`` over the last dim (statistics in float32, result in h's dtype): what heads that
-    should depend on a state's direction, not its norm, read (ConceptHead, codebook, threshold score)."""
+def accumulation_dtype(dtype):
+    """The dtype to compute softmaxes, norms and losses in: float32 for half precision (bf16 / fp16), the
+    input's own for float32 and float64 (an fp64 model stays exact to ~1e-16, as its tests check)."""
     import torch
 
-    return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+    return torch.promote_types(dtype, torch.float32)
+
+
+def upcast(x):
+    """``x`` in :func:`accumulation_dtype` (a no-op for float32 and float64)."""
+    return x.to(accumulation_dtype(x.dtype))
+
+
+def rms_normalize(h):
+    """``h / rms(h)`` over the last dim (statistics in at least float32, result in h's dtype): what heads
+    that should depend on a state's direction, not its norm, read (ConceptHead, codebook, threshold score)."""
+    import torch
+
+    return h * torch.rsqrt(upcast(h).pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
 
 
 @dataclass

@@ -40,6 +40,24 @@ def best_time(fn, repeats: int = 2) -> float:
     return min(times)
 
 
+def compare(model, ids: torch.Tensor, repeats: int = 2) -> dict:
+    """The demo's numbers for ``ids`` (1, T): next-token NLL in bits per token of the dense backbone and
+    of the concept model, the concept model's realised concepts per token, the best forward time of each
+    (seconds, measured side by side), and the ideal FLOP speed-up of the concept model's decisions."""
+    torch.manual_seed(0)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        out = model(ids)
+        dense_logits = model.backbone(ids).logits
+        dense_s = best_time(lambda: model.backbone(ids), repeats)
+        concept_s = best_time(lambda: model(ids, keep=out.keep), repeats)
+    bits = lambda logits: next_token_loss(logits, ids, valid).item() / math.log(2)  # noqa: E731
+    ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, out.keep[0],
+                          out.head_logits.shape[-1], emit=model.emit)
+    return {"dense_bits": bits(dense_logits), "concept_bits": bits(out.logits), "ratio": out.keep.float().mean().item(),
+            "dense_s": dense_s, "concept_s": concept_s, "ideal_speedup": ideal.speedup}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m concept.demo", description=__doc__.splitlines()[0])
     parser.add_argument("run", help="run folder written by `concept build`")
@@ -55,29 +73,18 @@ def main(argv=None) -> int:
     if model.tokenizer is None:
         err.print("[red]error:[/red] this backbone has no tokenizer; the demo needs a pretrained backbone (e.g. smollm2)")
         return 1
-    torch.manual_seed(0)
     ids = model.tokenizer(stdlib_text(args.file), return_tensors="pt").input_ids[:, : args.tokens]
-    valid = torch.ones_like(ids, dtype=torch.bool)
     err.print(f"running {ids.shape[1]} tokens of Lib/{args.file} through both models ...")
-    with torch.no_grad():
-        out = model(ids)
-        dense_logits = model.backbone(ids).logits
-        t_dense = best_time(lambda: model.backbone(ids))
-        t_concept = best_time(lambda: model(ids, keep=out.keep))
-    bits = lambda logits: next_token_loss(logits, ids, valid).item() / math.log(2)  # noqa: E731
-    ratio = out.keep.float().mean().item()
-    classes = out.head_logits.shape[-1]
-    ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, out.keep[0], classes,
-                          emit=model.emit)
-
+    result = compare(model, ids)
     table = Table(title=f"{args.run}: concept model vs dense backbone on the same {ids.shape[1]} tokens")
     table.add_column("")
     table.add_column("dense backbone", justify="right")
     table.add_column("concept model", justify="right")
-    table.add_row("NLL (bits/token)", f"{bits(dense_logits):.3f}", f"{bits(out.logits):.3f}")
-    table.add_row("concepts per token", "-", f"{ratio:.3f}")
-    table.add_row("forward time (s, best of 2)", f"{t_dense:.3f}", f"{t_concept:.3f}")
-    table.add_row("speed-up measured / ideal (FLOPs)", "1.00", f"{t_dense / t_concept:.2f} / {ideal.speedup:.2f}")
+    table.add_row("NLL (bits/token)", f"{result['dense_bits']:.3f}", f"{result['concept_bits']:.3f}")
+    table.add_row("concepts per token", "-", f"{result['ratio']:.3f}")
+    table.add_row("forward time (s, best of 2)", f"{result['dense_s']:.3f}", f"{result['concept_s']:.3f}")
+    table.add_row("speed-up measured / ideal (FLOPs)", "1.00",
+                  f"{result['dense_s'] / result['concept_s']:.2f} / {result['ideal_speedup']:.2f}")
     Console().print(table)
     err.print("note: straight after `concept build` the new modules are at initialisation (untrained), "
               "so the concept model's NLL is not yet meaningful.")

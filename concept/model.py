@@ -29,6 +29,7 @@ from torch import nn
 from . import packing
 from .attention import CausalPlan
 from .backbone import decoder
+from .components import upcast
 
 
 @dataclass
@@ -143,11 +144,11 @@ class ConceptModel(nn.Module):
         """[..., L] the codes of highest total log-probability ``sum_l log p_l(id_l | ids_<l)`` under the
         head, by a beam of ``width`` over the levels (exhaustive when ``width >= K ** (L - 1)``)."""
         K = self.vocabulary.size
-        score, ids = head_logits[..., :K].float().log_softmax(-1).topk(min(width, K), -1)  # [..., W]
+        score, ids = upcast(head_logits[..., :K]).log_softmax(-1).topk(min(width, K), -1)  # [..., W]
         ids = ids[..., None]  # [..., W, levels so far]
         for level in range(1, self.levels):
             state = h[..., None, :].expand(*ids.shape[:-1], h.shape[-1])
-            logp = self.vocabulary.logits(state, level, ids)[..., :K].float().log_softmax(-1)  # [..., W, K]
+            logp = upcast(self.vocabulary.logits(state, level, ids)[..., :K]).log_softmax(-1)  # [..., W, K]
             total = (score[..., None] + logp).flatten(-2)
             score, best = total.topk(min(width, total.shape[-1]), -1)  # sorted: the best first
             beams = ids.gather(-2, (best // K)[..., None].expand(*best.shape, ids.shape[-1]))
@@ -335,6 +336,6 @@ def next_token_loss(logits, labels, valid, document_ids=None, reduction="mean"):
     if document_ids is not None:
         pair = pair & (document_ids[:, 1:] == document_ids[:, :-1])
     target = labels[:, 1:].masked_fill(~pair, -100)
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100,
+    loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), target.flatten(), ignore_index=-100,
                            reduction=reduction)
     return loss if reduction == "mean" else loss.view(target.shape)

@@ -1072,7 +1072,31 @@ class Trainer:
         self._stop = True
 
     def train(self, progress=None) -> dict:
-        """Run until ``config.steps``; returns the final held-out evaluation."""
+        """Run until ``config.steps``; returns the final held-out evaluation. A run replacing an existing
+        folder (``start(force=True)``) publishes only here, once every step is trained; anything that stops
+        it before (an error, Ctrl-C) discards it and leaves the old folder as it was."""
+        try:
+            self._loop(progress)
+            if self.dist.is_main:
+                self.plot()
+            if self._stop:
+                if self.staging is not None:
+                    raise KeyboardInterrupt(f"interrupted at step {self.step}; {self.staging.dest} is unchanged "
+                                            f"(--force replaces it only once training finishes) and the new run "
+                                            f"was discarded")
+                raise KeyboardInterrupt(f"interrupted at step {self.step}; checkpoint saved in {self.out}")
+            if self.staging is not None:  # every step trained: the new run replaces the old folder now
+                self.dist.on_main(self.staging.publish)
+                self.out, self.staging = self.staging.dest, None
+        except BaseException:
+            if self.staging is not None and self.dist.is_main:  # an unfinished replacement: the old folder stays
+                self.staging.discard()
+            raise
+        if self.last_row:
+            return self.last_row.get("eval", {})
+        return self.metrics()[-1].get("eval", {}) if self.dist.is_main and self.metrics() else {}
+
+    def _loop(self, progress) -> None:
         cfg = self.config
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         try:
@@ -1092,26 +1116,8 @@ class Trainer:
                     self._stop = self.dist.any(self._stop)
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or self._stop:
                     self.save_checkpoint()
-        except BaseException:
-            if self.staging is not None and self.dist.is_main:  # an unfinished replacement: the old folder stays
-                self.staging.discard()
-            raise
         finally:
             signal.signal(signal.SIGINT, previous)
-        if self.dist.is_main:
-            self.plot()
-        if self._stop:
-            if self.staging is not None:
-                self.dist.on_main(self.staging.discard)
-                raise KeyboardInterrupt(f"interrupted at step {self.step}; {self.staging.dest} is unchanged (--force "
-                                        f"replaces it only once training finishes) and the new run was discarded")
-            raise KeyboardInterrupt(f"interrupted at step {self.step}; checkpoint saved in {self.out}")
-        if self.staging is not None:  # every step trained: the new run replaces the old folder now
-            self.dist.on_main(self.staging.publish)
-            self.out, self.staging = self.staging.dest, None
-        if self.last_row:
-            return self.last_row.get("eval", {})
-        return self.metrics()[-1].get("eval", {}) if self.dist.is_main and self.metrics() else {}
 
     def metrics(self) -> list[dict]:
         return [json.loads(line) for line in (self.out / METRICS).read_text().splitlines() if line.strip()]

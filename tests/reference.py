@@ -1,15 +1,88 @@
-"""The slow, obviously correct oracle: one deep pass per position t over Z_t (SPEC §2.1).
+"""The slow, obviously correct oracle: one deep pass per position t over Z_t.
 
 For each real token t of each row:  Z_t = [concepts emitted at positions <= t ; h_shallow[tau(t)+1 .. t]]
 with plain causal attention inside Z_t, and the logits for x[t+1] read from the last element.
 Shallow states come from the backbone's ordinary Hugging Face forward; the middle stack runs
 once over the row's concepts with plain causal attention. No packing, no custom masks.
+
+The oracle shares nothing it checks: positions (every scheme), type embeddings and concept inputs
+(hard / soft / straight-through embeddings, latent feedback, multi-level codes, the identity start) are
+computed here from their definitions and the modules' parameters, never through the model's methods.
+It reuses only what other tests check on their own: the keep decisions and concept ids (``decide``,
+against the policies' step-wise rules) and the tail fusions (their own tests).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from concept.backbone import decoder
+
+
+def component(model, slot: str) -> str:
+    return model.plan.components[slot].name
+
+
+# -- positions and type embeddings, by definition -----------------------------------------------------
+def text_position(model, index: torch.Tensor) -> torch.Tensor:
+    """Every scheme: a text token sits at its index among its row's real tokens."""
+    return index
+
+
+def concept_position(model, index: torch.Tensor, rank: torch.Tensor, stack: str) -> torch.Tensor:
+    """A concept slot taking its position from the token at ``index``, ``rank``-th concept slot of its row:
+    ``time``: the token's index (both stacks); ``per-type``: its rank among the concepts plus the scheme's
+    fixed offset (both stacks); ``compact``: its rank in the middle stack, the token's index in the deep."""
+    scheme = component(model, "position_scheme")
+    if scheme == "time":
+        return index
+    if scheme == "per-type":
+        return rank + model.plan.components["position_scheme"].config.offset
+    if scheme == "compact":
+        return rank if stack == "middle" else index
+    raise NotImplementedError(f"the reference has no definition of the {scheme!r} position scheme; add it here")
+
+
+def with_type(model, x: torch.Tensor, kind: int) -> torch.Tensor:
+    """``per-type`` adds its learned type row (0: text, 1: concept) to every input; the others add nothing."""
+    table = getattr(model.positions, "type_embedding", None)
+    return x if table is None else x + table.weight[kind]
+
+
+# -- concept inputs, by definition -----------------------------------------------------------------------
+def concept_rows(model, level: int) -> torch.Tensor:
+    """[K, d] the middle-stack input of every concept id at code level ``level``."""
+    vocab, name = model.vocabulary, component(model, "vocabulary")
+    if name == "embedding":
+        return vocab.table.weight
+    if name == "codebook":  # proj_in(book[id]) = book[id] @ W^T, linear in the book's rows
+        book = vocab.codebook if level == 0 else vocab.deeper[level - 1]
+        return book @ vocab.proj_in.weight.T
+    raise NotImplementedError(f"the reference has no definition of the {name!r} vocabulary; add it here")
+
+
+def concept_input(model, probs: torch.Tensor, concept_id: int, h_src: torch.Tensor, level: int) -> torch.Tensor:
+    """[d] the input of one concept slot: its id's embedding (hard samplers, with the straight-through
+    soft part while training with gradients) or the probability-weighted embedding (soft samplers); a
+    latent-feedback sampler (``hidden-projection``) then mixes in the emitting token's shallow state, and
+    the identity start adds that state to the gated embedding."""
+    rows = concept_rows(model, level)
+    sampler = model.sampler if model.training else model.eval_sampler
+    soft = probs.to(rows.dtype) @ rows
+    if getattr(sampler, "hard", True):
+        e = rows[concept_id]
+        if sampler.straight_through and torch.is_grad_enabled():
+            e = e + (soft - soft.detach())
+    else:
+        e = soft
+    if component(model, "sampler") == "hidden-projection":  # latent feedback, in training and at inference
+        mix = model.sampler
+        a = torch.sigmoid(mix.gate)
+        h_hat = F.normalize(h_src.to(mix.proj.weight.dtype) @ mix.proj.weight.T, dim=-1)
+        e = (a * e + torch.sqrt(1 - a * a) * (mix.scale * h_hat)).to(e.dtype)
+    if model.concept_gate is not None:  # identity start: h_src + gate * e
+        e = h_src.to(e.dtype) + model.concept_gate.gate.to(e.dtype) * e
+    return e
 
 
 def _run(model, layers, x, position_ids):
@@ -22,8 +95,8 @@ def _run(model, layers, x, position_ids):
 def shallow_states(model, input_ids, valid):
     """h after the shallow stack, from the plain HF forward (hidden_states[Ls])."""
     inner = decoder(model.backbone)
-    x = model.positions.add_text_type(inner.embed_tokens(input_ids))
-    pos = (torch.cumsum(valid.long(), 1) - 1).clamp(min=0)
+    x = with_type(model, inner.embed_tokens(input_ids), 0)
+    pos = text_position(model, (torch.cumsum(valid.long(), 1) - 1).clamp(min=0))
     out = inner(inputs_embeds=x, attention_mask=valid.long(), position_ids=pos, output_hidden_states=True)
     return out.hidden_states[model.split[0]]
 
@@ -55,10 +128,11 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
         c_rank = torch.arange(len(c_times))
         middle_out = None
         if len(c_times):
-            e = model.concept_inputs(probs[b:b + 1], token_ids[b:b + 1], c_times[None], h[b:b + 1],
-                                     None if L == 1 else level[None])
-            e = model.positions.add_concept_type(e)
-            middle_pos = model.positions.concept_positions(c_pos[None], c_rank[None], "middle")
+            e = torch.stack([concept_input(model, (probs[b, t] if L == 1 else probs[b, t, lv]),
+                                           int(token_ids[b, t] if L == 1 else token_ids[b, t, lv]), h[b, t], int(lv))
+                             for t, lv in zip(c_times.tolist(), level.tolist())])[None]
+            e = with_type(model, e, 1)
+            middle_pos = concept_position(model, c_pos[None], c_rank[None], "middle")
             middle_out = _run(model, model.middle, e, middle_pos)[0]
             update = middle_out - e[0]  # what the middle stack added to each concept
         for i, t in enumerate(times.tolist()):
@@ -70,11 +144,11 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
                 u = update[n_c - 1].expand_as(tail) if n_c else torch.zeros_like(tail)
                 tail = model.tail_fusion(tail, u, torch.full(tail.shape[:2], n_c > 0))
             parts = [tail[0]]
-            tail_pos = model.positions.text_positions(pos[last + 1: i + 1][None])[0]
+            tail_pos = text_position(model, pos[last + 1: i + 1][None])[0]
             part_pos = [tail_pos]
             if n_c:
                 parts.insert(0, middle_out[:n_c])
-                part_pos.insert(0, model.positions.concept_positions(c_pos[None, :n_c], c_rank[None, :n_c], "deep")[0])
+                part_pos.insert(0, concept_position(model, c_pos[None, :n_c], c_rank[None, :n_c], "deep")[0])
             z = torch.cat(parts)[None]
             z_pos = torch.cat(part_pos)[None]
             if deep_positions == "packed-index":

@@ -44,7 +44,10 @@ def test_hf_hub_id_without_network_is_a_clear_error(monkeypatch):
 def test_tiny_backbones_are_deterministic():
     a = TinyLlamaBackbone.load(TinyConfig(seed=1)).model.state_dict()
     b = TinyLlamaBackbone.load(TinyConfig(seed=1)).model.state_dict()
+    other = TinyLlamaBackbone.load(TinyConfig(seed=2)).model.state_dict()
+    assert a and a.keys() == b.keys() == other.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], other[k]) for k in a)  # the seed is what decides the weights
 
 
 def test_saved_run_reloads_identically(tmp_path):

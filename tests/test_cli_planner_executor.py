@@ -1,5 +1,6 @@
 """The planner-executor as a user runs it (issue: build / train --task / eval / generate --show-plan)."""
 import json
+import math
 
 import pytest
 
@@ -111,7 +112,9 @@ def test_hard_em_with_a_planner_speedup_as_a_user_runs_it(speedup, corpus, tmp_p
     assert r.exit_code == 0, r.output
     result = json.loads(r.stdout)
     assert {"nll_zstar", "estep_margin", "delta_nll_dropout", "cos_soft_hard"} <= set(result)
-    assert result["nll_zstar"] <= result["nll"] + 1e-6 or result["estep_margin"] >= 0
+    # finite NLLs of a real plan (NaN or inf fail); the E-step's beam and its scores are tested directly
+    # in tests/test_hard_em.py (the margin, top-1 minus top-2 of sorted scores, is >= 0 by construction)
+    assert 0 < result["nll_zstar"] < 20 and math.isfinite(result["estep_margin"])
     g = run("generate", out, "--prompt", "import os", "--max-new-tokens", 3, "--show-plan")
     assert g.exit_code == 0, g.output
 

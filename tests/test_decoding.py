@@ -8,7 +8,7 @@ from concept.decoding import ConceptDecoder
 from concept.errors import ConceptError, ConfigError
 from concept.flops import Shape, decode_flops, deep_keys, forward_flops
 from concept.generation import left_pad
-from tests.conftest import mixed_model
+from tests.conftest import assert_decoding_matches_teacher_forcing, mixed_model
 
 MAX_RUN = 3  # tiny_config's null policy
 
@@ -49,6 +49,19 @@ def test_decode_logits_equal_teacher_forcing(mixed, backbone, attention, positio
             assert free.keep[0].tolist() == out.keep[b]
             logits = teacher_forced(model, p, out.tokens[b], out.keep[b])
             torch.testing.assert_close(out.logits[b, :n], logits[len(p) - 1:len(p) - 1 + n], atol=1e-5, rtol=1e-5)
+
+
+def test_negative_control_a_tail_kept_past_its_concept_is_caught(mixed, monkeypatch):
+    """Decoding whose deep cache keeps the tail when a concept is emitted (``drop_tail`` a no-op) no longer
+    equals teacher forcing: the comparison above can fail."""
+    from concept.kv_cache import SlotCache
+
+    model = mixed(attention="sdpa", positions="time")
+    ps = prompts()
+    assert_decoding_matches_teacher_forcing(model, ps, 12)
+    monkeypatch.setattr(SlotCache, "drop_tail", lambda self, rows: None)
+    with pytest.raises(AssertionError):
+        assert_decoding_matches_teacher_forcing(model, ps, 12)
 
 
 def test_batched_generation_equals_one_by_one(mixed):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
@@ -22,8 +23,13 @@ from .test_training import built, corpus  # noqa: F401  (the shared tiny build a
 
 TRAIN = ["--seq-len", "32", "--eval-every", "3", "--eval-batches", "1", "--log-every", "2", "--warmup", "1",
          "--lora-rank", "2", "--calibration-batches", "2"]
-# fp32: the ranks' gradients are summed in another order than one process's accumulation
-RTOL = 1e-4
+# Across world sizes (2 processes against one accumulating 2 micro-batches) the ranks' gradients are summed
+# in another order. Measured (2026-11-25, gloo, fp32, 24 steps): loss and ratio equal, grad-norm and NULL-bias
+# relative differences 1.1e-7 and 9.7e-8, adapters 1.5e-8 apart. The tolerance is ten times that; a resume
+# bug (an LR schedule restarted: 1e-4 relative on the loss) is far outside it. The same world size is
+# bit-exact (test_ctrl_c_on_one_rank_between_checkpoints_resumes_ddp_bit_for_bit).
+RTOL = 1e-6
+WEIGHTS_ATOL = 2e-7
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,7 @@ def assert_same_curve(a: Path, b: Path):
             assert y["eval"]["nll"] == pytest.approx(x["eval"]["nll"], rel=RTOL)
     wa, wb = (load_file(r / "checkpoint" / "adapter.safetensors") for r in (a, b))
     for k in wa:
-        assert (wa[k] - wb[k]).abs().max() < 1e-4, k
+        assert (wa[k] - wb[k]).abs().max() < WEIGHTS_ATOL, k
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +146,38 @@ def test_kill_one_rank_then_resume_exactly(mode, tiny, corpus, tmp_path):  # noq
     assert rows(run)[-1]["step"] == 24
     assert_same_curve(straight, run)
     assert json.loads((run / "train.json").read_text())["grad_accum"] == 2, result.output
+
+
+def test_ctrl_c_on_one_rank_between_checkpoints_resumes_ddp_bit_for_bit(tiny, corpus, tmp_path):  # noqa: F811
+    """Ctrl-C seen by rank 1 alone, between scheduled checkpoints: every rank stops at the same step and
+    saves; resumed on the same 2 processes, the run equals the uninterrupted 2-process run exactly
+    (the same world size sums the same gradients in the same order: no tolerance)."""
+    args = ["--data", corpus, "--steps", 10, "--batch", 2, "--checkpoint-every", 100, *TRAIN, "--distributed", "ddp"]
+    straight = tmp_path / "straight"
+    torchrun(tiny, "--out", straight, *args)
+    run = tmp_path / "stopped"
+    proc = torchrun(tiny, "--out", run, *args, wait=False)
+    deadline = time.time() + 300
+    while not ((run / "metrics.jsonl").is_file() and rows_or_none(run)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(_workers(proc.pid)[1], signal.SIGINT)
+    proc.communicate(timeout=300)
+    step = json.loads((run / "checkpoint" / "state.json").read_text())["step"]
+    assert 2 <= step < 10, step  # saved on the way out, not on the schedule (every 100 steps)
+    torchrun(run, "--resume")
+    keys = ("loss", "total_loss", "ratio", "null_bias", "grad_norm")
+    assert [[r.get(k) for k in keys] for r in rows(straight)] == [[r.get(k) for k in keys] for r in rows(run)]
+    wa, wb = (load_file(r / "checkpoint" / "adapter.safetensors") for r in (straight, run))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def rows_or_none(run: Path) -> list[dict]:
+    try:
+        return rows(run)
+    except (OSError, ValueError):  # (a line being written)
+        return []
 
 
 def test_fsdp2_without_torchrun_is_a_clear_error(tiny, tmp_path):

@@ -70,7 +70,7 @@ def test_pruned_model_equals_the_backbone_without_those_layers():
             forced = p(torch.cat([x[:1], torch.tensor([gen.tokens[0]])], dim=1)).logits[0, 9:9 + n]
         torch.testing.assert_close(gen.logits[0, :n], forced, rtol=1e-4, atol=1e-4)
     assert [layer.self_attn.layer_idx for layer in model.backbone.model.layers] == list(range(6))  # restored
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"removed layers \(3, 9\) are not a block of the backbone's 6 layers"):
         DenseModel(model.backbone, removed=(3, 9))
 
 

@@ -135,3 +135,41 @@ def test_mtp_verify_is_greedy_decoding_on_smollm2(text_ids):
     block.prefill(text_ids[:, :24], valid)
     steps = torch.stack([one.step(cont[:, j]) for j in range(6)], 1)
     torch.testing.assert_close(block.extend(cont), steps, atol=1e-4, rtol=1e-4)
+
+
+def test_demo_reports_the_models_own_numbers(smol, text_ids, monkeypatch, capsys, tmp_path):
+    """`python -m concept.demo`: each number is recomputed here independently of the demo's code."""
+    from concept import demo
+    from concept.flops import Shape, forward_flops
+
+    result = demo.compare(smol, text_ids, repeats=1)
+    with torch.no_grad():
+        dense = smol.backbone(text_ids).logits
+        out = smol(text_ids)
+    ln2 = torch.log(torch.tensor(2.0)).item()
+    dense_bits = torch.nn.functional.cross_entropy(dense[0, :-1], text_ids[0, 1:]).item() / ln2
+    concept_bits = torch.nn.functional.cross_entropy(out.logits[0, :-1], text_ids[0, 1:]).item() / ln2
+    assert result["dense_bits"] == pytest.approx(dense_bits, rel=1e-5)
+    assert result["concept_bits"] == pytest.approx(concept_bits, rel=1e-5)
+    assert result["concept_bits"] > result["dense_bits"] + 0.5  # untrained new modules: clearly worse than dense
+    assert result["ratio"] == out.keep.float().mean().item() and 0 < result["ratio"] < 1
+    shape = Shape.from_hf_config(smol.backbone.config)
+    assert result["ideal_speedup"] == forward_flops(shape, smol.split, out.keep[0], out.head_logits.shape[-1]).speedup
+    assert result["ideal_speedup"] > 1 and result["dense_s"] > 0 and result["concept_s"] > 0
+
+    monkeypatch.setattr(demo, "load", lambda run: smol)
+    monkeypatch.setattr(demo, "compare", lambda model, ids: result)
+    assert demo.main(["runs/x", "--tokens", "64"]) == 0
+    shown = capsys.readouterr()
+    assert f"{result['dense_bits']:.3f}" in shown.out and f"{result['concept_bits']:.3f}" in shown.out
+    assert "running 64 tokens of Lib/textwrap.py" in shown.err
+
+
+def test_demo_refuses_a_backbone_without_a_tokenizer(tmp_path, capsys):
+    from concept import demo
+
+    concept.save(concept.build(BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4}), split="1,2,1")),
+                 tmp_path / "tiny")
+    assert demo.main([str(tmp_path / "tiny")]) == 1
+    assert "no tokenizer" in capsys.readouterr().err
+    assert demo.main([str(tmp_path / "missing")]) != 0

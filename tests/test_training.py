@@ -76,6 +76,54 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(built, corpus, tmp_path
         torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=0, atol=0)
 
 
+def test_resume_from_a_ctrl_c_between_scheduled_checkpoints_is_exact(built, corpus, tmp_path):
+    """Ctrl-C at step 3 of a run that checkpoints every 4 steps: the checkpoint written on the way out
+    (not a scheduled one) resumes to the uninterrupted run, bit for bit."""
+    cfg = dict(data=str(corpus), checkpoint_every=4)
+    Trainer.start(built, tmp_path / "straight", small(**cfg)).train()
+    train_interrupted_and_resumed(built, tmp_path / "resumed", small(**cfg))
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+
+
+@pytest.fixture(scope="module")
+def straight_run(built, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight") / "run"
+    Trainer.start(built, out, small(data=str(corpus))).train()
+    return out
+
+
+def _optimizer_not_restored(monkeypatch):
+    import torch.distributed.checkpoint.state_dict as state_dict
+
+    monkeypatch.setattr(state_dict, "set_optimizer_state_dict", lambda *args, **kwargs: None)
+
+
+def _scheduler_not_restored(monkeypatch):
+    monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "load_state_dict", lambda self, state: None)
+
+
+def _randomness_not_a_function_of_the_step(monkeypatch):
+    """The micro-batch seed drawn from a counter of this process (so a resumed process starts it again)."""
+    import itertools
+
+    import concept.training as training
+
+    counter = itertools.count()
+    monkeypatch.setattr(training, "micro_seed", lambda seed, step, micro: seed + next(counter))
+
+
+@pytest.mark.parametrize("broken", [_optimizer_not_restored, _scheduler_not_restored,
+                                    _randomness_not_a_function_of_the_step])
+def test_negative_control_resume_catches_state_that_is_not_restored(built, corpus, tmp_path, straight_run, broken,
+                                                                    monkeypatch):
+    """Resuming without the optimizer's moments, the scheduler's step or the step's own randomness breaks
+    the bit-for-bit agreement the resume tests check."""
+    broken(monkeypatch)
+    train_interrupted_and_resumed(built, tmp_path / "resumed", small(data=str(corpus)))
+    assert losses(straight_run)[:3] == losses(tmp_path / "resumed")[:3] or broken is _randomness_not_a_function_of_the_step
+    assert losses(straight_run) != losses(tmp_path / "resumed")
+
+
 def test_trained_run_loads_with_adapters_and_modules(built, corpus, tmp_path):
     trainer = Trainer.start(built, tmp_path / "run", small(data=str(corpus), steps=3, lr=1e-2, lr_new=1e-2))
     trainer.train()

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from concept.components import accumulation_dtype, upcast
+
 
 @dataclass
 class Partial:
@@ -79,15 +81,15 @@ def _keys(key, value, index, heads: int):
 def _sum_groups(grad, kv_heads: int):
     """A key gradient over the query heads [N, H, hd] back to the KV heads [N, Hkv, hd]."""
     n, heads, hd = grad.shape
-    return grad.float().view(n, kv_heads, heads // kv_heads, hd).sum(2)
+    return upcast(grad).view(n, kv_heads, heads // kv_heads, hd).sum(2)
 
 
 def merge(out, lse, rows, part_out, part_lse) -> None:
     """Fold one partial (``part_out`` [M, H, hd], ``part_lse`` [M, H]) into the running ``out``
-    (float32) and ``lse`` at ``rows`` (each row at most once per partial)."""
+    (at least float32) and ``lse`` at ``rows`` (each row at most once per partial)."""
     old = lse[rows]
     new = torch.logaddexp(old, part_lse)
-    out[rows] = out[rows] * torch.exp(old - new)[..., None] + part_out.float() * torch.exp(part_lse - new)[..., None]
+    out[rows] = out[rows] * torch.exp(old - new)[..., None] + part_out.to(out.dtype) * torch.exp(part_lse - new)[..., None]
     lse[rows] = new
 
 
@@ -98,8 +100,9 @@ class MergedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, partials: list[Partial], kernels, scale: float):
         S, H, hd = query.shape
-        out = query.new_zeros(S, H, hd, dtype=torch.float32)
-        lse = query.new_full((S, H), float("-inf"), dtype=torch.float32)
+        acc = accumulation_dtype(query.dtype)
+        out = query.new_zeros(S, H, hd, dtype=acc)
+        lse = query.new_full((S, H), float("-inf"), dtype=acc)
         states = []
         for part in partials:
             part_out, part_lse, state = kernels.forward(query[part.q_index], *_keys(key, value, part.kv_index, H),
@@ -116,41 +119,43 @@ class MergedAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         query, key, value, out, lse = ctx.saved_tensors
         H, Hkv = query.shape[1], key.shape[1]
-        dq = torch.zeros_like(query, dtype=torch.float32)
-        dk, dv = (torch.zeros_like(key, dtype=torch.float32) for _ in range(2))
+        acc = accumulation_dtype(query.dtype)
+        dq = torch.zeros_like(query, dtype=acc)
+        dk, dv = (torch.zeros_like(key, dtype=acc) for _ in range(2))
         for part, state in zip(ctx.partials, ctx.states):
             rows = part.q_index
             k, v = _keys(key, value, part.kv_index, H)
             gq, gk, gv = ctx.kernels.backward(d_out[rows].contiguous(), out[rows], lse[rows], query[rows], k, v,
                                               part.bias, ctx.scale, state)
-            dq.index_add_(0, rows, gq.float())
+            dq.index_add_(0, rows, gq.to(acc))
             dk.index_add_(0, part.kv_index, _sum_groups(gk, Hkv))
             dv.index_add_(0, part.kv_index, _sum_groups(gv, Hkv))
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None
 
 
 class ReferencePartials:
-    """Partial attentions in plain torch, float32 math, the bias materialised (O(queries x keys) per
+    """Partial attentions in plain torch, at least float32 math, the bias materialised (O(queries x keys) per
     partial): the shared-prefix layout on any device, and what the CUDA kernels are compared with.
     The backward is the split-key attention backward the kernels compute: P = exp(S - lse) with the
     merged lse, dS = P (dP - rowsum(dO * O)) with the merged output O."""
 
     @staticmethod
     def _scores(q, k, bias, scale):
-        mask = bias.materialize((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
-        return torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale + mask
+        acc = accumulation_dtype(q.dtype)
+        mask = bias.materialize((q.shape[0], k.shape[0]), dtype=acc, device=q.device)
+        return torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale + mask
 
     def forward(self, q, k, v, bias, scale):
         scores = self._scores(q, k, bias, scale)
         lse = scores.logsumexp(-1)  # [H, M]: every query has at least one key
-        out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v.float())
+        out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), upcast(v))
         return out, lse.T, None
 
     def backward(self, d_out, out, lse, q, k, v, bias, scale, state=None):
-        d_out = d_out.float()
+        d_out = upcast(d_out)
         p = torch.exp(self._scores(q, k, bias, scale) - lse.T[..., None])
         dv = torch.einsum("hqk,qhd->khd", p, d_out)
-        dp = torch.einsum("qhd,khd->hqk", d_out, v.float())
-        rowsum = (d_out * out.float()).sum(-1).T  # [H, M]
+        dp = torch.einsum("qhd,khd->hqk", d_out, upcast(v))
+        rowsum = (d_out * upcast(out)).sum(-1).T  # [H, M]
         ds = p * (dp - rowsum[..., None]) * scale
-        return torch.einsum("hqk,khd->qhd", ds, k.float()), torch.einsum("hqk,qhd->khd", ds, q.float()), dv
+        return torch.einsum("hqk,khd->qhd", ds, upcast(k)), torch.einsum("hqk,qhd->khd", ds, upcast(q)), dv

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from concept.attention import AttentionPlan
+from concept.components import accumulation_dtype
 from concept.errors import ConceptError
 from concept.packing import PackedLayout
 
@@ -269,12 +270,14 @@ def kernel_attention(q, k, v, bias, scaling, training: bool):
 
 
 def reference_attention(q, k, v, bias, scaling, training: bool = False):
-    """The same attention with the bias materialised, in plain torch (any device, float32 math)."""
+    """The same attention with the bias materialised, in plain torch (any device; at least float32 math, as
+    the kernels accumulate, and float64 for float64 inputs)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    mask = bias.materialize((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scaling + mask
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+    acc = accumulation_dtype(q.dtype)
+    mask = bias.materialize((q.shape[0], k.shape[0]), dtype=acc, device=q.device)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scaling + mask
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.to(acc)).to(q.dtype)
 
 
 def _lse_positions(shape, bias, queries: int):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.components import upcast
+
 
 @dataclass
 class ArgmaxConfig:
@@ -25,4 +27,4 @@ class ArgmaxSampler(nn.Module):
         self.straight_through = config.straight_through
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.float(), dim=-1).to(logits.dtype)
+        return torch.softmax(upcast(logits), dim=-1).to(logits.dtype)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.components import upcast
+
 
 @dataclass
 class GumbelConfig:
@@ -31,4 +33,4 @@ class GumbelSTSampler(nn.Module):
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         uniform = torch.rand_like(logits, dtype=torch.float32).clamp_(1e-10, 1.0 - 1e-7)
         gumbel = -torch.log(-torch.log(uniform))
-        return torch.softmax((logits.float() + gumbel) / self.tau, dim=-1).to(logits.dtype)
+        return torch.softmax((upcast(logits) + gumbel) / self.tau, dim=-1).to(logits.dtype)

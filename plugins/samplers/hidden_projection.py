@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from concept.components import upcast
+
 
 @dataclass
 class HiddenProjectionConfig:
@@ -60,7 +62,7 @@ class HiddenProjectionSampler(nn.Module):
             self.scale.fill_(float(token_embedding.float().norm(dim=-1).mean()))
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.float(), dim=-1).to(logits.dtype)
+        return torch.softmax(upcast(logits), dim=-1).to(logits.dtype)
 
     def mix(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Concept embeddings e [..., d] and the emitting tokens' shallow states h [..., d]."""

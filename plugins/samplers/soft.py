@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.components import upcast
+
 
 @dataclass
 class SoftConfig:
@@ -42,4 +44,4 @@ class SoftSampler(nn.Module):
         return []
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.float() / self.tau, dim=-1).to(logits.dtype)
+        return torch.softmax(upcast(logits) / self.tau, dim=-1).to(logits.dtype)

@@ -1,0 +1,198 @@
+"""A mutation check you can re-run (``make mutate``): small deliberate bugs in the model, the packing rule,
+the attention backends, the position schemes, decoding, checkpointing and the filesystem rule, each
+applied to the source alone, with the tests that must catch it. Every mutation must be caught (its tests
+fail); a mutation whose text no longer matches the source is reported as stale (update it here).
+
+    .venv/bin/python -m tests.mutate                 # all, a table on stdout, exit 1 unless every one is caught
+    .venv/bin/python -m tests.mutate --only packing  # the mutations whose name contains "packing"
+    .venv/bin/python -m tests.mutate --list
+
+The source files are changed in place, one mutation at a time, and always restored (also after Ctrl-C);
+a copy of each file being mutated sits in ``.mutate-backup/`` while it is, so that a run killed with
+``kill -9`` is undone by the next run before it starts.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BACKUP = REPO / ".mutate-backup"
+BEGIN, END = "<!-- mutate:begin -->", "<!-- mutate:end -->"
+
+
+@dataclass
+class Mutation:
+    name: str
+    file: str
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: list[str]  # pytest arguments that must fail once the mutation is in place
+
+
+EQUIVALENCE = "tests/test_equivalence.py"
+MUTATIONS = [
+    # the one-pass rule (concept/packing.py) and the layout every backend reads
+    Mutation("packing: tails see every earlier element, concepts their segment's tails", "concept/packing.py",
+             "ok = earlier & (keep_j | (~keep_i & same_seg)) & same_doc & k.valid[:, None, :]",
+             "ok = earlier & (keep_j | same_seg | ~keep_i) & same_doc & k.valid[:, None, :]",
+             [EQUIVALENCE, "-k", "one_pass_matches_naive and sdpa"]),
+    Mutation("packing: documents packed in a row see each other", "concept/packing.py",
+             "ok = earlier & (keep_j | (~keep_i & same_seg)) & same_doc & k.valid[:, None, :]",
+             "ok = earlier & (keep_j | (~keep_i & same_seg)) & k.valid[:, None, :]",
+             [EQUIVALENCE, "-k", "packed_documents and sdpa"]),
+    Mutation("packing: concept ranks do not restart at a new document", "concept/packing.py",
+             "concept_rank = index - torch.cummax(torch.where(first, index, torch.zeros_like(index)), dim=1).values",
+             "concept_rank = index",
+             ["tests/test_positions.py"]),
+    # the backends' own copies of the rule
+    Mutation("flex: a tail sees every earlier tail", "plugins/attention/flex.py",
+             "visible = keep[b, k] | (~keep[b, q] & (seg[b, q] == seg[b, k]))",
+             "visible = keep[b, k] | ~keep[b, q]",
+             [EQUIVALENCE, "-k", "one_pass_matches_naive and flex"]),
+    Mutation("chunked: a chunk's keys start at the chunk, not at its first segment", "plugins/attention/chunked.py",
+             "first = min(first, a)", "first = a",
+             [EQUIVALENCE, "-k", "one_pass_matches_naive and chunked"]),
+    Mutation("xformers shared prefix: partials merged without their log-sum-exps", "plugins/attention/shared_prefix.py",
+             "part_out.to(out.dtype) * torch.exp(part_lse - new)[..., None]", "part_out.to(out.dtype) * 0.5",
+             ["tests/test_xformers.py", "-k", "shared_layout_model_matches_naive"]),
+    # position schemes
+    Mutation("per-type: concepts numbered from 1", "plugins/position_schemes/per_type.py",
+             "return rank + self.config.offset", "return rank + self.config.offset + 1",
+             [EQUIVALENCE, "-k", "one_pass_matches_naive and per-type and sdpa"]),
+    Mutation("compact: the stacks' rules swapped", "plugins/position_schemes/compact.py",
+             'return rank if stack == "middle" else pos', 'return pos if stack == "middle" else rank',
+             [EQUIVALENCE, "-k", "fp64 and compact and sdpa"]),
+    # the model
+    Mutation("identity start: the shallow state left out of a concept's input", "concept/model.py",
+             "return h.to(e.dtype) + self.gate.to(e.dtype) * e", "return self.gate.to(e.dtype) * e",
+             [EQUIVALENCE, "-k", "one_pass_matches_naive and sdpa and time"]),
+    # decoding
+    Mutation("decoding: the tail is kept when a concept is emitted", "concept/decoding.py",
+             "            cache.deep.drop_tail(keep)\n", "",
+             ["tests/test_decoding.py", "-k", "decode_logits_equal_teacher_forcing and sdpa"]),
+    Mutation("decoding: concept ranks off by one", "concept/decoding.py",
+             "rank = (self.num_concepts + s)[:, None]", "rank = (self.num_concepts + s + 1)[:, None]",
+             ["tests/test_decoding.py", "-k", "decode_logits_equal_teacher_forcing and per-type and sdpa"]),
+    Mutation("kv cache: a concept drops every row's tail", "concept/kv_cache.py",
+             "self.valid &= ~(self.tail & rows[:, None])", "self.valid &= ~self.tail",
+             ["tests/test_decoding.py", "-k", "batched_generation_equals_one_by_one"]),
+    # checkpointing and resume
+    Mutation("resume: the scheduler is not restored", "concept/training.py",
+             'self.scheduler.load_state_dict(objects["scheduler"])', "pass",
+             ["tests/test_training.py", "-k", "resume_reproduces"]),
+    Mutation("resume: the optimizer state is not restored", "concept/training.py",
+             "set_optimizer_state_dict(self.model, self.optimizer, objects[\"optimizer\"],",
+             "(lambda *a, **k: None)(self.model, self.optimizer, objects[\"optimizer\"],",
+             ["tests/test_training.py", "-k", "resume_reproduces"]),
+    Mutation("resume: the data read from a cursor the checkpoint does not keep", "concept/training.py",
+             "b = self.train_data.batch(index, self.config.batch)",
+             "self.cursor = getattr(self, 'cursor', -1) + 1\n        b = self.train_data.batch(self.cursor, "
+             "self.config.batch)",
+             ["tests/test_training.py", "-k", "resume_reproduces"]),
+    # nothing written is lost
+    Mutation("publish: the old folder removed before the new one is in place", "concept/fs.py",
+             "    if exchange(new, dest):\n",
+             "    if shutil.rmtree(dest) or not os.rename(new, dest):  # (both return None)\n        return\n"
+             "    if exchange(new, dest):\n",
+             ["tests/test_nothing_lost.py", "-k", "survives_faults"]),
+]
+
+
+def restore_leftovers() -> list[str]:
+    """Put back files a killed run left mutated (their copies are in .mutate-backup/)."""
+    restored = []
+    if BACKUP.is_dir():
+        for copy in BACKUP.rglob("*"):
+            if copy.is_file():
+                target = REPO / copy.relative_to(BACKUP)
+                shutil.copy2(copy, target)
+                restored.append(str(target.relative_to(REPO)))
+        shutil.rmtree(BACKUP)
+    return restored
+
+
+def run_one(m: Mutation, timeout: int) -> dict:
+    path = REPO / m.file
+    source = path.read_text()
+    if source.count(m.old) != 1:
+        return {"name": m.name, "file": m.file, "result": "stale", "detail":
+                f"the text to mutate occurs {source.count(m.old)} times in {m.file} (once expected)", "seconds": 0.0}
+    backup = BACKUP / m.file
+    backup.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(path, backup)
+    start = time.perf_counter()
+    try:
+        path.write_text(source.replace(m.old, m.new))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *m.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            code, tail = proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+        except subprocess.TimeoutExpired:
+            code, tail = -1, [f"timed out after {timeout} s"]
+    finally:
+        path.write_text(source)
+        backup.unlink()
+    if code == 1:
+        result = "caught"
+    elif code == 0:
+        result = "NOT CAUGHT"
+    else:
+        result = f"error (pytest exit {code})"  # 5: no test selected; 2-4: pytest could not run
+    return {"name": m.name, "file": m.file, "result": result, "detail": tail[0] if tail else "",
+            "tests": " ".join(m.tests), "seconds": round(time.perf_counter() - start, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Apply each deliberate bug and check that the tests catch it.")
+    parser.add_argument("--only", default="", help="only the mutations whose name contains this text")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation's tests")
+    parser.add_argument("--write", type=Path, help=f"also put the table between {BEGIN} and {END} in this file")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.only in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}  [{m.file}]  tests: {' '.join(m.tests)}")
+        return 0
+    for name in restore_leftovers():
+        print(f"restored {name}, left mutated by an interrupted run", file=sys.stderr)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM restores like Ctrl-C
+    rows = []
+    for m in chosen:
+        print(f"mutating: {m.name} ...", file=sys.stderr, flush=True)
+        rows.append(run_one(m, args.timeout))
+        print(f"  {rows[-1]['result']} ({rows[-1]['seconds']} s) {rows[-1]['detail']}", file=sys.stderr, flush=True)
+    if BACKUP.is_dir() and not any(p.is_file() for p in BACKUP.rglob("*")):
+        shutil.rmtree(BACKUP)  # every file restored: the empty folders go too
+    caught = sum(r["result"] == "caught" for r in rows)
+    table = "\n".join([f"`.venv/bin/python -m tests.mutate` ({time.strftime('%Y-%m-%d')}): {caught} of {len(rows)} "
+                       f"mutations caught.", "", "| mutation | file | tests | result | seconds |",
+                       "|---|---|---|---|---:|",
+                       *(f"| {r['name']} | `{r['file']}` | `{r.get('tests', '')}` | {r['result']} | {r['seconds']} |"
+                         for r in rows)])
+    print(table)
+    if args.write:
+        write_block(args.write, table)
+    print(f"\n{caught} of {len(rows)} mutations caught", file=sys.stderr)
+    return 0 if caught == len(rows) else 1
+
+
+def write_block(path: Path, block: str) -> None:
+    text = path.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise SystemExit(f"{path} needs one {BEGIN} line and one {END} line")
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    from concept import fs
+
+    fs.write_atomic(path, text[:start] + "\n" + block + "\n" + text[stop:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
