@@ -38,8 +38,8 @@ import torch.nn.functional as F
 def main() -> None:
     import concept
     from concept import data as cd
-    from concept.model import next_token_loss
-    from concept.objectives import depth_gain, top_fraction
+    from concept.losses import next_token_loss
+    from concept.streaming.objectives import depth_gain, top_fraction
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", required=True, help="trained all-tail (pruned, middle skipped) run folder")

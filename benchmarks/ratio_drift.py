@@ -4,7 +4,7 @@ units per token of lag (docs/results.md, "Second domain").
 
 Forward only: the model's shallow stack and ConceptHead give every token's keep logit (no
 training needed; pass a trained run to measure its head). For each gain the NULL bias is
-calibrated the way ``Trainer.calibrate_ratio`` does it (``PIController.calibrate_exact``:
+calibrated the way the trainer's ratio controller does it at the end of a run (``RatioControl.finish``) (``PIController.calibrate_exact``:
 bisection on the realised ratio, forced concepts and the tracker included) on rows of the
 stdlib *training* split; then the realised ratio is measured, with that bias, on held-out
 stdlib (code, in domain), on the `pydoc` corpus (English prose) and, when Debian's
@@ -88,7 +88,7 @@ def as_head(logit):
 def stressed(prose, calib, max_run: int, args):
     """``prose`` with its keep logits lowered by the constant that gives the untracked policy,
     calibrated on ``calib``, a ratio of ``args.stress * args.target``."""
-    from concept.ratio import PIController
+    from concept.streaming.ratio import PIController
 
     policy = light_policy(max_run, 0.0, args.target)
     PIController(args.target).calibrate_exact(policy, as_head(calib[0]), calib[1], calib[2])
@@ -119,7 +119,7 @@ def main(argv=None) -> list[dict]:
 
     import concept
     from concept.data import read_documents, tokenizer_for
-    from concept.ratio import PIController
+    from concept.streaming.ratio import PIController
 
     model = concept.load(args.model).eval()
     tokenizer = tokenizer_for(model)

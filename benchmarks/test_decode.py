@@ -33,7 +33,8 @@ import torch
 
 from concept import ComponentRef
 from concept.config import DEFAULT_TARGET_RATIO
-from concept.decoding import ConceptDecoder, DenseDecoder
+from concept.decoding import DenseDecoder
+from concept.streaming.decoding import ConceptDecoder
 from concept.flops import Shape, decode_flops, evenly_spaced_keep, forward_flops, head_classes
 
 from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side, synchronize

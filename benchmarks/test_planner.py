@@ -16,7 +16,7 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.hard_em import HardEMObjective
+from concept.planner.hard_em import HardEMObjective
 from concept.lora import LoraSettings, add_lora
 
 from .conftest import side_by_side
@@ -28,12 +28,12 @@ SMOL_TYPES = [{"name": "topic", "size": 256, "max_len": 4}, {"name": "gist", "si
 def _model(backbone: str, **planner):
     if backbone == "smollm2":
         cfg = BuildConfig(family="planner-executor", position_scheme=ComponentRef("per-type"),
-                          planner={"types": SMOL_TYPES, **planner})
+                          sections={"planner": {"types": SMOL_TYPES, **planner}})
     else:
         cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 8, "hidden": 256, "heads": 4, "kv_heads": 2,
                                                               "intermediate": 512, "vocab": 1024}),
                           family="planner-executor", position_scheme=ComponentRef("per-type"),
-                          planner={"types": TINY_TYPES, **planner})
+                          sections={"planner": {"types": TINY_TYPES, **planner}})
     torch.manual_seed(0)
     return concept.build(cfg)
 
@@ -135,7 +135,7 @@ def test_planning_speedup(benchmark, record, request, device, backbone, B, T, na
 @pytest.mark.parametrize("k", [2, 4], ids=["mtp2", "mtp4"])
 @pytest.mark.parametrize("backbone,B,T", CASES, ids=[f"{b}-B{n}-T{t}" for b, n, t in CASES])
 def test_beam_search_speedup(benchmark, record, request, device, backbone, B, T, k):
-    from concept.plan_search import beam_search
+    from concept.planner.search import beam_search
 
     _skip(request, backbone)
     plain, fast, ids, valid = _planners(backbone, device, B, T, mtp=k)

@@ -9,10 +9,21 @@ import click
 from click.core import ParameterSource
 from rich.markup import escape
 
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.config import DEFAULT_TARGET_RATIO, BuildConfig
+from concept.options import click_options
 
-from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
-                     render_params, render_structure, stack_layers, status, stdout)
+from .output import (
+    describe_backbone,
+    param_counts,
+    print_json,
+    quiet_progress_bars,
+    render_components,
+    render_params,
+    render_structure,
+    stack_layers,
+    status,
+    stdout,
+)
 
 
 def load_config_file(path: str):
@@ -40,15 +51,22 @@ def load_config_file(path: str):
 
 
 def make_config(config_file, names: dict, split, seed, overrides, concept_input=None, family=None, problems=None):
-    """Start from the defaults (or --config) and apply the flags; --set last. ``--family planner-executor``
-    brings its own default position scheme (``per-type``) unless --rope names one."""
+    """Start from the defaults (or --config) and apply the flags; --set last. ``--family NAME`` brings the
+    family's own default components (e.g. the planner-executor's ``per-type`` positions) unless a flag names one."""
     from concept import BuildConfig, ComponentRef
+    from concept.errors import ConceptError
+    from concept.families import family as family_named
 
     config = load_config_file(config_file) if config_file else BuildConfig()
     if family is not None and family != config.family:
         config.family = family
-        if family == "planner-executor" and names.get("position_scheme") is None:
-            config.position_scheme = ComponentRef("per-type")
+        try:
+            defaults = family_named(family).defaults
+        except ConceptError:  # an unknown family: resolve() reports it with the rest
+            defaults = {}
+        for slot, name in defaults.items():
+            if names.get(slot) is None:
+                setattr(config, slot, ComponentRef(name))
     for slot, name in names.items():
         if name is not None and name != getattr(config, slot).name:
             setattr(config, slot, ComponentRef(name))  # another component: its options start fresh
@@ -93,11 +111,15 @@ def check_output(folder: Path, config, force: bool, inputs: dict | None = None) 
 
 
 def calibrate(model, target_ratio: float, data, batches: int, given: set) -> dict | None:
-    """Set the NULL bias of a fresh model for ``target_ratio`` (``concept.calibration``); status on stderr.
+    """Set the NULL bias of a fresh model for ``target_ratio`` (``concept.streaming.calibration``); status on stderr.
     A policy without such a bias is left alone; unreadable default data only skips the calibration."""
-    from concept.calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, calibratable
-    from concept.calibration import calibrate as calibrate_model
     from concept.errors import ConceptError
+    from concept.streaming.calibration import (
+        DEFAULT_BATCH,
+        DEFAULT_SEQ_LEN,
+        calibratable,
+    )
+    from concept.streaming.calibration import calibrate as calibrate_model
 
     if not calibratable(model):
         if given:
@@ -130,14 +152,12 @@ def print_plan(plan, output: Path | None) -> None:
     stdout.print(render_components(d["components"]))
 
 
+# BuildConfig's own options (not the component slots) come from its fields; unset (None) unless given,
+# so that a --config file's values stay.
 @click.command()
-@click.option("--family", type=click.Choice(["streaming", "planner-executor"]), default=None,
-              help="Model family: streaming (default; online concept compression) or planner-executor (the LLM "
-                   "plans typed concepts, then writes text from the plan alone; configure its types with --set "
-                   "planner.types='[{\"name\": ..., \"size\": K, \"max_len\": N}, ...]').")
+@click_options(BuildConfig, "family", unset=True)
 @click.option("--backbone", metavar="NAME", help="Backbone plugin (default: smollm2, the offline SmolLM2-135M).")
-@click.option("--split", metavar="TEXT", help="Layers per stack: 'auto' (the default: 2/15 shallow, 4/15 deep, "
-              "4,18,8 on 30 layers), counts '4,22,4' or fractions '0.15,0.7,0.15'.")
+@click_options(BuildConfig, "split", unset=True)
 @click.option("--length-policy", metavar="NAME", help="Length policy plugin (default: null).")
 @click.option("--sampler", metavar="NAME", help="Training sampler plugin (default: gumbel-st).")
 @click.option("--eval-sampler", metavar="NAME", help="Inference sampler plugin (default: argmax).")
@@ -147,10 +167,7 @@ def print_plan(plan, output: Path | None) -> None:
 @click.option("--attention", metavar="NAME", help="Deep-stack attention backend (default: chunked).")
 @click.option("--tail-fusion", metavar="NAME",
               help="What tail tokens take from their latest concept: none, update, bridge (default: none).")
-@click.option("--concept-input", type=click.Choice(["identity", "embedding"]),
-              help="Concept input: the emitting token's shallow state + a gated embedding (identity, default) "
-                   "or the discrete embedding alone.")
-@click.option("--seed", type=int, help="Seed for the new modules (default: 0).")
+@click_options(BuildConfig, "concept_input", "seed", unset=True)
 @click.option("--target-ratio", type=float, default=DEFAULT_TARGET_RATIO, show_default=True,
               help="Concepts per token the untrained model is calibrated to: its NULL bias is set so that it "
                    "emits this many on a few rows of --calibration-data (recorded in concept.json).")
@@ -189,7 +206,7 @@ def build(ctx, family, backbone, split, length_policy, sampler, eval_sampler, po
     names = dict(backbone=backbone, length_policy=length_policy, sampler=sampler, eval_sampler=eval_sampler,
                  position_scheme=position_scheme, vocabulary=vocabulary, attention=attention, tail_fusion=tail_fusion)
     from concept import resolve
-    from concept.calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, check
+    from concept.streaming.calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, check
 
     problems = [] if no_calibrate else check(target_ratio, calibration_batches, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
     config = make_config(config_file, names, split, seed, overrides, concept_input, family, problems)
@@ -211,13 +228,13 @@ def build(ctx, family, backbone, split, length_policy, sampler, eval_sampler, po
 
     quiet_progress_bars()
     bb = plan.components["backbone"]
-    shape = (f"split {'/'.join(map(str, plan.split))}" if plan.family == "streaming" else
-             f"planner-executor, {len(plan.planner.types)} plan type(s)")
+    stacks = plan.family_object.stacks  # a split into stacks and a concept ratio (the streaming family)
+    shape = f"split {'/'.join(map(str, plan.split))}" if stacks else f"{plan.family} family"
     status("building", f"{bb.name} backbone, {shape} ({plan.backbone_info.num_layers} layers) ...")
     start = time.perf_counter()
     model = concept.build(plan=plan)
     calibration = None
-    if not no_calibrate and plan.family == "streaming":
+    if not no_calibrate and stacks:
         given = {k for k in ("target_ratio", "calibration_data", "calibration_batches")
                  if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
         calibration = calibrate(model, target_ratio, calibration_data, calibration_batches, given)
@@ -228,7 +245,7 @@ def build(ctx, family, backbone, split, length_policy, sampler, eval_sampler, po
     counts = param_counts(model)
     if as_json:
         print_json({"path": str(output), "family": plan.family, "plan": plan.describe(),
-                    "stacks": stack_layers(plan.split) if plan.family == "streaming" else None,
+                    "stacks": stack_layers(plan.split) if stacks else None,
                     "params": counts, "calibration": calibration})
         return
     stdout.print(f"[bold]built[/] {escape(str(output))} ({plan.family})")

@@ -10,15 +10,24 @@ import click
 from click.core import ParameterSource
 from rich.markup import escape
 
+from concept.config import BuildConfig
+from concept.options import click_options
+
 from .output import print_json, quiet_progress_bars, status, stdout, table
+from .train_cmd import DeferredOptions
 
 DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
-# common training flags -> TrainConfig fields (None: the TrainConfig default, as `concept train`)
-TRAIN_FLAGS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum": "grad_accum", "lr": "lr",
-               "lr_new": "lr_new", "warmup": "warmup", "distill": "distill",
-               "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
-               "ratio_warmup": "ratio_warmup", "ratio_start": "ratio_start", "seed": "seed", "data": "data",
-               "device": "device", "placement": "placement"}
+# the common training options, made from TrainConfig (`concept train`'s; any other: --train-set); not given:
+# TrainConfig's default
+TRAIN = ("data", "steps", "seq_len", "batch", "grad_accum", "lr", "lr_new", "warmup", "ratio_start", "ratio_warmup",
+         "distill", "distill_temperature", "placement", "align", "align_at", "lora_rank", "seed", "device")
+
+
+def train_options() -> list:
+    from concept.options import click_params
+    from concept.training import TrainConfig
+
+    return click_params(TrainConfig, *TRAIN, unset=True)
 
 
 def command_line(ctx: click.Context) -> str:
@@ -44,7 +53,8 @@ def command_line(ctx: click.Context) -> str:
 def make_spec(opts: dict):
     """The frontier from the command's options (raises ConfigError on bad input)."""
     from concept.errors import ConfigError
-    from concept.frontier import FrontierSpec, domains, parse_ratios, parse_splits, train_overrides
+    from concept.options import from_params
+    from concept.recipes.frontier import FrontierSpec, domains, parse_ratios, parse_splits, train_overrides
     from concept.training import TrainConfig
 
     from .build_cmd import make_config
@@ -63,9 +73,7 @@ def make_spec(opts: dict):
     except ConfigError as exc:
         problems += exc.problems
         build = None
-    train = TrainConfig(**{field: opts[flag] for flag, field in TRAIN_FLAGS.items() if opts[flag] is not None})
-    if opts["lora_rank"] is not None:
-        train.lora.rank = opts["lora_rank"]
+    train = from_params(TrainConfig, {k: opts[k] for k in TRAIN if opts[k] is not None})
     try:
         train = train_overrides(train, list(opts["train_set"]))
     except ConfigError as exc:
@@ -86,7 +94,7 @@ def render_table(result: dict, out: Path):
     and the ΔNLL columns (in frontier.md and --json); run names never cut."""
     from rich.table import Table
 
-    from concept import frontier as fr
+    from concept.recipes import frontier as fr
 
     head, rows = fr.table_cells(result)
     keep = [i for i, h in enumerate(head) if h not in ("split", "target ratio") and not h.startswith("ΔNLL")]
@@ -100,7 +108,7 @@ def render_table(result: dict, out: Path):
 
 
 def print_plan(planned, out: Path, spec) -> None:
-    from concept.frontier import describe_kind, run_state
+    from concept.recipes.frontier import describe_kind, run_state
 
     t = table("run", "kind", "split", "target ratio", "planned FLOP ratio", "starts from", "state",
               title=f"frontier plan (dry run: nothing written) -> {out}")
@@ -118,14 +126,14 @@ def print_plan(planned, out: Path, spec) -> None:
     for name, cfg in builds.items():
         stdout.print(f"[bold]builds/{escape(name)}[/]: {escape(json.dumps(cfg.to_dict(), sort_keys=True))}")
     stdout.print(f"[bold]recipe[/] (every run): {escape(json.dumps(spec.train.to_dict(), sort_keys=True))}")
-    stdout.print(f"[bold]held-out[/]: " + escape(", ".join(f"{d.label} = {d.source}" for d in spec.domains))
+    stdout.print("[bold]held-out[/]: " + escape(", ".join(f"{d.label} = {d.source}" for d in spec.domains))
                  + f"; {spec.eval_batches} x {spec.eval_batch} x {spec.seq_len} tokens per domain")
     for r in planned:
         for note in r.notes:
             stdout.print(f"note: {escape(r.name)}: {escape(note)}")
 
 
-@click.command()
+@click.command(cls=DeferredOptions, make_options=train_options, after="build_set")
 @click.option("--splits", default=DEFAULT_SPLITS, show_default=True, metavar="S;S;...",
               help="Streaming splits, separated by ';' (counts '4,22,4', fractions or 'auto').")
 @click.option("--ratios", default="0.5,0.25", show_default=True, metavar="R,R,...",
@@ -138,29 +146,9 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--length-policy", metavar="NAME", help="Length policy plugin of the builds.")
 @click.option("--attention", metavar="NAME", help="Deep-stack attention backend of the builds.")
 @click.option("--tail-fusion", metavar="NAME", help="Tail fusion of the builds: none, update, bridge.")
-@click.option("--concept-input", type=click.Choice(["identity", "embedding"]), help="Concept input of the builds.")
+@click_options(BuildConfig, "concept_input", unset=True)
 @click.option("--build-set", multiple=True, metavar="SLOT.KEY=VALUE",
               help="A build option, as `concept build --set` (repeatable), e.g. --build-set length_policy.max_run=16.")
-@click.option("--steps", type=int, help="Training steps of every run (default: `concept train`'s).")
-@click.option("--seq-len", type=int)
-@click.option("--batch", type=int)
-@click.option("--grad-accum", type=int)
-@click.option("--lr", type=float, help="Learning rate of the LoRA adapters.")
-@click.option("--lr-new", type=float, help="Learning rate of the new modules.")
-@click.option("--warmup", type=int)
-@click.option("--distill", type=float, help="Weight of the KL to the frozen backbone.")
-@click.option("--distill-temperature", type=float)
-@click.option("--align", type=float, help="Weight of the hidden-state alignment (baselines: only at --align-at final).")
-@click.option("--align-at", type=click.Choice(["deep-input", "final"]))
-@click.option("--ratio-warmup", type=float, help="Ratio curriculum: fraction of the steps to anneal over.")
-@click.option("--placement", type=float, help="Learned placement weight (streaming runs; baselines have no concepts).")
-@click.option("--ratio-start", type=float, help="Ratio curriculum: the target ratio at step 0.")
-@click.option("--lora-rank", type=int)
-@click.option("--seed", type=int, help="Training seed.")
-@click.option("--data", help="Training text: a file, folder or JSONL, or Hugging Face datasets (a save_to_disk "
-              "folder, PATH:SPLIT for a DatasetDict split, .parquet / .arrow files); its train split is used "
-              "(default: the Python standard library's).")
-@click.option("--device", help="auto, cpu or cuda.")
 @click.option("--train-set", multiple=True, metavar="KEY=VALUE",
               help="Any other `concept train` option, by TrainConfig field name (repeatable), e.g. "
                    "--train-set ratio_control=pi --train-set lora.alpha=32.")
@@ -187,14 +175,16 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
 
     Writes OUT/frontier.png (held-out bits/token against FLOP ratio to dense, one panel per
     domain), OUT/frontier.json and OUT/frontier.md, and names the best streaming point at
-    <= --max-flops. A rerun skips complete runs and resumes interrupted ones.
+    <= --max-flops. A rerun skips complete runs and resumes interrupted ones. The training options
+    are `concept train`'s, with its defaults (any other: --train-set); a baseline trains without
+    the ones it has no use for (--placement, --align at deep-input).
 
     \b
     concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 --out runs/frontier
     concept frontier --splits "6,18,6;10,10,10" --ratios 0.25 --distill 1 --ratio-warmup 0.3 --dry-run
     concept frontier ... --update-doc docs/results.md
     """
-    from concept import frontier as fr
+    from concept.recipes import frontier as fr
 
     quiet_progress_bars()
     spec = make_spec(opts)

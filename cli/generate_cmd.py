@@ -112,10 +112,11 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     import concept
     from concept.builder import read_run, read_train
     from concept.diagnostics import _encode, render_concepts
+    from concept.distributed import pick_device
     from concept.errors import ConceptError, ConfigError
-    from concept.generation import TextStream, generate as run_generate, settings_from
+    from concept.generation import TextStream, settings_from
+    from concept.generation import generate as run_generate
     from concept.tokens import tokenizer_for
-    from concept.training import pick_device
 
     quiet_progress_bars()
     texts = read_prompts(prompts, prompt_file)

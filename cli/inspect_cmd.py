@@ -6,8 +6,20 @@ from rich.markup import escape
 
 from concept.config import DEFAULT_TARGET_RATIO
 
-from .output import (describe_backbone, param_counts, print_json, quiet_progress_bars, render_components,
-                     render_params, render_plan_types, render_stacks, stack_layers, status, stdout, table)
+from .output import (
+    describe_backbone,
+    param_counts,
+    print_json,
+    quiet_progress_bars,
+    render_components,
+    render_params,
+    render_plan_types,
+    render_stacks,
+    stack_layers,
+    status,
+    stdout,
+    table,
+)
 
 # config slot -> attribute of ConceptModel holding that component (attention has no parameters)
 SLOT_MODULES = {"backbone": "backbone", "length_policy": "length_policy", "sampler": "sampler",
@@ -62,8 +74,11 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     plan = model.plan.describe()
     counts = param_counts(model)
     per_slot = module_params(model)
+    family = model.plan.family_object
     if plan["family"] == "planner-executor":  # no stacks, no keep ratio: its plan types and length control
         return inspect_planner_executor(run_dir, model, plan, counts, record, as_json)
+    if not family.stacks:  # another family: what it says about itself
+        return inspect_family(run_dir, model, family, plan, counts, record, as_json)
     flops = ideal_ratio(model, ratio, seq_len)
     flop_summary = {"concepts_per_token": ratio, **flops.to_dict()}
     calibration = ratio_calibration(model, record, read_train(run_dir))
@@ -118,7 +133,27 @@ def inspect_planner_executor(run_dir: str, model, plan: dict, counts: dict, reco
     stdout.print(render_plan_types(plan["planner"]))
     stdout.print(render_params(counts))
     stdout.print(render_components(components))
-    t = table("plan length control", "value", title="planner")
-    t.add_row("<EOS> bias (quota controller)", f"{planner['eos_bias']:+.4f}")
-    t.add_row("task", f"{model.task}" + (f", context {model.context_len} tokens" if model.task == "continue" else ""))
-    stdout.print(t)
+    for title, rows in model.plan.family_object.inspect(model).items():
+        stdout.print(render_rows(title, rows))
+
+
+def render_rows(title: str, rows: dict):
+    t = table(title, "value", title=title)
+    for key, value in rows.items():
+        t.add_row(escape(str(key)), escape(str(value)))
+    return t
+
+
+def inspect_family(run_dir: str, model, family, plan: dict, counts: dict, record: dict, as_json: bool) -> None:
+    """``concept inspect`` of a family without stacks: its own description and tables, parameters, components."""
+    sections = family.inspect(model)
+    if as_json:
+        print_json({"path": run_dir, "format": record.get("format"), "family": plan["family"],
+                    "description": family.describe(model), "backbone": plan["backbone"], "params": counts,
+                    "components": plan["components"], **sections})
+        return
+    stdout.print(f"[bold]run[/] {escape(run_dir)} ({escape(plan['family'])}): {escape(family.describe(model))}")
+    stdout.print(f"backbone: {escape(describe_backbone(plan['backbone']))}")
+    stdout.print(render_params(counts))
+    for title, rows in sections.items():
+        stdout.print(render_rows(title, rows))

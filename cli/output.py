@@ -164,8 +164,9 @@ def render_plan_types(planner: dict) -> Table:
 
 def render_structure(plan) -> Table:
     """What a build plan wires: the streaming model's stacks, or the planner-executor's plan types."""
-    if plan.planner is not None:
-        return render_plan_types(plan.describe()["planner"])
+    section = plan.family_object.section
+    if section is not None:  # the planner-executor's plan types
+        return render_plan_types(plan.describe()[section])
     return render_stacks(plan.split, plan.backbone_info.num_layers)
 
 

@@ -60,8 +60,8 @@ def _checked(kinds: list[str]) -> list[dict]:
 @plugins.command("list")
 @click.option("--check", is_flag=True, help="Import every plugin and report ok / error / conflict (exit 1 if any is broken).")
 @click.option("--kind", "kinds", multiple=True, metavar="KIND",
-              help="Only this component kind (backbone, length_policy, sampler, position_scheme, vocabulary, "
-                   "attention); repeatable.")
+              help="Only this component kind (family, backbone, length_policy, sampler, position_scheme, "
+                   "vocabulary, attention, tail_fusion); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list to stdout.")
 def list_plugins(check: bool, kinds: tuple[str, ...], as_json: bool) -> None:
     """List every registered component: kind, name, provider, target and status.

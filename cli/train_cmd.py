@@ -6,31 +6,35 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from concept.config import DEFAULT_TARGET_RATIO
-
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
 
-# CLI option -> TrainConfig field (LoRA options map into config.lora)
-FIELDS = {"steps": "steps", "seq_len": "seq_len", "batch": "batch", "grad_accum": "grad_accum", "lr": "lr",
-          "lr_new": "lr_new", "weight_decay": "weight_decay", "warmup": "warmup", "min_lr": "min_lr", "clip": "clip",
-          "target_ratio": "target_ratio", "ratio_control": "ratio_control", "ratio_loss_weight": "ratio_loss_weight",
-          "pi_ki": "pi_ki", "usage_weight": "usage_weight", "data": "data",
-          "text_field": "text_field", "encoding_errors": "encoding_errors", "seed": "seed",
-          "eval_every": "eval_every", "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
-          "log_every": "log_every", "grad_checkpointing": "grad_checkpointing", "baseline": "baseline",
-          "device": "device", "dtype": "dtype", "tau_start": "tau_start", "tau_end": "tau_end",
-          "calibration_batches": "calibration_batches", "prune_layers": "prune_layers", "ce_weight": "ce_weight",
-          "distill": "distill", "distill_temperature": "distill_temperature", "align": "align", "align_at": "align_at",
-          "align_loss": "align_loss", "train_only": "train_only", "ratio_start": "ratio_start",
-          "ratio_warmup": "ratio_warmup", "mtp": "mtp", "mtp_ce": "mtp_ce", "mtp_heads": "mtp_heads",
-          "placement": "placement", "task": "task", "context_len": "context_len", "commitment": "commitment",
-          "eos_weight": "eos_weight", "quota_weight": "quota_weight", "plan_training": "plan_training",
-          "estep_every": "estep_every", "beam": "beam", "plan_ce": "plan_ce", "curriculum": "curriculum",
-          "plan_mtp": "plan_mtp", "estep_prior": "estep_prior"}
-LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_targets": "targets"}
+
+class DeferredOptions(click.Command):
+    """A command with options made from a dataclass (``concept.options``) the first time click needs its
+    parameters (to parse or for --help), placed after the parameter named ``after``: the module that
+    declares them (``concept.training``) imports torch, which importing the CLI must not."""
+
+    def __init__(self, *args, make_options, after: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.make_options, self.after = make_options, after
+
+    def get_params(self, ctx):
+        if self.make_options is not None:
+            at = [p.name for p in self.params].index(self.after) + 1
+            self.params[at:at] = self.make_options()
+            self.make_options = None
+        return super().get_params(ctx)
 
 
-@click.command()
+def train_options() -> list:
+    """Every TrainConfig field as an option (``--lora-*`` for ``config.lora``), in declaration order."""
+    from concept.options import click_params
+    from concept.training import TrainConfig
+
+    return click_params(TrainConfig)
+
+
+@click.command(cls=DeferredOptions, make_options=train_options, after="force")
 @click.argument("source", metavar="RUN_DIR", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or "
               "RUN_DIR-dense / RUN_DIR-pruned with --baseline).")
@@ -39,118 +43,6 @@ LORA = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "
               "other data).")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out folder, once the new run has trained every "
               "step (until then, and after a failure or Ctrl-C, the old folder stays as it was).")
-@click.option("--baseline", type=click.Choice(["dense", "pruned"]), is_flag=False, flag_value="dense", default=None,
-              help="Train a baseline instead of the streaming model: `dense` (the default of a bare --baseline: "
-              "backbone + LoRA, no compression) or `pruned` (the backbone minus a contiguous block of middle layers, "
-              "FLOP-matched to the streaming model at --target-ratio and --seq-len).")
-@click.option("--prune-layers", metavar="START:STOP", default=None,
-              help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block.")
-@click.option("--data", type=str, default=None, help="Text file, folder, or JSONL; or Hugging Face datasets: a save_to_disk folder "
-              "(DatasetDict: its train split, or PATH:SPLIT), .parquet / .arrow files "
-              "(default: the Python standard library).")
-@click.option("--text-field", default="text", show_default=True, help="JSONL field holding the text.")
-@click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
-@click.option("--steps", type=int, default=300, show_default=True)
-@click.option("--seq-len", type=int, default=256, show_default=True)
-@click.option("--batch", type=int, default=8, show_default=True)
-@click.option("--grad-accum", type=int, default=1, show_default=True)
-@click.option("--lr", type=float, default=2e-4, show_default=True, help="Learning rate of the LoRA adapters.")
-@click.option("--lr-new", type=float, default=1e-3, show_default=True, help="Learning rate of the new modules.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True,
-              help="AdamW weight decay (decoupled), for every trained group.")
-@click.option("--warmup", type=int, default=10, show_default=True)
-@click.option("--min-lr", type=float, default=0.1, show_default=True,
-              help="After the warmup the cosine schedule decays to this fraction of each peak learning rate (0..1).")
-@click.option("--clip", type=float, default=1.0, show_default=True)
-@click.option("--target-ratio", type=float, default=DEFAULT_TARGET_RATIO, show_default=True, help="Concepts per token to aim for.")
-@click.option("--ratio-control", type=click.Choice(["both", "pi", "loss", "none"]), default="both", show_default=True)
-@click.option("--ratio-loss-weight", type=float, default=0.1, show_default=True)
-@click.option("--pi-ki", type=float, default=0.05, show_default=True,
-              help="Integral gain of the ratio controller (--ratio-control pi / both): the NULL bias moves by "
-              "this times the keep log-odds spread per unit of summed ratio error (0: no integral term).")
-@click.option("--usage-weight", type=float, default=0.0, show_default=True,
-              help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
-@click.option("--ratio-start", type=float, default=1.0, show_default=True,
-              help="Ratio curriculum: the target ratio at step 0 (1 = every token a concept).")
-@click.option("--ratio-warmup", type=float, default=0.0, show_default=True,
-              help="Anneal the target from --ratio-start to --target-ratio over this fraction of the steps "
-              "(linearly in tokens per concept), then hold it; 0 = off.")
-@click.option("--ce-weight", type=float, default=1.0, show_default=True,
-              help="Weight of the next-token cross entropy (0 with --distill: KL-only distillation).")
-@click.option("--distill", type=float, default=0.0, show_default=True,
-              help="Weight of KL(teacher || student) on the next-token distributions; the teacher is the frozen "
-              "backbone (adapters disabled), one extra no-grad forward per step.")
-@click.option("--distill-temperature", type=float, default=1.0, show_default=True,
-              help="Softmax temperature T of the distillation (the KL is scaled by T^2).")
-@click.option("--mtp", "mtp", type=float, default=1.0, show_default=True,
-              help="Weight of the MTP heads' self-distillation (KL to the frozen backbone at t+1..t+k, plus CE); "
-              "only for a model with MTP heads (--length-policy mtp). One extra no-grad forward per step.")
-@click.option("--mtp-heads", type=int, default=0, show_default=True,
-              help="Baselines: K MTP heads on the dense / pruned model's last hidden state, for multi-token "
-              "decoding (the streaming model's come with --length-policy mtp).")
-@click.option("--mtp-ce", type=float, default=0.5, show_default=True,
-              help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
-@click.option("--placement", type=float, default=0.0, show_default=True,
-              help="Learned placement: weight of a BCE that trains the `null` policy's keep score to emit concepts "
-              "where skipping the middle stack costs most (KL of the frozen backbone to this model without its "
-              "middle stack); one teacher forward and one shallow+deep forward per step, no gradient.")
-@click.option("--task", type=click.Choice(["reconstruct", "continue"]), default=None,
-              help="Planner-executor runs: reconstruct (default: the executor rebuilds the row u from the plan "
-              "alone) or continue (u = the first --context-len tokens, the executor writes the rest from the plan).")
-@click.option("--context-len", type=int, default=0, show_default=True,
-              help="Planner-executor, --task continue: tokens of each row the planner reads (u).")
-@click.option("--commitment", type=float, default=0.1, show_default=True,
-              help="Planner-executor: weight of the commitment term (the soft and hard concept samples agree).")
-@click.option("--eos-weight", type=float, default=0.1, show_default=True,
-              help="Planner-executor: weight of the <EOS> loss where a type reached its max_len.")
-@click.option("--quota-weight", type=float, default=0.1, show_default=True,
-              help="Planner-executor: weight of the quota loss (expected plan length against the budget).")
-@click.option("--plan-training", type=click.Choice(["gumbel", "hard-em"]), default="gumbel", show_default=True,
-              help="Planner-executor: gumbel (a plan sampled with Gumbel-ST in every step) or hard-em (the best of a "
-              "beam of plans per example, cached and refreshed every --estep-every steps; docs/planner_executor.md).")
-@click.option("--estep-every", type=int, default=50, show_default=True,
-              help="Hard-EM: search an example's plan again once its cached plan is this many steps old.")
-@click.option("--beam", type=int, default=4, show_default=True, help="Hard-EM: the E-step's beam width k.")
-@click.option("--estep-prior", type=float, default=1.0, show_default=True,
-              help="Hard-EM: β in the E-step's score S(z) = log p(y|z) + β log p(z|u) (1: the posterior mode; 0: the "
-              "beam's plan that best explains y).")
-@click.option("--plan-ce", type=float, default=1.0, show_default=True,
-              help="Hard-EM: weight of the planner's cross-entropy on the best plan z*.")
-@click.option("--plan-mtp", type=float, default=1.0, show_default=True,
-              help="Planner-executor built with MTP concepts (--set planner.mtp=K): weight of the MTP heads' CE.")
-@click.option("--curriculum", default=None, metavar="START:FRACTION",
-              help="Short-to-long: rows grow linearly from START tokens to --seq-len over FRACTION of the steps "
-              "(--context-len grows in proportion), e.g. 64:0.5.")
-@click.option("--align", type=float, default=0.0, show_default=True,
-              help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
-@click.option("--align-at", type=click.Choice(["deep-input", "final"]), default="deep-input", show_default=True,
-              help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; "
-              "final: the last layer's output (before the final norm) at every token.")
-@click.option("--align-loss", type=click.Choice(["cosine", "mse"]), default="cosine", show_default=True,
-              help="cosine: 1 - cos per token; mse: squared error / the teacher states' mean square (dominated "
-              "by a few tokens with massive activations on SmolLM2; docs/training.md).")
-@click.option("--train-only", type=click.Choice(["all", "new"]), default="all", show_default=True,
-              help="new: train only the new modules (the LoRA adapters stay frozen), e.g. a first stage that "
-              "fits a tail bridge with --align.")
-@click.option("--calibration-batches", type=int, default=16, show_default=True,
-              help="At the end, re-estimate the NULL bias for the target ratio on this many training batches (0: off).")
-@click.option("--tau-start", type=float, default=1.0, show_default=True, help="Gumbel temperature at step 0.")
-@click.option("--tau-end", type=float, default=0.5, show_default=True, help="Gumbel temperature at the last step.")
-@click.option("--lora-rank", type=int, default=8, show_default=True)
-@click.option("--lora-alpha", type=float, default=16.0, show_default=True)
-@click.option("--lora-dropout", type=float, default=0.0, show_default=True,
-              help="Dropout on the LoRA adapters' input while training, in [0, 1).")
-@click.option("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--eval-every", type=int, default=50, show_default=True)
-@click.option("--eval-batches", type=int, default=4, show_default=True)
-@click.option("--checkpoint-every", type=int, default=50, show_default=True)
-@click.option("--log-every", type=int, default=10, show_default=True)
-@click.option("--grad-checkpointing", is_flag=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-              help="Compute precision: bf16 autocast (weights and optimizer state stay fp32) with bf16, or with "
-                   "auto on CUDA; fp32 otherwise.")
 @click.option("--distributed", type=click.Choice(["auto", "ddp", "fsdp2", "none"]), default="auto", show_default=True,
               help="Under torchrun: ddp (auto's choice; gloo on CPU, nccl on GPU) or fsdp2 (parameters sharded). "
               "--batch is per process: the global batch is batch x processes x grad-accum. See docs/distributed.md.")
@@ -179,7 +71,7 @@ def train(ctx, source: Path, out, resume, force, as_json, distributed, **options
 
 
 def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> None:
-    from concept.lora import LoraSettings
+    from concept.options import from_params, paths
     from concept.training import TrainConfig, Trainer
 
     quiet_progress_bars()
@@ -187,8 +79,8 @@ def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> Non
     if resume and out is not None and Path(out).resolve() != source.resolve():
         raise click.UsageError("--resume continues RUN_DIR in place; drop --out (or start a new run without --resume)")
     if resume:
-        overrides = {FIELDS[k]: options[k] for k in given if k in FIELDS}
-        overrides.update({f"lora.{LORA[k]}": options[k] for k in given if k in LORA})
+        fields = paths(TrainConfig)  # e.g. lora_rank -> lora.rank
+        overrides = {fields[k]: options[k] for k in given if k in fields}
         if "baseline" in overrides and overrides["baseline"] is None:
             overrides.pop("baseline")
         Trainer.resumed_config(source, dist.world_size, overrides)  # a conflict is an error even with nothing to train
@@ -208,8 +100,7 @@ def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> Non
         trainer = Trainer.resume(source, dist=dist, **overrides)
         out = source
     else:
-        config = TrainConfig(**{FIELDS[k]: v for k, v in options.items() if k in FIELDS},
-                             lora=LoraSettings(**{LORA[k]: v for k, v in options.items() if k in LORA}))
+        config = from_params(TrainConfig, options)
         out = out or source.with_name(source.name + (f"-{config.baseline}" if config.baseline else "-train"))
         status("preparing", f"{f'{config.baseline} baseline' if config.baseline else 'concept model'} from {source} -> {out} ...")
         trainer = Trainer.start(source, out, config, force=force, dist=dist)
@@ -271,7 +162,13 @@ def already_done(run: Path, steps: int | None) -> tuple[int, int] | None:
 def run_with_progress(trainer) -> dict:
     """Train with a rich progress bar on stderr: step, loss, ratio, tokens/s, ETA."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     cfg = trainer.config
     columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

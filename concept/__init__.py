@@ -10,9 +10,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "build": "builder", "load": "builder", "save": "builder", "calibrate": "calibration",
+    "build": "builder", "load": "builder", "save": "builder", "calibrate": "streaming.calibration",
     "BuildConfig": "config", "ComponentRef": "config", "resolve": "config",
-    "ConceptModel": "model", "ConceptOutput": "model",
+    "ConceptModel": "streaming.model", "ConceptOutput": "streaming.model",
     "ConceptError": "errors", "ConfigError": "errors",
 }
 __all__ = [*_EXPORTS, "__version__"]

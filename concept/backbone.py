@@ -10,11 +10,15 @@ A backbone plugin class has a ``Config`` dataclass and two classmethods:
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .errors import BackboneError
@@ -83,3 +87,24 @@ def decoder(model: nn.Module) -> nn.Module:
 
 def layers(model: nn.Module) -> nn.ModuleList:
     return decoder(model).layers
+
+
+def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+    """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table
+    (and a KV cache the layers update, when decoding)."""
+    cos_sin = rotary_emb(x, position_ids)
+    for layer in layers:
+        kwargs = dict(attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
+        if cache is not None:
+            kwargs[cache_keyword(type(layer))] = cache
+        if checkpointing:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
+        else:
+            x = layer(x, **kwargs)
+    return x
+
+
+@functools.lru_cache(maxsize=None)
+def cache_keyword(layer_class) -> str:
+    """The KV-cache argument of a decoder layer: ``cache`` (transformers >= 5.x) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(layer_class.forward).parameters else "past_key_values"

@@ -1,4 +1,4 @@
-"""Component builders (torchtune style): a validated plan in, a wired ``ConceptModel`` out.
+"""Component builders (torchtune style): a validated plan in, a wired model of its family (``concept.families``) out.
 
 ``build(config)`` validates everything first (one error listing every problem), loads the
 backbone, freezes it, routes its attention through concept's AttentionInterface function,
@@ -21,7 +21,7 @@ from .backbone import LoadedBackbone
 from .components import BuildContext
 from .config import BuildConfig, Plan, resolve
 from .errors import RunFolderError
-from .model import ConceptModel
+from .families import family, family_of
 
 RUN_FILE = "concept.json"
 MODULES_FILE = "modules.safetensors"
@@ -70,25 +70,9 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
     return parts
 
 
-def build_streaming(plan: Plan, loaded: LoadedBackbone) -> ConceptModel:
-    parts = build_components(plan, loaded)
-    return ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
-                        identity_start=plan.config.concept_input == "identity", **parts)
-
-
-def build_planner_executor(plan: Plan, loaded: LoadedBackbone):
-    from . import planner_executor
-
-    return planner_executor.build(plan, loaded)
-
-
-# the model families (SPEC §2): the same registry, components and training loop; their own orchestration
-FAMILIES = {"streaming": build_streaming, "planner-executor": build_planner_executor}
-
-
 def build(config: BuildConfig | dict | None = None, plan: Plan | None = None):
-    """Build a concept model of the config's family (``streaming``: ``ConceptModel``; ``planner-executor``:
-    ``PlannerExecutor``) from a config, validated first (all errors at once)."""
+    """Build the model of the config's family (``concept.families``) from a config, validated first (all
+    errors at once)."""
     if plan is None:
         if isinstance(config, dict):
             config = BuildConfig.from_dict(config)
@@ -96,15 +80,15 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None):
     loaded = build_backbone(plan)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.config.seed)
-        model = FAMILIES[plan.family](plan, loaded)
+        model = family(plan.family).build(plan, loaded)
     return model.eval()
 
 
 # -- run folders -----------------------------------------------------------------------------
 
-def _run_record(model: ConceptModel) -> dict:
+def _run_record(model) -> dict:
     record = {"format": FORMAT_VERSION, "config": model.plan.config.to_dict(), "plan": model.plan.describe()}
-    if getattr(model, "calibration", None):  # the build-time NULL-bias calibration (concept.calibration)
+    if getattr(model, "calibration", None):  # the build-time NULL-bias calibration (concept.streaming.calibration)
         record["calibration"] = model.calibration
     return record
 
@@ -119,8 +103,7 @@ def read_run(path: str | os.PathLike) -> dict:
         config = record["config"]
         for key, value in LEGACY_CONFIG.get(record.get("format", 1), {}).items():
             config.setdefault(key, value)
-        config.setdefault("family", "streaming")  # (written before the planner-executor family existed)
-        config.setdefault("planner", {})
+        config.setdefault("family", "streaming")  # (written before there was a second family)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise RunFolderError(f"{file} is corrupt ({exc}); rebuild the run with `concept build -o {folder} --force`") from exc
     localise_backbone_path(record["config"], folder)
@@ -153,7 +136,7 @@ def rebuildable(folder: Path, config: dict) -> bool:
         return False
 
 
-def save(model: ConceptModel, path: str | os.PathLike, force: bool = False) -> Path:
+def save(model, path: str | os.PathLike, force: bool = False) -> Path:
     """Write a run folder atomically. An existing folder holding a *different* model is refused
     unless ``force``; it is only replaced once the new folder is complete."""
     folder = Path(path)
@@ -222,7 +205,13 @@ def load(path: str | os.PathLike):
     folder ``adapter/`` or merged into the backbone)."""
     from . import checkpoint
     from .dense import DenseModel
-    from .lora import PEFT_CONFIG_FILE, LoraSettings, add_lora, load_lora_state_dict, load_peft_adapter
+    from .lora import (
+        PEFT_CONFIG_FILE,
+        LoraSettings,
+        add_lora,
+        load_lora_state_dict,
+        load_peft_adapter,
+    )
 
     folder = Path(path)
     record = read_run(folder)
@@ -253,8 +242,8 @@ def load(path: str | os.PathLike):
             add_lora(model.backbone, LoraSettings(**train["lora"]))
             if adapter:
                 load_lora_state_dict(model.backbone, adapter)
-    if train and getattr(model, "family", None) == "planner-executor":  # the task the executor was trained on
-        model.task, model.context_len = train.get("task") or "reconstruct", train.get("context_len", 0)
+    if train and family_of(model) is not None:  # e.g. the task a planner-executor was trained on
+        family_of(model).prepare(model, train)
     modules = newest_weights(folder, "modules")
     if modules is None and model.new_modules():
         raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")

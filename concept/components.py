@@ -29,10 +29,15 @@ Position scheme (``nn.Module``)
 Attention backend (plain object)
     ``plan(layout) -> callable(query, key, value, scaling) -> out [B, L, H, hd]`` for the
     deep stack's packed layout (see ``concept.packing``). ``supports_backward: bool``.
+
+Model family (:class:`Family`, a plain object; ``concept.families``)
+    How a build config becomes a model and what training, evaluation, decoding and inspection
+    do with it; the core asks the family and never names one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 def accumulation_dtype(dtype):
@@ -65,3 +70,59 @@ class BuildContext:
     concept_vocab_size: int = 0  # K, filled once the vocabulary is built
     uses_null_class: bool = True
     num_types: int = 1  # concept types (the planner-executor family has one per plan type)
+
+
+class Family(Protocol):
+    """A model family, registered in the ``concept.families`` entry-point group (docs/architecture.md,
+    "Model families"). The registry instantiates the class with no arguments.
+
+    ``section``: the name of its build-config section (``--set SECTION.KEY=VALUE``; saved in
+    ``concept.json`` as ``"SECTION": {...}``), or None when it has no options of its own.
+    ``defaults``: component names it builds with unless the user chose others (``--family NAME``),
+    e.g. ``{"position_scheme": "per-type"}``. ``checks_components``: whether the components'
+    ``check_compatible`` vetoes apply to its builds (they describe the streaming forward).
+    """
+
+    name: str
+    section: str | None
+    defaults: dict[str, str]
+    checks_components: bool
+
+    # -- building ------------------------------------------------------------------------------
+    def settings(self, options: dict, components: dict) -> tuple[Any, list[str]]:
+        """Parse and check its section's ``options`` against the resolved components: (settings, problems)."""
+
+    def build(self, plan, loaded) -> Any:
+        """Wire the model (an ``nn.Module`` with ``family``, ``plan``, ``backbone``, ``new_modules()``,
+        ``new_state_dict()``, and a forward returning ``logits`` and ``loss``) from a resolved plan and a
+        loaded backbone."""
+
+    def describe(self, model) -> str:
+        """One sentence for people (the model card, ``concept build``): what this model is."""
+
+    def inspect(self, model) -> dict[str, dict[str, Any]]:
+        """What ``concept inspect`` shows beyond the backbone and the parameter counts: titled tables."""
+
+    # -- training ------------------------------------------------------------------------------
+    def check_training(self, config, plan, device, dist) -> list[str]:
+        """Problems of a ``TrainConfig`` for this family (all at once; empty: fine)."""
+
+    def prepare_training(self, model, config) -> None:
+        """Set what training reads from the train config onto a freshly built model (e.g. a task)."""
+
+    def objectives(self, config, model, target) -> list:
+        """The objectives and controllers a ``TrainConfig`` asks for (``concept.objectives``), in a
+        fixed order; ``target()`` is the ratio schedule's value at the current step."""
+
+    def plots(self, name: str, rows: list[dict], out) -> None:
+        """Write the family's own plots of a run's metrics rows into the run folder ``out``."""
+
+    # -- decoding and evaluation ---------------------------------------------------------------
+    def decoder(self, model):
+        """The step-wise decoder ``concept.generation`` drives (``prefill`` / ``step``)."""
+
+    def step_diagnostics(self, model, out, batch) -> dict[str, float]:
+        """Cheap statistics of a training micro-batch, logged every ``--log-every`` steps."""
+
+    def evaluate(self, model, batches, bucket: int, controls: bool, seed: int) -> dict | None:
+        """Held-out evaluation, or None for the core's (``concept.diagnostics.evaluate``)."""

@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConceptError, ConfigError, UnknownComponentError
+from .families import family
+from .options import option
 from .registry import KINDS, Provider, registry
 
 SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
          "tail_fusion")
 CONCEPT_INPUTS = ("identity", "embedding")
-FAMILIES = ("streaming", "planner-executor")  # SPEC §2: the two concept model families (dense is a baseline)
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
-assert set(SLOT_KIND.values()) == set(KINDS)
+assert set(SLOT_KIND.values()) == set(KINDS) - {"family"}
 
 # The default operating point: the best measured streaming point at <= 0.6x the dense backbone's FLOPs
 # (docs/results.md, "The default operating point: 4,18,8 at 0.125"). Split "auto" gives the shallow
@@ -43,7 +44,8 @@ class BuildConfig:
     backbone: ComponentRef = field(default_factory=lambda: ComponentRef("smollm2"))
     # "auto" (AUTO_SHALLOW / AUTO_DEEP of the layers: 4,18,8 on 30), counts "4,22,4" (shallow, middle,
     # deep) or fractions "0.15,0.7,0.15"
-    split: str = "auto"
+    split: str = option("auto", metavar="TEXT", help="Layers per stack: 'auto' (2/15 shallow, 4/15 deep: 4,18,8 on "
+                                                     "30 layers), counts '4,22,4' or fractions '0.15,0.7,0.15'.")
     length_policy: ComponentRef = field(default_factory=lambda: ComponentRef("null"))
     sampler: ComponentRef = field(default_factory=lambda: ComponentRef("gumbel-st"))
     eval_sampler: ComponentRef = field(default_factory=lambda: ComponentRef("argmax"))
@@ -54,26 +56,36 @@ class BuildConfig:
     # what a concept feeds the middle stack: "identity" = the emitting token's shallow state plus the
     # discrete concept embedding behind a gate that starts at 0 (keep-all == the backbone exactly);
     # "embedding" = the discrete concept embedding alone
-    concept_input: str = "identity"
-    seed: int = 0
-    # which model family the builder wires: "streaming" (concept.model) or "planner-executor"
-    # (concept.planner_executor, configured by ``planner``: its concept types, plan budget, ...)
-    family: str = "streaming"
-    planner: dict[str, Any] = field(default_factory=dict)
+    concept_input: str = option("identity", choices=CONCEPT_INPUTS,
+                                help="Concept input: the emitting token's shallow state + a gated embedding "
+                                     "(identity) or the discrete embedding alone.")
+    seed: int = option(0, help="Seed for the new modules.")
+    # which model family the builder wires (a ``concept.families`` entry point: ``concept plugins list``)
+    family: str = option("streaming", metavar="NAME",
+                         help="Model family (`concept plugins list --kind family`): streaming (online concept "
+                              "compression) or planner-executor (the LLM plans typed concepts, then writes text from "
+                              "the plan alone; configure its types with --set planner.types='[{\"name\": ..., "
+                              "\"size\": K, \"max_len\": N}, ...]').")
+    # the families' own options by section name (``--set SECTION.KEY=VALUE``; in JSON ``"SECTION": {...}``)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data.update(data.pop("sections"))  # each family's section at the top level, under its own name
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict) -> "BuildConfig":
-        problems = _unknown_keys(data, [f.name for f in dataclasses.fields(cls)], "build config")
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "sections"]
+        known = family_sections()
+        problems = _unknown_keys(data, fields + list(known), "build config")
         if problems:
             raise ConfigError(problems)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"sections": {}}
         for key, value in data.items():
             if key in SLOTS:
                 if isinstance(value, str):
@@ -82,8 +94,11 @@ class BuildConfig:
                     problems.append(f"{key}: expected {{'name': ..., 'params': {{...}}}}, got {value!r}")
                     continue
                 kwargs[key] = ComponentRef(value["name"], dict(value.get("params") or {}))
-            elif key == "planner" and not isinstance(value, dict):
-                problems.append(f"planner: expected an object of planner options, got {value!r}")
+            elif key in known:
+                if not isinstance(value, dict):
+                    problems.append(f"{key}: expected an object of {known[key]} options, got {value!r}")
+                elif value:  # (an empty section: written by older versions into every run)
+                    kwargs["sections"][key] = dict(value)
             else:
                 kwargs[key] = value
         if problems:
@@ -107,8 +122,9 @@ class BuildConfig:
                 continue
             path, raw = item.split("=", 1)
             value = parse_value(raw)
-            if path.startswith("planner."):
-                self.planner[path.split(".", 1)[1]] = value
+            head, _, key = path.partition(".")
+            if key and head in family_sections():
+                self.sections.setdefault(head, {})[key] = value
             elif "." in path:
                 slot, key = path.split(".", 1)
                 if slot not in SLOTS:
@@ -120,11 +136,18 @@ class BuildConfig:
             elif path in ("split", "seed", "concept_input", "family"):
                 setattr(self, path, value if path == "seed" else str(raw))
             else:
-                problems.append(_unknown_msg("--set key", path, list(SLOTS) + ["split", "seed", "concept_input",
-                                                                              "family", "planner.KEY"]))
+                problems.append(_unknown_msg("--set key", path, list(SLOTS) + [
+                    "split", "seed", "concept_input", "family", *(f"{s}.KEY" for s in family_sections())]))
         if problems and not collect:
             raise ConfigError(problems)
         return self
+
+
+def family_sections() -> dict[str, str]:
+    """Section name -> the family whose options it holds."""
+    from .families import sections
+
+    return sections()
 
 
 def parse_value(raw: str) -> Any:
@@ -245,14 +268,21 @@ class Plan:
     components: dict[str, ResolvedComponent]
     split: tuple[int, int, int]
     backbone_info: Any
-    planner: Any = None  # the planner-executor family: its validated ``PlannerSettings``
+    settings: Any = None  # the family's validated options (its section), if it has any
 
     @property
     def family(self) -> str:
         return self.config.family
 
+    @property
+    def family_object(self):
+        from .families import family
+
+        return family(self.config.family)
+
     def describe(self) -> dict:
-        extra = {"planner": self.planner.to_dict()} if self.planner is not None else {}
+        section = self.family_object.section
+        extra = {section: self.settings.to_dict()} if section and self.settings is not None else {}
         return {
             "family": self.config.family,
             **extra,
@@ -326,29 +356,24 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
         problems.append(f"seed: expected an integer, got {config.seed!r}")
     if config.concept_input not in CONCEPT_INPUTS:
         problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
-    planner = None
-    if config.family not in FAMILIES:
-        problems.append(_unknown_msg("family", str(config.family), list(FAMILIES)))
-    elif config.family == "planner-executor":
-        from .planner_executor import PlannerSettings
-
-        planner, errs = PlannerSettings.parse(config.planner)
+    settings, fam = None, None
+    try:
+        fam = family(config.family)
+    except UnknownComponentError as exc:
+        problems.append(f"family: {exc}")
+    except ConceptError as exc:  # a broken or conflicting installed family: the environment, not the input
+        problems.append(f"family: {exc}")
+        environment_problem = True
+    sections = family_sections()
+    for section, options in config.sections.items():
+        if fam is not None and section == fam.section:
+            continue
+        owner = sections.get(section, "another")
+        problems.append(f"{section}: {', '.join(sorted(options))} configure the {owner} family; this build is "
+                        f"{config.family!r} (pass --family {owner}, or drop the {section} options)")
+    if fam is not None:
+        settings, errs = fam.settings(config.sections.get(fam.section, {}) if fam.section else {}, components)
         problems.extend(errs)
-        levels = getattr(components["vocabulary"].config, "levels", 1) if "vocabulary" in components else 1
-        if "vocabulary" in components and getattr(components["vocabulary"].config, "beam", 1) > 1:
-            problems.append("vocabulary.beam: the levels' beam is the streaming family's; the planner-executor "
-                            "searches its plans, levels included, with --beam (drop --set vocabulary.beam)")
-        for t in planner.types if planner is not None and levels > 1 else ():
-            if t.max_len % levels:
-                problems.append(f"planner.types: {t.name!r} has max_len {t.max_len}, but with vocabulary.levels {levels} "
-                                f"a concept is {levels} code tokens; use a multiple of {levels}")
-        scheme = config.position_scheme.name
-        if scheme != "per-type":
-            problems.append(f"position_scheme: the planner-executor family numbers each token type's positions from 1 "
-                            f"(SPEC §2.4); build it with --rope per-type, not {scheme!r}")
-    elif config.planner:
-        problems.append(f"planner: {', '.join(sorted(config.planner))} configure the planner-executor family; this "
-                        f"build is {config.family!r} (pass --family planner-executor, or drop the planner options)")
 
     split, info = None, None
     if "backbone" in components:
@@ -362,11 +387,11 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
             problems.extend(errs)
 
     # Cross-component compatibility: each component may veto a combination, with its reason.
-    if not problems and config.family == "streaming":  # (the other family uses no length policy, attention, ...)
+    if not problems and fam.checks_components:  # (a family may use no length policy, attention, ...)
         for comp in components.values():
             check = getattr(comp.cls, "check_compatible", None)
             if callable(check):
                 problems.extend(f"{comp.slot} '{comp.name}': {p}" for p in check(comp.config, components))
     if problems:
         raise ConfigError(problems, exit_code=1 if environment_problem else 2)
-    return Plan(config=config, components=components, split=split, backbone_info=info, planner=planner)
+    return Plan(config=config, components=components, split=split, backbone_info=info, settings=settings)

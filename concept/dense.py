@@ -24,8 +24,9 @@ from torch import nn
 
 from . import packing
 from .attention import CausalPlan
-from .backbone import decoder
-from .model import next_token_loss, run_layers
+from .backbone import decoder, run_layers
+from .generation import generate
+from .losses import next_token_loss
 
 
 @dataclass
@@ -80,8 +81,6 @@ class DenseModel(nn.Module):
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Generate with transformers' DynamicCache; see :func:`concept.generation.generate`."""
-        from .generation import generate
-
         with self.pruned_backbone():
             return generate(self, input_ids, attention_mask, **kwargs)
 

@@ -1,4 +1,4 @@
-"""Diagnostics for concept models (SPEC §2.7): cheap training signals and a held-out evaluation.
+"""Diagnostics for concept models (docs/diagnostics.md): cheap training signals and a held-out evaluation.
 
 Three entry points, each documented with healthy / unhealthy readings in ``docs/diagnostics.md``:
 
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from . import packing
 from .errors import ConfigError
-from .model import next_token_loss
+from .families import family_of
+from .losses import next_token_loss
 
 LN2 = math.log(2.0)
 
@@ -157,10 +158,12 @@ def step_diagnostics(model, out, batch) -> dict[str, float]:
     Values that are undefined for the batch (no kept position) are ``nan``. A model without a
     length policy gets an empty dict.
     """
-    if getattr(out, "plan", None) is not None:  # the planner-executor's own (concept.plan_diagnostics)
-        from .plan_diagnostics import step_diagnostics as planned
+    family = family_of(_unwrap(model))
+    return family.step_diagnostics(_unwrap(model), out, batch) if family is not None else {}
 
-        return planned(_unwrap(model), out, batch)
+
+def concept_step_diagnostics(model, out, batch) -> dict[str, float]:
+    """:func:`step_diagnostics` of a model with a length policy and a concept head (the streaming family's)."""
     if not _is_concept_model(model) or getattr(out, "keep", None) is None:
         return {}
     with torch.no_grad():
@@ -292,10 +295,10 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     otherwise attention may cross packed documents (the loss never does).
     """
     base = _unwrap(model)
-    if getattr(base, "family", None) == "planner-executor":  # NLL(y | plan) and the plan's own statistics
-        from .plan_diagnostics import evaluate_planned
-
-        return evaluate_planned(base, batches, bucket, controls, seed)
+    family = family_of(base)
+    own = family.evaluate(base, batches, bucket, controls, seed) if family is not None else None
+    if own is not None:  # the family's own evaluation (e.g. NLL(y | plan) and the plan's statistics)
+        return own
     concept = _is_concept_model(model)
     fn = model if callable(model) else model.forward
     forward = getattr(base, "forward", fn)
@@ -431,7 +434,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     import concept
 
     from . import data as concept_data
-    from .training import pick_device
+    from .distributed import pick_device
 
     problems = [f"{name}: at least {low}, got {value}" for name, value, low in
                 (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
@@ -446,7 +449,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     n = min(batches, max(1, len(packed) // batch))
     result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
     # streaming | dense | pruned | planner-executor
-    result["model"] = getattr(model, "kind", None) or getattr(model, "family", "streaming")
+    result["model"] = model_kind(model)
     return model, tokenizer, docs, result
 
 
@@ -510,3 +513,8 @@ def render_concepts(tokenizer, ids: list[int], flags: list[bool] | None):
     result.append(f" = token emitted a concept; ratio {n_concepts / max(n, 1):.3f} "
                   f"({n_concepts} concepts / {n} tokens)", style=legend_style)
     return result
+
+
+def model_kind(model) -> str:
+    """What a loaded model is: its family's name, or ``dense`` / ``pruned`` for a baseline."""
+    return getattr(model, "kind", None) or model.family

@@ -166,3 +166,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: full_tensor(v).detach().cpu() for k, v in state.items()}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConceptError(f"--device {name}: not a device name; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConceptError(f"--device {name}: no CUDA device is available on this machine; use --device cpu (or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConceptError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                           f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return device

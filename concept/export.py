@@ -36,10 +36,20 @@ from typing import Callable
 
 import torch
 
-from .builder import (MODULES_FILE, PEFT_ADAPTER_DIR, RUN_FILE, TRAIN_FILE, load, newest_weights, read_run,
-                      read_train)
 from . import fs
+from .builder import (
+    MODULES_FILE,
+    PEFT_ADAPTER_DIR,
+    RUN_FILE,
+    TRAIN_FILE,
+    load,
+    newest_weights,
+    read_run,
+    read_train,
+)
+from .diagnostics import model_kind
 from .errors import ConceptError
+from .families import family_of
 
 BACKBONE_DIR = "backbone"
 BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)
@@ -177,7 +187,7 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     say("loading", f"{run} ...")
     model = load(run)
     plan = model.plan
-    kind = getattr(model, "kind", None) or getattr(model, "family", "streaming")  # dense / pruned, or the family
+    kind = model_kind(model)  # the family, or dense / pruned
     removed = getattr(model, "removed", None)
     has_lora = "default" in (getattr(model.backbone, "peft_config", None) or {})
     lora = ("merged" if merge_lora else "adapter") if has_lora else None
@@ -257,21 +267,9 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
 # -- the model card --------------------------------------------------------------------------------
 def _describe_model(model, kind: str, removed) -> str:
     info = model.plan.backbone_info
-    if kind == "streaming":
-        comps = model.plan.components
-        shallow, middle, deep = model.plan.split
-        return (f"a streaming concept model: the backbone's {info.num_layers} layers split {shallow}/{middle}/{deep} "
-                f"(shallow / middle / deep), length policy `{comps['length_policy'].name}`, vocabulary "
-                f"`{comps['vocabulary'].name}`, position scheme `{comps['position_scheme'].name}`, attention "
-                f"`{comps['attention'].name}`, tail fusion `{comps['tail_fusion'].name}`")
-    if kind == "planner-executor":
-        s = model.settings
-        types = ", ".join(f"`{t.name}` ({t.size} ids, at most {t.max_len})" for t in s.types)
-        return (f"a planner-executor concept model: the planner reads the context and writes a plan of discrete "
-                f"concepts of {len(s.types)} type{'s' * (len(s.types) != 1)} ({types}; about {s.target:g} per example"
-                f"{', the types planned in parallel' if s.parallel else ''}"
-                f"{f', {s.mtp} concepts per planner forward' if s.mtp > 1 else ''}), the executor (the same "
-                f"backbone) writes the text given the plan")
+    family = family_of(model)
+    if family is not None:
+        return family.describe(model)
     if kind == "pruned":
         a, b = removed
         return (f"the pruned baseline: the backbone with layers {a}..{b - 1} skipped ({b - a} of {info.num_layers}; "
@@ -352,9 +350,9 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
         lines += ["The backbone with the adapters merged in, with transformers alone:", "", "```python",
                   "from transformers import AutoModelForCausalLM", "",
                   f'model = AutoModelForCausalLM.from_pretrained("{name}/backbone")', "```", ""]
-    if lora and kind == "streaming":
-        lines += ["That is the backbone's ordinary forward with this run's adapters; the streaming model "
-                  "(concept modules, the three stacks) needs `concept.load`.", ""]
+    if lora and family_of(model) is not None:
+        lines += [f"That is the backbone's ordinary forward with this run's adapters; the {kind} model (with its "
+                  f"concept modules) needs `concept.load`.", ""]
     if lora and kind == "pruned":
         a, b = removed
         lines += [f"That runs every layer; the pruned baseline skips layers {a}..{b - 1}: delete them "

@@ -220,3 +220,12 @@ def staged(dest: str | os.PathLike) -> Iterator[Path]:
         staging.discard()
         raise
     staging.publish()
+
+
+def cache_root() -> Path:
+    """The library's cache folder (converted backbones, tokenised corpora): ``$CONCEPT_CACHE``, else
+    ``$XDG_CACHE_HOME/concept``, else ``~/.cache/concept``."""
+    if os.environ.get("CONCEPT_CACHE"):
+        return Path(os.environ["CONCEPT_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "concept"

@@ -16,7 +16,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .decoding import DenseDecoder
 from .errors import ConceptError, ConfigError
+from .families import family_of
 
 
 @dataclass
@@ -83,8 +85,13 @@ def settings_from(settings: GenerationSettings | None, overrides: dict) -> Gener
 
 
 def _processors(s: GenerationSettings):
-    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     procs = LogitsProcessorList()
     if s.repetition_penalty != 1.0:
@@ -125,15 +132,10 @@ def _context_limit(model) -> int | None:
 
 
 def _decoder(model):
-    from .decoding import ConceptDecoder, DenseDecoder
-
-    if getattr(model, "family", None) == "planner-executor":
-        from .plan_decoding import PlannedDecoder
-
-        return PlannedDecoder(model)
-    if hasattr(model, "length_policy"):
-        return ConceptDecoder(model)
-    heads = getattr(model, "mtp_heads", None)  # a dense model with MTP heads: keep the state they read
+    family = family_of(model)
+    if family is not None:
+        return family.decoder(model)
+    heads = getattr(model, "mtp_heads", None)  # a baseline with MTP heads: keep the state they read
     return DenseDecoder(model.backbone, model.layers[-1] if heads is not None else None)
 
 
@@ -167,7 +169,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     if limit is not None and longest >= limit:
         raise ConceptError(f"a prompt has {longest} tokens but the backbone's context limit is {limit}; shorten the "
                            f"prompt (keep its last {limit - 1} tokens or fewer)")
-    planned = getattr(model, "plan_positions", 0)  # a planner writes its plan after the prompt
+    planned = getattr(model, "plan_positions", 0)  # positions a model writes after the prompt first (a plan)
     if limit is not None and planned and longest + planned > limit:
         raise ConceptError(f"a prompt has {longest} tokens and the planner writes up to {planned} plan positions after "
                            f"it, past the backbone's context limit of {limit}; shorten the prompt to at most "
@@ -340,3 +342,10 @@ class TextStream:
 
     def finish(self, text: str) -> None:
         self._emit(text)
+
+
+class GenerationMixin:
+    """``model.generate(input_ids, ...)``, as on a transformers model: :func:`generate` with this model."""
+
+    def generate(self, input_ids, attention_mask=None, **kwargs) -> GenerationOutput:
+        return generate(self, input_ids, attention_mask, **kwargs)

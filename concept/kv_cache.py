@@ -1,4 +1,4 @@
-"""KV caches for decoding: one :class:`SlotCache` per layer stack (SPEC §2.1, "Decoding").
+"""KV caches for decoding: one :class:`SlotCache` per layer stack (docs/decoding.md).
 
 The backbone's attention layers call ``past_key_values.update(key, value, layer_idx)`` and
 attend to what it returns, so a cache only has to hand back keys and values. Ours keeps, per

@@ -10,25 +10,26 @@ import torch
 from torch import nn
 
 from . import fs
+from .options import check, option
 
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 @dataclass
 class LoraSettings:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: str = DEFAULT_TARGETS  # comma-separated linear-layer names (attention and MLP)
+    """The adapters' options (``concept.options``): ``--lora-rank`` ... in ``concept train``."""
+
+    rank: int = option(8, minimum=1, help="Rank r of the LoRA adapters.")
+    alpha: float = option(16.0, help="LoRA scaling: an adapter's update is multiplied by alpha / rank.")
+    dropout: float = option(0.0, minimum=0, below=1,
+                            help="Dropout on the LoRA adapters' input while training, in [0, 1).")
+    targets: str = option(DEFAULT_TARGETS, help="Comma-separated names of the linear layers (attention and MLP) "
+                                                "that get LoRA adapters.")
 
     def validate(self) -> list[str]:
-        problems = []
-        if self.rank < 1:
-            problems.append(f"lora rank must be >= 1, got {self.rank}")
-        if not 0 <= self.dropout < 1:
-            problems.append(f"lora dropout must be in [0, 1), got {self.dropout}")
-        if not [t for t in self.targets.split(",") if t.strip()]:
-            problems.append("lora targets: name at least one linear layer, e.g. q_proj,v_proj")
+        problems = check(self, prefix="lora-")
+        if isinstance(self.targets, str) and not [t for t in self.targets.split(",") if t.strip()]:
+            problems.append("lora-targets: name at least one linear layer, e.g. q_proj,v_proj")
         return problems
 
     def to_dict(self) -> dict:

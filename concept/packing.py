@@ -1,4 +1,4 @@
-"""The packed deep sequence and its attention rule (SPEC §2.1, one-pass formulation).
+"""The packed deep sequence and its attention rule (docs/architecture.md, the one-pass forward).
 
 Given ``keep[t]`` (token t emitted a concept) the deep stack sees exactly one element per
 real token: element t is concept number ``seg[t] - 1`` if ``keep[t]`` else the shallow state

@@ -21,6 +21,7 @@ KINDS: dict[str, str] = {
     "vocabulary": "concept.vocabularies",
     "attention": "concept.attention_backends",
     "tail_fusion": "concept.tail_fusions",
+    "family": "concept.families",
 }
 
 BUILTIN_DIST = "concept"

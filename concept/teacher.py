@@ -24,8 +24,7 @@ from torch import nn
 
 from . import packing
 from .attention import CausalPlan
-from .backbone import decoder
-from .model import run_layers
+from .backbone import decoder, run_layers
 
 
 @dataclass

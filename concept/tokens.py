@@ -207,9 +207,7 @@ def documents_digest(documents) -> str:
 
 
 def default_cache_dir() -> Path:
-    from concept_plugins.backbones.smollm2 import cache_root
-
-    return cache_root() / "data"
+    return fs.cache_root() / "data"
 
 
 def _load_cached(npy: Path, meta: Path, count: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -40,23 +40,27 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fs
-from . import objectives as objectives_
+from . import checkpoint, data, fs, options
 from .backbone import decoder
-from .builder import RUN_FILE, TRAIN_FILE, build, build_backbone, read_run, read_train
+from .baselines import Baseline, parse_prune_layers
+from .builder import RUN_FILE, TRAIN_FILE, build, read_run, read_train
 from .config import DEFAULT_TARGET_RATIO, BuildConfig, resolve
-from .dense import DenseModel
-from .distributed import Dist, full_tensor
+from .distributed import Dist, full_tensor, pick_device
 from .errors import ConceptError, ConfigError, RunFolderError
+from .families import family
+from .families import names as family_names
 from .lora import LoraSettings, add_lora, lora_state_dict
-from .objectives import ALIGN_AT, ALIGN_LOSSES
-from .ratio import PIController, scheduled_ratio
+from .objectives import ALIGN_AT, ALIGN_LOSSES, overrides
+from .options import nested, option
 
 METRICS = "metrics.jsonl"
+STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
 BASELINES = ("dense", "pruned")
 TRAIN_ONLY = ("all", "new")
 DTYPES = ("auto", "fp32", "bf16")
+PLAN_TRAINING = ("gumbel", "hard-em")
+TASKS = ("reconstruct", "continue")  # the planner-executor's (concept.planner.model.TASKS; a test keeps them equal)
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
 DERIVED = ("source", "attention_resolved", "pruned", "distributed")
 DATA_FIELDS = {"data", "text_field", "encoding_errors"}  # --resume may point at other data (with a note)
@@ -68,145 +72,171 @@ class TrainingError(ConceptError):
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    seq_len: int = 256
-    batch: int = 8
-    grad_accum: int = 1
-    lr: float = 2e-4  # LoRA adapters
-    lr_new: float = 1e-3  # new modules (concept head, embeddings, ...)
-    weight_decay: float = 0.0
-    warmup: int = 10
-    min_lr: float = 0.1  # cosine decays to this fraction of the peak
-    clip: float = 1.0
-    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
-    target_ratio: float = DEFAULT_TARGET_RATIO
-    ratio_control: str = "both"  # pi | loss | both | none
-    ratio_loss_weight: float = 0.1
-    usage_weight: float = 0.0  # anti-collapse: weight of KL(mean concept distribution || uniform)
-    pi_ki: float = 0.05  # integral gain of the ratio controller (see concept.ratio)
-    calibration_batches: int = 16  # final NULL-bias calibration on this many training batches (0: off)
-    tau_start: float = 1.0  # gumbel temperature, annealed linearly
-    tau_end: float = 0.5
-    data: str | None = None  # None: the Python standard library (train split)
-    text_field: str = "text"
-    encoding_errors: str = "strict"
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 4
-    checkpoint_every: int = 50
-    log_every: int = 10
-    grad_checkpointing: bool = False
-    baseline: str | None = None  # None: the streaming model; "dense": backbone + LoRA; "pruned": minus a layer block
-    prune_layers: str | None = None  # "A:B": the pruned baseline skips layers A..B-1 (default: FLOP-matched)
-    ce_weight: float = 1.0  # weight of the next-token CE
-    distill: float = 0.0  # weight of KL(teacher || student), the teacher being the backbone without adapters
-    distill_temperature: float = 1.0
-    align: float = 0.0  # weight of the hidden-state alignment to the teacher
-    mtp: float = 1.0  # weight of the MTP heads' self-distillation (a model with MTP heads only: the `mtp` policy)
-    mtp_ce: float = 0.5  # ... and of the CE on the real tokens inside it, relative to the KL
-    mtp_heads: int = 0  # baselines: K MTP heads on the dense / pruned model (streaming: --length-policy mtp)
-    placement: float = 0.0  # weight of the learned-placement term (concept.objectives.PlacementObjective)
-    task: str | None = None  # planner-executor: reconstruct (y = u, the default) | continue (y = the text after u)
-    context_len: int = 0  # planner-executor, task continue: u = the first context_len tokens of each row
-    commitment: float = 0.1  # planner-executor: weight of the commitment term (soft and hard samples agree)
-    eos_weight: float = 0.1  # planner-executor: weight of the <EOS> loss where max_len cut a type
-    quota_weight: float = 0.1  # planner-executor: weight of the quota loss (plan length against the budget)
-    plan_training: str = "gumbel"  # planner-executor: gumbel (online Gumbel-ST plans) | hard-em (concept.hard_em)
-    estep_every: int = 50  # hard-em: a cached plan is searched again once it is this many steps old
-    beam: int = 4  # hard-em: the E-step's beam width
-    plan_ce: float = 1.0  # hard-em: weight of the planner's CE on the best plan z*
-    estep_prior: float = 1.0  # hard-em: β in the E-step's score S(z) = log p(y | z) + β log p(z | u)
-    plan_mtp: float = 1.0  # planner-executor with MTP concepts (planner.mtp > 1): weight of the MTP heads' CE
-    curriculum: str | None = None  # "START:FRACTION": rows grow from START tokens to --seq-len over FRACTION of the steps
-    align_at: str = "deep-input"  # deep-input | final
-    align_loss: str = "cosine"  # cosine | mse (mse is dominated by massive-activation tokens: docs/training.md)
-    train_only: str = "all"  # all | new (LoRA adapters frozen, only the new modules train)
-    ratio_start: float = 1.0  # ratio curriculum: target ratio at step 0 ...
-    ratio_warmup: float = 0.0  # ... annealed (linearly in 1/ratio) to target_ratio over this fraction of the steps
-    device: str = "auto"
-    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 elsewhere) | fp32 | bf16 (autocast on any device)
+    """Every ``concept train`` option, declared once (``concept.options``): the field's default, its
+    flag (``--seq-len`` for ``seq_len``; ``--lora-*`` for ``lora``), help and simple checks. The CLI
+    options are made from these fields, in this order; ``validate`` adds the checks across fields."""
+
+    baseline: str | None = option(
+        None, choices=BASELINES, is_flag=False, flag_value="dense",
+        help="Train a baseline instead of the streaming model: `dense` (the default of a bare --baseline: "
+             "backbone + LoRA, no compression) or `pruned` (the backbone minus a contiguous block of middle layers, "
+             "FLOP-matched to the streaming model at --target-ratio and --seq-len).")
+    prune_layers: str | None = option(
+        None, metavar="START:STOP",
+        help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block.")
+    data: str | None = option(
+        None, help="Text file, folder, or JSONL; or Hugging Face datasets: a save_to_disk folder (DatasetDict: its "
+                   "train split, or PATH:SPLIT), .parquet / .arrow files (default: the Python standard library).")
+    text_field: str = option("text", help="JSONL field holding the text.")
+    encoding_errors: str = option(
+        "strict", choices=("strict", "replace"),
+        help="Text that is not valid UTF-8: strict (an error naming the file) or replace (U+FFFD for each bad byte).")
+    steps: int = option(300, minimum=1, help="Optimizer steps (the learning-rate and temperature schedules span them).")
+    seq_len: int = option(256, minimum=2, help="Tokens per training row.")
+    batch: int = option(8, minimum=1, help="Rows per micro-batch (per process under torchrun).")
+    grad_accum: int = option(1, minimum=1, help="Micro-batches accumulated into each optimizer step.")
+    lr: float = option(2e-4, above=0, help="Learning rate of the LoRA adapters.")
+    lr_new: float = option(1e-3, above=0, help="Learning rate of the new modules.")
+    weight_decay: float = option(0.0, minimum=0, help="AdamW weight decay (decoupled), for every trained group.")
+    warmup: int = option(10, minimum=0, help="Steps of linear learning-rate warmup before the cosine decay.")
+    min_lr: float = option(
+        0.1, minimum=0, maximum=1,
+        help="After the warmup the cosine schedule decays to this fraction of each peak learning rate (0..1).")
+    clip: float = option(1.0, above=0, help="Clip the gradient norm to this value.")
+    target_ratio: float = option(DEFAULT_TARGET_RATIO, above=0, below=1, help="Concepts per token to aim for.")
+    ratio_control: str = option(
+        "both", choices=RATIO_CONTROLS,
+        help="What holds the concepts-per-token ratio at its target: pi (a controller on the NULL bias), loss (the "
+             "ratio loss), both, or none.")
+    ratio_loss_weight: float = option(0.1, help="Weight of the ratio loss (--ratio-control loss / both).")
+    pi_ki: float = option(
+        0.05, minimum=0,
+        help="Integral gain of the ratio controller (--ratio-control pi / both): the NULL bias moves by this times the "
+             "keep log-odds spread per unit of summed ratio error (0: no integral term).")
+    usage_weight: float = option(
+        0.0, minimum=0, help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
+    ratio_start: float = option(
+        1.0, above=0, maximum=1, help="Ratio curriculum: the target ratio at step 0 (1 = every token a concept).")
+    ratio_warmup: float = option(
+        0.0, minimum=0, maximum=1,
+        help="Anneal the target from --ratio-start to --target-ratio over this fraction of the steps (linearly in "
+             "tokens per concept), then hold it; 0 = off.")
+    ce_weight: float = option(
+        1.0, minimum=0, help="Weight of the next-token cross entropy (0 with --distill: KL-only distillation).")
+    distill: float = option(
+        0.0, minimum=0,
+        help="Weight of KL(teacher || student) on the next-token distributions; the teacher is the frozen backbone "
+             "(adapters disabled), one extra no-grad forward per step.")
+    distill_temperature: float = option(
+        1.0, above=0, help="Softmax temperature T of the distillation (the KL is scaled by T^2).")
+    mtp: float = option(
+        1.0, minimum=0,
+        help="Weight of the MTP heads' self-distillation (KL to the frozen backbone at t+1..t+k, plus CE); only for "
+             "a model with MTP heads (--length-policy mtp). One extra no-grad forward per step.")
+    mtp_heads: int = option(
+        0, minimum=0,
+        help="Baselines: K MTP heads on the dense / pruned model's last hidden state, for multi-token decoding (the "
+             "streaming model's come with --length-policy mtp).")
+    mtp_ce: float = option(
+        0.5, minimum=0, help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
+    placement: float = option(
+        0.0, minimum=0,
+        help="Learned placement: weight of a BCE that trains the `null` policy's keep score to emit concepts where "
+             "skipping the middle stack costs most (KL of the frozen backbone to this model without its middle "
+             "stack); one teacher forward and one shallow+deep forward per step, no gradient.")
+    task: str | None = option(
+        None, choices=TASKS,
+        help="Planner-executor runs: reconstruct (default: the executor rebuilds the row u from the plan alone) or "
+             "continue (u = the first --context-len tokens, the executor writes the rest from the plan).")
+    context_len: int = option(0, help="Planner-executor, --task continue: tokens of each row the planner reads (u).")
+    commitment: float = option(
+        0.1, minimum=0,
+        help="Planner-executor: weight of the commitment term (the soft and hard concept samples agree).")
+    eos_weight: float = option(
+        0.1, minimum=0, help="Planner-executor: weight of the <EOS> loss where a type reached its max_len.")
+    quota_weight: float = option(
+        0.1, minimum=0, help="Planner-executor: weight of the quota loss (expected plan length against the budget).")
+    plan_training: str = option(
+        "gumbel", choices=PLAN_TRAINING,
+        help="Planner-executor: gumbel (a plan sampled with Gumbel-ST in every step) or hard-em (the best of a beam of "
+             "plans per example, cached and refreshed every --estep-every steps; docs/planner_executor.md).")
+    estep_every: int = option(
+        50, minimum=1, help="Hard-EM: search an example's plan again once its cached plan is this many steps old.")
+    beam: int = option(4, minimum=1, help="Hard-EM: the E-step's beam width k.")
+    estep_prior: float = option(
+        1.0, minimum=0,
+        help="Hard-EM: β in the E-step's score S(z) = log p(y|z) + β log p(z|u) (1: the posterior mode; 0: the beam's "
+             "plan that best explains y).")
+    plan_ce: float = option(1.0, minimum=0, help="Hard-EM: weight of the planner's cross-entropy on the best plan z*.")
+    plan_mtp: float = option(
+        1.0, minimum=0,
+        help="Planner-executor built with MTP concepts (--set planner.mtp=K): weight of the MTP heads' CE.")
+    curriculum: str | None = option(
+        None, metavar="START:FRACTION",
+        help="Short-to-long: rows grow linearly from START tokens to --seq-len over FRACTION of the steps "
+             "(--context-len grows in proportion), e.g. 64:0.5.")
+    align: float = option(
+        0.0, minimum=0,
+        help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
+    align_at: str = option(
+        "deep-input", choices=ALIGN_AT,
+        help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; final: the last "
+             "layer's output (before the final norm) at every token.")
+    align_loss: str = option(
+        "cosine", choices=ALIGN_LOSSES,
+        help="cosine: 1 - cos per token; mse: squared error / the teacher states' mean square (dominated by a few "
+             "tokens with massive activations on SmolLM2; docs/training.md).")
+    train_only: str = option(
+        "all", choices=TRAIN_ONLY,
+        help="new: train only the new modules (the LoRA adapters stay frozen), e.g. a first stage that fits a tail "
+             "bridge with --align.")
+    calibration_batches: int = option(
+        16, help="At the end, re-estimate the NULL bias for the target ratio on this many training batches (0: off).")
+    tau_start: float = option(1.0, above=0, help="Gumbel temperature at step 0.")
+    tau_end: float = option(0.5, above=0, help="Gumbel temperature at the last step.")
+    lora: LoraSettings = nested(LoraSettings, prefix="lora")  # noqa: RUF009 (a default_factory field)
+    seed: int = option(0, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
+                               "randomness (Gumbel noise, dropout).")
+    eval_every: int = option(50, minimum=1, help="Evaluate on held-out data every this many steps (and at the end).")
+    eval_batches: int = option(4, help="Held-out batches per evaluation.")
+    checkpoint_every: int = option(50, minimum=1, help="Save a checkpoint every this many steps (and at the end).")
+    log_every: int = option(10, minimum=1, help="Add gradient norms and concept diagnostics to metrics.jsonl every "
+                                                "this many steps.")
+    grad_checkpointing: bool = option(
+        False, help="Recompute activations in the backward pass: less memory, more compute.")
+    device: str = option("auto", help="auto, cpu or cuda.")
+    dtype: str = option(
+        "auto", choices=DTYPES,
+        help="Compute precision: bf16 autocast (weights and optimizer state stay fp32) with bf16, or with auto on "
+             "CUDA; fp32 otherwise.")
 
     def __post_init__(self):
         if isinstance(self.baseline, bool):  # the older API: baseline=True was the dense baseline
             self.baseline = "dense" if self.baseline else None
 
     def validate(self, max_positions: int = 0, num_layers: int = 0) -> list[str]:
-        p = []
-        for name in ("steps", "seq_len", "batch", "grad_accum", "eval_every", "checkpoint_every", "log_every"):
-            if getattr(self, name) < 1:
-                p.append(f"{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 2:
-            p.append(f"seq-len: must be >= 2, got {self.seq_len}")
+        """Every problem at once: the declared checks of each option, then those across options."""
+        p = options.check(self) + self.lora.validate()
+        if options.mistyped(self) or options.mistyped(self.lora):  # the checks below compare values
+            return p
         if max_positions and self.seq_len > max_positions:
             p.append(f"seq-len: {self.seq_len} is above the backbone's maximum of {max_positions} positions")
-        if not 0 < self.target_ratio < 1:
-            p.append(f"target-ratio: must be in (0, 1), got {self.target_ratio}")
-        if self.ratio_control not in RATIO_CONTROLS:
-            p.append(f"ratio-control: one of {', '.join(RATIO_CONTROLS)}, got {self.ratio_control!r}")
-        for name in ("lr", "lr_new", "tau_start", "tau_end"):
-            if not getattr(self, name) > 0:
-                p.append(f"{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")
-        if self.usage_weight < 0:
-            p.append(f"usage-weight: must be >= 0, got {self.usage_weight}")
-        if not self.pi_ki >= 0:  # (NaN fails too)
-            p.append(f"pi-ki: must be >= 0, got {self.pi_ki}")
-        if self.clip <= 0 or self.weight_decay < 0 or not 0 <= self.min_lr <= 1 or self.warmup < 0:
-            p.append("clip > 0, weight-decay >= 0, min-lr in [0, 1] and warmup >= 0 are required")
-        if self.encoding_errors not in ("strict", "replace"):
-            p.append(f"encoding-errors: strict or replace, got {self.encoding_errors!r}")
-        if self.dtype not in DTYPES:
-            p.append(f"dtype: one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        return p + self._validate_recipe(num_layers) + self.lora.validate()
+        return p + self._validate_recipe(num_layers)
 
     def _validate_recipe(self, num_layers: int = 0) -> list[str]:
         """Baselines, objectives, the ratio curriculum and what trains."""
         p = []
-        if self.baseline not in (None, *BASELINES):
-            p.append(f"baseline: dense or pruned, got {self.baseline!r}")
-        if self.mtp_heads < 0:
-            p.append(f"mtp-heads: must be >= 0, got {self.mtp_heads}")
-        elif self.mtp_heads and not self.baseline:
+        if self.mtp_heads > 0 and not self.baseline:
             p.append("mtp-heads: only for --baseline dense / pruned; the streaming model's MTP heads come with its "
                      "length policy (`concept build --length-policy mtp --set length_policy.heads=K`)")
-        from .planner_executor import TASKS
-
-        if self.task is not None and self.task not in TASKS:
-            p.append(f"task: one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.task == "continue" and not 0 < self.context_len < self.seq_len:
-            p.append(f"context-len: task continue reads the first --context-len tokens of each row and predicts the "
-                     f"rest, so it must be in [1, seq-len - 1] = [1, {self.seq_len - 1}]; got {self.context_len}")
-        elif self.context_len and self.task != "continue":
-            p.append(f"context-len: only for --task continue (task {self.task or 'reconstruct'} reads the whole row)")
-        if self.plan_training not in PLAN_TRAINING:
-            p.append(f"plan-training: one of {', '.join(PLAN_TRAINING)}, got {self.plan_training!r}")
-        if self.estep_every < 1:
-            p.append(f"estep-every: the E-step refreshes a cached plan every M >= 1 steps, got {self.estep_every}")
-        if self.beam < 1:
-            p.append(f"beam: the E-step's beam keeps k >= 1 plans, got {self.beam}")
         if self.curriculum is not None:
             try:
                 parse_curriculum(self.curriculum, self.seq_len)
             except ValueError as exc:
                 p.append(f"curriculum {self.curriculum}: {exc}")
-        for name in ("ce_weight", "distill", "align", "mtp", "mtp_ce", "placement", "commitment", "eos_weight",
-                     "quota_weight", "plan_ce", "plan_mtp", "estep_prior"):
-            if not getattr(self, name) >= 0:  # (NaN fails too)
-                p.append(f"{name.replace('_', '-')}: must be >= 0, got {getattr(self, name)}")
-        if not self.distill_temperature > 0:
-            p.append(f"distill-temperature: must be > 0, got {self.distill_temperature}")
         if self.ce_weight == 0 and not self.distill and not self.align and not self.placement:
             p.append("ce-weight 0 with neither --distill, --align nor --placement: nothing to train on")
-        if self.align_at not in ALIGN_AT:
-            p.append(f"align-at: one of {', '.join(ALIGN_AT)}, got {self.align_at!r}")
-        if self.align_loss not in ALIGN_LOSSES:
-            p.append(f"align-loss: one of {', '.join(ALIGN_LOSSES)}, got {self.align_loss!r}")
-        if self.train_only not in TRAIN_ONLY:
-            p.append(f"train-only: one of {', '.join(TRAIN_ONLY)}, got {self.train_only!r}")
-        if not 0 <= self.ratio_warmup <= 1:
-            p.append(f"ratio-warmup: a fraction of the steps in [0, 1], got {self.ratio_warmup}")
-        if not 0 < self.ratio_start <= 1:
-            p.append(f"ratio-start: must be in (0, 1], got {self.ratio_start}")
-        elif 0 < self.target_ratio < 1 and self.ratio_start < self.target_ratio:
+        if 0 < self.target_ratio < 1 and 0 < self.ratio_start <= 1 and self.ratio_start < self.target_ratio:
             p.append(f"ratio-start: the curriculum anneals down to --target-ratio {self.target_ratio}; "
                      f"a start of {self.ratio_start} is below it")
         if self.baseline:
@@ -238,9 +268,6 @@ class TrainConfig:
         return cls(**d)  # (__post_init__ reads a bool baseline)
 
 
-PLAN_TRAINING = ("gumbel", "hard-em")
-
-
 def parse_curriculum(text: str, seq_len: int) -> tuple[int, float]:
     """``"START:FRACTION"`` -> (START, FRACTION): rows start at START tokens and grow linearly to ``seq_len``
     over FRACTION of the steps."""
@@ -268,49 +295,6 @@ def curriculum_len(config, step: int) -> int:
     start, fraction = parse_curriculum(config.curriculum, config.seq_len)
     progress = min(1.0, step / max(1.0, fraction * config.steps))
     return int(round(start + (config.seq_len - start) * progress))
-
-
-def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
-    """``"A:B"`` -> (A, B): skip layers A..B-1 (0-based, like a Python slice); at least one layer stays."""
-    try:
-        a, b = (int(x) for x in str(text).split(":"))
-    except ValueError:
-        raise ValueError("write it as START:STOP (0-based, STOP excluded), e.g. 8:20") from None
-    if not 0 <= a < b:
-        raise ValueError("need 0 <= START < STOP")
-    if num_layers and b > num_layers:
-        raise ValueError(f"the backbone has {num_layers} layers (0..{num_layers - 1}); STOP must be <= {num_layers}")
-    if num_layers and b - a >= num_layers:
-        raise ValueError(f"that removes all {num_layers} layers; keep at least one")
-    return a, b
-
-
-def prune_plan(config: TrainConfig, plan, hf_config):
-    """The pruned baseline's layer block (``concept.flops.matched_prune``): FLOP-matched to the
-    streaming model of this build plan at ``config.target_ratio`` and ``config.seq_len``."""
-    from .flops import Shape, matched_prune
-
-    vocabulary = plan.components["vocabulary"]
-    policy = plan.components["length_policy"]
-    classes = int(getattr(vocabulary.config, "size", 0)) + int(getattr(policy.cls, "uses_null_class", True))
-    emit = int(getattr(policy.config, "emit", 1) or 1)
-    removed = parse_prune_layers(config.prune_layers, plan.backbone_info.num_layers) if config.prune_layers else None
-    return matched_prune(Shape.from_hf_config(hf_config), tuple(plan.split), classes, config.target_ratio,
-                         config.seq_len, emit, removed)
-
-
-def describe_prune(prune, split, by_hand: bool = False) -> str:
-    """One line for the user (and train.json's reader): what was removed and which FLOPs that gives."""
-    a, b = prune.removed
-    text = (f"pruned baseline: layers {a}..{b - 1} removed ({b - a} of {prune.num_layers}, {prune.kept} kept"
-            f"{', set by --prune-layers' if by_hand else ''}), forward FLOPs {prune.flop_ratio:.3f}x dense at T={prune.T}; "
-            f"the streaming model's ideal at target ratio {prune.target_ratio} (split {','.join(map(str, split))}) "
-            f"is {prune.target_flop_ratio:.3f}x")
-    if not prune.met and not by_hand:
-        text += (f". Whole layers cannot reach that target (one layer is {prune.layer_share:.3f}x dense, the "
-                 f"embedding and LM head cost the rest): it used the closest, {prune.kept} kept "
-                 f"layer{'s' * (prune.kept != 1)}")
-    return text
 
 
 def _parse(line: str) -> dict | None:
@@ -344,24 +328,72 @@ def resolved_attention(model, device) -> str | None:
     return choice(device) if callable(choice) else None
 
 
-def ratio_controllable(policy) -> bool:
-    """The policy has a bias the ratio controller can move (``null_bias`` + ``keep_logit``)."""
-    return hasattr(policy, "null_bias") and hasattr(policy, "keep_logit")
+def scheduled_ratio(step: int, steps: int, target: float, start: float = 1.0, warmup: float = 0.0) -> float:
+    """The ratio curriculum: the target concepts-per-token at (0-based) ``step`` of ``steps``.
+
+    Over the first ``warmup`` fraction of the steps the target moves from ``start`` to ``target``
+    linearly in 1 / ratio (tokens per concept k = 1 / ratio goes linearly from 1 / start to
+    1 / target), then it is held at ``target``. A pure function of the step, so resume stays exact.
+    ``warmup`` 0 (or ``start == target``): ``target`` from step 0."""
+    span = warmup * steps
+    if span <= 0 or start == target:
+        return target
+    progress = min(1.0, step / span)
+    k = 1.0 / start + (1.0 / target - 1.0 / start) * progress
+    return target if progress >= 1.0 else 1.0 / k
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConceptError(f"--device {name}: not a device name; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConceptError(f"--device {name}: no CUDA device is available on this machine; use --device cpu (or auto)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConceptError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                           f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
-    return device
+class FamilyTraining:
+    """What trains without ``--baseline``: the build's family's model (``concept.builder.build``), asked
+    through its :class:`concept.components.Family` methods."""
+
+    def __init__(self, family):
+        self.family = family
+        self.name = family.name
+
+    def __getattr__(self, name):  # check_training, objectives, plots, step_diagnostics: the family's
+        return getattr(self.family, name)
+
+    @property
+    def what(self) -> str:
+        return f"a {self.name} model"
+
+    def notes(self, config) -> list[str]:
+        return []
+
+    def training_model(self, plan, config, out: Path, resume: bool, notes: list):
+        model = build(plan=plan)
+        self.family.prepare(model, config.to_dict())
+        if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
+            from safetensors.torch import load_file
+
+            from .builder import load_new_modules
+
+            load_new_modules(model, load_file(out / "modules.safetensors"))  # (resume: _restore loads)
+        return model
+
+    def derived(self, config, plan) -> dict:
+        return {}
+
+
+def training_kind(config: TrainConfig, plan):
+    """What a run trains: a baseline (``--baseline``) or the build's family."""
+    return Baseline(config.baseline) if config.baseline else FamilyTraining(plan.family_object)
+
+
+def foreign_options(config: TrainConfig, kind) -> list[str]:
+    """The training options a family alone reads (``Family.owns``), set for a run of another kind."""
+    problems = []
+    for name in family_names():
+        other = family(name)
+        if other is getattr(kind, "family", None):
+            continue
+        for option, default in getattr(other, "owns", {}).items():
+            value = getattr(config, option)
+            if value != default:
+                problems.append(f"{option.replace('_', '-')} {value}: only for {other.name} runs (`concept build "
+                                f"--family {other.name}`); {kind.what} does not read it")
+    return problems
 
 
 def micro_seed(seed: int, step: int, micro: int) -> int:
@@ -379,6 +411,7 @@ class StepModule(nn.Module):
         super().__init__()
         self.model = model
         self.objectives, self.ce_weight, self.autocast, self.sync = objectives, ce_weight, autocast, sync
+        self.losses = [o for o in objectives if o.adds_term]  # (a controller adds no term)
         self.teacher_needs = frozenset().union(*(o.teacher_needs for o in objectives))
 
     def forward(self, b: dict):
@@ -399,7 +432,7 @@ class StepModule(nn.Module):
             out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
                              document_ids=b["document_ids"], **extra)
         loss, terms = self.ce_weight * out.loss, {}
-        for objective in self.objectives:
+        for objective in self.losses:
             terms[objective.name] = objective(self.model, b, out, teacher)
             loss = loss + terms[objective.name]
         return out, loss, terms, teacher_s
@@ -417,99 +450,17 @@ class Trainer:
         self.notes: list[str] = []  # warnings for the user (the CLI prints them)
         plan, self.device = self.check(config, build_config, self.dist)
         torch.manual_seed(config.seed)
-        self.prune = None
-        if config.baseline:
-            loaded = build_backbone(plan)
-            if config.baseline == "pruned":
-                self.prune = prune_plan(config, plan, loaded.model.config)
-                self.notes.append(describe_prune(self.prune, plan.split, by_hand=config.prune_layers is not None))
-            removed = self.prune.removed if self.prune and self.prune.kept < self.prune.num_layers else None
-            self.model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed,
-                                    mtp_heads=config.mtp_heads)
-        else:
-            self.model = build(plan=plan)
-            if plan.family == "planner-executor":  # what the executor is trained to write
-                self.model.task, self.model.context_len = config.task or "reconstruct", config.context_len
-            if not resume and (self.out / "modules.safetensors").is_file():  # the source run's weights
-                from safetensors.torch import load_file
-
-                from .builder import load_new_modules
-
-                load_new_modules(self.model, load_file(self.out / "modules.safetensors"))  # (resume: _restore loads)
-        if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
-            from safetensors.torch import load_file
-
-            self.model.backbone.load_state_dict(load_file(self.out / "backbone.safetensors"))
-        add_lora(self.model.backbone, config.lora)
-        if (self.out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
-            from safetensors.torch import load_file
-
-            from .lora import load_lora_state_dict
-
-            load_lora_state_dict(self.model.backbone, load_file(self.out / "adapter.safetensors"))
-        if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
-            for p in self.model.backbone.parameters():
-                p.requires_grad_(False)
-        if getattr(self.model, "removed", None):  # the skipped layers' adapters never see a gradient
-            start, stop = self.model.removed
-            for layer in list(decoder(self.model.backbone).layers)[start:stop]:
-                for p in layer.parameters():
-                    p.requires_grad_(False)
-        self.model.to(self.device)
-        self.model.gradient_checkpointing = config.grad_checkpointing
-        if resume:  # weights before any sharding; the optimizer state once the optimizer exists
-            self._restore_weights()
-
-        tokenizer = data.tokenizer_for(self.model)
-        with self.dist.main_first():  # rank 0 fills the tokenisation cache, the others read it
-            self.train_data = data.PackedSequences(
-                data.read_documents(config.data, "train", config.text_field, encoding_errors=config.encoding_errors),
-                tokenizer, config.seq_len, seed=config.seed)
-            try:
-                heldout = data.read_documents(config.data, "heldout", config.text_field,
-                                              encoding_errors=config.encoding_errors)
-                self.eval_data = data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
-            except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
-                self.eval_data = None
-                self.notes.append(f"no held-out evaluation during training: {exc}")
-
-        controls = config.ratio_control
-        planned = plan.family == "planner-executor" and not config.baseline
-        streaming = not config.baseline and not planned
-        if planned:
-            controls = "none"  # the plan length has its own controller (concept.plan_objectives)
-        policy = getattr(self.model, "length_policy", None)
-        if streaming and controls != "none" and not ratio_controllable(policy):
-            self.notes.append(f"length policy {type(policy).__name__} sets its ratio by its own parameters; "
-                              f"--ratio-control {controls} does nothing for it")
-            controls = "none"
-        if streaming and controls in ("loss", "both") and not hasattr(policy, "boundary_prob"):
-            controls = "pi"
-        # the controller always calibrates the NULL bias at step 0 (unless --ratio-control none); it tracks with pi/both
-        self.pi = PIController(config.target_ratio, ki=config.pi_ki) if streaming and controls != "none" else None
-        self.tracking = controls in ("pi", "both")
-        if config.baseline == "dense" and config.distill:
-            self.notes.append("--distill with the dense baseline: the teacher is this model without its adapters, so the "
-                              "KL starts at 0 and only keeps the adapters close to the backbone (a regulariser)")
-        if config.baseline and (config.ratio_warmup or config.usage_weight or config.placement):
-            self.notes.append(f"a {config.baseline} baseline has no concepts: --ratio-warmup / --usage-weight / "
-                              f"--placement do nothing")
-        # the loss terms beyond the CE, each named in metrics.jsonl (concept.objectives)
-        self.objectives = objectives_.from_config(config, streaming, controls in ("loss", "both"), self.target_ratio,
-                                                  has_mtp=getattr(self.model, "mtp_heads", None) is not None,
-                                                  planned=self.model if planned else None)
+        self.kind = training_kind(config, plan)
+        self.model = self._training_model(plan, resume)
+        self.train_data, self.eval_data = self._open_data()
+        self.notes += self.kind.notes(config)
+        # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
+        self.objectives = self.kind.objectives(config, self.model, self.target_ratio, self.notes)
+        self.preparing = [o for o in self.objectives if overrides(o, "prepare")]  # (costly under FSDP2: gathers)
         self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast, self._sync)
         self.teacher_needs = self.step_module.teacher_needs
         self.train_forward = self._wrap(self.step_module)  # DDP / FSDP2 under torchrun, else the module itself
-
-        lora = [p for p in self.model.backbone.parameters() if p.requires_grad]
-        groups = [{"params": lora, "lr": config.lr, "name": "lora"}] if lora else []
-        for name, module in self.model.new_modules().items():
-            params = [p for p in module.parameters() if p.requires_grad]
-            if params:
-                groups.append({"params": params, "lr": getattr(module, "learning_rate", None) or config.lr_new,
-                               "name": name})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+        self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.step = 0
         self.last_row: dict = {}
@@ -520,12 +471,68 @@ class Trainer:
         derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
             derived["attention_resolved"] = self.attention
-        if self.prune is not None:  # which layers the pruned baseline skips (concept.load reads it)
-            derived["pruned"] = {**self.prune.to_dict(), "note": describe_prune(self.prune, plan.split,
-                                                                             config.prune_layers is not None)}
+        derived.update(self.kind.derived(config, plan))  # e.g. which layers the pruned baseline skips
         derived["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
                                   "global_batch": self.global_batch}
         self.derived = derived  # written to train.json by start / resume once everything is checked
+
+    def _training_model(self, plan, resume: bool) -> nn.Module:
+        """The kind's model with the run's weights and LoRA adapters, on the device, with what does not train
+        frozen (resume: the checkpoint's weights)."""
+        config = self.config
+        model = self.kind.training_model(plan, config, self.out, resume, self.notes)
+        if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
+            from safetensors.torch import load_file
+
+            model.backbone.load_state_dict(load_file(self.out / "backbone.safetensors"))
+        add_lora(model.backbone, config.lora)
+        if (self.out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
+            from safetensors.torch import load_file
+
+            from .lora import load_lora_state_dict
+
+            load_lora_state_dict(model.backbone, load_file(self.out / "adapter.safetensors"))
+        if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
+            for p in model.backbone.parameters():
+                p.requires_grad_(False)
+        if getattr(model, "removed", None):  # the skipped layers' adapters never see a gradient
+            start, stop = model.removed
+            for layer in list(decoder(model.backbone).layers)[start:stop]:
+                for p in layer.parameters():
+                    p.requires_grad_(False)
+        model.to(self.device)
+        model.gradient_checkpointing = config.grad_checkpointing
+        if resume:  # weights before any sharding; the optimizer state once the optimizer exists
+            self._restore_weights(model)
+        return model
+
+    def _open_data(self):
+        """The training batches and the held-out ones (None, with a note, when the data is too small)."""
+        config = self.config
+        tokenizer = data.tokenizer_for(self.model)
+        with self.dist.main_first():  # rank 0 fills the tokenisation cache, the others read it
+            train = data.PackedSequences(
+                data.read_documents(config.data, "train", config.text_field, encoding_errors=config.encoding_errors),
+                tokenizer, config.seq_len, seed=config.seed)
+            try:
+                heldout = data.read_documents(config.data, "heldout", config.text_field,
+                                              encoding_errors=config.encoding_errors)
+                return train, data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
+            except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
+                self.notes.append(f"no held-out evaluation during training: {exc}")
+                return train, None
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the trainable LoRA parameters and each new module (its own learning rate if it has one)."""
+        config = self.config
+        lora = [p for p in self.model.backbone.parameters() if p.requires_grad]
+        groups = [{"params": lora, "lr": config.lr, "name": "lora"}] if lora else []
+        for name, module in self.model.new_modules().items():
+            params = [p for p in module.parameters() if p.requires_grad]
+            if params:
+                groups.append({"params": params, "lr": getattr(module, "learning_rate", None) or config.lr_new,
+                               "name": name})
+        return torch.optim.AdamW(groups, weight_decay=config.weight_decay)
 
     def _record(self, source: str | None) -> None:
         """train.json: the config, the source run and what training derived (resolved attention, pruned
@@ -583,41 +590,8 @@ class Trainer:
             device = torch.device("cuda", dist.local_rank)
         plan = resolve(build_config)
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
-        attention = plan.components["attention"]
-        check = getattr(attention.cls, "check_trainable", None)  # e.g. `flex` has no backward on CPU
-        reason = check(device) if callable(check) and not config.baseline and plan.family == "streaming" else ""
-        if reason:
-            problems.append(f"attention '{attention.name}' cannot train on {device}: {reason}")
-        policy = plan.components["length_policy"]
-        planned = plan.family == "planner-executor"
-        if planned and config.baseline == "pruned" and config.prune_layers is None:
-            problems.append("baseline pruned: its default block is FLOP-matched to a streaming model's split and "
-                            "concept ratio, which a planner-executor run does not have; choose the block with "
-                            "--prune-layers START:STOP, or use --baseline dense")
-        if planned and not config.baseline:
-            problems += [f"{flag}: the planner-executor family has no {what}; drop it" for flag, given, what in (
-                ("placement", config.placement, "keep decisions to place"),
-                ("align", config.align, "deep stack to align"),
-                ("distill", config.distill, "teacher distillation yet"),
-                ("ratio-warmup", config.ratio_warmup, "concepts-per-token ratio (its plan length is set by the "
-                                                      "planner's budget, `--set planner.budget=N` at build)"),
-                ("train-only", config.train_only == "new", "frozen-adapter stage")) if given]
-            if dist is not None and dist.mode == "fsdp2":
-                problems.append("distributed fsdp2: the planner-executor's planner and E-step run as many forwards as "
-                                "each rank's plans need, but FSDP2 gathers every layer's weights in a collective that "
-                                "all ranks must enter together; use --distributed ddp")
-        elif config.plan_training != "gumbel":
-            problems.append(f"plan-training {config.plan_training}: only for planner-executor runs (`concept build "
-                            f"--family planner-executor`); {'a baseline' if config.baseline else 'a streaming model'} "
-                            f"has no planner to train")
-        if (config.task is not None or config.context_len) and not (planned and not config.baseline):
-            problems.append(f"task: --task / --context-len are for planner-executor runs (`concept build --family "
-                            f"planner-executor`); {'a baseline' if config.baseline else 'this streaming model'} "
-                            f"trains on next-token prediction of every row")
-        if config.placement and not config.baseline and not planned and not getattr(policy.cls, "learned_placement", False):
-            problems.append(f"placement: length policy '{policy.name}' has no per-token keep score that --placement "
-                            f"could train (it decides by its own rule); build with --length-policy null, or drop "
-                            f"--placement")
+        kind = training_kind(config, plan)
+        problems += kind.check_training(config, plan, device, dist) + foreign_options(config, kind)
         if problems:
             raise ConfigError(problems)
         return plan, device
@@ -627,18 +601,6 @@ class Trainer:
         cfg = self.config
         return scheduled_ratio(self.step if step is None else step, cfg.steps, cfg.target_ratio, cfg.ratio_start,
                                cfg.ratio_warmup)
-
-    def set_target(self, target: float) -> None:
-        """Point the ratio controller (and a policy that tracks a target itself) at ``target``."""
-        if self.pi is not None:
-            self.pi.target = target
-        policy = getattr(self.model, "length_policy", None)
-        if hasattr(policy, "target_ratio"):
-            if isinstance(policy.target_ratio, torch.Tensor):
-                with torch.no_grad():
-                    policy.target_ratio.fill_(target)
-            else:
-                policy.target_ratio = target
 
     # -- starting and resuming -----------------------------------------------------------------
     @classmethod
@@ -786,28 +748,29 @@ class Trainer:
                            f"{config.batch * world * config.grad_accum}; pass --batch and --grad-accum whose "
                            f"product is {per_rank}"])
 
-    def _restore_weights(self) -> None:
+    def _restore_weights(self, model) -> None:
         from .builder import load_new_modules
         from .lora import load_lora_state_dict
 
-        load_lora_state_dict(self.model.backbone, checkpoint.read_tensors(self.out, "adapter") or {})
+        load_lora_state_dict(model.backbone, checkpoint.read_tensors(self.out, "adapter") or {})
         modules = checkpoint.read_tensors(self.out, "modules")
         if modules:
-            load_new_modules(self.model, modules)
+            load_new_modules(model, modules)
 
     def _restore_state(self) -> None:
         meta = checkpoint.read_meta(self.out)
         objects = checkpoint.read_objects(self.out)
         if objects.get("optimizer_format") == "fqn":  # keyed by parameter name: any number of processes
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
 
             set_optimizer_state_dict(self.model, self.optimizer, objects["optimizer"],
                                      options=StateDictOptions(full_state_dict=True))
         else:  # older checkpoints: keyed by position
             self.optimizer.load_state_dict(objects["optimizer"])
         self.scheduler.load_state_dict(objects["scheduler"])
-        if self.pi is not None and meta.get("pi"):
-            self.pi.load_state_dict(meta["pi"])
         checkpoint.set_rng_state(objects["rng"])
         self.step = meta["step"]
         self._restore_objective_states(meta)
@@ -816,11 +779,14 @@ class Trainer:
         """Objective states (e.g. the plan cache) from the checkpoint, checked against the SHA-256 in its
         state.json: a missing, corrupted or unfitting one is dropped with a warning and rebuilt."""
         for objective in self.objectives:
-            if not hasattr(objective, "load_state_dict"):
+            if not overrides(objective, "load_state_dict"):
                 continue
             name = f"{objective.name}.json"
             data = checkpoint.read_file(self.out, name)
             expected = meta.get("files", {}).get(name)
+            if data is None and objective.legacy_key and meta.get(objective.legacy_key) is not None:
+                objective.load_state_dict(meta[objective.legacy_key], self.model)  # (an older checkpoint)
+                continue
             problem = ("it is missing" if data is None or expected is None else
                        "its checksum does not match the one saved with it" if hashlib.sha256(data).hexdigest() != expected
                        else None)
@@ -841,7 +807,10 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Every rank gathers (FSDP2: a collective), rank 0 writes; an error on rank 0 stops every rank."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         model = self.model
         tensors = {"adapter": lora_state_dict(model.backbone),
@@ -850,8 +819,7 @@ class Trainer:
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         objects = {"optimizer": optimizer, "optimizer_format": "fqn", "scheduler": self.scheduler.state_dict(),
                    "rng": checkpoint.rng_state()}
-        meta = {"step": self.step, "pi": self.pi.state_dict() if self.pi else None,
-                "world_size": self.dist.world_size, "global_batch": self.global_batch}
+        meta = {"step": self.step, "world_size": self.dist.world_size, "global_batch": self.global_batch}
         files = {f"{name}.json": json.dumps(state).encode() for name, state in self.objective_states().items()}
         meta["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         self.dist.on_main(self._write_checkpoint, tensors, objects, meta, files)
@@ -914,55 +882,12 @@ class Trainer:
         sampler = getattr(model, "sampler", None)
         if sampler is not None and hasattr(sampler, "tau"):
             sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
-        streaming = not cfg.baseline
-        target = self.target_ratio()
-        if streaming:
-            self.set_target(target)
-        if self.pi is not None and self.pi.base is None:  # first step: calibrate the NULL bias on this batch
-            with torch.no_grad(), self.gathered():
-                b = self.batch(0)  # the same rows on every rank: the same bias
-                out = self.forward(b)
-            self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
+        for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
+            objective.before_step(self)
         start = time.perf_counter()
-        names = [o.name for o in self.objectives]
-        # summed over this rank's micro-batches, then over the ranks
-        base = ["loss", "total_loss", "kept", "tokens", "teacher_s", "bad", "quantile", "spread"]
-        sums = dict.fromkeys([*base, *names], 0.0)
-        micros = self.micro_batches
-        for m in range(cfg.grad_accum):
-            j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
-            b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
-            for objective in self.objectives:  # e.g. Hard-EM's E-step puts the batch's plans in it
-                if hasattr(objective, "prepare"):
-                    with self.gathered():  # (FSDP2: the search runs outside the wrapped forward)
-                        b = objective.prepare(model, b, self.step)
-            torch.manual_seed(micro_seed(cfg.seed, self.step, j))
-            last = m == cfg.grad_accum - 1
-            no_sync = getattr(self.train_forward, "no_sync", None) if not last else None
-            with no_sync() if no_sync else nullcontext():  # DDP: all-reduce once, in the last backward
-                out, loss, terms, teacher_s = self.train_forward(b)
-                (loss / cfg.grad_accum).backward()
-            for name, term in terms.items():
-                sums[name] += float(term.detach())
-            for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
-                if hasattr(objective, "stats"):
-                    for key, value in objective.stats(model, out).items():
-                        sums[key] = sums.get(key, 0.0) + value
-            sums["bad"] += 0.0 if torch.isfinite(loss) else 1.0
-            sums["loss"] += out.loss.item()
-            sums["total_loss"] += loss.item()
-            sums["teacher_s"] += teacher_s
-            valid = b["attention_mask"].bool()
-            sums["tokens"] += int(valid.sum())
-            if hasattr(out, "keep"):
-                sums["kept"] += int(out.keep.sum()) * getattr(model, "emit", 1)
-            if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
-                q, spread = self.pi.statistics(model.length_policy, out.head_logits.detach(), valid,
-                                               out.shallow.detach())
-                sums["quantile"] += q
-                sums["spread"] += spread
+        sums, out, b = self._accumulate(length)
         total = dict(zip(sums, dist.sum(list(sums.values()), self.device)))
-        mean = {k: v / micros for k, v in total.items()}  # per micro-batch, over the global batch
+        mean = {k: v / self.micro_batches for k, v in total.items()}  # per micro-batch, over the global batch
         if total["bad"]:
             self.optimizer.zero_grad(set_to_none=True)
             prev = checkpoint.read_meta(self.out)
@@ -972,12 +897,11 @@ class Trainer:
                                 f"Try a lower --lr / --lr-new or a larger --clip.")
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
-            from .diagnostics import grad_norms, step_diagnostics
+            from .diagnostics import grad_norms
 
             diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
-            if hasattr(out, "keep") or hasattr(out, "plan"):  # (this rank's last micro-batch)
-                with torch.no_grad(), self.gathered():
-                    diag.update(step_diagnostics(model, out, b))
+            with torch.no_grad(), self.gathered():  # (this rank's last micro-batch)
+                diag.update(self.kind.step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step used
         self.optimizer.step()
@@ -988,65 +912,66 @@ class Trainer:
         seconds = time.perf_counter() - start
         row = {"step": self.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": lr,
                "grad_norm": float(full_tensor(grad_norm)), "tokens_per_s": total["tokens"] / seconds}
-        row.update({name: mean[name] for name in names})  # each objective's term, by name
+        row.update({o.name: mean[o.name] for o in self.objectives if o.adds_term})  # each objective's term, by name
         # the objectives' statistics (``_``-prefixed ones are inputs of their after_step, not logged)
-        row.update({k: mean[k] for k in mean if k not in row and k not in base and not k.startswith("_")})
+        row.update({k: mean[k] for k in mean if k not in row and k not in STEP_SUMS and not k.startswith("_")})
         if cfg.curriculum:
             row["seq_len"] = length
             if cfg.task == "continue":
                 row["context_len"] = model.context_len
-        for objective in self.objectives:
-            if hasattr(objective, "after_step"):  # e.g. the quota controller moves the <EOS> bias
-                row.update(objective.after_step(model, mean))
+        for objective in self.objectives:  # e.g. the quota controller moves the <EOS> bias
+            row.update(objective.after_step(model, mean, total))
         if self.teacher_needs:
             teacher_s = total["teacher_s"] / dist.world_size  # per process
             row.update(teacher_s=teacher_s, teacher_fraction=teacher_s / seconds)
-        if hasattr(out, "keep"):
-            ratio = total["kept"] / max(1, total["tokens"])
-            row.update(ratio=ratio, target_ratio=target, null_bias=float(getattr(model.length_policy, "null_bias", 0.0)),
-                       tau=getattr(sampler, "tau", None))
-            if self.pi is not None and self.tracking:
-                self.pi.apply(model.length_policy, mean["quantile"], mean["spread"], ratio)
         if dist.world_size > 1:
             row["world_size"] = dist.world_size
         row.update({k: v for k, v in diag.items() if k not in row})  # (the step's ratio is the global one)
         return row
+
+    def _accumulate(self, length: int) -> tuple[dict, object, dict]:
+        """This rank's ``grad_accum`` micro-batches: forward, backward (gradients add up), and the sums the step
+        logs (``STEP_SUMS``, each loss term, each objective's statistics). Returns (sums, the last micro-batch's
+        output, that micro-batch)."""
+        cfg, model, dist = self.config, self.model, self.dist
+        sums = dict.fromkeys([*STEP_SUMS, *(o.name for o in self.objectives if o.adds_term)], 0.0)
+        micros = self.micro_batches
+        for m in range(cfg.grad_accum):
+            j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
+            b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
+            for objective in self.preparing:  # e.g. Hard-EM's E-step puts the batch's plans in it
+                with self.gathered():  # (FSDP2: the search runs outside the wrapped forward)
+                    b = objective.prepare(model, b, self.step)
+            torch.manual_seed(micro_seed(cfg.seed, self.step, j))
+            last = m == cfg.grad_accum - 1
+            no_sync = getattr(self.train_forward, "no_sync", None) if not last else None
+            with no_sync() if no_sync else nullcontext():  # DDP: all-reduce once, in the last backward
+                out, loss, terms, teacher_s = self.train_forward(b)
+                (loss / cfg.grad_accum).backward()
+            for name, term in terms.items():
+                sums[name] += float(term.detach())
+            for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
+                for key, value in objective.stats(model, b, out).items():
+                    sums[key] = sums.get(key, 0.0) + value
+            sums["bad"] += 0.0 if torch.isfinite(loss) else 1.0
+            sums["loss"] += out.loss.item()
+            sums["total_loss"] += loss.item()
+            sums["teacher_s"] += teacher_s
+            sums["tokens"] += int(b["attention_mask"].sum())
+        return sums, out, b
 
     def objective_states(self) -> dict[str, dict]:
         """The state of every objective that keeps one (e.g. Hard-EM's plan cache), by name; under torchrun
         the union over the ranks (each caches the examples of its own micro-batches)."""
         states = {}
         for objective in self.objectives:
-            if hasattr(objective, "state_dict"):
-                state = objective.state_dict()
-                if self.dist.world_size > 1:
-                    state = objective.merge_states(self.dist.gather_objects(state))
-                states[objective.name] = state
+            state = objective.state_dict()
+            if state is None:
+                continue
+            if self.dist.world_size > 1:
+                state = objective.merge_states(self.dist.gather_objects(state))
+            states[objective.name] = state
         return states
-
-    def calibrate_ratio(self) -> None:
-        """Re-estimate the NULL bias on ``calibration_batches`` training batches with the final weights
-        (the batches after the last step: a pure function of the step, so resume stays exact)."""
-        cfg, model = self.config, self.model
-        if not cfg.baseline:
-            self.set_target(cfg.target_ratio)  # the curriculum's end: the model is saved with the final target
-        if self.pi is None or cfg.calibration_batches < 1:
-            return
-        from .calibration import decision_inputs
-
-        was_training = model.training
-        model.eval()  # the decisions the evaluated model will make (e.g. no LoRA dropout)
-        try:
-            with torch.no_grad(), self.gathered():  # only the shallow stack and the head are needed
-                # the same rows on every rank
-                batches = (self.batch(self.step * self.micro_batches + i) for i in range(cfg.calibration_batches))
-                logits, valid, reset, h = decision_inputs(model, batches)
-                reached = self.pi.calibrate_exact(model.length_policy, logits, valid, reset, h=h)
-        finally:
-            model.train(was_training)
-        if abs(reached - cfg.target_ratio) > 0.05 * cfg.target_ratio:
-            self.notes.append(f"the final calibration reached {reached:.4f} concepts per token, not the target "
-                              f"{cfg.target_ratio}: the length policy cannot reach it with these settings")
 
     def evaluate(self) -> dict:
         """Held-out evaluation. Under torchrun every rank evaluates the same batches (FSDP2 needs every
@@ -1103,9 +1028,8 @@ class Trainer:
             while self.step < cfg.steps and not self._stop:
                 row = self.train_step()
                 if self.step == cfg.steps:
-                    self.calibrate_ratio()
-                    if self.pi is not None:
-                        row["null_bias_calibrated"] = float(self.model.length_policy.null_bias)
+                    for objective in self.objectives:  # e.g. the ratio controller's final calibration
+                        row.update(objective.finish(self))
                 if self.eval_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     row["eval"] = self.evaluate()
                 self.log(row)
@@ -1123,8 +1047,9 @@ class Trainer:
         return [json.loads(line) for line in (self.out / METRICS).read_text().splitlines() if line.strip()]
 
     def plot(self) -> Path | None:
-        from .plots import planner_curves, training_curves
+        """curves.png (loss, held-out NLL and, where there is one, the concept ratio), then the kind's own."""
+        from .plots import training_curves
 
-        if getattr(self.model, "family", None) == "planner-executor":  # curves.png, then its planner diagnostics
-            planner_curves({self.name: self.metrics()}, self.out / "planner.png")
-        return training_curves(self.metrics(), self.out / "curves.png", self.config.target_ratio if not self.config.baseline else None)
+        rows = self.metrics()
+        self.kind.plots(self.name, rows, self.out)
+        return training_curves(rows, self.out / "curves.png", self.config.target_ratio)

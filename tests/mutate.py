@@ -70,14 +70,14 @@ MUTATIONS = [
              'return rank if stack == "middle" else pos', 'return pos if stack == "middle" else rank',
              [EQUIVALENCE, "-k", "fp64 and compact and sdpa"]),
     # the model
-    Mutation("identity start: the shallow state left out of a concept's input", "concept/model.py",
+    Mutation("identity start: the shallow state left out of a concept's input", "concept/streaming/model.py",
              "return h.to(e.dtype) + self.gate.to(e.dtype) * e", "return self.gate.to(e.dtype) * e",
              [EQUIVALENCE, "-k", "one_pass_matches_naive and sdpa and time"]),
     # decoding
-    Mutation("decoding: the tail is kept when a concept is emitted", "concept/decoding.py",
+    Mutation("decoding: the tail is kept when a concept is emitted", "concept/streaming/decoding.py",
              "            cache.deep.drop_tail(keep)\n", "",
              ["tests/test_decoding.py", "-k", "decode_logits_equal_teacher_forcing and sdpa"]),
-    Mutation("decoding: concept ranks off by one", "concept/decoding.py",
+    Mutation("decoding: concept ranks off by one", "concept/streaming/decoding.py",
              "rank = (self.num_concepts + s)[:, None]", "rank = (self.num_concepts + s + 1)[:, None]",
              ["tests/test_decoding.py", "-k", "decode_logits_equal_teacher_forcing and per-type and sdpa"]),
     Mutation("kv cache: a concept drops every row's tail", "concept/kv_cache.py",
@@ -95,6 +95,9 @@ MUTATIONS = [
              "b = self.train_data.batch(index, self.config.batch)",
              "self.cursor = getattr(self, 'cursor', -1) + 1\n        b = self.train_data.batch(self.cursor, "
              "self.config.batch)",
+             ["tests/test_training.py", "-k", "resume_reproduces"]),
+    Mutation("resume: the ratio controller's state is not restored", "concept/streaming/objectives.py",
+             "            self.pi.load_state_dict(state)", "            pass",
              ["tests/test_training.py", "-k", "resume_reproduces"]),
     # nothing written is lost
     Mutation("publish: the old folder removed before the new one is in place", "concept/fs.py",

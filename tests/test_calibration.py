@@ -1,4 +1,4 @@
-"""Build-time NULL-bias calibration (``concept.calibration``, ``concept build --target-ratio``):
+"""Build-time NULL-bias calibration (``concept.streaming.calibration``, ``concept build --target-ratio``):
 a freshly built, untrained model already runs near its target ratio, on text it was not
 calibrated on, and ``concept inspect`` shows the bias and the ratio it was calibrated to."""
 import json
@@ -16,7 +16,7 @@ from concept_cli.main import cli
 
 TINY = ["--backbone", "tiny-llama", "--split", "2,4,2", "--set", "vocabulary.size=512"]
 # realised ratio on held-out text vs the target, for an *untrained* model (calibrated on other rows
-# of the training split): an absolute tolerance; training's own calibration is what the SPEC's ±3% is about
+# of the training split): an absolute tolerance; training's own calibration is what the ±3% target of docs/training.md is about
 TOLERANCE = 0.02
 
 

@@ -90,7 +90,7 @@ def test_plugins_list_table():
 def test_plugins_list_json_is_lazy_and_complete():
     rows = json_out(invoke("plugins", "list", "--json"))
     assert {r["kind"] for r in rows} == {"backbone", "length_policy", "sampler", "position_scheme", "vocabulary",
-                                         "attention", "tail_fusion"}
+                                         "attention", "tail_fusion", "family"}
     names = {(r["kind"], r["name"]) for r in rows}
     for expected in [("backbone", "smollm2"), ("backbone", "tiny-llama"), ("length_policy", "null"),
                      ("sampler", "gumbel-st"), ("sampler", "argmax"), ("position_scheme", "per-type"),

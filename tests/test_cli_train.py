@@ -117,9 +117,10 @@ def test_new_options_reach_the_config_and_resume_below_the_reached_step_changes_
 
 
 def test_new_options_are_validated(built, corpus, tmp_path):  # noqa: F811
-    for flag, value, message in (("--min-lr", 2, "min-lr in [0, 1]"), ("--weight-decay", -1, "weight-decay >= 0"),
+    for flag, value, message in (("--min-lr", 2, "min-lr: must be in [0, 1], got 2.0"),
+                                 ("--weight-decay", -1, "weight-decay: must be >= 0, got -1.0"),
                                  ("--pi-ki", -0.1, "pi-ki: must be >= 0"),
-                                 ("--lora-dropout", 1, "lora dropout must be in [0, 1)")):
+                                 ("--lora-dropout", 1, "lora-dropout: must be in [0, 1), got 1.0")):
         r = run("train", built, "--data", corpus, "--steps", 1, *FAST, flag, value, "--out", tmp_path / "x")
         assert r.exit_code == 2 and message in r.stderr, (flag, r.stderr)
         assert not (tmp_path / "x").exists()

@@ -33,7 +33,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import concept  # noqa: E402
 from concept import BuildConfig, ComponentRef  # noqa: E402
-from concept.model import next_token_loss  # noqa: E402
+from concept.losses import next_token_loss  # noqa: E402
 from concept.registry import registry  # noqa: E402
 from concept.training import TrainConfig, Trainer  # noqa: E402
 from tests.conftest import (POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions,  # noqa: E402

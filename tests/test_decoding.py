@@ -1,10 +1,10 @@
-"""Online decoding with three KV caches against the teacher-forced one-pass forward (SPEC §2.1)."""
+"""Online decoding with three KV caches against the teacher-forced one-pass forward (docs/architecture.md)."""
 import warnings
 
 import pytest
 import torch
 
-from concept.decoding import ConceptDecoder
+from concept.streaming.decoding import ConceptDecoder
 from concept.errors import ConceptError, ConfigError
 from concept.flops import Shape, decode_flops, deep_keys, forward_flops
 from concept.generation import left_pad

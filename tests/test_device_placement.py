@@ -20,15 +20,15 @@ ALLOWED = {
     ("concept/diagnostics.py", "_control.shuffle"): "a CPU generator (the same draw on every device), then .to()",
     ("concept/diagnostics.py", "_control.random"): "a CPU generator (the same draw on every device), then .to()",
     ("concept/diagnostics.py", "evaluate"): "host-side sums of values already brought back with .cpu()",
-    ("concept/plan_diagnostics.py", "random_plan"): "a CPU generator (the same draw on every device), then .to()",
-    ("concept/plan_diagnostics.py", "evaluate_planned"): "host-side id histograms of .cpu() values",
+    ("concept/planner/diagnostics.py", "random_plan"): "a CPU generator (the same draw on every device), then .to()",
+    ("concept/planner/diagnostics.py", "evaluate_planned"): "host-side id histograms of .cpu() values",
     ("concept/export.py", "_compare"): "the export check runs both models on the CPU, where they are loaded",
     ("concept/flops.py", "evenly_spaced_keep"): "FLOP counting: host-side arithmetic, no model data",
     ("concept/flops.py", "deep_keys"): "FLOP counting: host-side arithmetic, no model data",
     ("concept/generation.py", "_multitoken_loop"): "a streamer receives token ids on the host (transformers' "
                                                     "TextStreamer convention)",
-    ("concept/planner_executor.py", "Plan.from_rows"): "filled element by element on the host, moved once with .to()",
-    ("concept/planner_executor.py", "PlannerExecutor.__init__"): "registered as buffers (moved with the module)",
+    ("concept/planner/model.py", "Plan.from_rows"): "filled element by element on the host, moved once with .to()",
+    ("concept/planner/model.py", "PlannerExecutor.__init__"): "registered as buffers (moved with the module)",
 }
 
 

@@ -1,4 +1,4 @@
-"""Diagnostics (SPEC §2.7): step signals, grad norms, held-out evaluation with ΔNLL controls,
+"""Diagnostics (docs/diagnostics.md): step signals, grad norms, held-out evaluation with ΔNLL controls,
 compression map. Tiny random backbones; every expected value is computed by hand."""
 import copy
 import math

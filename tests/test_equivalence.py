@@ -101,7 +101,7 @@ def test_policy_decisions_match_naive(tiny_models, backbone):
 
 
 def _new_module_grads(model, logits, ids, valid):
-    from concept.model import next_token_loss
+    from concept.losses import next_token_loss
 
     model.zero_grad(set_to_none=True)
     next_token_loss(logits, ids, valid).backward()

@@ -6,7 +6,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-import concept.frontier as fr
+import concept.recipes.frontier as fr
 from concept.training import Trainer
 from concept_cli.main import cli
 from tests.test_training import STDLIB, corpus  # noqa: F401  (fixture)

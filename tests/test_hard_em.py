@@ -1,4 +1,4 @@
-"""Hard-EM for the planner-executor (SPEC §2.6): one-pass teacher forcing = the step-wise planner, beam
+"""Hard-EM for the planner-executor (docs/planner_executor.md): one-pass teacher forcing = the step-wise planner, beam
 search, batched plan scoring, the plan cache (refresh, checkpoint, corruption), training and bad input."""
 import json
 
@@ -7,9 +7,9 @@ import torch
 
 import concept
 from concept.errors import ConfigError
-from concept.hard_em import CachedPlan, HardEMObjective, example_key
-from concept.plan_search import beam_search, score_plans
-from concept.planner_executor import Plan, text_loss
+from concept.planner.hard_em import CachedPlan, HardEMObjective, example_key
+from concept.planner.search import beam_search, score_plans
+from concept.planner.model import Plan, text_loss
 from concept.training import TrainConfig, Trainer
 
 from .conftest import randomize_new_modules
@@ -89,7 +89,7 @@ def test_estep_cache_refresh_and_statistics(model):
     objective.prepare(model, batch, step=2)  # two steps old: searched again; the same model finds the same plans
     assert objective._stats["rows"] == 3 and objective._stats["old"] == 3 and objective._stats["flips"] == 0
     assert objective._stats["gap"] == pytest.approx(0.0, abs=1e-4)
-    stats = objective.after_step(model, objective.stats(model, None))
+    stats = objective.after_step(model, objective.stats(model, None, None), {})
     assert stats["flip_rate"] == 0 and stats["estep_share"] == 1 and stats["estep_margin"] >= 0
 
 
@@ -190,7 +190,7 @@ def test_bad_hard_em_options(pe_run, tmp_path):
 
 
 def test_step_diagnostics_are_the_controls_against_the_trained_plan(model):
-    from concept.plan_diagnostics import masked_embeds, step_diagnostics
+    from concept.planner.diagnostics import masked_embeds, step_diagnostics
 
     u, valid = plan_inputs()
     plan = Plan.from_rows([[(0, 1), (1, 3)], [(1, 2)], [(0, 0), (0, 1), (1, 1)]], (8, 16))

@@ -1,4 +1,4 @@
-"""Multi-level codes (SPEC §2.5): the `codebook` vocabulary with ``levels`` L, interleaved as L consecutive
+"""Multi-level codes (docs/policies.md): the `codebook` vocabulary with ``levels`` L, interleaved as L consecutive
 plan steps in the planner-executor; gradients reach every level; usage per level; bad input."""
 import pytest
 import torch
@@ -6,9 +6,9 @@ import torch
 import concept
 from concept import BuildConfig, ComponentRef
 from concept.errors import ConfigError
-from concept.plan_diagnostics import evaluate_planned
-from concept.plan_search import beam_search, score_plans
-from concept.planner_executor import Plan, text_loss
+from concept.planner.diagnostics import evaluate_planned
+from concept.planner.search import beam_search, score_plans
+from concept.planner.model import Plan, text_loss
 
 from .conftest import randomize_new_modules
 from .test_planner_executor import pe_config
@@ -119,6 +119,6 @@ def test_bad_levels():
         concept.build(config(levels=0))
     with pytest.raises(ConfigError, match="use a multiple of 2"):
         cfg = config()
-        cfg.planner["types"] = [{"name": "a", "size": 8, "max_len": 3}]
+        cfg.sections["planner"]["types"] = [{"name": "a", "size": 8, "max_len": 3}]
         concept.build(cfg)
     # (the streaming family's multi-level codes: tests/test_multilevel_streaming.py)

@@ -1,4 +1,4 @@
-"""Multi-level codes in the streaming family (SPEC §2.5): a concept is L consecutive concept slots, one
+"""Multi-level codes in the streaming family (docs/policies.md): a concept is L consecutive concept slots, one
 code level each, read from one shallow state (level l from the query that levels < l left). The fast
 paths against their references: one pass = the naive per-step loop (logits and gradients, every
 backend), decoding = teacher forcing, the levels' beam = exhaustive search; gradients reach every

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from concept import multitoken
-from concept.decoding import ConceptDecoder
+from concept.streaming.decoding import ConceptDecoder
 from concept.errors import ConceptError, ConfigError
 from tests.conftest import mixed_model
 

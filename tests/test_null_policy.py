@@ -246,7 +246,7 @@ def test_tracker_resets_at_document_starts():
 def test_tracker_holds_the_ratio_under_a_domain_shift():
     """Calibrated on one keep-logit distribution, evaluated on a shifted one (fewer natural
     boundaries, as prose is for a head trained on code): the tracker keeps the ratio near target."""
-    from concept.ratio import PIController
+    from concept.streaming.ratio import PIController
 
     g = torch.Generator().manual_seed(0)
     valid = torch.ones(16, 256, dtype=torch.bool)

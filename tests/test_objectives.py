@@ -12,9 +12,8 @@ from concept.dense import DenseModel
 from concept.errors import ConfigError
 from concept.lora import LoraSettings, add_lora
 from concept.objectives import AlignObjective, DistillObjective, next_token_pairs
-from concept.ratio import scheduled_ratio
 from concept.teacher import adapters_disabled, teacher_forward, tuner_layers
-from concept.training import TrainConfig, Trainer
+from concept.training import TrainConfig, Trainer, scheduled_ratio
 from tests.conftest import tiny_config
 from tests.test_training import built, corpus, losses, small  # noqa: F401  (fixtures)
 
@@ -195,7 +194,9 @@ def test_metrics_name_each_objective(built, corpus, tmp_path):  # noqa: F811
     cfg = small(data=str(corpus), steps=2, grad_accum=2, usage_weight=0.1, distill=0.5, distill_temperature=2.0,
                 align=0.3, eval_every=100, checkpoint_every=100)
     trainer = Trainer.start(built, tmp_path / "run", cfg)
-    assert [o.name for o in trainer.objectives] == ["ratio_loss", "usage_kl", "distill_kl", "align"]
+    # the ratio controller first: composed like the objectives, but it adds no term to the loss
+    assert [o.name for o in trainer.objectives] == ["ratio_control", "ratio_loss", "usage_kl", "distill_kl", "align"]
+    assert [o.adds_term for o in trainer.objectives] == [False, True, True, True, True]
     trainer.train()
     for r in rows(tmp_path / "run"):
         for key in ("loss", "total_loss", "ratio_loss", "usage_kl", "distill_kl", "align", "teacher_s",
@@ -204,9 +205,11 @@ def test_metrics_name_each_objective(built, corpus, tmp_path):  # noqa: F811
         assert r["total_loss"] == pytest.approx(r["loss"] + r["ratio_loss"] + r["usage_kl"] + r["distill_kl"] + r["align"],
                                                 rel=1e-5)
         assert r["distill_kl"] > 0 and r["align"] > 0 and 0 < r["teacher_fraction"] < 1
+        assert "ratio_control" not in r  # a controller logs what it acts on (ratio, null_bias), not a term
     plain = Trainer.start(built, tmp_path / "plain", small(data=str(corpus), steps=1, ratio_control="pi",
                                                           eval_every=100))
-    assert plain.objectives == [] and not plain.teacher_needs  # nothing configured: no term, no teacher
+    # nothing configured: the ratio controller alone, no term, no teacher
+    assert [o.name for o in plain.objectives] == ["ratio_control"] and not plain.teacher_needs
     plain.train()
     assert not {"distill_kl", "align", "teacher_s", "ratio_loss", "usage_kl"} & set(rows(tmp_path / "plain")[0])
 

@@ -5,7 +5,8 @@ import torch
 import concept
 from concept import ComponentRef
 from concept.errors import ConfigError
-from concept.objectives import PlacementObjective, depth_gain, next_token_pairs, top_fraction
+from concept.objectives import next_token_pairs
+from concept.streaming.objectives import PlacementObjective, depth_gain, top_fraction
 from concept.teacher import teacher_forward
 from concept.training import TrainConfig, Trainer
 from tests.conftest import randomize_new_modules, tiny_config
@@ -146,7 +147,8 @@ def test_trainer_logs_placement_and_resumes_exactly(built, corpus, tmp_path):  #
         return small(data=str(corpus), placement=1.0, eval_every=100, log_every=100)
 
     straight = Trainer.start(built, tmp_path / "straight", cfg())
-    assert [o.name for o in straight.objectives] == ["ratio_loss", "placement"] and straight.teacher_needs == {"logits"}
+    assert [o.name for o in straight.objectives] == ["ratio_control", "ratio_loss", "placement"]
+    assert straight.teacher_needs == {"logits"}
     straight.train()
     interrupted_at_three(built, tmp_path / "resumed", cfg()).train()
     a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")

@@ -1,4 +1,4 @@
-"""Planner speed-ups (SPEC §2.6): parallel types (every type planned at once, independent given u) and MTP
+"""Planner speed-ups (docs/planner_executor.md): parallel types (every type planned at once, independent given u) and MTP
 concepts (several concept tokens per planner forward). Each is checked against the plain planner."""
 import copy
 
@@ -8,8 +8,8 @@ from torch import nn
 
 import concept
 from concept.errors import ConfigError
-from concept.plan_search import beam_search
-from concept.planner_executor import Plan, PlannerSettings
+from concept.planner.search import beam_search
+from concept.planner.model import Plan, PlannerSettings
 
 from .test_planner_executor import TYPES, built, check_beam_search, pe_config
 from .test_planner_executor import plan_inputs as inputs
@@ -156,7 +156,7 @@ def test_mtp_beam_search_scores_each_step_with_its_head(k):
     """Beam search with MTP heads: width 1 is the greedy MTP planner; every beam's log p(z | u) is the sum
     of its steps' log-probabilities under the head that wrote them (head j on the state before the
     group's first step, from the teacher-forced planner), best first; ⌈steps / k⌉ forwards."""
-    from concept.plan_search import beam_search
+    from concept.planner.search import beam_search
 
     model = built(mtp=k)
     with torch.no_grad():
@@ -186,7 +186,7 @@ def test_mtp_beam_search_scores_each_step_with_its_head(k):
 
 
 def test_mtp_objective_trains_the_heads_on_later_steps():
-    from concept.plan_objectives import PlanMTPObjective
+    from concept.planner.objectives import PlanMTPObjective
 
     model = built(mtp=2).train()
     u, valid = inputs()

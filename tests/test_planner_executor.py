@@ -1,4 +1,4 @@
-"""The planner-executor family (SPEC §2.6): config, token layout, planner and executor, decoding =
+"""The planner-executor family (docs/planner_executor.md): config, token layout, planner and executor, decoding =
 teacher forcing, batching, gradients, objectives, training with exact resume, and bad input."""
 import json
 
@@ -8,7 +8,7 @@ import torch
 import concept
 from concept import BuildConfig, ComponentRef
 from concept.errors import ConfigError
-from concept.planner_executor import Plan, PlannerExecutor, TokenLayout, text_loss
+from concept.planner.model import Plan, PlannerExecutor, TokenLayout, text_loss
 from concept.training import TrainConfig, Trainer
 
 from .conftest import randomize_new_modules
@@ -21,7 +21,7 @@ def pe_config(types=TYPES, **planner):
     return BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
                                                              "intermediate": 64}),
                        family="planner-executor", position_scheme=ComponentRef("per-type"),
-                       planner={"types": types, **planner})
+                       sections={"planner": {"types": types, **planner}})
 
 
 def built(**planner):
@@ -48,7 +48,7 @@ def plan_inputs(B=3, L=11, seed=1):
 def check_beam_search(model, u, valid, k: int):
     """Beam search against the slow references: k = 1 is greedy decoding, and the search's own log p(z | u)
     equals the batched teacher-forced re-score, best first. Returns (beams, log p, scores)."""
-    from concept.plan_search import beam_search, score_plans
+    from concept.planner.search import beam_search, score_plans
 
     with torch.no_grad():
         greedy = model.planner(u, valid, sample=False)
@@ -175,7 +175,7 @@ def test_executor_loss_reaches_the_planner(model):
 
 
 def test_objectives_and_quota_controller(model):
-    from concept.plan_objectives import (CommitmentObjective, EOSObjective, PlannerQuotaController, PlanUsageObjective,
+    from concept.planner.objectives import (CommitmentObjective, EOSObjective, PlannerQuotaController, PlanUsageObjective,
                                          QuotaObjective, eos_probs)
 
     ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(4))
@@ -199,11 +199,11 @@ def test_objectives_and_quota_controller(model):
     assert torch.allclose(quota(model, {}, out), (surrogate - 2.0) ** 2 / 4.0)
     before = float(model.eos_bias.value)
     try:
-        stats = quota.stats(model, out)
+        stats = quota.stats(model, None, out)
         assert stats["plan_len"] == pytest.approx(float(plan.lengths(2).sum(1).float().mean()))
-        quota.after_step(model, {"plan_len": 4.0})  # over budget: <EOS> more likely
+        quota.after_step(model, {"plan_len": 4.0}, {})  # over budget: <EOS> more likely
         assert float(model.eos_bias.value) == pytest.approx(before + 0.5 * (4.0 - 2.0) / 2.0)
-        quota.after_step(model, {"plan_len": 0.0})
+        quota.after_step(model, {"plan_len": 0.0}, {})
         assert float(model.eos_bias.value) == pytest.approx(before + 0.5 - 0.5)
     finally:
         model.eos_bias.value.fill_(before)
@@ -257,7 +257,7 @@ def test_every_config_problem_at_once():
         concept.config.resolve(cfg)
     text = str(err.value)
     assert "size" in text and "max_len" in text and "budget" in text and "per-type" in text
-    streaming = BuildConfig(planner={"types": TYPES})
+    streaming = BuildConfig(sections={"planner": {"types": TYPES}})
     with pytest.raises(ConfigError, match="--family planner-executor"):
         concept.config.resolve(streaming)
     with pytest.raises(ConfigError, match="family"):

@@ -3,13 +3,8 @@ with the metrics rows it was drawn from, and the saved PNG decodes to the figure
 import matplotlib.image
 import numpy as np
 
-from concept.plots import (
-    PLANNER_PANELS,
-    curves_figure,
-    planner_curves,
-    planner_figure,
-    training_curves,
-)
+from concept.planner.plots import PLANNER_PANELS, planner_curves, planner_figure
+from concept.plots import curves_figure, training_curves
 
 ROWS = [
     {"step": 1, "loss": 3.0, "ratio": 0.5},

@@ -1,6 +1,6 @@
 """Every length policy, sampler and position scheme, interchangeable: the one-pass forward equals
 the naive per-t reference, decoding equals teacher forcing, and batched decisions equal
-step-wise ones (SPEC §2.2-2.4)."""
+step-wise ones (docs/policies.md)."""
 import pytest
 import torch
 
@@ -101,7 +101,7 @@ SAMPLERS = {"soft": ("soft", "soft"), "hidden-projection": ("hidden-projection",
 @pytest.mark.parametrize("name", SAMPLERS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_samplers_match_naive_in_eval_and_training(name, backend):
-    from concept.model import next_token_loss
+    from concept.losses import next_token_loss
 
     train_s, eval_s = SAMPLERS[name]
     model = make("null", backend, "per-type", sampler=ComponentRef(train_s), eval_sampler=ComponentRef(eval_s))
@@ -148,7 +148,7 @@ def test_compact_positions_number_concepts_in_the_middle_stack_only():
 
 # -- threshold: the straight-through path ----------------------------------------------------------
 def test_threshold_gate_passes_lm_gradients_to_the_score_and_leaves_the_forward_unchanged():
-    from concept.model import next_token_loss
+    from concept.losses import next_token_loss
 
     model = make("threshold", "chunked")
     x = ids()
@@ -266,7 +266,7 @@ def test_codebook_gradients_reach_the_codebook_from_the_head_and_from_the_input(
 
 
 def test_usage_kl_is_zero_for_uniform_use_and_log_k_for_collapse():
-    from concept.ratio import usage_kl
+    from concept.objectives import usage_kl
 
     keep = torch.ones(1, 4, dtype=torch.bool)
     uniform = torch.log(torch.eye(4))[None] * 1.0  # each token certain of a different concept
@@ -315,7 +315,7 @@ def test_codebook_vocabulary_matches_naive_and_decodes_exactly(backend):
 
 
 def test_threshold_controller_aims_at_the_mean_score_and_reports_unreachable_targets():
-    from concept.ratio import PIController
+    from concept.streaming.ratio import PIController
 
     model = make("threshold")
     policy = model.length_policy

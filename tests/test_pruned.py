@@ -6,12 +6,19 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from concept_cli.main import cli
 
 import concept
+from concept.baselines import describe_prune
 from concept.dense import DenseModel
-from concept.flops import Shape, evenly_spaced_keep, forward_flops, matched_prune, pruned_flops
-from concept.training import Trainer, describe_prune
-from concept_cli.main import cli
+from concept.flops import (
+    Shape,
+    evenly_spaced_keep,
+    forward_flops,
+    matched_prune,
+    pruned_flops,
+)
+from concept.training import Trainer
 from tests.conftest import tiny_config
 from tests.test_training import built, corpus, small  # noqa: F401  (fixtures)
 

@@ -120,7 +120,7 @@ def test_identity_start_keep_all_is_the_backbone_on_smollm2(smol, text_ids):
 def test_mtp_verify_is_greedy_decoding_on_smollm2(text_ids):
     """`mtp` policy with its (untrained: logit-lens) heads drafting; verify keeps only what greedy
     decoding would have produced, and a block through the caches equals single steps."""
-    from concept.decoding import ConceptDecoder
+    from concept.streaming.decoding import ConceptDecoder
 
     model = concept.build(BuildConfig(split="4,22,4", attention=ComponentRef("chunked", {"chunk": 16}),
                                       length_policy=ComponentRef("mtp", {"heads": 3, "tau": 0.3, "max_chunk": 8})))
@@ -138,8 +138,8 @@ def test_mtp_verify_is_greedy_decoding_on_smollm2(text_ids):
 
 
 def test_demo_reports_the_models_own_numbers(smol, text_ids, monkeypatch, capsys, tmp_path):
-    """`python -m concept.demo`: each number is recomputed here independently of the demo's code."""
-    from concept import demo
+    """`python -m concept.recipes.demo`: each number is recomputed here independently of the demo's code."""
+    from concept.recipes import demo
     from concept.flops import Shape, forward_flops
 
     result = demo.compare(smol, text_ids, repeats=1)
@@ -166,7 +166,7 @@ def test_demo_reports_the_models_own_numbers(smol, text_ids, monkeypatch, capsys
 
 
 def test_demo_refuses_a_backbone_without_a_tokenizer(tmp_path, capsys):
-    from concept import demo
+    from concept.recipes import demo
 
     concept.save(concept.build(BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 4}), split="1,2,1")),
                  tmp_path / "tiny")

@@ -72,7 +72,7 @@ def planned_flops(stage: Stage, plan: dict, splits: list[str], ratios: list[floa
     """The frontier's plan (what ``concept frontier --dry-run`` shows) of splits x ratios with their pruned
     baselines: ``[{kind, split, target_ratio, flop_ratio, pruned_baseline}]`` in plan order, streaming runs
     first. Loads at most the backbone."""
-    from concept.frontier import FrontierSpec, domains, plan as plan_runs
+    from concept.recipes.frontier import FrontierSpec, domains, plan as plan_runs
 
     train = recipe.train_config(stage.dry, steps=plan["steps"], batch_size=plan["batch"], device=plan["device"])
     spec = FrontierSpec(build=recipe.build_config(stage.dry), splits=splits, ratios=ratios, train=train,
@@ -265,7 +265,7 @@ def run(stage: Stage, args) -> int:
     write_json(plan_path, plan)
     result = merged(stage, plan)
     runs = metrics(stage)
-    from concept.frontier import markdown_table
+    from concept.recipes.frontier import markdown_table
 
     out = {"plan": plan, "points": [{k: p.get(k) for k in ("name", "splits", "ratios", "flop_ratio", "state", "reason")}
                                     for p in plan["points"]],

@@ -3,7 +3,7 @@
 The valid slots of the packed layout are flattened into one row of query blocks (xformers'
 block-diagonal biases want batch 1, BMHK): one document's concepts, or one segment of one
 document's tail tokens. Two layouts give the blocks their keys; both are exactly the one-pass rule
-(SPEC §2.1, ``concept.packing.allowed``): concepts causal among themselves, a tail token sees every
+(docs/architecture.md, ``concept.packing.allowed``): concepts causal among themselves, a tail token sees every
 concept of its document up to its time and its own segment causally, documents never mix, padding
 is never a key. Padding queries are left out (their outputs are zeros, and are never read).
 

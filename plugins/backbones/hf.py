@@ -6,7 +6,12 @@ from pathlib import Path
 
 import torch
 
-from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config, read_folder_config
+from concept.backbone import (
+    BackboneInfo,
+    LoadedBackbone,
+    info_from_hf_config,
+    read_folder_config,
+)
 from concept.errors import BackboneError
 
 

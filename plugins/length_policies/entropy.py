@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from concept import chunks
+from concept.streaming import chunks
 
 
 @dataclass
@@ -66,7 +66,7 @@ class EntropyPolicy(nn.Module):
         return chunks.advance(self.confidence(h_t) < self.config.tau, count, self.config.min_chunk, self.config.max_chunk)
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
-        """Batched: confidences in one go, then a scan of the step rule over t (``concept.chunks``)."""
+        """Batched: confidences in one go, then a scan of the step rule over t (``concept.streaming.chunks``)."""
         return chunks.scan(self.confidence(h) < self.config.tau, valid, self.config.min_chunk, self.config.max_chunk, reset)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:

@@ -23,7 +23,7 @@ Ratio control works through a bias: ``keep_logit = log((1 - c) / c) - null_bias`
 like the `null` policy's NULL bias (the ratio loss does not apply: the decision has no gradient;
 the heads learn from the MTP objective only). A per-document ratio tracker (``track``, default 0.25,
 as the `null` policy's: ``track`` times the document's lag ``tokens - concepts / target`` so far is
-added to the keep logit, ``concept.ratio.tracker_ahead``) holds the ratio on text whose confidences
+added to the keep logit, ``concept.streaming.ratio.tracker_ahead``) holds the ratio on text whose confidences
 differ from the training data's. The rule is sequential (a minimum length), so the batched
 decision is a scan of the step rule over t on batched confidences.
 """
@@ -35,12 +35,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from concept import chunks
 from concept.config import DEFAULT_TARGET_RATIO
-
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
-from concept.ratio import concept_price, track_problems, tracker_ahead
+from concept.streaming import chunks
+from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
 @dataclass
@@ -126,7 +125,7 @@ class MTPPolicy(nn.Module):
         return keep, (count, tokens + 1, concepts + keep.long())
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
-        """Batched: confidences in one go, then a scan of the step rule over t (``concept.chunks``; with
+        """Batched: confidences in one go, then a scan of the step rule over t (``concept.streaming.chunks``; with
         the tracker, the per-document lag joins the score as in the `null` policy)."""
         cfg, logit = self.config, self.keep_logit(head_logits, h)
         if not self.track:

@@ -3,7 +3,7 @@
 The boundary decision is deterministic (the same rule in training and inference, as in
 H-Net's router), so the concepts-per-token ratio realised in training is the one seen at
 evaluation. ``P(keep) = sigmoid(logsumexp(concept logits) - (NULL logit + null_bias))``;
-``null_bias`` is a buffer that a ratio controller moves (``concept.ratio``) and is saved
+``null_bias`` is a buffer that a ratio controller moves (``concept.streaming.ratio``) and is saved
 with the model. The concept *identity* is chosen separately by the sampler.
 
 A maximum run of consecutive NULLs bounds the deep tail: after ``max_run`` NULLs in a row
@@ -24,7 +24,7 @@ every 1 / target_ratio tokens), and token t emits a concept when
 
 A document that falls behind the target lowers its own threshold, one that runs ahead raises
 it, while *where* the concepts go is still decided by the head. ``track`` is in keep-logit units
-per token of lag (``concept.ratio.tracker_ahead``): a domain whose keep logits are shifted by
+per token of lag (``concept.streaming.ratio.tracker_ahead``): a domain whose keep logits are shifted by
 ``s`` settles at a lag of about ``-s / track`` tokens, a ratio error of about ``s / (track * N)``
 on an N-token document, the same relative error at every target. ``target_ratio`` is a buffer
 saved with the model (default ``concept.config.DEFAULT_TARGET_RATIO``); the trainer sets it to
@@ -59,7 +59,7 @@ from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
 from concept.packing import document_tokens
-from concept.ratio import concept_price, track_problems, tracker_ahead
+from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
 @dataclass

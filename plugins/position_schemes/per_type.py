@@ -3,9 +3,9 @@
 Normal text keeps the backbone's positions (0, 1, 2, ...); concepts are numbered by their
 rank among concepts, starting at ``offset``. A learned type embedding (zero-initialised, so
 the base model is unchanged at step 0) is added to text inputs and to concept inputs so
-the stacks can tell the types apart. 2D-RoPE was considered and rejected (SPEC §2.4).
+the stacks can tell the types apart. 2D-RoPE was considered and rejected (docs/policies.md).
 
-The planner-executor family (``concept.planner_executor``) has one embedding row per concept type
+The planner-executor family (``concept.planner.model``) has one embedding row per concept type
 (``add_types``) and numbers each type's block from 1 (its separator at 0) in the executor.
 """
 from __future__ import annotations

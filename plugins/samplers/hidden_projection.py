@@ -1,5 +1,5 @@
 """`hidden-projection`: latent feedback. The concept input mixes the concept embedding with a
-learned projection of the emitting token's shallow hidden state (SPEC §2.3)::
+learned projection of the emitting token's shallow hidden state (docs/policies.md)::
 
     h_hat = normalize(W h)                       (L2; W: d -> d, learned)
     e_in  = a * e + sqrt(1 - a^2) * (g * h_hat)   (a = sigmoid(gate), g: learned scale)

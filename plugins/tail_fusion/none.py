@@ -1,8 +1,9 @@
-"""`none`: a tail token enters the deep stack as its shallow state (SPEC §2.1's definition)."""
+"""`none`: a tail token enters the deep stack as its shallow state (the per-step definition, docs/architecture.md)."""
 from __future__ import annotations
 
-from concept.config import NoOptions
 from torch import nn
+
+from concept.config import NoOptions
 
 
 class NoFusion(nn.Module):

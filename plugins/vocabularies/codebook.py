@@ -1,4 +1,4 @@
-"""`codebook`: weight-tied codebook (semantic-ID style, SPEC §2.5).
+"""`codebook`: weight-tied codebook (semantic-ID style, docs/policies.md).
 
 One table of K code vectors (``code_dim`` wide) serves both directions:
 
@@ -28,7 +28,7 @@ of levels shaped like the ids).
   the level-0 query after removing its components along the codes chosen at levels < l (``before``;
   residual quantisation on the unit sphere), and a boundary's L code tokens enter the middle and deep
   stacks as L consecutive concept slots. At inference ``beam`` > 1 searches the levels jointly for the
-  codes of highest total log-probability (``concept.model.ConceptModel.codes``).
+  codes of highest total log-probability (``concept.streaming.model.ConceptModel.codes``).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Hard-EM training of the planner-executor (SPEC §2.6, "training speed-ups"): ``--plan-training hard-em``.
+"""Hard-EM training of the planner-executor (docs/planner_executor.md): ``--plan-training hard-em``.
 
 Instead of sampling a plan with Gumbel-ST in every step, each example gets a best plan ``z*``:
 
 * **E-step** (no gradients, the model in eval mode): beam search proposes the ``k`` most probable plans
   under the planner (``--beam``); together with the example's cached plan they are scored by
   ``S(z) = log p(y | z) + β log p(z | u)`` in one batched teacher-forced forward
-  (``concept.plan_search``), and the best becomes ``z*``. β = 1 (``--estep-prior``, the default) is the
+  (``concept.planner.search``), and the best becomes ``z*``. β = 1 (``--estep-prior``, the default) is the
   posterior mode; every concept then costs its prior log-probability (about log K nats for a spread
   planner), so while the executor has not learned to read plans the empty plan wins (measured:
   docs/results.md); β = 0 picks the beam's plan that best explains y. The cached plan competes, so a refresh never
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .objectives import _zero
-from .plan_search import beam_search, score_plans
-from .planner_executor import Plan
+from ..objectives import Objective, zero
+from .model import Plan
+from .search import beam_search, score_plans
 
 STATS = ("examples", "rows", "margin", "old", "flips", "gap", "seconds")
 
@@ -56,7 +56,7 @@ class CachedPlan:
 
 
 @dataclass
-class HardEMObjective:
+class HardEMObjective(Objective):
     weight: float  # of the planner's CE on z*
     beam: int = 4
     every: int = 50  # --estep-every
@@ -121,15 +121,15 @@ class HardEMObjective:
         plan = out.plan
         mask = plan.active & ~plan.forced
         if not bool(mask.any()):
-            return _zero(out.logits)
+            return zero(out.logits)
         logp = F.log_softmax(plan.logits[mask].float(), dim=-1)
         return self.weight * F.nll_loss(logp, plan.classes[mask])
 
     # -- statistics, summed by the trainer over micro-batches and processes -------------------
-    def stats(self, model, out) -> dict[str, float]:
+    def stats(self, model, batch, out) -> dict[str, float]:
         return {f"_estep/{k}": self._stats.get(k, 0.0) for k in STATS}
 
-    def after_step(self, model, means: dict[str, float]) -> dict[str, float]:
+    def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
         """From the statistics' means over the micro-batches (ratios of means are exact ratios)."""
         get = lambda k: means.get(f"_estep/{k}", 0.0)  # noqa: E731
         rows, old = get("rows"), get("old")

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import fs
-from .config import BuildConfig, _coerce, parse_value, resolve
-from .errors import ConceptError, ConfigError, RunFolderError
+from .. import fs
+from ..config import BuildConfig, _coerce, parse_value, resolve
+from ..errors import ConceptError, ConfigError, RunFolderError
 
 BUILDS = "builds"
 EVAL_FILE = "frontier-eval.json"
@@ -167,7 +167,7 @@ def parse_ratios(text: str) -> tuple[list[float], list[str]]:
 def domains(sources: list[str]) -> tuple[list[Domain], list[str]]:
     """``--eval-data`` values (``SOURCE`` or ``LABEL=SOURCE``) -> domains, checked: a built-in corpus
     (stdlib/code, pydoc/prose) or an existing file or folder."""
-    from .data import CORPORA, builtin_corpus
+    from ..data import CORPORA, builtin_corpus
 
     out, problems, labels = [], [], set()
     for item in sources:
@@ -200,8 +200,8 @@ def domains(sources: list[str]) -> tuple[list[Domain], list[str]]:
 def train_overrides(config, items: list[str]):
     """Apply ``KEY=VALUE`` strings (TrainConfig field names, dashes allowed; ``lora.rank=4``) to a copy
     of ``config``; values are parsed as JSON when possible and coerced to the field's type."""
-    from .lora import LoraSettings
-    from .training import TrainConfig
+    from ..lora import LoraSettings
+    from ..training import TrainConfig
 
     config = copy.deepcopy(config)
     hints = typing.get_type_hints(TrainConfig)
@@ -222,7 +222,7 @@ def train_overrides(config, items: list[str]):
             problems.append(f"--train-set {key}: set by the frontier for each run (use --ratios for the target ratios)")
             continue
         if name not in allowed:
-            from .config import _unknown_msg
+            from ..config import _unknown_msg
 
             problems.append(_unknown_msg("--train-set key", key, fields + [f"lora.{f}" for f in lora_fields]))
             continue
@@ -245,7 +245,7 @@ def _hf_config(plan, cache: dict):
         if callable(make):
             cache[key] = make(bb.config)
         else:
-            from .builder import build_backbone
+            from ..builder import build_backbone
 
             cache[key] = build_backbone(plan).model.config
     return cache[key]
@@ -255,8 +255,9 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
     """Every run of the frontier, validated up front (one ``ConfigError`` listing every problem:
     splits that do not fit the backbone, bad training options, existing runs with another recipe
     unless ``force``). Loads at most the backbone's config (or, without a cheap one, the backbone)."""
-    from .data import local_path
-    from .training import Trainer, prune_plan
+    from ..data import local_path
+    from ..baselines import prune_plan
+    from ..training import Trainer
 
     problems = []
     if not spec.splits:
@@ -372,9 +373,8 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
 def recipe(train: dict, kind: str) -> dict:
     """What a run learns from: the training config minus logging / device (and, for a baseline, the
     streaming-only options, which do nothing there)."""
-    from .training import DERIVED, TrainConfig
-
-    from .data import stored_source
+    from ..data import stored_source
+    from ..training import DERIVED, TrainConfig
 
     saved = {k: v for k, v in train.items() if k not in DERIVED}
     d = TrainConfig.from_dict(saved).to_dict()
@@ -397,8 +397,8 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 def run_state(folder: Path, run: PlannedRun) -> dict:
     """``{"status": ...}``: new | complete | resume (``step``) | restart (no checkpoint yet) |
     differs (``differences``) | foreign (``detail``)."""
-    from . import checkpoint
-    from .builder import read_run, read_train
+    from .. import checkpoint
+    from ..builder import read_run, read_train
 
     folder = Path(folder)
     if not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
@@ -439,7 +439,8 @@ def run_state(folder: Path, run: PlannedRun) -> dict:
 def _ensure_build(folder: Path, build: BuildConfig, log) -> Path:
     """The untrained model a run starts from (one per split), built once."""
     import concept
-    from .builder import read_run
+
+    from ..builder import read_run
 
     try:
         if read_run(folder)["config"] == build.to_dict():
@@ -464,9 +465,11 @@ def _finite(x):
 def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
     """Per domain: bits/token, realised ratio, ΔNLL controls and the FLOP ratio to dense. The held-out
     batches are exactly those of ``concept eval RUN --data SOURCE --batches N --batch B --seq-len T``."""
-    from .diagnostics import evaluate_folder as eval_one  # the `concept eval` evaluation, not a copy
-    from .backbone import decoder
-    from .flops import Shape, ideal_ratio, pruned_flops
+    from ..backbone import decoder
+    from ..diagnostics import (
+        evaluate_folder as eval_one,  # the `concept eval` evaluation, not a copy
+    )
+    from ..flops import Shape, ideal_ratio, pruned_flops
 
     model, out = None, {}
     T = spec.seq_len
@@ -497,7 +500,7 @@ def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, f
     """Train what is missing (skip complete runs, resume interrupted ones), evaluate every run, and
     return the frontier (``rows`` + ``best``; see :func:`summarise`). ``train(trainer)`` runs a
     trainer (default ``trainer.train()``); ``log(verb, detail)`` receives progress lines."""
-    from .training import Trainer
+    from ..training import Trainer
 
     out = Path(out)
     log = log or (lambda verb, detail="": None)
@@ -542,7 +545,7 @@ def _train(trainer, train, log, name) -> None:
 
 
 def _row(r: PlannedRun, folder: Path, spec: FrontierSpec, action: str, log=lambda verb, detail: None) -> dict:
-    from . import checkpoint
+    from .. import checkpoint
 
     step = (checkpoint.read_meta(folder) or {}).get("step")
     key = _eval_key(spec, step)

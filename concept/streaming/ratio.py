@@ -1,4 +1,4 @@
-"""Ratio control: keep the realised concepts-per-token at a target (SPEC §2.2).
+"""Ratio control: keep the realised concepts-per-token at a target (docs/training.md, "Ratio control").
 
 Two tools, selectable and combinable (``--ratio-control pi|loss|both|none``), plus the length
 policies' per-document tracker (``tracker_ahead`` / ``concept_price``, below):
@@ -140,24 +140,6 @@ def concept_price(track: float, target: torch.Tensor) -> torch.Tensor:
     return track / target.float()
 
 
-def usage_kl(concept_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Anti-collapse regulariser (SPEC §2.5): KL(p_bar || uniform) = log K - H(p_bar), where p_bar
-    is the mean concept distribution over the tokens that emitted a concept. Zero when the batch
-    uses every concept equally; log K when it always picks the same one."""
-    p_bar = torch.softmax(concept_logits[keep].float(), dim=-1).mean(0)
-    return (p_bar * torch.log(p_bar.clamp_min(1e-12) * p_bar.shape[-1])).sum()
-
-
-def scheduled_ratio(step: int, steps: int, target: float, start: float = 1.0, warmup: float = 0.0) -> float:
-    """The ratio curriculum: the target concepts-per-token at (0-based) ``step`` of ``steps``.
-
-    Over the first ``warmup`` fraction of the steps the target moves from ``start`` to ``target``
-    linearly in 1 / ratio (tokens per concept k = 1 / ratio goes linearly from 1 / start to
-    1 / target), then it is held at ``target``. A pure function of the step, so resume stays exact.
-    ``warmup`` 0 (or ``start == target``): ``target`` from step 0."""
-    span = warmup * steps
-    if span <= 0 or start == target:
-        return target
-    progress = min(1.0, step / span)
-    k = 1.0 / start + (1.0 / target - 1.0 / start) * progress
-    return target if progress >= 1.0 else 1.0 / k
+def ratio_controllable(policy) -> bool:
+    """The policy has a bias the ratio controller can move (``null_bias`` + ``keep_logit``)."""
+    return hasattr(policy, "null_bias") and hasattr(policy, "keep_logit")

@@ -1,4 +1,4 @@
-"""The planner-executor's training objectives (SPEC §2.6), small loss objects the trainer composes
+"""The planner-executor's training objectives (docs/planner_executor.md), small loss objects the trainer composes
 like ``concept.objectives`` (same protocol: ``objective(model, batch, out, teacher) -> weighted term``,
 logged by ``name``), plus the ``PlannerQuotaController``.
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .objectives import _zero
-from .ratio import usage_kl
+from ..objectives import Objective, usage_kl, zero
+from .hard_em import HardEMObjective
 
 
 def eos_probs(model, plan) -> torch.Tensor:
@@ -35,7 +35,7 @@ def eos_probs(model, plan) -> torch.Tensor:
 
 
 @dataclass
-class CommitmentObjective:
+class CommitmentObjective(Objective):
     weight: float
     name: str = "commitment"
     teacher_needs: frozenset[str] = frozenset()
@@ -44,19 +44,19 @@ class CommitmentObjective:
         plan = out.plan
         mask = plan.concepts
         if plan.soft is None or not bool(mask.any()):
-            return _zero(out.logits)
+            return zero(out.logits)
         soft, hard = plan.soft[mask].float(), plan.hard[mask].float().detach()
         return self.weight * (soft - hard).pow(2).sum(-1).mean() / hard.pow(2).sum(-1).mean().clamp_min(1e-12)
 
 
 @dataclass
-class PlanUsageObjective:
+class PlanUsageObjective(Objective):
     weight: float
     name: str = "plan_usage"
     teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
-        plan, total, used = out.plan, _zero(out.logits), 0
+        plan, total, used = out.plan, zero(out.logits), 0
         for i, size in enumerate(model.sizes.tolist()):
             mask = plan.concepts & (plan.types == i)
             if bool(mask.any()):
@@ -66,7 +66,7 @@ class PlanUsageObjective:
 
 
 @dataclass
-class EOSObjective:
+class EOSObjective(Objective):
     weight: float
     name: str = "eos"
     teacher_needs: frozenset[str] = frozenset()
@@ -75,12 +75,12 @@ class EOSObjective:
         plan = out.plan
         mask = plan.forced
         if mask is None or not bool(mask.any()):
-            return _zero(out.logits)
+            return zero(out.logits)
         return self.weight * -torch.log(eos_probs(model, plan)[mask].clamp_min(1e-12)).mean()
 
 
 @dataclass
-class PlanMTPObjective:
+class PlanMTPObjective(Objective):
     """MTP concepts (``planner.mtp`` = k): weight x mean over heads j = 1..k-1 of the CE of head j, read at the
     state that predicts step s, on the plan's step s + j (its type's vocabulary; forced <EOS> excluded). The
     states are the planner's teacher-forced ones on the trained plan (one extra forward when the plan was
@@ -95,7 +95,7 @@ class PlanMTPObjective:
             with torch.no_grad():
                 u, u_valid, _, _ = model.split_example(batch["input_ids"], batch.get("attention_mask"))
                 plan = model.planner_forced(u, u_valid, plan)
-        hidden, total, heads = plan.hidden.detach(), _zero(out.logits), model.settings.mtp
+        hidden, total, heads = plan.hidden.detach(), zero(out.logits), model.settings.mtp
         for j in range(1, min(heads, plan.classes.shape[1])):
             mask = plan.active[:, j:] & ~plan.forced[:, j:]
             if not bool(mask.any()):
@@ -121,7 +121,7 @@ class PlannerQuotaController:
 
 
 @dataclass
-class QuotaObjective:
+class QuotaObjective(Objective):
     weight: float
     controller: PlannerQuotaController
     name: str = "quota"
@@ -133,8 +133,7 @@ class QuotaObjective:
         expected = ((1 - eos_probs(model, plan)) * plan.active).sum(1).mean()
         return self.weight * (expected - budget).pow(2) / budget ** 2
 
-    @staticmethod
-    def stats(model, out) -> dict[str, float]:
+    def stats(self, model, batch, out) -> dict[str, float]:
         """Summed by the trainer over micro-batches and processes, then averaged (``after_step``)."""
         lengths = out.plan.lengths(model.num_types).float()
         u = out.u_valid.sum(1).clamp(min=1).float()
@@ -142,7 +141,7 @@ class QuotaObjective:
         row.update({f"plan_len/{t.name}": float(lengths[:, i].mean()) for i, t in enumerate(model.settings.types)})
         return row
 
-    def after_step(self, model, means: dict[str, float]) -> dict[str, float]:
+    def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
         self.controller.apply(model, means["plan_len"])
         return {"eos_bias": float(model.eos_bias.value)}
 
@@ -160,8 +159,6 @@ def from_config(config, model) -> list:
     if model.settings.mtp > 1 and config.plan_mtp:
         objectives.append(PlanMTPObjective(config.plan_mtp))
     if config.plan_training == "hard-em":
-        from .hard_em import HardEMObjective
-
         objectives.append(HardEMObjective(config.plan_ce, beam=config.beam, every=config.estep_every,
                                           prior=config.estep_prior))
     settings = model.settings

@@ -17,19 +17,18 @@ loop over positions (see ``concept.packing`` for the layout and the mask rule).
 """
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
-from . import packing
-from .attention import CausalPlan
-from .backbone import decoder
-from .components import upcast
+from .. import packing
+from ..attention import CausalPlan
+from ..backbone import decoder, run_layers
+from ..components import upcast
+from ..generation import GenerationMixin
+from ..losses import next_token_loss
 
 
 @dataclass
@@ -59,7 +58,9 @@ class ConceptGate(nn.Module):
         return h.to(e.dtype) + self.gate.to(e.dtype) * e
 
 
-class ConceptModel(nn.Module):
+class ConceptModel(GenerationMixin, nn.Module):
+    family = "streaming"  # its `concept.families` entry (concept.streaming.family.Streaming)
+
     def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,
                  tail_fusion=None, identity_start=False, plan=None, tokenizer=None):
         super().__init__()
@@ -291,12 +292,6 @@ class ConceptModel(nn.Module):
         z = self.run_stack(self.deep, x, self.positions.text_positions(pos), CausalPlan(valid, document_ids))
         return self.backbone.lm_head(self.inner.norm(z))
 
-    def generate(self, input_ids, attention_mask=None, **kwargs):
-        """Generate with online compression and three KV caches; see :func:`concept.generation.generate`."""
-        from .generation import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)
-
     # -- parameters ----------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:
         """The modules concept adds to the backbone (trainable; saved with a run)."""
@@ -306,36 +301,3 @@ class ConceptModel(nn.Module):
 
     def new_state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}
-
-
-def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
-    """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table
-    (and a KV cache the layers update, when decoding)."""
-    cos_sin = rotary_emb(x, position_ids)
-    for layer in layers:
-        kwargs = dict(attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
-        if cache is not None:
-            kwargs[cache_keyword(type(layer))] = cache
-        if checkpointing:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
-        else:
-            x = layer(x, **kwargs)
-    return x
-
-
-@functools.lru_cache(maxsize=None)
-def cache_keyword(layer_class) -> str:
-    """The KV-cache argument of a decoder layer: ``cache`` (transformers >= 5.x) or ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(layer_class.forward).parameters else "past_key_values"
-
-
-def next_token_loss(logits, labels, valid, document_ids=None, reduction="mean"):
-    """CE of predicting labels[t+1] from position t, over pairs of real tokens of the same
-    document (labels equal to -100 are ignored)."""
-    pair = valid[:, 1:] & valid[:, :-1]
-    if document_ids is not None:
-        pair = pair & (document_ids[:, 1:] == document_ids[:, :-1])
-    target = labels[:, 1:].masked_fill(~pair, -100)
-    loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), target.flatten(), ignore_index=-100,
-                           reduction=reduction)
-    return loss if reduction == "mean" else loss.view(target.shape)

@@ -7,7 +7,7 @@ untrained model does not compress at all. ``calibrate`` runs the shallow stack a
 a few short rows of text (the training split of the default corpus, or ``data``) and bisects
 the bias until the policy's own decisions (``policy.decide``, with its maximum run of NULLs,
 its ratio tracker and document resets) emit ``target_ratio`` concepts per token on them: the
-same machinery as the trainer's final calibration (``Trainer.calibrate_ratio``,
+same machinery as the trainer's final calibration (``RatioControl.finish``,
 ``PIController.calibrate_exact``). A policy that tracks a target itself (the `null` and `mtp`
 policies' per-document tracker) is pointed at ``target_ratio`` too.
 
@@ -28,8 +28,9 @@ import hashlib
 
 import torch
 
-from .config import DEFAULT_TARGET_RATIO
-from .errors import ConfigError
+from ..config import DEFAULT_TARGET_RATIO
+from ..errors import ConfigError
+from .ratio import PIController, ratio_controllable
 
 DEFAULT_BATCHES = 4  # batches of DEFAULT_BATCH rows of DEFAULT_SEQ_LEN tokens: 2,048 tokens
 DEFAULT_BATCH = 4
@@ -38,9 +39,8 @@ MIN_DOCUMENTS = 16  # rows are drawn from at least this many documents (when the
 
 
 def calibratable(model) -> bool:
-    """The model's length policy has a bias that sets its ratio (``concept.training.ratio_controllable``)."""
-    policy = getattr(model, "length_policy", None)
-    return hasattr(policy, "null_bias") and hasattr(policy, "keep_logit")
+    """The model's length policy has a bias that sets its ratio (:func:`ratio_controllable`)."""
+    return ratio_controllable(getattr(model, "length_policy", None))
 
 
 def check(target_ratio: float, batches: int, batch: int, seq_len: int) -> list[str]:
@@ -58,8 +58,8 @@ def calibration_rows(model, data=None, rows: int = DEFAULT_BATCHES * DEFAULT_BAT
     """Up to ``rows`` packed rows of ``seq_len`` tokens from the training split of ``data`` (default:
     the Python standard library), drawn from documents taken in sha256 order of their names (each cut
     to its first ``32 * seq_len`` characters). Returns (batch dict, label of the data)."""
-    from . import data as data_
-    from .tokens import tokenizer_for
+    from .. import data as data_
+    from ..tokens import tokenizer_for
 
     tokenizer = tokenizer_for(model)  # before reading: a backbone too small for bytes fails fast
     docs = data_.read_documents(data, "train", text_field, encoding_errors=encoding_errors)
@@ -85,7 +85,7 @@ def decision_inputs(model, batches):
     with the model in the mode whose decisions are wanted. The shallow states are kept only for a
     policy that reads them (``reads_hidden``). Shared by ``calibrate`` and the trainer's final
     calibration."""
-    from .packing import document_starts
+    from ..packing import document_starts
 
     reads_h = getattr(model.length_policy, "reads_hidden", False)
     logits, valid, reset, states = [], [], [], []
@@ -108,7 +108,6 @@ def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batc
     ``concept.json``): target_ratio, ratio (reached on those rows), null_bias, data, tokens, rows,
     seq_len; None for a policy whose ratio no bias controls. ``ConfigError`` for bad settings,
     ``ConceptError`` for unreadable data."""
-    from .ratio import PIController
 
     problems = check(target_ratio, batches, batch, seq_len)
     if problems:

@@ -1,4 +1,4 @@
-"""`python -m concept.demo RUN_DIR`: run a built concept model next to its dense backbone.
+"""`python -m concept.recipes.demo RUN_DIR`: run a built concept model next to its dense backbone.
 
 Feeds a slice of a Python standard-library source file (always on the machine) to both
 models and prints, side by side: next-token NLL in bits per token, the realised concepts
@@ -19,10 +19,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import load
-from .errors import ConceptError
-from .flops import Shape, forward_flops
-from .model import next_token_loss
+from .. import load
+from ..errors import ConceptError
+from ..flops import Shape, forward_flops
+from ..losses import next_token_loss
 
 
 def stdlib_text(name: str = "textwrap.py") -> str:
@@ -59,7 +59,7 @@ def compare(model, ids: torch.Tensor, repeats: int = 2) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m concept.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m concept.recipes.demo", description=__doc__.splitlines()[0])
     parser.add_argument("run", help="run folder written by `concept build`")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--file", default="textwrap.py", help="standard-library file to read")

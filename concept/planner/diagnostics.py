@@ -1,4 +1,4 @@
-"""Held-out evaluation of the planner-executor (SPEC §2.6 item "Evaluation", §2.7), from the same batches
+"""Held-out evaluation of the planner-executor (docs/planner_executor.md, docs/diagnostics.md), from the same batches
 as ``concept.diagnostics.evaluate`` (which hands planner-executor models to :func:`evaluate_planned`).
 
 Per batch the planner writes a plan for ``u`` with the eval sampler (argmax), and the executor scores
@@ -19,12 +19,12 @@ Per batch the planner writes a plan for ``u`` with the eval sampler (argmax), an
   (every concept's embedding zeroed, the separators and types kept), ``delta_nll_random`` (random ids,
   same lengths and types) and ``delta_nll_dropout`` (each concept dropped with probability 1/2), each the
   NLL under that plan minus ``nll``. > 0 means the plan carries information;
-* with ``controls`` and ``beam`` > 0, the E-step's search (``concept.plan_search``): ``nll_zstar``, NLL(y | z*)
+* with ``controls`` and ``beam`` > 0, the E-step's search (``concept.planner.search``): ``nll_zstar``, NLL(y | z*)
   of the best of a beam of ``beam`` plans under S(z) = log p(y | z) + log p(z | u) (below ``nll``: the search
   finds better plans than the planner's greedy one), and ``estep_margin``, S(z⁽¹⁾) − S(z⁽²⁾) per example.
 
 ``step_diagnostics`` computes the same signals on a training micro-batch (logged every ``--log-every``
-steps); the E-step's own statistics (flip rate, staleness gap) come from ``concept.hard_em``.
+steps); the E-step's own statistics (flip rate, staleness gap) come from ``concept.planner.hard_em``.
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ from collections import defaultdict
 
 import torch
 
-from .plan_search import beam_search, score_plans
-from .planner_executor import Plan, text_loss
-from .teacher import adapters_disabled
+from ..teacher import adapters_disabled
+from .model import Plan, text_loss
+from .search import beam_search, score_plans
 
 
 def _score(model, plan, y, y_valid, embeds=None) -> torch.Tensor:
@@ -140,9 +140,9 @@ def step_diagnostics(model, out, batch, bucket: int = 64, seed: int = 0) -> dict
 
 def frozen_logits(model, ids, valid) -> torch.Tensor:
     """[B, T, V] next-token logits of the frozen backbone (adapters off) on ``ids``."""
-    from .attention import CausalPlan
-    from .model import run_layers
-    from .packing import time_positions
+    from ..attention import CausalPlan
+    from ..backbone import run_layers
+    from ..packing import time_positions
 
     inner = model.inner
     with adapters_disabled(model.backbone):

@@ -1,4 +1,4 @@
-"""The planner-executor family (SPEC §2.6), readable top to bottom.
+"""The planner-executor family (docs/planner_executor.md), readable top to bottom.
 
 One backbone with one set of LoRA adapters plays two parts:
 
@@ -38,12 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packing
-from .attention import CausalPlan
-from .backbone import decoder
-from .kv_cache import DecodePlan
-from .model import next_token_loss, run_layers
-from .mtp import MTPHeads
+from .. import packing
+from ..attention import CausalPlan
+from ..backbone import decoder, run_layers
+from ..components import BuildContext
+from ..errors import ConceptError
+from ..generation import GenerationMixin
+from ..kv_cache import DecodePlan
+from ..mtp import MTPHeads
 
 TASKS = ("reconstruct", "continue")
 PLANNER_HEAD_INIT_SCALE = 1.0  # the typed vocabularies' head init (``embedding``), unless --set vocabulary.head_init_scale
@@ -221,7 +223,7 @@ class Plan:
         """Rows of ``n`` chains (row ``b * n + i``: type i's steps of row b) joined type by type into one
         plan per row, every tensor field carried (differentiably: the straight-through embeddings)."""
         Bn, S = self.classes.shape
-        B, dev = Bn // n, self.classes.device
+        B = Bn // n
         lengths = self.active.sum(1).view(B, n)
         offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
         width = int(lengths.sum(1).max())
@@ -302,7 +304,7 @@ class EOSBias(nn.Module):
         self.register_buffer("value", torch.zeros(()))
 
 
-class PlannerExecutor(nn.Module):
+class PlannerExecutor(GenerationMixin, nn.Module):
     family = "planner-executor"
 
     def __init__(self, backbone, settings: PlannerSettings, vocabularies, sampler, eval_sampler, positions,
@@ -588,7 +590,6 @@ class PlannerExecutor(nn.Module):
         if self.task == "continue":
             c = int(self.context_len or 0)
             if not 0 < c < input_ids.shape[1]:
-                from .errors import ConceptError
 
                 raise ConceptError(f"this run was trained with --task continue --context-len {c}: rows of "
                                    f"{input_ids.shape[1]} tokens leave no text after the context; evaluate with "
@@ -610,12 +611,6 @@ class PlannerExecutor(nn.Module):
             loss = text_loss(logits, y, y_valid)
         return PlannedOutput(logits, plan, loss, y, y_valid, u_valid)
 
-    def generate(self, input_ids, attention_mask=None, **kwargs):
-        """Plan from the prompt, then generate text from the plan alone; see :func:`concept.generation.generate`."""
-        from .generation import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)
-
     # -- parameters ----------------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:
         modules = {"vocabularies": self.vocabularies, "specials": self.specials, "positions": self.positions,
@@ -636,9 +631,7 @@ def text_loss(logits, y, y_valid, reduction: str = "mean"):
 
 def build(plan, loaded) -> PlannerExecutor:
     """Wire a planner-executor from a resolved build plan and a loaded backbone (``concept.builder``)."""
-    from .components import BuildContext
-
-    comps, info, settings = plan.components, loaded.info, plan.planner
+    comps, info, settings = plan.components, loaded.info, plan.settings
     ctx = BuildContext(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers,
                        split=plan.split, uses_null_class=True, num_types=len(settings.types))
     token_embedding = loaded.model.get_input_embeddings().weight

@@ -1,4 +1,4 @@
-"""Searching for plans (SPEC §2.6, "Hard-EM"): beam search over the planner's typed vocabularies, and
+"""Searching for plans (docs/planner_executor.md, "Hard-EM"): beam search over the planner's typed vocabularies, and
 the score ``S(z) = log p(y | z) + log p(z | u)`` of a batch of candidate plans in one batched
 teacher-forced forward of the executor and one of the planner.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .planner_executor import Plan, text_loss
+from .model import Plan, text_loss
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Decoding with the planner-executor (SPEC §2.6): prefill ``u`` and write the plan with the planner's
+"""Decoding with the planner-executor (docs/planner_executor.md): prefill ``u`` and write the plan with the planner's
 KV cache, then start a fresh executor cache from the plan alone and generate the text.
 
 ``concept.generation.generate`` drives it like the other decoders (``prefill`` -> first logits,
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import CausalPlan
-from .kv_cache import DecodePlan
-from .planner_executor import describe_plan
+from ..attention import CausalPlan
+from ..kv_cache import DecodePlan
+from .model import describe_plan
 
 
 class PlannedDecoder:

@@ -1,0 +1,34 @@
+"""The model families (``concept.families`` entry points, :class:`concept.components.Family`).
+
+The core looks a family up by name (``family("streaming")``) or by model (``family_of(model)``) and
+asks it; it never names one. A model without a ``family`` attribute is a baseline (dense or pruned),
+which needs no family.
+"""
+from __future__ import annotations
+
+from .registry import registry
+
+_INSTANCES: dict = {}
+
+
+def family(name: str):
+    """The family registered as ``name`` (one instance per name); an unknown name is an
+    ``UnknownComponentError`` with suggestions."""
+    if name not in _INSTANCES:
+        _INSTANCES[name] = registry("family").get(name)()
+    return _INSTANCES[name]
+
+
+def family_of(model):
+    """The family of a built model, or None for a baseline (it has no ``family``)."""
+    name = getattr(model, "family", None)
+    return family(name) if name is not None else None
+
+
+def names() -> list[str]:
+    return registry("family").names()
+
+
+def sections() -> dict[str, str]:
+    """Build-config section name -> the family that reads it (imports each family)."""
+    return {f.section: name for name in names() if (f := family(name)).section}

@@ -1,0 +1,104 @@
+"""The planner-executor family (docs/planner_executor.md): the backbone plans discrete concepts from the
+context, then writes the text from the plan alone (``concept.planner.model``)."""
+from __future__ import annotations
+
+
+class PlannerExecutor:
+    name = "planner-executor"
+    section = "planner"  # `--set planner.KEY=VALUE`: its concept types, plan budget, ...
+    defaults = {"position_scheme": "per-type"}  # each token type numbered from 1 (docs/planner_executor.md)
+    checks_components = False  # no length policy, attention backend or tail fusion of its own
+    stacks = False
+    owns = {"plan_training": "gumbel", "task": None, "context_len": 0}  # training options only it reads
+
+    # -- building ------------------------------------------------------------------------------
+    def settings(self, options: dict, components: dict):
+        from .model import PlannerSettings
+
+        settings, problems = PlannerSettings.parse(options)
+        vocabulary = components.get("vocabulary")
+        levels = getattr(vocabulary.config, "levels", 1) if vocabulary else 1
+        if vocabulary and getattr(vocabulary.config, "beam", 1) > 1:
+            problems.append("vocabulary.beam: the levels' beam is the streaming family's; the planner-executor "
+                            "searches its plans, levels included, with --beam (drop --set vocabulary.beam)")
+        for t in settings.types if settings is not None and levels > 1 else ():
+            if t.max_len % levels:
+                problems.append(f"planner.types: {t.name!r} has max_len {t.max_len}, but with vocabulary.levels "
+                                f"{levels} a concept is {levels} code tokens; use a multiple of {levels}")
+        scheme = components.get("position_scheme")
+        if scheme is not None and scheme.name != "per-type":
+            problems.append(f"position_scheme: the planner-executor family numbers each token type's positions "
+                            f"from 1 (docs/planner_executor.md); build it with --rope per-type, not {scheme.name!r}")
+        return settings, problems
+
+    def build(self, plan, loaded):
+        from .model import build
+
+        return build(plan, loaded)
+
+    def describe(self, model) -> str:
+        s = model.settings
+        types = ", ".join(f"`{t.name}` ({t.size} ids, at most {t.max_len})" for t in s.types)
+        return (f"a planner-executor concept model: the planner reads the context and writes a plan of discrete "
+                f"concepts of {len(s.types)} type{'s' * (len(s.types) != 1)} ({types}; about {s.target:g} per example"
+                f"{', the types planned in parallel' if s.parallel else ''}"
+                f"{f', {s.mtp} concepts per planner forward' if s.mtp > 1 else ''}), the executor (the same "
+                f"backbone) writes the text given the plan")
+
+    def inspect(self, model) -> dict:
+        task = model.task + (f", context {model.context_len} tokens" if model.task == "continue" else "")
+        return {"plan length control": {"<EOS> bias (quota controller)": f"{float(model.eos_bias.value):+.4f}",
+                                        "task": task}}
+
+    # -- training ------------------------------------------------------------------------------
+    def check_training(self, config, plan, device, dist) -> list[str]:
+        problems = []  # (the task's choices are TrainConfig's: concept.options)
+        if config.task == "continue" and not 0 < config.context_len < config.seq_len:
+            problems.append(f"context-len: task continue reads the first --context-len tokens of each row and "
+                            f"predicts the rest, so it must be in [1, seq-len - 1] = [1, {config.seq_len - 1}]; "
+                            f"got {config.context_len}")
+        elif config.context_len and config.task != "continue":
+            problems.append(f"context-len: only for --task continue (task {config.task or 'reconstruct'} reads the "
+                            f"whole row)")
+        problems += [f"{flag}: the planner-executor family has no {what}; drop it" for flag, given, what in (
+            ("placement", config.placement, "keep decisions to place"),
+            ("align", config.align, "deep stack to align"),
+            ("distill", config.distill, "teacher distillation yet"),
+            ("ratio-warmup", config.ratio_warmup, "concepts-per-token ratio (its plan length is set by the "
+                                                  "planner's budget, `--set planner.budget=N` at build)"),
+            ("train-only", config.train_only == "new", "frozen-adapter stage")) if given]
+        if dist is not None and dist.mode == "fsdp2":
+            problems.append("distributed fsdp2: the planner-executor's planner and E-step run as many forwards as "
+                            "each rank's plans need, but FSDP2 gathers every layer's weights in a collective that "
+                            "all ranks must enter together; use --distributed ddp")
+        return problems
+
+    def prepare(self, model, train: dict) -> None:
+        """What the executor is trained to write: the row from its plan (reconstruct) or its continuation."""
+        model.task, model.context_len = train.get("task") or "reconstruct", train.get("context_len", 0)
+
+    def objectives(self, config, model, target, notes: list) -> list:
+        from .objectives import from_config
+
+        return from_config(config, model)
+
+    def plots(self, name: str, rows: list[dict], out) -> None:
+        from .plots import planner_curves
+
+        planner_curves({name: rows}, out / "planner.png")
+
+    # -- decoding and evaluation ---------------------------------------------------------------
+    def decoder(self, model):
+        from .decoding import PlannedDecoder
+
+        return PlannedDecoder(model)
+
+    def step_diagnostics(self, model, out, batch) -> dict[str, float]:
+        from .diagnostics import step_diagnostics
+
+        return step_diagnostics(model, out, batch)
+
+    def evaluate(self, model, batches, bucket: int, controls: bool, seed: int):
+        from .diagnostics import evaluate_planned
+
+        return evaluate_planned(model, batches, bucket, controls, seed)

@@ -1,0 +1,104 @@
+"""The streaming family (docs/architecture.md, "Model families"): one pass over the text, the backbone
+split into shallow / middle / deep stacks, a concept emitted where the length policy decides
+(``concept.streaming.model``)."""
+from __future__ import annotations
+
+from .. import objectives as core
+
+
+class Streaming:
+    name = "streaming"
+    section = None  # no options of its own: its components are the build's slots
+    defaults: dict[str, str] = {}
+    checks_components = True  # the components' compatibility vetoes describe this family's forward
+    stacks = True  # shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline exists)
+    owns: dict = {}  # training options only this family reads (name: default)
+
+    # -- building ------------------------------------------------------------------------------
+    def settings(self, options: dict, components: dict):
+        return None, []
+
+    def build(self, plan, loaded):
+        from ..builder import build_components
+        from .model import ConceptModel
+
+        return ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
+                            identity_start=plan.config.concept_input == "identity", **build_components(plan, loaded))
+
+    def describe(self, model) -> str:
+        comps, info = model.plan.components, model.plan.backbone_info
+        shallow, middle, deep = model.plan.split
+        return (f"a streaming concept model: the backbone's {info.num_layers} layers split {shallow}/{middle}/{deep} "
+                f"(shallow / middle / deep), length policy `{comps['length_policy'].name}`, vocabulary "
+                f"`{comps['vocabulary'].name}`, position scheme `{comps['position_scheme'].name}`, attention "
+                f"`{comps['attention'].name}`, tail fusion `{comps['tail_fusion'].name}`")
+
+    def inspect(self, model) -> dict:
+        return {}  # `concept inspect` draws its stacks, ratio control and ideal FLOPs itself
+
+    # -- training ------------------------------------------------------------------------------
+    def check_training(self, config, plan, device, dist) -> list[str]:
+        problems = []
+        attention = plan.components["attention"]
+        check = getattr(attention.cls, "check_trainable", None)  # e.g. `flex` has no backward on CPU
+        reason = check(device) if callable(check) else ""
+        if reason:
+            problems.append(f"attention '{attention.name}' cannot train on {device}: {reason}")
+        policy = plan.components["length_policy"]
+        if config.placement and not getattr(policy.cls, "learned_placement", False):
+            problems.append(f"placement: length policy '{policy.name}' has no per-token keep score that --placement "
+                            f"could train (it decides by its own rule); build with --length-policy null, or drop "
+                            f"--placement")
+        return problems
+
+    def prepare(self, model, train: dict) -> None:
+        pass
+
+    def objectives(self, config, model, target, notes: list) -> list:
+        """The ratio controller, then the loss terms in a fixed order: ratio loss, usage, the shared ones
+        (distillation, alignment, MTP heads), placement."""
+        from .objectives import (
+            PlacementObjective,
+            RatioControl,
+            RatioObjective,
+            UsageObjective,
+        )
+        from .ratio import PIController, ratio_controllable
+
+        controls, policy = config.ratio_control, model.length_policy
+        if controls != "none" and not ratio_controllable(policy):
+            notes.append(f"length policy {type(policy).__name__} sets its ratio by its own parameters; "
+                         f"--ratio-control {controls} does nothing for it")
+            controls = "none"
+        if controls in ("loss", "both") and not hasattr(policy, "boundary_prob"):
+            controls = "pi"
+        # the controller calibrates the NULL bias at step 0 unless --ratio-control none; it tracks with pi / both
+        pi = PIController(config.target_ratio, ki=config.pi_ki) if controls != "none" else None
+        found: list = [RatioControl(target, config.target_ratio, pi, controls in ("pi", "both"),
+                                    config.calibration_batches)]
+        if controls in ("loss", "both"):
+            found.append(RatioObjective(config.ratio_loss_weight, target))
+        if config.usage_weight:
+            found.append(UsageObjective(config.usage_weight))
+        found += core.common(config, has_mtp=getattr(model, "mtp_heads", None) is not None)
+        if config.placement:
+            found.append(PlacementObjective(config.placement, target))
+        return found
+
+    def plots(self, name: str, rows: list[dict], out) -> None:
+        pass
+
+    # -- decoding and evaluation ---------------------------------------------------------------
+    def decoder(self, model):
+        from .decoding import ConceptDecoder
+
+        return ConceptDecoder(model)
+
+    def step_diagnostics(self, model, out, batch) -> dict[str, float]:
+        from ..diagnostics import concept_step_diagnostics
+
+        return concept_step_diagnostics(model, out, batch)
+
+    def evaluate(self, model, batches, bucket: int, controls: bool, seed: int):
+        return None  # the core's evaluation reads the concept statistics of a model with a length policy
+
