@@ -388,10 +388,10 @@ def foreign_options(config: TrainConfig, kind) -> list[str]:
         other = family(name)
         if other is getattr(kind, "family", None):
             continue
-        for option, default in getattr(other, "owns", {}).items():
-            value = getattr(config, option)
+        for field_name, default in getattr(other, "owns", {}).items():
+            value = getattr(config, field_name)
             if value != default:
-                problems.append(f"{option.replace('_', '-')} {value}: only for {other.name} runs (`concept build "
+                problems.append(f"{field_name.replace('_', '-')} {value}: only for {other.name} runs (`concept build "
                                 f"--family {other.name}`); {kind.what} does not read it")
     return problems
 
