@@ -229,3 +229,13 @@ def cache_root() -> Path:
         return Path(os.environ["CONCEPT_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "concept"
+
+
+def replace_marked(text: str, begin: str, end: str, block: str) -> str:
+    """``text`` with what lies between its one ``begin`` marker and the one ``end`` marker after it replaced
+    by ``block`` (on lines of its own); ``ValueError`` when the markers are not there once each, in order.
+    How the generated tables in docs/ are refreshed (frontier, reliability sweep, mutation check, GPU kit)."""
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"needs exactly one line {begin} followed by one line {end} (found {text.count(begin)} "
+                         f"and {text.count(end)})")
+    return text[:text.index(begin) + len(begin)] + "\n" + block + "\n" + text[text.index(end):]

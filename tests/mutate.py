@@ -188,13 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_block(path: Path, block: str) -> None:
-    text = path.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise SystemExit(f"{path} needs one {BEGIN} line and one {END} line")
-    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
     from concept import fs
 
-    fs.write_atomic(path, text[:start] + "\n" + block + "\n" + text[stop:])
+    try:
+        fs.write_atomic(path, fs.replace_marked(path.read_text(), BEGIN, END, block))
+    except ValueError as exc:
+        raise SystemExit(f"{path} {exc}") from None
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ def markers(name: str) -> tuple[str, str]:
 
 
 def replace_block(text: str, name: str, body: str, where: str) -> str:
-    begin, end = markers(name)
-    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
-        raise KitError(f"{where} needs exactly one line {begin} followed by one line {end} (found {text.count(begin)} "
-                       f"and {text.count(end)}); restore them and run `report` again")
-    return text[:text.index(begin) + len(begin)] + "\n" + body.strip() + "\n" + text[text.index(end):]
+    from concept import fs
+
+    try:
+        return fs.replace_marked(text, *markers(name), body.strip())
+    except ValueError as exc:
+        raise KitError(f"{where} {exc}; restore them and run `report` again") from None
 
 
 def load(sources: list[Path]) -> dict[str, dict]:

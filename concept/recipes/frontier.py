@@ -759,6 +759,4 @@ def update_doc(path: str | os.PathLike, result: dict, png: str | os.PathLike) ->
     path = Path(path)
     text = check_doc(path)
     image = Path(os.path.relpath(Path(png).resolve(), path.resolve().parent)).as_posix()
-    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-    new = text[:start] + "\n" + report_block(result, image) + "\n" + text[stop:]
-    return fs.write_atomic(path.resolve(), new)
+    return fs.write_atomic(path.resolve(), fs.replace_marked(text, BEGIN, END, report_block(result, image)))
