@@ -116,6 +116,7 @@ class BuildConfig:
         as one ``ConfigError`` without it."""
         collect = problems is not None
         problems = problems if collect else []
+        sections = family_sections()  # (reads the entry points once)
         for item in overrides:
             if "=" not in item:
                 problems.append(f"--set {item!r}: expected slot.key=value, e.g. sampler.tau=0.7")
@@ -123,7 +124,7 @@ class BuildConfig:
             path, raw = item.split("=", 1)
             value = parse_value(raw)
             head, _, key = path.partition(".")
-            if key and head in family_sections():
+            if key and head in sections:
                 self.sections.setdefault(head, {})[key] = value
             elif "." in path:
                 slot, key = path.split(".", 1)
@@ -137,7 +138,7 @@ class BuildConfig:
                 setattr(self, path, value if path == "seed" else str(raw))
             else:
                 problems.append(_unknown_msg("--set key", path, list(SLOTS) + [
-                    "split", "seed", "concept_input", "family", *(f"{s}.KEY" for s in family_sections())]))
+                    "split", "seed", "concept_input", "family", *(f"{s}.KEY" for s in sections)]))
         if problems and not collect:
             raise ConfigError(problems)
         return self

@@ -62,7 +62,6 @@ class HardEMObjective(Objective):
     every: int = 50  # --estep-every
     prior: float = 1.0  # --estep-prior β: S(z) = log p(y | z) + β log p(z | u)
     name: str = "plan_ce"
-    teacher_needs: frozenset[str] = frozenset()
     cache: dict[str, CachedPlan] = field(default_factory=dict)
     _stats: dict[str, float] = field(default_factory=dict)
 

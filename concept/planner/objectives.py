@@ -38,7 +38,6 @@ def eos_probs(model, plan) -> torch.Tensor:
 class CommitmentObjective(Objective):
     weight: float
     name: str = "commitment"
-    teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
         plan = out.plan
@@ -53,7 +52,6 @@ class CommitmentObjective(Objective):
 class PlanUsageObjective(Objective):
     weight: float
     name: str = "plan_usage"
-    teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
         plan, total, used = out.plan, zero(out.logits), 0
@@ -69,7 +67,6 @@ class PlanUsageObjective(Objective):
 class EOSObjective(Objective):
     weight: float
     name: str = "eos"
-    teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
         plan = out.plan
@@ -87,7 +84,6 @@ class PlanMTPObjective(Objective):
     written k steps per forward), detached: the heads learn to read the planner, never to change it."""
     weight: float
     name: str = "plan_mtp"
-    teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
         plan = out.plan
@@ -125,7 +121,6 @@ class QuotaObjective(Objective):
     weight: float
     controller: PlannerQuotaController
     name: str = "quota"
-    teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
         plan = out.plan

@@ -27,7 +27,6 @@ class RatioObjective(Objective):
     weight: float
     target: Callable[[], float]
     name: str = "ratio_loss"
-    teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
         target = float(self.target())
@@ -42,7 +41,6 @@ class UsageObjective(Objective):
     """weight x KL(mean concept distribution over the emitting tokens || uniform) (``usage_kl``)."""
     weight: float
     name: str = "usage_kl"
-    teacher_needs: frozenset[str] = frozenset()
 
     def __call__(self, model, batch, out, teacher=None):
         if not bool(out.keep.any()):
