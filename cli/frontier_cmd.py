@@ -19,13 +19,13 @@ from .train_cmd import DeferredOptions
 DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
 # the common training options, made from TrainConfig (`concept train`'s; any other: --train-set); not given:
 # TrainConfig's default
-TRAIN = ("data", "steps", "seq_len", "batch", "grad_accum", "lr", "lr_new", "warmup", "ratio_start", "ratio_warmup",
-         "distill", "distill_temperature", "placement", "align", "align_at", "lora_rank", "seed", "device")
+TRAIN = ("data", "steps", "seq_len", "batch", "grad_accum", "lr", "lr_new", "warmup", "distill", "distill_temperature",
+         "align", "align_at", "lora_rank", "seed", "device", "ratio_start", "ratio_warmup", "placement")
 
 
 def train_options() -> list:
     from concept.options import click_params
-    from concept.training import TrainConfig
+    from concept.train_config import TrainConfig
 
     return click_params(TrainConfig, *TRAIN, unset=True)
 
@@ -55,7 +55,7 @@ def make_spec(opts: dict):
     from concept.errors import ConfigError
     from concept.options import from_params
     from concept.recipes.frontier import FrontierSpec, domains, parse_ratios, parse_splits, train_overrides
-    from concept.training import TrainConfig
+    from concept.train_config import TrainConfig
 
     from .build_cmd import make_config
 

@@ -12,6 +12,13 @@ import click
 from .output import human_bytes, quiet_progress_bars, status, stdout
 
 
+# what a run's decoding can show, by view: the streaming family's (and a baseline's) concept marks and MTP heads,
+# the planner-executor's plan (``Family.decodes``)
+VIEWS = {"concepts": "concepts to show (the streaming family's)", "mtp": "MTP heads to decode with",
+         "plan": "plan to show (only planner-executor runs write one)"}
+BASELINE_VIEWS = ("concepts", "mtp")  # a dense / pruned baseline (no concepts: --show-concepts says so)
+
+
 def read_prompts(prompts: tuple[str, ...], prompt_file: str | None) -> list[str]:
     """--prompt values, then the prompts of --prompt-file: one per non-empty line, or for a
     ``.jsonl`` file one JSON string or object with a "prompt" (or "text") field per line."""
@@ -110,10 +117,12 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     concept generate runs/pe-cont --prompt-file p.txt --show-plan          # the plan, then the text
     """
     import concept
-    from concept.builder import read_run, read_train
+    from concept.builder import read_run, read_train, run_kind
     from concept.diagnostics import _encode, render_concepts
     from concept.distributed import pick_device
     from concept.errors import ConceptError, ConfigError
+    from concept.families import family
+    from concept.families import names as family_names
     from concept.generation import TextStream, settings_from
     from concept.generation import generate as run_generate
     from concept.tokens import tokenizer_for
@@ -130,18 +139,17 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     settings = settings_from(None, {**sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                                                         stop, seed), "mtp": mtp, "mtp_tau": mtp_tau})
     record = read_run(run)  # a clear error for a folder that is not a run
-    planned = record["config"].get("family") == "planner-executor"
-    wrong = ([("--show-concepts", show_concepts), ("--mtp", mtp)] if planned else [("--show-plan", show_plan)])
-    wrong = [flag for flag, given in wrong if given]
-    if wrong:
-        raise ConfigError([f"{flag}: {'a planner-executor run has no streaming concepts or MTP heads' if planned else 'only planner-executor runs write a plan'} "
-                           f"({run} is {'a planner-executor' if planned else 'a streaming or dense'} run); drop it"
-                           for flag in wrong])
     train = read_train(run)
+    kind = run_kind(record, train)
+    views = family(kind).decodes if kind in family_names() else BASELINE_VIEWS  # what its decoding can show
+    wrong = [(flag, view) for flag, view, given in (("--show-concepts", "concepts", show_concepts), ("--mtp", "mtp", mtp),
+                                                    ("--show-plan", "plan", show_plan)) if given and view not in views]
+    if wrong:
+        raise ConfigError([f"{flag}: {run} is a {kind} run, which has no {VIEWS[view]}; drop it"
+                           for flag, view in wrong])
     status("loading", str(run))
     model = concept.load(run).to(pick_device(device))
-    is_concept = hasattr(model, "length_policy") or planned
-    if train is None and is_concept:
+    if train is None and kind in family_names():
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")
     tokenizer = tokenizer_for(model)
@@ -152,7 +160,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
 
     stream = not as_json and not show_concepts and not show_plan and len(texts) == 1
     status("generating", f"{len(texts)} prompt{'s' * (len(texts) != 1)}, {'sampling' if settings.do_sample else 'greedy'}, "
-                         f"{'planner-executor' if planned else 'streaming model' if is_concept else 'dense baseline'} ...")
+                         f"{kind} {'baseline' if kind not in family_names() else 'model'} ...")
     for start in range(0, len(texts), batch_size):
         batch = encoded[start:start + batch_size]
         streamer = TextStream(tokenizer, settings.stop_strings) if stream else None

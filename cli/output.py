@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from concept.streaming.family import stack_layers  # (no torch)
+
 PIPE_WIDTH = 160  # tables written to a pipe or file are not squeezed into 80 columns
 
 
@@ -33,7 +35,6 @@ stdout = _Console()
 stderr = _Console(stderr=True)
 
 STATUS_STYLE = {"ok": "green", "error": "bold red", "conflict": "bold yellow", "not checked": "dim"}
-STACKS = ("shallow", "middle", "deep")
 
 
 def print_error(message: str) -> None:
@@ -117,17 +118,6 @@ def format_params(params: dict, user: Iterable[str] = ()) -> str:
 
 # -- model facts shared by `build` and `inspect` ---------------------------------------------
 
-def stack_layers(split: tuple[int, int, int]) -> dict:
-    """{"shallow": {"count": 2, "first": 0, "last": 1, "range": "0-1"}, ...}."""
-    out, start = {}, 0
-    for name, count in zip(STACKS, split):
-        last = start + count - 1
-        out[name] = {"count": count, "first": start, "last": last,
-                     "range": f"{start}-{last}" if count > 1 else str(start)}
-        start += count
-    return out
-
-
 def param_counts(model) -> dict:
     """Parameter counts: total / trainable / frozen, the backbone and each new module."""
     params = list(model.parameters())  # deduplicated by torch
@@ -168,6 +158,60 @@ def render_structure(plan) -> Table:
     if section is not None:  # the planner-executor's plan types
         return render_plan_types(plan.describe()[section])
     return render_stacks(plan.split, plan.backbone_info.num_layers)
+
+
+def render_calibration(calibration: dict) -> Table:
+    """The streaming family's NULL bias and where it comes from (``concept inspect``)."""
+    t = table("ratio control", "value", title="NULL bias")
+    t.add_row("NULL bias", f"{calibration['null_bias']:+.4f}")
+    if calibration["target_ratio"] is not None:
+        t.add_row("target ratio", f"{calibration['target_ratio']:g} concepts per token")
+    if calibration["by"] == "build":
+        t.add_row("calibrated ratio", f"{calibration['ratio']:.4f} on {calibration['tokens']:,} tokens of "
+                                      f"{calibration['data']} (at build)")
+    elif calibration["by"] == "training":
+        t.add_row("calibrated by", "training (its ratio controller; null_bias in metrics.jsonl)")
+    else:
+        t.add_row("calibrated by", "nothing: built with --no-calibrate")
+    return t
+
+
+def render_flops(flops: dict) -> Table:
+    """The ideal FLOPs of a model with a concept ratio (``concept.flops.ideal_ratio``)."""
+    t = table("ideal FLOPs", "value", title=f"ideal FLOPs at {flops['concepts_per_token']:g} concepts/token, "
+                                            f"T={flops['T']}")
+    emit = flops.get("emit", 1)
+    per = f" ({flops['concepts'] // emit:,} boundaries x {emit})" if emit > 1 else ""  # concepts / levels
+    t.add_row("concept slots", f"{flops['concepts']:,} for {flops['T']:,} tokens{per}")
+    t.add_row("dense backbone", f"{flops['dense']:.3e}")
+    t.add_row("concept model", f"{flops['concept']:.3e}")
+    t.add_row("ratio (concept / dense)", f"{flops['ratio']:.3f}")
+    t.add_row("ideal speedup", f"{flops['speedup']:.2f}x")
+    return t
+
+
+def render_rows(title: str, rows: dict) -> Table:
+    t = table(title, "value", title=title)
+    for key, value in rows.items():
+        t.add_row(escape(str(key)), escape(str(value)))
+    return t
+
+
+def render_section(name: str, data, backbone: dict) -> list:
+    """The tables of one section a family shows in ``concept inspect`` (``Family.inspect``): its own drawing
+    for the sections this CLI knows, else a table of its rows (nothing for None)."""
+    if data is None:
+        return []
+    if name == "stacks":
+        return [render_stacks(tuple(s["count"] for s in data.values()), backbone.get("num_layers"))]
+    if name == "planner":
+        task = data["task"] + (f", context {data['context_len']} tokens" if data["task"] == "continue" else "")
+        return [render_plan_types(data), render_rows("plan length control", {
+            "<EOS> bias (quota controller)": f"{data['eos_bias']:+.4f}", "task": task})]
+    drawn = {"calibration": render_calibration, "flops": render_flops}.get(name)
+    if drawn is not None:
+        return [drawn(data)]
+    return [render_rows(name, data if isinstance(data, dict) else {name: data})]
 
 
 def render_params(counts: dict) -> Table:

@@ -12,7 +12,8 @@ from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout,
 class DeferredOptions(click.Command):
     """A command with options made from a dataclass (``concept.options``) the first time click needs its
     parameters (to parse or for --help), placed after the parameter named ``after``: the module that
-    declares them (``concept.training``) imports torch, which importing the CLI must not."""
+    declares them (``concept.train_config``) reads the installed families' entry points, which importing
+    the CLI should not."""
 
     def __init__(self, *args, make_options, after: str, **kwargs):
         super().__init__(*args, **kwargs)
@@ -29,7 +30,7 @@ class DeferredOptions(click.Command):
 def train_options() -> list:
     """Every TrainConfig field as an option (``--lora-*`` for ``config.lora``), in declaration order."""
     from concept.options import click_params
-    from concept.training import TrainConfig
+    from concept.train_config import TrainConfig
 
     return click_params(TrainConfig)
 

@@ -6,6 +6,7 @@ trainer asks about it, as it asks a family (``concept.components.Family``).
 from __future__ import annotations
 
 from . import objectives
+from .train_config import foreign_options, parse_prune_layers  # noqa: F401 (parse_prune_layers: API)
 
 
 class Baseline:
@@ -33,9 +34,10 @@ class Baseline:
         if self.name == "dense" and config.distill:
             found.append("--distill with the dense baseline: the teacher is this model without its adapters, so the "
                          "KL starts at 0 and only keeps the adapters close to the backbone (a regulariser)")
-        if config.ratio_warmup or config.usage_weight or config.placement:
-            found.append(f"a {self.name} baseline has no concepts: --ratio-warmup / --usage-weight / "
-                         f"--placement do nothing")
+        unread = [f"--{flag}" for flag, _, _ in foreign_options(config)] + ["--usage-weight"] * bool(config.usage_weight)
+        if unread:
+            found.append(f"a {self.name} baseline has no concepts: {' / '.join(unread)} do"
+                         f"{'es' * (len(unread) == 1)} nothing")
         return found
 
     def training_model(self, plan, config, out, resume: bool, notes: list):
@@ -57,7 +59,7 @@ class Baseline:
         return {"pruned": {**self.prune.to_dict(), "note": describe_prune(self.prune, plan.split,
                                                                          config.prune_layers is not None)}}
 
-    def objectives(self, config, model, target, notes: list) -> list:
+    def objectives(self, config, model, step, notes: list) -> list:
         return objectives.common(config, has_mtp=getattr(model, "mtp_heads", None) is not None)
 
     def plots(self, name: str, rows: list[dict], out) -> None:
@@ -65,21 +67,6 @@ class Baseline:
 
     def step_diagnostics(self, model, out, batch) -> dict[str, float]:
         return {}
-
-
-def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
-    """``"A:B"`` -> (A, B): skip layers A..B-1 (0-based, like a Python slice); at least one layer stays."""
-    try:
-        a, b = (int(x) for x in str(text).split(":"))
-    except ValueError:
-        raise ValueError("write it as START:STOP (0-based, STOP excluded), e.g. 8:20") from None
-    if not 0 <= a < b:
-        raise ValueError("need 0 <= START < STOP")
-    if num_layers and b > num_layers:
-        raise ValueError(f"the backbone has {num_layers} layers (0..{num_layers - 1}); STOP must be <= {num_layers}")
-    if num_layers and b - a >= num_layers:
-        raise ValueError(f"that removes all {num_layers} layers; keep at least one")
-    return a, b
 
 
 def prune_plan(config, plan, hf_config):

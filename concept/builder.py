@@ -110,6 +110,15 @@ def read_run(path: str | os.PathLike) -> dict:
     return record
 
 
+def run_kind(record: dict, train: dict | None) -> str:
+    """What a run folder holds, from its records (nothing loaded): its family's name, or ``dense`` /
+    ``pruned`` for a trained baseline (older runs stored ``baseline: true`` for the dense one)."""
+    baseline = (train or {}).get("baseline")
+    if baseline:
+        return "dense" if baseline is True else str(baseline)
+    return record["config"]["family"]
+
+
 def localise_backbone_path(config: dict, folder: Path) -> dict:
     """A relative local path of an ``hf`` backbone that exists inside the run folder (``concept export``
     writes ``./backbone``) is made absolute, so the folder loads wherever it is moved and whatever the

@@ -72,6 +72,17 @@ class BuildContext:
     num_types: int = 1  # concept types (the planner-executor family has one per plan type)
 
 
+@dataclass
+class InspectRequest:
+    """What ``concept inspect`` asks a family about a loaded run: the run's records and the operating point of
+    its ideal-FLOPs estimate."""
+
+    record: dict  # concept.json
+    train: dict | None  # train.json (None: not trained)
+    ratio: float  # concepts per token
+    seq_len: int  # tokens
+
+
 class Family(Protocol):
     """A model family, registered in the ``concept.families`` entry-point group (docs/architecture.md,
     "Model families"). The registry instantiates the class with no arguments.
@@ -80,13 +91,21 @@ class Family(Protocol):
     ``concept.json`` as ``"SECTION": {...}``), or None when it has no options of its own.
     ``defaults``: component names it builds with unless the user chose others (``--family NAME``),
     e.g. ``{"position_scheme": "per-type"}``. ``checks_components``: whether the components'
-    ``check_compatible`` vetoes apply to its builds (they describe the streaming forward).
+    ``check_compatible`` vetoes apply to its builds (they describe the streaming forward). ``stacks``:
+    whether its model has shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline
+    exists). ``training``: the option dataclass (``concept.options.FamilyOptions``) of the training options
+    only it reads, or None; they join ``TrainConfig`` as flat flags and other kinds of run refuse them.
+    ``decodes``: what ``concept generate`` can show of its decoding: ``concepts`` (marks where concepts were
+    emitted, ``--show-concepts``), ``mtp`` (multi-token decoding, ``--mtp``), ``plan`` (``--show-plan``).
     """
 
     name: str
     section: str | None
     defaults: dict[str, str]
     checks_components: bool
+    stacks: bool
+    training: type | None
+    decodes: tuple[str, ...]
 
     # -- building ------------------------------------------------------------------------------
     def settings(self, options: dict, components: dict) -> tuple[Any, list[str]]:
@@ -100,19 +119,22 @@ class Family(Protocol):
     def describe(self, model) -> str:
         """One sentence for people (the model card, ``concept build``): what this model is."""
 
-    def inspect(self, model) -> dict[str, dict[str, Any]]:
-        """What ``concept inspect`` shows beyond the backbone and the parameter counts: titled tables."""
+    def inspect(self, model, request: InspectRequest) -> dict[str, Any]:
+        """What ``concept inspect`` shows beyond the backbone, parameters and components: named sections of
+        JSON data (a dict of rows is drawn as a table titled by its name; the CLI draws some by name, e.g.
+        ``stacks``, ``planner``, ``flops``, ``calibration``). ``components``: the slots it uses, when not all."""
 
     # -- training ------------------------------------------------------------------------------
     def check_training(self, config, plan, device, dist) -> list[str]:
         """Problems of a ``TrainConfig`` for this family (all at once; empty: fine)."""
 
-    def prepare_training(self, model, config) -> None:
-        """Set what training reads from the train config onto a freshly built model (e.g. a task)."""
+    def prepare(self, model, train: dict) -> None:
+        """Set what a run's train.json (``train``: a ``TrainConfig`` as a dict) says the model was trained for
+        onto a freshly built or loaded model (e.g. a task)."""
 
-    def objectives(self, config, model, target) -> list:
-        """The objectives and controllers a ``TrainConfig`` asks for (``concept.objectives``), in a
-        fixed order; ``target()`` is the ratio schedule's value at the current step."""
+    def objectives(self, config, model, step, notes: list) -> list:
+        """The objectives and controllers a ``TrainConfig`` asks for (``concept.objectives``), in a fixed
+        order; ``step()`` is the step about to be trained; ``notes`` collects what the user should read."""
 
     def plots(self, name: str, rows: list[dict], out) -> None:
         """Write the family's own plots of a run's metrics rows into the run folder ``out``."""
@@ -125,4 +147,5 @@ class Family(Protocol):
         """Cheap statistics of a training micro-batch, logged every ``--log-every`` steps."""
 
     def evaluate(self, model, batches, bucket: int, controls: bool, seed: int) -> dict | None:
-        """Held-out evaluation, or None for the core's (``concept.diagnostics.evaluate``)."""
+        """Held-out evaluation: the core's NLL (``concept.diagnostics.evaluate_tokens``, which takes what the family
+        adds per batch) or the family's own; None: the core's alone."""

@@ -171,7 +171,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
                            f"prompt (keep its last {limit - 1} tokens or fewer)")
     planned = getattr(model, "plan_positions", 0)  # positions a model writes after the prompt first (a plan)
     if limit is not None and planned and longest + planned > limit:
-        raise ConceptError(f"a prompt has {longest} tokens and the planner writes up to {planned} plan positions after "
+        raise ConceptError(f"a prompt has {longest} tokens and the model writes up to {planned} plan positions after "
                            f"it, past the backbone's context limit of {limit}; shorten the prompt to at most "
                            f"{limit - planned} tokens")
     budget = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - longest)

@@ -4,37 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from . import fs
-from .options import check, option
-
-DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-
-
-@dataclass
-class LoraSettings:
-    """The adapters' options (``concept.options``): ``--lora-rank`` ... in ``concept train``."""
-
-    rank: int = option(8, minimum=1, help="Rank r of the LoRA adapters.")
-    alpha: float = option(16.0, help="LoRA scaling: an adapter's update is multiplied by alpha / rank.")
-    dropout: float = option(0.0, minimum=0, below=1,
-                            help="Dropout on the LoRA adapters' input while training, in [0, 1).")
-    targets: str = option(DEFAULT_TARGETS, help="Comma-separated names of the linear layers (attention and MLP) "
-                                                "that get LoRA adapters.")
-
-    def validate(self) -> list[str]:
-        problems = check(self, prefix="lora-")
-        if isinstance(self.targets, str) and not [t for t in self.targets.split(",") if t.strip()]:
-            problems.append("lora-targets: name at least one linear layer, e.g. q_proj,v_proj")
-        return problems
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
+from .train_config import DEFAULT_TARGETS, LoraSettings  # noqa: F401 (part of this module's API)
 
 def add_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
     """Inject LoRA into ``backbone`` in place; only the adapter weights are trainable."""

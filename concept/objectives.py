@@ -34,8 +34,6 @@ import torch.nn.functional as F
 
 from .mtp import mtp_pairs
 
-ALIGN_AT = ("deep-input", "final")
-ALIGN_LOSSES = ("cosine", "mse")
 
 
 class Objective:

@@ -9,6 +9,7 @@ and its simple checks; the CLI options, the checks and the mapping back are deri
 
 * :func:`check` lists every declared constraint an instance breaks (all at once; NaN fails a range);
   rules that relate several fields stay hand-written in the dataclass's own ``validate``.
+* :class:`FamilyOptions` is the base of a model family's own training options (``Family.training``).
 * :func:`click_params` / :func:`click_options` make the click options, in declaration order (a
   :func:`nested` dataclass's in its place); :func:`from_params` builds the dataclass back from the
   command's keyword arguments and :func:`paths` names the field each option sets.
@@ -225,3 +226,17 @@ def _plain(annotation: Any) -> tuple[Any, bool]:
 def _either(choices: tuple) -> str:
     names = [str(c) for c in choices]
     return " or ".join(names) if len(names) == 2 else f"one of {', '.join(names)}"
+
+
+class FamilyOptions:
+    """The base of a family's training options (``Family.training``): an option dataclass whose fields join
+    ``concept.train_config.TrainConfig``. ``teaches``: its options that give a training signal besides the
+    cross entropy (so ``--ce-weight 0`` has something to train on); :meth:`problems`: its checks across
+    options."""
+
+    teaches: tuple[str, ...] = ()
+
+    @staticmethod
+    def problems(config) -> list[str]:
+        """What is wrong across this family's options and the shared ones, on the full ``TrainConfig``."""
+        return []

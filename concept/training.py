@@ -33,34 +33,31 @@ import shutil
 import signal
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fs, options
+from . import checkpoint, data, fs
 from .backbone import decoder
-from .baselines import Baseline, parse_prune_layers
+from .baselines import Baseline
 from .builder import RUN_FILE, TRAIN_FILE, build, read_run, read_train
-from .config import DEFAULT_TARGET_RATIO, BuildConfig, resolve
+from .config import BuildConfig, resolve
 from .distributed import Dist, full_tensor, pick_device
 from .errors import ConceptError, ConfigError, RunFolderError
-from .families import family
-from .families import names as family_names
-from .lora import LoraSettings, add_lora, lora_state_dict
-from .objectives import ALIGN_AT, ALIGN_LOSSES, overrides
-from .options import nested, option
+from .lora import add_lora, lora_state_dict
+from .objectives import overrides
+from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
+    LoraSettings,
+    TrainConfig,
+    curriculum_len,
+    foreign_options,
+    parse_curriculum,
+)
 
 METRICS = "metrics.jsonl"
 STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
-RATIO_CONTROLS = ("both", "pi", "loss", "none")
-BASELINES = ("dense", "pruned")
-TRAIN_ONLY = ("all", "new")
-DTYPES = ("auto", "fp32", "bf16")
-PLAN_TRAINING = ("gumbel", "hard-em")
-TASKS = ("reconstruct", "continue")  # the planner-executor's (concept.planner.model.TASKS; a test keeps them equal)
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
 DERIVED = ("source", "attention_resolved", "pruned", "distributed")
 DATA_FIELDS = {"data", "text_field", "encoding_errors"}  # --resume may point at other data (with a note)
@@ -68,233 +65,6 @@ DATA_FIELDS = {"data", "text_field", "encoding_errors"}  # --resume may point at
 
 class TrainingError(ConceptError):
     exit_code = 1
-
-
-@dataclass
-class TrainConfig:
-    """Every ``concept train`` option, declared once (``concept.options``): the field's default, its
-    flag (``--seq-len`` for ``seq_len``; ``--lora-*`` for ``lora``), help and simple checks. The CLI
-    options are made from these fields, in this order; ``validate`` adds the checks across fields."""
-
-    baseline: str | None = option(
-        None, choices=BASELINES, is_flag=False, flag_value="dense",
-        help="Train a baseline instead of the streaming model: `dense` (the default of a bare --baseline: "
-             "backbone + LoRA, no compression) or `pruned` (the backbone minus a contiguous block of middle layers, "
-             "FLOP-matched to the streaming model at --target-ratio and --seq-len).")
-    prune_layers: str | None = option(
-        None, metavar="START:STOP",
-        help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block.")
-    data: str | None = option(
-        None, help="Text file, folder, or JSONL; or Hugging Face datasets: a save_to_disk folder (DatasetDict: its "
-                   "train split, or PATH:SPLIT), .parquet / .arrow files (default: the Python standard library).")
-    text_field: str = option("text", help="JSONL field holding the text.")
-    encoding_errors: str = option(
-        "strict", choices=("strict", "replace"),
-        help="Text that is not valid UTF-8: strict (an error naming the file) or replace (U+FFFD for each bad byte).")
-    steps: int = option(300, minimum=1, help="Optimizer steps (the learning-rate and temperature schedules span them).")
-    seq_len: int = option(256, minimum=2, help="Tokens per training row.")
-    batch: int = option(8, minimum=1, help="Rows per micro-batch (per process under torchrun).")
-    grad_accum: int = option(1, minimum=1, help="Micro-batches accumulated into each optimizer step.")
-    lr: float = option(2e-4, above=0, help="Learning rate of the LoRA adapters.")
-    lr_new: float = option(1e-3, above=0, help="Learning rate of the new modules.")
-    weight_decay: float = option(0.0, minimum=0, help="AdamW weight decay (decoupled), for every trained group.")
-    warmup: int = option(10, minimum=0, help="Steps of linear learning-rate warmup before the cosine decay.")
-    min_lr: float = option(
-        0.1, minimum=0, maximum=1,
-        help="After the warmup the cosine schedule decays to this fraction of each peak learning rate (0..1).")
-    clip: float = option(1.0, above=0, help="Clip the gradient norm to this value.")
-    target_ratio: float = option(DEFAULT_TARGET_RATIO, above=0, below=1, help="Concepts per token to aim for.")
-    ratio_control: str = option(
-        "both", choices=RATIO_CONTROLS,
-        help="What holds the concepts-per-token ratio at its target: pi (a controller on the NULL bias), loss (the "
-             "ratio loss), both, or none.")
-    ratio_loss_weight: float = option(0.1, help="Weight of the ratio loss (--ratio-control loss / both).")
-    pi_ki: float = option(
-        0.05, minimum=0,
-        help="Integral gain of the ratio controller (--ratio-control pi / both): the NULL bias moves by this times the "
-             "keep log-odds spread per unit of summed ratio error (0: no integral term).")
-    usage_weight: float = option(
-        0.0, minimum=0, help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
-    ratio_start: float = option(
-        1.0, above=0, maximum=1, help="Ratio curriculum: the target ratio at step 0 (1 = every token a concept).")
-    ratio_warmup: float = option(
-        0.0, minimum=0, maximum=1,
-        help="Anneal the target from --ratio-start to --target-ratio over this fraction of the steps (linearly in "
-             "tokens per concept), then hold it; 0 = off.")
-    ce_weight: float = option(
-        1.0, minimum=0, help="Weight of the next-token cross entropy (0 with --distill: KL-only distillation).")
-    distill: float = option(
-        0.0, minimum=0,
-        help="Weight of KL(teacher || student) on the next-token distributions; the teacher is the frozen backbone "
-             "(adapters disabled), one extra no-grad forward per step.")
-    distill_temperature: float = option(
-        1.0, above=0, help="Softmax temperature T of the distillation (the KL is scaled by T^2).")
-    mtp: float = option(
-        1.0, minimum=0,
-        help="Weight of the MTP heads' self-distillation (KL to the frozen backbone at t+1..t+k, plus CE); only for "
-             "a model with MTP heads (--length-policy mtp). One extra no-grad forward per step.")
-    mtp_heads: int = option(
-        0, minimum=0,
-        help="Baselines: K MTP heads on the dense / pruned model's last hidden state, for multi-token decoding (the "
-             "streaming model's come with --length-policy mtp).")
-    mtp_ce: float = option(
-        0.5, minimum=0, help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
-    placement: float = option(
-        0.0, minimum=0,
-        help="Learned placement: weight of a BCE that trains the `null` policy's keep score to emit concepts where "
-             "skipping the middle stack costs most (KL of the frozen backbone to this model without its middle "
-             "stack); one teacher forward and one shallow+deep forward per step, no gradient.")
-    task: str | None = option(
-        None, choices=TASKS,
-        help="Planner-executor runs: reconstruct (default: the executor rebuilds the row u from the plan alone) or "
-             "continue (u = the first --context-len tokens, the executor writes the rest from the plan).")
-    context_len: int = option(0, help="Planner-executor, --task continue: tokens of each row the planner reads (u).")
-    commitment: float = option(
-        0.1, minimum=0,
-        help="Planner-executor: weight of the commitment term (the soft and hard concept samples agree).")
-    eos_weight: float = option(
-        0.1, minimum=0, help="Planner-executor: weight of the <EOS> loss where a type reached its max_len.")
-    quota_weight: float = option(
-        0.1, minimum=0, help="Planner-executor: weight of the quota loss (expected plan length against the budget).")
-    plan_training: str = option(
-        "gumbel", choices=PLAN_TRAINING,
-        help="Planner-executor: gumbel (a plan sampled with Gumbel-ST in every step) or hard-em (the best of a beam of "
-             "plans per example, cached and refreshed every --estep-every steps; docs/planner_executor.md).")
-    estep_every: int = option(
-        50, minimum=1, help="Hard-EM: search an example's plan again once its cached plan is this many steps old.")
-    beam: int = option(4, minimum=1, help="Hard-EM: the E-step's beam width k.")
-    estep_prior: float = option(
-        1.0, minimum=0,
-        help="Hard-EM: β in the E-step's score S(z) = log p(y|z) + β log p(z|u) (1: the posterior mode; 0: the beam's "
-             "plan that best explains y).")
-    plan_ce: float = option(1.0, minimum=0, help="Hard-EM: weight of the planner's cross-entropy on the best plan z*.")
-    plan_mtp: float = option(
-        1.0, minimum=0,
-        help="Planner-executor built with MTP concepts (--set planner.mtp=K): weight of the MTP heads' CE.")
-    curriculum: str | None = option(
-        None, metavar="START:FRACTION",
-        help="Short-to-long: rows grow linearly from START tokens to --seq-len over FRACTION of the steps "
-             "(--context-len grows in proportion), e.g. 64:0.5.")
-    align: float = option(
-        0.0, minimum=0,
-        help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
-    align_at: str = option(
-        "deep-input", choices=ALIGN_AT,
-        help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; final: the last "
-             "layer's output (before the final norm) at every token.")
-    align_loss: str = option(
-        "cosine", choices=ALIGN_LOSSES,
-        help="cosine: 1 - cos per token; mse: squared error / the teacher states' mean square (dominated by a few "
-             "tokens with massive activations on SmolLM2; docs/training.md).")
-    train_only: str = option(
-        "all", choices=TRAIN_ONLY,
-        help="new: train only the new modules (the LoRA adapters stay frozen), e.g. a first stage that fits a tail "
-             "bridge with --align.")
-    calibration_batches: int = option(
-        16, help="At the end, re-estimate the NULL bias for the target ratio on this many training batches (0: off).")
-    tau_start: float = option(1.0, above=0, help="Gumbel temperature at step 0.")
-    tau_end: float = option(0.5, above=0, help="Gumbel temperature at the last step.")
-    lora: LoraSettings = nested(LoraSettings, prefix="lora")  # noqa: RUF009 (a default_factory field)
-    seed: int = option(0, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
-                               "randomness (Gumbel noise, dropout).")
-    eval_every: int = option(50, minimum=1, help="Evaluate on held-out data every this many steps (and at the end).")
-    eval_batches: int = option(4, help="Held-out batches per evaluation.")
-    checkpoint_every: int = option(50, minimum=1, help="Save a checkpoint every this many steps (and at the end).")
-    log_every: int = option(10, minimum=1, help="Add gradient norms and concept diagnostics to metrics.jsonl every "
-                                                "this many steps.")
-    grad_checkpointing: bool = option(
-        False, help="Recompute activations in the backward pass: less memory, more compute.")
-    device: str = option("auto", help="auto, cpu or cuda.")
-    dtype: str = option(
-        "auto", choices=DTYPES,
-        help="Compute precision: bf16 autocast (weights and optimizer state stay fp32) with bf16, or with auto on "
-             "CUDA; fp32 otherwise.")
-
-    def __post_init__(self):
-        if isinstance(self.baseline, bool):  # the older API: baseline=True was the dense baseline
-            self.baseline = "dense" if self.baseline else None
-
-    def validate(self, max_positions: int = 0, num_layers: int = 0) -> list[str]:
-        """Every problem at once: the declared checks of each option, then those across options."""
-        p = options.check(self) + self.lora.validate()
-        if options.mistyped(self) or options.mistyped(self.lora):  # the checks below compare values
-            return p
-        if max_positions and self.seq_len > max_positions:
-            p.append(f"seq-len: {self.seq_len} is above the backbone's maximum of {max_positions} positions")
-        return p + self._validate_recipe(num_layers)
-
-    def _validate_recipe(self, num_layers: int = 0) -> list[str]:
-        """Baselines, objectives, the ratio curriculum and what trains."""
-        p = []
-        if self.mtp_heads > 0 and not self.baseline:
-            p.append("mtp-heads: only for --baseline dense / pruned; the streaming model's MTP heads come with its "
-                     "length policy (`concept build --length-policy mtp --set length_policy.heads=K`)")
-        if self.curriculum is not None:
-            try:
-                parse_curriculum(self.curriculum, self.seq_len)
-            except ValueError as exc:
-                p.append(f"curriculum {self.curriculum}: {exc}")
-        if self.ce_weight == 0 and not self.distill and not self.align and not self.placement:
-            p.append("ce-weight 0 with neither --distill, --align nor --placement: nothing to train on")
-        if 0 < self.target_ratio < 1 and 0 < self.ratio_start <= 1 and self.ratio_start < self.target_ratio:
-            p.append(f"ratio-start: the curriculum anneals down to --target-ratio {self.target_ratio}; "
-                     f"a start of {self.ratio_start} is below it")
-        if self.baseline:
-            if self.align and self.align_at == "deep-input":
-                p.append(f"align-at deep-input: a {self.baseline} baseline has no deep stack whose input could be "
-                         f"aligned; use --align-at final, or drop --align")
-            if self.train_only == "new" and not self.mtp_heads:
-                p.append(f"train-only new: a {self.baseline} baseline has no new modules (only LoRA adapters) unless "
-                         f"it has MTP heads (--mtp-heads K); drop --train-only or add heads")
-        if self.prune_layers is not None:
-            if self.baseline != "pruned":
-                p.append(f"prune-layers {self.prune_layers}: only for --baseline pruned")
-            else:
-                try:
-                    parse_prune_layers(self.prune_layers, num_layers)
-                except ValueError as exc:
-                    p.append(f"prune-layers {self.prune_layers}: {exc}")
-        return p
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        """From ``to_dict`` (a saved train.json); older files lack the newer fields (defaults) and
-        stored ``baseline`` as a bool (true: the dense baseline)."""
-        d = dict(d)
-        d["lora"] = LoraSettings(**d.get("lora", {}))
-        return cls(**d)  # (__post_init__ reads a bool baseline)
-
-
-def parse_curriculum(text: str, seq_len: int) -> tuple[int, float]:
-    """``"START:FRACTION"`` -> (START, FRACTION): rows start at START tokens and grow linearly to ``seq_len``
-    over FRACTION of the steps."""
-    try:
-        start, fraction = str(text).split(":")
-        start, fraction = int(start), float(fraction)
-    except ValueError:
-        raise ValueError("expected START:FRACTION, e.g. 64:0.5 (rows grow from 64 tokens to --seq-len over the "
-                         "first half of the steps)") from None
-    if start < 2:
-        raise ValueError(f"rows need at least 2 tokens, the curriculum starts at {start}")
-    if start > seq_len:
-        raise ValueError(f"the curriculum would end shorter than it starts: it starts at {start} tokens and ends at "
-                         f"--seq-len {seq_len}; pass a START <= {seq_len}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"FRACTION is the share of the steps over which rows grow, in (0, 1], got {fraction}")
-    return start, fraction
-
-
-def curriculum_len(config, step: int) -> int:
-    """The row length of (0-based) ``step`` under ``config.curriculum`` (``seq_len`` without one): a pure
-    function of the step, so resume is exact."""
-    if not config.curriculum:
-        return config.seq_len
-    start, fraction = parse_curriculum(config.curriculum, config.seq_len)
-    progress = min(1.0, step / max(1.0, fraction * config.steps))
-    return int(round(start + (config.seq_len - start) * progress))
 
 
 def _parse(line: str) -> dict | None:
@@ -328,21 +98,6 @@ def resolved_attention(model, device) -> str | None:
     return choice(device) if callable(choice) else None
 
 
-def scheduled_ratio(step: int, steps: int, target: float, start: float = 1.0, warmup: float = 0.0) -> float:
-    """The ratio curriculum: the target concepts-per-token at (0-based) ``step`` of ``steps``.
-
-    Over the first ``warmup`` fraction of the steps the target moves from ``start`` to ``target``
-    linearly in 1 / ratio (tokens per concept k = 1 / ratio goes linearly from 1 / start to
-    1 / target), then it is held at ``target``. A pure function of the step, so resume stays exact.
-    ``warmup`` 0 (or ``start == target``): ``target`` from step 0."""
-    span = warmup * steps
-    if span <= 0 or start == target:
-        return target
-    progress = min(1.0, step / span)
-    k = 1.0 / start + (1.0 / target - 1.0 / start) * progress
-    return target if progress >= 1.0 else 1.0 / k
-
-
 class FamilyTraining:
     """What trains without ``--baseline``: the build's family's model (``concept.builder.build``), asked
     through its :class:`concept.components.Family` methods."""
@@ -360,6 +115,11 @@ class FamilyTraining:
 
     def notes(self, config) -> list[str]:
         return []
+
+    def check_training(self, config, plan, device, dist) -> list[str]:
+        return self.family.check_training(config, plan, device, dist) + [
+            f"{flag} {value}: only for {owner} runs (`concept build --family {owner}`); {self.what} does not read it"
+            for flag, value, owner in foreign_options(config, self.family)]
 
     def training_model(self, plan, config, out: Path, resume: bool, notes: list):
         model = build(plan=plan)
@@ -379,21 +139,6 @@ class FamilyTraining:
 def training_kind(config: TrainConfig, plan):
     """What a run trains: a baseline (``--baseline``) or the build's family."""
     return Baseline(config.baseline) if config.baseline else FamilyTraining(plan.family_object)
-
-
-def foreign_options(config: TrainConfig, kind) -> list[str]:
-    """The training options a family alone reads (``Family.owns``), set for a run of another kind."""
-    problems = []
-    for name in family_names():
-        other = family(name)
-        if other is getattr(kind, "family", None):
-            continue
-        for field_name, default in getattr(other, "owns", {}).items():
-            value = getattr(config, field_name)
-            if value != default:
-                problems.append(f"{field_name.replace('_', '-')} {value}: only for {other.name} runs (`concept build "
-                                f"--family {other.name}`); {kind.what} does not read it")
-    return problems
 
 
 def micro_seed(seed: int, step: int, micro: int) -> int:
@@ -455,7 +200,7 @@ class Trainer:
         self.train_data, self.eval_data = self._open_data()
         self.notes += self.kind.notes(config)
         # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
-        self.objectives = self.kind.objectives(config, self.model, self.target_ratio, self.notes)
+        self.objectives = self.kind.objectives(config, self.model, lambda: self.step, self.notes)
         self.preparing = [o for o in self.objectives if overrides(o, "prepare")]  # (costly under FSDP2: gathers)
         self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast, self._sync)
         self.teacher_needs = self.step_module.teacher_needs
@@ -591,16 +336,10 @@ class Trainer:
         plan = resolve(build_config)
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
         kind = training_kind(config, plan)
-        problems += kind.check_training(config, plan, device, dist) + foreign_options(config, kind)
+        problems += kind.check_training(config, plan, device, dist)
         if problems:
             raise ConfigError(problems)
         return plan, device
-
-    def target_ratio(self, step: int | None = None) -> float:
-        """The ratio curriculum's target at ``step`` (default: the step about to be trained)."""
-        cfg = self.config
-        return scheduled_ratio(self.step if step is None else step, cfg.steps, cfg.target_ratio, cfg.ratio_start,
-                               cfg.ratio_warmup)
 
     # -- starting and resuming -----------------------------------------------------------------
     @classmethod
@@ -865,19 +604,9 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over the global batch: this rank's ``grad_accum`` micro-batches (DDP /
         FSDP2 average the gradients over the ranks in backward), then every logged value reduced. Rows
-        are ``curriculum_len`` tokens long (``--curriculum``; the context of ``--task continue`` in proportion)."""
-        cfg, model = self.config, self.model
-        length = curriculum_len(cfg, self.step)
-        if cfg.task == "continue":  # the model reads it in split_example
-            model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
-        try:
-            return self._train_step(length)
-        finally:
-            if cfg.task == "continue":  # evaluation and the saved model read the full context
-                model.context_len = cfg.context_len
-
-    def _train_step(self, length: int) -> dict:
+        are ``curriculum_len`` tokens long (``--curriculum``)."""
         cfg, model, dist = self.config, self.model, self.dist
+        length = curriculum_len(cfg, self.step)
         model.train()
         sampler = getattr(model, "sampler", None)
         if sampler is not None and hasattr(sampler, "tau"):
@@ -917,8 +646,6 @@ class Trainer:
         row.update({k: mean[k] for k in mean if k not in row and k not in STEP_SUMS and not k.startswith("_")})
         if cfg.curriculum:
             row["seq_len"] = length
-            if cfg.task == "continue":
-                row["context_len"] = model.context_len
         for objective in self.objectives:  # e.g. the quota controller moves the <EOS> bias
             row.update(objective.after_step(model, mean, total))
         if self.teacher_needs:

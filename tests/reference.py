@@ -13,6 +13,8 @@ against the policies' step-wise rules) and the tail fusions (their own tests).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +60,12 @@ def concept_rows(model, level: int) -> torch.Tensor:
     if name == "codebook":  # proj_in(book[id]) = book[id] @ W^T, linear in the book's rows
         book = vocab.codebook if level == 0 else vocab.deeper[level - 1]
         return book @ vocab.proj_in.weight.T
+    if name == "fsq":  # proj_up(grid values of id k's digits), dimension 0 the most significant (+ level l's vector)
+        dims = list(vocab.levels_per_dim)
+        digits = torch.tensor(list(itertools.product(*(range(n) for n in dims))))  # row k: k's digits
+        values = torch.stack([-1 + 2 * digits[:, i].double() / (n - 1) for i, n in enumerate(dims)], -1)
+        rows = values.to(vocab.proj_up.weight.dtype) @ vocab.proj_up.weight.T
+        return rows if vocab.level_embed is None else rows + vocab.level_embed[level]
     raise NotImplementedError(f"the reference has no definition of the {name!r} vocabulary; add it here")
 
 

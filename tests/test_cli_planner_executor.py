@@ -63,7 +63,7 @@ def test_options_of_the_other_family_are_refused(runs, corpus, tmp_path):  # noq
     streaming = tmp_path / "s"
     assert run("build", *TINY, "-o", streaming).exit_code == 0
     r = run("generate", streaming, "--prompt", "x", "--show-plan")
-    assert r.exit_code == 2 and "only planner-executor runs write a plan" in r.output
+    assert r.exit_code == 2 and "only planner-executor runs write one" in r.output
     r = run("train", streaming, "--task", "continue", "--context-len", 8, "--data", corpus, "--steps", 1, *FAST,
             "--out", tmp_path / "t")
     assert r.exit_code == 2 and "planner-executor runs" in r.output and not (tmp_path / "t").exists()

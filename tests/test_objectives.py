@@ -13,7 +13,8 @@ from concept.errors import ConfigError
 from concept.lora import LoraSettings, add_lora
 from concept.objectives import AlignObjective, DistillObjective, next_token_pairs
 from concept.teacher import adapters_disabled, teacher_forward, tuner_layers
-from concept.training import TrainConfig, Trainer, scheduled_ratio
+from concept.streaming.ratio import scheduled_ratio
+from concept.training import TrainConfig, Trainer
 from tests.conftest import tiny_config
 from tests.test_training import built, corpus, losses, small  # noqa: F401  (fixtures)
 

@@ -66,10 +66,32 @@ def test_importing_the_cli_imports_no_torch():
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_task_choices_are_the_planner_executors():
-    from concept.planner.model import TASKS
+def test_train_config_is_the_cores_options_then_each_familys():
+    """A family's training options (``Family.training``) join TrainConfig after the core's, as flat flags; the
+    core declares none of them, and a name declared twice is an error naming both owners."""
+    import concept.train_config as tc
+    from concept.planner.options import PlannerTraining
+    from concept.streaming.options import StreamingTraining
 
-    assert options.entries(TrainConfig)[[e.name for e in options.entries(TrainConfig)].index("task")].spec.choices == TASKS
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    core = [f.name for f in dataclasses.fields(tc.CoreTrainConfig)]
+    own = {cls: [f.name for f in dataclasses.fields(cls)] for cls in (StreamingTraining, PlannerTraining)}
+    assert names[:len(core)] == core and sorted(names[len(core):]) == sorted(own[StreamingTraining] + own[PlannerTraining])
+    assert not set(core) & (set(own[StreamingTraining]) | set(own[PlannerTraining]))
+    assert {"task", "placement", "ratio_control"} <= {e.name for e in options.entries(TrainConfig)}
+    assert TrainConfig(task="continue", context_len=4, seq_len=16).task == "continue"
+
+    @dataclasses.dataclass
+    class Clashing(options.FamilyOptions):
+        seq_len: int = options.option(3, help="a name the core declares")
+
+    original = tc.family_options
+    tc.family_options = lambda: [*original(), Clashing]
+    try:
+        with pytest.raises(TypeError, match="'seq_len' of .*Clashing is declared by the core already"):
+            tc._compose()
+    finally:
+        tc.family_options = original
 
 
 def test_checks_report_every_problem_with_the_flag_name():

@@ -167,5 +167,5 @@ def test_placement_bad_input(built, corpus, tmp_path):  # noqa: F811
     assert not (tmp_path / "out").exists() and not (tmp_path / "neg").exists()
     pruned = Trainer.start(built, tmp_path / "pruned", small(data=str(corpus), placement=1.0, baseline="pruned",
                                                              steps=1, eval_every=100))
-    assert any("--placement do nothing" in n for n in pruned.notes) and pruned.objectives == []
+    assert any("--placement does nothing" in n for n in pruned.notes) and pruned.objectives == []
     assert TrainConfig(ce_weight=0.0, placement=1.0).validate(num_layers=4) == []  # a router-only stage

@@ -97,7 +97,8 @@ class SoftPrompt:
     defaults: dict = {}
     checks_components = False
     stacks = False
-    owns: dict = {}
+    training = None  # no training options of its own
+    decodes = ()  # nothing beyond the text
 
     def settings(self, options, components):
         unknown = sorted(set(options) - {"length"})
@@ -113,17 +114,17 @@ class SoftPrompt:
     def describe(self, model):
         return f"the backbone read after {model.prompt.vectors.shape[0]} learned prompt vectors"
 
-    def inspect(self, model):
+    def inspect(self, model, request):
         vectors = model.prompt.vectors
-        return {"soft prompt": {"vectors": vectors.shape[0], "mean norm": f"{float(vectors.norm(dim=-1).mean()):.3f}"}}
+        return {"soft prompt": {"vectors": vectors.shape[0], "mean norm": f"{float(vectors.detach().norm(dim=-1).mean()):.3f}"}}
 
     def check_training(self, config, plan, device, dist):
-        return ["placement: a soft prompt has no keep decisions; drop it"] if config.placement else []
+        return ["align: a soft prompt has no deep stack to align; drop it"] if config.align else []
 
     def prepare(self, model, train):
         pass
 
-    def objectives(self, config, model, target, notes):
+    def objectives(self, config, model, step, notes):
         from concept.objectives import common
 
         return common(config)

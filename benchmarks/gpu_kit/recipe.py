@@ -70,7 +70,7 @@ def dtype_flag_supported() -> bool:
     asks for bf16 explicitly; otherwise training relies on its bf16 autocast on CUDA."""
     import click
 
-    from concept.training import TrainConfig
+    from concept.train_config import TrainConfig
     from concept_cli.train_cmd import train
 
     help_text = train.get_help(click.Context(train, info_name="train"))
@@ -84,7 +84,7 @@ def precision(dry: bool) -> dict:
 
 def train_config(dry: bool, steps: int, batch_size: int, baseline: str | None = None, device: str = "auto", **extra):
     """The recipe as a ``TrainConfig`` (``baseline``: None, "pruned" or "dense")."""
-    from concept.training import TrainConfig
+    from concept.train_config import TrainConfig
 
     fields = dict(steps=steps, seq_len=seq_len(dry), batch=batch_size, lr=DEMO["lr"], lr_new=DEMO["lr_new"],
                   warmup=warmup(steps), target_ratio=DEMO["target_ratio"], baseline=baseline, device=device,

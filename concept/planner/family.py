@@ -2,6 +2,8 @@
 context, then writes the text from the plan alone (``concept.planner.model``)."""
 from __future__ import annotations
 
+from .options import PlannerTraining
+
 
 class PlannerExecutor:
     name = "planner-executor"
@@ -9,7 +11,8 @@ class PlannerExecutor:
     defaults = {"position_scheme": "per-type"}  # each token type numbered from 1 (docs/planner_executor.md)
     checks_components = False  # no length policy, attention backend or tail fusion of its own
     stacks = False
-    owns = {"plan_training": "gumbel", "task": None, "context_len": 0}  # training options only it reads
+    decodes = ("plan",)  # what `concept generate` shows of its decoding
+    training = PlannerTraining  # the training options only this family reads
 
     # -- building ------------------------------------------------------------------------------
     def settings(self, options: dict, components: dict):
@@ -45,27 +48,18 @@ class PlannerExecutor:
                 f"{f', {s.mtp} concepts per planner forward' if s.mtp > 1 else ''}), the executor (the same "
                 f"backbone) writes the text given the plan")
 
-    def inspect(self, model) -> dict:
-        task = model.task + (f", context {model.context_len} tokens" if model.task == "continue" else "")
-        return {"plan length control": {"<EOS> bias (quota controller)": f"{float(model.eos_bias.value):+.4f}",
-                                        "task": task}}
+    def inspect(self, model, request) -> dict:
+        """Its plan types and budget, the <EOS> bias of its quota controller, and the task it was trained for;
+        only the components it uses."""
+        return {"planner": {**model.plan.describe()["planner"], "eos_bias": float(model.eos_bias.value),
+                            "task": model.task, "context_len": model.context_len},
+                "components": ["backbone", "sampler", "eval_sampler", "position_scheme", "vocabulary"]}
 
     # -- training ------------------------------------------------------------------------------
     def check_training(self, config, plan, device, dist) -> list[str]:
-        problems = []  # (the task's choices are TrainConfig's: concept.options)
-        if config.task == "continue" and not 0 < config.context_len < config.seq_len:
-            problems.append(f"context-len: task continue reads the first --context-len tokens of each row and "
-                            f"predicts the rest, so it must be in [1, seq-len - 1] = [1, {config.seq_len - 1}]; "
-                            f"got {config.context_len}")
-        elif config.context_len and config.task != "continue":
-            problems.append(f"context-len: only for --task continue (task {config.task or 'reconstruct'} reads the "
-                            f"whole row)")
-        problems += [f"{flag}: the planner-executor family has no {what}; drop it" for flag, given, what in (
-            ("placement", config.placement, "keep decisions to place"),
+        problems = [f"{flag}: the planner-executor family has no {what}; drop it" for flag, given, what in (
             ("align", config.align, "deep stack to align"),
             ("distill", config.distill, "teacher distillation yet"),
-            ("ratio-warmup", config.ratio_warmup, "concepts-per-token ratio (its plan length is set by the "
-                                                  "planner's budget, `--set planner.budget=N` at build)"),
             ("train-only", config.train_only == "new", "frozen-adapter stage")) if given]
         if dist is not None and dist.mode == "fsdp2":
             problems.append("distributed fsdp2: the planner-executor's planner and E-step run as many forwards as "
@@ -77,7 +71,7 @@ class PlannerExecutor:
         """What the executor is trained to write: the row from its plan (reconstruct) or its continuation."""
         model.task, model.context_len = train.get("task") or "reconstruct", train.get("context_len", 0)
 
-    def objectives(self, config, model, target, notes: list) -> list:
+    def objectives(self, config, model, step, notes: list) -> list:
         from .objectives import from_config
 
         return from_config(config, model)

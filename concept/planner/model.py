@@ -47,7 +47,6 @@ from ..generation import GenerationMixin
 from ..kv_cache import DecodePlan
 from ..mtp import MTPHeads
 
-TASKS = ("reconstruct", "continue")
 PLANNER_HEAD_INIT_SCALE = 1.0  # the typed vocabularies' head init (``embedding``), unless --set vocabulary.head_init_scale
 DEFAULT_TYPES = ({"name": "topic", "size": 512, "max_len": 8}, {"name": "gist", "size": 2048, "max_len": 32})
 

@@ -9,6 +9,7 @@ logged by ``name``), plus the ``PlannerQuotaController``.
 | ``eos`` | weight x mean over the steps where ``max_len`` forced an <EOS_i> of −log p(<EOS_i>): the planner learns to end a type itself | ``--eos-weight`` |
 | ``plan_mtp`` | weight x mean over the MTP heads j of CE(head j at step s, the plan's step s + j); only with ``planner.mtp`` > 1 | ``--plan-mtp`` |
 | ``quota`` | weight x ((mean over rows of Σ_steps (1 − p(<EOS>))) − budget)² / budget², a differentiable surrogate of the total plan length against the budget | ``--quota-weight`` |
+| ``context_curriculum`` | no term: with ``--task continue --curriculum``, the planner's context shrinks with the rows (logged as ``context_len``) | ``--curriculum`` |
 
 The ``PlannerQuotaController`` is the integral half of the length control: after every step it moves
 the bias on every <EOS_i> logit (``model.eos_bias``, a buffer saved with the run) by
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..objectives import Objective, usage_kl, zero
+from ..train_config import curriculum_len
 from .hard_em import HardEMObjective
 
 
@@ -141,10 +143,30 @@ class QuotaObjective(Objective):
         return {"eos_bias": float(model.eos_bias.value)}
 
 
+class ContextCurriculum(Objective):
+    """``--task continue`` with ``--curriculum``: while rows are shorter than ``--seq-len``, the planner reads
+    the same share of each row (``--context-len`` in proportion, at least 1 token, at most the row less one),
+    logged as ``context_len``; after the step, and for evaluation and saving, the full ``--context-len``."""
+
+    name = "context_curriculum"
+    adds_term = False
+
+    def __init__(self, config):
+        self.config = config
+
+    def before_step(self, trainer) -> None:
+        cfg, length = self.config, curriculum_len(self.config, trainer.step)
+        trainer.model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
+
+    def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
+        used, model.context_len = model.context_len, self.config.context_len
+        return {"context_len": used}
+
+
 def from_config(config, model) -> list:
     """The planner-executor's objectives a ``TrainConfig`` asks for (the quota always: its controller
     keeps the plan length near the budget even at weight 0)."""
-    objectives: list = []
+    objectives: list = [ContextCurriculum(config)] if config.task == "continue" and config.curriculum else []
     if config.commitment and config.plan_training == "gumbel":  # (Hard-EM feeds hard embeddings: no soft sample)
         objectives.append(CommitmentObjective(config.commitment))
     if config.usage_weight:

@@ -201,7 +201,7 @@ def train_overrides(config, items: list[str]):
     """Apply ``KEY=VALUE`` strings (TrainConfig field names, dashes allowed; ``lora.rank=4``) to a copy
     of ``config``; values are parsed as JSON when possible and coerced to the field's type."""
     from ..lora import LoraSettings
-    from ..training import TrainConfig
+    from ..train_config import TrainConfig
 
     config = copy.deepcopy(config)
     hints = typing.get_type_hints(TrainConfig)

@@ -3,7 +3,7 @@ split into shallow / middle / deep stacks, a concept emitted where the length po
 (``concept.streaming.model``)."""
 from __future__ import annotations
 
-from .. import objectives as core
+from .options import StreamingTraining
 
 
 class Streaming:
@@ -12,7 +12,8 @@ class Streaming:
     defaults: dict[str, str] = {}
     checks_components = True  # the components' compatibility vetoes describe this family's forward
     stacks = True  # shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline exists)
-    owns: dict = {}  # training options only this family reads (name: default)
+    decodes = ("concepts", "mtp")  # what `concept generate` shows of its decoding
+    training = StreamingTraining  # the training options only this family reads
 
     # -- building ------------------------------------------------------------------------------
     def settings(self, options: dict, components: dict):
@@ -33,8 +34,15 @@ class Streaming:
                 f"`{comps['vocabulary'].name}`, position scheme `{comps['position_scheme'].name}`, attention "
                 f"`{comps['attention'].name}`, tail fusion `{comps['tail_fusion'].name}`")
 
-    def inspect(self, model) -> dict:
-        return {}  # `concept inspect` draws its stacks, ratio control and ideal FLOPs itself
+    def inspect(self, model, request) -> dict:
+        """Its stacks, the NULL bias and where it comes from (``calibration``), and the ideal FLOPs at
+        ``request.ratio`` concepts per token and ``request.seq_len`` tokens."""
+        from ..flops import ideal_ratio
+
+        flops = ideal_ratio(model, request.ratio, request.seq_len)
+        return {"stacks": stack_layers(model.split),
+                "calibration": ratio_calibration(model, request.record, request.train),
+                "flops": {"concepts_per_token": request.ratio, **flops.to_dict(), "emit": model.emit}}
 
     # -- training ------------------------------------------------------------------------------
     def check_training(self, config, plan, device, dist) -> list[str]:
@@ -54,16 +62,21 @@ class Streaming:
     def prepare(self, model, train: dict) -> None:
         pass
 
-    def objectives(self, config, model, target, notes: list) -> list:
+    def objectives(self, config, model, step, notes: list) -> list:
         """The ratio controller, then the loss terms in a fixed order: ratio loss, usage, the shared ones
-        (distillation, alignment, MTP heads), placement."""
+        (distillation, alignment, MTP heads), placement. They aim at the ratio curriculum's target of the step
+        about to be trained (``step()``)."""
+        from ..objectives import common  # (torch: this module is imported by the torch-free TrainConfig)
         from .objectives import (
             PlacementObjective,
             RatioControl,
             RatioObjective,
             UsageObjective,
         )
-        from .ratio import PIController, ratio_controllable
+        from .ratio import PIController, ratio_controllable, scheduled_ratio
+
+        def target() -> float:
+            return scheduled_ratio(step(), config.steps, config.target_ratio, config.ratio_start, config.ratio_warmup)
 
         controls, policy = config.ratio_control, model.length_policy
         if controls != "none" and not ratio_controllable(policy):
@@ -80,7 +93,7 @@ class Streaming:
             found.append(RatioObjective(config.ratio_loss_weight, target))
         if config.usage_weight:
             found.append(UsageObjective(config.usage_weight))
-        found += core.common(config, has_mtp=getattr(model, "mtp_heads", None) is not None)
+        found += common(config, has_mtp=getattr(model, "mtp_heads", None) is not None)
         if config.placement:
             found.append(PlacementObjective(config.placement, target))
         return found
@@ -95,10 +108,43 @@ class Streaming:
         return ConceptDecoder(model)
 
     def step_diagnostics(self, model, out, batch) -> dict[str, float]:
-        from ..diagnostics import concept_step_diagnostics
+        from .diagnostics import step_diagnostics
 
-        return concept_step_diagnostics(model, out, batch)
+        return step_diagnostics(model, out, batch)
 
     def evaluate(self, model, batches, bucket: int, controls: bool, seed: int):
-        return None  # the core's evaluation reads the concept statistics of a model with a length policy
+        from .diagnostics import evaluate
 
+        return evaluate(model, batches, bucket, controls, seed)
+
+
+
+STACKS = ("shallow", "middle", "deep")
+
+
+def stack_layers(split) -> dict:
+    """{"shallow": {"count": 2, "first": 0, "last": 1, "range": "0-1"}, ...}."""
+    out, start = {}, 0
+    for name, count in zip(STACKS, split):
+        last = start + count - 1
+        out[name] = {"count": count, "first": start, "last": last,
+                     "range": f"{start}-{last}" if count > 1 else str(start)}
+        start += count
+    return out
+
+
+def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
+    """The NULL bias the model runs with and where it comes from: the build's calibration (concept.json),
+    training (train.json), or nothing (built with --no-calibrate). None for a policy without a bias."""
+    policy = getattr(model, "length_policy", None)
+    if policy is None or not hasattr(policy, "null_bias"):
+        return None
+    out = {"null_bias": float(policy.null_bias), "target_ratio": None, "ratio": None, "by": None}
+    target = getattr(policy, "target_ratio", None)  # the ratio tracker's target (null, mtp)
+    if target is not None:
+        out["target_ratio"] = float(target)
+    if train is not None and train.get("ratio_control", "both") != "none":  # the trainer's controller set it
+        out.update(by="training", target_ratio=train.get("target_ratio", out["target_ratio"]))
+    elif record.get("calibration"):
+        out.update(record["calibration"], by="build", null_bias=out["null_bias"])
+    return out

@@ -143,3 +143,18 @@ def concept_price(track: float, target: torch.Tensor) -> torch.Tensor:
 def ratio_controllable(policy) -> bool:
     """The policy has a bias the ratio controller can move (``null_bias`` + ``keep_logit``)."""
     return hasattr(policy, "null_bias") and hasattr(policy, "keep_logit")
+
+
+def scheduled_ratio(step: int, steps: int, target: float, start: float = 1.0, warmup: float = 0.0) -> float:
+    """The ratio curriculum: the target concepts-per-token at (0-based) ``step`` of ``steps``.
+
+    Over the first ``warmup`` fraction of the steps the target moves from ``start`` to ``target``
+    linearly in 1 / ratio (tokens per concept k = 1 / ratio goes linearly from 1 / start to
+    1 / target), then it is held at ``target``. A pure function of the step, so resume stays exact.
+    ``warmup`` 0 (or ``start == target``): ``target`` from step 0."""
+    span = warmup * steps
+    if span <= 0 or start == target:
+        return target
+    progress = min(1.0, step / span)
+    k = 1.0 / start + (1.0 / target - 1.0 / start) * progress
+    return target if progress >= 1.0 else 1.0 / k

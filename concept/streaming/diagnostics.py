@@ -1,0 +1,192 @@
+"""The streaming family's diagnostics (docs/diagnostics.md): the concept statistics of a training step and
+of a held-out evaluation, the ΔNLL controls and the depth decomposition.
+
+* :func:`step_diagnostics` — signals from tensors the training step already holds (no extra forward):
+  realised ratio, head entropy / max-prob, P(keep), concept-usage perplexity and fraction,
+  cos(e_soft, e_hard).
+* :func:`evaluate` — the core's held-out NLL (``concept.diagnostics.evaluate_tokens``) plus
+  :class:`ConceptEvaluation`: the same concept statistics over the whole evaluation and, with
+  ``controls``, the two ΔNLL controls (concepts shuffled across the batch, concepts replaced by random ids)
+  and the depth decomposition.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from ..diagnostics import evaluate_tokens, pair_nll, real_mask
+
+
+# -- concept statistics ----------------------------------------------------------------------
+def _concept_stats(m, out, valid: torch.Tensor) -> dict:
+    """Sums (not means) of the per-position concept signals of one forward output, so that
+    several batches can be aggregated exactly. All on the output's device, in float32."""
+    vocab = m.vocabulary
+    K = int(vocab.size)
+    keep = out.keep.bool() & valid
+    ids = out.concept_ids[keep]
+    ids = ids[ids >= 0]
+    stats = {
+        "real": int(valid.sum()),
+        "kept": int(keep.sum()),
+        # concepts: a policy's emit per emitting token (a multi-level concept is one concept of L slots)
+        "concepts": int(keep.sum()) * (getattr(m, "emit", 1) // getattr(m, "levels", 1)),
+        "histogram": torch.bincount(ids.long().flatten(), minlength=K)[:K].cpu(),
+        "entropy_sum": 0.0,
+        "max_prob_sum": 0.0,
+        "cos_sum": 0.0,
+    }
+    codes = getattr(out, "codes", None)
+    if codes is not None:  # multi-level codes: a histogram per level (a collapsed level reads perplexity 1)
+        stats["level_histograms"] = torch.stack([torch.bincount(codes[..., level][keep].long(), minlength=K)[:K].cpu()
+                                                 for level in range(codes.shape[-1])])
+    policy = m.length_policy
+    if hasattr(policy, "boundary_prob"):
+        p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None)).float()
+        stats["boundary_sum"] = float(p[valid].sum())
+    if stats["kept"]:
+        logits = out.head_logits[keep][:, :K].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        probs = logp.exp()
+        stats["entropy_sum"] = float(-(probs * logp).sum(-1).sum())
+        stats["max_prob_sum"] = float(probs.max(-1).values.sum())
+        e_soft = vocab.embed_soft(probs).float()
+        e_hard = vocab.embed_hard(out.concept_ids[keep].clamp(min=0)).float()
+        stats["cos_sum"] = float(F.cosine_similarity(e_soft, e_hard, dim=-1, eps=1e-12).sum())
+    return stats
+
+
+def _merge(total: dict | None, stats: dict) -> dict:
+    if total is None:
+        return dict(stats)
+    for key, value in stats.items():
+        total[key] = total[key] + value if key in total else value
+    return total
+
+
+def _usage(histogram: torch.Tensor, K: int) -> tuple[float, float]:
+    """(perplexity of the id histogram, distinct ids used / K)."""
+    n = histogram.sum()
+    if n == 0:
+        return float("nan"), 0.0
+    p = histogram.double() / n
+    nz = p[p > 0]
+    return float(torch.exp(-(nz * nz.log()).sum())), float((histogram > 0).sum()) / K
+
+
+def _finish_concept_stats(total: dict, K: int) -> dict[str, float]:
+    kept, real = total["kept"], total["real"]
+    nan = float("nan")
+    result = {
+        "ratio": total.get("concepts", kept) / real if real else nan,  # concepts per token
+        "head_entropy": total["entropy_sum"] / kept if kept else nan,
+        "max_prob": total["max_prob_sum"] / kept if kept else nan,
+    }
+    if "boundary_sum" in total:
+        result["boundary_prob"] = total["boundary_sum"] / real if real else nan
+    result["usage_perplexity"], result["usage_fraction"] = _usage(total["histogram"], K)
+    for level, histogram in enumerate(total.get("level_histograms", ())):
+        result[f"usage_perplexity/level{level}"] = _usage(histogram, K)[0]
+    result["cos_soft_hard"] = total["cos_sum"] / kept if kept else nan
+    return result
+
+
+# -- training-step signals ------------------------------------------------------------------
+def step_diagnostics(model, out, batch) -> dict[str, float]:
+    """Cheap signals from tensors the training step already has (``concept.diagnostics.step_diagnostics``
+    lists them); empty for an output without keep decisions."""
+    if getattr(out, "keep", None) is None:
+        return {}
+    with torch.no_grad():
+        valid = real_mask(batch, out.keep)
+        return _finish_concept_stats(_concept_stats(model, out, valid), int(model.vocabulary.size))
+
+
+# -- held-out evaluation ----------------------------------------------------------------------
+def _control(name: str, model, out, valid: torch.Tensor, K: int, generator: torch.Generator):
+    """A ΔNLL control: a function replacing the concepts' *whole* inputs before the middle stack
+    (the continuous part of an identity start or a latent-feedback sampler included, so the
+    control cannot read ≈ 0 while the concepts carry everything).
+
+    shuffle: the inputs permuted among all concept slots of the batch.
+    random: each slot's input rebuilt from a uniform random concept id and a random real token's
+    shallow state (what the model would feed for a random concept emitted at a random token)."""
+    def shuffle(c, slots):
+        flat = c[slots]
+        out_c = c.clone()
+        out_c[slots] = flat[torch.randperm(len(flat), generator=generator).to(c.device)]
+        return out_c
+
+    def random(c, slots):
+        B, C = slots.shape
+        tokens = valid.nonzero()
+        pick = tokens[torch.randint(len(tokens), (B * C,), generator=generator).to(tokens.device)]
+        h = out.shallow[pick[:, 0], pick[:, 1]].view(B, C, -1)
+        level = out.layout.concept_level  # multi-level codes: one random code for each slot's level
+        ids = torch.randint(0, K, (B, C) if level is None else (B, C, model.levels), generator=generator).to(c.device)
+        probs = torch.nn.functional.one_hot(ids, K).to(h.dtype)
+        src = torch.arange(C, device=c.device).expand(B, C)
+        return torch.where(slots[..., None], model.concept_inputs(probs, ids, src, h, level).to(c.dtype), c)
+
+    return {"shuffle": shuffle, "random": random}[name]
+
+
+def _depth_split(depth: dict, nll, pair, keep, paths: dict) -> None:
+    """Add to ``depth`` the NLL sums of the model (``nll``) and of the reference ``paths`` at the
+    positions that emitted a concept and at tail positions (the position predicting t + 1)."""
+    for part, at in (("concept", pair & keep[:, :-1]), ("tail", pair & ~keep[:, :-1])):
+        depth[f"{part}_n"] += int(at.sum())
+        depth[part] += float(nll[at].sum())
+        for name, x in paths.items():
+            depth[f"{part}_{name}"] += float(x.double()[at].sum())
+
+
+class ConceptEvaluation:
+    """What a streaming model adds to the core's held-out evaluation (``concept.diagnostics.evaluate_tokens``
+    calls :meth:`add` after each batch's forward and merges :meth:`result`): the concept statistics over the
+    whole evaluation and, with ``controls``, the ΔNLL controls and the depth decomposition."""
+
+    def __init__(self, model, controls: bool, seed: int):
+        self.model, self.controls = model, controls
+        self.K = int(model.vocabulary.size)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stats = None
+        self.control_sum = {"shuffle": 0.0, "random": 0.0}
+        self.depth: dict[str, float] = defaultdict(float)  # NLL sums and counts at concept / tail positions
+
+    def add(self, forward, out, input_ids, valid, doc, kwargs: dict, nll, pair) -> None:
+        model = self.model
+        self.stats = _merge(self.stats, _concept_stats(model, out, valid))
+        if not self.controls:
+            return
+        keep, batch_sum = out.keep.bool() & valid, float(nll[pair].sum())
+        for name in ("shuffle", "random"):
+            perturb = _control(name, model, out, valid, self.K, self.generator)
+            bad = forward(input_ids, keep=keep, perturb=perturb, **kwargs)
+            self.control_sum[name] += float(pair_nll(bad.logits, input_ids, valid, doc)[0].double()[pair].sum()) - batch_sum
+        _depth_split(self.depth, nll, pair, keep, {
+            "keep_all": pair_nll(forward(input_ids, keep=valid, **kwargs).logits, input_ids, valid, doc)[0],
+            "skip_middle": pair_nll(model.skip_middle(input_ids, valid.long(), doc), input_ids, valid, doc)[0]})
+
+    def result(self, count: int) -> dict:
+        nan, K = float("nan"), self.K
+        stats = self.stats or {"real": 0, "kept": 0, "histogram": torch.zeros(K, dtype=torch.long),
+                               "entropy_sum": 0.0, "max_prob_sum": 0.0, "cos_sum": 0.0}
+        result = {"concepts": stats.get("concepts", stats["kept"]), **_finish_concept_stats(stats, K)}
+        if getattr(self.model, "mtp_heads", None) is not None:
+            result["mtp_tau"] = self.model.length_policy.tau  # the confidence threshold the ratio control reached
+        if self.controls:
+            result["delta_nll_shuffle"] = self.control_sum["shuffle"] / count if count else nan
+            result["delta_nll_random"] = self.control_sum["random"] / count if count else nan
+            for part in ("concept", "tail") if self.depth else ():
+                n = self.depth[f"{part}_n"]
+                for path in ("", "_keep_all", "_skip_middle"):
+                    result[f"nll_{part}s{path}"] = self.depth[f"{part}{path}"] / n if n else nan
+        return result
+
+
+def evaluate(model, batches, bucket: int, controls: bool, seed: int) -> dict:
+    """The held-out evaluation of a streaming model (``concept.diagnostics.evaluate`` documents its keys)."""
+    return evaluate_tokens(model, batches, bucket, ConceptEvaluation(model, controls, seed))

@@ -1,0 +1,50 @@
+"""The streaming family's training options (``Family.training``): they join
+``concept.train_config.TrainConfig`` as ``--ratio-control``, ``--placement``, ... and a run of another kind
+refuses them (a baseline notes that they do nothing). Standard library only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..options import FamilyOptions, option
+
+RATIO_CONTROLS = ("both", "pi", "loss", "none")
+
+
+@dataclass
+class StreamingTraining(FamilyOptions):
+    """Options only a streaming run reads: the ratio control and its curriculum, learned placement, the
+    final calibration."""
+
+    teaches = ("placement",)  # a router-only stage trains on it with --ce-weight 0
+
+    ratio_control: str = option(
+        "both", choices=RATIO_CONTROLS,
+        help="Streaming: what holds the concepts-per-token ratio at its target: pi (a controller on the NULL bias), "
+             "loss (the ratio loss), both, or none.")
+    ratio_loss_weight: float = option(0.1, help="Streaming: weight of the ratio loss (--ratio-control loss / both).")
+    pi_ki: float = option(
+        0.05, minimum=0,
+        help="Streaming: integral gain of the ratio controller (--ratio-control pi / both): the NULL bias moves by "
+             "this times the keep log-odds spread per unit of summed ratio error (0: no integral term).")
+    ratio_start: float = option(
+        1.0, above=0, maximum=1,
+        help="Streaming, ratio curriculum: the target ratio at step 0 (1 = every token a concept).")
+    ratio_warmup: float = option(
+        0.0, minimum=0, maximum=1,
+        help="Streaming: anneal the target from --ratio-start to --target-ratio over this fraction of the steps "
+             "(linearly in tokens per concept), then hold it; 0 = off.")
+    placement: float = option(
+        0.0, minimum=0,
+        help="Streaming, learned placement: weight of a BCE that trains the `null` policy's keep score to emit "
+             "concepts where skipping the middle stack costs most (KL of the frozen backbone to this model without "
+             "its middle stack); one teacher forward and one shallow+deep forward per step, no gradient.")
+    calibration_batches: int = option(
+        16, help="Streaming: at the end, re-estimate the NULL bias for the target ratio on this many training "
+                 "batches (0: off).")
+
+    @staticmethod
+    def problems(config) -> list[str]:
+        if 0 < config.target_ratio < 1 and 0 < config.ratio_start <= 1 and config.ratio_start < config.target_ratio:
+            return [f"ratio-start: the curriculum anneals down to --target-ratio {config.target_ratio}; a start of "
+                    f"{config.ratio_start} is below it"]
+        return []

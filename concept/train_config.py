@@ -1,0 +1,294 @@
+"""The options of ``concept train``, declared once (``concept.options``), and the pure rules they feed.
+
+``TrainConfig`` is made of the core's options (:class:`CoreTrainConfig`: data, schedule, shared objectives,
+baselines, LoRA, checkpoints, device) followed by each registered family's own (``Family.training``, an
+option dataclass such as ``concept.planner.options.PlannerTraining``), so that the trainer and the CLI see
+one flat set: ``--task continue`` on the command line, ``"task": "continue"`` in train.json,
+``TrainConfig(task="continue")`` in Python. A family option set on a run of another kind is refused by the
+trainer (``concept.training.foreign_options``).
+
+Standard library only (no torch): ``concept train --help`` builds its options from this module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from . import options
+from .config import DEFAULT_TARGET_RATIO, BuildConfig
+from .families import family
+from .families import names as family_names
+from .options import check, nested, option
+
+BASELINES = ("dense", "pruned")
+TRAIN_ONLY = ("all", "new")
+DTYPES = ("auto", "fp32", "bf16")
+ALIGN_AT = ("deep-input", "final")  # where --align compares hidden states (concept.objectives.AlignObjective)
+ALIGN_LOSSES = ("cosine", "mse")
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+@dataclass
+class LoraSettings:
+    """The adapters' options (``concept.options``): ``--lora-rank`` ... in ``concept train``."""
+
+    rank: int = option(8, minimum=1, help="Rank r of the LoRA adapters.")
+    alpha: float = option(16.0, help="LoRA scaling: an adapter's update is multiplied by alpha / rank.")
+    dropout: float = option(0.0, minimum=0, below=1,
+                            help="Dropout on the LoRA adapters' input while training, in [0, 1).")
+    targets: str = option(DEFAULT_TARGETS, help="Comma-separated names of the linear layers (attention and MLP) "
+                                                "that get LoRA adapters.")
+
+    def validate(self) -> list[str]:
+        problems = check(self, prefix="lora-")
+        if isinstance(self.targets, str) and not [t for t in self.targets.split(",") if t.strip()]:
+            problems.append("lora-targets: name at least one linear layer, e.g. q_proj,v_proj")
+        return problems
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CoreTrainConfig:
+    """Every ``concept train`` option the core reads, declared once (``concept.options``): the field's
+    default, its flag (``--seq-len`` for ``seq_len``; ``--lora-*`` for ``lora``), help and simple checks. The
+    CLI options are made from these fields, in this order (then the families'); ``validate`` adds the checks
+    across fields."""
+
+    baseline: str | None = option(
+        None, choices=BASELINES, is_flag=False, flag_value="dense",
+        help="Train a baseline instead of the streaming model: `dense` (the default of a bare --baseline: "
+             "backbone + LoRA, no compression) or `pruned` (the backbone minus a contiguous block of middle layers, "
+             "FLOP-matched to the streaming model at --target-ratio and --seq-len).")
+    prune_layers: str | None = option(
+        None, metavar="START:STOP",
+        help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block.")
+    data: str | None = option(
+        None, help="Text file, folder, or JSONL; or Hugging Face datasets: a save_to_disk folder (DatasetDict: its "
+                   "train split, or PATH:SPLIT), .parquet / .arrow files (default: the Python standard library).")
+    text_field: str = option("text", help="JSONL field holding the text.")
+    encoding_errors: str = option(
+        "strict", choices=("strict", "replace"),
+        help="Text that is not valid UTF-8: strict (an error naming the file) or replace (U+FFFD for each bad byte).")
+    steps: int = option(300, minimum=1, help="Optimizer steps (the learning-rate and temperature schedules span them).")
+    seq_len: int = option(256, minimum=2, help="Tokens per training row.")
+    batch: int = option(8, minimum=1, help="Rows per micro-batch (per process under torchrun).")
+    grad_accum: int = option(1, minimum=1, help="Micro-batches accumulated into each optimizer step.")
+    lr: float = option(2e-4, above=0, help="Learning rate of the LoRA adapters.")
+    lr_new: float = option(1e-3, above=0, help="Learning rate of the new modules.")
+    weight_decay: float = option(0.0, minimum=0, help="AdamW weight decay (decoupled), for every trained group.")
+    warmup: int = option(10, minimum=0, help="Steps of linear learning-rate warmup before the cosine decay.")
+    min_lr: float = option(
+        0.1, minimum=0, maximum=1,
+        help="After the warmup the cosine schedule decays to this fraction of each peak learning rate (0..1).")
+    clip: float = option(1.0, above=0, help="Clip the gradient norm to this value.")
+    target_ratio: float = option(DEFAULT_TARGET_RATIO, above=0, below=1, help="Concepts per token to aim for.")
+    usage_weight: float = option(
+        0.0, minimum=0, help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
+    ce_weight: float = option(
+        1.0, minimum=0, help="Weight of the next-token cross entropy (0 with --distill: KL-only distillation).")
+    distill: float = option(
+        0.0, minimum=0,
+        help="Weight of KL(teacher || student) on the next-token distributions; the teacher is the frozen backbone "
+             "(adapters disabled), one extra no-grad forward per step.")
+    distill_temperature: float = option(
+        1.0, above=0, help="Softmax temperature T of the distillation (the KL is scaled by T^2).")
+    mtp: float = option(
+        1.0, minimum=0,
+        help="Weight of the MTP heads' self-distillation (KL to the frozen backbone at t+1..t+k, plus CE); only for "
+             "a model with MTP heads (--length-policy mtp). One extra no-grad forward per step.")
+    mtp_heads: int = option(
+        0, minimum=0,
+        help="Baselines: K MTP heads on the dense / pruned model's last hidden state, for multi-token decoding (the "
+             "streaming model's come with --length-policy mtp).")
+    mtp_ce: float = option(
+        0.5, minimum=0, help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
+    curriculum: str | None = option(
+        None, metavar="START:FRACTION",
+        help="Short-to-long: rows grow linearly from START tokens to --seq-len over FRACTION of the steps "
+             "(--context-len grows in proportion), e.g. 64:0.5.")
+    align: float = option(
+        0.0, minimum=0,
+        help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
+    align_at: str = option(
+        "deep-input", choices=ALIGN_AT,
+        help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; final: the last "
+             "layer's output (before the final norm) at every token.")
+    align_loss: str = option(
+        "cosine", choices=ALIGN_LOSSES,
+        help="cosine: 1 - cos per token; mse: squared error / the teacher states' mean square (dominated by a few "
+             "tokens with massive activations on SmolLM2; docs/training.md).")
+    train_only: str = option(
+        "all", choices=TRAIN_ONLY,
+        help="new: train only the new modules (the LoRA adapters stay frozen), e.g. a first stage that fits a tail "
+             "bridge with --align.")
+    tau_start: float = option(1.0, above=0, help="Gumbel temperature at step 0.")
+    tau_end: float = option(0.5, above=0, help="Gumbel temperature at the last step.")
+    lora: LoraSettings = nested(LoraSettings, prefix="lora")  # noqa: RUF009 (a default_factory field)
+    seed: int = option(0, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
+                               "randomness (Gumbel noise, dropout).")
+    eval_every: int = option(50, minimum=1, help="Evaluate on held-out data every this many steps (and at the end).")
+    eval_batches: int = option(4, help="Held-out batches per evaluation.")
+    checkpoint_every: int = option(50, minimum=1, help="Save a checkpoint every this many steps (and at the end).")
+    log_every: int = option(10, minimum=1, help="Add gradient norms and concept diagnostics to metrics.jsonl every "
+                                                "this many steps.")
+    grad_checkpointing: bool = option(
+        False, help="Recompute activations in the backward pass: less memory, more compute.")
+    device: str = option("auto", help="auto, cpu or cuda.")
+    dtype: str = option(
+        "auto", choices=DTYPES,
+        help="Compute precision: bf16 autocast (weights and optimizer state stay fp32) with bf16, or with auto on "
+             "CUDA; fp32 otherwise.")
+
+    def __post_init__(self):
+        if isinstance(self.baseline, bool):  # the older API: baseline=True was the dense baseline
+            self.baseline = "dense" if self.baseline else None
+
+    def validate(self, max_positions: int = 0, num_layers: int = 0) -> list[str]:
+        """Every problem at once: the declared checks of each option (the families' too), then those across
+        options."""
+        p = options.check(self) + self.lora.validate()
+        if options.mistyped(self) or options.mistyped(self.lora):  # the checks below compare values
+            return p
+        if max_positions and self.seq_len > max_positions:
+            p.append(f"seq-len: {self.seq_len} is above the backbone's maximum of {max_positions} positions")
+        return p + self._validate_recipe(num_layers)
+
+    def _validate_recipe(self, num_layers: int = 0) -> list[str]:
+        """Baselines, objectives, the ratio curriculum and what trains."""
+        p = []
+        if self.mtp_heads > 0 and not self.baseline:
+            p.append("mtp-heads: only for --baseline dense / pruned; the streaming model's MTP heads come with its "
+                     "length policy (`concept build --length-policy mtp --set length_policy.heads=K`)")
+        if self.curriculum is not None:
+            try:
+                parse_curriculum(self.curriculum, self.seq_len)
+            except ValueError as exc:
+                p.append(f"curriculum {self.curriculum}: {exc}")
+        teachers = ("distill", "align", *(n for declared in family_options() for n in declared.teaches))
+        if self.ce_weight == 0 and not any(getattr(self, n) for n in teachers):
+            flags = [f"--{n.replace('_', '-')}" for n in teachers]
+            p.append(f"ce-weight 0 with neither {', '.join(flags[:-1])} nor {flags[-1]}: nothing to train on")
+        for declared in family_options():  # each family's checks across its options (and the shared ones)
+            p += declared.problems(self)
+        if self.baseline:
+            if self.align and self.align_at == "deep-input":
+                p.append(f"align-at deep-input: a {self.baseline} baseline has no deep stack whose input could be "
+                         f"aligned; use --align-at final, or drop --align")
+            if self.train_only == "new" and not self.mtp_heads:
+                p.append(f"train-only new: a {self.baseline} baseline has no new modules (only LoRA adapters) unless "
+                         f"it has MTP heads (--mtp-heads K); drop --train-only or add heads")
+        if self.prune_layers is not None:
+            if self.baseline != "pruned":
+                p.append(f"prune-layers {self.prune_layers}: only for --baseline pruned")
+            else:
+                try:
+                    parse_prune_layers(self.prune_layers, num_layers)
+                except ValueError as exc:
+                    p.append(f"prune-layers {self.prune_layers}: {exc}")
+        return p
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CoreTrainConfig:
+        """From ``to_dict`` (a saved train.json); older files lack the newer fields (defaults) and
+        stored ``baseline`` as a bool (true: the dense baseline)."""
+        d = dict(d)
+        d["lora"] = LoraSettings(**d.get("lora", {}))
+        return cls(**d)  # (__post_init__ reads a bool baseline)
+
+
+def parse_curriculum(text: str, seq_len: int) -> tuple[int, float]:
+    """``"START:FRACTION"`` -> (START, FRACTION): rows start at START tokens and grow linearly to ``seq_len``
+    over FRACTION of the steps."""
+    try:
+        start, fraction = str(text).split(":")
+        start, fraction = int(start), float(fraction)
+    except ValueError:
+        raise ValueError("expected START:FRACTION, e.g. 64:0.5 (rows grow from 64 tokens to --seq-len over the "
+                         "first half of the steps)") from None
+    if start < 2:
+        raise ValueError(f"rows need at least 2 tokens, the curriculum starts at {start}")
+    if start > seq_len:
+        raise ValueError(f"the curriculum would end shorter than it starts: it starts at {start} tokens and ends at "
+                         f"--seq-len {seq_len}; pass a START <= {seq_len}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"FRACTION is the share of the steps over which rows grow, in (0, 1], got {fraction}")
+    return start, fraction
+
+
+def curriculum_len(config, step: int) -> int:
+    """The row length of (0-based) ``step`` under ``config.curriculum`` (``seq_len`` without one): a pure
+    function of the step, so resume is exact."""
+    if not config.curriculum:
+        return config.seq_len
+    start, fraction = parse_curriculum(config.curriculum, config.seq_len)
+    progress = min(1.0, step / max(1.0, fraction * config.steps))
+    return int(round(start + (config.seq_len - start) * progress))
+
+
+def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B): skip layers A..B-1 (0-based, like a Python slice); at least one layer stays."""
+    try:
+        a, b = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise ValueError("write it as START:STOP (0-based, STOP excluded), e.g. 8:20") from None
+    if not 0 <= a < b:
+        raise ValueError("need 0 <= START < STOP")
+    if num_layers and b > num_layers:
+        raise ValueError(f"the backbone has {num_layers} layers (0..{num_layers - 1}); STOP must be <= {num_layers}")
+    if num_layers and b - a >= num_layers:
+        raise ValueError(f"that removes all {num_layers} layers; keep at least one")
+    return a, b
+
+
+def family_options() -> list[type]:
+    """Each registered family's training options (``Family.training``): the default family's first, then the
+    others in registry order."""
+    default = BuildConfig.__dataclass_fields__["family"].default
+    found = []
+    for name in sorted(family_names(), key=lambda n: n != default):
+        options_cls = getattr(family(name), "training", None)
+        if options_cls is not None and options_cls not in found:
+            found.append(options_cls)
+    return found
+
+
+def foreign_options(config: TrainConfig, own=None) -> list[tuple[str, object, str]]:
+    """(flag, value, family) of each training option that only another family reads (``Family.training``; all
+    of them for a baseline, ``own`` None), set away from its default."""
+    found = []
+    for name in family_names():
+        other = family(name)
+        if other is own or getattr(other, "training", None) is None:
+            continue
+        for f in dataclasses.fields(other.training):
+            value = getattr(config, f.name)
+            if value != f.default:
+                found.append((f.name.replace("_", "-"), value, other.name))
+    return found
+
+
+def _compose() -> type:
+    """``TrainConfig``: :class:`CoreTrainConfig`'s fields, then each family's (a name declared twice is an error
+    naming both owners)."""
+    owner = {f.name: "the core" for f in dataclasses.fields(CoreTrainConfig)}
+    extra = []
+    for options_cls in family_options():
+        hints = typing.get_type_hints(options_cls)
+        for f in dataclasses.fields(options_cls):
+            if f.name in owner:
+                raise TypeError(f"training option {f.name!r} of {options_cls.__qualname__} is declared by "
+                                f"{owner[f.name]} already; rename it")
+            owner[f.name] = options_cls.__qualname__
+            extra.append((f.name, hints[f.name], f))
+    made = dataclasses.make_dataclass("TrainConfig", extra, bases=(CoreTrainConfig,))
+    made.__module__, made.__doc__ = __name__, CoreTrainConfig.__doc__  # (pickle and help() find it here)
+    return made
+
+
+TrainConfig = _compose()
