@@ -14,6 +14,9 @@ ROWS = [("model", "model", "{}"), ("bits_per_token", "bits / token", "{:.4f}"), 
         ("nll_dense_given_u", "NLL(y | u), frozen backbone", "{:.4f}"), ("nll_dense", "NLL(y), frozen backbone", "{:.4f}"),
         ("plan_len", "plan length (concepts / example)", "{:.2f}"), ("plan_per_token", "plan length / |u|", "{:.4f}"),
         ("delta_nll_shuffle", "ΔNLL concepts shuffled", "{:+.4f}"), ("delta_nll_random", "ΔNLL random concepts", "{:+.4f}"),
+        ("delta_nll_codes_shuffled", "ΔNLL codes shuffled (own state kept)", "{:+.4f}"),
+        ("delta_nll_codes_zero", "ΔNLL codes removed (own state kept)", "{:+.4f}"),
+        ("gate_norm", "identity start: gate RMS", "{:.4f}"),
         ("delta_nll_mask", "ΔNLL plan masked", "{:+.4f}"), ("delta_nll_dropout", "ΔNLL half the concepts dropped", "{:+.4f}"),
         ("nll_zstar", "NLL(y | z*), best of the E-step's beam", "{:.4f}"),
         ("estep_margin", "E-step margin S(z1) − S(z2) (nats)", "{:.3f}"),
@@ -32,7 +35,7 @@ ROWS = [("model", "model", "{}"), ("bits_per_token", "bits / token", "{:.4f}"), 
 
 
 PER_TYPE = {"plan_len": "plan length", "entropy": "planner entropy (nats)", "max_prob": "planner mean max-prob",
-            "usage_perplexity": "concept usage perplexity"}
+            "usage_perplexity": "concept usage perplexity", "delta_nll_shuffle": "ΔNLL this type's block shuffled"}
 
 
 def speed_vs_dense(results: dict) -> None:
@@ -142,7 +145,8 @@ def print_tables(results: dict, suffix: str = "") -> None:
     typed = dict.fromkeys(k for r in results.values() for k in r if k.split("/")[0] in PER_TYPE and "/" in k)
     for key in typed:  # the planner-executor's per-type rows: plan_len/topic, entropy/topic, ...
         what, name = key.split("/", 1)
-        t.add_row(f"{PER_TYPE[what]} ({name})", *(f"{r[key]:.3f}" if key in r else "-" for r in results.values()))
+        fmt = "{:+.4f}" if what.startswith("delta_") else "{:.3f}"
+        t.add_row(f"{PER_TYPE[what]} ({name})", *(fmt.format(r[key]) if key in r else "-" for r in results.values()))
     stdout.print(t)
     buckets = next((r["nll_by_position"] for r in results.values() if r.get("nll_by_position")), None)
     if buckets:

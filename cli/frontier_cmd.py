@@ -54,7 +54,13 @@ def make_spec(opts: dict):
     """The frontier from the command's options (raises ConfigError on bad input)."""
     from concept.errors import ConfigError
     from concept.options import from_params
-    from concept.recipes.frontier import FrontierSpec, domains, parse_ratios, parse_splits, train_overrides
+    from concept.recipes.frontier import (
+        FrontierSpec,
+        domains,
+        parse_ratios,
+        parse_splits,
+        train_overrides,
+    )
     from concept.train_config import TrainConfig
 
     from .build_cmd import make_config

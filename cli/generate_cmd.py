@@ -11,7 +11,6 @@ import click
 
 from .output import human_bytes, quiet_progress_bars, status, stdout
 
-
 # what a run's decoding can show, by view: the streaming family's (and a baseline's) concept marks and MTP heads,
 # the planner-executor's plan (``Family.decodes``)
 VIEWS = {"concepts": "concepts to show (the streaming family's)", "mtp": "MTP heads to decode with",

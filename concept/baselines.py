@@ -6,6 +6,9 @@ trainer asks about it, as it asks a family (``concept.components.Family``).
 from __future__ import annotations
 
 from . import objectives
+from .builder import build_backbone
+from .dense import DenseModel
+from .flops import Shape, matched_prune
 from .train_config import foreign_options, parse_prune_layers  # noqa: F401 (parse_prune_layers: API)
 
 
@@ -41,9 +44,6 @@ class Baseline:
         return found
 
     def training_model(self, plan, config, out, resume: bool, notes: list):
-        from .builder import build_backbone
-        from .dense import DenseModel
-
         loaded = build_backbone(plan)
         if self.name == "pruned":
             self.prune = prune_plan(config, plan, loaded.model.config)
@@ -72,8 +72,6 @@ class Baseline:
 def prune_plan(config, plan, hf_config):
     """The pruned baseline's layer block (``concept.flops.matched_prune``): FLOP-matched to the
     streaming model of this build plan at ``config.target_ratio`` and ``config.seq_len``."""
-    from .flops import Shape, matched_prune
-
     vocabulary = plan.components["vocabulary"]
     policy = plan.components["length_policy"]
     classes = int(getattr(vocabulary.config, "size", 0)) + int(getattr(policy.cls, "uses_null_class", True))

@@ -16,12 +16,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import attention, fs
+from . import attention, checkpoint, fs
 from .backbone import LoadedBackbone
 from .components import BuildContext
 from .config import BuildConfig, Plan, resolve
+from .dense import DenseModel
 from .errors import RunFolderError
 from .families import family, family_of
+from .lora import (
+    PEFT_CONFIG_FILE,
+    LoraSettings,
+    add_lora,
+    load_lora_state_dict,
+    load_peft_adapter,
+)
 
 RUN_FILE = "concept.json"
 MODULES_FILE = "modules.safetensors"
@@ -185,8 +193,6 @@ def read_train(folder: Path) -> dict | None:
 
 def newest_weights(folder: Path, stem: str) -> dict | None:
     """Newest weights named ``stem``: from the run's checkpoint if it has one, else from the build."""
-    from . import checkpoint
-
     state = checkpoint.read_tensors(folder, stem)
     if state is None and (folder / f"{stem}.safetensors").is_file():
         try:
@@ -212,16 +218,6 @@ def load(path: str | os.PathLike):
     LoRA adapters and the newest checkpoint's weights) or a trained dense (or pruned) baseline; also a
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
     folder ``adapter/`` or merged into the backbone)."""
-    from . import checkpoint
-    from .dense import DenseModel
-    from .lora import (
-        PEFT_CONFIG_FILE,
-        LoraSettings,
-        add_lora,
-        load_lora_state_dict,
-        load_peft_adapter,
-    )
-
     folder = Path(path)
     record = read_run(folder)
     train = read_train(folder)

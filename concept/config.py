@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConceptError, ConfigError, UnknownComponentError
-from .families import family
+from .families import family, sections
 from .options import option
 from .registry import KINDS, Provider, registry
 
@@ -146,8 +146,6 @@ class BuildConfig:
 
 def family_sections() -> dict[str, str]:
     """Section name -> the family whose options it holds."""
-    from .families import sections
-
     return sections()
 
 
@@ -277,8 +275,6 @@ class Plan:
 
     @property
     def family_object(self):
-        from .families import family
-
         return family(self.config.family)
 
     def describe(self) -> dict:

@@ -27,6 +27,7 @@ from .attention import CausalPlan
 from .backbone import decoder, run_layers
 from .generation import generate
 from .losses import next_token_loss
+from .mtp import MTPHeads
 
 
 @dataclass
@@ -50,8 +51,6 @@ class DenseModel(nn.Module):
         self.removed = tuple(removed) if removed is not None else None
         self.mtp_heads = None
         if mtp_heads:
-            from .mtp import MTPHeads
-
             self.mtp_heads = MTPHeads(backbone.config.hidden_size, mtp_heads)
             self.mtp_heads.bind(lambda h: self.backbone.lm_head(decoder(self.backbone).norm(h)))
 

@@ -23,7 +23,11 @@ from collections import defaultdict
 
 import torch
 
+from . import data as concept_data
 from . import packing
+from .builder import load, read_train
+from .data import builtin_corpus
+from .distributed import pick_device
 from .errors import ConfigError
 from .families import family_of
 from .losses import next_token_loss
@@ -71,7 +75,9 @@ def step_diagnostics(model, out, batch) -> dict[str, float]:
       (1 = collapse onto one id, at most min(K, number of concepts));
     * ``usage_fraction`` — distinct ids used / K;
     * ``cos_soft_hard`` — mean cosine between ``e_soft = probs @ table`` and ``e_hard = table[id]``
-      at kept positions.
+      at kept positions;
+    * ``gate_norm`` — with an identity start (``h + gate * e``), the RMS of the gate on the discrete
+      embedding.
 
     Values that are undefined for the batch (no kept position) are ``nan``. These are the streaming family's
     (``concept.streaming.diagnostics``); another family reports its own, a baseline none.
@@ -160,10 +166,14 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     also gets, over the whole evaluation: ``ratio``
     (concepts per real token), ``concepts`` (count), ``usage_perplexity``, ``usage_fraction``,
     ``head_entropy``, ``max_prob``, ``boundary_prob`` (if the policy has it),
-    ``cos_soft_hard`` (with multi-level codes also ``usage_perplexity/level<l>``) and, with ``controls``, ``delta_nll_shuffle`` / ``delta_nll_random``: the
+    ``cos_soft_hard`` (with multi-level codes also ``usage_perplexity/level<l>``), ``gate_norm`` (identity
+    start) and, with ``controls``, ``delta_nll_shuffle`` / ``delta_nll_random``: the
     NLL with the concepts' whole inputs permuted among the concept slots of each batch (seeded), or
     rebuilt from random ids and random tokens' shallow states (see :func:`_control`), with the
-    same keep pattern, minus the normal NLL. Both > 0 means the concepts carry information.
+    same keep pattern, minus the normal NLL. Both > 0 means the concepts carry information. The code-only
+    controls ``delta_nll_codes_shuffled`` / ``delta_nll_codes_zero`` change only the concepts' discrete
+    embeddings (permuted among the slots of the batch, or removed), each slot keeping its continuous part
+    (the identity start's shallow state): > 0 means the discrete id itself carries information.
     With ``controls`` a streaming model also gets the **depth decomposition**: its NLL at the
     positions that emitted a concept (``nll_concepts``) and at tail positions (``nll_tails``), and
     at the same positions the NLL of two reference paths of the same weights: every token a
@@ -262,9 +272,6 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
     """(source, split, seq_len, text_field, encoding_errors) of a run's held-out evaluation: all of
     ``data`` if given (the held-out split of a built-in corpus such as ``stdlib`` or ``pydoc``), else
     the held-out split of what the run trained on; unset options default to the run's training settings."""
-    from .builder import read_train
-    from .data import builtin_corpus
-
     train = read_train(run) or {}
     if data:
         source, split = data, "heldout" if builtin_corpus(data) else "all"
@@ -277,18 +284,13 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
 def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None):
     """Evaluate the run folder ``path`` (or its already loaded ``model``) on one data source: the
     batches ``concept eval`` uses. Returns (model, tokenizer, documents, result)."""
-    import concept
-
-    from . import data as concept_data
-    from .distributed import pick_device
-
     problems = [f"{name}: at least {low}, got {value}" for name, value, low in
                 (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
                 if value is not None and (not isinstance(value, int) or value < low)]
     if problems:
         raise ConfigError(problems)
     source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
-    model = concept.load(path).to(pick_device(device)) if model is None else model
+    model = load(path).to(pick_device(device)) if model is None else model
     tokenizer = concept_data.tokenizer_for(model)
     docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
     packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from . import fs
+from . import __version__, checkpoint, fs
 from .builder import (
     MODULES_FILE,
     PEFT_ADAPTER_DIR,
@@ -47,9 +47,11 @@ from .builder import (
     read_run,
     read_train,
 )
+from .config import BuildConfig, resolve
 from .diagnostics import model_kind
 from .errors import ConceptError
 from .families import family_of
+from .lora import save_peft_adapter
 
 BACKBONE_DIR = "backbone"
 BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)
@@ -155,10 +157,6 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     ``report(verb, detail)`` receives progress lines and warnings (verb ``"warning:"``); without it,
     warnings go through :mod:`warnings`. An untrained run (no training checkpoint) is exported as built,
     with a warning."""
-    from . import __version__, checkpoint
-    from .config import BuildConfig, resolve
-    from .lora import save_peft_adapter
-
     run, out = Path(run), Path(out)
     record = read_run(run)  # a clear error for anything that is not a run folder
     check_target(run, out, force)

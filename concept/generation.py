@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from . import multitoken
 from .decoding import DenseDecoder
 from .errors import ConceptError, ConfigError
 from .families import family_of
@@ -180,8 +181,6 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
                       f"generating at most {budget} new tokens", stacklevel=2)
 
     if s.mtp:
-        from . import multitoken
-
         multitoken.check(model, s)
     device = next(model.parameters()).device
     ids, valid = left_pad(rows, pad, device)
@@ -262,8 +261,6 @@ def _multitoken_loop(model, decoder, logits, ids, pad, record, new, s, streamer,
     """Greedy decoding a block of tokens per forward (``concept.multitoken``); ``record(b, t)`` appends
     row b's token to ``new[b]`` and says whether the row is finished. Returns the sequences,
     the logits that predicted each new token ([B, N, V], padded with zeros) and the forwards run."""
-    from . import multitoken
-
     B = ids.shape[0]
     done = [False] * B
     per_row = [[] for _ in range(B)]

@@ -9,7 +9,11 @@ import torch
 from torch import nn
 
 from . import fs
+from .backbone import decoder
+from .distributed import full_tensor
+from .errors import ConceptError, RunFolderError
 from .train_config import DEFAULT_TARGETS, LoraSettings  # noqa: F401 (part of this module's API)
+
 
 def add_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
     """Inject LoRA into ``backbone`` in place; only the adapter weights are trainable."""
@@ -19,8 +23,6 @@ def add_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
     present = {name.rsplit(".", 1)[-1] for name, m in backbone.named_modules() if isinstance(m, nn.Linear)}
     missing = [t for t in targets if t not in present]
     if missing:
-        from .errors import ConceptError
-
         raise ConceptError(f"LoRA targets {missing} are not linear layers of this backbone; "
                            f"available: {', '.join(sorted(present))}")
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
@@ -33,14 +35,10 @@ def add_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
 
 def lora_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights, whole (FSDP2-sharded weights are gathered: every rank must call it)."""
-    from .distributed import full_tensor
-
     return {k: full_tensor(v).detach().cpu().contiguous() for k, v in backbone.state_dict().items() if "lora_" in k}
 
 
 def load_lora_state_dict(backbone: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    from .errors import RunFolderError
-
     try:
         missing = backbone.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shapes differ: another rank
@@ -91,8 +89,6 @@ def save_peft_adapter(backbone: nn.Module, folder, base_model_name_or_path: str 
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from .backbone import decoder
-    from .errors import ConceptError
 
     configs = getattr(backbone, "peft_config", None) or {}
     if "default" not in configs:
@@ -133,7 +129,6 @@ def read_peft_config(folder):
 
     from peft import LoraConfig
 
-    from .errors import RunFolderError
 
     folder = Path(folder)
     if not (folder / PEFT_CONFIG_FILE).is_file() or not (folder / PEFT_WEIGHTS_FILE).is_file():
@@ -164,7 +159,6 @@ def load_peft_adapter(backbone: nn.Module, folder) -> LoraSettings:
     from peft import inject_adapter_in_model, set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
-    from .errors import RunFolderError
 
     folder = Path(folder)
     config = read_peft_config(folder)
@@ -202,7 +196,6 @@ def peft_adapter_state(folder) -> dict[str, torch.Tensor] | None:
 
     from peft.utils import load_peft_weights
 
-    from .errors import RunFolderError
 
     folder = Path(folder)
     if not (folder / PEFT_CONFIG_FILE).is_file():

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from .mtp import mtp_pairs
 
 
-
 class Objective:
     """The base of every object the trainer composes: a loss term, a controller, or both. Each hook is a
     no-op here; an objective overrides the ones it needs, and the trainer calls them all in order.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .fs import write_atomic
+
 
 def pyplot():
     import matplotlib
@@ -18,8 +20,6 @@ def pyplot():
 
 
 def save_figure(fig, path: Path) -> Path:
-    from .fs import write_atomic
-
     plt = pyplot()
     path = Path(path)
     try:

@@ -42,12 +42,29 @@ from torch import nn
 from . import checkpoint, data, fs
 from .backbone import decoder
 from .baselines import Baseline
-from .builder import RUN_FILE, TRAIN_FILE, build, read_run, read_train
+from .builder import (
+    PEFT_ADAPTER_DIR,
+    RUN_FILE,
+    TRAIN_FILE,
+    build,
+    load_new_modules,
+    read_run,
+    read_train,
+)
 from .config import BuildConfig, resolve
+from .diagnostics import evaluate, grad_norms
 from .distributed import Dist, full_tensor, pick_device
 from .errors import ConceptError, ConfigError, RunFolderError
-from .lora import add_lora, lora_state_dict
+from .lora import (
+    add_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+    peft_adapter_state,
+    save_peft_adapter,
+)
 from .objectives import overrides
+from .plots import training_curves
+from .teacher import teacher_forward
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
     LoraSettings,
     TrainConfig,
@@ -127,7 +144,6 @@ class FamilyTraining:
         if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
             from safetensors.torch import load_file
 
-            from .builder import load_new_modules
 
             load_new_modules(model, load_file(out / "modules.safetensors"))  # (resume: _restore loads)
         return model
@@ -163,7 +179,6 @@ class StepModule(nn.Module):
         """Returns (model output, total loss, {objective name: term}, seconds spent in the teacher)."""
         teacher, teacher_s = None, 0.0
         if self.teacher_needs:  # before the student: its graph never sees the adapters switched off
-            from .teacher import teacher_forward
 
             self.sync()
             t0 = time.perf_counter()
@@ -234,7 +249,6 @@ class Trainer:
         if (self.out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
             from safetensors.torch import load_file
 
-            from .lora import load_lora_state_dict
 
             load_lora_state_dict(model.backbone, load_file(self.out / "adapter.safetensors"))
         if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
@@ -391,8 +405,6 @@ class Trainer:
         for stem in ("modules", "adapter"):  # continue from a trained model's modules and adapters
             state = checkpoint.read_tensors(source, stem)
             if state is None and stem == "adapter":  # an export: its adapters as a peft folder
-                from .builder import PEFT_ADAPTER_DIR
-                from .lora import peft_adapter_state
 
                 state = peft_adapter_state(source / PEFT_ADAPTER_DIR)
             if state:
@@ -488,9 +500,6 @@ class Trainer:
                            f"product is {per_rank}"])
 
     def _restore_weights(self, model) -> None:
-        from .builder import load_new_modules
-        from .lora import load_lora_state_dict
-
         load_lora_state_dict(model.backbone, checkpoint.read_tensors(self.out, "adapter") or {})
         modules = checkpoint.read_tensors(self.out, "modules")
         if modules:
@@ -568,8 +577,6 @@ class Trainer:
             checkpoint.write(self.out, tensors, objects, meta, files)
             # the adapters also as a standard peft folder (RUN/adapter/), loadable onto the plain HF backbone;
             # concept.load reads the checkpoint's copy first, so a torn peft folder never wins
-            from .builder import PEFT_ADAPTER_DIR
-            from .lora import save_peft_adapter
 
             save_peft_adapter(self.model.backbone, self.out / PEFT_ADAPTER_DIR, state=tensors["adapter"],
                               base_model_name_or_path=self.model.plan.backbone_info.name,
@@ -626,7 +633,6 @@ class Trainer:
                                 f"Try a lower --lr / --lr-new or a larger --clip.")
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
-            from .diagnostics import grad_norms
 
             diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
             with torch.no_grad(), self.gathered():  # (this rank's last micro-batch)
@@ -703,8 +709,6 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out evaluation. Under torchrun every rank evaluates the same batches (FSDP2 needs every
         rank in each forward; the results are identical) and rank 0 logs them."""
-        from .diagnostics import evaluate
-
         if self.eval_data is None:
             return {}
 
@@ -775,8 +779,6 @@ class Trainer:
 
     def plot(self) -> Path | None:
         """curves.png (loss, held-out NLL and, where there is one, the concept ratio), then the kind's own."""
-        from .plots import training_curves
-
         rows = self.metrics()
         self.kind.plots(self.name, rows, self.out)
         return training_curves(rows, self.out / "curves.png", self.config.target_ratio)

@@ -99,6 +99,12 @@ MUTATIONS = [
     Mutation("resume: the ratio controller's state is not restored", "concept/streaming/objectives.py",
              "            self.pi.load_state_dict(state)", "            pass",
              ["tests/test_training.py", "-k", "resume_reproduces"]),
+    # the code-only controls read the discrete id alone
+    Mutation("code controls: the whole input perturbed, not only the code", "concept/streaming/model.py",
+             "        if hasattr(self.sampler, \"mix\"):  # e.g. `hidden-projection`, in training and at inference\n",
+             "        h = h if perturb_codes is None else torch.zeros_like(h)\n"
+             "        if hasattr(self.sampler, \"mix\"):  # e.g. `hidden-projection`, in training and at inference\n",
+             ["tests/test_code_controls.py"]),
     # nothing written is lost
     Mutation("publish: the old folder removed before the new one is in place", "concept/fs.py",
              "    if exchange(new, dest):\n",

@@ -14,8 +14,8 @@ from concept.diagnostics import compression_map, evaluate, grad_norms, step_diag
 K = 32  # tiny_config's concept vocabulary
 DENSE_KEYS = {"tokens", "nll", "bits_per_token", "perplexity", "nll_by_position", "tokens_by_position"}
 CONCEPT_KEYS = {"ratio", "concepts", "usage_perplexity", "usage_fraction", "head_entropy", "max_prob",
-                "boundary_prob", "cos_soft_hard"}
-CONTROL_KEYS = {"delta_nll_shuffle", "delta_nll_random"}
+                "boundary_prob", "cos_soft_hard", "gate_norm"}
+CONTROL_KEYS = {"delta_nll_shuffle", "delta_nll_random", "delta_nll_codes_shuffled", "delta_nll_codes_zero"}
 DEPTH_KEYS = {f"nll_{part}{path}" for part in ("concepts", "tails") for path in ("", "_keep_all", "_skip_middle")}
 
 

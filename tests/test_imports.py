@@ -99,3 +99,40 @@ def test_every_module_imports_first():
                           cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
+
+
+def lazy_imports_without_a_reason(source: str) -> list[int]:
+    """Lines of the imports of the project's own modules made inside a function (``import`` in a ``def``)
+    without a ``# lazy: REASON`` comment on the line above the block of imports they belong to."""
+    lines = source.split("\n")
+    missing = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        spans = {n.lineno: n.end_lineno for n in body}
+        for n in body:
+            own = n.level > 0 if isinstance(n, ast.ImportFrom) else False
+            names = [n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]
+            if not own and not any(name.split(".")[0] in PACKAGES.values() for name in names):
+                continue  # a third-party import (e.g. matplotlib, peft): not this rule's business
+            first = n.lineno
+            while any(end == first - 1 for end in spans.values()):  # the block of imports above it
+                first = next(start for start, end in spans.items() if end == first - 1)
+            if not lines[first - 2].strip().startswith("# lazy:"):
+                missing.append(n.lineno)
+    return sorted(set(missing))
+
+
+def test_a_function_imports_the_projects_modules_only_with_a_reason():
+    """The core and the families import each other at the top of a module; an import inside a function is
+    kept only where it avoids a heavy import (torch, for a module that must load without it) and says so."""
+    found = {f"{path.relative_to(REPO)}:{line}" for module, path in modules().items()
+             if module.split(".")[0] == "concept" for line in lazy_imports_without_a_reason(path.read_text())}
+    assert not found, sorted(found)
+
+
+def test_the_lazy_import_rule_can_fail():  # negative control: a reasonless local import is caught, a reasoned one not
+    bare = "def f():\n    from .model import x\n    from . import y\n    return x\n"
+    reasoned = "def f():\n    # lazy: torch\n    from .model import x\n    from . import y\n    import json\n    return x\n"
+    assert lazy_imports_without_a_reason(bare) == [2, 3] and lazy_imports_without_a_reason(reasoned) == []

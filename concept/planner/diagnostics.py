@@ -18,7 +18,9 @@ Per batch the planner writes a plan for ``u`` with the eval sampler (argmax), an
 * with ``controls``: ``delta_nll_shuffle`` (plans rolled by one row across the batch), ``delta_nll_mask``
   (every concept's embedding zeroed, the separators and types kept), ``delta_nll_random`` (random ids,
   same lengths and types) and ``delta_nll_dropout`` (each concept dropped with probability 1/2), each the
-  NLL under that plan minus ``nll``. > 0 means the plan carries information;
+  NLL under that plan minus ``nll``. > 0 means the plan carries information. With several types also
+  ``delta_nll_shuffle/<type>``: only that type's block rolled by one row (the other types kept): what the
+  type carries beyond the others;
 * with ``controls`` and ``beam`` > 0, the E-step's search (``concept.planner.search``): ``nll_zstar``, NLL(y | z*)
   of the best of a beam of ``beam`` plans under S(z) = log p(y | z) + log p(z | u) (below ``nll``: the search
   finds better plans than the planner's greedy one), and ``estep_margin``, S(z⁽¹⁾) − S(z⁽²⁾) per example.
@@ -34,6 +36,9 @@ from collections import defaultdict
 
 import torch
 
+from ..attention import CausalPlan
+from ..backbone import run_layers
+from ..packing import time_positions
 from ..teacher import adapters_disabled
 from .model import Plan, text_loss
 from .search import beam_search, score_plans
@@ -69,18 +74,38 @@ def dropout_plan(model, plan: Plan, generator: torch.Generator, p: float = 0.5) 
     return Plan.from_rows(rows, tuple(model.sizes.tolist()), plan.classes.device)
 
 
+def shuffle_type(model, plan: Plan, kind: int, rows: torch.Tensor) -> Plan:
+    """Each row's plan with its type-``kind`` block taken from row ``rows[b]`` (the other types' blocks kept):
+    the plan-only shuffle of one type."""
+    own = plan.rows()
+    mixed = [sorted([c for c in row if c[0] != kind] + [c for c in own[r] if c[0] == kind], key=lambda c: c[0])
+             for row, r in zip(own, rows.tolist())]  # (sorted is stable: each type's order is kept)
+    return Plan.from_rows(mixed, tuple(model.sizes.tolist()), plan.classes.device)
+
+
+def controls_of(model) -> tuple[str, ...]:
+    """The controls :func:`control_nlls` runs (``delta_nll_<name>``): with several types also ``shuffle/<type>``."""
+    names = [t.name for t in model.settings.types]
+    return CONTROLS + (tuple(f"shuffle/{name}" for name in names) if len(names) > 1 else ())
+
+
 CONTROLS = ("shuffle", "mask", "random", "dropout")
 
 
 def control_nlls(model, plan: Plan, y, y_valid, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """[B, Ty] NLL of y under each perturbed plan: ``shuffle`` (plans rolled by one row across the batch),
     ``mask`` (concept embeddings zeroed), ``random`` (random ids, same lengths and types), ``dropout`` (half
-    the concepts dropped at random)."""
+    the concepts dropped at random) and, with several types, ``shuffle/<type>`` (only that type's block rolled
+    by one row: what the type carries beyond the others)."""
     perm = torch.roll(torch.arange(y.shape[0], device=y.device), 1)
-    return {"shuffle": _score(model, plan.select(perm), y, y_valid),
-            "mask": _score(model, plan, y, y_valid, embeds=masked_embeds(model, plan)),
-            "random": _score(model, random_plan(model, plan, generator), y, y_valid),
-            "dropout": _score(model, dropout_plan(model, plan, generator), y, y_valid)}
+    found = {"shuffle": _score(model, plan.select(perm), y, y_valid),
+             "mask": _score(model, plan, y, y_valid, embeds=masked_embeds(model, plan)),
+             "random": _score(model, random_plan(model, plan, generator), y, y_valid),
+             "dropout": _score(model, dropout_plan(model, plan, generator), y, y_valid)}
+    types = model.settings.types
+    for i, t in enumerate(types if len(types) > 1 else ()):
+        found[f"shuffle/{t.name}"] = _score(model, shuffle_type(model, plan, i, perm), y, y_valid)
+    return found
 
 
 def planner_signals(model, plan: Plan) -> dict[str, float]:
@@ -140,10 +165,6 @@ def step_diagnostics(model, out, batch, bucket: int = 64, seed: int = 0) -> dict
 
 def frozen_logits(model, ids, valid) -> torch.Tensor:
     """[B, T, V] next-token logits of the frozen backbone (adapters off) on ``ids``."""
-    from ..attention import CausalPlan
-    from ..backbone import run_layers
-    from ..packing import time_positions
-
     inner = model.inner
     with adapters_disabled(model.backbone):
         h = run_layers(inner.layers, inner.embed_tokens(ids), time_positions(valid), CausalPlan(valid), inner.rotary_emb)
@@ -247,7 +268,7 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
     if controls:
         result["nll_dense_given_u"] = sums["nll_dense_given_u"] / tokens
         result["nll_dense"] = sums["nll_dense"] / max(1.0, sums["dense_tokens"])
-        for key in CONTROLS:
+        for key in controls_of(model):
             result[f"delta_nll_{key}"] = sums[f"control_{key}"] / tokens - nll
         if beam:
             result["nll_zstar"] = sums["nll_zstar"] / tokens

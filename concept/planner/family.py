@@ -1,5 +1,9 @@
 """The planner-executor family (docs/planner_executor.md): the backbone plans discrete concepts from the
-context, then writes the text from the plan alone (``concept.planner.model``)."""
+context, then writes the text from the plan alone (``concept.planner.model``).
+
+This module stays free of torch: the torch-free ``TrainConfig`` (``concept.train_config``) and the CLI
+(``concept train --help``, ``concept inspect``'s drawings) load the family object through its entry point.
+So each method imports the modules it needs (which import torch) when it runs (``# lazy: torch``)."""
 from __future__ import annotations
 
 from .options import PlannerTraining
@@ -16,6 +20,7 @@ class PlannerExecutor:
 
     # -- building ------------------------------------------------------------------------------
     def settings(self, options: dict, components: dict):
+        # lazy: torch (module docstring)
         from .model import PlannerSettings
 
         settings, problems = PlannerSettings.parse(options)
@@ -35,6 +40,7 @@ class PlannerExecutor:
         return settings, problems
 
     def build(self, plan, loaded):
+        # lazy: torch (module docstring)
         from .model import build
 
         return build(plan, loaded)
@@ -72,27 +78,32 @@ class PlannerExecutor:
         model.task, model.context_len = train.get("task") or "reconstruct", train.get("context_len", 0)
 
     def objectives(self, config, model, step, notes: list) -> list:
+        # lazy: torch (module docstring)
         from .objectives import from_config
 
         return from_config(config, model)
 
     def plots(self, name: str, rows: list[dict], out) -> None:
+        # lazy: torch (module docstring)
         from .plots import planner_curves
 
         planner_curves({name: rows}, out / "planner.png")
 
     # -- decoding and evaluation ---------------------------------------------------------------
     def decoder(self, model):
+        # lazy: torch (module docstring)
         from .decoding import PlannedDecoder
 
         return PlannedDecoder(model)
 
     def step_diagnostics(self, model, out, batch) -> dict[str, float]:
+        # lazy: torch (module docstring)
         from .diagnostics import step_diagnostics
 
         return step_diagnostics(model, out, batch)
 
     def evaluate(self, model, batches, bucket: int, controls: bool, seed: int):
+        # lazy: torch (module docstring)
         from .diagnostics import evaluate_planned
 
         return evaluate_planned(model, batches, bucket, controls, seed)

@@ -41,9 +41,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import fs
-from ..config import BuildConfig, _coerce, parse_value, resolve
+from .. import checkpoint, fs
+from ..backbone import decoder
+from ..baselines import prune_plan
+from ..builder import build as build_model
+from ..builder import build_backbone, read_run, read_train, save
+from ..config import BuildConfig, _coerce, _unknown_msg, parse_value, resolve
+from ..data import CORPORA, builtin_corpus, local_path, stored_source
+from ..diagnostics import evaluate_folder as eval_one
 from ..errors import ConceptError, ConfigError, RunFolderError
+from ..flops import Shape, ideal_ratio, pruned_flops
+from ..train_config import LoraSettings, TrainConfig
+from ..training import DERIVED, Trainer
 
 BUILDS = "builds"
 EVAL_FILE = "frontier-eval.json"
@@ -167,8 +176,6 @@ def parse_ratios(text: str) -> tuple[list[float], list[str]]:
 def domains(sources: list[str]) -> tuple[list[Domain], list[str]]:
     """``--eval-data`` values (``SOURCE`` or ``LABEL=SOURCE``) -> domains, checked: a built-in corpus
     (stdlib/code, pydoc/prose) or an existing file or folder."""
-    from ..data import CORPORA, builtin_corpus
-
     out, problems, labels = [], [], set()
     for item in sources:
         label, source = None, item
@@ -200,9 +207,6 @@ def domains(sources: list[str]) -> tuple[list[Domain], list[str]]:
 def train_overrides(config, items: list[str]):
     """Apply ``KEY=VALUE`` strings (TrainConfig field names, dashes allowed; ``lora.rank=4``) to a copy
     of ``config``; values are parsed as JSON when possible and coerced to the field's type."""
-    from ..lora import LoraSettings
-    from ..train_config import TrainConfig
-
     config = copy.deepcopy(config)
     hints = typing.get_type_hints(TrainConfig)
     lora_hints = typing.get_type_hints(LoraSettings)
@@ -222,8 +226,6 @@ def train_overrides(config, items: list[str]):
             problems.append(f"--train-set {key}: set by the frontier for each run (use --ratios for the target ratios)")
             continue
         if name not in allowed:
-            from ..config import _unknown_msg
-
             problems.append(_unknown_msg("--train-set key", key, fields + [f"lora.{f}" for f in lora_fields]))
             continue
         try:
@@ -245,8 +247,6 @@ def _hf_config(plan, cache: dict):
         if callable(make):
             cache[key] = make(bb.config)
         else:
-            from ..builder import build_backbone
-
             cache[key] = build_backbone(plan).model.config
     return cache[key]
 
@@ -255,10 +255,6 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
     """Every run of the frontier, validated up front (one ``ConfigError`` listing every problem:
     splits that do not fit the backbone, bad training options, existing runs with another recipe
     unless ``force``). Loads at most the backbone's config (or, without a cheap one, the backbone)."""
-    from ..data import local_path
-    from ..baselines import prune_plan
-    from ..training import Trainer
-
     problems = []
     if not spec.splits:
         problems.append("--splits: give at least one split, e.g. \"4,22,4;6,18,6\"")
@@ -373,9 +369,6 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
 def recipe(train: dict, kind: str) -> dict:
     """What a run learns from: the training config minus logging / device (and, for a baseline, the
     streaming-only options, which do nothing there)."""
-    from ..data import stored_source
-    from ..training import DERIVED, TrainConfig
-
     saved = {k: v for k, v in train.items() if k not in DERIVED}
     d = TrainConfig.from_dict(saved).to_dict()
     d["data"] = stored_source(d["data"])  # the same data however it is spelled (runs store it absolute)
@@ -397,9 +390,6 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 def run_state(folder: Path, run: PlannedRun) -> dict:
     """``{"status": ...}``: new | complete | resume (``step``) | restart (no checkpoint yet) |
     differs (``differences``) | foreign (``detail``)."""
-    from .. import checkpoint
-    from ..builder import read_run, read_train
-
     folder = Path(folder)
     if not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
         return {"status": "new"}
@@ -438,17 +428,13 @@ def run_state(folder: Path, run: PlannedRun) -> dict:
 
 def _ensure_build(folder: Path, build: BuildConfig, log) -> Path:
     """The untrained model a run starts from (one per split), built once."""
-    import concept
-
-    from ..builder import read_run
-
     try:
         if read_run(folder)["config"] == build.to_dict():
             return folder
     except RunFolderError:
         pass
     log("building", f"{folder} ...")
-    concept.save(concept.build(build), folder, force=True)
+    save(build_model(build), folder, force=True)
     return folder
 
 
@@ -465,12 +451,6 @@ def _finite(x):
 def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
     """Per domain: bits/token, realised ratio, ΔNLL controls and the FLOP ratio to dense. The held-out
     batches are exactly those of ``concept eval RUN --data SOURCE --batches N --batch B --seq-len T``."""
-    from ..backbone import decoder
-    from ..diagnostics import (
-        evaluate_folder as eval_one,  # the `concept eval` evaluation, not a copy
-    )
-    from ..flops import Shape, ideal_ratio, pruned_flops
-
     model, out = None, {}
     T = spec.seq_len
     for d in spec.domains:
@@ -487,7 +467,8 @@ def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
         out[d.label] = {"bits_per_token": _finite(r.get("bits_per_token")), "nll": _finite(r.get("nll")),
                         "tokens": r.get("tokens"), "ratio": _finite(r.get("ratio")),
                         "delta_nll_shuffle": _finite(r.get("delta_nll_shuffle")),
-                        "delta_nll_random": _finite(r.get("delta_nll_random")), "flop_ratio": flop}
+                        "delta_nll_random": _finite(r.get("delta_nll_random")),
+                        "delta_nll_codes_shuffled": _finite(r.get("delta_nll_codes_shuffled")), "flop_ratio": flop}
     return out
 
 
@@ -500,8 +481,6 @@ def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, f
     """Train what is missing (skip complete runs, resume interrupted ones), evaluate every run, and
     return the frontier (``rows`` + ``best``; see :func:`summarise`). ``train(trainer)`` runs a
     trainer (default ``trainer.train()``); ``log(verb, detail)`` receives progress lines."""
-    from ..training import Trainer
-
     out = Path(out)
     log = log or (lambda verb, detail="": None)
     train = train or (lambda trainer: trainer.train())
@@ -545,8 +524,6 @@ def _train(trainer, train, log, name) -> None:
 
 
 def _row(r: PlannedRun, folder: Path, spec: FrontierSpec, action: str, log=lambda verb, detail: None) -> dict:
-    from .. import checkpoint
-
     step = (checkpoint.read_meta(folder) or {}).get("step")
     key = _eval_key(spec, step)
     cache = folder / EVAL_FILE
@@ -624,7 +601,7 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
     labels = [d["label"] for d in result["domains"]]
     each = lambda what: [f"{what} {label}" for label in labels]  # noqa: E731
     head = (["run", "kind", "split", "target ratio", f"FLOP ratio ({' / '.join(labels)})"] + each("bits")
-            + each("ratio") + each("ΔNLL shuffle") + each("gap to dense") + each("vs pruned"))
+            + each("ratio") + each("ΔNLL shuffle") + each("ΔNLL codes") + each("gap to dense") + each("vs pruned"))
     rows = []
     for row in result["rows"]:
         ms = [row["domains"][label] for label in labels]
@@ -636,6 +613,7 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
                     + [_f(m["bits_per_token"], ".3f") for m in ms]
                     + [_f(m["ratio"], ".3f") for m in ms]
                     + [_f(m["delta_nll_shuffle"], "+.3f") for m in ms]
+                    + [_f(m.get("delta_nll_codes_shuffled"), "+.3f") for m in ms]
                     + [gap(m) for m in ms]
                     + [_f(m["vs_pruned_bits"], "+.2f") for m in ms])
     return head, rows
@@ -657,7 +635,8 @@ def report_block(result: dict, image: str) -> str:
              f"Held-out: {domains_}; {ev['batches']} × {ev['batch']} × {ev['seq_len']} tokens per domain. FLOP ratio: "
              f"ideal forward FLOPs at length {ev['seq_len']} over dense (streaming: at the ratio realised on each domain). "
              f"gap to dense: bits/token minus dense's (and %); vs pruned: minus the FLOP-matched pruned baseline's "
-             f"(negative = the streaming model is better). ΔNLL in nats."]
+             f"(negative = the streaming model is better). ΔNLL in nats: shuffle, the concepts' whole inputs permuted across "
+             f"the batch; codes, only their discrete codes (each concept keeps its own continuous part)."]
     notes = [f"- {row['run']}: {n}" for row in result["rows"] for n in row.get("notes", [])]
     if notes:
         parts += ["", *notes]

@@ -28,8 +28,11 @@ import hashlib
 
 import torch
 
+from .. import data as data_
 from ..config import DEFAULT_TARGET_RATIO
 from ..errors import ConfigError
+from ..packing import document_starts
+from ..tokens import tokenizer_for
 from .ratio import PIController, ratio_controllable
 
 DEFAULT_BATCHES = 4  # batches of DEFAULT_BATCH rows of DEFAULT_SEQ_LEN tokens: 2,048 tokens
@@ -58,9 +61,6 @@ def calibration_rows(model, data=None, rows: int = DEFAULT_BATCHES * DEFAULT_BAT
     """Up to ``rows`` packed rows of ``seq_len`` tokens from the training split of ``data`` (default:
     the Python standard library), drawn from documents taken in sha256 order of their names (each cut
     to its first ``32 * seq_len`` characters). Returns (batch dict, label of the data)."""
-    from .. import data as data_
-    from ..tokens import tokenizer_for
-
     tokenizer = tokenizer_for(model)  # before reading: a backbone too small for bytes fails fast
     docs = data_.read_documents(data, "train", text_field, encoding_errors=encoding_errors)
     docs.sort(key=lambda d: hashlib.sha256(d.name.encode("utf-8", "surrogatepass")).hexdigest())
@@ -85,8 +85,6 @@ def decision_inputs(model, batches):
     with the model in the mode whose decisions are wanted. The shallow states are kept only for a
     policy that reads them (``reads_hidden``). Shared by ``calibrate`` and the trainer's final
     calibration."""
-    from ..packing import document_starts
-
     reads_h = getattr(model.length_policy, "reads_hidden", False)
     logits, valid, reset, states = [], [], [], []
     for b in batches:

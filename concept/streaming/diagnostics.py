@@ -5,9 +5,9 @@ of a held-out evaluation, the ΔNLL controls and the depth decomposition.
   realised ratio, head entropy / max-prob, P(keep), concept-usage perplexity and fraction,
   cos(e_soft, e_hard).
 * :func:`evaluate` — the core's held-out NLL (``concept.diagnostics.evaluate_tokens``) plus
-  :class:`ConceptEvaluation`: the same concept statistics over the whole evaluation and, with
-  ``controls``, the two ΔNLL controls (concepts shuffled across the batch, concepts replaced by random ids)
-  and the depth decomposition.
+  :class:`ConceptEvaluation`: the same concept statistics over the whole evaluation, the identity start's
+  gate norm and, with ``controls``, the ΔNLL controls (the concepts' whole inputs shuffled across the batch
+  or rebuilt from random ids; their discrete codes alone shuffled or removed) and the depth decomposition.
 """
 from __future__ import annotations
 
@@ -101,10 +101,19 @@ def step_diagnostics(model, out, batch) -> dict[str, float]:
         return {}
     with torch.no_grad():
         valid = real_mask(batch, out.keep)
-        return _finish_concept_stats(_concept_stats(model, out, valid), int(model.vocabulary.size))
+        return {**_finish_concept_stats(_concept_stats(model, out, valid), int(model.vocabulary.size)),
+                **gate_norm(model)}
+
+
+def gate_norm(model) -> dict[str, float]:
+    """``gate_norm``: the RMS of the identity start's gate on the discrete embedding (``h + gate * e``; 0 when
+    built: the discrete path opens as it trains); nothing without an identity start."""
+    gate = getattr(model, "concept_gate", None)
+    return {} if gate is None else {"gate_norm": float(gate.gate.detach().float().pow(2).mean().sqrt())}
 
 
 # -- held-out evaluation ----------------------------------------------------------------------
+CONTROLS = ("shuffle", "random", "codes_shuffled", "codes_zero")  # delta_nll_<name>: whole inputs, then codes only
 def _control(name: str, model, out, valid: torch.Tensor, K: int, generator: torch.Generator):
     """A ΔNLL control: a function replacing the concepts' *whole* inputs before the middle stack
     (the continuous part of an identity start or a latent-feedback sampler included, so the
@@ -133,6 +142,27 @@ def _control(name: str, model, out, valid: torch.Tensor, K: int, generator: torc
     return {"shuffle": shuffle, "random": random}[name]
 
 
+def _code_control(name: str, generator: torch.Generator):
+    """A code-only ΔNLL control: a function replacing the concepts' discrete embeddings only, each slot keeping
+    its continuous part (the identity start's shallow state, a latent-feedback sampler's mix), so the two
+    read what the discrete id itself carries.
+
+    codes_shuffled: the embeddings permuted among the batch's concept slots (among the slots of one code
+    level with multi-level codes): each slot reads another slot's id.
+    codes_zero: the embeddings removed (zero): each slot keeps its continuous part alone."""
+    def codes_shuffled(e, valid, level):
+        out = e.clone()
+        for at in [valid] if level is None else [valid & (level == lv) for lv in level[valid].unique().tolist()]:
+            flat = e[at]
+            out[at] = flat[torch.randperm(len(flat), generator=generator).to(e.device)]
+        return out
+
+    def codes_zero(e, valid, level):
+        return torch.where(valid[..., None], torch.zeros_like(e), e)
+
+    return {"codes_shuffled": codes_shuffled, "codes_zero": codes_zero}[name]
+
+
 def _depth_split(depth: dict, nll, pair, keep, paths: dict) -> None:
     """Add to ``depth`` the NLL sums of the model (``nll``) and of the reference ``paths`` at the
     positions that emitted a concept and at tail positions (the position predicting t + 1)."""
@@ -152,8 +182,9 @@ class ConceptEvaluation:
         self.model, self.controls = model, controls
         self.K = int(model.vocabulary.size)
         self.generator = torch.Generator().manual_seed(seed)
+        self.code_generator = torch.Generator().manual_seed(seed + 1)  # (the whole-input controls' draws unchanged)
         self.stats = None
-        self.control_sum = {"shuffle": 0.0, "random": 0.0}
+        self.control_sum = dict.fromkeys(CONTROLS, 0.0)
         self.depth: dict[str, float] = defaultdict(float)  # NLL sums and counts at concept / tail positions
 
     def add(self, forward, out, input_ids, valid, doc, kwargs: dict, nll, pair) -> None:
@@ -162,9 +193,12 @@ class ConceptEvaluation:
         if not self.controls:
             return
         keep, batch_sum = out.keep.bool() & valid, float(nll[pair].sum())
-        for name in ("shuffle", "random"):
-            perturb = _control(name, model, out, valid, self.K, self.generator)
-            bad = forward(input_ids, keep=keep, perturb=perturb, **kwargs)
+        for name in CONTROLS:
+            if name.startswith("codes_"):
+                bad = forward(input_ids, keep=keep, perturb_codes=_code_control(name, self.code_generator), **kwargs)
+            else:
+                bad = forward(input_ids, keep=keep, perturb=_control(name, model, out, valid, self.K, self.generator),
+                              **kwargs)
             self.control_sum[name] += float(pair_nll(bad.logits, input_ids, valid, doc)[0].double()[pair].sum()) - batch_sum
         _depth_split(self.depth, nll, pair, keep, {
             "keep_all": pair_nll(forward(input_ids, keep=valid, **kwargs).logits, input_ids, valid, doc)[0],
@@ -177,9 +211,10 @@ class ConceptEvaluation:
         result = {"concepts": stats.get("concepts", stats["kept"]), **_finish_concept_stats(stats, K)}
         if getattr(self.model, "mtp_heads", None) is not None:
             result["mtp_tau"] = self.model.length_policy.tau  # the confidence threshold the ratio control reached
+        result.update(gate_norm(self.model))
         if self.controls:
-            result["delta_nll_shuffle"] = self.control_sum["shuffle"] / count if count else nan
-            result["delta_nll_random"] = self.control_sum["random"] / count if count else nan
+            for name in CONTROLS:
+                result[f"delta_nll_{name}"] = self.control_sum[name] / count if count else nan
             for part in ("concept", "tail") if self.depth else ():
                 n = self.depth[f"{part}_n"]
                 for path in ("", "_keep_all", "_skip_middle"):

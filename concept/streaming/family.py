@@ -1,6 +1,10 @@
 """The streaming family (docs/architecture.md, "Model families"): one pass over the text, the backbone
 split into shallow / middle / deep stacks, a concept emitted where the length policy decides
-(``concept.streaming.model``)."""
+(``concept.streaming.model``).
+
+This module stays free of torch: the torch-free ``TrainConfig`` (``concept.train_config``) and the CLI
+(``concept train --help``, ``concept inspect``'s drawings) load the family object through its entry point.
+So each method imports the modules it needs (which import torch) when it runs (``# lazy: torch``)."""
 from __future__ import annotations
 
 from .options import StreamingTraining
@@ -20,6 +24,7 @@ class Streaming:
         return None, []
 
     def build(self, plan, loaded):
+        # lazy: torch (module docstring)
         from ..builder import build_components
         from .model import ConceptModel
 
@@ -37,6 +42,7 @@ class Streaming:
     def inspect(self, model, request) -> dict:
         """Its stacks, the NULL bias and where it comes from (``calibration``), and the ideal FLOPs at
         ``request.ratio`` concepts per token and ``request.seq_len`` tokens."""
+        # lazy: torch (module docstring)
         from ..flops import ideal_ratio
 
         flops = ideal_ratio(model, request.ratio, request.seq_len)
@@ -66,7 +72,8 @@ class Streaming:
         """The ratio controller, then the loss terms in a fixed order: ratio loss, usage, the shared ones
         (distillation, alignment, MTP heads), placement. They aim at the ratio curriculum's target of the step
         about to be trained (``step()``)."""
-        from ..objectives import common  # (torch: this module is imported by the torch-free TrainConfig)
+        # lazy: torch (module docstring)
+        from ..objectives import common
         from .objectives import (
             PlacementObjective,
             RatioControl,
@@ -103,16 +110,19 @@ class Streaming:
 
     # -- decoding and evaluation ---------------------------------------------------------------
     def decoder(self, model):
+        # lazy: torch (module docstring)
         from .decoding import ConceptDecoder
 
         return ConceptDecoder(model)
 
     def step_diagnostics(self, model, out, batch) -> dict[str, float]:
+        # lazy: torch (module docstring)
         from .diagnostics import step_diagnostics
 
         return step_diagnostics(model, out, batch)
 
     def evaluate(self, model, batches, bucket: int, controls: bool, seed: int):
+        # lazy: torch (module docstring)
         from .diagnostics import evaluate
 
         return evaluate(model, batches, bucket, controls, seed)

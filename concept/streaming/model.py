@@ -161,12 +161,13 @@ class ConceptModel(GenerationMixin, nn.Module):
         sampler = self.sampler if self.training else self.eval_sampler
         return sampler(head_logits[..., : self.vocabulary.size])
 
-    def concept_inputs(self, probs, concept_ids, src, h, level=None):
+    def concept_inputs(self, probs, concept_ids, src, h, level=None, perturb_codes=None):
         """Inputs of the concepts emitted at time indices ``src`` [B, C]: the hard embedding with a
         straight-through soft part (e_hard + e_soft - sg(e_soft)), or the soft mixture for a
         sampler without a hard step; a latent-feedback sampler then mixes in the shallow state.
         Multi-level codes: ``probs`` [B, T, L, K], ``concept_ids`` [B, T, L] and ``level`` [B, C], the
-        code level of each slot."""
+        code level of each slot. ``perturb_codes``: ``f(e [B, C, d], level) -> e`` replaces the discrete
+        embeddings before the continuous part joins them (diagnostics: the code-only controls)."""
         sampler = self.sampler if self.training else self.eval_sampler
         at = lambda x, index: x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
         pick, by_level = src, {}
@@ -180,6 +181,8 @@ class ConceptModel(GenerationMixin, nn.Module):
                 e = e + (e_soft - e_soft.detach())
         else:
             e = self.vocabulary.embed_soft(at(probs, pick), **by_level)
+        if perturb_codes is not None:
+            e = perturb_codes(e, level)
         if hasattr(self.sampler, "mix"):  # e.g. `hidden-projection`, in training and at inference
             e = self.sampler.mix(e, at(h, src))
         if self.concept_gate is not None:  # identity start: the shallow state + the gated embedding
@@ -217,7 +220,7 @@ class ConceptModel(GenerationMixin, nn.Module):
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, keep=None, labels=None, document_ids=None,
-                concept_ids=None, cache=None, logits_to_keep=0, perturb=None) -> ConceptOutput:
+                concept_ids=None, cache=None, logits_to_keep=0, perturb=None, perturb_codes=None) -> ConceptOutput:
         """Logits for every position in one O(T) pass.
 
         attention_mask [B, T]: 1 for real tokens (either padding side). keep [B, T]: force the
@@ -227,7 +230,9 @@ class ConceptModel(GenerationMixin, nn.Module):
         ``concept.kv_cache.ConceptCache`` that records each stack's keys and values (prefill).
         logits_to_keep: compute logits for the last n positions only (0: all), as in transformers.
         perturb: ``f(inputs [B, C, d], valid [B, C]) -> inputs`` replaces the concepts' whole inputs
-        before the middle stack (diagnostics: the ΔNLL controls).
+        before the middle stack (diagnostics: the ΔNLL controls). perturb_codes: ``f(e [B, C, d], valid [B, C],
+        level [B, C] | None) -> e`` replaces only their discrete embeddings, each slot keeping its continuous
+        part (the identity start's shallow state, a latent-feedback sampler's mix): the code-only controls.
         """
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         doc = document_ids
@@ -246,7 +251,8 @@ class ConceptModel(GenerationMixin, nn.Module):
         concept_pos = pos.gather(1, layout.concept_id_src)
 
         # middle: concepts only, causal among concepts
-        c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h, layout.concept_level)
+        codes = None if perturb_codes is None else lambda e, level: perturb_codes(e, layout.concept_meta.valid, level)
+        c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h, layout.concept_level, codes)
         if self.training and torch.is_grad_enabled() and hasattr(self.length_policy, "gate"):
             # straight-through gate of the policy's soft boundary (forward value exactly 1)
             g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)

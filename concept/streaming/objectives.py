@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..objectives import Objective, next_token_pairs, usage_kl, valid_mask, zero
+from .calibration import decision_inputs
 from .ratio import PIController, RatioLoss
 
 
@@ -167,8 +168,6 @@ class RatioControl(Objective):
         return row
 
     def finish(self, trainer) -> dict[str, float]:
-        from .calibration import decision_inputs
-
         model = trainer.model
         self.set_target(model, self.final_target)  # the curriculum's end: the model is saved with the final target
         if self.pi is None:
