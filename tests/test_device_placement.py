@@ -17,9 +17,16 @@ REGISTERS = {"Parameter", "register_buffer", "register_parameter", "float", "int
 ALLOWED = {
     ("concept/data.py", "PackedSequences.__init__"): "the data order: drawn on the host, batches move later",
     ("concept/data.py", "PackedSequences.permutation"): "the data order: drawn on the host, batches move later",
-    ("concept/diagnostics.py", "_control.shuffle"): "a CPU generator (the same draw on every device), then .to()",
-    ("concept/diagnostics.py", "_control.random"): "a CPU generator (the same draw on every device), then .to()",
-    ("concept/diagnostics.py", "evaluate"): "host-side sums of values already brought back with .cpu()",
+    ("concept/streaming/diagnostics.py", "_control.shuffle"): "a CPU generator (the same draw on every device), "
+                                                                 "then .to()",
+    ("concept/streaming/diagnostics.py", "_control.random"): "a CPU generator (the same draw on every device), "
+                                                                "then .to()",
+    ("concept/streaming/diagnostics.py", "_code_control.codes_shuffled"): "a CPU generator (the same draw on every "
+                                                                             "device), then .to()",
+    ("concept/streaming/diagnostics.py", "ConceptEvaluation.result"): "an empty host-side id histogram (no batch)",
+    ("concept/diagnostics.py", "evaluate_tokens"): "host-side sums of values already brought back with .cpu()",
+    ("plugins/vocabularies/fsq.py", "FSQVocabulary.__init__"): "the fixed grid, registered as buffers (moved with "
+                                                               "the module)",
     ("concept/planner/diagnostics.py", "random_plan"): "a CPU generator (the same draw on every device), then .to()",
     ("concept/planner/diagnostics.py", "evaluate_planned"): "host-side id histograms of .cpu() values",
     ("concept/export.py", "_compare"): "the export check runs both models on the CPU, where they are loaded",
