@@ -206,8 +206,13 @@ def render_section(name: str, data, backbone: dict) -> list:
         return [render_stacks(tuple(s["count"] for s in data.values()), backbone.get("num_layers"))]
     if name == "planner":
         task = data["task"] + (f", context {data['context_len']} tokens" if data["task"] == "continue" else "")
+        bias = data["eos_bias"]
+        if isinstance(bias, list):  # quota per-type: one bias per type
+            bias = ", ".join(f"{t['name']} {b:+.4f}" for t, b in zip(data["types"], bias))
+        else:
+            bias = f"{bias:+.4f}"
         return [render_plan_types(data), render_rows("plan length control", {
-            "<EOS> bias (quota controller)": f"{data['eos_bias']:+.4f}", "task": task})]
+            "quota": data.get("quota", "total"), "<EOS> bias (quota controller)": bias, "task": task})]
     drawn = {"calibration": render_calibration, "flops": render_flops}.get(name)
     if drawn is not None:
         return [drawn(data)]

@@ -37,7 +37,9 @@ class Baseline:
         if self.name == "dense" and config.distill:
             found.append("--distill with the dense baseline: the teacher is this model without its adapters, so the "
                          "KL starts at 0 and only keeps the adapters close to the backbone (a regulariser)")
-        unread = [f"--{flag}" for flag, _, _ in foreign_options(config)] + ["--usage-weight"] * bool(config.usage_weight)
+        unread = [f"--{flag}" for flag, _, _ in foreign_options(config)] + [
+            flag for flag, value in (("--usage-weight", config.usage_weight), ("--revive-after", config.revive_after),
+                                     ("--kmeans-init", config.kmeans_init)) if value]
         if unread:
             found.append(f"a {self.name} baseline has no concepts: {' / '.join(unread)} do"
                          f"{'es' * (len(unread) == 1)} nothing")

@@ -21,7 +21,7 @@ from .registry import KINDS, Provider, registry
 
 SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
          "tail_fusion")
-CONCEPT_INPUTS = ("identity", "embedding")
+CONCEPT_INPUTS = ("identity", "identity-scaled", "embedding")
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
 assert set(SLOT_KIND.values()) == set(KINDS) - {"family"}
 
@@ -55,10 +55,12 @@ class BuildConfig:
     tail_fusion: ComponentRef = field(default_factory=lambda: ComponentRef("none"))
     # what a concept feeds the middle stack: "identity" = the emitting token's shallow state plus the
     # discrete concept embedding behind a gate that starts at 0 (keep-all == the backbone exactly);
-    # "embedding" = the discrete concept embedding alone
+    # "identity-scaled" = the same with the gate in units of the shallow state's RMS; "embedding" = the
+    # discrete concept embedding alone
     concept_input: str = option("identity", choices=CONCEPT_INPUTS,
                                 help="Concept input: the emitting token's shallow state + a gated embedding "
-                                     "(identity) or the discrete embedding alone.")
+                                     "(identity), the same with the gate in units of the shallow state "
+                                     "(identity-scaled), or the discrete embedding alone (embedding).")
     seed: int = option(0, help="Seed for the new modules.")
     # which model family the builder wires (a ``concept.families`` entry point: ``concept plugins list``)
     family: str = option("streaming", metavar="NAME",

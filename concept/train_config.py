@@ -87,6 +87,14 @@ class CoreTrainConfig:
     target_ratio: float = option(DEFAULT_TARGET_RATIO, above=0, below=1, help="Concepts per token to aim for.")
     usage_weight: float = option(
         0.0, minimum=0, help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
+    revive_after: int = option(
+        0, minimum=0,
+        help="Anti-collapse: point every learned code that no concept used for this many steps at a query of the "
+             "step's concepts (dead-code revival, logged as `revived`; codebook and embedding vocabularies); 0: off.")
+    kmeans_init: int = option(
+        0, minimum=0,
+        help="Anti-collapse: before the first step, start the learned codes at the k-means centroids of the queries "
+             "of the concepts of this many training batches (codebook and embedding vocabularies); 0: off.")
     ce_weight: float = option(
         1.0, minimum=0, help="Weight of the next-token cross entropy (0 with --distill: KL-only distillation).")
     distill: float = option(

@@ -351,6 +351,10 @@ class Trainer:
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
         kind = training_kind(config, plan)
         problems += kind.check_training(config, plan, device, dist)
+        if dist is not None and dist.mode == "fsdp2":
+            problems += [f"{flag}: it rewrites code rows in place, which FSDP2's sharded parameters do not allow; "
+                         f"use --distributed ddp" for flag, value in (("revive-after", config.revive_after),
+                                                                     ("kmeans-init", config.kmeans_init)) if value]
         if problems:
             raise ConfigError(problems)
         return plan, device

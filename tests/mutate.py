@@ -71,8 +71,11 @@ MUTATIONS = [
              [EQUIVALENCE, "-k", "fp64 and compact and sdpa"]),
     # the model
     Mutation("identity start: the shallow state left out of a concept's input", "concept/streaming/model.py",
-             "return h.to(e.dtype) + self.gate.to(e.dtype) * e", "return self.gate.to(e.dtype) * e",
+             "return h + self.gate.to(e.dtype) * e", "return self.gate.to(e.dtype) * e",
              [EQUIVALENCE, "-k", "one_pass_matches_naive and sdpa and time"]),
+    Mutation("identity-scaled: the embedding at its own scale, not the shallow state's", "concept/streaming/model.py",
+             "e = e * (rms(h) / rms(e).clamp_min(1e-6)).to(e.dtype)", "e = e",
+             ["tests/test_identity_fusion.py", "-k", "identity_scaled"]),
     # decoding
     Mutation("decoding: the tail is kept when a concept is emitted", "concept/streaming/decoding.py",
              "            cache.deep.drop_tail(keep)\n", "",
@@ -105,6 +108,18 @@ MUTATIONS = [
              "        h = h if perturb_codes is None else torch.zeros_like(h)\n"
              "        if hasattr(self.sampler, \"mix\"):  # e.g. `hidden-projection`, in training and at inference\n",
              ["tests/test_code_controls.py"]),
+    # anti-collapse
+    Mutation("revival: the idle counters are not restored on resume", "concept/codes.py",
+             "self.idle = {name: torch.tensor(idle, dtype=torch.long) for name, idle in state[\"idle\"].items()}",
+             "pass",
+             ["tests/test_code_revival.py", "-k", "resumes_exactly"]),
+    Mutation("revival: a used code revived too", "concept/codes.py",
+             "idle = torch.where(used > 0, torch.zeros_like(idle), idle + 1)", "idle = idle + 1",
+             ["tests/test_code_revival.py", "-k", "revived_from"]),
+    Mutation("per-type quota: every type's <EOS> moved by the first type's bias", "concept/planner/model.py",
+             "return self.value if self.value.dim() == 0 else self.value[i]",
+             "return self.value if self.value.dim() == 0 else self.value[0]",
+             ["tests/test_planner_executor.py", "-k", "per_type_quota_holds"]),
     # nothing written is lost
     Mutation("publish: the old folder removed before the new one is in place", "concept/fs.py",
              "    if exchange(new, dest):\n",

@@ -89,6 +89,8 @@ def concept_input(model, probs: torch.Tensor, concept_id: int, h_src: torch.Tens
         h_hat = F.normalize(h_src.to(mix.proj.weight.dtype) @ mix.proj.weight.T, dim=-1)
         e = (a * e + torch.sqrt(1 - a * a) * (mix.scale * h_hat)).to(e.dtype)
     if model.concept_gate is not None:  # identity start: h_src + gate * e
+        if model.concept_gate.relative:  # identity-scaled: e at the norm of h_src (same width: rms ratio = norm ratio)
+            e = e * (h_src.double().norm() / e.double().norm()).to(e.dtype)
         e = h_src.to(e.dtype) + model.concept_gate.gate.to(e.dtype) * e
     return e
 

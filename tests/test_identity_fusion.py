@@ -84,6 +84,70 @@ def test_identity_start_beats_the_discrete_input_on_a_pretrained_like_signal():
         assert abs(float(discrete(ids, keep=keep, labels=ids).loss) - float(dense)) > 1e-3
 
 
+# -- identity-scaled: the gate in units of the shallow state ------------------------------------------
+
+def scaled(gate=None):
+    model = randomize_new_modules(concept.build(tiny_config(concept_input="identity-scaled")))
+    if gate is not None:
+        with torch.no_grad():
+            model.concept_gate.gate.fill_(gate)
+    return model.eval()
+
+
+def test_identity_scaled_keep_all_equals_the_backbone_at_init():
+    model = concept.build(tiny_config(concept_input="identity-scaled"))
+    ids = inputs(B=2, seed=3)
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, keep=keep).logits, dense_logits(model, ids), atol=ATOL, rtol=0)
+
+
+def test_identity_scaled_adds_the_embedding_at_gate_times_the_states_rms():
+    model = scaled(gate=0.25)
+    h, e = torch.randn(2, 3, 64) * 9, torch.randn(2, 3, 64) * 0.05
+    added = model.concept_gate(h, e) - h
+    rms = lambda x: x.pow(2).mean(-1).sqrt()  # noqa: E731
+    torch.testing.assert_close(rms(added), 0.25 * rms(h), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cosine_similarity(added, e, dim=-1), torch.ones(2, 3))
+    assert torch.equal(model.concept_gate(h, torch.zeros_like(e)), h)  # no embedding (codes removed): h alone
+    absolute = concept.build(tiny_config()).concept_gate  # negative control: the absolute gate adds 0.25 * e
+    absolute.gate.data.fill_(0.25)
+    with torch.no_grad():
+        assert float(rms(absolute(h, e) - h).max()) < 0.01 * float(rms(added).min())
+
+
+@pytest.mark.parametrize("name", ["first", "runs", "rate-0.5"])
+def test_identity_scaled_one_pass_and_gradients_match_naive(name):
+    from tests.test_equivalence import _new_module_grads
+
+    model = scaled()
+    ids, keep = inputs(), pattern(name)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, keep=keep).logits, reference_logits(model, ids, keep=keep)[0],
+                                   atol=ATOL, rtol=0)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    grads = _new_module_grads(model, model(ids, keep=keep).logits, ids, valid)
+    ref = _new_module_grads(model, reference_logits(model, ids, keep=keep)[0], ids, valid)
+    assert "concept_gate.gate" in grads
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref[key], atol=1e-5, rtol=1e-4, msg=key)
+    model.concept_gate.relative = False  # negative control: the reference sees the scale
+    with torch.no_grad():
+        wrong = model(ids, keep=keep).logits
+    model.concept_gate.relative = True
+    with torch.no_grad():
+        assert (wrong - reference_logits(model, ids, keep=keep)[0]).abs().max() > 100 * ATOL
+
+
+def test_identity_scaled_decoding_equals_teacher_forcing():
+    from tests.test_decoding import prompts
+
+    model = mix_decisions(scaled())
+    gen = assert_decoding_matches_teacher_forcing(model, prompts(), 24)
+    decisions = [k for row in gen.keep for k in row]
+    assert 0 < sum(decisions) < len(decisions)
+
+
 def test_bad_concept_input_is_reported():
     with pytest.raises(concept.ConfigError, match="concept_input"):
         concept.resolve(tiny_config(concept_input="shallow"))

@@ -1,6 +1,8 @@
 """The planner-executor family (docs/planner_executor.md): config, token layout, planner and executor, decoding =
 teacher forcing, batching, gradients, objectives, training with exact resume, and bad input."""
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -209,6 +211,43 @@ def test_objectives_and_quota_controller(model):
         model.eos_bias.value.fill_(before)
 
 
+def test_per_type_quota_holds_each_types_share_and_the_usage_term_cannot_be_escaped():
+    from concept.planner.objectives import PlannerQuotaController, PlanUsageObjective, QuotaObjective, eos_probs
+
+    model = built(quota="per-type", budget=3)
+    assert model.settings.type_targets == pytest.approx([1.0, 2.0])  # 3 in proportion to max_len 2 : 4
+    assert model.eos_bias.value.shape == (2,)
+    ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model.eos_bias.value.zero_()  # (built() randomised it)
+        x = torch.randn(2, 32)
+        before = model.type_logits(x, 1)
+        model.eos_bias.value[1] = 2.0  # type 1's bias moves only type 1's <EOS>
+        assert torch.equal(model.type_logits(x, 1)[:, -1], before[:, -1] + 2.0)
+        assert torch.equal(model.type_logits(x, 1)[:, :-1], before[:, :-1])
+        model.eos_bias.value.zero_()
+    model.train()
+    out = model(ids, labels=ids)
+    model.eval()
+    plan, budget = out.plan, model.settings.type_targets
+    quota = QuotaObjective(1.0, PlannerQuotaController(budget, ki=0.5))
+    going = (1 - eos_probs(model, plan)) * plan.active
+    want = sum(((going * (plan.types == i)).sum(1).mean() - b) ** 2 / b ** 2 for i, b in enumerate(budget)) / 2
+    assert torch.allclose(quota(model, {}, out), want)
+    logged = quota.after_step(model, {"plan_len/topic": 2.0, "plan_len/gist": 1.0}, {})
+    # topic over its share (2 vs 1): <EOS_topic> more likely; gist under (1 vs 2): less likely
+    assert model.eos_bias.value.tolist() == pytest.approx([0.5 * (2 - 1) / 1, 0.5 * (1 - 2) / 2])
+    assert logged == pytest.approx({"eos_bias": 0.125, "eos_bias/topic": 0.5, "eos_bias/gist": -0.25})
+    # the usage term: a type with no emitted concept counts as collapsed, so ending a type never lowers it
+    usage = PlanUsageObjective(1.0)
+    full = float(usage(model, {}, out).detach())
+    ended = dataclasses.replace(plan, is_eos=plan.is_eos | (plan.types == 0))  # topic ended at once
+    escaped = float(usage(model, {}, dataclasses.replace(out, plan=ended)).detach())
+    assert escaped >= full - 1e-6 and escaped >= math.log(8) / 2
+    with pytest.raises(ConfigError, match="planner.quota: total or per-type"):
+        concept.config.resolve(pe_config(quota="types"))
+
+
 @pytest.fixture(scope="module")
 def pe_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pe") / "pe"
@@ -237,6 +276,30 @@ def test_training_logs_each_objective_and_resumes_exactly(pe_run, tmp_path):
     loaded = concept.load(tmp_path / "full")
     assert isinstance(loaded, PlannerExecutor) and (loaded.task, loaded.context_len) == ("continue", 12)
     assert float(loaded.eos_bias.value) == pytest.approx(rows[-1]["eos_bias"])
+
+
+def test_per_type_quota_trains_logs_each_bias_and_resumes_exactly(tmp_path):
+    source = tmp_path / "pe"
+    concept.save(concept.build(pe_config(quota="per-type")), source)
+    full = Trainer.start(source, tmp_path / "full", small(usage_weight=0.1))
+    assert not any("planner.quota=per-type" in n for n in full.notes)
+    full.train()
+    rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert {"eos_bias/topic", "eos_bias/gist", "plan_usage"} <= set(rows[0])
+    interrupted_at_three(source, tmp_path / "part", small(usage_weight=0.1)).train()
+    again = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["loss"], r["eos_bias/topic"], r["eos_bias/gist"]) for r in again] == \
+        [(r["loss"], r["eos_bias/topic"], r["eos_bias/gist"]) for r in rows]
+    loaded = concept.load(tmp_path / "full")
+    assert loaded.eos_bias.value.tolist() == pytest.approx([rows[-1]["eos_bias/topic"], rows[-1]["eos_bias/gist"]])
+    total = Trainer.start(pe_run_source(tmp_path), tmp_path / "total", small(usage_weight=0.1, steps=1))
+    assert any("planner.quota=per-type" in n for n in total.notes)  # the usage term can be escaped: said so
+
+
+def pe_run_source(tmp_path):
+    out = tmp_path / "pe-total"
+    concept.save(concept.build(pe_config()), out)
+    return out
 
 
 @pytest.mark.parametrize("types, message", [

@@ -57,7 +57,7 @@ class PlannerExecutor:
     def inspect(self, model, request) -> dict:
         """Its plan types and budget, the <EOS> bias of its quota controller, and the task it was trained for;
         only the components it uses."""
-        return {"planner": {**model.plan.describe()["planner"], "eos_bias": float(model.eos_bias.value),
+        return {"planner": {**model.plan.describe()["planner"], "eos_bias": model.eos_bias.describe(),
                             "task": model.task, "context_len": model.context_len},
                 "components": ["backbone", "sampler", "eval_sampler", "position_scheme", "vocabulary"]}
 
@@ -81,6 +81,10 @@ class PlannerExecutor:
         # lazy: torch (module docstring)
         from .objectives import from_config
 
+        if config.usage_weight and model.settings.quota == "total":
+            notes.append("--usage-weight with the total quota: a type can end itself early, and its usage term only "
+                         "sees the concepts it emits; build with --set planner.quota=per-type to hold each type's "
+                         "length (docs/planner_executor.md)")
         return from_config(config, model)
 
     def plots(self, name: str, rows: list[dict], out) -> None:

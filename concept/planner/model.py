@@ -41,6 +41,7 @@ from torch import nn
 from .. import packing
 from ..attention import CausalPlan
 from ..backbone import decoder, run_layers
+from ..codes import CodeUse
 from ..components import BuildContext
 from ..errors import ConceptError
 from ..generation import GenerationMixin
@@ -68,16 +69,26 @@ class PlannerSettings:
     quota_ki: float = 0.2  # the quota controller's integral gain on the <EOS> bias (per step, at 100% over budget)
     parallel: bool = False  # plan every type at once, each independent of the others given u
     mtp: int = 1  # concept tokens the planner writes per forward (MTP heads; 1: one, the plain planner)
+    # what the quota controller holds: the total plan length (one <EOS> bias) or each type's share of the budget
+    # (one bias per type: no type can end itself early to escape a usage term)
+    quota: str = "total"
 
-    KEYS = ("types", "budget", "quota_ki", "parallel", "mtp")
+    KEYS = ("types", "budget", "quota_ki", "parallel", "mtp", "quota")
+    QUOTAS = ("total", "per-type")
 
     @property
     def target(self) -> float:
         return float(self.budget) if self.budget is not None else sum(t.max_len for t in self.types) / 2
 
+    @property
+    def type_targets(self) -> list[float]:
+        """Each type's share of the budget, in proportion to its ``max_len`` (what ``quota: per-type`` holds)."""
+        total = sum(t.max_len for t in self.types)
+        return [self.target * t.max_len / total for t in self.types]
+
     def to_dict(self) -> dict:
         return {"types": [dataclasses.asdict(t) for t in self.types], "budget": self.budget, "quota_ki": self.quota_ki,
-                "parallel": self.parallel, "mtp": self.mtp, "target": self.target}
+                "parallel": self.parallel, "mtp": self.mtp, "quota": self.quota, "target": self.target}
 
     @classmethod
     def parse(cls, params: dict) -> tuple["PlannerSettings | None", list[str]]:
@@ -114,6 +125,10 @@ class PlannerSettings:
                             f"({sum(t.max_len for t in types)} = the sum of max_len)")
         if not isinstance(ki, (int, float)) or isinstance(ki, bool) or ki < 0:
             problems.append(f"planner.quota_ki: must be >= 0, got {ki!r}")
+        quota = params.get("quota", "total")
+        if quota not in cls.QUOTAS:
+            problems.append(f"planner.quota: {' or '.join(cls.QUOTAS)} (hold the total plan length, or each type's "
+                            f"share of the budget), got {quota!r}")
         parallel, mtp = params.get("parallel", False), params.get("mtp", 1)
         if not isinstance(parallel, bool):
             problems.append(f"planner.parallel: true or false, got {parallel!r}")
@@ -124,7 +139,7 @@ class PlannerSettings:
                             "choose one")
         if problems:
             return None, problems
-        return cls(types=types, budget=budget, quota_ki=float(ki), parallel=parallel, mtp=mtp), []
+        return cls(types=types, budget=budget, quota_ki=float(ki), parallel=parallel, mtp=mtp, quota=quota), []
 
 
 @dataclass
@@ -296,11 +311,19 @@ class PlanSpecials(nn.Module):
 
 class EOSBias(nn.Module):
     """The bias the ``PlannerQuotaController`` adds to every <EOS_i> logit (a buffer: moved by the
-    controller, not by gradients; saved with the run so inference plans as training ended)."""
+    controller, not by gradients; saved with the run so inference plans as training ended): one value for
+    every type, or with ``num_types`` (``quota: per-type``) one per type."""
 
-    def __init__(self):
+    def __init__(self, num_types: int | None = None):
         super().__init__()
-        self.register_buffer("value", torch.zeros(()))
+        self.register_buffer("value", torch.zeros(()) if num_types is None else torch.zeros(num_types))
+
+    def of(self, i: int) -> torch.Tensor:
+        """Type i's bias."""
+        return self.value if self.value.dim() == 0 else self.value[i]
+
+    def describe(self) -> float | list[float]:
+        return float(self.value) if self.value.dim() == 0 else [float(v) for v in self.value]
 
 
 class PlannerExecutor(GenerationMixin, nn.Module):
@@ -315,7 +338,7 @@ class PlannerExecutor(GenerationMixin, nn.Module):
         self.sampler, self.eval_sampler = sampler, eval_sampler
         self.positions = positions  # `per-type`
         self.specials = specials
-        self.eos_bias = EOSBias()
+        self.eos_bias = EOSBias(len(settings.types) if settings.quota == "per-type" else None)
         # MTP concepts: head j > 0 writes the step j after the next from the same state (concept.mtp's residual
         # blocks, zero at init: every head starts as the next-step head)
         self.mtp_heads = MTPHeads(backbone.config.hidden_size, settings.mtp - 1) if settings.mtp > 1 else None
@@ -362,7 +385,7 @@ class PlannerExecutor(GenerationMixin, nn.Module):
         ``level``: the code level of the step (multi-level codes; an int or a tensor like ``x``'s leading dims)."""
         vocab = self.vocabularies[i]
         logits = vocab.logits(x, level) if getattr(vocab, "levels", 1) > 1 else vocab.logits(x)
-        return torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.value.to(logits.dtype)], dim=-1)
+        return torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.of(i).to(logits.dtype)], dim=-1)
 
     def level(self, types, count):
         """The code level of a step of type ``types`` after ``count`` concepts of its type (0 without levels)."""
@@ -609,6 +632,21 @@ class PlannerExecutor(GenerationMixin, nn.Module):
         if labels is not None:
             loss = text_loss(logits, y, y_valid)
         return PlannedOutput(logits, plan, loss, y, y_valid, u_valid)
+
+    # -- anti-collapse (concept.codes) ----------------------------------------------------------
+    def code_vocabularies(self) -> list[tuple[str, nn.Module]]:
+        return [(t.name, v) for t, v in zip(self.settings.types, self.vocabularies)]
+
+    def code_uses(self, out: PlannedOutput) -> list[CodeUse]:
+        """The concepts of each type's plans, per code level, with the planner states their head read."""
+        plan, uses = out.plan, []
+        x = self.inner.norm(plan.hidden)
+        level = self.level(plan.types, plan.before(self.num_types))
+        for i, (t, vocab) in enumerate(zip(self.settings.types, self.vocabularies)):
+            for l in range(int(self.levels[i])):
+                mask = plan.concepts & (plan.types == i) & (level == l)
+                uses.append(CodeUse(t.name if l == 0 else f"{t.name}@{l}", vocab, l, plan.classes[mask], x[mask]))
+        return uses
 
     # -- parameters ----------------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:

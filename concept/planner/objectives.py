@@ -8,22 +8,27 @@ logged by ``name``), plus the ``PlannerQuotaController``.
 | ``plan_usage`` | weight x mean over types of KL(mean concept distribution of the type ‖ uniform), anti-collapse | ``--usage-weight`` |
 | ``eos`` | weight x mean over the steps where ``max_len`` forced an <EOS_i> of −log p(<EOS_i>): the planner learns to end a type itself | ``--eos-weight`` |
 | ``plan_mtp`` | weight x mean over the MTP heads j of CE(head j at step s, the plan's step s + j); only with ``planner.mtp`` > 1 | ``--plan-mtp`` |
-| ``quota`` | weight x ((mean over rows of Σ_steps (1 − p(<EOS>))) − budget)² / budget², a differentiable surrogate of the total plan length against the budget | ``--quota-weight`` |
+| ``quota`` | weight x ((mean over rows of Σ_steps (1 − p(<EOS>))) − budget)² / budget², a differentiable surrogate of the total plan length against the budget (``quota: per-type``: the mean of that over the types, each against its share) | ``--quota-weight`` |
 | ``context_curriculum`` | no term: with ``--task continue --curriculum``, the planner's context shrinks with the rows (logged as ``context_len``) | ``--curriculum`` |
 
 The ``PlannerQuotaController`` is the integral half of the length control: after every step it moves
 the bias on every <EOS_i> logit (``model.eos_bias``, a buffer saved with the run) by
 ``ki x (realised mean plan length − budget) / budget``, from the step's plan lengths reduced over every
-micro-batch and process. Objectives with statistics (``stats``) report them to the trainer, which sums
+micro-batch and process. With ``--set planner.quota=per-type`` each type has its own bias and its own
+share of the budget (in proportion to its ``max_len``), so a type cannot end itself early: with
+``--usage-weight`` (whose term only sees the concepts a type emits) the planner can then not lower the
+term by writing fewer concepts. Objectives with statistics (``stats``) report them to the trainer, which sums
 them like the loss terms and hands the means back through ``after_step``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .. import codes
 from ..objectives import Objective, usage_kl, zero
 from ..train_config import curriculum_len
 from .hard_em import HardEMObjective
@@ -52,17 +57,19 @@ class CommitmentObjective(Objective):
 
 @dataclass
 class PlanUsageObjective(Objective):
+    """weight x mean over the types of KL(the type's mean concept distribution over its emitted concepts ‖
+    uniform). It acts on the concepts each type emits; a type that emitted none in the batch counts as fully
+    collapsed (log K, a constant without gradient), so ending a type does not lower the term."""
     weight: float
     name: str = "plan_usage"
 
     def __call__(self, model, batch, out, teacher=None):
-        plan, total, used = out.plan, zero(out.logits), 0
-        for i, size in enumerate(model.sizes.tolist()):
+        plan, total = out.plan, zero(out.logits)
+        sizes = model.sizes.tolist()
+        for i, size in enumerate(sizes):
             mask = plan.concepts & (plan.types == i)
-            if bool(mask.any()):
-                total = total + usage_kl(plan.logits[..., :size], mask)
-                used += 1
-        return self.weight * total / max(1, used)
+            total = total + (usage_kl(plan.logits[..., :size], mask) if bool(mask.any()) else math.log(size))
+        return self.weight * total / len(sizes)
 
 
 @dataclass
@@ -106,16 +113,20 @@ class PlanMTPObjective(Objective):
 
 @dataclass
 class PlannerQuotaController:
-    """Integral control of the total plan length: after each step, ``eos_bias += ki x (length − budget) /
-    budget`` (clamped to ±20); its state is the bias buffer itself, so resume is exact."""
-    budget: float
+    """Integral control of the plan length: after each step, ``eos_bias += ki x (length − budget) / budget``
+    (clamped to ±20) for the total length (``quota: total``, one bias), or for each type's length against its
+    share of the budget (``quota: per-type``, ``budget`` a list: one bias per type). Its state is the bias
+    buffer itself, so resume is exact."""
+    budget: float | list[float]
     ki: float = 0.05
     limit: float = 20.0
 
-    def apply(self, model, length: float) -> None:
+    def apply(self, model, length: float | list[float]) -> None:
         with torch.no_grad():
             bias = model.eos_bias.value
-            bias.add_(self.ki * (length - self.budget) / self.budget).clamp_(-self.limit, self.limit)
+            budget = torch.tensor(self.budget, dtype=bias.dtype, device=bias.device)
+            length = torch.tensor(length, dtype=bias.dtype, device=bias.device)
+            bias.add_(self.ki * (length - budget) / budget).clamp_(-self.limit, self.limit)
 
 
 @dataclass
@@ -125,10 +136,14 @@ class QuotaObjective(Objective):
     name: str = "quota"
 
     def __call__(self, model, batch, out, teacher=None):
+        """The expected length's squared relative error: of the total, or (per-type) the mean over the types."""
         plan = out.plan
         budget = self.controller.budget
-        expected = ((1 - eos_probs(model, plan)) * plan.active).sum(1).mean()
-        return self.weight * (expected - budget).pow(2) / budget ** 2
+        going = (1 - eos_probs(model, plan)) * plan.active
+        if isinstance(budget, list):
+            error = [((going * (plan.types == i)).sum(1).mean() - b).pow(2) / b ** 2 for i, b in enumerate(budget)]
+            return self.weight * torch.stack(error).mean()
+        return self.weight * (going.sum(1).mean() - budget).pow(2) / budget ** 2
 
     def stats(self, model, batch, out) -> dict[str, float]:
         """Summed by the trainer over micro-batches and processes, then averaged (``after_step``)."""
@@ -139,8 +154,13 @@ class QuotaObjective(Objective):
         return row
 
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
-        self.controller.apply(model, means["plan_len"])
-        return {"eos_bias": float(model.eos_bias.value)}
+        types = model.settings.types
+        per_type = isinstance(self.controller.budget, list)
+        self.controller.apply(model, [means[f"plan_len/{t.name}"] for t in types] if per_type else means["plan_len"])
+        bias = model.eos_bias.value
+        if not per_type:
+            return {"eos_bias": float(bias)}
+        return {"eos_bias": float(bias.mean()), **{f"eos_bias/{t.name}": float(b) for t, b in zip(types, bias)}}
 
 
 class ContextCurriculum(Objective):
@@ -178,6 +198,8 @@ def from_config(config, model) -> list:
     if config.plan_training == "hard-em":
         objectives.append(HardEMObjective(config.plan_ce, beam=config.beam, every=config.estep_every,
                                           prior=config.estep_prior))
+    objectives += codes.from_config(config, model)  # dead-code revival, k-means initialisation
     settings = model.settings
-    objectives.append(QuotaObjective(config.quota_weight, PlannerQuotaController(settings.target, settings.quota_ki)))
+    budget = settings.type_targets if settings.quota == "per-type" else settings.target
+    objectives.append(QuotaObjective(config.quota_weight, PlannerQuotaController(budget, settings.quota_ki)))
     return objectives

@@ -65,7 +65,7 @@ OWNED = ("target_ratio", "baseline", "prune_layers")
 NOT_RECIPE = {"device", "eval_every", "checkpoint_every", "log_every", "eval_batches"}
 # no effect on a dense or pruned baseline (no concepts, no new modules)
 STREAMING_ONLY = {"target_ratio", "ratio_start", "ratio_warmup", "ratio_control", "ratio_loss_weight", "usage_weight",
-                  "pi_ki", "calibration_batches", "tau_start", "tau_end", "lr_new", "placement"}
+                  "revive_after", "kmeans_init", "pi_ki", "calibration_batches", "tau_start", "tau_end", "lr_new", "placement"}
 
 
 # -- the specification ----------------------------------------------------------------------

@@ -29,7 +29,8 @@ class Streaming:
         from .model import ConceptModel
 
         return ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
-                            identity_start=plan.config.concept_input == "identity", **build_components(plan, loaded))
+                            identity_start=plan.config.concept_input in ("identity", "identity-scaled"),
+                            relative_gate=plan.config.concept_input == "identity-scaled", **build_components(plan, loaded))
 
     def describe(self, model) -> str:
         comps, info = model.plan.components, model.plan.backbone_info
@@ -70,9 +71,10 @@ class Streaming:
 
     def objectives(self, config, model, step, notes: list) -> list:
         """The ratio controller, then the loss terms in a fixed order: ratio loss, usage, the shared ones
-        (distillation, alignment, MTP heads), placement. They aim at the ratio curriculum's target of the step
+        (distillation, alignment, MTP heads), the anti-collapse controllers, placement. They aim at the ratio curriculum's target of the step
         about to be trained (``step()``)."""
         # lazy: torch (module docstring)
+        from .. import codes
         from ..objectives import common
         from .objectives import (
             PlacementObjective,
@@ -101,6 +103,7 @@ class Streaming:
         if config.usage_weight:
             found.append(UsageObjective(config.usage_weight))
         found += common(config, has_mtp=getattr(model, "mtp_heads", None) is not None)
+        found += codes.from_config(config, model)  # dead-code revival, k-means initialisation
         if config.placement:
             found.append(PlacementObjective(config.placement, target))
         return found

@@ -26,6 +26,7 @@ from torch import nn
 from .. import packing
 from ..attention import CausalPlan
 from ..backbone import decoder, run_layers
+from ..codes import CodeUse
 from ..components import upcast
 from ..generation import GenerationMixin
 from ..losses import next_token_loss
@@ -48,21 +49,31 @@ class ConceptOutput:
 
 class ConceptGate(nn.Module):
     """Identity start: a concept's input is ``h_src + gate * e`` (the emitting token's shallow state
-    plus its discrete embedding), with ``gate`` [d] starting at 0: the discrete path opens as it trains."""
+    plus its discrete embedding), with ``gate`` [d] starting at 0: the discrete path opens as it trains.
 
-    def __init__(self, hidden_size: int):
+    ``relative`` (``--concept-input identity-scaled``): the gate is measured in units of the shallow state,
+    ``h_src + gate * e * rms(h_src) / rms(e)`` per concept (the embedding's direction, at the state's scale), so a gate of 0.1 adds an embedding of a tenth
+    of the state's RMS whatever the two scales (SmolLM2's shallow states have RMS ~9, the embeddings ~0.06:
+    an absolute gate must grow ~150x further before the id matters)."""
+
+    def __init__(self, hidden_size: int, relative: bool = False):
         super().__init__()
         self.gate = nn.Parameter(torch.zeros(hidden_size))
+        self.relative = relative
 
     def forward(self, h, e):
-        return h.to(e.dtype) + self.gate.to(e.dtype) * e
+        h = h.to(e.dtype)
+        if self.relative:
+            rms = lambda x: x.float().pow(2).mean(-1, keepdim=True).sqrt()  # noqa: E731
+            e = e * (rms(h) / rms(e).clamp_min(1e-6)).to(e.dtype)
+        return h + self.gate.to(e.dtype) * e
 
 
 class ConceptModel(GenerationMixin, nn.Module):
     family = "streaming"  # its `concept.families` entry (concept.streaming.family.Streaming)
 
     def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,
-                 tail_fusion=None, identity_start=False, plan=None, tokenizer=None):
+                 tail_fusion=None, identity_start=False, relative_gate=False, plan=None, tokenizer=None):
         super().__init__()
         self.backbone = backbone  # HF *ForCausalLM, frozen
         self.vocabulary = vocabulary
@@ -72,7 +83,7 @@ class ConceptModel(GenerationMixin, nn.Module):
         self.positions = positions
         self.attention = attention  # backend object (no parameters)
         self.tail_fusion = tail_fusion
-        self.concept_gate = ConceptGate(backbone.config.hidden_size) if identity_start else None
+        self.concept_gate = ConceptGate(backbone.config.hidden_size, relative_gate) if identity_start else None
         self.split = tuple(split)
         self.levels = getattr(vocabulary, "levels", 1)  # code levels per concept (multi-level codebooks)
         self.level_beam = getattr(getattr(vocabulary, "config", None), "beam", 1)  # inference search over levels
@@ -297,6 +308,19 @@ class ConceptModel(GenerationMixin, nn.Module):
         x = self.fuse_step(h, torch.zeros_like(h[:, :1]), torch.zeros_like(valid))
         z = self.run_stack(self.deep, x, self.positions.text_positions(pos), CausalPlan(valid, document_ids))
         return self.backbone.lm_head(self.inner.norm(z))
+
+    # -- anti-collapse (concept.codes) ----------------------------------------------------------
+    def code_vocabularies(self) -> list[tuple[str, nn.Module]]:
+        return [("", self.vocabulary)]
+
+    def code_uses(self, out: ConceptOutput) -> list[CodeUse]:
+        """The codes of the tokens that emitted a concept, per level, with the shallow states the head read."""
+        keep = out.keep
+        if self.levels == 1:
+            return [CodeUse("concept", self.vocabulary, 0, out.concept_ids[keep], out.shallow[keep])]
+        codes, states = out.codes[keep], out.shallow[keep]
+        return [CodeUse("concept" if level == 0 else f"concept@{level}", self.vocabulary, level, codes[:, level],
+                        states, codes[:, :level] if level else None) for level in range(self.levels)]
 
     # -- parameters ----------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:

@@ -12,8 +12,10 @@ keep decision and the choice of code depend on directions, not on norms. The sof
 ``proj_in(probs @ codebook)``.
 
 Collapse (a few codes taking every token) is the known failure of codebooks: watch
-``concept eval``'s usage perplexity and train with ``--usage-weight`` (a KL from the batch's
-mean code distribution to uniform, ``concept.training``).
+``concept eval``'s usage perplexity, and train with ``--revive-after N`` (codes unused for N steps are
+pointed at recent queries), ``--kmeans-init B`` (codes start at the k-means centroids of the queries of B
+training batches; both ``concept.codes``) or ``--usage-weight`` (a KL from the batch's mean code
+distribution to uniform).
 
 Multi-level codes (``levels`` L > 1, semantic-ID style): L codebooks of K codes, one per level, sharing
 the projections. A concept is L consecutive code tokens, level 0 first; token l reads and writes level
@@ -106,15 +108,20 @@ class CodebookVocabulary(nn.Module):
             out = r if out is None else torch.where((level == l)[..., None], r, out)
         return out
 
-    def logits(self, h: torch.Tensor, level=0, before: torch.Tensor | None = None) -> torch.Tensor:
-        """Cosine logits over ``level``'s codes (+ the NULL logit). ``before`` [..., l]: the codes chosen at
-        levels 0..l-1 for the same state (streaming multi-level codes); the query then loses its
-        components along them, one level after the other, so level l codes what they left."""
-        x = rms_normalize(h)
-        query = F.normalize(self.proj_out(x), dim=-1)
+    def query(self, h: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., code_dim] the unit query of states ``h`` that the codes' cosine logits read. ``before`` [..., l]:
+        the codes chosen at levels 0..l-1 for the same state (streaming multi-level codes); the query then loses
+        its components along them, one level after the other, so level l codes what they left."""
+        query = F.normalize(self.proj_out(rms_normalize(h)), dim=-1)
         for j in range(0 if before is None else before.shape[-1]):
             code = F.normalize(self.book(j)[before[..., j]], dim=-1).to(query.dtype)
             query = F.normalize(query - (query * code).sum(-1, keepdim=True) * code, dim=-1)
+        return query
+
+    def logits(self, h: torch.Tensor, level=0, before: torch.Tensor | None = None) -> torch.Tensor:
+        """Cosine logits over ``level``'s codes (+ the NULL logit); ``before``: see :meth:`query`."""
+        x = rms_normalize(h)
+        query = self.query(h, before)
         scale = self.log_scale.exp().to(query.dtype)
         logits = self._per_level(lambda book: scale * query @ F.normalize(book, dim=-1).to(query.dtype).T, level, h)
         if self.null is not None:
@@ -127,3 +134,15 @@ class CodebookVocabulary(nn.Module):
     def embed_soft(self, probs: torch.Tensor, level=0) -> torch.Tensor:
         """probs: [..., K] weights over codes (sum to 1)."""
         return self._per_level(lambda book: self.proj_in(probs.to(book.dtype) @ book), level, probs)
+
+    # -- anti-collapse (concept.codes: dead-code revival, k-means initialisation) ----------------------
+    def set_codes(self, level: int, ids: torch.Tensor, directions: torch.Tensor) -> None:
+        """Point ``level``'s codes ``ids`` [n] at unit ``directions`` [n, code_dim] (queries of :meth:`query`):
+        each becomes the best code of the states whose query it is. The rows keep the codebook's root-mean-
+        square row norm (of its other rows), so their inputs ``proj_in(row)`` stay at the scale of the others'."""
+        book = self.book(level)
+        with torch.no_grad():
+            others = torch.ones(self.size, dtype=torch.bool, device=book.device)
+            others[ids] = False
+            rows = book[others] if bool(others.any()) else book
+            book[ids] = (directions.float() * rows.float().pow(2).sum(-1).mean().sqrt()).to(book.dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from concept.components import rms_normalize
@@ -53,6 +54,24 @@ class EmbeddingVocabulary(nn.Module):
         std = self.config.init_std or float(token_embedding.float().std())
         with torch.no_grad():
             self.table.weight.normal_(0.0, std)
+
+    def query(self, h: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., d] the unit direction of states ``h`` that the head's rows are matched against (anti-collapse,
+        ``concept.codes``); the head reads ``rms_norm(h)`` (or ``h``), of which this is the direction."""
+        return F.normalize(h.float(), dim=-1)
+
+    def set_codes(self, level: int, ids: torch.Tensor, directions: torch.Tensor) -> None:
+        """Point the head's rows of ``ids`` [n] at unit ``directions`` [n, d], with the rows' root-mean-square
+        norm and mean bias, so that each id is a strong candidate for the states it was pointed at (dead-code
+        revival, k-means initialisation: ``concept.codes``). Their input embeddings stay as they are."""
+        weight, bias = self.head.weight, self.head.bias
+        with torch.no_grad():
+            live = torch.ones(self.size, dtype=torch.bool, device=weight.device)
+            live[ids] = False
+            rows = weight[: self.size][live] if bool(live.any()) else weight[: self.size]
+            norm = rows.float().pow(2).sum(-1).mean().sqrt()
+            weight[ids] = (directions.float() * norm).to(weight.dtype)
+            bias[ids] = bias[: self.size][live].mean() if bool(live.any()) else bias[ids]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Head logits. Hidden-state norms vary by orders of magnitude between tokens in

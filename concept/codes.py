@@ -1,0 +1,225 @@
+"""Anti-collapse for learned concept vocabularies: dead-code revival and k-means initialisation.
+
+A learned codebook collapses when a few codes win every state: the others are never chosen, so their rows
+never receive a gradient and stay where they started (VQ-VAE's dead codes). Two standard remedies
+(SoundStream, Jukebox), each a controller the trainer composes (``concept.objectives`` protocol, no loss term):
+
+| name | what | option |
+|---|---|---|
+| ``code_revival`` | after every step, each code no emitted concept has used for N steps is pointed at a query of this step's emitted concepts (one code per query, the longest idle first), logged as ``revived`` and ``idle_share`` | ``--revive-after N`` |
+| ``kmeans_init`` | before the first step of a fresh run, the codes start at the spherical k-means centroids of the queries of the first B training batches' emitted concepts, logged as ``kmeans_codes`` | ``--kmeans-init B`` |
+
+Where the states come from: a model with learned codes has ``code_uses(out) -> list[CodeUse]``, one entry per
+(vocabulary, code level) with the ids its emitted concepts chose and the states the vocabulary's head read for
+them (the streaming family: the shallow states of the tokens that emitted a concept; the planner-executor:
+the planner's state at each concept of each type). A vocabulary that can be revived has
+
+- ``query(states, before) -> [n, c]``: unit vectors in the space its head matches codes in (the codebook's
+  cosine query, the embedding head's input direction), and
+- ``set_codes(level, ids, directions)``: points those codes at unit directions at the typical norm of its rows.
+
+``fsq`` has no code rows to die: its grid is fixed and every code is chosen whenever a state falls in its cell.
+
+Revival is deterministic and the same on every process: the step's usage is summed over the processes, the
+queries are gathered in rank order, and the queries that revive codes are drawn by a generator seeded by the
+run's seed and the step. Its only state, each code's idle steps, is saved with every checkpoint, so a resumed
+run revives exactly what an uninterrupted one does. The optimizer's moments of a revived row are left as they
+are (Adam's update is bounded by the learning rate: a few steps wash them out).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+from .objectives import Objective
+
+QUERIES_PER_STEP = 512  # at most this many queries of each (vocabulary, level) kept per micro-batch for revival
+KMEANS_ITERATIONS = 20
+
+
+@dataclass
+class CodeUse:
+    """The concepts one (vocabulary, level) emitted in a forward: their ids [n] and the states [n, d] its head
+    read (``before`` [n, l]: the codes of the levels below, for a vocabulary whose query depends on them)."""
+
+    name: str  # e.g. "concept", or a planner type's name (with ``@level`` for levels > 0)
+    vocabulary: torch.nn.Module
+    level: int
+    ids: torch.Tensor
+    states: torch.Tensor
+    before: torch.Tensor | None = None
+
+    def queries(self) -> torch.Tensor:
+        return self.vocabulary.query(self.states, self.before).detach().float()
+
+
+def revivable(vocabulary) -> bool:
+    return hasattr(vocabulary, "set_codes") and hasattr(vocabulary, "query")
+
+
+def check(model, option: str) -> list[str]:
+    """Problems with anti-collapse ``option`` on ``model`` (empty when its vocabularies can be revived)."""
+    uses = getattr(model, "code_vocabularies", None)
+    if uses is None:
+        return [f"{option}: this model has no learned concept codes; drop it"]
+    return [f"{option}: the {type(v).__name__} vocabulary{f' of {name!r}' if name else ''} has no code rows to "
+            f"revive or initialise (fsq's grid is fixed and cannot collapse); drop {option}"
+            for name, v in uses() if not revivable(v)]
+
+
+def spherical_kmeans(x: torch.Tensor, k: int, generator: torch.Generator,
+                     iterations: int = KMEANS_ITERATIONS) -> torch.Tensor:
+    """[k, c] unit centroids of unit vectors ``x`` [n, c] (n >= k) by cosine similarity: k-means++ seeding
+    (each next seed drawn with probability proportional to its distance 1 - cos to the nearest seed), then
+    Lloyd iterations; a cluster that empties takes the point farthest from its centroid."""
+    n = x.shape[0]
+    if not 1 <= k <= n:
+        raise ValueError(f"k-means of {n} points into {k} clusters: need 1 <= k <= n")
+    centroids = x[torch.randint(n, (1,), generator=generator)]
+    dist = (1 - x @ centroids.T).squeeze(-1).clamp_min(0)
+    for _ in range(1, k):
+        weights = dist if float(dist.sum()) > 0 else torch.ones_like(dist)
+        pick = torch.multinomial(weights, 1, generator=generator)
+        centroids = torch.cat([centroids, x[pick]])
+        dist = torch.minimum(dist, (1 - x @ x[pick].T).squeeze(-1).clamp_min(0))
+    for _ in range(iterations):
+        sim = x @ centroids.T
+        assign = sim.argmax(-1)
+        sums = torch.zeros_like(centroids).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=k)
+        best = sim.gather(1, assign[:, None]).squeeze(-1)
+        for j in (counts == 0).nonzero().flatten().tolist():  # an empty cluster takes the worst-fit point
+            worst = int(best.argmin())
+            sums[j], best[worst] = x[worst], 2.0
+        centroids = F.normalize(sums, dim=-1)
+    return centroids
+
+
+class CodeRevival(Objective):
+    """``--revive-after N``: codes no emitted concept used for N steps are pointed at this step's queries (see the
+    module's docstring). Logs ``revived`` (codes re-pointed this step, every vocabulary) and ``idle_share``
+    (the share of codes unused for N steps, before reviving them)."""
+
+    name = "code_revival"
+    adds_term = False
+
+    def __init__(self, after: int, seed: int):
+        self.after, self.seed = after, seed
+        self.idle: dict[str, torch.Tensor] = {}  # name -> [K] steps since the code was last emitted
+        self.dist = None
+        self.step = 0
+        self._used: dict[str, torch.Tensor] = {}
+        self._queries: dict[str, list[torch.Tensor]] = {}
+        self._targets: dict[str, CodeUse] = {}
+
+    def before_step(self, trainer) -> None:
+        self.dist, self.step = trainer.dist, trainer.step
+        self._used, self._queries, self._targets = {}, {}, {}
+
+    def stats(self, model, batch, out) -> dict[str, float]:
+        for use in model.code_uses(out):
+            K = use.vocabulary.size
+            used = self._used.setdefault(use.name, torch.zeros(K, dtype=torch.float64))
+            used += torch.bincount(use.ids.detach().cpu().long(), minlength=K)[:K].double()
+            if use.ids.numel():
+                queries = use.queries().cpu()
+                self._queries.setdefault(use.name, []).append(queries[:QUERIES_PER_STEP])
+            self._targets[use.name] = use
+        return {}
+
+    def after_step(self, model, means, totals) -> dict[str, float]:
+        dist, revived, idle_codes, codes = self.dist, 0, 0, 0
+        for i, (name, use) in enumerate(sorted(self._targets.items())):
+            K = use.vocabulary.size
+            used = torch.tensor(dist.sum(self._used[name].tolist()) if dist else self._used[name].tolist())
+            idle = self.idle.get(name, torch.zeros(K, dtype=torch.long))
+            idle = torch.where(used > 0, torch.zeros_like(idle), idle + 1)
+            dead = (idle >= self.after).nonzero().flatten()
+            idle_codes, codes = idle_codes + len(dead), codes + K
+            local = torch.cat(self._queries.get(name, [])) if self._queries.get(name) else torch.zeros(0, 0)
+            queries = torch.cat([q for q in (dist.gather_objects(local) if dist else [local]) if q.numel()]) \
+                if len(dead) else local
+            if len(dead) and queries.numel():
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step * 101 + i)
+                order = dead[torch.randperm(len(dead), generator=g)]  # ties in idleness: a random order
+                order = order[idle[order].argsort(descending=True, stable=True)][: queries.shape[0]]
+                pick = torch.randperm(queries.shape[0], generator=g)[: len(order)]
+                use.vocabulary.set_codes(use.level, order.to(use.ids.device), queries[pick].to(use.states.device))
+                idle[order] = 0
+                revived += len(order)
+            self.idle[name] = idle
+        return {"revived": revived, "idle_share": idle_codes / codes} if codes else {}
+
+    def state_dict(self) -> dict:
+        return {"after": self.after, "idle": {name: idle.tolist() for name, idle in self.idle.items()}}
+
+    def load_state_dict(self, state: dict, model) -> None:
+        self.idle = {name: torch.tensor(idle, dtype=torch.long) for name, idle in state["idle"].items()}
+
+
+class KMeansInit(Objective):
+    """``--kmeans-init B``: before the first step of a fresh run, every (vocabulary, level) that emitted n
+    concepts in the first B training batches (one no-grad forward each, in evaluation mode) gets
+    ``min(K, n)`` of its codes (a random subset when n < K) pointed at the spherical k-means centroids of
+    their queries. Logged once, with step 1, as ``kmeans_codes`` (codes set) and ``kmeans_states`` (queries
+    clustered). Every process clusters the same batches, so the codes agree; a resumed run skips it (its
+    codes are in the checkpoint)."""
+
+    name = "kmeans_init"
+    adds_term = False
+
+    def __init__(self, batches: int, seed: int):
+        self.batches, self.seed = batches, seed
+        self.report: dict[str, float] = {}  # what to log with the next step (once)
+
+    def before_step(self, trainer) -> None:
+        if trainer.step != 0:
+            return
+        model, queries, targets = trainer.model, {}, {}
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), trainer.gathered():
+                for index in range(self.batches):
+                    out = trainer.forward(trainer.batch(index))
+                    for use in model.code_uses(out):
+                        queries.setdefault(use.name, []).append(use.queries())
+                        targets[use.name] = use
+        finally:
+            model.train(was_training)
+        codes = states = 0
+        for i, (name, use) in enumerate(sorted(targets.items())):
+            x = torch.cat(queries[name])
+            if not x.shape[0]:
+                continue
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+            K, k = use.vocabulary.size, min(use.vocabulary.size, x.shape[0])
+            centroids = spherical_kmeans(x.cpu(), k, g)
+            ids = torch.randperm(K, generator=g)[:k] if k < K else torch.arange(K)
+            use.vocabulary.set_codes(use.level, ids.to(use.ids.device), centroids.to(use.states.device))
+            codes, states = codes + k, states + x.shape[0]
+        self.report = {"kmeans_codes": codes, "kmeans_states": states}
+
+    def after_step(self, model, means, totals) -> dict[str, float]:
+        report, self.report = self.report, {}
+        return report
+
+
+def from_config(config, model) -> list[Objective]:
+    """The anti-collapse controllers a ``TrainConfig`` asks for; a clear error when the model's vocabularies
+    cannot take them."""
+    found, problems = [], []
+    for option, value in (("--kmeans-init", config.kmeans_init), ("--revive-after", config.revive_after)):
+        if value:
+            problems += check(model, option)
+    if problems:
+        raise ConfigError(problems)
+    if config.kmeans_init:
+        found.append(KMeansInit(config.kmeans_init, config.seed))
+    if config.revive_after:
+        found.append(CodeRevival(config.revive_after, config.seed))
+    return found
+
