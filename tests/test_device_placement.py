@@ -36,6 +36,12 @@ ALLOWED = {
                                                     "TextStreamer convention)",
     ("concept/planner/model.py", "Plan.from_rows"): "filled element by element on the host, moved once with .to()",
     ("concept/planner/model.py", "PlannerExecutor.__init__"): "registered as buffers (moved with the module)",
+    ("concept/codes.py", "spherical_kmeans"): "k-means of queries brought to the host (.cpu()), a CPU generator",
+    ("concept/codes.py", "CodeRevival.stats"): "host-side usage counts of .cpu() ids",
+    ("concept/codes.py", "CodeRevival.after_step"): "host-side idle counters and CPU-generator draws (the same on "
+                                                    "every device and process); the chosen queries move with .to()",
+    ("concept/codes.py", "CodeRevival.load_state_dict"): "host-side idle counters from the checkpoint's JSON",
+    ("concept/codes.py", "KMeansInit.before_step"): "a CPU generator's choice of ids, moved with .to()",
 }
 
 
