@@ -124,3 +124,22 @@ def test_new_options_are_validated(built, corpus, tmp_path):  # noqa: F811
         r = run("train", built, "--data", corpus, "--steps", 1, *FAST, flag, value, "--out", tmp_path / "x")
         assert r.exit_code == 2 and message in r.stderr, (flag, r.stderr)
         assert not (tmp_path / "x").exists()
+
+
+def test_anti_collapse_as_a_user_runs_it(built, corpus, tmp_path):  # noqa: F811
+    """`--kmeans-init` / `--revive-after` from the command line: logged in metrics.jsonl, kept in train.json
+    (so --resume revives the same way); a vocabulary without code rows is a clear error that writes nothing."""
+    out = tmp_path / "revived"
+    r = run("train", built, "--data", corpus, "--steps", 3, *FAST, "--kmeans-init", 1, "--revive-after", 1,
+            "--eval-every", 3, "--out", out)
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kmeans_codes"] > 0 and all("revived" in row and "idle_share" in row for row in rows)
+    saved = json.loads((out / "train.json").read_text())
+    assert (saved["revive_after"], saved["kmeans_init"]) == (1, 1)
+    fsq = tmp_path / "fsq"
+    assert run("build", *TINY[:-2], "--vocabulary", "fsq", "--set", "vocabulary.levels_per_dim=[4,4]",
+               "-o", fsq).exit_code == 0
+    r = run("train", fsq, "--data", corpus, "--steps", 1, *FAST, "--revive-after", 5, "--out", tmp_path / "no")
+    assert r.exit_code != 0 and "has no code rows to revive" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "no").exists()
