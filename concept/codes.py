@@ -52,8 +52,23 @@ class CodeUse:
     states: torch.Tensor
     before: torch.Tensor | None = None
 
-    def queries(self) -> torch.Tensor:
-        return self.vocabulary.query(self.states, self.before).detach().float()
+    def queries(self, limit: int | None = None) -> torch.Tensor:
+        """[n, c] the vocabulary's queries of the states (the first ``limit`` of them)."""
+        before = None if self.before is None else self.before[:limit]
+        return self.vocabulary.query(self.states[:limit], before).detach().float()
+
+
+def other_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``rows`` [K, ...] without the rows of ``ids`` (all of them when ``ids`` names every row): what a vocabulary
+    matches the scale of the codes it re-points to (``set_codes``)."""
+    keep = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    keep[ids] = False
+    return rows[keep] if bool(keep.any()) else rows
+
+
+def rms_row_norm(rows: torch.Tensor) -> torch.Tensor:
+    """The root-mean-square norm of ``rows`` [n, c] (float32)."""
+    return rows.float().pow(2).sum(-1).mean().sqrt()
 
 
 def revivable(vocabulary) -> bool:
@@ -125,8 +140,7 @@ class CodeRevival(Objective):
             used = self._used.setdefault(use.name, torch.zeros(K, dtype=torch.float64))
             used += torch.bincount(use.ids.detach().cpu().long(), minlength=K)[:K].double()
             if use.ids.numel():
-                queries = use.queries().cpu()
-                self._queries.setdefault(use.name, []).append(queries[:QUERIES_PER_STEP])
+                self._queries.setdefault(use.name, []).append(use.queries(QUERIES_PER_STEP).cpu())
             self._targets[use.name] = use
         return {}
 
@@ -139,10 +153,11 @@ class CodeRevival(Objective):
             idle = torch.where(used > 0, torch.zeros_like(idle), idle + 1)
             dead = (idle >= self.after).nonzero().flatten()
             idle_codes, codes = idle_codes + len(dead), codes + K
-            local = torch.cat(self._queries.get(name, [])) if self._queries.get(name) else torch.zeros(0, 0)
-            queries = torch.cat([q for q in (dist.gather_objects(local) if dist else [local]) if q.numel()]) \
-                if len(dead) else local
-            if len(dead) and queries.numel():
+            if len(dead):  # (the same on every process: ``used`` and ``idle`` are)
+                local = self._queries.get(name, [])
+                gathered = dist.gather_objects(local) if dist else [local]  # every rank's, in rank order
+                queries = torch.cat([q for qs in gathered for q in qs]) if any(gathered) else None
+            if len(dead) and queries is not None:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step * 101 + i)
                 order = dead[torch.randperm(len(dead), generator=g)]  # ties in idleness: a random order
                 order = order[idle[order].argsort(descending=True, stable=True)][: queries.shape[0]]
@@ -154,7 +169,7 @@ class CodeRevival(Objective):
         return {"revived": revived, "idle_share": idle_codes / codes} if codes else {}
 
     def state_dict(self) -> dict:
-        return {"after": self.after, "idle": {name: idle.tolist() for name, idle in self.idle.items()}}
+        return {"idle": {name: idle.tolist() for name, idle in self.idle.items()}}
 
     def load_state_dict(self, state: dict, model) -> None:
         self.idle = {name: torch.tensor(idle, dtype=torch.long) for name, idle in state["idle"].items()}

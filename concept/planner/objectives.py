@@ -121,6 +121,10 @@ class PlannerQuotaController:
     ki: float = 0.05
     limit: float = 20.0
 
+    @property
+    def per_type(self) -> bool:
+        return isinstance(self.budget, list)
+
     def apply(self, model, length: float | list[float]) -> None:
         with torch.no_grad():
             bias = model.eos_bias.value
@@ -140,7 +144,7 @@ class QuotaObjective(Objective):
         plan = out.plan
         budget = self.controller.budget
         going = (1 - eos_probs(model, plan)) * plan.active
-        if isinstance(budget, list):
+        if self.controller.per_type:
             error = [((going * (plan.types == i)).sum(1).mean() - b).pow(2) / b ** 2 for i, b in enumerate(budget)]
             return self.weight * torch.stack(error).mean()
         return self.weight * (going.sum(1).mean() - budget).pow(2) / budget ** 2
@@ -154,8 +158,7 @@ class QuotaObjective(Objective):
         return row
 
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
-        types = model.settings.types
-        per_type = isinstance(self.controller.budget, list)
+        types, per_type = model.settings.types, self.controller.per_type
         self.controller.apply(model, [means[f"plan_len/{t.name}"] for t in types] if per_type else means["plan_len"])
         bias = model.eos_bias.value
         if not per_type:

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from concept.codes import other_rows, rms_row_norm
 from concept.components import rms_normalize
 
 
@@ -142,7 +143,4 @@ class CodebookVocabulary(nn.Module):
         square row norm (of its other rows), so their inputs ``proj_in(row)`` stay at the scale of the others'."""
         book = self.book(level)
         with torch.no_grad():
-            others = torch.ones(self.size, dtype=torch.bool, device=book.device)
-            others[ids] = False
-            rows = book[others] if bool(others.any()) else book
-            book[ids] = (directions.float() * rows.float().pow(2).sum(-1).mean().sqrt()).to(book.dtype)
+            book[ids] = (directions.float() * rms_row_norm(other_rows(book, ids))).to(book.dtype)

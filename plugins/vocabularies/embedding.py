@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from concept.codes import other_rows, rms_row_norm
 from concept.components import rms_normalize
 
 
@@ -64,14 +65,11 @@ class EmbeddingVocabulary(nn.Module):
         """Point the head's rows of ``ids`` [n] at unit ``directions`` [n, d], with the rows' root-mean-square
         norm and mean bias, so that each id is a strong candidate for the states it was pointed at (dead-code
         revival, k-means initialisation: ``concept.codes``). Their input embeddings stay as they are."""
-        weight, bias = self.head.weight, self.head.bias
+        weight, bias, K = self.head.weight, self.head.bias, self.size
         with torch.no_grad():
-            live = torch.ones(self.size, dtype=torch.bool, device=weight.device)
-            live[ids] = False
-            rows = weight[: self.size][live] if bool(live.any()) else weight[: self.size]
-            norm = rows.float().pow(2).sum(-1).mean().sqrt()
-            weight[ids] = (directions.float() * norm).to(weight.dtype)
-            bias[ids] = bias[: self.size][live].mean() if bool(live.any()) else bias[ids]
+            weight[ids] = (directions.float() * rms_row_norm(other_rows(weight[:K], ids))).to(weight.dtype)
+            if len(ids) < K:  # (every row re-pointed: the biases stay)
+                bias[ids] = other_rows(bias[:K], ids).mean()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Head logits. Hidden-state norms vary by orders of magnitude between tokens in
