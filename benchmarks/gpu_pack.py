@@ -246,6 +246,8 @@ def instructions(manifest: dict) -> str:
     for i, stage in enumerate(STAGE_CALLS, n + 1):
         lines += [f"call {i}: run with (no carry; --minutes: at most budget_left_s / 60 - 2, and 8)",
                   f"  command: PYTHONUNBUFFERED=1 {DEVICE_PYTHON} -m benchmarks.gpu_kit {stage} --out $OUT"]
+    lines += ["(a 15-minute lease: after the set-up calls, one quality call only, with --minutes and --total-minutes",
+              " both budget_left_s / 60 - 1; docs/gpu.md)"]
     lines += ["", "After each call: copy the files it brought back into .gpukit/results/callN/ (N: the call).",
               "Then here: make gpu-kit STAGE=report   (writes the docs; prints the one `git add`). docs/gpu.md has it all."]
     return "\n".join(lines)

@@ -170,6 +170,19 @@ def document_tokens(valid: torch.Tensor, reset: torch.Tensor | None = None) -> t
     return seen - real - base, total
 
 
+def tokens_since_keep(keep: torch.Tensor, valid: torch.Tensor, reset: torch.Tensor | None = None) -> torch.Tensor:
+    """Real tokens after each row's last kept token (or its last document start, ``reset``) [B]: the
+    step state of a policy that counts the tokens of its open chunk, after the last token, computed
+    for all t at once (padding does not count)."""
+    seen = torch.cumsum(valid.long(), dim=1)  # real tokens up to and including t
+    if not valid.shape[1]:
+        return seen.new_zeros(valid.shape[0])
+    marks = torch.where(keep & valid, seen, torch.zeros_like(seen))
+    if reset is not None:  # a document start reopens the count before its first token
+        marks = torch.maximum(marks, torch.where(reset & valid, seen - 1, torch.zeros_like(seen)))
+    return seen[:, -1] - marks.max(dim=1).values
+
+
 def time_positions(valid: torch.Tensor, doc: torch.Tensor | None = None,
                    starts: torch.Tensor | None = None) -> torch.Tensor:
     """Position ids of real tokens (0, 1, ... restarting at each document), whatever the padding

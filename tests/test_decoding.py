@@ -240,7 +240,8 @@ def test_bad_generation_input_is_reported_clearly(mixed):
 def test_a_policy_whose_steps_disagree_with_its_batched_rule_is_refused(mixed, monkeypatch):
     model = mixed()
     policy = model.length_policy
-    monkeypatch.setattr(policy, "track", 0.0)  # the plain rule: no decide_with_state, a single-tensor state
+    monkeypatch.setattr(policy, "track", 0.0)  # the plain rule: a single-tensor state
+    monkeypatch.delattr(type(policy), "decide_with_state")  # a policy with only the step rule: prefill replays it
     monkeypatch.setattr(policy, "step", lambda h, logits, run: (torch.zeros_like(run, dtype=torch.bool), run + 1))
     with warnings.catch_warnings(), pytest.raises(ConceptError, match="step-wise decision differs"):
         model.generate(prompts((12,)), max_new_tokens=2)

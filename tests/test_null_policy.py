@@ -182,11 +182,11 @@ def test_tracker_batched_equals_loop_and_step_api(track, max_run, shift):
     assert torch.equal(p.decide(None, logits, valid, reset), expect)
     steps, step_state = stepped(p, logits, valid, reset)
     assert torch.equal(steps, expect)
-    if track:
-        keep, state = p.decide_with_state(None, logits, valid, reset)
-        assert torch.equal(keep, expect)
-        for a, b in zip(state, step_state):  # the final state too (what a prefill hands to decoding)
-            assert torch.equal(a, b)
+    keep, state = p.decide_with_state(None, logits, valid, reset)
+    assert torch.equal(keep, expect)
+    pairs = zip(state, step_state) if track else [(state, step_state)]  # the tracker's state is a tuple
+    for a, b in pairs:
+        assert torch.equal(a, b)  # the final state too (what a prefill hands to decoding)
 
 
 def test_track_zero_keeps_the_vectorised_rule_and_its_step_state():
@@ -194,13 +194,16 @@ def test_track_zero_keeps_the_vectorised_rule_and_its_step_state():
     index = torch.randint(0, K, valid.shape, generator=g)
     index[torch.rand(valid.shape, generator=g) < 0.7] = K
     p = tracked(3, 0.0)
-    assert not hasattr(p, "decide_with_state") and p.init_state(2, "cpu").shape == (2,)  # as before the tracker
+    assert p.init_state(2, "cpu").shape == (2,)  # as before the tracker
     assert torch.equal(p.decide(None, head_logits(index), valid), stepwise(p, index, valid))
+    keep, run = p.decide_with_state(None, head_logits(index), valid)
+    assert torch.equal(keep, stepwise(p, index, valid))
+    assert torch.equal(run, stepped(p, head_logits(index), valid)[1])  # the NULL run, without replaying the prompt
     q = tracked(3, 0.5)
-    assert hasattr(q, "decide_with_state")
+    assert isinstance(q.decide_with_state(None, head_logits(index), valid)[1], tuple)
     q.track = 0.0  # switching the tracker off gives back the original policy
-    assert not hasattr(q, "decide_with_state") and torch.equal(q.decide(None, head_logits(index), valid),
-                                                                p.decide(None, head_logits(index), valid))
+    assert torch.equal(q.decide(None, head_logits(index), valid), p.decide(None, head_logits(index), valid))
+    assert torch.equal(q.decide_with_state(None, head_logits(index), valid)[1], run)
 
 
 def test_tracker_forces_after_max_run_and_catches_up():
@@ -269,7 +272,7 @@ def test_target_ratio_is_saved_and_old_weights_still_load():
     assert float(q.target_ratio) == pytest.approx(0.4)
     old = {k: v for k, v in p.state_dict().items() if k != "target_ratio"}  # saved before the tracker
     q.load_state_dict(old)  # loads, and decides as it was trained: without the tracker
-    assert float(q.target_ratio) == pytest.approx(0.4) and q.track == 0 and not hasattr(q, "decide_with_state")
+    assert float(q.target_ratio) == pytest.approx(0.4) and q.track == 0
     assert isinstance(q.init_state(2, "cpu"), torch.Tensor)
     assert NullPolicyConfig().track == 0.25  # the measured default
 

@@ -67,7 +67,18 @@ def test_batched_and_stepwise_decisions_agree_with_padding_and_documents(policy)
             k, new = model.length_policy.step(h[:, t], head_logits[:, t], state)
             steps.append(k & valid[:, t])
             state = torch.utils._pytree.tree_map(lambda n, s: torch.where(valid[:, t], n, s), new, state)
+        keep, final = model.length_policy.decide_with_state(h, head_logits, valid, reset)
     assert torch.equal(batched, torch.stack(steps, 1))
+    # every built-in policy gives a prefill its final step state without replaying the prompt,
+    # and it is the step loop's, leaf for leaf
+    assert torch.equal(keep, batched)
+    leaves = torch.utils._pytree.tree_leaves
+    assert len(leaves(final)) == len(leaves(state))
+    same = lambda a, b: torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, atol=1e-6)  # noqa: E731
+    assert all(same(a, b) for a, b in zip(leaves(final), leaves(state)))  # float leaves: the score's matmul
+    # negative control: the state one token earlier (the last token not counted) is told apart
+    early = model.length_policy.decide_with_state(h[:, :-1], head_logits[:, :-1], valid[:, :-1], reset[:, :-1])[1]
+    assert not all(same(a, b) for a, b in zip(leaves(early), leaves(state)))
 
 
 def test_tail_is_bounded_by_each_policy():

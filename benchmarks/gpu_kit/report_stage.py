@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from .common import RESULTS, ROOT, KitError, Stage, read_json
+from .pytest_run import counts
 
 DOC = {"setup": "docs/benchmarks.md", "exact": "docs/benchmarks.md", "speed": "docs/benchmarks.md",
        "quality": "docs/results.md"}
@@ -104,7 +105,10 @@ def render_exact(data: dict) -> str:
     r = data["result"]
     if not r:
         return "\n".join([heading(data), ""] + skipped_lines(data))
-    c = r["counts"]
+    # Counted from the cases, without the nameless one an interrupted pytest writes (kits before
+    # 2026-11-26 counted it as a passed test).
+    tests = [t for t in r["tests"] if t["id"]]
+    c = counts(tests)
     tol = r["tolerances"]
     lines = [heading(data), "",
              f"`{r['command']}`: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped. "
@@ -115,7 +119,7 @@ def render_exact(data: dict) -> str:
              "| test (all its cases) | passed | failed | skipped | s | first failure or skip reason |",
              "|---|---:|---:|---:|---:|---|"]
     groups: dict[str, list[dict]] = {}
-    for t in r["tests"]:
+    for t in tests:
         groups.setdefault(t["id"].split("[")[0], []).append(t)
     for name, tests in groups.items():
         n = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from concept.packing import time_positions
+from concept.packing import time_positions, tokens_since_keep
 
 
 @dataclass
@@ -50,6 +50,12 @@ class FixedPolicy(nn.Module):
         doc = None if reset is None else torch.cumsum(reset.long(), dim=1)
         pos = time_positions(valid, doc)
         return ((pos + 1) % self.every == 0) & valid
+
+    def decide_with_state(self, h, head_logits, valid, reset=None):
+        """``decide`` and the step state after the last token (the open chunk's tokens), both for
+        all t at once: a decoder's prefill needs no step-by-step replay of the prompt."""
+        keep = self.decide(h, head_logits, valid, reset)
+        return keep, tokens_since_keep(keep, valid, reset)
 
     def init_state(self, batch_size: int, device) -> torch.Tensor:
         return torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens of the open chunk

@@ -46,9 +46,10 @@ ones, so the batched decision is a scan over t of the step rule itself (``_advan
 small tensor ops, vectorised over the batch, no host synchronisation: about 0.1 ms per t on
 CPU, e.g. 64 ms for 4 x 512 tokens); the state is the NULL run and the integer counts
 behind the lag, so the scan and ``step`` compute the same floating-point numbers and
-agree exactly; ``decide_with_state`` (decisions + final state, what
-the decoder's prefill reads) exists then. Padding does not advance a row's state; a document
-start resets it. With ``track == 0`` the step state is the NULL run alone, as before.
+agree exactly. Padding does not advance a row's state; a document start resets it. With
+``track == 0`` the step state is the NULL run alone, as before. ``decide_with_state``
+(decisions + final state, what the decoder's prefill reads) exists for both: the scan's state,
+or, without the tracker, the NULL run computed for all t at once (no replay of the prompt).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ import torch
 from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
-from concept.packing import document_tokens
+from concept.packing import document_tokens, tokens_since_keep
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
@@ -89,18 +90,12 @@ class NullPolicy(nn.Module):
 
     @property
     def track(self) -> float:
-        """The tracker gain (0 = off). Setting it also sets whether ``decide_with_state`` exists:
-        with the tracker the decoder takes a prefill's final step state from the scan; without
-        it the policy is exactly the original vectorised rule with its step-wise replay."""
+        """The tracker gain (0 = off: exactly the original vectorised rule and its NULL-run state)."""
         return self._track
 
     @track.setter
     def track(self, value: float) -> None:
         self._track = float(value)
-        if self._track:
-            self.__dict__["decide_with_state"] = self._scan
-        else:
-            self.__dict__.pop("decide_with_state", None)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if prefix + "target_ratio" not in state_dict:
@@ -177,6 +172,14 @@ class NullPolicy(nn.Module):
             keeps.append(k)
         keep = torch.stack(keeps, dim=1) if keeps else torch.zeros_like(valid)
         return keep, (run, total, concepts.long())
+
+    def decide_with_state(self, h, head_logits, valid, reset=None):
+        """``decide`` and the step state after the last token, both for all t at once (what a
+        decoder's prefill needs: no step-by-step replay of the prompt)."""
+        if self.track:
+            return self._scan(h, head_logits, valid, reset)
+        keep = self._vectorised(head_logits, valid, reset)
+        return keep, tokens_since_keep(keep, valid, reset)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         """Batched: head_logits [B, T, K+1], valid [B, T], reset [B, T] (document starts) -> keep [B, T]."""
