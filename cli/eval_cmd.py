@@ -74,7 +74,7 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 
 
 @click.command(name="eval")
-@click.argument("runs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("runs", metavar="RUN_DIR...", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--data", multiple=True, metavar="SOURCE",
               help="Held-out text: a file, folder or JSONL, a Hugging Face datasets save_to_disk folder "
                    "(PATH:SPLIT picks a DatasetDict split; default train) or .parquet / .arrow files (read "
@@ -91,18 +91,39 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 @click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default=None,
               help="Default: the run's training setting (strict).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--tasks", "tasks", multiple=True, metavar="NAMES",
+              help="Downstream tasks through lm-evaluation-harness instead of held-out NLL: task, group or tag names, "
+                   "comma-separated or repeated (the shipped offline tasks: concept_offline; `--tasks list` lists all). "
+                   "Needs the `eval` extra (lm-eval).")
+@click.option("--include-path", "include_path", multiple=True, metavar="DIR", type=click.Path(path_type=Path),
+              help="With --tasks: a folder of your own lm-eval task YAMLs (repeatable).")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="With --tasks: at most this many examples per task (default: all).")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
+              help="With --tasks: few-shot examples per prompt (default: each task's own).")
 @click.option("--json", "as_json", is_flag=True)
 def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
-          as_json):
-    """Evaluate trained (or built) runs on held-out text.
+          tasks, include_path, limit, num_fewshot, as_json):
+    """Evaluate trained (or built) runs on held-out text, or on downstream tasks (--tasks).
 
     \b
     concept eval runs/m1-train --json
     concept eval runs/m1-train --data held-out/ --show-map
     concept eval runs/m1-train runs/dense          # side by side
     concept eval runs/m1-train --data stdlib --data pydoc   # code and prose: one table per domain
+    concept eval runs/m1-train runs/dense --tasks concept_offline --limit 100   # accuracy, lm-eval
+    concept eval --tasks list                      # every task name, the shipped ones first
     """
     quiet_progress_bars()
+    names = [n.strip() for t in tasks for n in t.split(",") if n.strip()]
+    if tasks:
+        from .tasks_eval import evaluate_on_tasks
+
+        return evaluate_on_tasks(runs, names, include_path, limit, num_fewshot, batch, seq_len, device, as_json)
+    if include_path or limit is not None or num_fewshot is not None:
+        raise click.UsageError("--include-path, --limit and --num-fewshot go with --tasks")
+    if not runs:
+        raise click.UsageError("give at least one RUN_DIR")
     domains = list(dict.fromkeys(data)) or [None]  # repeated --data: one evaluation per domain
     by_domain = {d: {} for d in domains}
     for run in runs:

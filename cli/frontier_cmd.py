@@ -87,12 +87,22 @@ def make_spec(opts: dict):
     baselines = tuple(dict.fromkeys(b.strip() for b in opts["baselines"].split(",") if b.strip() not in ("", "none")))
     problems += [f"--baselines: {b!r} is not a baseline; choose from pruned, dense (or none)"
                  for b in baselines if b not in ("pruned", "dense")]
+    tasks = tuple(n.strip() for n in (opts["tasks"] or "").split(",") if n.strip())
+    if not tasks and (opts["tasks_limit"] is not None or opts["include_path"]):
+        problems.append("--tasks-limit and --include-path go with --tasks")
+    if tasks:
+        from .tasks_eval import harness
+
+        problems += harness().check_include_path(opts["include_path"])
     if problems:
         raise ConfigError(problems)
+    if tasks:  # unknown tasks and missing task data fail now, not after the training
+        harness().resolve_tasks(list(tasks), opts["include_path"])
     return FrontierSpec(build=build, splits=splits, ratios=ratios, train=train, domains=doms,
                         eval_batches=opts["eval_batches"], eval_batch=opts["eval_batch"],
                         eval_seq_len=opts["eval_seq_len"], controls=not opts["no_controls"], max_flops=opts["max_flops"],
-                        baselines=baselines)
+                        baselines=baselines, tasks=tasks, tasks_limit=opts["tasks_limit"],
+                        include_path=tuple(opts["include_path"]))
 
 
 def render_table(result: dict, out: Path):
@@ -165,6 +175,11 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--eval-batch", type=int, default=4, show_default=True)
 @click.option("--eval-seq-len", type=int, default=None, help="Default: the training --seq-len.")
 @click.option("--no-controls", is_flag=True, help="Skip the ΔNLL shuffled / random concept passes.")
+@click.option("--tasks", metavar="NAMES", default=None,
+              help="Also evaluate every run on these lm-eval tasks (comma-separated, e.g. concept_offline; needs the "
+                   "`eval` extra): accuracy columns and OUT/frontier-tasks.png.")
+@click.option("--tasks-limit", type=click.IntRange(min=1), default=None, help="With --tasks: at most this many examples per task.")
+@click.option("--include-path", multiple=True, metavar="DIR", help="With --tasks: a folder of your own task YAMLs.")
 @click.option("--max-flops", type=float, default=0.6, show_default=True,
               help="Name the best streaming point at or below this FLOP ratio to dense.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/frontier"), show_default=True,
@@ -221,7 +236,7 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
     if update_doc is not None:
         fr.update_doc(update_doc, result, paths["png"])
         result["files"]["doc"] = str(update_doc)
-    status("done", f"{paths['png']}, {paths['json']}, {paths['md']}" + (f"; updated {update_doc}" if update_doc else ""))
+    status("done", ", ".join(str(p) for p in paths.values()) + (f"; updated {update_doc}" if update_doc else ""))
     if as_json:
         print_json(result)
         return

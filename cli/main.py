@@ -19,6 +19,7 @@ from .export_cmd import export
 from .frontier_cmd import frontier
 from .generate_cmd import generate
 from .inspect_cmd import inspect
+from .lm_eval_cmd import lm_eval_
 from .output import print_error
 from .plugins_cmd import plugins
 from .train_cmd import train
@@ -68,6 +69,7 @@ cli.add_command(build)
 cli.add_command(inspect)
 cli.add_command(train)
 cli.add_command(eval_)
+cli.add_command(lm_eval_)
 cli.add_command(export)
 cli.add_command(generate)
 cli.add_command(bench)

@@ -64,6 +64,7 @@ def quiet_progress_bars() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's and datasets' bars (tqdm reads it per bar)
 
 
 def json_safe(data: Any) -> Any:

@@ -149,3 +149,8 @@ class Family(Protocol):
     def evaluate(self, model, batches, bucket: int, controls: bool, seed: int) -> dict | None:
         """Held-out evaluation: the core's NLL (``concept.diagnostics.evaluate_tokens``, which takes what the family
         adds per batch) or the family's own; None: the core's alone."""
+
+    def score(self, model, context, context_valid, continuation, continuation_valid):
+        """Logits [B, Tx, V] whose position k predicts continuation token k given the context (right-padded id
+        rows with their masks; ``concept.scoring``, what lm-eval asks), or None: the core's one causal forward
+        over context + continuation."""

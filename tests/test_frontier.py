@@ -114,6 +114,27 @@ def test_rerun_skips_complete_runs_and_updates_the_doc(frontier, monkeypatch, tm
     assert r.exit_code == 1 and "<!-- frontier:begin -->" in r.stderr and bad.read_text() == "# no block here\n"
 
 
+def test_tasks_add_accuracy_columns_and_a_plot_and_are_cached(frontier, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from concept.recipes import harness
+
+    out, args, _, _ = frontier
+    monkeypatch.setattr(Trainer, "start", lambda *_, **__: pytest.fail("a complete run was trained again"))
+    tasks = ["--tasks", "concept_docstring_name", "--tasks-limit", "2"]
+    r = run(*args, *tasks, "--json")
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    for row in result["rows"]:  # every run, streaming and baselines, on the task
+        acc = row["tasks"]["concept_docstring_name"]["acc"]
+        assert row["tasks"]["concept_docstring_name"]["samples"] == 2 and acc["value"] in (0.0, 0.5, 1.0)
+    head, _ = fr.table_cells(result)
+    assert head[-1] == "acc concept_docstring_name" and (out / "frontier-tasks.png").stat().st_size > 1000
+    assert "Task columns" in (out / "frontier.md").read_text()
+    monkeypatch.setattr(harness, "evaluate_tasks", lambda *_, **__: pytest.fail("evaluated again"))
+    again = run(*args, *tasks, "--json")
+    assert again.exit_code == 0 and json.loads(again.stdout)["rows"][0]["tasks"] == result["rows"][0]["tasks"]
+
+
 def test_another_recipe_is_refused_then_an_interrupted_run_resumes(frontier):
     out, args, _, _ = frontier
     r = run(*args, "--lr", "0.01")
@@ -165,6 +186,8 @@ def test_dry_run_writes_nothing_and_shares_pruned_runs(tmp_path, corpus, held_ou
     (["--train-set", "lr_nwe=0.1"], "Did you mean 'lr_new'?"),
     (["--ratio-warmup", "2"], "ratio-warmup"),
     (["--baselines", "pruned,dens"], "'dens' is not a baseline"),
+    (["--tasks-limit", "3"], "--tasks-limit and --include-path go with --tasks"),
+    (["--tasks", "concept_clozee"], "did you mean concept_cloze"),
 ])
 def test_bad_input_is_one_clear_error_before_anything_is_written(tmp_path, corpus, held_out, change, message):  # noqa: F811
     out = tmp_path / "x"

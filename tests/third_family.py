@@ -140,3 +140,6 @@ class SoftPrompt:
 
     def evaluate(self, model, batches, bucket, controls, seed):
         return None  # the core's evaluation: NLL, bits per token, by position
+
+    def score(self, model, context, context_valid, continuation, continuation_valid):
+        return None  # the core's causal forward over context + continuation

@@ -111,3 +111,8 @@ class PlannerExecutor:
         from .diagnostics import evaluate_planned
 
         return evaluate_planned(model, batches, bucket, controls, seed)
+
+    def score(self, model, context, context_valid, continuation, continuation_valid):
+        """Plan from the context, then the executor's logits for the continuation given the plan alone."""
+        plan = model.planner(context, context_valid)
+        return model.executor(plan, continuation, continuation_valid)

@@ -51,11 +51,13 @@ from ..data import CORPORA, builtin_corpus, local_path, stored_source
 from ..diagnostics import evaluate_folder as eval_one
 from ..errors import ConceptError, ConfigError, RunFolderError
 from ..flops import Shape, ideal_ratio, pruned_flops
+from ..scoring import Scorer
 from ..train_config import LoraSettings, TrainConfig
 from ..training import DERIVED, Trainer
 
 BUILDS = "builds"
 EVAL_FILE = "frontier-eval.json"
+TASKS_FILE = "frontier-tasks.json"  # a run's lm-eval task metrics, cached like EVAL_FILE
 BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
 KINDS = ("streaming", "pruned", "dense")
 DOMAIN_LABELS = {"stdlib": "code", "code": "code", "pydoc": "prose", "prose": "prose"}
@@ -88,6 +90,9 @@ class FrontierSpec:
     controls: bool = True  # the ΔNLL shuffled / random passes
     max_flops: float = 0.6
     baselines: tuple[str, ...] = ("pruned", "dense")  # which baselines to train with the streaming runs
+    tasks: tuple[str, ...] = ()  # lm-eval tasks every run is also evaluated on (concept.recipes.harness)
+    tasks_limit: int | None = None  # at most this many examples per task
+    include_path: tuple[str, ...] = ()  # folders of the user's own task YAMLs
 
     @property
     def seq_len(self) -> int:
@@ -472,6 +477,42 @@ def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
     return out
 
 
+def _tasks_key(spec: FrontierSpec, step: int) -> dict:
+    return {"step": step, "tasks": list(spec.tasks), "limit": spec.tasks_limit, "include_path": list(spec.include_path)}
+
+
+def evaluate_tasks(folder: Path, spec: FrontierSpec, log) -> dict:
+    """The run's lm-eval task metrics (``concept eval RUN --tasks ...``), cached in its TASKS_FILE for this step."""
+    # lazy: lm-eval is the optional `eval` extra; a frontier without --tasks must not need it
+    from . import harness
+
+    key = _tasks_key(spec, (checkpoint.read_meta(folder) or {}).get("step"))
+    cache = folder / TASKS_FILE
+    try:
+        saved = json.loads(cache.read_text()) if cache.is_file() else {}
+        if saved.get("key") == key:
+            return saved["tasks"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        pass
+    log("evaluating", f"{folder.name} on tasks {', '.join(spec.tasks)} (lm-eval) ...")
+    manager = harness.resolve_tasks(list(spec.tasks), spec.include_path)
+    scorer = Scorer.from_run(folder, spec.train.device, spec.eval_batch)
+    tasks = harness.evaluate_tasks(scorer, list(spec.tasks), manager, spec.tasks_limit)
+    _write_json(cache, {"key": key, "tasks": tasks})
+    return tasks
+
+
+def task_metrics(result: dict) -> list[tuple[str, str]]:
+    """(task, metric) pairs of the frontier's task columns: each task's ``acc`` (else its first metric)."""
+    pairs = {}
+    for row in result["rows"]:
+        for task, metrics in (row.get("tasks") or {}).items():
+            names = [m for m in metrics if m != "samples"]
+            if names and task not in pairs:
+                pairs[task] = "acc" if "acc" in names else names[0]
+    return list(pairs.items())
+
+
 def _write_json(path: Path, data) -> None:
     fs.write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
@@ -497,6 +538,7 @@ def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, f
         elif action == "resume":
             log("resuming", f"{tag} from step {state['step']} ...")
             (folder / EVAL_FILE).unlink(missing_ok=True)  # evaluated weights are about to change
+            (folder / TASKS_FILE).unlink(missing_ok=True)
             trainer = Trainer.resume(folder, device=r.train.device)
             _train(trainer, train, log, r.name)
         else:
@@ -539,8 +581,11 @@ def _row(r: PlannedRun, folder: Path, spec: FrontierSpec, action: str, log=lambd
     domains_ = cached if cached is not None else evaluate_run(folder, r, spec)
     if cached is None:
         _write_json(cache, {"key": key, "domains": domains_})
-    return {**r.describe(), "path": str(folder), "step": step,
-            "trained": {"complete": "skipped", "resume": "resumed"}.get(action, "trained"), "domains": domains_}
+    row = {**r.describe(), "path": str(folder), "step": step,
+           "trained": {"complete": "skipped", "resume": "resumed"}.get(action, "trained"), "domains": domains_}
+    if spec.tasks:
+        row["tasks"] = evaluate_tasks(folder, spec, log)
+    return row
 
 
 def summarise(spec: FrontierSpec, planned: list[PlannedRun], rows: list[dict]) -> dict:
@@ -575,7 +620,7 @@ def summarise(spec: FrontierSpec, planned: list[PlannedRun], rows: list[dict]) -
         "recipe": spec.train.to_dict(),
         "build": spec.build.to_dict(),
         "eval": {"batches": spec.eval_batches, "batch": spec.eval_batch, "seq_len": spec.seq_len,
-                 "controls": spec.controls},
+                 "controls": spec.controls, "tasks": list(spec.tasks), "tasks_limit": spec.tasks_limit},
         "rows": rows,
     }
 
@@ -600,8 +645,10 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
     the difference to the matched pruned baseline."""
     labels = [d["label"] for d in result["domains"]]
     each = lambda what: [f"{what} {label}" for label in labels]  # noqa: E731
+    tasks = task_metrics(result)
     head = (["run", "kind", "split", "target ratio", f"FLOP ratio ({' / '.join(labels)})"] + each("bits")
-            + each("ratio") + each("ΔNLL shuffle") + each("ΔNLL codes") + each("gap to dense") + each("vs pruned"))
+            + each("ratio") + each("ΔNLL shuffle") + each("ΔNLL codes") + each("gap to dense") + each("vs pruned")
+            + [f"{metric} {task}" for task, metric in tasks])
     rows = []
     for row in result["rows"]:
         ms = [row["domains"][label] for label in labels]
@@ -615,8 +662,15 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
                     + [_f(m["delta_nll_shuffle"], "+.3f") for m in ms]
                     + [_f(m.get("delta_nll_codes_shuffled"), "+.3f") for m in ms]
                     + [gap(m) for m in ms]
-                    + [_f(m["vs_pruned_bits"], "+.2f") for m in ms])
+                    + [_f(m["vs_pruned_bits"], "+.2f") for m in ms]
+                    + [_task_cell((row.get("tasks") or {}).get(task, {}).get(metric)) for task, metric in tasks])
     return head, rows
+
+
+def _task_cell(m: dict | None) -> str:
+    if m is None:
+        return "–"
+    return f"{m['value']:.3f}" + (f" ± {m['stderr']:.3f}" if m.get("stderr") is not None else "")
 
 
 def markdown_table(result: dict) -> str:
@@ -637,12 +691,29 @@ def report_block(result: dict, image: str) -> str:
              f"gap to dense: bits/token minus dense's (and %); vs pruned: minus the FLOP-matched pruned baseline's "
              f"(negative = the streaming model is better). ΔNLL in nats: shuffle, the concepts' whole inputs permuted across "
              f"the batch; codes, only their discrete codes (each concept keeps its own continuous part)."]
+    if task_metrics(result):
+        limit = result["eval"].get("tasks_limit")
+        parts += ["", f"Task columns: lm-evaluation-harness metric ± one standard error on "
+                      f"{f'the first {limit}' if limit else 'all'} examples of each task "
+                      f"(`--tasks {','.join(result['eval']['tasks'])}`); `frontier-tasks.png` draws them against FLOPs."]
     notes = [f"- {row['run']}: {n}" for row in result["rows"] for n in row.get("notes", [])]
     if notes:
         parts += ["", *notes]
     if result.get("command"):
         parts += ["", "```", result["command"], "```"]
     return "\n".join(parts)
+
+
+def _save(fig, path: Path) -> Path:
+    """Write a matplotlib figure as PNG atomically, and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        fs.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
+    return path
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -694,19 +765,52 @@ def plot(result: dict, path: Path) -> Path:
                   Line2D([], [], color="k", marker="*", ls="--", label="dense"),
                   Line2D([], [], color="0.6", ls=":", label=f"{result['max_flops']:g}x dense FLOPs")])
     axes[0][-1].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
-    fig.tight_layout()
-    try:
-        fs.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
-    finally:
-        plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def plot_tasks(result: dict, path: Path) -> Path:
+    """One panel per task: x = FLOP ratio to dense (the largest over the domains), y = its accuracy with
+    one standard error; streaming points by split, pruned baselines as grey crosses, dense as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = task_metrics(result)
+    rows = result["rows"]
+    splits = list(dict.fromkeys(r["split"] for r in rows if r["kind"] == "streaming"))
+    colours = {s: plt.cm.tab10(i % 10) for i, s in enumerate(splits)}
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
+    for ax, (task, metric) in zip(axes[0], tasks):
+        for r in rows:
+            m = (r.get("tasks") or {}).get(task, {}).get(metric)
+            if m is None or r.get("flop_ratio") is None:
+                continue
+            err = m.get("stderr") or 0.0
+            if r["kind"] == "dense":
+                ax.axhline(m["value"], color="k", ls="--", lw=1)
+                ax.errorbar(1.0, m["value"], yerr=err, color="k", marker="*", ms=11, capsize=3)
+                continue
+            style = dict(color=colours[r["split"]], marker="o") if r["kind"] == "streaming" else dict(color="0.35",
+                                                                                                      marker="X")
+            ax.errorbar(r["flop_ratio"], m["value"], yerr=err, ms=7, capsize=3, ls="", **style)
+            ax.annotate(r["split"] if r["kind"] == "streaming" else r["run"], (r["flop_ratio"], m["value"]),
+                        textcoords="offset points", xytext=(5, 4), fontsize=7)
+        ax.set_title(f"{task} ({metric})")
+        ax.set_xlabel("FLOP ratio to dense (ideal forward)")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
 
 
 def write(result: dict, out: str | os.PathLike) -> dict[str, Path]:
-    """``frontier.json`` (everything), ``frontier.md`` (the table), ``frontier.png`` (the plot)."""
+    """``frontier.json`` (everything), ``frontier.md`` (the table), ``frontier.png`` (the plot) and, with
+    tasks, ``frontier-tasks.png`` (accuracy against FLOP ratio)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "frontier.json", "md": out / "frontier.md", "png": out / "frontier.png"}
+    if task_metrics(result):
+        paths["tasks_png"] = plot_tasks(result, out / "frontier-tasks.png")
     plot(result, paths["png"])
     _write_json(paths["json"], result)
     fs.write_atomic(paths["md"], "# Frontier: held-out bits/token against FLOP ratio to dense\n\n"

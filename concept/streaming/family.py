@@ -130,6 +130,9 @@ class Streaming:
 
         return evaluate(model, batches, bucket, controls, seed)
 
+    def score(self, model, context, context_valid, continuation, continuation_valid):
+        return None  # the core's causal forward over context + continuation (one pass = its decoding)
+
 
 
 STACKS = ("shallow", "middle", "deep")
