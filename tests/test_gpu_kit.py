@@ -48,6 +48,10 @@ def test_dry_setup_reports_the_machine_and_throughput(dry):
     assert all({"required", "found", "ok"} <= set(d) for d in env["dependencies"].values())
     models = result["throughput"]["models"]
     assert set(models) == {"streaming", "pruned", "dense"} and all(m["tokens_per_s"] > 0 for m in models.values())
+    for m in models.values():  # one profiled step each: where the time goes, for the next lease to read
+        p = m["profile"]
+        assert p["wall_s"] > 0 and p["device_s"] > 0 and p["ops"] > 100 and p["top_device"] and p["top_cpu"]
+        assert p["top_device"][0]["device_ms"] >= p["top_device"][-1]["device_ms"]
 
 
 def test_dry_exact_runs_the_cuda_tests_which_skip_here(dry):

@@ -19,8 +19,9 @@ DRY_SEQ_LEN = 32
 DRY_BACKBONE = "tiny-llama"
 DRY_SPLIT = "2,4,2"
 DRY_VOCABULARY = 64  # concept ids: with the default 4096 the tiny model's concept head would outweigh its layers
-# the dry run's text (small, so that reading it costs nothing): this project's own sources and one page of prose
-DRY_DATA = "concept"
+# the dry run's text (small, so that reading it costs nothing): one package of this project's own sources (Python
+# only: concept/ also holds the offline tasks' JSONL) and one page of prose
+DRY_DATA = "concept/streaming"
 DRY_DOMAINS = ("code=plugins", "prose=docs/policies.md")
 GPU_DOMAINS = ("stdlib", "pydoc")  # held-out code and prose (the frontier labels them code / prose)
 

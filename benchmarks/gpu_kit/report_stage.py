@@ -98,6 +98,16 @@ def render_setup(data: dict) -> str:
                   "| model | tokens/s | s / step | peak MiB |", "|---|---:|---:|---:|"]
         lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {m['step_s']:.3f} | {_f(m.get('peak_mib'), ',.0f')} |"
                   for kind, m in tp["models"].items()]
+        profiled = {kind: m["profile"] for kind, m in tp["models"].items() if m.get("profile")}
+        if profiled:
+            lines += ["", "One more step of each under `torch.profiler` (device busy: the sum of its kernels' own time; "
+                          "far below the step's wall time means launches and Python bound the step, not arithmetic; "
+                          "the full tables come back as `setup-profile-KIND.txt`):", "",
+                      "| model | step s | device busy s | kernel launches | operator calls | most device time |",
+                      "|---|---:|---:|---:|---:|---|"]
+            lines += [f"| {kind} | {p['wall_s']:.3f} | {p['device_s']:.3f} | {p['kernel_launches']:,} | {p['ops']:,} | "
+                      + ", ".join(f"`{t['op']}` {t['device_ms']:.1f} ms ({t['calls']}x)" for t in p["top_device"][:3])
+                      + " |" for kind, p in profiled.items()]
     return "\n".join(lines + [""] + skipped_lines(data))
 
 

@@ -305,10 +305,45 @@ def measure_throughput(stage: Stage) -> dict:
         if device == "cuda":
             out["models"][kind]["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         stage.say(f"throughput {kind}: {tps:,.0f} tokens/s")
+        if stage.remaining() > 20:
+            out["models"][kind]["profile"] = profile_step(trainer, device, stage.out / f"setup-profile-{kind}.txt")
+            p = out["models"][kind]["profile"]
+            stage.say(f"profile {kind}: one step {p['wall_s']:.3f} s, device busy {p['device_s']:.3f} s, "
+                      f"{p['kernel_launches']:,} kernel launches, {p['ops']:,} operator calls")
         del trainer
         if device == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def profile_step(trainer, device: str, table: Path, top: int = 12) -> dict:
+    """One more training step under ``torch.profiler``: its wall time, the time the device was busy (the
+    sum of its kernels' own time; the CPU's on a CPU), the kernel launches and operator calls, and the
+    operators that took the most device time and the most CPU time. A step whose device time is far
+    below its wall time is bound by launches and Python, not by arithmetic. The whole table goes to
+    ``table`` (it comes back with the stage's files)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device_us = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total  # noqa: E731
+    ops = [e for e in events if e.key.startswith("aten::")]
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    rows = lambda key: [{"op": e.key, "calls": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
+                         "cpu_ms": e.self_cpu_time_total / 1e3}
+                        for e in sorted(events, key=key, reverse=True)[:top]]
+    table.write_text(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=60))
+    return {"wall_s": wall, "device_s": sum(device_us(e) for e in events) / 1e6, "kernel_launches": launches,
+            "ops": sum(e.count for e in ops), "top_device": rows(device_us),
+            "top_cpu": rows(lambda e: e.self_cpu_time_total), "table": table.name}
 
 
 # -- the stage --------------------------------------------------------------------------------------
