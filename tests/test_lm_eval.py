@@ -224,8 +224,9 @@ def test_concept_eval_tasks_side_by_side_json_and_table(tiny_run, local_task, tm
     assert runner("train", tiny_run, "--data", "stdlib", "--steps", "1", "--seq-len", "32", "--batch", "2",
                   "--baseline", "dense", "--out", dense).exit_code == 0
     before = sorted(p.name for p in tiny_run.iterdir())
-    result = runner("eval", tiny_run, dense, "--tasks", "local_sums,concept_docstring_name", "--include-path", folder,
-                    "--limit", "3", "--json")
+    result = runner("eval", tiny_run, dense, "--tasks", "local_sums,concept_docstring_name,concept_cloze",
+                    "--include-path", folder, "--limit", "3", "--json")  # (cloze: a bootstrapped stderr, which
+    # lm-eval announces on stdout: stdout must stay pure JSON)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data[str(tiny_run)]["model"] == "streaming" and data[str(dense)]["model"] == "dense"
@@ -233,6 +234,7 @@ def test_concept_eval_tasks_side_by_side_json_and_table(tiny_run, local_task, tm
         assert run["tasks"]["local_sums"]["samples"] == 3 and run["tasks"]["concept_docstring_name"]["samples"] == 3
         acc = run["tasks"]["concept_docstring_name"]["acc"]
         assert 0 <= acc["value"] <= 1 and acc["stderr"] is not None
+        assert run["tasks"]["concept_cloze"]["perplexity"]["value"] > 1
     table = runner("eval", tiny_run, "--tasks", "local_sums", "--include-path", folder, "--limit", "2")
     assert table.exit_code == 0 and "local_sums" in table.stdout and "±" in table.stdout
     assert sorted(p.name for p in tiny_run.iterdir()) == before  # evaluation writes nothing

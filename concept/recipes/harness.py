@@ -14,9 +14,11 @@ scored row; default the backbone's context, at most 2048). Scoring is ``concept.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -146,10 +148,11 @@ def evaluate_tasks(scorer: Scorer, names: list[str], manager, limit: int | None 
         raise ConfigError([f"--limit: at least 1 example per task, got {limit!r}"])
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    out = lm_eval.simple_evaluate(model=ConceptLM(scorer=scorer), tasks=list(names), task_manager=manager, limit=limit,
-                                  num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters, random_seed=seed,
-                                  numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                  log_samples=False, verbosity="ERROR")
+    with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress on stdout; stdout is for data (--json)
+        out = lm_eval.simple_evaluate(model=ConceptLM(scorer=scorer), tasks=list(names), task_manager=manager,
+                                      limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed, log_samples=False, verbosity="ERROR")
     samples = out.get("n-samples", {})
     table = {}
     for task, metrics in out["results"].items():
