@@ -192,9 +192,9 @@ class Scorer:
 def right_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] ids (``pad`` after each row) and the mask of real tokens."""
     T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad, dtype=torch.long)
-    valid = torch.zeros(len(rows), T, dtype=torch.bool)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long, device=device)
+    valid = torch.zeros(len(rows), T, dtype=torch.bool, device=device)
     for b, r in enumerate(rows):
-        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long, device=device)
         valid[b, :len(r)] = True
-    return ids.to(device), valid.to(device)
+    return ids, valid
