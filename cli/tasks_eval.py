@@ -22,7 +22,7 @@ def harness():
 def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, batch: int, max_length, device: str,
                       as_json: bool) -> None:
     from concept.builder import read_run
-    from concept.errors import ConfigError
+    from concept.errors import ConceptError, ConfigError
 
     h = harness()
     problems = h.check_include_path(include_path)
@@ -41,7 +41,7 @@ def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, 
     for run in runs:  # every run checked before minutes of evaluation
         try:
             read_run(run)
-        except Exception as exc:  # noqa: BLE001 -- the run's own message names the problem
+        except ConceptError as exc:  # not a run, or a corrupt one: its message names the problem and the fix
             problems.append(str(exc))
     if problems:
         raise ConfigError(problems)

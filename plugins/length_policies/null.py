@@ -86,16 +86,7 @@ class NullPolicy(nn.Module):
         self.null_index = ctx.concept_vocab_size
         self.register_buffer("null_bias", torch.zeros(()))
         self.register_buffer("target_ratio", torch.tensor(DEFAULT_TARGET_RATIO))
-        self.track = config.track
-
-    @property
-    def track(self) -> float:
-        """The tracker gain (0 = off: exactly the original vectorised rule and its NULL-run state)."""
-        return self._track
-
-    @track.setter
-    def track(self, value: float) -> None:
-        self._track = float(value)
+        self.track = float(config.track)  # the tracker gain (0 = off: the original vectorised rule)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if prefix + "target_ratio" not in state_dict:
