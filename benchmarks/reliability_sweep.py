@@ -31,6 +31,7 @@ PE = ["--family", "planner-executor", "--backbone", "tiny-llama", "--set", "back
       'planner.types=[{"name":"topic","size":8,"max_len":2},{"name":"gist","size":16,"max_len":4}]']
 FAST = ["--seq-len", "32", "--batch", "2", "--lora-rank", "2", "--eval-batches", "1", "--eval-every", "100",
         "--checkpoint-every", "2", "--calibration-batches", "1"]
+PE_FAST = FAST[:-2]  # a planner-executor run refuses the streaming family's --calibration-batches
 FR = ["--backbone", "tiny-llama", "--build-set", "backbone.layers=4", "--build-set", "backbone.hidden=32",
       "--build-set", "backbone.heads=2", "--build-set", "backbone.kv_heads=1", "--build-set", "vocabulary.size=32",
       "--splits", "1,2,1", "--ratios", "0.5", "--baselines", "none", "--steps", "1", "--seq-len", "16", "--batch",
@@ -55,6 +56,10 @@ def scratch(root: Path) -> None:
     (root / "notarun").mkdir()
     (root / "notarun" / "concept.json").write_text("{broken")
     (root / "doc.md").write_text("# no markers\n")
+    from transformers import LlamaConfig, LlamaForCausalLM  # a local Hugging Face model folder, inside hfproj/
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(root / "hfproj" / "bb")
     import datasets
 
     datasets.Dataset.from_dict({"text": []}).save_to_disk(str(root / "ds-empty"))
@@ -62,7 +67,8 @@ def scratch(root: Path) -> None:
     datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(root / "dsd"))
     for argv in (["build", *TINY, "-o", "m"], ["train", "m", "--data", "code.jsonl", "--steps", "2", *FAST, "--out", "run"],
                  ["build", *PE, "-o", "pe"],
-                 ["train", "pe", "--task", "reconstruct", "--data", "code.jsonl", "--steps", "2", *FAST, "--out", "pe-run"],
+                 ["train", "pe", "--task", "reconstruct", "--data", "code.jsonl", "--steps", "2", *PE_FAST, "--out",
+                  "pe-run"],
                  ["export", "run", "--out", "exp"], ["frontier", *FR]):
         result = invoke(argv)
         assert result.exit_code == 0, (argv, result.output)
@@ -101,6 +107,12 @@ CASES = [
     ("build", ["build", *PE, "--set", "planner.budget=-2", "-o", "x"], None),
     ("build", ["build", *TINY, "--attention", "flexx", "-o", "x"], None),
     ("build", ["build", *TINY, "--dry-run"], None),
+    ("build", ["build", *PE, "--target-ratio", "0.2", "-o", "x"], None),
+    ("build", ["build", *PE, "--no-calibrate", "--calibration-batches", "3", "-o", "x"], None),
+    ("build", ["build", "--backbone", "hf", "--set", "backbone.path=hfproj/bb", "--split", "1,1,1", "-o", "hfproj",
+               "--force"], None),
+    ("build", ["build", "--backbone", "hf", "--set", "backbone.path=hfproj/nothere", "--split", "1,1,1", "-o", "x"],
+     None),
     ("build", ["build", *TINY, "-o", "new-build", "--json"], "new-build"),
     # inspect
     ("inspect", ["inspect", "nosuch"], None),
@@ -188,6 +200,21 @@ CASES = [
     ("eval", ["eval", "run", "--device", "gpu9"], None),
     ("eval", ["eval", "run", "m", "--data", "short.txt", "--batches", "1", "--batch", "1", "--json"], None),
     ("eval", ["eval", "pe-run", "--data", "code.jsonl", "--batches", "1", "--batch", "2", "--show-map"], None),
+    ("eval", ["eval", "run", "--tasks", "concept_clozee"], None),
+    ("eval", ["eval", "run", "--tasks", "concept_cloze", "--limit", "0"], None),
+    ("eval", ["eval", "run", "--tasks", "concept_cloze", "--include-path", "nosuch-dir"], None),
+    ("eval", ["eval", "notarun", "--tasks", "concept_cloze", "--limit", "2"], None),
+    ("eval", ["eval", "run", "--tasks", ",", "--json"], None),
+    ("eval", ["eval", "run", "pe-run", "--tasks", "concept_docstring_name", "--limit", "2", "--json"], None),
+    ("eval", ["eval", "--tasks", "list"], None),
+    # lm-eval (its own command line, with the concept model)
+    ("lm-eval", ["lm-eval", "run", "--model", "concept", "--model_args", "run=nosuch", "--tasks", "concept_cloze"],
+     None),
+    ("lm-eval", ["lm-eval", "run", "--model", "concept", "--model_args", "pretrained=run", "--tasks", "concept_cloze"],
+     None),
+    ("lm-eval", ["lm-eval", "run", "--model", "concept", "--model_args", "run=run", "--tasks", "nosuch_task"], None),
+    ("lm-eval", ["lm-eval", "--model", "concept", "--model_args", "run=run,batch_size=0", "--tasks", "concept_cloze",
+                 "--limit", "1"], None),
     # export
     ("export", ["export", "nosuch", "--out", "x"], None),
     ("export", ["export", "notarun", "--out", "x"], None),

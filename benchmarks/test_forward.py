@@ -6,6 +6,11 @@
 
 The GPU cases run the default build (split 4,18,8 on SmolLM2) at its operating point, 0.125 concepts
 per token, at 2k / 8k / 16k tokens (16k is past SmolLM2's 8192 trained positions: a speed case only).
+
+Most cases force the decisions evenly at the ratio (``keep=``), so they time the stacks alone. The
+``decided`` cases let the default length policy decide (`null` with its ratio tracker, a sequential
+scan over the tokens), as training and evaluation do; their ideal is computed from the decisions
+that forward made.
 """
 from __future__ import annotations
 
@@ -51,6 +56,14 @@ def test_forward_vs_dense(benchmark, record, request, device, backbone, T, atten
                     f"forward {backbone} T={T} r={RATIO} {attention}", backend=attention)
 
 
+@pytest.mark.parametrize("backbone,T", [("tiny-llama", 512), ("smollm2", 2048)], ids=["tiny-llama-T512", "smollm2-T2048"])
+def test_forward_decided_by_the_policy_vs_dense(benchmark, record, request, device, backbone, T):
+    if backbone == "smollm2" and not request.config.getoption("--smollm2"):
+        pytest.skip("pass --smollm2 to run the real-backbone cases")
+    measure_forward(benchmark, record, _model(backbone, "chunked").to(device), T, None, device,
+                    f"forward {backbone} T={T} decided chunked", backend="chunked")
+
+
 GPU_CASES = [(t, a) for t in GPU_LENGTHS for a in GPU_BACKENDS]
 
 
@@ -63,18 +76,29 @@ def test_forward_default_point_vs_dense(benchmark, record, request, device, dtyp
                     dtype=dtype_name(dtype))
 
 
+@pytest.mark.parametrize("T", GPU_LENGTHS, ids=[f"default-T{t}-decided" for t in GPU_LENGTHS])
+def test_forward_default_point_decided_by_the_policy_vs_dense(benchmark, record, request, device, dtype, T):
+    """The default build as training and evaluation run it: `flex`, its `null` policy deciding."""
+    gpu_case(request, device, T)
+    measure_forward(benchmark, record, _model("default", "flex").to(device, dtype), T, None, device,
+                    f"forward default T={T} decided flex", backend="flex", dtype=dtype_name(dtype))
+
+
 def measure_forward(benchmark, record, model, T, ratio, device, name, **extra):
-    """The concept model (decisions forced evenly at ``ratio``) and its dense backbone on the same
-    random tokens, side by side, next to the ideal FLOP ratio."""
+    """The concept model (decisions forced evenly at ``ratio``; ``None``: made by its length policy)
+    and its dense backbone on the same random tokens, side by side, next to the ideal FLOP ratio."""
     torch.manual_seed(0)
     ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
-    keep = evenly_spaced_keep(T, ratio)[None].to(device)
-    ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep[0].cpu(),
-                          head_classes(model))
     with torch.no_grad():
+        keep = evenly_spaced_keep(T, ratio)[None].to(device) if ratio is not None else model(ids).keep
+        ideal = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep[0].cpu(),
+                              head_classes(model))
+        forced = {"keep": keep} if ratio is not None else {}
         if benchmark.disabled:  # smoke run (CI): one call each, no timing claims
-            model(ids, keep=keep), model.backbone(ids)
+            model(ids, **forced), model.backbone(ids)
             return
-        timing = side_by_side(lambda: model.backbone(ids), lambda: model(ids, keep=keep), device=device)
-        benchmark.pedantic(lambda: model(ids, keep=keep), rounds=3, iterations=1)
-    record(benchmark, name, timing, ideal.speedup, T=T, ratio=ratio, suite="forward", **extra)
+        timing = side_by_side(lambda: model.backbone(ids), lambda: model(ids, **forced), device=device)
+        benchmark.pedantic(lambda: model(ids, **forced), rounds=3, iterations=1)
+    realised = float(keep.float().mean())
+    record(benchmark, name, timing, ideal.speedup, T=T, ratio=ratio if ratio is not None else realised,
+           suite="forward" if ratio is not None else "forward-decided", **extra)

@@ -23,6 +23,7 @@ FAIL_ON = re.compile(r"^(min|max|mean|median|stddev|iqr):\d+(\.\d+)?%?$")
 
 def benchmarks_dir() -> Path:
     """The suites ship with the source tree (``benchmarks/`` next to ``concept/``)."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     import concept
 
     return Path(concept.__file__).resolve().parent.parent / "benchmarks"
@@ -57,6 +58,7 @@ def _saved(storage: Path, name: str) -> list[Path]:
 
 def publish_new_files(staged: Path, storage: Path) -> None:
     """Copy the files of ``staged`` that ``storage`` lacks into it, each atomically (``concept.fs``)."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import fs
 
     for path in sorted(staged.rglob("*")):
@@ -117,6 +119,7 @@ def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storag
     concept bench --smollm2 --save mymachine            # store a baseline for this machine
     concept bench --smollm2 --compare mymachine --fail-on mean:10%
     """
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import ConceptError, ConfigError
 
     problems = check_fail_on(fail_on)

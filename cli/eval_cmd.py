@@ -64,10 +64,12 @@ def training_throughput(run: Path) -> dict:
 
 def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None):
     """Evaluate the run at ``path`` (see :func:`concept.diagnostics.evaluate_folder`), with a status line."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.diagnostics import heldout_source
 
     source, split, seq_len_, _, _ = heldout_source(path, data, seq_len, encoding_errors, text_field)
     status("evaluating", f"{path} on {source or 'the standard library'} ({split}), {batches}x{batch}x{seq_len_} tokens ...")
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.diagnostics import evaluate_folder
 
     return evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model)
@@ -117,6 +119,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     quiet_progress_bars()
     names = [n.strip() for t in tasks for n in t.split(",") if n.strip()]
     if tasks:
+        # lazy: the library (torch) loads only when the command runs; --help stays instant
         from .tasks_eval import evaluate_on_tasks
 
         return evaluate_on_tasks(runs, names, include_path, limit, num_fewshot, batch, seq_len, device, as_json)
@@ -134,6 +137,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
             result.update(training_throughput(run))
             by_domain[d][str(run)] = result
             if show_map and hasattr(model, "length_policy"):
+                # lazy: the library (torch) loads only when the command runs; --help stays instant
                 from concept.diagnostics import compression_map
 
                 stdout.print(f"[bold]compression map[/] of {run} ({docs[0].name}); highlighted tokens emitted a concept:")

@@ -34,6 +34,7 @@ def export(run: Path, out: Path, merge_lora: bool, force: bool, no_check: bool, 
     concept export runs/m1-train --out exports/m1-merged --merge-lora --json
     concept export runs/dense --out exports/dense --force
     """
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.export import export as export_run
 
     quiet_progress_bars()

@@ -14,7 +14,7 @@ from concept.config import BuildConfig
 from concept.options import click_options
 
 from .output import print_json, quiet_progress_bars, status, stdout, table
-from .train_cmd import DeferredOptions
+from .deferred import DeferredOptions
 
 DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
 # the common training options, made from TrainConfig (`concept train`'s; any other: --train-set); not given:
@@ -24,6 +24,7 @@ TRAIN = ("data", "steps", "seq_len", "batch", "grad_accum", "lr", "lr_new", "war
 
 
 def train_options() -> list:
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import click_params
     from concept.train_config import TrainConfig
 
@@ -52,6 +53,7 @@ def command_line(ctx: click.Context) -> str:
 
 def make_spec(opts: dict):
     """The frontier from the command's options (raises ConfigError on bad input)."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import ConfigError
     from concept.options import from_params
     from concept.recipes.frontier import (
@@ -63,6 +65,7 @@ def make_spec(opts: dict):
     )
     from concept.train_config import TrainConfig
 
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from .build_cmd import make_config
 
     problems = []
@@ -91,6 +94,7 @@ def make_spec(opts: dict):
     if not tasks and (opts["tasks_limit"] is not None or opts["include_path"]):
         problems.append("--tasks-limit and --include-path go with --tasks")
     if tasks:
+        # lazy: the library (torch) loads only when the command runs; --help stays instant
         from .tasks_eval import harness
 
         problems += harness().check_include_path(opts["include_path"])
@@ -110,6 +114,7 @@ def render_table(result: dict, out: Path):
     and the ΔNLL columns (in frontier.md and --json); run names never cut."""
     from rich.table import Table
 
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.recipes import frontier as fr
 
     head, rows = fr.table_cells(result)
@@ -124,6 +129,7 @@ def render_table(result: dict, out: Path):
 
 
 def print_plan(planned, out: Path, spec) -> None:
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.recipes.frontier import describe_kind, run_state
 
     t = table("run", "kind", "split", "target ratio", "planned FLOP ratio", "starts from", "state",
@@ -205,6 +211,7 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
     concept frontier --splits "6,18,6;10,10,10" --ratios 0.25 --distill 1 --ratio-warmup 0.3 --dry-run
     concept frontier ... --update-doc docs/results.md
     """
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.recipes import frontier as fr
 
     quiet_progress_bars()
@@ -223,6 +230,7 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
         else:
             print_plan(planned, out, spec)
         return
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from .train_cmd import run_with_progress
 
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .output import human_bytes, quiet_progress_bars, status, stdout
+from .output import human_bytes, json_safe, quiet_progress_bars, status, stdout
 
 # what a run's decoding can show, by view: the streaming family's (and a baseline's) concept marks and MTP heads,
 # the planner-executor's plan (``Family.decodes``)
@@ -21,6 +21,7 @@ BASELINE_VIEWS = ("concepts", "mtp")  # a dense / pruned baseline (no concepts: 
 def read_prompts(prompts: tuple[str, ...], prompt_file: str | None) -> list[str]:
     """--prompt values, then the prompts of --prompt-file: one per non-empty line, or for a
     ``.jsonl`` file one JSON string or object with a "prompt" (or "text") field per line."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import ConceptError
 
     out = list(prompts)
@@ -61,6 +62,7 @@ def unescape(text: str) -> str:
 def sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed) -> dict:
     """CLI sampling options -> GenerationSettings fields. ``--temperature 0`` (the default) is greedy;
     a positive temperature, --top-k or --top-p turn sampling on."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import ConfigError
 
     sample = (temperature is not None and temperature > 0) or top_k is not None or top_p is not None
@@ -115,6 +117,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     concept generate runs/mtp-train -p "def f(x):" --mtp verify          # same text, fewer forwards
     concept generate runs/pe-cont --prompt-file p.txt --show-plan          # the plan, then the text
     """
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     import concept
     from concept.builder import read_run, read_train, run_kind
     from concept.diagnostics import _encode, render_concepts
@@ -177,11 +180,11 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
             kv = kv_summary(out.kv[b])
             keep = out.keep[b] if out.keep is not None else None
             if as_json:
-                click.echo(json.dumps({
+                click.echo(json.dumps(json_safe({
                     "prompt": texts[index], "text": out.texts[b], "tokens": out.tokens[b],
                     "finish_reason": out.finish_reasons[b], "prompt_tokens": len(ids), "new_tokens": len(out.tokens[b]),
                     "concept_positions": None if keep is None else [t for t, k in enumerate(keep) if k],
-                    "forwards": out.steps, "kv": kv, **({"plan": out.plans[b]} if out.plans else {})}))
+                    "forwards": out.steps, "kv": kv, **({"plan": out.plans[b]} if out.plans else {})}), allow_nan=False))
                 continue
             if show_plan:
                 if len(texts) > 1:

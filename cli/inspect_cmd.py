@@ -47,6 +47,7 @@ def module_params(model) -> dict:
 def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     """Summarise a run folder: backbone, parameters, components, and what its family shows (the streaming
     family: stacks, NULL-bias calibration and the ideal FLOP ratio; the planner-executor: plan types, task)."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     import concept
     from concept.builder import read_run, read_train
     from concept.components import InspectRequest

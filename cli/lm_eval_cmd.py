@@ -22,11 +22,16 @@ def lm_eval_(args) -> None:
     Without --include_path the shipped tasks' folder is included; with one, yours replaces it
     (`concept eval --tasks ... --include-path DIR` reads both). Needs the `eval` extra.
     """
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.errors import ConceptError
+
+    # lazy: lm-eval and the library load only when the command runs
     from .tasks_eval import harness
 
     tasks = harness().TASKS
     argv = list(args)
-    if argv[:1] in (["run"], ["ls"], ["validate"]) and not any(a.startswith("--include_path") for a in argv):
+    legacy = bool(argv) and argv[0].startswith("--") and argv[0] != "--help"  # `lm-eval --model ...` (no `run`)
+    if (argv[:1] in (["run"], ["ls"], ["validate"]) or legacy) and not any(a.startswith("--include_path") for a in argv):
         argv += ["--include_path", str(tasks)]
     from lm_eval.__main__ import cli_evaluate
 
@@ -34,5 +39,8 @@ def lm_eval_(args) -> None:
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except (ValueError, FileNotFoundError, KeyError) as exc:  # lm-eval's own way of refusing bad input
+        raise ConceptError(f"lm-eval: {exc} (`concept lm-eval ls tasks` lists the tasks; `concept lm-eval run "
+                           f"--help` the options)") from None
     finally:
         sys.argv = saved

@@ -47,6 +47,7 @@ class ConceptGroup(click.Group):
             print_error(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
             ctx.exit(1)
         except Exception as exc:
+            # lazy: only a failing command needs it (start-up imports nothing of the library)
             from concept.errors import ConceptError
 
             if not isinstance(exc, ConceptError):

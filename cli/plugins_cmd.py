@@ -15,6 +15,7 @@ def plugins() -> None:
 
 
 def _kinds(requested: tuple[str, ...]) -> list[str]:
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.registry import KINDS, registry
 
     if not requested:
@@ -30,6 +31,7 @@ def _kinds(requested: tuple[str, ...]) -> list[str]:
 
 def _listed(kinds: list[str]) -> list[dict]:
     """Lazy listing from entry-point metadata: imports no plugin."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import PluginConflictError
     from concept.registry import registry
 
@@ -52,6 +54,7 @@ def _checked(kinds: list[str]) -> list[dict]:
     """Import every plugin and report ok / error / conflict."""
     from dataclasses import asdict
 
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.registry import check_all
 
     return [asdict(r) for r in check_all() if r.kind in kinds]

@@ -9,10 +9,12 @@ from .output import print_json, status, stdout, table
 def harness():
     """``concept.recipes.harness`` (registers the ``concept`` lm-eval model), or a clear error without lm-eval."""
     try:
+        # lazy: the library (torch) loads only when the command runs; --help stays instant
         from concept.recipes import harness as module
     except ImportError as exc:
         if "lm_eval" not in str(exc):
             raise
+        # lazy: the library (torch) loads only when the command runs; --help stays instant
         from concept.errors import ConceptError
 
         raise ConceptError("--tasks needs lm-evaluation-harness: pip install 'concept[eval]' (lm-eval==0.4.13)") from exc
@@ -21,6 +23,7 @@ def harness():
 
 def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, batch: int, max_length, device: str,
                       as_json: bool) -> None:
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.builder import read_run
     from concept.errors import ConceptError, ConfigError
 
@@ -47,6 +50,7 @@ def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, 
         raise ConfigError(problems)
     status("indexing", f"tasks {', '.join(names)} ...")
     manager = h.resolve_tasks(names, include_path)
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.diagnostics import model_kind
     from concept.scoring import Scorer
 

@@ -6,29 +6,13 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from .deferred import DeferredOptions
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
-
-
-class DeferredOptions(click.Command):
-    """A command with options made from a dataclass (``concept.options``) the first time click needs its
-    parameters (to parse or for --help), placed after the parameter named ``after``: the module that
-    declares them (``concept.train_config``) reads the installed families' entry points, which importing
-    the CLI should not."""
-
-    def __init__(self, *args, make_options, after: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.make_options, self.after = make_options, after
-
-    def get_params(self, ctx):
-        if self.make_options is not None:
-            at = [p.name for p in self.params].index(self.after) + 1
-            self.params[at:at] = self.make_options()
-            self.make_options = None
-        return super().get_params(ctx)
 
 
 def train_options() -> list:
     """Every TrainConfig field as an option (``--lora-*`` for ``config.lora``), in declaration order."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import click_params
     from concept.train_config import TrainConfig
 
@@ -60,6 +44,7 @@ def train(ctx, source: Path, out, resume, force, as_json, distributed, **options
     concept train runs/m1 --distill 1 --ratio-warmup 0.3 --out runs/m1-kd
     concept train runs/pe --task continue --context-len 192 --out runs/pe-cont
     """
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.distributed import setup, teardown
 
     dist = setup(distributed, options["device"])
@@ -72,6 +57,7 @@ def train(ctx, source: Path, out, resume, force, as_json, distributed, **options
 
 
 def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> None:
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import from_params, paths
     from concept.training import TrainConfig, Trainer
 
@@ -118,6 +104,7 @@ def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> Non
     try:
         final = run_with_progress(trainer) if dist.is_main else trainer.train()
     except KeyboardInterrupt:
+        # lazy: the library (torch) loads only when the command runs; --help stays instant
         from concept.checkpoint import read_meta
 
         if replacing:
@@ -147,6 +134,7 @@ def already_done(run: Path, steps: int | None) -> tuple[int, int] | None:
     """(step reached, steps asked for) when ``--resume`` has nothing to train: the last checkpoint is
     at or beyond ``steps`` (default: the saved run's). Reads only; anything else (no train.json, no
     checkpoint, an invalid --steps) is left to ``Trainer.resume`` and its errors."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.builder import read_train
     from concept.checkpoint import read_meta
 

@@ -95,7 +95,8 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None):
 # -- run folders -----------------------------------------------------------------------------
 
 def _run_record(model) -> dict:
-    record = {"format": FORMAT_VERSION, "config": model.plan.config.to_dict(), "plan": model.plan.describe()}
+    record = {"format": FORMAT_VERSION, "config": absolute_backbone_path(model.plan.config.to_dict()),
+              "plan": model.plan.describe()}
     if getattr(model, "calibration", None):  # the build-time NULL-bias calibration (concept.streaming.calibration)
         record["calibration"] = model.calibration
     return record
@@ -137,6 +138,28 @@ def localise_backbone_path(config: dict, folder: Path) -> dict:
     if isinstance(path, str) and path and not path.startswith("~") and not Path(path).is_absolute() \
             and (Path(folder) / path / "config.json").is_file():
         params["path"] = str((Path(folder) / path).resolve())
+    return config
+
+
+def backbone_folder(config: dict) -> Path | None:
+    """The local folder an ``hf`` backbone loads from (absolute; relative paths mean the working
+    directory), or None (another backbone, or a hub id)."""
+    backbone = config.get("backbone") if isinstance(config, dict) else None
+    params = backbone.get("params") if isinstance(backbone, dict) and backbone.get("name") == "hf" else None
+    path = params.get("path") if isinstance(params, dict) else None
+    if not isinstance(path, str) or not path:
+        return None
+    folder = Path(path).expanduser()
+    return folder.resolve() if folder.exists() or path.startswith((".", "/", "~")) else None
+
+
+def absolute_backbone_path(config: dict) -> dict:
+    """A relative local path of an ``hf`` backbone (one that exists from the working directory) made
+    absolute, so that the run it is saved in loads from any directory. Edits ``config``."""
+    folder = backbone_folder(config)
+    path = config["backbone"]["params"]["path"] if folder is not None else None
+    if folder is not None and folder.exists() and not Path(path).expanduser().is_absolute():
+        config["backbone"]["params"]["path"] = str(folder)
     return config
 
 

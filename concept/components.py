@@ -84,8 +84,9 @@ class InspectRequest:
 
 
 class Family(Protocol):
-    """A model family, registered in the ``concept.families`` entry-point group (docs/architecture.md,
-    "Model families"). The registry instantiates the class with no arguments.
+    """A model family, registered in the ``concept.families`` entry-point group (docs/plugins.md, §1 "Kinds
+    and entry-point groups"; docs/architecture.md, §0 "Code map"). The registry instantiates the class with
+    no arguments.
 
     ``section``: the name of its build-config section (``--set SECTION.KEY=VALUE``; saved in
     ``concept.json`` as ``"SECTION": {...}``), or None when it has no options of its own.
@@ -95,6 +96,9 @@ class Family(Protocol):
     whether its model has shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline
     exists). ``training``: the option dataclass (``concept.options.FamilyOptions``) of the training options
     only it reads, or None; they join ``TrainConfig`` as flat flags and other kinds of run refuse them.
+    ``build_options`` (optional): the option dataclass of the ``concept build`` flags only it reads (with a
+    ``validate()`` and an ``inputs()``: the data they name), or None; a build of another family refuses them,
+    and ``finish_build`` receives them after the model is built.
     ``decodes``: what ``concept generate`` can show of its decoding: ``concepts`` (marks where concepts were
     emitted, ``--show-concepts``), ``mtp`` (multi-token decoding, ``--mtp``), ``plan`` (``--show-plan``).
     """
@@ -115,6 +119,11 @@ class Family(Protocol):
         """Wire the model (an ``nn.Module`` with ``family``, ``plan``, ``backbone``, ``new_modules()``,
         ``new_state_dict()``, and a forward returning ``logits`` and ``loss``) from a resolved plan and a
         loaded backbone."""
+
+    def finish_build(self, model, options, given: set, say) -> dict:
+        """Only with ``build_options``: finish a freshly built model with them (e.g. the streaming family's
+        calibration) before it is saved; ``given``: the options the user set; ``say(label, text)``: status
+        for people. Returns what ``concept build --json`` adds to its output."""
 
     def describe(self, model) -> str:
         """One sentence for people (the model card, ``concept build``): what this model is."""

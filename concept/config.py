@@ -39,20 +39,29 @@ class ComponentRef:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+def slot(default: str, *, help: str, **kwargs) -> Any:
+    """A component slot of :class:`BuildConfig`: ``ComponentRef(default)`` unless another is chosen; its
+    flag (``--SLOT NAME``) names another registered component of the slot's kind."""
+    return option(None, help=f"{help} (default: {default}).", metavar="NAME", show_default=False,
+                  default_factory=lambda: ComponentRef(default), **kwargs)
+
+
 @dataclass
 class BuildConfig:
-    backbone: ComponentRef = field(default_factory=lambda: ComponentRef("smollm2"))
+    backbone: ComponentRef = slot("smollm2", help="Backbone plugin; smollm2 is the offline SmolLM2-135M")
     # "auto" (AUTO_SHALLOW / AUTO_DEEP of the layers: 4,18,8 on 30), counts "4,22,4" (shallow, middle,
     # deep) or fractions "0.15,0.7,0.15"
     split: str = option("auto", metavar="TEXT", help="Layers per stack: 'auto' (2/15 shallow, 4/15 deep: 4,18,8 on "
                                                      "30 layers), counts '4,22,4' or fractions '0.15,0.7,0.15'.")
-    length_policy: ComponentRef = field(default_factory=lambda: ComponentRef("null"))
-    sampler: ComponentRef = field(default_factory=lambda: ComponentRef("gumbel-st"))
-    eval_sampler: ComponentRef = field(default_factory=lambda: ComponentRef("argmax"))
-    position_scheme: ComponentRef = field(default_factory=lambda: ComponentRef("time"))
-    vocabulary: ComponentRef = field(default_factory=lambda: ComponentRef("embedding"))
-    attention: ComponentRef = field(default_factory=lambda: ComponentRef("chunked"))
-    tail_fusion: ComponentRef = field(default_factory=lambda: ComponentRef("none"))
+    length_policy: ComponentRef = slot("null", help="Length policy plugin")
+    sampler: ComponentRef = slot("gumbel-st", help="Training sampler plugin")
+    eval_sampler: ComponentRef = slot("argmax", help="Inference sampler plugin")
+    position_scheme: ComponentRef = slot("time", help="Position scheme plugin", flag="--rope",
+                                         aliases=("--position-scheme",))
+    vocabulary: ComponentRef = slot("embedding", help="Concept vocabulary plugin")
+    attention: ComponentRef = slot("chunked", help="Deep-stack attention backend")
+    tail_fusion: ComponentRef = slot("none", help="What tail tokens take from their latest concept: none, update, "
+                                                  "bridge")
     # what a concept feeds the middle stack: "identity" = the emitting token's shallow state plus the
     # discrete concept embedding behind a gate that starts at 0 (keep-all == the backbone exactly);
     # "identity-scaled" = the same with the gate in units of the shallow state's RMS; "embedding" = the

@@ -42,6 +42,7 @@ from .builder import (
     PEFT_ADAPTER_DIR,
     RUN_FILE,
     TRAIN_FILE,
+    backbone_folder,
     load,
     newest_weights,
     read_run,
@@ -100,9 +101,10 @@ def last_evaluation(run: Path, train: dict | None) -> dict | None:
             "tokens": row["eval"].get("tokens")}
 
 
-def check_target(run: Path, out: Path, force: bool) -> None:
-    """Refuse, before anything is loaded or written, a target that is not ours to (re)place."""
-    fs.check_target(out, force, {"run": run})
+def check_target(run: Path, out: Path, force: bool, config: dict | None = None) -> None:
+    """Refuse, before anything is loaded or written, a target that is not ours to (re)place, or that holds
+    the run or its local backbone folder (``config``: the run's build config)."""
+    fs.check_target(out, force, {"run": run, "backbone": backbone_folder(config or {})})
 
 
 def _relative_paths(value, absolute: str, relative: str):
@@ -159,7 +161,7 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     with a warning."""
     run, out = Path(run), Path(out)
     record = read_run(run)  # a clear error for anything that is not a run folder
-    check_target(run, out, force)
+    check_target(run, out, force, record["config"])
     train = read_train(run)
     checkpoint.check_intact(run, "export an earlier copy of the run, or retrain it")
     meta = checkpoint.read_meta(run)

@@ -32,3 +32,8 @@ def names() -> list[str]:
 def sections() -> dict[str, str]:
     """Build-config section name -> the family that reads it (imports each family)."""
     return {f.section: name for name in names() if (f := family(name)).section}
+
+
+def build_options() -> dict[str, type]:
+    """Family name -> the option dataclass of the ``concept build`` flags only it reads (``build_options``)."""
+    return {name: cls for name in names() if (cls := getattr(family(name), "build_options", None)) is not None}

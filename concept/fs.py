@@ -222,6 +222,27 @@ def staged(dest: str | os.PathLike) -> Iterator[Path]:
     staging.publish()
 
 
+def fill_cache(folder: str | os.PathLike, write: Callable[[Path], None], prefix: str = ".cache-") -> Path:
+    """Fill the cache folder ``folder`` once: ``write(tmp)`` writes it whole into a fresh temporary
+    sibling, which is then renamed to ``folder`` (readable by the group and others as the umask
+    allows). When another process published ``folder`` meanwhile, this copy is dropped and theirs
+    kept. A failure (Ctrl-C included) removes the temporary folder and leaves ``folder`` as it was."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
+    try:
+        write(tmp)
+        publish_permissions(tmp)
+        if folder.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
 def cache_root() -> Path:
     """The library's cache folder (converted backbones, tokenised corpora): ``$CONCEPT_CACHE``, else
     ``$XDG_CACHE_HOME/concept``, else ``~/.cache/concept``."""

@@ -43,6 +43,7 @@ class Spec:
     show_default: bool = True
     click: dict = dataclasses.field(default_factory=dict)  # other click.Option keywords, as they are
     prefix: str | None = None  # set by nested(): the field holds another option dataclass
+    aliases: tuple[str, ...] = ()  # other flags for the same option (e.g. --rope for --position-scheme)
 
     def problem(self, value: Any, annotation: Any) -> str | None:
         """What is wrong with ``value`` for this option (None: nothing)."""
@@ -71,13 +72,18 @@ class Spec:
 
 def option(default: Any, *, help: str, flag: str | None = None, choices=None, minimum: float | None = None,
            above: float | None = None, maximum: float | None = None, below: float | None = None,
-           metavar: str | None = None, show_default: bool = True, **click_kwargs) -> Any:
+           metavar: str | None = None, show_default: bool = True, aliases: tuple[str, ...] = (),
+           default_factory=None, **click_kwargs) -> Any:
     """A dataclass field that is also a command-line option. ``minimum`` / ``maximum`` are inclusive bounds,
     ``above`` / ``below`` exclusive ones; ``choices`` the allowed values (None passes where the default is
-    None). ``click_kwargs`` go to ``click.Option`` as they are (e.g. ``is_flag=False, flag_value="dense"``:
-    an option whose value may be left out)."""
+    None); ``aliases`` more flags for it. ``default_factory`` instead of ``default`` for a mutable default
+    (such an option is only made with ``unset``, and its help names the default). ``click_kwargs`` go to
+    ``click.Option`` as they are (e.g. ``is_flag=False, flag_value="dense"``: an option whose value may be
+    left out)."""
     spec = Spec(help, flag, None if choices is None else tuple(choices), minimum, above, maximum, below, metavar,
-                show_default, dict(click_kwargs))
+                show_default, dict(click_kwargs), aliases=tuple(aliases))
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata={KEY: spec})
     return dataclasses.field(default=default, metadata={KEY: spec})
 
 
@@ -188,6 +194,10 @@ def _click_args(cls: type, names: tuple, unset: bool) -> list[tuple[list[str], d
     made = []
     for e in chosen:
         default, s = e.field.default, e.spec
+        if default is dataclasses.MISSING:  # a default_factory's (a mutable value): its help names it
+            if not unset:
+                raise ValueError(f"{cls.__name__}.{e.path} has a default_factory: make its option with unset=True")
+            default = None
         attrs = {"default": default, "help": s.help, "metavar": s.metavar, "show_default": s.show_default}
         if unset:  # the default shown as click shows one
             shown = s.show_default and default is not None and not (e.type is bool and not default)
@@ -198,7 +208,7 @@ def _click_args(cls: type, names: tuple, unset: bool) -> list[tuple[list[str], d
             attrs["is_flag"] = True
         elif e.type in (int, float, str):
             attrs["type"] = e.type
-        made.append(([e.flag, e.name], {**attrs, **s.click}))
+        made.append(([e.flag, *s.aliases, e.name], {**attrs, **s.click}))
     return made
 
 

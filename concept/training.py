@@ -46,6 +46,7 @@ from .builder import (
     PEFT_ADAPTER_DIR,
     RUN_FILE,
     TRAIN_FILE,
+    backbone_folder,
     build,
     load_new_modules,
     read_run,
@@ -374,7 +375,8 @@ class Trainer:
         cls.check(config, build_config, dist)  # bad options fail before anything is written
         if out.exists() and out.resolve() == source.resolve() and read_train(out) is not None:
             raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
-        fs.check_target(out, force, {"source run": source, "training data": data.local_path(config.data)})
+        fs.check_target(out, force, {"source run": source, "training data": data.local_path(config.data),
+                                     "backbone": backbone_folder(record["config"])})
         replace = out.exists() and any(out.iterdir())
         staging = fs.Staging(out)
         dist.on_main(staging.open)

@@ -5,11 +5,12 @@ with plain causal attention inside Z_t, and the logits for x[t+1] read from the 
 Shallow states come from the backbone's ordinary Hugging Face forward; the middle stack runs
 once over the row's concepts with plain causal attention. No packing, no custom masks.
 
-The oracle shares nothing it checks: positions (every scheme), type embeddings and concept inputs
-(hard / soft / straight-through embeddings, latent feedback, multi-level codes, the identity start) are
-computed here from their definitions and the modules' parameters, never through the model's methods.
-It reuses only what other tests check on their own: the keep decisions and concept ids (``decide``,
-against the policies' step-wise rules) and the tail fusions (their own tests).
+The oracle shares nothing it checks: positions (every scheme), type embeddings, concept inputs
+(hard / soft / straight-through embeddings, latent feedback, multi-level codes, the identity start) and
+the tail fusions (``update``, ``bridge``) are computed here from their definitions and the modules'
+parameters, never through the model's methods. It reuses only what other tests check on their own:
+the keep decisions and concept ids (``decide``, against the policies' step-wise rules in
+tests/test_policies.py and tests/test_null_policy.py).
 """
 from __future__ import annotations
 
@@ -95,6 +96,30 @@ def concept_input(model, probs: torch.Tensor, concept_id: int, h_src: torch.Tens
     return e
 
 
+def fused_tail(model, tail: torch.Tensor, update: torch.Tensor, has: bool) -> torch.Tensor:
+    """[n, d] what the deep stack receives for a segment's tail tokens ``tail`` [n, d], from their latest
+    concept's middle-stack update ``update`` [d] (``has``: the document has a concept before them):
+
+    ``update``: h + u;  ``bridge``: base(h, u) + W_out act(W_in [h / rms(h) ; u / rms(u)]) (u = 0 when
+    there is none; ``base`` h + u or h; no W_in when the bridge is linear)."""
+    name = component(model, "tail_fusion")
+    u = update.expand_as(tail) if has else torch.zeros_like(tail)
+    if name == "update":
+        return tail + u
+    if name == "bridge":
+        fusion = model.tail_fusion
+
+        def unit(x):  # x / rms(x), statistics in float64
+            return (x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).to(x.dtype)
+
+        x = torch.cat([unit(tail), unit(u) if has else torch.zeros_like(u)], -1).to(fusion.out.weight.dtype)
+        if fusion.inp is not None:
+            x = F.gelu(F.linear(x, fusion.inp.weight, fusion.inp.bias))
+        base = tail + u if fusion.config.base == "update" else tail
+        return base + F.linear(x, fusion.out.weight, fusion.out.bias).to(tail.dtype)
+    raise NotImplementedError(f"the reference has no definition of the {name!r} tail fusion; add it here")
+
+
 def _run(model, layers, x, position_ids):
     cos_sin = decoder(model.backbone).rotary_emb(x, position_ids)
     for layer in layers:  # attention_mask=None: transformers' own causal SDPA
@@ -151,8 +176,7 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
             tail_idx = times[last + 1: i + 1]
             tail = h[b, tail_idx][None]
             if model.tail_fusion is not None and model.tail_fusion.needs_update:  # the latest concept's update
-                u = update[n_c - 1].expand_as(tail) if n_c else torch.zeros_like(tail)
-                tail = model.tail_fusion(tail, u, torch.full(tail.shape[:2], n_c > 0))
+                tail = fused_tail(model, tail[0], update[n_c - 1] if n_c else tail.new_zeros(tail.shape[-1]), n_c > 0)[None]
             parts = [tail[0]]
             tail_pos = text_position(model, pos[last + 1: i + 1][None])[0]
             part_pos = [tail_pos]

@@ -87,6 +87,21 @@ def test_bad_target_and_policies_without_a_bias(tmp_path):
     assert json.loads(invoke("inspect", tmp_path / "f", "--json").stdout)["calibration"] is None
 
 
+def test_calibration_options_are_the_streaming_familys_and_another_family_refuses_them(tmp_path):
+    """The calibration flags are the streaming family's build options (``Family.build_options``): a
+    planner-executor build refuses each one given, all at once with the other problems, and writes nothing."""
+    from tests.test_cli_planner_executor import PE
+
+    r = invoke("build", *PE, "--target-ratio", 0.2, "--calibration-batches", 2, "--set", "nosuch.key=1",
+               "-o", tmp_path / "pe")
+    assert r.exit_code == 2 and not (tmp_path / "pe").exists() and "Traceback" not in r.output
+    for flag in ("--target-ratio", "--calibration-batches"):
+        assert f"{flag}: a streaming build option; the planner-executor family does not read it" in r.stderr
+    assert "nosuch" in r.stderr  # reported together
+    r = invoke("build", *PE, "-o", tmp_path / "pe", "--json")
+    assert r.exit_code == 0 and "calibration" not in json.loads(r.stdout), r.output
+
+
 @pytest.mark.parametrize("policy", ["threshold", "mtp"])
 def test_library_calibration_other_policies_and_targets(policy):
     cfg = BuildConfig(backbone=ComponentRef("tiny-llama"), split="2,4,2", length_policy=ComponentRef(policy),

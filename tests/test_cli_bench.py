@@ -1,5 +1,6 @@
 """`concept bench`: pytest-benchmark in a subprocess, per-machine baselines, regressions, bad input."""
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -53,3 +54,44 @@ def test_smoke_runs_every_suite_once(tmp_path):
 def test_machine_id_is_a_folder_name():
     mid = machine_id("cpu")
     assert mid and "/" not in mid and mid == mid.lower()
+
+
+def test_save_leaves_the_store_as_it_was_when_the_run_fails_or_is_interrupted(tmp_path, monkeypatch):
+    """`--save` writes into a copy of the store and publishes only after a successful run: a failed run, a
+    Ctrl-C during the run and an error while publishing leave every stored file byte-identical."""
+    from concept import fs
+    from concept_cli import bench_cmd
+    from tests.faults import snapshot
+
+    storage = tmp_path / "baselines"
+    (storage / "machine").mkdir(parents=True)
+    (storage / "machine" / "0001_old.json").write_text('{"benchmarks": []}')
+    before = snapshot(storage)
+
+    def writes_then(outcome):
+        def fake_run(args):
+            staged = next(a for a in args if a.startswith("--benchmark-storage=")).split("file://", 1)[1]
+            (Path(staged) / "machine").mkdir(parents=True, exist_ok=True)
+            (Path(staged) / "machine" / "0002_new.json").write_text("{}")  # what pytest-benchmark would save
+            (Path(staged) / "machine" / "0001_old.json").write_text("clobbered")
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        return fake_run
+
+    monkeypatch.setattr(bench_cmd, "run_to_stderr", writes_then(1))  # the run fails
+    r = run("--suite", "forward", "--save", "new", "--storage", storage)
+    assert r.exit_code == 1 and "no baseline was saved" in r.stderr and snapshot(storage) == before
+    monkeypatch.setattr(bench_cmd, "run_to_stderr", writes_then(KeyboardInterrupt()))  # Ctrl-C during the run
+    r = CliRunner().invoke(cli, ["bench", "--suite", "forward", "--save", "new", "--storage", str(storage)])
+    assert r.exit_code == 130 and snapshot(storage) == before
+    monkeypatch.setattr(bench_cmd, "run_to_stderr", writes_then(0))  # publishing fails half-way
+    real = fs.write_atomic
+    monkeypatch.setattr(fs, "write_atomic", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
+    r = CliRunner().invoke(cli, ["bench", "--suite", "forward", "--save", "new", "--storage", str(storage)])
+    assert r.exit_code == 1 and snapshot(storage) == before
+    monkeypatch.setattr(fs, "write_atomic", real)
+    r = run("--suite", "forward", "--save", "new", "--storage", storage)  # success: only the new file is added
+    after = snapshot(storage)
+    assert r.exit_code == 0 and after["machine/0001_old.json"] == before["machine/0001_old.json"]
+    assert set(after) == set(before) | {"machine/0002_new.json"}

@@ -1,4 +1,5 @@
 """Online decoding with three KV caches against the teacher-forced one-pass forward (docs/architecture.md)."""
+import copy
 import warnings
 
 import pytest
@@ -60,8 +61,24 @@ def test_negative_control_a_tail_kept_past_its_concept_is_caught(mixed, monkeypa
     ps = prompts()
     assert_decoding_matches_teacher_forcing(model, ps, 12)
     monkeypatch.setattr(SlotCache, "drop_tail", lambda self, rows: None)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         assert_decoding_matches_teacher_forcing(model, ps, 12)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "chunked"])
+@pytest.mark.parametrize("positions", ["time", "per-type", "compact"])
+def test_decode_logits_equal_teacher_forcing_in_fp64(mixed, attention, positions, monkeypatch):
+    """The same claim in float64 at atol 1e-10 (agreement is ~1e-15), where a tail kept one step too long
+    is ten orders of magnitude above the tolerance."""
+    from concept.kv_cache import SlotCache
+
+    model = copy.deepcopy(mixed(attention=attention, positions=positions)).double().eval()
+    ps = prompts()
+    gen = assert_decoding_matches_teacher_forcing(model, ps, 16, atol=1e-10)
+    assert gen.logits.dtype == torch.float64
+    monkeypatch.setattr(SlotCache, "drop_tail", lambda self, rows: None)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_decoding_matches_teacher_forcing(model, ps, 16, atol=1e-10)
 
 
 def test_batched_generation_equals_one_by_one(mixed):

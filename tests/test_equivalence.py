@@ -273,7 +273,7 @@ def test_negative_control_a_lost_document_mask_is_caught(fp64_models, backend, m
         return layout
 
     monkeypatch.setattr(packing, "pack", one_document)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         assert_packed_documents_equal_separate_rows(model, ids, keep, atol=FP64_ATOL)
 
 

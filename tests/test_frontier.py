@@ -62,8 +62,11 @@ def test_frontier_trains_evaluates_and_writes_the_plot_and_table(frontier):
             assert m["bits_per_token"] > 0 and 0 < m["flop_ratio"] <= 1.0 + 1e-9
             if row["kind"] == "streaming":
                 assert 0 <= m["ratio"] <= 1 and m["delta_nll_shuffle"] is not None
+                # the code-only controls and the identity start's gate (the default concept input)
+                assert m["delta_nll_codes_shuffled"] is not None and m["delta_nll_codes_zero"] is not None
+                assert m["gate_norm"] > 0
             else:
-                assert m["ratio"] is None
+                assert m["ratio"] is None and m["delta_nll_codes_zero"] is None and m["gate_norm"] is None
     dense = rows["dense"]["domains"]
     assert dense["code"]["flop_ratio"] == 1.0 and dense["code"]["gap_bits"] == 0
     assert pruned["domains"]["code"]["flop_ratio"] == pytest.approx(pruned["planned_flop_ratio"])
@@ -80,6 +83,13 @@ def test_frontier_trains_evaluates_and_writes_the_plot_and_table(frontier):
     table = (out / "frontier.md").read_text()
     assert table.count("\n| ") == 1 + 5 and "| pruned-L3-skip1-3 | pruned |" in table and "bits prose" in table
     assert "Best streaming point" in table
+    head, cells = fr.table_cells(result)
+    streaming_row = cells[[row["run"] for row in result["rows"]].index("s1-4-1_r0.25")]
+    gate = rows["s1-4-1_r0.25"]["domains"]["code"]["gate_norm"]
+    assert streaming_row[head.index("gate RMS")] == f"{gate:.3f}"
+    zero = rows["s1-4-1_r0.25"]["domains"]["prose"]["delta_nll_codes_zero"]
+    assert streaming_row[head.index("ΔNLL codes removed prose")] == f"{zero:+.3f}"
+    assert cells[[row["run"] for row in result["rows"]].index("dense")][head.index("gate RMS")] == "–"
     assert "concept frontier --splits '2,2,2;1,4,1' --ratios 0.25 --backbone tiny-llama" in table
     assert "--json" not in table
     assert "training" in err and "evaluating" in err  # progress on stderr, data on stdout

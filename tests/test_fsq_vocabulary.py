@@ -251,6 +251,42 @@ def test_a_few_training_steps(tmp_path):
     assert not torch.equal(trained["vocabulary.proj_up.weight"], start["vocabulary.proj_up.weight"])
 
 
+def test_training_resumes_exactly_and_generate_shows_the_concepts(tmp_path):
+    """Ids are stable integers: a run interrupted by Ctrl-C between checkpoints resumes bit for bit, and
+    `concept generate --show-concepts` marks the concepts of an fsq model like any other."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from concept.training import TrainConfig
+    from tests.test_objectives import interrupted_at_three
+
+    cfg = tiny_config(vocabulary=fsq())
+    cfg.backbone.params["vocab"] = 256
+    concept.save(concept.build(cfg), tmp_path / "build")
+    train = TrainConfig(steps=5, seq_len=16, batch=2, eval_every=100, eval_batches=1, log_every=1, warmup=1,
+                        checkpoint_every=4, lora=concept.lora.LoraSettings(rank=2))
+    straight = concept.training.Trainer.start(tmp_path / "build", tmp_path / "straight", train)
+    straight.train()
+    interrupted_at_three(tmp_path / "build", tmp_path / "resumed", train).train()
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                if "loss" in json.loads(line)]
+
+    assert len(losses(tmp_path / "straight")) == 5 and losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+    one, two = concept.load(tmp_path / "straight"), concept.load(tmp_path / "resumed")
+    for key, value in one.new_state_dict().items():
+        assert torch.equal(value, two.new_state_dict()[key]), key
+    r = CliRunner().invoke(cli, ["generate", str(tmp_path / "resumed"), "-p", "def f(x):", "--max-new-tokens", "8",
+                                 "--show-concepts"])
+    assert r.exit_code == 0, r.output
+    assert "token emitted a concept" in r.output
+    r = CliRunner().invoke(cli, ["generate", str(tmp_path / "resumed"), "-p", "def f(x):", "--max-new-tokens", "8",
+                                 "--json"])
+    row = json.loads(r.stdout)
+    assert r.exit_code == 0 and row["concept_positions"] and row["kv"]["concepts"] == len(row["concept_positions"])
+
+
 # -- the planner-executor: a type's vocabulary --------------------------------------------------------------
 @pytest.mark.parametrize("levels", [1, 2])
 def test_planner_executor_types_plan_and_decode_exactly(levels):

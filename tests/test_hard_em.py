@@ -90,7 +90,24 @@ def test_estep_cache_refresh_and_statistics(model):
     assert objective._stats["rows"] == 3 and objective._stats["old"] == 3 and objective._stats["flips"] == 0
     assert objective._stats["gap"] == pytest.approx(0.0, abs=1e-4)
     stats = objective.after_step(model, objective.stats(model, None, None), {})
-    assert stats["flip_rate"] == 0 and stats["estep_share"] == 1 and stats["estep_margin"] >= 0
+    assert stats["flip_rate"] == 0 and stats["estep_share"] == 1  # estep_margin: the test below
+
+
+def test_estep_margin_is_the_mean_gap_between_the_best_and_the_runner_up_plan(model):
+    """estep_margin, recomputed from the beam's own scores: top-1 minus top-2 of S(z), averaged over
+    the rows (a row with one distinct plan adds 0)."""
+    objective = HardEMObjective(1.0, beam=3, every=1)
+    u, valid = plan_inputs()
+    objective.prepare(model, {"input_ids": u, "attention_mask": valid}, step=0)
+    stats = objective.after_step(model, objective.stats(model, None, None), {})
+    with torch.no_grad():
+        beams, logp = beam_search(model, u, valid, 3)
+        total = score_plans(model, u, valid, u, valid, beams, 3).total.masked_fill(~torch.isfinite(logp), float("-inf"))
+    top = total.sort(dim=1, descending=True).values
+    gaps = [float(a - b) if b > float("-inf") else 0.0 for a, b in zip(top[:, 0], top[:, 1])]
+    assert any(g > 1e-3 for g in gaps)  # the rows' plans do differ in score: the check can fail
+    assert stats["estep_margin"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-4)
+    assert stats["estep_margin"] != pytest.approx(float((top[:, 0] - top[:, -1]).mean()), abs=1e-4)  # not top-1 - last
 
 
 def test_the_cached_plan_competes(model):

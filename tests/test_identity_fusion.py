@@ -170,6 +170,22 @@ def test_fusion_one_pass_matches_naive(fusion, backend, name):
     torch.testing.assert_close(out.logits, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("fusion", ["update", "bridge"])
+def test_negative_control_a_wrong_fusion_in_the_model_is_caught(fusion, monkeypatch):
+    """The oracle fuses the tail from the rule's definition, not through the module: a module whose
+    update is off by 0.1 disagrees with it (were the oracle to call the module, both would move)."""
+    model = fused(fusion)
+    ids, keep = inputs(), pattern("runs")[None]
+    with torch.no_grad():
+        ref, _ = reference_logits(model, ids, keep=keep)
+        torch.testing.assert_close(model(ids, keep=keep).logits, ref, atol=ATOL, rtol=0)
+        module = type(model.tail_fusion)
+        right = module.forward
+        monkeypatch.setattr(module, "forward", lambda self, tail, update, has: right(self, tail, update + 0.1, has))
+        wrong = model(ids, keep=keep).logits
+        assert (wrong - reference_logits(model, ids, keep=keep)[0]).abs().max() > 100 * ATOL
+
+
 @pytest.mark.parametrize("fusion,positions", [("update", "per-type"), ("bridge", "time"), ("bridge-linear", "per-type")])
 def test_fusion_padded_batch_and_gradients_match_naive(fusion, positions):
     from tests.test_equivalence import _new_module_grads

@@ -283,3 +283,30 @@ def test_negative_control_a_naive_publish_is_caught(template, tmp_path, monkeypa
     assert renames, log
     problems = inject(template, sc, tmp_path / "work", renames[-1], "error")
     assert any("is gone" in p for p in problems), problems
+
+
+def test_a_cache_is_filled_once_whole_or_not_at_all(tmp_path):
+    """fs.fill_cache (the converted-backbone cache): a failure leaves no folder and no temporary one; a
+    success publishes the whole folder; a folder another process published meanwhile is kept."""
+    cache = tmp_path / "cache" / "model"
+
+    def fails(tmp):
+        (tmp / "half.bin").write_bytes(b"x")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fs.fill_cache(cache, fails)
+    assert not cache.exists() and list(cache.parent.iterdir()) == []
+
+    def write(tmp):
+        (tmp / "config.json").write_text("{}")
+        (tmp / "model.bin").write_bytes(b"weights")
+
+    assert fs.fill_cache(cache, write) == cache
+    assert sorted(p.name for p in cache.iterdir()) == ["config.json", "model.bin"]
+
+    def someone_else_first(tmp):
+        (tmp / "config.json").write_text('{"mine": true}')
+
+    fs.fill_cache(cache, someone_else_first)  # the published folder stays as it was
+    assert (cache / "config.json").read_text() == "{}" and [p.name for p in cache.parent.iterdir()] == ["model"]

@@ -176,7 +176,16 @@ def test_build_options_come_from_build_config_and_stay_unset_unless_given():
     assert flags.index("--family") < flags.index("--backbone") < flags.index("--split") < flags.index("--length-policy")
     _, values = params(build, ["--seed", "3", "--concept-input", "embedding"])
     assert values["seed"] == 3 and values["concept_input"] == "embedding"
-    assert options.entries(BuildConfig)[0].name == "split"
+    # every build option is a declared field: the component slots too (a name each, the default in the help)
+    from concept.config import SLOTS
+
+    assert {e.name for e in options.entries(BuildConfig)} == {*SLOTS, "split", "concept_input", "seed", "family"}
+    assert all(values[slot] is None for slot in SLOTS)
+    assert by_flag["--length-policy"].help == "Length policy plugin (default: null)."
+    assert by_flag["--rope"].opts == ["--rope", "--position-scheme"] and by_flag["--rope"].name == "position_scheme"
+    # then the families' own build options (the streaming family's calibration), after --seed, with real defaults
+    assert flags.index("--seed") < flags.index("--target-ratio") < flags.index("--set")
+    assert values["target_ratio"] == 0.125 and values["no_calibrate"] is False
 
 
 def test_frontier_takes_trains_options_unset():

@@ -322,3 +322,32 @@ def test_an_export_is_not_resumed_in_place(trained, tmp_path):
     before = snapshot(tmp_path / "e")
     r = run("train", tmp_path / "e", "--resume")
     assert r.exit_code == 1 and "is an export" in r.stderr and snapshot(tmp_path / "e") == before
+
+
+def test_a_local_backbone_folder_is_stored_absolute_and_never_overwritten(trained, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """`--backbone hf --set backbone.path=RELATIVE` works from any folder afterwards, and no writing command
+    may replace a folder that holds the backbone it reads (even with --force)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    project = tmp_path / "project"
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=1))
+    hf.save_pretrained(project / "exp" / "bb")
+    monkeypatch.chdir(project)
+    r = run("build", "--backbone", "hf", "--set", "backbone.path=exp/bb", "--split", "1,1,1", "--no-calibrate",
+            "-o", "built")
+    assert r.exit_code == 0, r.output
+    stored = json.loads((project / "built" / "concept.json").read_text())["config"]["backbone"]["params"]["path"]
+    assert stored == str((project / "exp" / "bb").resolve())
+    monkeypatch.chdir(tmp_path)  # elsewhere: the run still finds its backbone
+    assert run("inspect", project / "built", "--json").exit_code == 0
+    monkeypatch.chdir(project)
+    before = snapshot(project / "exp")
+    r = run("build", "--backbone", "hf", "--set", "backbone.path=exp/bb", "--split", "1,1,1", "--no-calibrate",
+            "-o", "exp", "--force")
+    assert r.exit_code == 1 and "contains the backbone" in r.stderr and "Traceback" not in r.output, r.output
+    r = run("train", "built", "--data", corpus, *STEPS, *FAST, "--out", "exp", "--force")
+    assert r.exit_code == 1 and "contains the backbone" in r.stderr and "Traceback" not in r.output, r.output
+    r = run("export", "built", "--out", "exp", "--force")
+    assert r.exit_code == 1 and "contains the backbone" in r.stderr and "Traceback" not in r.output, r.output
+    assert snapshot(project / "exp") == before

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
+
+from concept import fs
 
 CHUNK = 1 << 20
 MANIFEST = "manifest.json"
@@ -59,15 +60,16 @@ def split_file(source: str | os.PathLike, folders: list[str | os.PathLike]) -> l
             folder = Path(folder)
             folder.mkdir(parents=True, exist_ok=True)
             target = folder / part_name(source.name, i, len(folders))
-            tmp = target.with_name(f".{target.name}.tmp")
-            digest, left = hashlib.sha256(), size
-            with open(tmp, "wb") as out:
+            digest = hashlib.sha256()
+
+            def copy(out, left=size, digest=digest):
                 while left:
                     block = f.read(min(CHUNK, left))
                     digest.update(block)
                     out.write(block)
                     left -= len(block)
-            os.replace(tmp, target)
+
+            fs.write_atomic(target, copy)
             parts.append({"name": target.name, "size": size, "sha256": digest.hexdigest(), "folder": str(folder)})
     return parts
 
@@ -93,17 +95,20 @@ def reassemble(parts: list[Path], whole: dict, dest: str | os.PathLike) -> Path:
     for path, expected in zip(parts, whole["parts"], strict=True):
         check_part(Path(path), expected)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    try:
-        with open(tmp, "wb") as out:
-            for path in parts:
-                with open(path, "rb") as f:
-                    shutil.copyfileobj(f, out, CHUNK)
-        check_part(tmp, whole)
-    except PackError as exc:
-        tmp.unlink(missing_ok=True)
-        raise PackError(f"{dest.name}: the joined parts do not match the manifest ({exc})") from None
-    os.replace(tmp, dest)
+
+    def join(out):
+        digest, size = hashlib.sha256(), 0
+        for path in parts:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(CHUNK), b""):
+                    digest.update(block)
+                    size += len(block)
+                    out.write(block)
+        if (size, digest.hexdigest()) != (whole["size"], whole["sha256"]):
+            raise PackError(f"{dest.name}: the joined parts do not match the manifest ({size} bytes, sha256 "
+                            f"{digest.hexdigest()[:12]}...; expected {whole['size']} bytes, {whole['sha256'][:12]}...)")
+
+    fs.write_atomic(dest, join)  # complete and checked, or absent
     return dest
 
 

@@ -473,7 +473,9 @@ def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
                         "tokens": r.get("tokens"), "ratio": _finite(r.get("ratio")),
                         "delta_nll_shuffle": _finite(r.get("delta_nll_shuffle")),
                         "delta_nll_random": _finite(r.get("delta_nll_random")),
-                        "delta_nll_codes_shuffled": _finite(r.get("delta_nll_codes_shuffled")), "flop_ratio": flop}
+                        "delta_nll_codes_shuffled": _finite(r.get("delta_nll_codes_shuffled")),
+                        "delta_nll_codes_zero": _finite(r.get("delta_nll_codes_zero")),
+                        "gate_norm": _finite(r.get("gate_norm")), "flop_ratio": flop}
     return out
 
 
@@ -641,13 +643,15 @@ def best_line(result: dict) -> str:
 
 def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the frontier table: one row per run: kind, split, target ratio, FLOP ratio,
-    then per domain bits/token, realised ratio, ΔNLL(shuffled), the gap to dense (bits and %) and
-    the difference to the matched pruned baseline."""
+    then per domain bits/token, realised ratio, ΔNLL(shuffled), ΔNLL with the discrete codes shuffled
+    and removed, the gap to dense (bits and %) and the difference to the matched pruned baseline, then
+    the identity start's gate RMS (a property of the model, not of a domain)."""
     labels = [d["label"] for d in result["domains"]]
     each = lambda what: [f"{what} {label}" for label in labels]  # noqa: E731
     tasks = task_metrics(result)
     head = (["run", "kind", "split", "target ratio", f"FLOP ratio ({' / '.join(labels)})"] + each("bits")
-            + each("ratio") + each("ΔNLL shuffle") + each("ΔNLL codes") + each("gap to dense") + each("vs pruned")
+            + each("ratio") + each("ΔNLL shuffle") + each("ΔNLL codes") + each("ΔNLL codes removed")
+            + each("gap to dense") + each("vs pruned") + ["gate RMS"]
             + [f"{metric} {task}" for task, metric in tasks])
     rows = []
     for row in result["rows"]:
@@ -661,8 +665,10 @@ def table_cells(result: dict) -> tuple[list[str], list[list[str]]]:
                     + [_f(m["ratio"], ".3f") for m in ms]
                     + [_f(m["delta_nll_shuffle"], "+.3f") for m in ms]
                     + [_f(m.get("delta_nll_codes_shuffled"), "+.3f") for m in ms]
+                    + [_f(m.get("delta_nll_codes_zero"), "+.3f") for m in ms]
                     + [gap(m) for m in ms]
                     + [_f(m["vs_pruned_bits"], "+.2f") for m in ms]
+                    + [_f(ms[0].get("gate_norm") if ms else None, ".3f")]
                     + [_task_cell((row.get("tasks") or {}).get(task, {}).get(metric)) for task, metric in tasks])
     return head, rows
 
@@ -690,7 +696,9 @@ def report_block(result: dict, image: str) -> str:
              f"ideal forward FLOPs at length {ev['seq_len']} over dense (streaming: at the ratio realised on each domain). "
              f"gap to dense: bits/token minus dense's (and %); vs pruned: minus the FLOP-matched pruned baseline's "
              f"(negative = the streaming model is better). ΔNLL in nats: shuffle, the concepts' whole inputs permuted across "
-             f"the batch; codes, only their discrete codes (each concept keeps its own continuous part)."]
+             f"the batch; codes, only their discrete codes (each concept keeps its own continuous part); codes removed, "
+             f"the discrete embedding taken out of each concept's input (its continuous part kept). gate RMS: the identity "
+             f"start's gate on the discrete embedding (– without one); docs/diagnostics.md says what healthy readings are."]
     if task_metrics(result):
         limit = result["eval"].get("tasks_limit")
         parts += ["", f"Task columns: lm-evaluation-harness metric ± one standard error on "

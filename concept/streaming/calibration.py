@@ -33,11 +33,11 @@ from ..config import DEFAULT_TARGET_RATIO
 from ..errors import ConfigError
 from ..packing import document_starts
 from ..tokens import tokenizer_for
+from .options import CALIBRATION_BATCH, CALIBRATION_SEQ_LEN
 from .ratio import PIController, ratio_controllable
 
 DEFAULT_BATCHES = 4  # batches of DEFAULT_BATCH rows of DEFAULT_SEQ_LEN tokens: 2,048 tokens
-DEFAULT_BATCH = 4
-DEFAULT_SEQ_LEN = 128
+DEFAULT_BATCH, DEFAULT_SEQ_LEN = CALIBRATION_BATCH, CALIBRATION_SEQ_LEN  # (declared with the build options)
 MIN_DOCUMENTS = 16  # rows are drawn from at least this many documents (when the data has them)
 
 

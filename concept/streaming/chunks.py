@@ -6,13 +6,15 @@ token that is not, with at least ``min_chunk`` and at most ``max_chunk`` tokens 
     length = tokens in the open chunk, including t
     keep_t = (length >= min_chunk and unsure_t)  or  length == max_chunk
 
-The state is the open chunk's length per row. The batched decision is a scan of the step rule
-over t (padding does not advance a row's state; a document start resets it), so both agree
-exactly.
+The state is the open chunk's length per row. The batched decision is a scan of the same rule
+over t, on the host (``concept.streaming.host_scan``; padding does not advance a row's state; a
+document start resets it), so both agree exactly.
 """
 from __future__ import annotations
 
 import torch
+
+from concept.streaming.host_scan import scan_rows, state_tensors
 
 
 def validate(config) -> list[str]:
@@ -38,15 +40,19 @@ def advance(unsure_t: torch.Tensor, count: torch.Tensor, min_chunk: int, max_chu
     return keep, torch.where(keep, torch.zeros_like(count), count)
 
 
+def rule(min_chunk: int, max_chunk: int):
+    """The step rule on one row's plain numbers, for ``concept.streaming.host_scan.scan_rows``:
+    ``rule((count,), unsure_t) -> (keep_t, (count,))``, the same decision as :func:`advance`."""
+    def step(state, unsure_t):
+        count = state[0] + 1
+        if (count >= min_chunk and unsure_t) or count >= max_chunk:
+            return True, (0,)
+        return False, (count,)
+    return step
+
+
 def scan(unsure: torch.Tensor, valid: torch.Tensor, min_chunk: int, max_chunk: int, reset=None):
-    """Batched over [B, T]: (keep [B, T], the final open-chunk lengths [B])."""
-    B, T = valid.shape
-    count = torch.zeros(B, dtype=torch.long, device=valid.device)
-    keep = torch.zeros_like(valid)
-    for t in range(T):
-        if reset is not None:
-            count = torch.where(reset[:, t], torch.zeros_like(count), count)
-        k, new = advance(unsure[:, t], count, min_chunk, max_chunk)
-        keep[:, t] = k & valid[:, t]
-        count = torch.where(valid[:, t], new, count)
-    return keep, count
+    """Batched over [B, T]: (keep [B, T], the final open-chunk lengths [B]), the step rule run along
+    each row on the host (one copy of ``unsure`` there, not a dozen kernel launches per token)."""
+    keep, finals = scan_rows(rule(min_chunk, max_chunk), (0,), [unsure], valid, reset)
+    return keep, state_tensors(finals, valid.device, (torch.long,))[0]

@@ -1,13 +1,13 @@
-"""The streaming family (docs/architecture.md, "Model families"): one pass over the text, the backbone
-split into shallow / middle / deep stacks, a concept emitted where the length policy decides
-(``concept.streaming.model``).
+"""The streaming family (docs/architecture.md, §0 "Code map"; docs/plugins.md, §1 "Kinds and
+entry-point groups"): one pass over the text, the backbone split into shallow / middle / deep
+stacks, a concept emitted where the length policy decides (``concept.streaming.model``).
 
 This module stays free of torch: the torch-free ``TrainConfig`` (``concept.train_config``) and the CLI
 (``concept train --help``, ``concept inspect``'s drawings) load the family object through its entry point.
 So each method imports the modules it needs (which import torch) when it runs (``# lazy: torch``)."""
 from __future__ import annotations
 
-from .options import StreamingTraining
+from .options import StreamingBuild, StreamingTraining
 
 
 class Streaming:
@@ -18,6 +18,7 @@ class Streaming:
     stacks = True  # shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline exists)
     decodes = ("concepts", "mtp")  # what `concept generate` shows of its decoding
     training = StreamingTraining  # the training options only this family reads
+    build_options = StreamingBuild  # the `concept build` options only this family reads (calibration)
 
     # -- building ------------------------------------------------------------------------------
     def settings(self, options: dict, components: dict):
@@ -31,6 +32,39 @@ class Streaming:
         return ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
                             identity_start=plan.config.concept_input in ("identity", "identity-scaled"),
                             relative_gate=plan.config.concept_input == "identity-scaled", **build_components(plan, loaded))
+
+    def finish_build(self, model, options: StreamingBuild, given: set, say) -> dict:
+        """Calibrate the fresh model's NULL bias for ``options.target_ratio`` (``concept.streaming.calibration``;
+        ``--no-calibrate``: not). A policy without such a bias is left alone; unreadable default data only
+        skips the calibration. ``given``: the options the user set; ``say(label, text)``: status for people.
+        Returns ``{"calibration": what was done, or None}``."""
+        # lazy: torch (module docstring)
+        from ..errors import ConceptError
+        from .calibration import DEFAULT_BATCH, DEFAULT_SEQ_LEN, calibratable, calibrate
+
+        if options.no_calibrate:
+            return {"calibration": None}
+        if not calibratable(model):
+            if given:
+                say("note:", f"length policy {model.plan.config.length_policy.name} sets its ratio by its own "
+                             f"parameters; {', '.join('--' + k.replace('_', '-') for k in sorted(given))} does nothing")
+            return {"calibration": None}
+        target, data, batches = options.target_ratio, options.calibration_data, options.calibration_batches
+        say("calibrating", f"NULL bias for {target:g} concepts per token on {batches} x {DEFAULT_BATCH} x "
+                           f"{DEFAULT_SEQ_LEN} tokens of {data or 'the Python standard library'} ...")
+        try:
+            result = calibrate(model, target, data, batches)
+        except ConceptError as exc:
+            if "calibration_data" in given:
+                raise
+            say("note:", f"not calibrated ({exc}); the NULL bias stays 0 (pass --calibration-data, or --no-calibrate)")
+            return {"calibration": None}
+        say("calibrated", f"NULL bias {result['null_bias']:+.4f}: {result['ratio']:.4f} concepts per token on "
+                          f"{result['tokens']:,} tokens (target {target:g})")
+        if abs(result["ratio"] - target) > 0.05 * target:
+            say("note:", f"the length policy cannot reach {target:g} concepts per token with these settings "
+                         f"(it reached {result['ratio']:.4f})")
+        return {"calibration": result}
 
     def describe(self, model) -> str:
         comps, info = model.plan.components, model.plan.backbone_info

@@ -103,7 +103,7 @@ class PlacementObjective(Objective):
 
 
 class RatioControl(Objective):
-    """The streaming model's concepts-per-token control (docs/training.md, "Ratio control"), composed by the
+    """The streaming model's concepts-per-token control (docs/training.md, "Objective and ratio control"), composed by the
     trainer like every objective; it adds no loss term (the ratio loss is :class:`RatioObjective`). During
     training it alone writes the length policy's ``null_bias`` and ``target_ratio``.
 

@@ -1,11 +1,14 @@
-"""The streaming family's training options (``Family.training``): they join
+"""The streaming family's own options. Training (``Family.training``): they join
 ``concept.train_config.TrainConfig`` as ``--ratio-control``, ``--placement``, ... and a run of another kind
-refuses them (a baseline notes that they do nothing). Standard library only."""
+refuses them (a baseline notes that they do nothing). Building (``Family.build_options``): the build-time
+calibration of the NULL bias, ``concept build --target-ratio`` ... (``concept.streaming.calibration``); a
+build of another family refuses them. Standard library only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..options import FamilyOptions, option
+from ..config import DEFAULT_TARGET_RATIO
+from ..options import FamilyOptions, check, option
 
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
 
@@ -48,3 +51,32 @@ class StreamingTraining(FamilyOptions):
             return [f"ratio-start: the curriculum anneals down to --target-ratio {config.target_ratio}; a start of "
                     f"{config.ratio_start} is below it"]
         return []
+
+
+CALIBRATION_BATCH, CALIBRATION_SEQ_LEN = 4, 128  # the rows of one calibration batch (concept.streaming.calibration)
+
+
+@dataclass
+class StreamingBuild:
+    """``concept build`` options only a streaming build reads: the calibration of a fresh model's NULL bias,
+    so that it already emits about ``target_ratio`` concepts per token before any training."""
+
+    target_ratio: float = option(
+        DEFAULT_TARGET_RATIO, above=0, below=1,
+        help="Streaming: concepts per token the untrained model is calibrated to: its NULL bias is set so that it emits this "
+             "many on a few rows of --calibration-data (recorded in concept.json).")
+    calibration_data: str | None = option(
+        None, metavar="DATA", show_default=False,
+        help="Streaming: text to calibrate on: a built-in corpus, file or folder, as `concept train --data` (default: the "
+             "Python standard library, training split).")
+    calibration_batches: int = option(
+        4, minimum=1, help=f"Streaming: calibrate on this many batches of {CALIBRATION_BATCH} rows x {CALIBRATION_SEQ_LEN} tokens.")
+    no_calibrate: bool = option(
+        False, help="Streaming: keep the NULL bias at 0 (an untrained `null` head then emits a concept at almost every token).")
+
+    def validate(self) -> list[str]:
+        return check(self)
+
+    def inputs(self) -> dict:
+        """What the build reads besides its config (an output folder must not hold it): name -> data spec."""
+        return {"calibration data": None if self.no_calibrate else self.calibration_data}

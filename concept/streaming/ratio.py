@@ -1,4 +1,4 @@
-"""Ratio control: keep the realised concepts-per-token at a target (docs/training.md, "Ratio control").
+"""Ratio control: keep the realised concepts-per-token at a target (docs/training.md, "Objective and ratio control").
 
 Two tools, selectable and combinable (``--ratio-control pi|loss|both|none``), plus the length
 policies' per-document tracker (``tracker_ahead`` / ``concept_price``, below):

