@@ -305,9 +305,9 @@ def shown(argv: list[str]) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
-def sweep(root: Path) -> list[dict]:
+def sweep(root: Path, cases: list | None = None) -> list[dict]:
     rows = []
-    for command, argv, writes in CASES:
+    for command, argv, writes in CASES if cases is None else cases:
         before = snapshot(root)
         start = time.perf_counter()
         result = invoke(argv)

@@ -351,3 +351,17 @@ def test_a_local_backbone_folder_is_stored_absolute_and_never_overwritten(traine
     r = run("export", "built", "--out", "exp", "--force")
     assert r.exit_code == 1 and "contains the backbone" in r.stderr and "Traceback" not in r.output, r.output
     assert snapshot(project / "exp") == before
+
+
+def test_the_sweep_still_runs(tmp_path, monkeypatch):
+    """The sweep of docs/reliability.md cannot rot unseen: its scratch folder is set up (builds, trains of
+    both families, an export, a frontier) and the last input of every command runs, with no traceback and
+    no damage (the whole sweep: `python -m benchmarks.reliability_sweep`, several minutes)."""
+    from benchmarks import reliability_sweep as sweep
+
+    monkeypatch.chdir(tmp_path)
+    sweep.scratch(tmp_path)
+    last = {command: (command, argv, writes) for command, argv, writes in sweep.CASES}
+    assert set(last) >= {"build", "train", "eval", "lm-eval", "export", "generate", "frontier"}
+    rows = sweep.sweep(tmp_path, list(last.values()))
+    assert [r for r in rows if r["traceback"] or r["damaged"] or r["litter"]] == []
