@@ -17,7 +17,7 @@ import click
 from .output import print_json, status, stdout, table
 
 SUITES = {"forward": "test_forward.py", "train": "test_train_step.py", "decode": "test_decode.py",
-          "attention": "test_attention.py", "planner": "test_planner.py"}
+          "attention": "test_attention.py", "planner": "test_planner.py", "policy": "test_policy_scan.py"}
 FAIL_ON = re.compile(r"^(min|max|mean|median|stddev|iqr):\d+(\.\d+)?%?$")
 
 

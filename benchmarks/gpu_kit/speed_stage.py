@@ -21,10 +21,11 @@ from .common import ROOT, Stage, kit_env, read_json
 from .pytest_run import run_pytest
 from .setup_stage import needs_setup, smollm2_ready
 
-SUITES = ("test_attention.py", "test_forward.py", "test_train_step.py", "test_decode.py")
+SUITES = ("test_attention.py", "test_forward.py", "test_train_step.py", "test_decode.py", "test_policy_scan.py")
 GPU_SELECTION = "r0.125 or default"  # the GPU cases: the attention at the default ratio, the default build
 # one small case per suite: seconds on a CPU
-DRY_SELECTION = "chunked-T1024-r0.25 or tiny-llama-T512-chunked or tiny-llama-B2-T256 or (prefill and tiny)"
+DRY_SELECTION = ("chunked-T1024-r0.25 or tiny-llama-T512-chunked or tiny-llama-B2-T256 or (prefill and tiny) "
+                 "or B16-T128")
 NOT_BACKENDS = {"flex-time-ordered"}  # a comparison mask, not a backend `auto` could choose
 MODES = {"train": "training", "forward": "prefill / evaluation"}  # auto.py's columns, from these suites
 
