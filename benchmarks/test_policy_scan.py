@@ -60,10 +60,10 @@ CASES = [(16, 128), (1, 2048)]
 
 @pytest.mark.parametrize("B,T", CASES, ids=[f"B{b}-T{t}" for b, t in CASES])
 def test_tracker_scan_vs_step_loop(benchmark, record, device, B, T):
-    measure(benchmark, record, device, B, T, f"null tracker B={B} T={T}: scan vs step loop")
+    measure(benchmark, record, device, B, T, f"null tracker B={B} T={T}: step loop vs host scan")
 
 
 @pytest.mark.parametrize("T", GPU_LENGTHS, ids=[f"default-T{t}" for t in GPU_LENGTHS])
 def test_tracker_scan_vs_step_loop_on_the_gpu(benchmark, record, request, device, T):
     gpu_case(request, device, T, real_backbone=False)
-    measure(benchmark, record, device, 1, T, f"null tracker default B=1 T={T}: scan vs step loop")
+    measure(benchmark, record, device, 1, T, f"null tracker default B=1 T={T}: step loop vs host scan")

@@ -66,7 +66,7 @@ def test_dry_exact_runs_the_cuda_tests_which_skip_here(dry):
 def test_dry_speed_writes_rows_a_baseline_and_a_recommendation(dry):
     result = stage(dry, "speed")
     suites = {r["suite"] for r in result["rows"]}
-    assert suites == {"attention", "forward", "train", "prefill"}
+    assert suites == {"attention", "forward", "train", "prefill", "policy-scan"}
     for row in result["rows"]:
         assert {"case", "dense_s", "concept_s", "speedup", "ideal_speedup", "fraction_of_ideal", "T"} <= set(row)
     assert result["fastest"]["attention"]["1024"]["fastest"] == "chunked"

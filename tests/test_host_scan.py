@@ -10,35 +10,48 @@ from concept.streaming.host_scan import allowance, scan_rows, state_tensors
 
 
 def brute_allowance(score, price, limit, strict):
-    """The most c in 0..limit for which the tensor test holds, by trying every c (-1: none)."""
-    out = torch.full(score.shape, -1, dtype=torch.long)
+    """The set of counts c in 0..limit that pass the tensor test, by trying every c: [..., limit + 1] bool."""
+    columns = []
     for c in range(limit + 1):
         margin = score - price * torch.tensor(float(c), dtype=score.dtype)
-        passed = margin > 0 if strict else margin >= 0
-        out = torch.where(passed, torch.full_like(out, c), out)
-    return out
+        columns.append(margin > 0 if strict else margin >= 0)
+    return torch.stack(columns, -1)
+
+
+def passing(bound, at_most, limit):
+    """The counts in 0..limit that ``allowance``'s (bound, at_most) says pass: [..., limit + 1] bool."""
+    c = torch.arange(limit + 1)
+    return c <= bound[..., None] if at_most else c >= bound[..., None]
+
+
+def scores(price, limit, g):
+    ties = price * torch.randint(-5, limit + 5, (200,), generator=g).float()  # exactly on a count's edge
+    near = ties + torch.randn(200, generator=g) * 1e-6
+    return torch.cat([torch.randn(400, generator=g) * 30, ties, near,
+                      torch.tensor([0.0, -0.0, 1e9, -1e9, math.inf, -math.inf, math.nan])])
 
 
 @pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("price", [2.0, 0.5, 1 / 3, 1e-3, 7.0])
+@pytest.mark.parametrize("price", [2.0, 0.5, 1 / 3, 1e-3, 7.0, -2.0, -0.3, 0.0])
 def test_allowance_equals_trying_every_count(strict, price):
+    """Every sign of price: falling (the trackers' positive price), rising (negative: a target ratio below
+    0, e.g. randomised weights) or constant (0)."""
     g = torch.Generator().manual_seed(0)
-    price = torch.tensor(price, dtype=torch.float32)
-    limit = 60
-    score = torch.randn(400, generator=g) * 30
-    ties = price * torch.randint(-5, limit + 5, (200,), generator=g).float()  # exactly on a count's edge
-    near = ties + torch.randn(200, generator=g) * 1e-6
-    score = torch.cat([score, ties, near, torch.tensor([0.0, -0.0, 1e9, -1e9, math.inf, -math.inf, math.nan])])
-    got = allowance(score, price, limit, strict)
-    assert torch.equal(got, brute_allowance(score, price, limit, strict))
-    assert int((got == -1).sum()) and int((got == limit).sum())  # both bounds were reached
+    price, limit = torch.tensor(price, dtype=torch.float32), 60
+    score = scores(price, limit, g)
+    bound, at_most = allowance(score, price, limit, strict)
+    assert at_most == (float(price) >= 0)
+    want = brute_allowance(score, price, limit, strict)
+    assert torch.equal(passing(bound, at_most, limit), want)
+    assert want.all(-1).any() and (~want).all(-1).any()  # both ends were reached
 
 
 def test_allowance_catches_a_count_that_is_one_off():
     """Negative control: the tie cases tell a non-strict test from a strict one."""
     price = torch.tensor(2.0)
     score = price * torch.arange(10).float()
-    assert not torch.equal(allowance(score, price, 20, strict=True), brute_allowance(score, price, 20, False))
+    bound, at_most = allowance(score, price, 20, strict=True)
+    assert not torch.equal(passing(bound, at_most, 20), brute_allowance(score, price, 20, False))
 
 
 def run_length_rule(state, x_t):

@@ -56,23 +56,35 @@ def state_tensors(finals: list[State], device, dtypes: Sequence[torch.dtype]) ->
                  for i, dtype in enumerate(dtypes))
 
 
-def allowance(score: torch.Tensor, price: torch.Tensor, limit: int, strict: bool = False) -> torch.Tensor:
-    """The most concepts ``c`` in ``0..limit`` for which the tensor test
+def allowance(score: torch.Tensor, price: torch.Tensor, limit: int, strict: bool = False) -> tuple[torch.Tensor, bool]:
+    """Which concept counts ``c`` in ``0..limit`` pass the tensor test
 
         score - price * c >= 0        (``> 0`` when ``strict``)
 
-    holds, computed in ``score``'s own float arithmetic for each element [...] (-1: not even c = 0).
+    computed in ``score``'s own float arithmetic for each element [...]: ``(bound, at_most)``. With
+    ``at_most`` the test holds exactly for ``c <= bound`` (-1: for none), else exactly for ``c >= bound``
+    (``limit + 1``: for none).
 
     The ratio trackers compare a float score with a price per concept already emitted; the count is
-    only known during the scan. The test is monotone in ``c`` (``price`` > 0), so it holds exactly
-    for ``c <= allowance``: the scan then compares integers, and decides what the tensor step rule
-    decides, bit for bit. A float64 quotient gives the estimate; the five integers around it are
-    tested with the step rule's own ops, which settles any rounding at the edge."""
+    only known during the scan. The test is monotone in ``c`` (falling for a positive ``price``, the
+    trackers' case; rising for a negative one; constant for 0), so the scan compares integers and
+    decides what the tensor step rule decides, bit for bit. A float64 quotient gives the estimate; the
+    five integers around it are tested with the step rule's own ops, which settles any rounding."""
     price = price.to(score.dtype)
-    estimate = torch.floor(score.double() / price.double())
-    estimate = torch.nan_to_num(estimate, nan=-2.0).clamp(-2, limit + 1).long()
-    passed = estimate - 3
-    for offset in range(-2, 3):
-        margin = score - price * (estimate + offset).to(score.dtype)
-        passed = passed + (margin > 0 if strict else margin >= 0).long()
-    return passed.clamp(-1, limit)
+
+    def passes(c: torch.Tensor) -> torch.Tensor:
+        margin = score - price * c.to(score.dtype)
+        return margin > 0 if strict else margin >= 0
+
+    p = float(price)
+    if p == 0:  # the count does not matter: every c passes or none does
+        return torch.where(passes(torch.zeros_like(score, dtype=torch.long)), limit, -1), True
+    quotient = score.double() / price.double()
+    if p > 0:  # passes for c <= bound
+        estimate = torch.nan_to_num(torch.floor(quotient), nan=-2.0).clamp(-2, limit + 1).long()
+        bound = estimate - 3 + sum(passes(estimate + offset).long() for offset in range(-2, 3))
+        return bound.clamp(-1, limit), True
+    # a negative price (or NaN): passes for c >= bound
+    estimate = torch.nan_to_num(torch.ceil(quotient), nan=float(limit + 3)).clamp(-1, limit + 2).long()
+    bound = estimate - 2 + sum((~passes(estimate + offset)).long() for offset in range(-2, 3))
+    return bound.clamp(0, limit + 1), False

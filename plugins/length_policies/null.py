@@ -154,16 +154,16 @@ class NullPolicy(nn.Module):
         B, T = valid.shape
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(self.keep_logit(head_logits).detach(), before, self.track)
-        allowed = allowance(ahead, concept_price(self.track, self.target_ratio), T)
+        bound, at_most = allowance(ahead, concept_price(self.track, self.target_ratio), T)
         max_run = self.max_run
 
-        def rule(state, allowed_t):
+        def rule(state, bound_t):
             run, concepts = state
-            if concepts <= allowed_t or run >= max_run:
+            if (concepts <= bound_t if at_most else concepts >= bound_t) or run >= max_run:
                 return True, (0, concepts + 1)
             return False, (run + 1, concepts)
 
-        keep, finals = scan_rows(rule, (0, 0), [allowed], valid, reset)
+        keep, finals = scan_rows(rule, (0, 0), [bound], valid, reset)
         run, concepts = state_tensors(finals, valid.device, (torch.long, torch.long))
         return keep, (run, total, concepts)
 
