@@ -83,8 +83,8 @@ def make_config(config_file, names: dict, split, seed, overrides, concept_input=
     if concept_input is not None:
         config.concept_input = concept_input
     config = config.apply_overrides(list(overrides), problems)
-    path = absolute_backbone_path(config.to_dict())["backbone"]  # (a local hf folder: stored absolute)
-    config.backbone = ComponentRef(path["name"], dict(path.get("params") or {}))
+    # a local hf folder is stored absolute (edits the backbone's params in place)
+    absolute_backbone_path({"backbone": {"name": config.backbone.name, "params": config.backbone.params}})
     return config
 
 

@@ -128,27 +128,34 @@ def run_kind(record: dict, train: dict | None) -> str:
     return record["config"]["family"]
 
 
+def _hf_params(config: dict) -> dict | None:
+    """The params of an ``hf`` backbone in a build config dict (they hold its ``path``), else None."""
+    backbone = config.get("backbone") if isinstance(config, dict) else None
+    params = backbone.get("params") if isinstance(backbone, dict) and backbone.get("name") == "hf" else None
+    return params if isinstance(params, dict) and isinstance(params.get("path"), str) and params["path"] else None
+
+
+def _relative(path: str) -> bool:
+    return not path.startswith("~") and not Path(path).is_absolute()
+
+
 def localise_backbone_path(config: dict, folder: Path) -> dict:
     """A relative local path of an ``hf`` backbone that exists inside the run folder (``concept export``
     writes ``./backbone``) is made absolute, so the folder loads wherever it is moved and whatever the
     working directory; any other relative path keeps meaning the working directory. Edits ``config``."""
-    backbone = config.get("backbone") if isinstance(config, dict) else None
-    params = backbone.get("params") if isinstance(backbone, dict) and backbone.get("name") == "hf" else None
-    path = params.get("path") if isinstance(params, dict) else None
-    if isinstance(path, str) and path and not path.startswith("~") and not Path(path).is_absolute() \
-            and (Path(folder) / path / "config.json").is_file():
-        params["path"] = str((Path(folder) / path).resolve())
+    params = _hf_params(config)
+    if params and _relative(params["path"]) and (Path(folder) / params["path"] / "config.json").is_file():
+        params["path"] = str((Path(folder) / params["path"]).resolve())
     return config
 
 
 def backbone_folder(config: dict) -> Path | None:
     """The local folder an ``hf`` backbone loads from (absolute; relative paths mean the working
     directory), or None (another backbone, or a hub id)."""
-    backbone = config.get("backbone") if isinstance(config, dict) else None
-    params = backbone.get("params") if isinstance(backbone, dict) and backbone.get("name") == "hf" else None
-    path = params.get("path") if isinstance(params, dict) else None
-    if not isinstance(path, str) or not path:
+    params = _hf_params(config)
+    if params is None:
         return None
+    path = params["path"]
     folder = Path(path).expanduser()
     return folder.resolve() if folder.exists() or path.startswith((".", "/", "~")) else None
 
@@ -156,10 +163,9 @@ def backbone_folder(config: dict) -> Path | None:
 def absolute_backbone_path(config: dict) -> dict:
     """A relative local path of an ``hf`` backbone (one that exists from the working directory) made
     absolute, so that the run it is saved in loads from any directory. Edits ``config``."""
-    folder = backbone_folder(config)
-    path = config["backbone"]["params"]["path"] if folder is not None else None
-    if folder is not None and folder.exists() and not Path(path).expanduser().is_absolute():
-        config["backbone"]["params"]["path"] = str(folder)
+    params = _hf_params(config)
+    if params and _relative(params["path"]) and Path(params["path"]).exists():
+        params["path"] = str(Path(params["path"]).resolve())
     return config
 
 

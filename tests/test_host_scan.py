@@ -2,6 +2,7 @@
 allowance equals the float test it replaces, element by element, ties included, and the row scan
 follows its padding and document-start rules, each checked against an obviously correct loop."""
 import math
+import operator
 
 import pytest
 import torch
@@ -18,10 +19,9 @@ def brute_allowance(score, price, limit, strict):
     return torch.stack(columns, -1)
 
 
-def passing(bound, at_most, limit):
-    """The counts in 0..limit that ``allowance``'s (bound, at_most) says pass: [..., limit + 1] bool."""
-    c = torch.arange(limit + 1)
-    return c <= bound[..., None] if at_most else c >= bound[..., None]
+def passing(bound, admits, limit):
+    """The counts in 0..limit that ``allowance``'s (bound, admits) says pass: [..., limit + 1] bool."""
+    return admits(torch.arange(limit + 1), bound[..., None])
 
 
 def scores(price, limit, g):
@@ -39,10 +39,10 @@ def test_allowance_equals_trying_every_count(strict, price):
     g = torch.Generator().manual_seed(0)
     price, limit = torch.tensor(price, dtype=torch.float32), 60
     score = scores(price, limit, g)
-    bound, at_most = allowance(score, price, limit, strict)
-    assert at_most == (float(price) >= 0)
+    bound, admits = allowance(score, price, limit, strict)
+    assert admits is (operator.le if float(price) >= 0 else operator.ge)
     want = brute_allowance(score, price, limit, strict)
-    assert torch.equal(passing(bound, at_most, limit), want)
+    assert torch.equal(passing(bound, admits, limit), want)
     assert want.all(-1).any() and (~want).all(-1).any()  # both ends were reached
 
 
@@ -50,8 +50,8 @@ def test_allowance_catches_a_count_that_is_one_off():
     """Negative control: the tie cases tell a non-strict test from a strict one."""
     price = torch.tensor(2.0)
     score = price * torch.arange(10).float()
-    bound, at_most = allowance(score, price, 20, strict=True)
-    assert not torch.equal(passing(bound, at_most, 20), brute_allowance(score, price, 20, False))
+    bound, admits = allowance(score, price, 20, strict=True)
+    assert not torch.equal(passing(bound, admits, 20), brute_allowance(score, price, 20, False))
 
 
 def run_length_rule(state, x_t):

@@ -33,7 +33,7 @@ from ..config import DEFAULT_TARGET_RATIO
 from ..errors import ConfigError
 from ..packing import document_starts
 from ..tokens import tokenizer_for
-from .options import CALIBRATION_BATCH, CALIBRATION_SEQ_LEN
+from .options import CALIBRATION_BATCH, CALIBRATION_SEQ_LEN, StreamingBuild
 from .ratio import PIController, ratio_controllable
 
 DEFAULT_BATCHES = 4  # batches of DEFAULT_BATCH rows of DEFAULT_SEQ_LEN tokens: 2,048 tokens
@@ -47,13 +47,10 @@ def calibratable(model) -> bool:
 
 
 def check(target_ratio: float, batches: int, batch: int, seq_len: int) -> list[str]:
-    problems = []
-    if not 0 < target_ratio < 1:
-        problems.append(f"target-ratio: must be in (0, 1), got {target_ratio}")
-    for name, value in (("calibration-batches", batches), ("batch", batch), ("seq-len", seq_len)):
-        if value < 1:
-            problems.append(f"{name}: must be >= 1, got {value}")
-    return problems
+    """The problems of a calibration's settings: the build options' declared checks, then the rows'."""
+    problems = StreamingBuild(target_ratio=target_ratio, calibration_batches=batches).validate()
+    return problems + [f"{name}: must be >= 1, got {value}" for name, value in (("batch", batch), ("seq-len", seq_len))
+                       if value < 1]
 
 
 def calibration_rows(model, data=None, rows: int = DEFAULT_BATCHES * DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN,

@@ -16,6 +16,7 @@ integer per token beforehand by :func:`allowance`.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -56,14 +57,15 @@ def state_tensors(finals: list[State], device, dtypes: Sequence[torch.dtype]) ->
                  for i, dtype in enumerate(dtypes))
 
 
-def allowance(score: torch.Tensor, price: torch.Tensor, limit: int, strict: bool = False) -> tuple[torch.Tensor, bool]:
+def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
+              strict: bool = False) -> tuple[torch.Tensor, Callable[[int, int], bool]]:
     """Which concept counts ``c`` in ``0..limit`` pass the tensor test
 
         score - price * c >= 0        (``> 0`` when ``strict``)
 
-    computed in ``score``'s own float arithmetic for each element [...]: ``(bound, at_most)``. With
-    ``at_most`` the test holds exactly for ``c <= bound`` (-1: for none), else exactly for ``c >= bound``
-    (``limit + 1``: for none).
+    computed in ``score``'s own float arithmetic for each element [...]: ``(bound, admits)``, where the
+    test holds exactly when ``admits(c, bound)``: ``operator.le`` (``c <= bound``; -1: for none) or
+    ``operator.ge`` (``c >= bound``; ``limit + 1``: for none).
 
     The ratio trackers compare a float score with a price per concept already emitted; the count is
     only known during the scan. The test is monotone in ``c`` (falling for a positive ``price``, the
@@ -78,13 +80,13 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int, strict: bool
 
     p = float(price)
     if p == 0:  # the count does not matter: every c passes or none does
-        return torch.where(passes(torch.zeros_like(score, dtype=torch.long)), limit, -1), True
+        return torch.where(passes(torch.zeros_like(score, dtype=torch.long)), limit, -1), operator.le
     quotient = score.double() / price.double()
     if p > 0:  # passes for c <= bound
         estimate = torch.nan_to_num(torch.floor(quotient), nan=-2.0).clamp(-2, limit + 1).long()
         bound = estimate - 3 + sum(passes(estimate + offset).long() for offset in range(-2, 3))
-        return bound.clamp(-1, limit), True
+        return bound.clamp(-1, limit), operator.le
     # a negative price (or NaN): passes for c >= bound
     estimate = torch.nan_to_num(torch.ceil(quotient), nan=float(limit + 3)).clamp(-1, limit + 2).long()
     bound = estimate - 2 + sum((~passes(estimate + offset)).long() for offset in range(-2, 3))
-    return bound.clamp(0, limit + 1), False
+    return bound.clamp(0, limit + 1), operator.ge

@@ -134,12 +134,12 @@ class MTPPolicy(nn.Module):
         T = valid.shape[1]
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(logit, before, self.track)
-        bound, at_most = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
+        bound, admits = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
         chunk = chunks.rule(cfg.min_chunk, cfg.max_chunk)
 
         def rule(state, bound_t):
             count, concepts = state
-            keep, (count,) = chunk((count,), concepts <= bound_t if at_most else concepts >= bound_t)
+            keep, (count,) = chunk((count,), admits(concepts, bound_t))
             return keep, (count, concepts + keep)
 
         keep, finals = scan_rows(rule, (0, 0), [bound], valid, reset)

@@ -154,12 +154,12 @@ class NullPolicy(nn.Module):
         B, T = valid.shape
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(self.keep_logit(head_logits).detach(), before, self.track)
-        bound, at_most = allowance(ahead, concept_price(self.track, self.target_ratio), T)
+        bound, admits = allowance(ahead, concept_price(self.track, self.target_ratio), T)
         max_run = self.max_run
 
         def rule(state, bound_t):
             run, concepts = state
-            if (concepts <= bound_t if at_most else concepts >= bound_t) or run >= max_run:
+            if admits(concepts, bound_t) or run >= max_run:
                 return True, (0, concepts + 1)
             return False, (run + 1, concepts)
 
