@@ -54,7 +54,7 @@ from .diagnostics import model_kind
 from .errors import ConceptError
 from .families import family_of
 from .hub import card, exported_layers, write_hf_files
-from .lora import save_peft_adapter
+from .lora import save_peft_adapter, settings_from_peft
 
 BACKBONE_DIR = "backbone"
 BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)
@@ -243,6 +243,10 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
     removed = getattr(model, "removed", None)  # layers the model skips: deleted from the exported backbone
     pruned = removed or getattr(model, "deleted", None)
     has_lora = "default" in (getattr(model.backbone, "peft_config", None) or {})
+    if train is None and family_of(model) is None:  # a baseline made in memory: what concept.load reads to rebuild it
+        heads = getattr(model, "mtp_heads", None)
+        train = {"baseline": kind, "pruned": {"removed": list(pruned)} if pruned else None,
+                 "mtp_heads": heads.k if heads is not None else 0}
     lora = ("merged" if merge_lora else "adapter") if has_lora else None
     result_warnings = warnings if warnings is not None else []
     if merge_lora and not has_lora:
@@ -363,12 +367,15 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
              f"**Model**: {_describe_model(model, kind, removed)}.", "",
              f"**Backbone**: `{backbone.get('name', '?')}` ({info.name}: {info.architecture}, {exported_layers(model)} layers, "
              f"hidden {info.hidden_size}, vocabulary {info.vocab_size}), saved in `backbone/` as a Hugging Face folder.", ""]
-    if train:
-        settings = train.get("lora") or {}
+    if train or lora:
+        settings = (train or {}).get("lora") or {}
+        if not settings and lora:  # (a model given LoRA in memory: its peft config says how)
+            settings = asdict(settings_from_peft(model.backbone.peft_config["default"]))
         where = {"adapter": "a peft adapter folder in `adapter/` (the weights in `backbone/` are the base weights)",
                  "merged": "merged into the weights in `backbone/` (no separate adapter)"}.get(lora, "none")
         lines += [f"**LoRA**: rank {settings.get('rank')}, alpha {settings.get('alpha')}, on "
                   f"`{settings.get('targets')}`: {where}.", ""]
+    if train and train.get("seq_len"):  # (a trained run's record)
         data = train.get("data") or "the Python standard library"
         steps = exported["step"] or 0
         tokens = steps * int(train.get("batch", 0)) * int(train.get("grad_accum", 1)) * int(train.get("seq_len", 0))
