@@ -1,6 +1,8 @@
 """``concept serve``: an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)."""
 from __future__ import annotations
 
+from pathlib import PurePath
+
 import click
 
 from .output import quiet_progress_bars, status
@@ -27,16 +29,14 @@ def serve(run, host, port, model_name, max_tokens, device):
          -d '{"model": "m1-train", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
     """
     # lazy: the library (torch) loads only when the command runs; --help stays instant
-    from pathlib import PurePath
-
     import concept
     from concept.distributed import pick_device
     from concept.errors import ConceptError
 
     try:
-        import uvicorn
-
+        # lazy: the serve extra (fastapi, uvicorn) is optional, and torch loads only when the command runs
         from concept.serving import create_app
+        import uvicorn
     except ImportError as exc:
         raise ConceptError(f"concept serve needs the serve extra ({exc.name} is missing): pip install 'concept[serve]'") from None
     if max_tokens < 1:

@@ -23,6 +23,7 @@ from .config import BuildConfig, Plan, resolve
 from .dense import DenseModel
 from .errors import RunFolderError
 from .families import family, family_of
+from .hub import local_folder
 from .lora import (
     PEFT_CONFIG_FILE,
     LoraSettings,
@@ -249,8 +250,6 @@ def load(path: str | os.PathLike, **hub):
     folder ``adapter/`` or merged into the backbone), or a hub id ``org/name`` of one (downloaded with
     ``huggingface_hub.snapshot_download``; ``hub``: its ``revision``, ``cache_dir``, ``token``,
     ``local_files_only``, ``force_download``, ``subfolder``; see ``concept.hub``)."""
-    from .hub import local_folder
-
     folder = local_folder(path, **hub)
     record = read_run(folder)
     train = read_train(folder)

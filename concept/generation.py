@@ -160,6 +160,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     """
     if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
                                       and all(isinstance(p, str) for p in input_ids)):
+        # lazy: diagnostics imports the builder, which imports this module (a circle at the top)
         from .diagnostics import _encode
         from .tokens import tokenizer_for
 

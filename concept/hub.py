@@ -28,7 +28,9 @@ import tempfile
 from pathlib import Path
 
 from . import __version__
+from .config import make_component_config
 from .errors import ConceptError, RunFolderError
+from .registry import registry
 
 HF_CONFIG_FILE = "config.json"
 HF_CODE = ("configuration_concept.py", "modeling_concept.py")  # copied from concept/hf/ into every export
@@ -78,6 +80,7 @@ def exported_layers(model) -> int:
 
 def hf_config(model):
     """The model's ``config.json`` as a transformers config of its kind (``concept.hf``), with ``auto_map``."""
+    # lazy: transformers, and the modeling file imports this module (a circle at the top)
     from .hf.configuration_concept import config_class
     from .hf.modeling_concept import model_class
 
@@ -106,9 +109,6 @@ def write_hf_files(model, folder: Path) -> None:
 def provenance(backbone: dict | None) -> dict:
     """``{"base_model": hub id or None, "license": ...}`` of a backbone (``{"name", "params"}`` as in a build
     config), from its plugin's ``provenance(config)``; ``license`` is ``other`` when it is not known."""
-    from .config import make_component_config
-    from .registry import registry
-
     found = {}
     try:
         cls = registry("backbone").get((backbone or {}).get("name", ""))
@@ -136,6 +136,7 @@ def save_pretrained(model, folder, force: bool = False, merge_lora: bool = False
     """Write ``model`` as a ``concept export`` folder (:func:`concept.export.write_export`): what
     ``concept export`` writes for a run, from the model in memory. ``force`` replaces a non-empty
     folder (atomically, once the new one is complete). Returns the ``ExportResult``."""
+    # lazy: the export imports the builder, which imports this module (a circle at the top)
     from .export import write_export
 
     return write_export(model, Path(folder), merge_lora=merge_lora, force=force, check=check, report=report)
@@ -226,6 +227,7 @@ class HubMixin:
     def from_pretrained(cls, name_or_path, **hub_kwargs):
         """``concept.load(name_or_path)`` (a folder or a hub id; ``revision``, ``token`` ...), which must hold a model
         of this class."""
+        # lazy: the builder imports this module (a circle at the top)
         from .builder import load
 
         model = load(name_or_path, **hub_kwargs)
