@@ -77,7 +77,7 @@ class ExportResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["path"], d["source"] = str(self.path), str(self.source)
+        d["path"], d["source"] = str(self.path), str(self.source) if self.source is not None else None
         return d
 
 

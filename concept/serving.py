@@ -147,7 +147,8 @@ class Engine:
         return settings
 
     def prompt_ids(self, text: str) -> list[int]:
-        ids = chat.encode(self.tokenizer, text)
+        """A completion prompt's ids, special tokens as the tokenizer adds them (as ``concept generate``)."""
+        ids = list(self.tokenizer(text)["input_ids"])
         if not ids:
             raise APIError(400, "the prompt is empty; give at least one character of text", param="prompt")
         self.check_length(len(ids), "prompt")

@@ -103,6 +103,10 @@ def test_card_metadata_and_the_adapter_base(exported):
     assert card.data.pipeline_tag == "text-generation" and card.data.license == "apache-2.0"
     assert card.data.base_model is None  # a randomly initialised backbone has none
     assert "trust_remote_code=True" in card.text and "concept.load" in card.text
+    from transformers.dynamic_module_utils import get_imports
+
+    # transformers checks these before running the folder's code: without `concept` it names the package to install
+    assert "concept" in get_imports(folder / "modeling_concept.py")
     adapter = json.loads((folder / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str((folder / "backbone").resolve())  # resolves: not "llama-tiny"
     assert concept.hub.provenance({"name": "smollm2", "params": {}}) == {
@@ -223,6 +227,9 @@ def test_push_to_hub_and_load_the_hub_id(streaming, tmp_path, monkeypatch):
     assert isinstance(concept.ConceptModel.from_pretrained("org/tiny"), concept.ConceptModel)
     hf = AutoModelForCausalLM.from_pretrained("org/tiny", trust_remote_code=True, cache_dir=str(tmp_path / "hub"))
     torch.testing.assert_close(logits(hf), expected, atol=1e-6, rtol=0)
+    hf.push_to_hub("org/copy")  # the transformers class pushes an export folder too
+    assert set(hub.files("org/copy")) == set(files)
+    torch.testing.assert_close(logits(concept.load("org/copy")), expected, atol=1e-6, rtol=0)
     with pytest.raises(RunFolderError, match="org/absent is not a local folder.*hub failed"):
         concept.load("org/absent")
 
