@@ -14,6 +14,7 @@ import click
 
 from .bench_cmd import bench
 from .build_cmd import build
+from .chat_cmd import chat
 from .eval_cmd import eval_
 from .export_cmd import export
 from .frontier_cmd import frontier
@@ -22,6 +23,7 @@ from .inspect_cmd import inspect
 from .lm_eval_cmd import lm_eval_
 from .output import print_error
 from .plugins_cmd import plugins
+from .serve_cmd import serve
 from .train_cmd import train
 
 
@@ -73,6 +75,8 @@ cli.add_command(eval_)
 cli.add_command(lm_eval_)
 cli.add_command(export)
 cli.add_command(generate)
+cli.add_command(chat)
+cli.add_command(serve)
 cli.add_command(bench)
 cli.add_command(frontier)
 

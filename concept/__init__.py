@@ -13,7 +13,7 @@ _EXPORTS = {
     "build": "builder", "load": "builder", "save": "builder", "calibrate": "streaming.calibration",
     "BuildConfig": "config", "ComponentRef": "config", "resolve": "config",
     "ConceptModel": "streaming.model", "ConceptOutput": "streaming.model",
-    "ConceptError": "errors", "ConfigError": "errors",
+    "ConceptError": "errors", "ConfigError": "errors", "generate": "generation",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -23,6 +23,7 @@ from .config import BuildConfig, Plan, resolve
 from .dense import DenseModel
 from .errors import RunFolderError
 from .families import family, family_of
+from .hub import local_folder
 from .lora import (
     PEFT_CONFIG_FILE,
     LoraSettings,
@@ -242,12 +243,14 @@ def load_new_modules(model, state: dict) -> None:
             raise RunFolderError(f"saved {name} weights do not match the model built from the run's config ({first})") from None
 
 
-def load(path: str | os.PathLike):
+def load(path: str | os.PathLike, **hub):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
     LoRA adapters and the newest checkpoint's weights) or a trained dense (or pruned) baseline; also a
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
-    folder ``adapter/`` or merged into the backbone)."""
-    folder = Path(path)
+    folder ``adapter/`` or merged into the backbone), or a hub id ``org/name`` of one (downloaded with
+    ``huggingface_hub.snapshot_download``; ``hub``: its ``revision``, ``cache_dir``, ``token``,
+    ``local_files_only``, ``force_download``, ``subfolder``; see ``concept.hub``)."""
+    folder = local_folder(path, **hub)
     record = read_run(folder)
     train = read_train(folder)
     plan = resolve(BuildConfig.from_dict(record["config"]))
@@ -256,8 +259,11 @@ def load(path: str | os.PathLike):
         # a pruned baseline skips the block of layers its train.json records (concept.training.prune_plan)
         block = (train.get("pruned") or {}).get("removed") if train.get("baseline") == "pruned" else None
         removed = tuple(block) if block and block[1] > block[0] else None
+        deleted = None
+        if removed and (record.get("export") or {}).get("backbone_pruned"):  # an export's backbone/ lacks them
+            removed, deleted = None, removed
         model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed,
-                           mtp_heads=train.get("mtp_heads", 0))
+                           mtp_heads=train.get("mtp_heads", 0), deleted=deleted)
     else:
         model = build(plan=plan)
     backbone_state = newest_weights(folder, "backbone")
@@ -283,4 +289,5 @@ def load(path: str | os.PathLike):
         raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")
     if modules:
         load_new_modules(model, modules)
+    model.loaded_from = {"folder": str(folder.resolve()), "record": record, "train": train}  # (save_pretrained re-exports it)
     return model.eval()

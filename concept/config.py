@@ -80,6 +80,12 @@ class BuildConfig:
     # the families' own options by section name (``--set SECTION.KEY=VALUE``; in JSON ``"SECTION": {...}``)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def __post_init__(self):
+        # a component named by a string (``BuildConfig(backbone="tiny-llama")``) is that component with its defaults
+        for name in SLOTS:
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, ComponentRef(getattr(self, name)))
+
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)

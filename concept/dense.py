@@ -26,6 +26,7 @@ from . import packing
 from .attention import CausalPlan
 from .backbone import decoder, run_layers
 from .generation import generate
+from .hub import HubMixin
 from .losses import next_token_loss
 from .mtp import MTPHeads
 
@@ -37,9 +38,9 @@ class DenseOutput:
     hidden: torch.Tensor | None = None  # [B, T, d] the last layer's output (before the final norm)
 
 
-class DenseModel(nn.Module):
+class DenseModel(HubMixin, nn.Module):
     def __init__(self, backbone, plan=None, tokenizer=None, removed: tuple[int, int] | None = None,
-                 mtp_heads: int = 0):
+                 mtp_heads: int = 0, deleted: tuple[int, int] | None = None):
         super().__init__()
         self.backbone = backbone
         self.plan = plan
@@ -49,6 +50,9 @@ class DenseModel(nn.Module):
         if removed is not None and not (0 <= removed[0] < removed[1] <= n):
             raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")
         self.removed = tuple(removed) if removed is not None else None
+        # a pruned baseline whose skipped block is already deleted from its backbone (a `concept export` of one):
+        # it runs every layer the backbone has
+        self.deleted = tuple(deleted) if deleted is not None else None
         self.mtp_heads = None
         if mtp_heads:
             self.mtp_heads = MTPHeads(backbone.config.hidden_size, mtp_heads)
@@ -57,7 +61,7 @@ class DenseModel(nn.Module):
     @property
     def kind(self) -> str:
         """``dense``, or ``pruned`` when a block of layers is skipped."""
-        return "pruned" if self.removed else "dense"
+        return "pruned" if self.removed or self.deleted else "dense"
 
     @property
     def layers(self) -> list[nn.Module]:

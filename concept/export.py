@@ -37,14 +37,15 @@ from typing import Callable
 import torch
 
 from . import __version__, checkpoint, fs
+from .backbone import decoder
 from .builder import (
     MODULES_FILE,
     PEFT_ADAPTER_DIR,
     RUN_FILE,
     TRAIN_FILE,
+    _run_record,
     backbone_folder,
     load,
-    newest_weights,
     read_run,
     read_train,
 )
@@ -52,7 +53,8 @@ from .config import BuildConfig, resolve
 from .diagnostics import model_kind
 from .errors import ConceptError
 from .families import family_of
-from .lora import save_peft_adapter
+from .hub import card, exported_layers, write_hf_files
+from .lora import save_peft_adapter, settings_from_peft
 
 BACKBONE_DIR = "backbone"
 BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)
@@ -75,7 +77,7 @@ class ExportResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["path"], d["source"] = str(self.path), str(self.source)
+        d["path"], d["source"] = str(self.path), str(self.source) if self.source is not None else None
         return d
 
 
@@ -186,29 +188,86 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
 
     say("loading", f"{run} ...")
     model = load(run)
+    return write_export(model, out, merge_lora=merge_lora, force=force, check=check, report=say, run=run, record=record,
+                        train=train, step=meta["step"] if meta else None, warnings=result_warnings)
+
+
+def _plain_backbone(model):
+    """The model's backbone as a plain transformers model (no attention routing, no adapters) holding the
+    model's base weights, and its tokenizer."""
+    bb = model.plan.components["backbone"]
+    loaded = bb.cls.load(bb.config)
+    state = {k.replace(".base_layer.", "."): v for k, v in model.backbone.state_dict().items() if "lora_" not in k}
+    loaded.model.load_state_dict(state)
+    return loaded.model, loaded.tokenizer
+
+
+def delete_layers(hf_model, removed: tuple[int, int]) -> None:
+    """Delete the decoder layers ``start..stop-1`` of a transformers model in place, with its config's
+    ``num_hidden_layers`` (and per-layer lists such as ``layer_types``) and the layers' ``layer_idx`` fixed:
+    saved, it is a plain checkpoint of the smaller model."""
+    start, stop = removed
+    inner, config = decoder(hf_model), hf_model.config
+    n = len(inner.layers)
+    del inner.layers[start:stop]  # (nn.ModuleList renumbers the rest)
+    config.num_hidden_layers = len(inner.layers)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == n and key != "architectures":
+            setattr(config, key, value[:start] + value[stop:])
+    for i, layer in enumerate(inner.layers):
+        for m in layer.modules():
+            if isinstance(getattr(m, "layer_idx", None), int):
+                m.layer_idx = i
+
+
+def write_export(model, out, merge_lora: bool = False, force: bool = False, check: bool = True, report=None, *,
+                 run=None, record: dict | None = None, train: dict | None = None, step: int | None = None,
+                 warnings: list[str] | None = None) -> ExportResult:
+    """Write the model ``model`` (in memory) as an export folder ``out`` (``concept.hub.save_pretrained``;
+    :func:`export` for a run folder). ``run``, ``record``, ``train``, ``step``: the run it comes from, its
+    ``concept.json`` and ``train.json`` records and training step; by default those it was loaded from
+    (``concept.load`` keeps them), else its own build record. ``report(verb, detail)`` receives progress."""
+    out = Path(out)
+    say = report or (lambda verb, detail: warnings_.warn(detail, stacklevel=3) if verb == "warning:" else None)
+    origin = getattr(model, "loaded_from", None) or {}
+    if record is None:
+        record = json.loads(json.dumps(origin.get("record") or _run_record(model)))
+        train = origin.get("train")
+        run = Path(origin["folder"]) if origin.get("folder") else None
+        step = (record.get("export") or {}).get("step")
+        if run is not None and run.is_dir() and checkpoint.folder(run) is not None:
+            step = checkpoint.read_meta(run)["step"]
+    check_target(run, out, force, record["config"])
     plan = model.plan
     kind = model_kind(model)  # the family, or dense / pruned
-    removed = getattr(model, "removed", None)
+    removed = getattr(model, "removed", None)  # layers the model skips: deleted from the exported backbone
+    pruned = removed or getattr(model, "deleted", None)
     has_lora = "default" in (getattr(model.backbone, "peft_config", None) or {})
+    if train is None and family_of(model) is None:  # a baseline made in memory: what concept.load reads to rebuild it
+        heads = getattr(model, "mtp_heads", None)
+        train = {"baseline": kind, "pruned": {"removed": list(pruned)} if pruned else None,
+                 "mtp_heads": heads.k if heads is not None else 0}
     lora = ("merged" if merge_lora else "adapter") if has_lora else None
+    result_warnings = warnings if warnings is not None else []
     if merge_lora and not has_lora:
-        warn(f"--merge-lora: {run} has no LoRA adapters; the backbone is exported as it is")
-
-    bb = plan.components["backbone"]
-    loaded = bb.cls.load(bb.config)  # the plain transformers backbone: no attention routing, no adapters
-    base_state = newest_weights(run, "backbone")  # randomly initialised backbones travel with the run
-    if base_state is not None:
-        loaded.model.load_state_dict(base_state)
+        result_warnings.append(f"--merge-lora: {run or 'the model'} has no LoRA adapters; the backbone is exported as it is")
+        say("warning:", result_warnings[-1])
+    if removed and exported_layers(model) < 3:
+        raise ConceptError(f"the pruned baseline keeps {exported_layers(model)} of the backbone's "
+                           f"{model.backbone.config.num_hidden_layers} layers; its export deletes the others, and a build "
+                           f"plan needs at least 3 (one per stack): prune fewer layers to export it")
 
     staging = fs.Staging(out).open()
     tmp = staging.path
     try:
         how = {"merged": "LoRA merged into the backbone", "adapter": "LoRA as a peft adapter folder"}.get(lora, "no LoRA")
         say("exporting", f"{kind} model -> {out} ({how}) ...")
-        hf_model = loaded.model
-        if has_lora:
-            save_peft_adapter(model.backbone, tmp / PEFT_ADAPTER_DIR, base_model_name_or_path=plan.backbone_info.name,
-                              removed=removed)
+        hf_model, tokenizer = _plain_backbone(model)
+        if removed:
+            delete_layers(hf_model, removed)
+        if has_lora:  # the base: this folder's backbone/ where it is published (stated in the card)
+            save_peft_adapter(model.backbone, tmp / PEFT_ADAPTER_DIR, base_model_name_or_path=str(out.resolve() / BACKBONE_DIR),
+                              removed=removed, renumber=True)
         if lora == "merged":
             from peft import PeftModel
 
@@ -217,10 +276,10 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
                 hf_model = PeftModel.from_pretrained(hf_model, str(tmp / PEFT_ADAPTER_DIR)).merge_and_unload()
             shutil.rmtree(tmp / PEFT_ADAPTER_DIR)
         hf_model.save_pretrained(tmp / BACKBONE_DIR)
-        if loaded.tokenizer is not None:
-            loaded.tokenizer.save_pretrained(tmp / BACKBONE_DIR)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / BACKBONE_DIR)
         dtype = _dtype_name(hf_model)
-        del hf_model, loaded
+        del hf_model
 
         modules = model.new_state_dict()
         if modules:
@@ -231,25 +290,30 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
         # the build plan, its backbone now the exported folder (absolute while resolving, relative on disk)
         config = json.loads(json.dumps(record["config"]))
         original_backbone = ((record.get("export") or {}).get("backbone")  # (an export of an export: the first one's)
-                             or json.loads((run / RUN_FILE).read_text())["config"].get("backbone"))
+                             or _saved_backbone(run) or config.get("backbone"))
         absolute = str((tmp / BACKBONE_DIR).resolve())
         config["backbone"] = {"name": "hf", "params": {"path": absolute, "dtype": dtype}}
+        if pruned:
+            config["split"] = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)
         new_plan = resolve(BuildConfig.from_dict(config))
-        if tuple(new_plan.split) != tuple(plan.split):
+        if not pruned and tuple(new_plan.split) != tuple(plan.split):
             raise ConceptError(f"the exported backbone resolves to split {new_plan.split}, not the run's {plan.split}")
-        exported = {"from": str(run.resolve()), "step": meta["step"] if meta else None, "kind": kind, "lora": lora,
-                    "removed_layers": list(removed) if removed else None, "backbone": original_backbone,
-                    "concept_version": __version__}
-        new_record = {**record, "config": config, "plan": new_plan.describe(), "export": exported}
+        exported = {"from": str(run.resolve()) if run is not None else None, "step": step, "kind": kind, "lora": lora,
+                    "removed_layers": list(pruned) if pruned else None, "backbone_pruned": bool(pruned),
+                    "backbone": original_backbone, "concept_version": __version__}
+        new_record = {k: v for k, v in record.items() if k != "export"}
+        new_record = {**new_record, "config": config, "plan": new_plan.describe(), "export": exported}
         new_record = _relative_paths(new_record, absolute, BACKBONE_PATH)
         (tmp / RUN_FILE).write_text(json.dumps(new_record, indent=2, sort_keys=True))
         if train is not None:
             (tmp / TRAIN_FILE).write_text(json.dumps(train, indent=2))
         for name in COPIED:
-            if (run / name).is_file():
+            if run is not None and (run / name).is_file():
                 shutil.copy2(run / name, tmp / name)
-        heldout = last_evaluation(run, train)
-        (tmp / CARD_FILE).write_text(model_card(out.name, run, model, train, exported, heldout))
+        heldout = last_evaluation(run, train) if run is not None else None
+        write_hf_files(model, tmp)
+        body = model_card(out.name, run, model, train, exported, heldout)
+        card(body, kind, original_backbone, lora).save(tmp / CARD_FILE)
 
         comparison = None
         if check:
@@ -264,6 +328,13 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
                         heldout=heldout, check=comparison, warnings=result_warnings)
 
 
+def _saved_backbone(run) -> dict | None:
+    """The backbone the run folder ``run`` was built with, as its concept.json says (relative paths unresolved)."""
+    if run is None or not (Path(run) / RUN_FILE).is_file():
+        return None
+    return json.loads((Path(run) / RUN_FILE).read_text())["config"].get("backbone")
+
+
 # -- the model card --------------------------------------------------------------------------------
 def _describe_model(model, kind: str, removed) -> str:
     info = model.plan.backbone_info
@@ -272,8 +343,9 @@ def _describe_model(model, kind: str, removed) -> str:
         return family.describe(model)
     if kind == "pruned":
         a, b = removed
-        return (f"the pruned baseline: the backbone with layers {a}..{b - 1} skipped ({b - a} of {info.num_layers}; "
-                f"they stay in `backbone/`, `train.json` records which)")
+        total = exported_layers(model) + b - a
+        return (f"the pruned baseline: the backbone with layers {a}..{b - 1} skipped ({b - a} of {total}; they are "
+                f"deleted from `backbone/`, which keeps {total - (b - a)}; `train.json` records which)")
     return "the dense baseline: the backbone with LoRA adapters, plain next-token prediction"
 
 
@@ -284,22 +356,26 @@ def _fmt(value) -> str:
 
 
 def model_card(name: str, run: Path, model, train: dict | None, exported: dict, heldout: dict | None) -> str:
+    """The card's text (``concept.hub.card`` puts the hub metadata above it)."""
     kind, lora, removed = exported["kind"], exported["lora"], exported["removed_layers"]
     info = model.plan.backbone_info
     backbone = exported["backbone"] or {}
-    tags = f"concept, {kind}" + (", peft, lora" if lora == "adapter" else "")
     when = f" at training step {exported['step']}" if exported["step"] is not None else " (untrained)"
-    lines = ["---", "library_name: concept", f"tags: [{tags}]", "---", "", f"# {name}", "",
-             f"Exported by `concept export` (concept {exported['concept_version']}) from the run `{run}`{when}.", "",
+    origin = f"the run `{run}`" if run is not None else "a model built in memory"
+    lines = [f"# {name}", "",
+             f"Exported by `concept export` (concept {exported['concept_version']}) from {origin}{when}.", "",
              f"**Model**: {_describe_model(model, kind, removed)}.", "",
-             f"**Backbone**: `{backbone.get('name', '?')}` ({info.name}: {info.architecture}, {info.num_layers} layers, hidden "
-             f"{info.hidden_size}, vocabulary {info.vocab_size}), saved in `backbone/` as a Hugging Face folder.", ""]
-    if train:
-        settings = train.get("lora") or {}
+             f"**Backbone**: `{backbone.get('name', '?')}` ({info.name}: {info.architecture}, {exported_layers(model)} layers, "
+             f"hidden {info.hidden_size}, vocabulary {info.vocab_size}), saved in `backbone/` as a Hugging Face folder.", ""]
+    if train or lora:
+        settings = (train or {}).get("lora") or {}
+        if not settings and lora:  # (a model given LoRA in memory: its peft config says how)
+            settings = asdict(settings_from_peft(model.backbone.peft_config["default"]))
         where = {"adapter": "a peft adapter folder in `adapter/` (the weights in `backbone/` are the base weights)",
                  "merged": "merged into the weights in `backbone/` (no separate adapter)"}.get(lora, "none")
         lines += [f"**LoRA**: rank {settings.get('rank')}, alpha {settings.get('alpha')}, on "
                   f"`{settings.get('targets')}`: {where}.", ""]
+    if train and train.get("seq_len"):  # (a trained run's record)
         data = train.get("data") or "the Python standard library"
         steps = exported["step"] or 0
         tokens = steps * int(train.get("batch", 0)) * int(train.get("grad_accum", 1)) * int(train.get("seq_len", 0))
@@ -332,6 +408,8 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
 
     lines += ["## Files", "", "| path | what |", "|---|---|",
               "| `concept.json` | the build plan (backbone: `hf` at `./backbone`, relative to this folder) |",
+              "| `config.json`, `configuration_concept.py`, `modeling_concept.py` | the transformers classes "
+              "(`AutoModelForCausalLM` with `trust_remote_code=True`) |",
               "| `backbone/` | the backbone: `config.json`, `model.safetensors`, tokenizer files |"]
     if lora == "adapter":
         lines.append("| `adapter/` | the LoRA adapters, a standard peft folder |")
@@ -340,12 +418,22 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
     if model.new_modules():
         lines.append(f"| `{MODULES_FILE}` | the concept modules |")
     lines += ["", "## Loading", "", "```python", "import concept", "", f'model = concept.load("{name}")   # the whole model; '
-              "no run folder or backbone cache needed", "```", ""]
+              "no run folder or backbone cache needed (a hub id works too)", "```", "",
+              f"With transformers (the classes in this folder open it with `concept.load`, so the `concept` library "
+              f"must be installed, version {exported['concept_version']} or later; transformers names it when it is "
+              f"missing):", "", "```python", "from transformers import AutoModelForCausalLM", "",
+              f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
+              "logits = model(input_ids).logits   # concept.load's logits", "```", ""]
     if lora == "adapter":
-        lines += ["The adapters with peft, on the plain transformers backbone:", "", "```python",
+        lines += ["The adapters with peft, on the plain transformers backbone (`adapter/adapter_config.json` names "
+                  "its base by the absolute path of this folder's `backbone/` where it was exported, so "
+                  f'`AutoPeftModelForCausalLM.from_pretrained("{name}/adapter")` works while the folder stays there; '
+                  "a copy pushed with `concept export --push-to-hub` names the backbone's hub id instead when it has "
+                  "one). Anywhere:", "", "```python",
                   "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
-                  f'base = AutoModelForCausalLM.from_pretrained("{name}/backbone")',
-                  f'model = PeftModel.from_pretrained(base, "{name}/adapter")', "```", ""]
+                  f'base = AutoModelForCausalLM.from_pretrained("{name}/backbone")   # from the hub: ("org/x", subfolder="backbone")',
+                  f'model = PeftModel.from_pretrained(base, "{name}/adapter")     # from the hub: (base, "org/x", subfolder="adapter")',
+                  "```", ""]
     elif lora == "merged":
         lines += ["The backbone with the adapters merged in, with transformers alone:", "", "```python",
                   "from transformers import AutoModelForCausalLM", "",
@@ -353,10 +441,9 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
     if lora and family_of(model) is not None:
         lines += [f"That is the backbone's ordinary forward with this run's adapters; the {kind} model (with its "
                   f"concept modules) needs `concept.load`.", ""]
-    if lora and kind == "pruned":
+    if kind == "pruned":
         a, b = removed
-        lines += [f"That runs every layer; the pruned baseline skips layers {a}..{b - 1}: delete them "
-                  f"(`del model.base_model.model.model.layers[{a}:{b}]` with peft, `del model.model.layers[{a}:{b}]` "
-                  f"merged) and set `config.num_hidden_layers` to {info.num_layers - (b - a)}"
-                  f"{' (the adapter covers only the kept layers)' if lora == 'adapter' else ''}.", ""]
+        lines += [f"`backbone/` holds only the kept layers (layers {a}..{b - 1} of the original are deleted and "
+                  f"`num_hidden_layers` is {exported_layers(model)}), so that is the pruned baseline itself"
+                  f"{' (the adapter is numbered for the kept layers)' if lora == 'adapter' else ''}.", ""]
     return "\n".join(lines)

@@ -148,13 +148,27 @@ def _stopped_text(text: str, stops: tuple[str, ...]) -> str | None:
 
 @torch.no_grad()
 def generate(model, input_ids, attention_mask=None, settings: GenerationSettings | None = None, *, tokenizer=None,
-             streamer=None, output_logits: bool = False, **overrides) -> GenerationOutput:
+             streamer=None, output_logits: bool = False, **overrides) -> GenerationOutput | str | list[str]:
     """Generate from prompts (a [B, T] / [T] tensor with an optional attention mask, or lists of ids).
 
     ``overrides`` are :class:`GenerationSettings` fields (``max_new_tokens=64, do_sample=True,
     top_p=0.95, seed=0``...). ``streamer``: an object with ``put(ids)`` / ``end()`` such as
     transformers' ``TextStreamer`` (it receives the prompt ids first, then each new token).
+
+    Text in, text out: a prompt string gives the new text (a string), a list of prompt strings a list
+    of texts, each encoded with ``tokenizer`` (default: the model's, or bytes for backbones without one).
     """
+    if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                      and all(isinstance(p, str) for p in input_ids)):
+        # lazy: diagnostics imports the builder, which imports this module (a circle at the top)
+        from .diagnostics import _encode
+        from .tokens import tokenizer_for
+
+        tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
+        prompts = [input_ids] if isinstance(input_ids, str) else list(input_ids)
+        out = generate(model, [_encode(tokenizer, p) for p in prompts], settings=settings, tokenizer=tokenizer,
+                       streamer=streamer, **overrides)
+        return out.texts[0] if isinstance(input_ids, str) else out.texts
     s = settings_from(settings, overrides)
     rows = prompt_rows(input_ids, attention_mask)
     if not rows or any(len(r) == 0 for r in rows):

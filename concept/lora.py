@@ -71,8 +71,14 @@ def _layer_of(key: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _kept_index(i: int, removed: tuple[int, int]) -> int:
+    """Layer ``i``'s index once the block ``removed`` is deleted (``i`` is not in it)."""
+    return i - (removed[1] - removed[0]) if i >= removed[1] else i
+
+
 def save_peft_adapter(backbone: nn.Module, folder, base_model_name_or_path: str | None = None,
-                      removed: tuple[int, int] | None = None, state: dict[str, torch.Tensor] | None = None):
+                      removed: tuple[int, int] | None = None, state: dict[str, torch.Tensor] | None = None,
+                      renumber: bool = False):
     """Write the LoRA adapters injected in ``backbone`` (``add_lora``) as a standard peft adapter folder.
 
     ``removed=(start, stop)`` (the pruned baseline's skipped block): those layers' adapters are left
@@ -82,7 +88,9 @@ def save_peft_adapter(backbone: nn.Module, folder, base_model_name_or_path: str 
     adapters; delete layers ``start..stop-1`` afterwards to get the pruned baseline itself.
     ``state``: the adapter weights as ``lora_state_dict`` returns them, when already at hand (default:
     ``lora_state_dict(backbone)``, which gathers FSDP2-sharded adapters: a collective, so under FSDP2
-    gather on every rank and pass ``state`` on the rank that writes). Returns the folder."""
+    gather on every rank and pass ``state`` on the rank that writes). ``renumber``: the removed layers are
+    deleted from the base it is saved for too (a pruned ``concept export``): the kept layers' adapters are
+    numbered 0..n-1 as that base's layers are, and apply to all of them. Returns the folder."""
     import copy
     from pathlib import Path
 
@@ -101,6 +109,12 @@ def save_peft_adapter(backbone: nn.Module, folder, base_model_name_or_path: str 
         num_layers = len(decoder(backbone).layers)
         config.layers_to_transform = [i for i in range(num_layers) if not start <= i < stop]
         state = {k: v for k, v in state.items() if (i := _layer_of(k)) is None or not start <= i < stop}
+        if renumber:
+            import re
+
+            config.layers_to_transform = None
+            state = {re.sub(_LAYER_INDEX, lambda m: f".layers.{_kept_index(int(m.group(1)), removed)}.", k, count=1): v
+                     for k, v in state.items()}
     config.inference_mode = True
     config.base_model_name_or_path = base_model_name_or_path
     config.task_type = "CAUSAL_LM"  # PeftModel.from_pretrained then gives a PeftModelForCausalLM (generate, ...)

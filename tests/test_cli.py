@@ -68,7 +68,7 @@ def test_version():
 
 def test_help_lists_the_commands():
     out = ok(invoke("--help")).stdout
-    for cmd in ("build", "inspect", "plugins", "train", "eval", "generate", "bench", "export"):
+    for cmd in ("build", "inspect", "plugins", "train", "eval", "generate", "bench", "export", "chat", "serve"):
         assert cmd in out
 
 

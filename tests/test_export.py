@@ -68,7 +68,7 @@ def trained(built, corpus, tmp_path_factory):  # noqa: F811
 def baselines(built, corpus, tmp_path_factory):  # noqa: F811
     folder = tmp_path_factory.mktemp("baselines")
     return {"dense": train(built, folder / "dense", corpus, baseline="dense"),
-            "pruned": train(built, folder / "pruned", corpus, baseline="pruned", prune_layers="1:3")}
+            "pruned": train(built, folder / "pruned", corpus, baseline="pruned", prune_layers="1:2")}
 
 
 def test_export_loads_in_a_fresh_process_with_the_runs_heldout_nll(trained, corpus, tmp_path):  # noqa: F811
@@ -140,14 +140,19 @@ def test_baselines_export_and_reload(baselines, kind, merge, tmp_path):
     result = export(source, tmp_path / "exp", merge_lora=merge)
     assert result.kind == kind and result.lora == ("merged" if merge else "adapter") and not result.warnings
     again = concept.load(tmp_path / "exp")
-    assert again.kind == kind and again.removed == model.removed == ((1, 3) if kind == "pruned" else None)
+    assert again.kind == kind and model.removed == ((1, 2) if kind == "pruned" else None)
+    assert again.removed is None and again.deleted == model.removed  # the export's backbone lacks the skipped layers
     train = json.loads((tmp_path / "exp" / "train.json").read_text())
     assert train["baseline"] == kind
+    layers = json.loads((tmp_path / "exp" / "backbone" / "config.json").read_text())["num_hidden_layers"]
+    assert layers == (3 if kind == "pruned" else 4) == len(again.layers)
     if kind == "pruned":
-        assert train["pruned"]["removed"] == [1, 3]
-        if not merge:  # the adapter covers the kept layers only
+        assert train["pruned"]["removed"] == [1, 2]
+        if not merge:  # the adapter is numbered for the kept layers, which are all the backbone has
             config = json.loads((tmp_path / "exp" / "adapter" / "adapter_config.json").read_text())
-            assert config["layers_to_transform"] == [0, 3]
+            assert config["layers_to_transform"] is None
+            assert {int(k.split(".layers.")[1].split(".")[0]) for k in
+                    load_file(tmp_path / "exp" / "adapter" / "adapter_model.safetensors")} == {0, 1, 2}
     assert not (tmp_path / "exp" / "modules.safetensors").exists()  # a baseline has no concept modules
     ids = torch.tensor(IDS)
     with torch.no_grad():

@@ -45,6 +45,7 @@ from ..codes import CodeUse
 from ..components import BuildContext
 from ..errors import ConceptError
 from ..generation import GenerationMixin
+from ..hub import HubMixin
 from ..kv_cache import DecodePlan
 from ..mtp import MTPHeads
 
@@ -326,7 +327,7 @@ class EOSBias(nn.Module):
         return float(self.value) if self.value.dim() == 0 else [float(v) for v in self.value]
 
 
-class PlannerExecutor(GenerationMixin, nn.Module):
+class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
     family = "planner-executor"
 
     def __init__(self, backbone, settings: PlannerSettings, vocabularies, sampler, eval_sampler, positions,

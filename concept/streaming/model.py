@@ -29,6 +29,7 @@ from ..backbone import decoder, run_layers
 from ..codes import CodeUse
 from ..components import upcast
 from ..generation import GenerationMixin
+from ..hub import HubMixin
 from ..losses import next_token_loss
 
 
@@ -69,7 +70,7 @@ class ConceptGate(nn.Module):
         return h + self.gate.to(e.dtype) * e
 
 
-class ConceptModel(GenerationMixin, nn.Module):
+class ConceptModel(GenerationMixin, HubMixin, nn.Module):
     family = "streaming"  # its `concept.families` entry (concept.streaming.family.Streaming)
 
     def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,

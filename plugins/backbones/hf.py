@@ -59,6 +59,23 @@ class HFBackbone:
         return info_from_hf_config(hf_cfg, config.path, pretrained=True)
 
     @classmethod
+    def provenance(cls, config: HFConfig) -> dict:
+        """A hub id is the base model itself; a local folder's model card (README.md) may name its base and license."""
+        if not _is_local(config.path):
+            return {"base_model": config.path, "license": None}
+        readme = Path(config.path).expanduser() / "README.md"
+        if not readme.is_file():
+            return {}
+        try:
+            from huggingface_hub import ModelCard
+
+            data = ModelCard.load(readme).data
+        except Exception:  # no metadata, or not a card: nothing known
+            return {}
+        base = data.base_model if isinstance(data.base_model, str) else None
+        return {"base_model": base, "license": data.license}
+
+    @classmethod
     def load(cls, config: HFConfig) -> LoadedBackbone:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

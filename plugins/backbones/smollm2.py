@@ -92,6 +92,11 @@ class SmolLM2Backbone:
     Config = SmolLM2Config
 
     @classmethod
+    def provenance(cls, config: SmolLM2Config) -> dict:
+        """The upstream model on the Hugging Face hub (these weights are its Q4_1 GGUF, dequantised) and its license."""
+        return {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
+
+    @classmethod
     def describe(cls, config: SmolLM2Config) -> BackboneInfo:
         folder = cache_root(config) / "smollm2-135m-instruct-q4_1"
         if (folder / "config.json").is_file():

@@ -48,6 +48,11 @@ class TinyLlamaBackbone:
         )
 
     @classmethod
+    def provenance(cls, config: TinyConfig) -> dict:
+        """Randomly initialised here: no base model; the weights are concept's (Apache-2.0)."""
+        return {"base_model": None, "license": "apache-2.0"}
+
+    @classmethod
     def describe(cls, config: TinyConfig) -> BackboneInfo:
         return info_from_hf_config(cls.hf_config(config), f"{cls.architecture}-tiny", pretrained=False)
 
