@@ -31,6 +31,11 @@ assert set(SLOT_KIND.values()) == set(KINDS) - {"family"}
 # build's calibration, the trainer and the `null` policy aim at DEFAULT_TARGET_RATIO concepts per token.
 AUTO_SHALLOW, AUTO_DEEP = 2 / 15, 4 / 15
 DEFAULT_TARGET_RATIO = 0.125
+# --compile (concept.compiled): off until a GPU measurement says otherwise; "on": the device's mode
+COMPILE_CHOICES = ("off", "on", "default", "reduce-overhead", "max-autotune", "aot-eager")
+COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --compile alone is `on` (CUDA graphs on "
+                "CUDA, torch's default mode elsewhere); a streaming model needs a static budget (concept build "
+                "--max-ratio). aot-eager: captured but not code-generated (debugging).")
 
 
 @dataclass

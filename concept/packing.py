@@ -119,7 +119,8 @@ def cap_boundaries(keep: torch.Tensor, valid: torch.Tensor, max_ratio: float,
     its row's n-th real token keeps its boundary only while the row has fewer than ``budget(n)``
     boundaries before it. Causal (a prefix decides the same whatever follows), so the decoder's step
     applies the same rule to one token (``n = 1``, with the row's ``boundaries_before`` / ``tokens_before``
-    [B]) and decoding equals teacher forcing at the cap too.
+    [B], a state the rule reached: ``boundaries_before <= budget(tokens_before)``) and decoding equals
+    teacher forcing at the cap too.
 
     Computed for all t at once, without a host sync: with R the policy's boundaries so far and K the
     budget, the kept count obeys ``c_t = min(c_{t-1} + keep_t, K_t)`` (K never falls), whose solution is

@@ -64,6 +64,18 @@ def declared(name: str):
         points.pop()
 
 
+@contextmanager
+def host_values(reason: str):
+    """Reads of values that live on the host whatever the device (e.g. AdamW's step counters): no device
+    sync on a GPU, so :class:`HostSyncs` counts nothing inside (on a CPU it cannot tell them apart)."""
+    points = _points()
+    points.append(None)
+    try:
+        yield
+    finally:
+        points.pop()
+
+
 def _bool_index(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 

@@ -98,6 +98,7 @@ class ConceptModel(GenerationMixin, nn.Module):
         self.middle = list(inner.layers[n_shallow:n_shallow + n_middle])
         self.deep = list(inner.layers[n_shallow + n_middle:])
         self.gradient_checkpointing = False  # recompute layer activations in backward to save memory
+        self.compiled_stacks = None  # --compile: the stacks' compiled run_layers (concept.compiled)
         if getattr(length_policy, "needs_predictor", False):  # e.g. `entropy`: the backbone's own next-token lens
             length_policy.predictor = lambda h: self.backbone.lm_head(self.inner.norm(h))
 
@@ -117,8 +118,13 @@ class ConceptModel(GenerationMixin, nn.Module):
         return out.shallow
 
     def run_stack(self, stack, x, position_ids, attention_plan, cache=None):
-        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb,
-                          self.gradient_checkpointing and self.training, cache)
+        checkpointing = self.gradient_checkpointing and self.training
+        if self.compiled_stacks is not None and cache is None:  # --compile (decoding steps stay eager)
+            name = next(n for n, s in (("shallow", self.shallow), ("middle", self.middle), ("deep", self.deep))
+                        if s is stack)
+            return self.compiled_stacks(name, stack, x, position_ids, attention_plan, self.inner.rotary_emb,
+                                        checkpointing)
+        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb, checkpointing, cache)
 
     def concept_slots(self, T: int) -> int | None:
         """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
