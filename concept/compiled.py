@@ -2,8 +2,10 @@
 
 What is compiled is ``concept.backbone.run_layers`` (a stack's decoder layers with their RoPE table and
 attention plan): the streaming model's shallow, middle and deep stacks, and the dense / pruned baselines'
-layers, in training and in full forwards. The length policy's decisions, the packing and the attention
-plans are computed between the stacks, eagerly. Decoding steps (KV caches that grow) stay eager.
+layers, in training and in full forwards, and the streaming decoder's prefill (its prompts left-padded to
+a multiple of ``PREFILL_BUCKET`` tokens, so a few graphs serve every prompt length). The length policy's
+decisions, the packing and the attention plans are computed between the stacks, eagerly. Decoding steps
+(KV caches that grow) stay eager: a static KV cache for CUDA graphs in decoding is not built yet.
 
 ``fullgraph=True`` makes any graph break an error, so a compiled stack has no host sync in it (a ``.item()``,
 a data-dependent ``if`` or a ``nonzero`` would break the graph). Shapes must not depend on the decisions or
@@ -30,6 +32,9 @@ from .errors import ConceptError
 
 
 
+PREFILL_BUCKET = 64  # a compiled prefill's prompts are left-padded to a multiple of this many tokens
+
+
 def device_mode(choice: str, device_type: str) -> str:
     """The torch.compile mode of a ``compile`` choice on a device type."""
     if choice == "on":
@@ -46,13 +51,14 @@ def _own_copy(fn, name: str):
 
 class CompiledStacks:
     """``run_layers`` compiled with ``fullgraph=True`` and static shapes, once per stack (its ``name``) and
-    device type (the mode may differ): call it as ``run_layers``, with the stack's name first and no KV cache."""
+    device type (the mode may differ): call it as ``run_layers``, with the stack's name first (a KV cache
+    only while it records a prefill: a decoding step's cache grows)."""
 
     def __init__(self, choice: str):
         self.choice = choice
         self.compiled: dict[tuple[str, str], object] = {}
 
-    def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False):
+    def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         key = (name, x.device.type)
         if key not in self.compiled:
             if self.choice == "aot-eager":
@@ -60,7 +66,7 @@ class CompiledStacks:
             else:
                 options = dict(mode=device_mode(self.choice, x.device.type))
             self.compiled[key] = torch.compile(_own_copy(run_layers, name), fullgraph=True, dynamic=False, **options)
-        return self.compiled[key](layers, x, position_ids, attention_plan, rotary_emb, checkpointing)
+        return self.compiled[key](layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
 
 
 def compile_model(model, choice: str = "on"):

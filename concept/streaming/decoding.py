@@ -18,9 +18,11 @@ The logits of every step equal the teacher-forced one-pass logits with the same 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from .. import packing
+from ..compiled import PREFILL_BUCKET
 from ..decoding import last_real, select_rows
 from ..errors import ConceptError
 from ..kv_cache import ConceptCache, DecodePlan
@@ -38,6 +40,9 @@ class ConceptDecoder:
         """One-pass forward over the prompts (left-padded) -> next-token logits [B, V]."""
         model = self.model
         B = input_ids.shape[0]
+        if model.compiled_stacks is not None:  # compiled: a few prompt widths (more left padding), a few graphs
+            pad = -input_ids.shape[1] % PREFILL_BUCKET
+            input_ids, valid = F.pad(input_ids, (pad, 0)), F.pad(valid, (pad, 0))
         self.cache = ConceptCache(B, input_ids.device)
         left_padded = bool(valid[:, -1].all())
         out = model(input_ids, attention_mask=valid, cache=self.cache, logits_to_keep=int(left_padded))

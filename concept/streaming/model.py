@@ -119,11 +119,11 @@ class ConceptModel(GenerationMixin, nn.Module):
 
     def run_stack(self, stack, x, position_ids, attention_plan, cache=None):
         checkpointing = self.gradient_checkpointing and self.training
-        if self.compiled_stacks is not None and cache is None:  # --compile (decoding steps stay eager)
+        if self.compiled_stacks is not None and (cache is None or cache.recording):  # (decoding steps: eager)
             name = next(n for n, s in (("shallow", self.shallow), ("middle", self.middle), ("deep", self.deep))
                         if s is stack)
             return self.compiled_stacks(name, stack, x, position_ids, attention_plan, self.inner.rotary_emb,
-                                        checkpointing)
+                                        checkpointing, cache)
         return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb, checkpointing, cache)
 
     def concept_slots(self, T: int) -> int | None:
