@@ -19,6 +19,7 @@ def pytest_addoption(parser):
     parser.addoption("--smollm2", action="store_true", help="also run the cases on the real SmolLM2 backbone")
     parser.addoption("--long", action="store_true", help="also run the longest attention cases (16k tokens)")
     parser.addoption("--device", default="cpu", help="cpu or cuda")
+    parser.addoption("--compile", default="off", help="the models' compile choice (concept.compiled; `concept bench --compile`)")
     parser.addoption("--concept-results", default=None, help="write the side-by-side rows to this JSON file")
     parser.addoption("--dtype", default="fp32", choices=("fp32", "bf16"),
                      help="bf16: the inference cases in bfloat16 weights, the training steps under bf16 autocast")
@@ -39,6 +40,12 @@ def pytest_sessionfinish(session):
 
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=1, default=float)
+
+
+@pytest.fixture
+def compile_choice(request) -> str:
+    """``concept bench --compile``: how a suite's models run their stacks (``concept.build(..., compile=)``)."""
+    return request.config.getoption("--compile")
 
 
 @pytest.fixture

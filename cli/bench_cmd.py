@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from concept.config import COMPILE_CHOICES, COMPILE_HELP
+
 from .output import print_json, status, stdout, table
 
 SUITES = {"forward": "test_forward.py", "train": "test_train_step.py", "decode": "test_decode.py",
@@ -109,8 +111,10 @@ def render(rows: list[dict]) -> None:
 @click.option("--storage", type=click.Path(path_type=Path), default=None,
               help="Baselines folder (default: benchmarks/baselines/<machine id>).")
 @click.option("--smoke", is_flag=True, help="Run every case once with timing disabled (what CI does).")
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
+              is_flag=False, flag_value="on", help=COMPILE_HELP + " Passed to the suites (their `compile_choice` fixture).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storage, smoke, as_json):
+def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storage, smoke, compile_, as_json):
     """Benchmark the streaming model against the dense backbone (pytest-benchmark).
 
     \b
@@ -140,7 +144,7 @@ def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storag
     mid = machine_id(device)
     storage = storage or where / "baselines" / mid
     args = [sys.executable, "-m", "pytest", *(str(where / f) for f in ([SUITES[suite]] if suite != "all" else SUITES.values())),
-            "-q", "-p", "no:cacheprovider", "--rootdir", str(where.parent), f"--device={device}",
+            "-q", "-p", "no:cacheprovider", "--rootdir", str(where.parent), f"--device={device}", f"--compile={compile_}",
             f"--benchmark-storage=file://{storage}"]
     args += ["--smollm2"] * smollm2 + ["--long"] * long_ + (["-k", keyword] if keyword else [])
     if smoke:

@@ -152,7 +152,7 @@ def family_build_options() -> list:
 # unset (None) unless given, so that a --config file's values stay; then the families' own build options.
 @click.command(cls=DeferredOptions, make_options=family_build_options, after="seed")
 @click_options(BuildConfig, "family", unset=True)
-@click_options(BuildConfig, *SLOTS, "split", "concept_input", "seed", unset=True)
+@click_options(BuildConfig, *SLOTS, "split", "concept_input", "seed", "max_ratio", unset=True)
 @click.option("--set", "overrides", multiple=True, metavar="SLOT.KEY=VALUE",
               help="Set a component option, e.g. --set sampler.tau=0.7 (repeatable; values parsed as JSON).")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=True), metavar="FILE",
@@ -163,8 +163,8 @@ def family_build_options() -> list:
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
 @click.pass_context
-def build(ctx, family, split, concept_input, seed, overrides, config_file, output, force, dry_run, as_json,
-          **options) -> None:
+def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_file, output, force, dry_run,
+          as_json, **options) -> None:
     """Build a concept model from a backbone and components (the streaming family unless --family), and save
     it to a run folder.
 
@@ -187,6 +187,8 @@ def build(ctx, family, split, concept_input, seed, overrides, config_file, outpu
 
     problems = []
     config = make_config(config_file, names, split, seed, overrides, concept_input, family, problems)
+    if max_ratio is not None:
+        config.max_ratio = max_ratio
     given = {name for name in options if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
     extras, mine = None, set()
     for name, cls in build_options().items():  # the chosen family's own build options; another's are refused

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from concept.config import COMPILE_CHOICES, COMPILE_HELP
+
 from .output import print_json, quiet_progress_bars, status, stdout, table
 
 # (key, label, format) rows of the table, in order
@@ -103,9 +105,11 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
               help="With --tasks: at most this many examples per task (default: all).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
               help="With --tasks: few-shot examples per prompt (default: each task's own).")
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
+              is_flag=False, flag_value="on", help=COMPILE_HELP)
 @click.option("--json", "as_json", is_flag=True)
 def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
-          tasks, include_path, limit, num_fewshot, as_json):
+          tasks, include_path, limit, num_fewshot, compile_, as_json):
     """Evaluate trained (or built) runs on held-out text, or on downstream tasks (--tasks).
 
     \b
@@ -131,6 +135,12 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     by_domain = {d: {} for d in domains}
     for run in runs:
         model = None
+        if compile_ != "off":
+            # lazy: the library (torch) loads only when the command runs; --help stays instant
+            from concept import load
+            from concept.distributed import pick_device
+
+            model = load(run, compile=compile_).to(pick_device(device))
         for d in domains:
             model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
                                                           encoding_errors, text_field, device, model)

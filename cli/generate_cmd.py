@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from concept.config import COMPILE_CHOICES, COMPILE_HELP
+
 from .output import human_bytes, json_safe, quiet_progress_bars, status, stdout
 
 # what a run's decoding can show, by view: the streaming family's (and a baseline's) concept marks and MTP heads,
@@ -105,9 +107,12 @@ def kv_summary(kv: dict) -> dict:
 @click.option("--show-plan", is_flag=True, help="Planner-executor runs: print each prompt's plan (type by type, its "
               "concept ids) before the text.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
+              is_flag=False, flag_value="on", help=COMPILE_HELP + " Generation: the prompt's forward (prompts left-padded "
+                                                                 "to a multiple of 64 tokens); decoding steps stay eager.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt (JSON lines).")
 def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed,
-             mtp, mtp_tau, batch_size, show_concepts, show_plan, device, as_json):
+             mtp, mtp_tau, batch_size, show_concepts, show_plan, device, compile_, as_json):
     """Generate text from a trained run (the streaming model, a planner-executor or a dense baseline).
 
     \b
@@ -150,7 +155,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
         raise ConfigError([f"{flag}: {run} is a {kind} run, which has no {VIEWS[view]}; drop it"
                            for flag, view in wrong])
     status("loading", str(run))
-    model = concept.load(run).to(pick_device(device))
+    model = concept.load(run, compile=compile_).to(pick_device(device))
     if train is None and kind in family_names():
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")

@@ -35,15 +35,17 @@ def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor
 
 class CausalPlan(AttentionPlan):
     """Plain causal attention over real elements (shallow and middle stacks), optionally
-    restricted to the same document."""
+    restricted to the same document. ``causal``: whether plain causal SDPA is exact for every real
+    query (right padding or none, one document per row); None: found out from the data (a host sync).
+    False builds the mask without looking (static shapes, no sync)."""
 
-    def __init__(self, valid: torch.Tensor, doc: torch.Tensor | None = None):
-        # Right padding (or none) and one document per row: causal SDPA is exact for every real query.
-        n = valid.sum(1, keepdim=True)
-        right_padded = bool((valid == (torch.arange(valid.shape[1], device=valid.device) < n)).all())
-        one_doc = doc is None or bool((doc == doc[:, :1]).all())
+    def __init__(self, valid: torch.Tensor, doc: torch.Tensor | None = None, causal: bool | None = None):
+        if causal is None:  # Right padding (or none) and one document per row: causal SDPA is exact.
+            n = valid.sum(1, keepdim=True)
+            right_padded = bool((valid == (torch.arange(valid.shape[1], device=valid.device) < n)).all())
+            causal = right_padded and (doc is None or bool((doc == doc[:, :1]).all()))
         self.mask = None
-        if not (right_padded and one_doc):
+        if not causal:
             L = valid.shape[1]
             allowed = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
             if doc is not None:

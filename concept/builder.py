@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from . import attention, checkpoint, fs
 from .backbone import LoadedBackbone
+from .compiled import compile_model
 from .components import BuildContext
 from .config import BuildConfig, Plan, resolve
 from .dense import DenseModel
@@ -79,9 +80,9 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
     return parts
 
 
-def build(config: BuildConfig | dict | None = None, plan: Plan | None = None):
+def build(config: BuildConfig | dict | None = None, plan: Plan | None = None, compile: str = "off"):
     """Build the model of the config's family (``concept.families``) from a config, validated first (all
-    errors at once)."""
+    errors at once). ``compile``: run its stacks compiled (``concept.compiled``; off by default)."""
     if plan is None:
         if isinstance(config, dict):
             config = BuildConfig.from_dict(config)
@@ -90,7 +91,7 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.config.seed)
         model = family(plan.family).build(plan, loaded)
-    return model.eval()
+    return compile_model(model, compile).eval() if compile != "off" else model.eval()
 
 
 # -- run folders -----------------------------------------------------------------------------
@@ -243,13 +244,14 @@ def load_new_modules(model, state: dict) -> None:
             raise RunFolderError(f"saved {name} weights do not match the model built from the run's config ({first})") from None
 
 
-def load(path: str | os.PathLike, **hub):
+def load(path: str | os.PathLike, compile: str = "off", **hub):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
     LoRA adapters and the newest checkpoint's weights) or a trained dense (or pruned) baseline; also a
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
     folder ``adapter/`` or merged into the backbone), or a hub id ``org/name`` of one (downloaded with
     ``huggingface_hub.snapshot_download``; ``hub``: its ``revision``, ``cache_dir``, ``token``,
-    ``local_files_only``, ``force_download``, ``subfolder``; see ``concept.hub``)."""
+    ``local_files_only``, ``force_download``, ``subfolder``; see ``concept.hub``). ``compile``: run its
+    stacks compiled (``concept.compiled``; off by default)."""
     folder = local_folder(path, **hub)
     record = read_run(folder)
     train = read_train(folder)
@@ -290,4 +292,4 @@ def load(path: str | os.PathLike, **hub):
     if modules:
         load_new_modules(model, modules)
     model.loaded_from = {"folder": str(folder.resolve()), "record": record, "train": train}  # (save_pretrained re-exports it)
-    return model.eval()
+    return compile_model(model, compile).eval() if compile != "off" else model.eval()

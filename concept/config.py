@@ -31,6 +31,11 @@ assert set(SLOT_KIND.values()) == set(KINDS) - {"family"}
 # build's calibration, the trainer and the `null` policy aim at DEFAULT_TARGET_RATIO concepts per token.
 AUTO_SHALLOW, AUTO_DEEP = 2 / 15, 4 / 15
 DEFAULT_TARGET_RATIO = 0.125
+# --compile (concept.compiled): off until a GPU measurement says otherwise; "on": the device's mode
+COMPILE_CHOICES = ("off", "on", "default", "reduce-overhead", "max-autotune", "aot-eager")
+COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --compile alone is `on` (CUDA graphs on "
+                "CUDA, torch's default mode elsewhere); a streaming model needs a static budget (concept build "
+                "--max-ratio). aot-eager: captured but not code-generated (debugging).")
 
 
 @dataclass
@@ -71,6 +76,12 @@ class BuildConfig:
                                      "(identity), the same with the gate in units of the shallow state "
                                      "(identity-scaled), or the discrete embedding alone (embedding).")
     seed: int = option(0, help="Seed for the new modules.")
+    # streaming: the static concept budget (concept.packing.budget); 0 = off (layout widths follow the batch)
+    max_ratio: float = option(0.0, minimum=0, maximum=1,
+                              help="Streaming: static shapes. A row's first n real tokens emit at most "
+                                   "ceil(max_ratio * n) boundaries (the model drops those over it), so the packed "
+                                   "layout has ceil(max_ratio * T) concept slots per row whatever the decisions "
+                                   "(no host sync, one compiled graph). 0 = off: widths follow the batch.")
     # which model family the builder wires (a ``concept.families`` entry point: ``concept plugins list``)
     family: str = option("streaming", metavar="NAME",
                          help="Model family (`concept plugins list --kind family`): streaming (online concept "
@@ -151,11 +162,11 @@ class BuildConfig:
                 getattr(self, slot).params[key] = value
             elif path in SLOTS:
                 getattr(self, path).name = str(value)
-            elif path in ("split", "seed", "concept_input", "family"):
-                setattr(self, path, value if path == "seed" else str(raw))
+            elif path in ("split", "seed", "concept_input", "family", "max_ratio"):
+                setattr(self, path, value if path in ("seed", "max_ratio") else str(raw))
             else:
                 problems.append(_unknown_msg("--set key", path, list(SLOTS) + [
-                    "split", "seed", "concept_input", "family", *(f"{s}.KEY" for s in sections)]))
+                    "split", "seed", "concept_input", "family", "max_ratio", *(f"{s}.KEY" for s in sections)]))
         if problems and not collect:
             raise ConfigError(problems)
         return self
@@ -370,6 +381,9 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
         problems.append(f"seed: expected an integer, got {config.seed!r}")
     if config.concept_input not in CONCEPT_INPUTS:
         problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
+    max_ratio = config.max_ratio
+    if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float)) or not 0 <= max_ratio <= 1:
+        problems.append(f"max_ratio: a number in [0, 1] (0 = no static budget), got {max_ratio!r}")
     settings, fam = None, None
     try:
         fam = family(config.family)

@@ -17,6 +17,7 @@ multi-token decoding (``generate(..., mtp="verify")``), trained by the same self
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ class DenseModel(HubMixin, nn.Module):
         self.plan = plan
         self.tokenizer = tokenizer
         self.gradient_checkpointing = False
+        self.compiled_stacks = None  # --compile (concept.compiled): its layers compiled
+        # the baseline of a static build (max_ratio), or compiled: masks built without reading anything back
+        self.static = bool(getattr(getattr(plan, "config", None), "max_ratio", 0.0))
         n = len(decoder(backbone).layers)
         if removed is not None and not (0 <= removed[0] < removed[1] <= n):
             raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")
@@ -76,8 +80,12 @@ class DenseModel(HubMixin, nn.Module):
         inner = decoder(self.backbone)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         pos = packing.time_positions(valid, document_ids)
-        x = run_layers(self.layers, inner.embed_tokens(input_ids), pos, CausalPlan(valid, document_ids),
-                       inner.rotary_emb, self.gradient_checkpointing and self.training)
+        run = run_layers if self.compiled_stacks is None else partial(self.compiled_stacks, "layers")
+        # static: nothing read back to the host (a mask unless plain causal attention is known to be exact)
+        causal = True if attention_mask is None and document_ids is None else (
+            False if self.static or self.compiled_stacks is not None else None)
+        x = run(self.layers, inner.embed_tokens(input_ids), pos, CausalPlan(valid, document_ids, causal),
+                inner.rotary_emb, self.gradient_checkpointing and self.training)
         logits = self.backbone.lm_head(inner.norm(x))
         loss = None if labels is None else next_token_loss(logits, labels, valid, document_ids)
         return DenseOutput(logits, loss, x)

@@ -53,6 +53,11 @@ class SlotCache:
 
     # -- sizes ---------------------------------------------------------------------------
     @property
+    def recording(self) -> bool:
+        """No step begun: ``update`` records a prefill's one-pass keys and values (a compiled stack may run)."""
+        return self._step is None
+
+    @property
     def capacity(self) -> int:
         return self.valid.shape[1]
 

@@ -61,7 +61,9 @@ class Objective:
 
     def stats(self, model, batch: dict, out) -> dict[str, float]:
         """Statistics of a micro-batch, summed over the step's micro-batches and processes; keys starting
-        with ``_`` are inputs of :meth:`after_step` only, the others are logged (as means)."""
+        with ``_`` are inputs of :meth:`after_step` only, the others are logged (as means). Numbers or device
+        scalars: the trainer sums the latter on the device and reads a step's values once (no host sync
+        inside the step, ``concept.syncs``)."""
         return {}
 
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:

@@ -27,6 +27,7 @@ padding queries may look anywhere (their outputs are never used).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,7 @@ class PackedLayout:
     concept_id_src: torch.Tensor | None = None  # [B, C] token giving each slot's id and position
     emit: int = 1  # concept slots per emitting token
     concept_level: torch.Tensor | None = None  # [B, C] code level of each slot (multi-level codes)
+    static: bool = False  # widths fixed by (B, T, build): C = the row budget's slots, tail = T (``budget``)
 
     def __post_init__(self):
         if self.concept_id_src is None:
@@ -101,17 +103,59 @@ def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, present
 
 
+def budget(tokens, max_ratio: float):
+    """The static concept budget: the most boundaries a row may have among its first ``tokens`` real
+    tokens, ``ceil(max_ratio * tokens)``. ``tokens`` an int (the layout's width) or a long tensor (the
+    cap, token by token): both compute ``max_ratio * tokens`` in IEEE float64, so they agree exactly."""
+    if isinstance(tokens, torch.Tensor):
+        return torch.ceil(tokens.double() * max_ratio).long()
+    return math.ceil(float(tokens) * max_ratio)
+
+
+def cap_boundaries(keep: torch.Tensor, valid: torch.Tensor, max_ratio: float,
+                   boundaries_before: torch.Tensor | None = None,
+                   tokens_before: torch.Tensor | None = None) -> torch.Tensor:
+    """The policy's boundaries ``keep`` [B, n] with those over the row budget dropped: the token that is
+    its row's n-th real token keeps its boundary only while the row has fewer than ``budget(n)``
+    boundaries before it. Causal (a prefix decides the same whatever follows), so the decoder's step
+    applies the same rule to one token (``n = 1``, with the row's ``boundaries_before`` / ``tokens_before``
+    [B], a state the rule reached: ``boundaries_before <= budget(tokens_before)``) and decoding equals
+    teacher forcing at the cap too.
+
+    Computed for all t at once, without a host sync: with R the policy's boundaries so far and K the
+    budget, the kept count obeys ``c_t = min(c_{t-1} + keep_t, K_t)`` (K never falls), whose solution is
+    ``c_t = R_t + min(c_0, min_{s <= t} (K_s - R_s))``."""
+    keep = keep & valid
+    counted = torch.cumsum(keep.long(), dim=1)
+    seen = torch.cumsum(valid.long(), dim=1)
+    if tokens_before is not None:
+        seen = seen + tokens_before[:, None]
+    start = torch.zeros_like(counted[:, :1]) if boundaries_before is None else boundaries_before[:, None]
+    room = torch.cummin(budget(seen, max_ratio) - start - counted, dim=1).values  # K_s - c_0 - R_s
+    kept = counted + start + torch.clamp(room, max=0)
+    before = torch.cat([start, kept[:, :-1]], dim=1)
+    return keep & (kept > before)
+
+
 def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = None, emit: int = 1,
-         levels: int = 1) -> PackedLayout:
+         levels: int = 1, concepts: int | None = None) -> PackedLayout:
     """Build the concepts-first packed layout for ``keep`` / ``valid`` [B, T] (bool), optional
     document ids ``doc`` [B, T], and ``emit`` concept slots per emitting token (``levels`` code
-    levels per concept: ``emit`` is a multiple of it)."""
+    levels per concept: ``emit`` is a multiple of it).
+
+    ``concepts``: a static layout (``budget``): ``concepts`` concept slots per row (a row's boundaries
+    times ``emit`` must fit: ``cap_boundaries`` sees to it) and T tail slots, so every shape is a function
+    of (B, T, build) and nothing is read back to the host. None: the widths are the batch's maxima
+    (one host sync, shapes vary with the decisions)."""
     keep = keep & valid
     doc = torch.zeros_like(keep, dtype=torch.long) if doc is None else doc
     tail = valid & ~keep
     seg = torch.cumsum(keep.long(), dim=1)
-    num_c = int(keep.sum(1).max()) * emit if keep.numel() else 0
-    num_tail = int(tail.sum(1).max()) if tail.numel() else 0
+    if concepts is not None:
+        num_c, num_tail = concepts, keep.shape[1]
+    else:
+        num_c = int(keep.sum(1).max()) * emit if keep.numel() else 0
+        num_tail = int(tail.sum(1).max()) if tail.numel() else 0
 
     if emit == 1:
         concept_src, concept_valid = _first_k(keep, num_c)
@@ -146,6 +190,7 @@ def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = Non
         concept_id_src=None if emit == 1 else (concept_src - (emit // levels - 1) + concept_sub // levels).clamp(min=0),
         emit=emit,
         concept_level=None if levels == 1 else concept_sub % levels,
+        static=concepts is not None,
     )
 
 

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass
 
 from . import options
-from .config import DEFAULT_TARGET_RATIO, BuildConfig
+from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_TARGET_RATIO, BuildConfig
 from .families import family
 from .families import names as family_names
 from .options import check, nested, option
@@ -145,6 +145,7 @@ class CoreTrainConfig:
     grad_checkpointing: bool = option(
         False, help="Recompute activations in the backward pass: less memory, more compute.")
     device: str = option("auto", help="auto, cpu or cuda.")
+    compile: str = option("off", choices=COMPILE_CHOICES, help=COMPILE_HELP, is_flag=False, flag_value="on")
     dtype: str = option(
         "auto", choices=DTYPES,
         help="Compute precision: bf16 autocast (weights and optimizer state stay fp32) with bf16, or with auto on "

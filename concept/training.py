@@ -41,6 +41,7 @@ from torch import nn
 
 from . import checkpoint, data, fs
 from .backbone import decoder
+from .compiled import compile_model
 from .baselines import Baseline
 from .builder import (
     PEFT_ADAPTER_DIR,
@@ -65,6 +66,7 @@ from .lora import (
 )
 from .objectives import overrides
 from .plots import training_curves
+from .syncs import declared, host_values
 from .teacher import teacher_forward
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
     LoraSettings,
@@ -262,6 +264,7 @@ class Trainer:
                     p.requires_grad_(False)
         model.to(self.device)
         model.gradient_checkpointing = config.grad_checkpointing
+        compile_model(model, config.compile)  # (off: eager)
         if resume:  # weights before any sharding; the optimizer state once the optimizer exists
             self._restore_weights(model)
         return model
@@ -628,7 +631,18 @@ class Trainer:
             objective.before_step(self)
         start = time.perf_counter()
         sums, out, b = self._accumulate(length)
-        total = dict(zip(sums, dist.sum(list(sums.values()), self.device)))
+        diag = {}
+        if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
+            with declared("step diagnostics"):  # (every log_every steps)
+                diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
+                with torch.no_grad(), self.gathered():  # (this rank's last micro-batch)
+                    diag.update(self.kind.step_diagnostics(model, out, b))
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
+        with declared("step log"):  # the step's one read of its device values: the sums and the gradient norm
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in sums.values()] +
+                                 [full_tensor(grad_norm).detach().to(self.device, torch.float64)]).tolist()
+        grad_norm = values.pop()
+        total = dict(zip(sums, dist.sum(values, self.device)))
         mean = {k: v / self.micro_batches for k, v in total.items()}  # per micro-batch, over the global batch
         if total["bad"]:
             self.optimizer.zero_grad(set_to_none=True)
@@ -637,22 +651,16 @@ class Trainer:
             loss_value = mean["loss"] if not math.isfinite(mean["total_loss"]) else mean["total_loss"]
             raise TrainingError(f"the loss became {loss_value} at step {self.step + 1}; {where}. "
                                 f"Try a lower --lr / --lr-new or a larger --clip.")
-        diag = {}
-        if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
-
-            diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
-            with torch.no_grad(), self.gathered():  # (this rank's last micro-batch)
-                diag.update(self.kind.step_diagnostics(model, out, b))
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step used
-        self.optimizer.step()
+        with host_values("AdamW's step counters live on the host"):
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self._sync()
         seconds = time.perf_counter() - start
         row = {"step": self.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": lr,
-               "grad_norm": float(full_tensor(grad_norm)), "tokens_per_s": total["tokens"] / seconds}
+               "grad_norm": grad_norm, "tokens_per_s": total["tokens"] / seconds}
         row.update({o.name: mean[o.name] for o in self.objectives if o.adds_term})  # each objective's term, by name
         # the objectives' statistics (``_``-prefixed ones are inputs of their after_step, not logged)
         row.update({k: mean[k] for k in mean if k not in row and k not in STEP_SUMS and not k.startswith("_")})
@@ -687,16 +695,18 @@ class Trainer:
             with no_sync() if no_sync else nullcontext():  # DDP: all-reduce once, in the last backward
                 out, loss, terms, teacher_s = self.train_forward(b)
                 (loss / cfg.grad_accum).backward()
+            # summed on the device in float64 (as Python floats were): read once per step, in train_step
             for name, term in terms.items():
-                sums[name] += float(term.detach())
+                sums[name] = sums[name] + term.detach().double()
             for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
                 for key, value in objective.stats(model, b, out).items():
+                    value = value.detach().double() if isinstance(value, torch.Tensor) else value
                     sums[key] = sums.get(key, 0.0) + value
-            sums["bad"] += 0.0 if torch.isfinite(loss) else 1.0
-            sums["loss"] += out.loss.item()
-            sums["total_loss"] += loss.item()
+            sums["bad"] = sums["bad"] + (~torch.isfinite(loss.detach())).double()
+            sums["loss"] = sums["loss"] + out.loss.detach().double()
+            sums["total_loss"] = sums["total_loss"] + loss.detach().double()
             sums["teacher_s"] += teacher_s
-            sums["tokens"] += int(b["attention_mask"].sum())
+            sums["tokens"] = sums["tokens"] + b["attention_mask"].sum().double()
         return sums, out, b
 
     def objective_states(self) -> dict[str, dict]:

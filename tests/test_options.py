@@ -179,7 +179,8 @@ def test_build_options_come_from_build_config_and_stay_unset_unless_given():
     # every build option is a declared field: the component slots too (a name each, the default in the help)
     from concept.config import SLOTS
 
-    assert {e.name for e in options.entries(BuildConfig)} == {*SLOTS, "split", "concept_input", "seed", "family"}
+    assert {e.name for e in options.entries(BuildConfig)} == {*SLOTS, "split", "concept_input", "seed", "family",
+                                                              "max_ratio"}
     assert all(values[slot] is None for slot in SLOTS)
     assert by_flag["--length-policy"].help == "Length policy plugin (default: null)."
     assert by_flag["--rope"].opts == ["--rope", "--position-scheme"] and by_flag["--rope"].name == "position_scheme"

@@ -18,9 +18,11 @@ The logits of every step equal the teacher-forced one-pass logits with the same 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from .. import packing
+from ..compiled import PREFILL_BUCKET
 from ..decoding import last_real, select_rows
 from ..errors import ConceptError
 from ..kv_cache import ConceptCache, DecodePlan
@@ -38,6 +40,9 @@ class ConceptDecoder:
         """One-pass forward over the prompts (left-padded) -> next-token logits [B, V]."""
         model = self.model
         B = input_ids.shape[0]
+        if model.compiled_stacks is not None:  # compiled: a few prompt widths (more left padding), a few graphs
+            pad = -input_ids.shape[1] % PREFILL_BUCKET
+            input_ids, valid = F.pad(input_ids, (pad, 0)), F.pad(valid, (pad, 0))
         self.cache = ConceptCache(B, input_ids.device)
         left_padded = bool(valid[:, -1].all())
         out = model(input_ids, attention_mask=valid, cache=self.cache, logits_to_keep=int(left_padded))
@@ -69,6 +74,8 @@ class ConceptDecoder:
         policy = self.model.length_policy
         if hasattr(policy, "decide_with_state"):  # a scan of the step rule: the same computation as decide()
             keep, state = policy.decide_with_state(out.shallow, out.head_logits, valid)
+            if self.model.max_ratio:  # the static budget drops what the policy's state still counts as emitted
+                keep = packing.cap_boundaries(keep.bool(), valid, self.model.max_ratio)
             if not torch.equal(keep, out.keep):
                 raise ConceptError(f"length policy {type(policy).__name__}: decide_with_state() disagrees with decide()")
             return state
@@ -78,7 +85,10 @@ class ConceptDecoder:
             keep, new = policy.step(out.shallow[:, t], out.head_logits[:, t], state)
             steps.append(keep.bool() & valid[:, t])
             state = select_rows(valid[:, t], new, state)
-        differ = (torch.stack(steps, 1) != out.keep).any(0).nonzero()  # one host sync, not one per token
+        steps = torch.stack(steps, 1)
+        if self.model.max_ratio:
+            steps = packing.cap_boundaries(steps, valid, self.model.max_ratio)
+        differ = (steps != out.keep).any(0).nonzero()  # one host sync, not one per token
         if len(differ):
             raise ConceptError(
                 f"length policy {type(policy).__name__}: its step-wise decision differs from its batched "
@@ -106,6 +116,8 @@ class ConceptDecoder:
         keep, state = model.length_policy.step(h[:, 0], head_logits[:, 0], self.state)
         self.state = select_rows(active, state, self.state)
         keep = keep.bool() & active
+        if model.max_ratio:  # the static budget (packing.cap_boundaries) for this row's (pos + 1)-th real token
+            keep = keep & (self.num_concepts // model.emit < packing.budget(self.pos + 1, model.max_ratio))
         probs, ids = model.codes(h, head_logits)
         shifted = (torch.cat([old[:, 1:], new], dim=1) for old, new in zip(self.recent, (h, probs, ids, pos)))
         self.recent = tuple(select_rows(active, new, old) for new, old in zip(shifted, self.recent))
@@ -182,6 +194,9 @@ class ConceptDecoder:
             keeps.append(k.bool())
             states.append(state)
         keep = torch.stack(keeps, 1)
+        if model.max_ratio:  # the static budget, continuing the row's counts
+            keep = packing.cap_boundaries(keep, torch.ones_like(keep), model.max_ratio, self.num_concepts // model.emit,
+                                          self.pos)
         probs = model.concept_probs(head_logits)
         ids = probs.argmax(-1)
 

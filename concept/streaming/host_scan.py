@@ -16,10 +16,11 @@ integer per token beforehand by :func:`allowance`.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 
 import torch
+
+from ..syncs import declared
 
 State = tuple
 Rule = Callable[..., tuple[bool, State]]
@@ -33,8 +34,11 @@ def scan_rows(rule: Rule, init: State, inputs: Sequence[torch.Tensor], valid: to
     (``valid`` False) keeps nothing and leaves the state unchanged. Returns keep [B, T] (bool, on
     ``valid``'s device) and each row's state after its last token."""
     B, T = valid.shape
-    columns = [x.detach().cpu().tolist() for x in (valid, *inputs)]  # one copy to the host per input
-    starts = reset.detach().cpu().tolist() if reset is not None else None
+    tensors = [x.detach() for x in (valid, *inputs, *([] if reset is None else [reset]))]
+    with declared("policy scan"):  # the forward's one host sync: every input in one copy (float64 holds them all)
+        host = torch.stack([x.double() for x in tensors]).cpu()
+        columns = [column.to(x.dtype).tolist() for column, x in zip(host, tensors)]  # (host tensors by now)
+    starts = columns.pop() if reset is not None else None
     keeps, finals = [], []
     for b in range(B):
         live, *xs = (column[b] for column in columns)
@@ -64,29 +68,39 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
         score - price * c >= 0        (``> 0`` when ``strict``)
 
     computed in ``score``'s own float arithmetic for each element [...]: ``(bound, admits)``, where the
-    test holds exactly when ``admits(c, bound)``: ``operator.le`` (``c <= bound``; -1: for none) or
-    ``operator.ge`` (``c >= bound``; ``limit + 1``: for none).
+    test holds exactly when ``admits(c, bound)`` (integers, or tensors that broadcast).
 
     The ratio trackers compare a float score with a price per concept already emitted; the count is
     only known during the scan. The test is monotone in ``c`` (falling for a positive ``price``, the
-    trackers' case; rising for a negative one; constant for 0), so the scan compares integers and
-    decides what the tensor step rule decides, bit for bit. A float64 quotient gives the estimate; the
-    five integers around it are tested with the step rule's own ops, which settles any rounding."""
+    trackers' case; rising for a negative one; constant for 0), so the passing counts are an interval
+    ``lo <= c <= hi`` and the scan compares integers, deciding what the tensor step rule decides, bit for
+    bit. A float64 quotient gives the estimate of the interval's moving end; the five integers around it
+    are tested with the step rule's own ops, which settles any rounding. Every sign is computed on the
+    device and chosen there (nothing is read back: the price is a tensor), and the interval travels as one
+    integer, ``bound = lo * (limit + 3) + hi + 1``."""
     price = price.to(score.dtype)
 
     def passes(c: torch.Tensor) -> torch.Tensor:
         margin = score - price * c.to(score.dtype)
         return margin > 0 if strict else margin >= 0
 
-    p = float(price)
-    if p == 0:  # the count does not matter: every c passes or none does
-        return torch.where(passes(torch.zeros_like(score, dtype=torch.long)), limit, -1), operator.le
     quotient = score.double() / price.double()
-    if p > 0:  # passes for c <= bound
-        estimate = torch.nan_to_num(torch.floor(quotient), nan=-2.0).clamp(-2, limit + 1).long()
-        bound = estimate - 3 + sum(passes(estimate + offset).long() for offset in range(-2, 3))
-        return bound.clamp(-1, limit), operator.le
-    # a negative price (or NaN): passes for c >= bound
+    # a positive price: passes for c <= hi
+    estimate = torch.nan_to_num(torch.floor(quotient), nan=-2.0).clamp(-2, limit + 1).long()
+    falling = (estimate - 3 + sum(passes(estimate + offset).long() for offset in range(-2, 3))).clamp(-1, limit)
+    # a negative price: passes for c >= lo
     estimate = torch.nan_to_num(torch.ceil(quotient), nan=float(limit + 3)).clamp(-1, limit + 2).long()
-    bound = estimate - 2 + sum((~passes(estimate + offset)).long() for offset in range(-2, 3))
-    return bound.clamp(0, limit + 1), operator.ge
+    rising = (estimate - 2 + sum((~passes(estimate + offset)).long() for offset in range(-2, 3))).clamp(0, limit + 1)
+    # 0 (or NaN): every count passes or none does
+    every = passes(torch.zeros_like(score, dtype=torch.long))
+    none_lo, none_hi = torch.full_like(falling, limit + 1), torch.full_like(falling, -1)
+    lo = torch.where(price > 0, torch.zeros_like(falling),
+                     torch.where(price < 0, rising, torch.where(every, torch.zeros_like(falling), none_lo)))
+    hi = torch.where(price > 0, falling,
+                     torch.where(price < 0, torch.full_like(falling, limit), torch.where(every, limit, none_hi)))
+    width = limit + 3
+
+    def admits(c, bound):
+        return (c >= bound // width) & (c <= bound % width - 1)
+
+    return lo * width + hi + 1, admits

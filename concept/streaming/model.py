@@ -90,6 +90,8 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         self.level_beam = getattr(getattr(vocabulary, "config", None), "beam", 1)  # inference search over levels
         self.emit = getattr(length_policy, "emit", 1) * self.levels  # concept slots per emitting token
         self.plan = plan  # the resolved build plan (config + provenance)
+        # static shapes: a row's n-th real token keeps its boundary only within ceil(max_ratio * n) (0: off)
+        self.max_ratio = float(getattr(getattr(plan, "config", None), "max_ratio", 0.0) or 0.0)
         self.tokenizer = tokenizer
         inner = decoder(backbone)
         n_shallow, n_middle, _ = self.split
@@ -97,6 +99,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         self.middle = list(inner.layers[n_shallow:n_shallow + n_middle])
         self.deep = list(inner.layers[n_shallow + n_middle:])
         self.gradient_checkpointing = False  # recompute layer activations in backward to save memory
+        self.compiled_stacks = None  # --compile: the stacks' compiled run_layers (concept.compiled)
         if getattr(length_policy, "needs_predictor", False):  # e.g. `entropy`: the backbone's own next-token lens
             length_policy.predictor = lambda h: self.backbone.lm_head(self.inner.norm(h))
 
@@ -116,22 +119,36 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         return out.shallow
 
     def run_stack(self, stack, x, position_ids, attention_plan, cache=None):
-        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb,
-                          self.gradient_checkpointing and self.training, cache)
+        checkpointing = self.gradient_checkpointing and self.training
+        if self.compiled_stacks is not None and (cache is None or cache.recording):  # (decoding steps: eager)
+            name = next(n for n, s in (("shallow", self.shallow), ("middle", self.middle), ("deep", self.deep))
+                        if s is stack)
+            return self.compiled_stacks(name, stack, x, position_ids, attention_plan, self.inner.rotary_emb,
+                                        checkpointing, cache)
+        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb, checkpointing, cache)
 
-    def shallow_states(self, input_ids, valid, doc=None, pos=None, cache=None):
-        """h after the shallow stack [B, T, d] (what the ConceptHead reads)."""
+    def concept_slots(self, T: int) -> int | None:
+        """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
+        return packing.budget(T, self.max_ratio) * self.emit if self.max_ratio else None
+
+    def shallow_states(self, input_ids, valid, doc=None, pos=None, cache=None, causal=None):
+        """h after the shallow stack [B, T, d] (what the ConceptHead reads). ``causal``: whether plain causal
+        attention is exact (no padding before a real token, one document); None: found out (a host sync)."""
         pos = packing.time_positions(valid, doc) if pos is None else pos
         x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
-        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc), cache)
+        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc, causal),
+                              cache)
 
     def decide(self, h, valid, keep=None, reset=None):
-        """Head -> length policy (keep) and sampler (which concept).
+        """Head -> length policy (keep) and sampler (which concept); with a static budget (``max_ratio``) the
+        boundaries over it are dropped (``packing.cap_boundaries``), forced ``keep`` included.
         Returns (head_logits, probs over the K concepts, keep, the concept id of every token): see ``codes``."""
         head_logits = self.vocabulary.logits(h)
         if keep is None:
             keep = self.length_policy.decide(h, head_logits, valid, reset)
         keep = keep.bool() & valid
+        if self.max_ratio:
+            keep = packing.cap_boundaries(keep, valid, self.max_ratio)
         probs, ids = self.codes(h, head_logits)
         return head_logits, probs, keep, ids
 
@@ -250,16 +267,19 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         doc = document_ids
         starts = packing.document_starts(valid, doc)
         pos = packing.time_positions(valid, doc, starts)
+        static = bool(self.max_ratio)  # shapes from (B, T, build) alone, nothing read back to the host
+        plain = attention_mask is None and doc is None
 
         # shallow: every token, causal
-        h = self.shallow_states(input_ids, valid, doc, pos, None if cache is None else cache.shallow)
+        h = self.shallow_states(input_ids, valid, doc, pos, None if cache is None else cache.shallow,
+                                causal=True if plain else (False if static else None))
 
         # concept decisions (every token's would-be concept: with emit > 1 ids also come from earlier tokens)
         head_logits, probs, keep, token_ids = self.decide(h, valid, keep, starts)
         if concept_ids is not None:
             token_ids = torch.where(concept_ids >= 0, concept_ids, token_ids)
         emitted = torch.where(keep.view(*keep.shape, *(1,) * (token_ids.dim() - 2)), token_ids, -1)
-        layout = packing.pack(keep, valid, doc, self.emit, self.levels)
+        layout = packing.pack(keep, valid, doc, self.emit, self.levels, self.concept_slots(input_ids.shape[1]))
         concept_pos = pos.gather(1, layout.concept_id_src)
 
         # middle: concepts only, causal among concepts
@@ -277,8 +297,10 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
             middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
             meta = layout.concept_meta
             c_in = c
-            c = self.run_stack(self.middle, c, middle_pos, CausalPlan(meta.valid, None if doc is None else meta.doc),
-                               None if cache is None else cache.middle)
+            # the concept block is left-aligned: causal attention is exact for its real slots with one document
+            middle_plan = CausalPlan(meta.valid, None if doc is None else meta.doc,
+                                     True if doc is None else (False if static else None))
+            c = self.run_stack(self.middle, c, middle_pos, middle_plan, None if cache is None else cache.middle)
             if self.tail_fusion is not None and self.tail_fusion.needs_update:
                 updates = c - c_in  # what the middle stack added to each concept
 

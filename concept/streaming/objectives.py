@@ -150,8 +150,11 @@ class RatioControl(Objective):
                 out = trainer.forward(b)
             self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
 
-    def stats(self, model, batch, out) -> dict[str, float]:
-        found = {"_kept": float(int(out.keep.sum()) * getattr(model, "emit", 1))}
+    def stats(self, model, batch, out) -> dict[str, torch.Tensor]:
+        """Device scalars (the trainer reads a step's values once, after its micro-batches): the emitted concept
+        slots, the NULL bias the step ran with and, when it tracks, the controller's statistics."""
+        found = {"_kept": out.keep.sum() * getattr(model, "emit", 1),
+                 "_null_bias": torch.as_tensor(getattr(model.length_policy, "null_bias", 0.0)).detach()}
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
             valid = batch["attention_mask"].bool()
             found["_quantile"], found["_spread"] = self.pi.statistics(model.length_policy, out.head_logits.detach(),
@@ -161,7 +164,7 @@ class RatioControl(Objective):
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
         ratio = totals["_kept"] / max(1, totals["tokens"])
         row = {"ratio": ratio, "target_ratio": self.step_target,
-               "null_bias": float(getattr(model.length_policy, "null_bias", 0.0)),
+               "null_bias": means["_null_bias"],  # (the same on every micro-batch: their mean is it, exactly)
                "tau": getattr(getattr(model, "sampler", None), "tau", None)}
         if self.pi is not None and self.tracking:
             self.pi.apply(model.length_policy, means["_quantile"], means["_spread"], ratio)

@@ -35,8 +35,9 @@ class RatioLoss:
 
     def __call__(self, keep: torch.Tensor, boundary_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         n = 1.0 / self.target
-        F = keep[valid].float().mean().detach()
-        G = boundary_prob[valid].mean()
+        real = valid.sum()  # (masked means: no boolean indexing, nothing read back to the host)
+        F = ((keep & valid).sum() / real).float().detach()
+        G = torch.where(valid, boundary_prob, torch.zeros_like(boundary_prob)).sum() / real
         return self.weight * n / (n - 1.0) * ((n - 1.0) * F * G + (1.0 - F) * (1.0 - G))
 
 
@@ -56,7 +57,7 @@ class PIController:
         with torch.no_grad():
             keep_logit = policy.keep_logit(head_logits, h)[valid].float() + policy.null_bias  # without the bias
             if hasattr(policy, "bias_for_ratio"):  # a policy whose ratio is not P(keep logit >= bias)
-                return policy.bias_for_ratio(head_logits, h, valid, self.target), float(keep_logit.std())
+                return float(policy.bias_for_ratio(head_logits, h, valid, self.target)), float(keep_logit.std())
             return float(torch.quantile(keep_logit, 1.0 - self.target)), float(keep_logit.std())
 
     def calibrate(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> None:
@@ -89,10 +90,18 @@ class PIController:
         """After a step with realised ``ratio``: move the bias for the next step."""
         return self.apply(policy, *self.statistics(policy, head_logits, valid, h), ratio)
 
-    def statistics(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> tuple[float, float]:
+    def statistics(self, policy, head_logits: torch.Tensor, valid: torch.Tensor,
+                   h=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the bias that would give exactly ``target`` on this batch, the keep log-odds spread): what
-        :meth:`apply` needs, averaged by the trainer over micro-batches and processes."""
-        return self._quantile(policy, head_logits, valid, h)
+        :meth:`apply` needs, averaged by the trainer over micro-batches and processes. Device scalars (the
+        values :meth:`_quantile` computes, masked instead of indexed): nothing is read back during the step."""
+        with torch.no_grad():
+            keep_logit = policy.keep_logit(head_logits, h).float() + policy.null_bias  # without the bias
+            spread = masked_std(keep_logit, valid)
+            if hasattr(policy, "bias_for_ratio"):  # a policy whose ratio is not P(keep logit >= bias)
+                return torch.as_tensor(policy.bias_for_ratio(head_logits, h, valid, self.target)), spread
+            hidden = torch.where(valid, keep_logit, torch.full_like(keep_logit, float("nan")))
+            return torch.nanquantile(hidden.flatten(), 1.0 - self.target), spread
 
     def apply(self, policy, quantile: float, spread: float, ratio: float) -> float:
         """Move the bias for the next step from a step's statistics and its realised ``ratio``."""
@@ -108,6 +117,16 @@ class PIController:
 
     def load_state_dict(self, state: dict) -> None:
         self.ema, self.integral = state["ema"], state["integral"]
+
+
+def masked_std(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x[valid].std()`` without the boolean index (no host sync): two passes in float64, as torch's CPU
+    kernel accumulates float32 too, rounded to ``x``'s dtype."""
+    n = valid.sum().double()
+    xd = torch.where(valid, x.double(), torch.zeros_like(x, dtype=torch.float64))
+    mean = xd.sum() / n
+    var = torch.where(valid, (xd - mean) ** 2, torch.zeros_like(xd)).sum() / (n - 1)
+    return var.sqrt().to(x.dtype)
 
 
 def track_problems(track) -> list[str]:

@@ -8,6 +8,12 @@
 Keys outside those ranges are never allowed by the rule, so the result equals the dense
 reference while skipping most of the T x T tiles: the deep attention cost falls from
 ~T^2/2 to ~C^2/2 + (T - C) * (C/2 + chunk + segment length).
+
+A static layout (``PackedLayout.static``, the build's ``max_ratio``) is planned without reading anything
+back to the host: the concept block always takes the one-pass mask, and a chunk of tail queries
+``[a, b)`` attends to every concept slot and the tail slots ``[0, b)`` (the rule masks the rest). The
+ranges are then functions of the shapes alone (one compiled graph, no sync), at the cost of the tail
+segment windows: ~T^2/2 tail-to-tail pairs instead of ~T * segment.
 """
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ class ChunkedPlan(AttentionPlan):
     def __init__(self, layout: PackedLayout, chunk: int):
         C = self.num_concepts = layout.num_concepts
         meta, tail = layout.meta, layout.tail_meta
+        if layout.static:
+            self._static(layout, chunk)
+            return
         # Concepts attend causally to concepts; with several packed documents, only their own.
         concepts = layout.concept_meta
         several_docs = bool((concepts.doc != concepts.doc[:, :1]).any()) if C else False
@@ -55,6 +64,15 @@ class ChunkedPlan(AttentionPlan):
             keys = torch.cat([torch.arange(hc, device=device), torch.arange(C + first, C + b, device=device)])
             mask = allowed(meta[:, C + a: C + b], meta[:, keys])
             self.chunks.append((C + a, C + b, hc, C + first, mask))
+
+    def _static(self, layout: PackedLayout, chunk: int) -> None:
+        """Ranges from the shapes alone: chunk [a, b) of the tail sees slots [0, C + b)."""
+        C, meta, concepts = self.num_concepts, layout.meta, layout.concept_meta
+        self.concept_mask = allowed(concepts, concepts)
+        self.chunks = []
+        for a in range(0, layout.length - C, chunk):
+            b = min(a + chunk, layout.length - C)
+            self.chunks.append((C + a, C + b, 0, 0, allowed(meta[:, C + a: C + b], meta[:, : C + b])))
 
     def __call__(self, query, key, value, scaling):
         C = self.num_concepts

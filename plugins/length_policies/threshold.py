@@ -75,16 +75,20 @@ class ThresholdPolicy(nn.Module):
     def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.keep_logit(head_logits, h))
 
-    def bias_for_ratio(self, head_logits, h, valid, target: float) -> float:
+    def bias_for_ratio(self, head_logits, h, valid, target: float) -> torch.Tensor:
         """The ratio controller's feed-forward bias: a chunk closes after about threshold / mean(p)
-        tokens, so aim at mean(p) = target * threshold (bisection on this batch's scores)."""
+        tokens, so aim at mean(p) = target * threshold (bisection on this batch's scores, on the device:
+        a float64 scalar, nothing read back)."""
         with torch.no_grad():
-            s = (self.keep_logit(head_logits, h) + self.null_bias)[valid].float()
+            s = (self.keep_logit(head_logits, h) + self.null_bias).float()
             goal = min(target * self.threshold, 0.999)
-            lo, hi = float(s.min()) - 30.0, float(s.max()) + 30.0
+            real, far = valid.sum(), torch.full_like(s, float("inf"))
+            lo = torch.where(valid, s, far).min().double() - 30.0
+            hi = torch.where(valid, s, -far).max().double() + 30.0
             for _ in range(50):  # the mean score falls as the bias rises
                 mid = 0.5 * (lo + hi)
-                lo, hi = (mid, hi) if float(torch.sigmoid(s - mid).mean()) > goal else (lo, mid)
+                above = torch.where(valid, torch.sigmoid(s - mid.float()), torch.zeros_like(s)).sum() / real > goal
+                lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
             return 0.5 * (lo + hi)
 
     # -- decisions ------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""``--compile``: the layer stacks of a model run as graphs compiled by ``torch.compile(fullgraph=True)``.
+
+What is compiled is ``concept.backbone.run_layers`` (a stack's decoder layers with their RoPE table and
+attention plan): the streaming model's shallow, middle and deep stacks, and the dense / pruned baselines'
+layers, in training and in full forwards, and the streaming decoder's prefill (its prompts left-padded to
+a multiple of ``PREFILL_BUCKET`` tokens, so a few graphs serve every prompt length). The length policy's
+decisions, the packing and the attention plans are computed between the stacks, eagerly. Decoding steps
+(KV caches that grow) stay eager: a static KV cache for CUDA graphs in decoding is not built yet.
+
+``fullgraph=True`` makes any graph break an error, so a compiled stack has no host sync in it (a ``.item()``,
+a data-dependent ``if`` or a ``nonzero`` would break the graph). Shapes must not depend on the decisions or
+the graph would be recompiled at every step: a streaming model compiles only with a static concept budget
+(``BuildConfig.max_ratio``, ``docs/architecture.md``, "Static shapes, host syncs and compilation"), and
+then one graph per stack serves every step of a (batch, length).
+
+Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``on``
+picks the device's mode when a stack first runs (``reduce-overhead``, CUDA graphs, on CUDA; torch's default
+elsewhere); one of torch's modes by name; or ``aot-eager``: the same graphs captured (dynamo, AOT autograd)
+but run by torch's eager kernels, no code generated (debugging, and the default test suite, where
+inductor's C++ compilation of a tiny model's stacks takes minutes on a CPU).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .backbone import run_layers
+from .config import COMPILE_CHOICES
+from .dense import DenseModel
+from .errors import ConceptError
+
+
+
+PREFILL_BUCKET = 64  # a compiled prefill's prompts are left-padded to a multiple of this many tokens
+
+
+def device_mode(choice: str, device_type: str) -> str:
+    """The torch.compile mode of a ``compile`` choice on a device type."""
+    if choice == "on":
+        return "reduce-overhead" if device_type == "cuda" else "default"
+    return choice
+
+
+def _own_copy(fn, name: str):
+    """``fn`` with a code object of its own: dynamo keeps its compiled graphs (and counts recompiles, against
+    its limit) per code object, so each stack gets its own cache instead of sharing ``run_layers``'."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{name}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class CompiledStacks:
+    """``run_layers`` compiled with ``fullgraph=True`` and static shapes, once per stack (its ``name``) and
+    device type (the mode may differ): call it as ``run_layers``, with the stack's name first (a KV cache
+    only while it records a prefill: a decoding step's cache grows)."""
+
+    def __init__(self, choice: str):
+        self.choice = choice
+        self.compiled: dict[tuple[str, str], object] = {}
+
+    def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+        key = (name, x.device.type)
+        if key not in self.compiled:
+            if self.choice == "aot-eager":
+                options = dict(backend="aot_eager")
+            else:
+                options = dict(mode=device_mode(self.choice, x.device.type))
+            self.compiled[key] = torch.compile(_own_copy(run_layers, name), fullgraph=True, dynamic=False, **options)
+        return self.compiled[key](layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
+
+
+def compile_model(model, choice: str = "on"):
+    """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager).
+    A streaming model needs a static concept budget; a family without stacks to compile is refused."""
+    if choice not in COMPILE_CHOICES:
+        raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
+    if choice == "off":
+        model.compiled_stacks = None
+        return model
+    family = getattr(model, "family", None)
+    if family == "streaming":
+        if not model.max_ratio:
+            raise ConceptError("--compile needs static shapes: build the model with a static concept budget, "
+                               "e.g. `concept build --max-ratio 0.25` (BuildConfig.max_ratio; the shapes then do "
+                               "not depend on the decisions and one graph serves every step)")
+    elif not isinstance(model, DenseModel):
+        raise ConceptError(f"--compile: the streaming family and the dense / pruned baselines compile their stacks; "
+                           f"the {family} family does not (leave --compile off)")
+    model.compiled_stacks = CompiledStacks(choice)
+    return model

@@ -1,0 +1,114 @@
+"""``--compile`` (``concept.compiled``): the stacks compile with ``fullgraph=True`` (a graph break would be an
+error) and static shapes; 20 training steps whose decisions and document packing vary run on the graphs of
+the first (dynamo's recompile guard is armed after it: a recompile raises), with the eager run's losses and
+decisions. The default suite captures with the ``aot-eager`` choice (dynamo + AOT autograd: the graphs
+inductor would receive; inductor's C++ compilation of them takes minutes on a CPU); the inductor run is the
+slow test. Negative control: a layout whose shapes follow the decisions recompiles, and the guard says so."""
+import json
+import pathlib
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import concept
+from concept import BuildConfig, ComponentRef
+from concept.errors import ConceptError
+from concept.training import TrainConfig, Trainer
+from tests.conftest import mixed_model
+
+STDLIB = pathlib.Path(warnings.__file__).parent
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compile")
+    docs = [c for name in ("textwrap.py", "shlex.py", "heapq.py", "bisect.py")
+            for c in (STDLIB / name).read_text().split("\ndef ") if len(c) > 200]
+    (folder / "code.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64}),
+                      split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}),
+                      attention=ComponentRef("chunked", {"chunk": 16}), max_ratio=0.25)
+    concept.save(concept.build(cfg), folder / "built")
+    return folder
+
+
+def trainer(run, name, compile):
+    config = TrainConfig(steps=STEPS, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100,
+                         warmup=2, data=str(run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2),
+                         compile=compile)
+    return Trainer.start(run / "built", run / name, config)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+
+
+def test_compiled_training_has_no_graph_break_no_recompile_and_equals_eager(run, fresh_dynamo, one_thread):
+    eager = trainer(run, "eager", "off")
+    compiled = trainer(run, "compiled", "aot-eager")
+    rows = [(eager.train_step(), compiled.train_step())]
+    graphs = counters["stats"]["unique_graphs"]
+    # one graph per stack (shallow, middle, deep) for the training forward, and one for the ratio controller's
+    # calibration forward of the first step (without gradients)
+    assert graphs == 6 and not counters["graph_break"]
+    torch._dynamo.config.error_on_recompile = True  # from now on a recompile raises
+    rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    assert len({a["ratio"] for a, _ in rows}) > 3  # the decisions varied (and every batch packs other documents)
+    for a, b in rows:
+        assert a["ratio"] == b["ratio"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+    # negative control: the same model with the dynamic layout (its widths follow the decisions) recompiles
+    compiled.model.max_ratio = 0.0
+    with pytest.raises(Exception, match="[Rr]ecompil"):
+        for _ in range(3):
+            compiled.train_step()
+
+
+def test_compile_needs_a_static_budget():
+    model = mixed_model("null")
+    with pytest.raises(ConceptError, match="--max-ratio"):
+        concept.compiled.compile_model(model, "on")
+    assert model.compiled_stacks is None
+
+
+@pytest.mark.slow
+def test_inductor_forward_equals_eager(fresh_dynamo):
+    """torch's default mode (inductor's generated C++ on a CPU): minutes of compilation for a tiny model."""
+    import copy
+
+    model = copy.deepcopy(mixed_model("null"))
+    model.max_ratio = 0.25
+    compiled = concept.compiled.compile_model(copy.deepcopy(model), "on")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(0, 97, (2, 16), generator=g)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]
+
+
+@pytest.mark.slow
+def test_compiled_prefill_generates_what_eager_does(fresh_dynamo):
+    """The decoder's prefill runs the compiled stacks (its cache recording), prompts left-padded to a bucket."""
+    import copy
+
+    model = copy.deepcopy(mixed_model("null"))
+    model.max_ratio = 0.25
+    compiled = concept.compiled.compile_model(copy.deepcopy(model), "aot-eager")
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    eager, fast = (m.generate(prompts, max_new_tokens=6, output_logits=True) for m in (model, compiled))
+    assert fast.tokens == eager.tokens and fast.keep == eager.keep
+    torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
