@@ -16,7 +16,8 @@ logged by name; the distillation teacher is ``concept.teacher``. The target rati
 curriculum (``ratio_start`` -> ``target_ratio`` over ``ratio_warmup`` of the steps). Baselines:
 ``baseline="dense"`` (the backbone + LoRA) or ``"pruned"`` (minus a FLOP-matched block of
 layers, ``concept.flops.matched_prune``). AdamW, linear warmup then cosine
-decay, gradient clipping and accumulation, bf16 autocast on GPU, optional gradient
+decay, gradient clipping and accumulation, bf16 on GPU (the frozen base stored in bf16, LoRA, new
+modules and optimizer state fp32, under autocast: ``concept.precision``), optional gradient
 checkpointing. The data position is a pure function of the step and each micro-batch's
 randomness is seeded from (seed, step, micro-batch), so a resumed run reproduces the
 uninterrupted loss curve exactly. Under ``torchrun`` the same loop runs with DDP or FSDP2
@@ -65,6 +66,7 @@ from .lora import (
 )
 from .objectives import overrides
 from .plots import training_curves
+from .precision import autocast, compute_dtype, store_frozen_base
 from .teacher import teacher_forward
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
     LoraSettings,
@@ -192,10 +194,10 @@ class StepModule(nn.Module):
         with self.autocast():  # (extra: what an objective's `prepare` adds, e.g. Hard-EM's plan)
             out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
                              document_ids=b["document_ids"], **extra)
-        loss, terms = self.ce_weight * out.loss, {}
-        for objective in self.losses:
-            terms[objective.name] = objective(self.model, b, out, teacher)
-            loss = loss + terms[objective.name]
+            loss, terms = self.ce_weight * out.loss, {}
+            for objective in self.losses:  # (under autocast too: they read bf16 states with fp32 modules)
+                terms[objective.name] = objective(self.model, b, out, teacher)
+                loss = loss + terms[objective.name]
         return out, loss, terms, teacher_s
 
 
@@ -210,6 +212,7 @@ class Trainer:
         self.dist = dist or Dist()
         self.notes: list[str] = []  # warnings for the user (the CLI prints them)
         plan, self.device = self.check(config, build_config, self.dist)
+        self.dtype = compute_dtype(config.dtype, self.device)  # the frozen base's storage and autocast dtype
         torch.manual_seed(config.seed)
         self.kind = training_kind(config, plan)
         self.model = self._training_model(plan, resume)
@@ -260,6 +263,7 @@ class Trainer:
             for layer in list(decoder(model.backbone).layers)[start:stop]:
                 for p in layer.parameters():
                     p.requires_grad_(False)
+        store_frozen_base(model, self.dtype)  # bf16: cast once here, never inside a step
         model.to(self.device)
         model.gradient_checkpointing = config.grad_checkpointing
         if resume:  # weights before any sharding; the optimizer state once the optimizer exists
@@ -599,10 +603,9 @@ class Trainer:
         return {k: v.to(self.device) for k, v in b.items()}
 
     def autocast(self):
-        """bf16 autocast (weights and optimizer state stay fp32) where ``--dtype`` asks for it: ``bf16`` on
-        any device, ``auto`` on CUDA only."""
-        bf16 = self.config.dtype == "bf16" or (self.config.dtype == "auto" and self.device.type == "cuda")
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        """bf16 autocast where ``--dtype`` asks for it (``bf16`` on any device, ``auto`` on CUDA only): every
+        use of the model (a bf16-stored base needs it), the backward excepted (``concept.precision``)."""
+        return autocast(self.dtype, self.device)
 
     def forward(self, b):
         """The model alone on a batch (no objectives, no teacher), e.g. to calibrate the NULL bias."""
@@ -624,8 +627,9 @@ class Trainer:
         sampler = getattr(model, "sampler", None)
         if sampler is not None and hasattr(sampler, "tau"):
             sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
-        for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
-            objective.before_step(self)
+        with self.autocast():
+            for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
+                objective.before_step(self)
         start = time.perf_counter()
         sums, out, b = self._accumulate(length)
         total = dict(zip(sums, dist.sum(list(sums.values()), self.device)))
@@ -641,7 +645,7 @@ class Trainer:
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
 
             diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
-            with torch.no_grad(), self.gathered():  # (this rank's last micro-batch)
+            with torch.no_grad(), self.gathered(), self.autocast():  # (this rank's last micro-batch)
                 diag.update(self.kind.step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step used
@@ -679,7 +683,7 @@ class Trainer:
             j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
             b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
             for objective in self.preparing:  # e.g. Hard-EM's E-step puts the batch's plans in it
-                with self.gathered():  # (FSDP2: the search runs outside the wrapped forward)
+                with self.gathered(), self.autocast():  # (FSDP2: the search runs outside the wrapped forward)
                     b = objective.prepare(model, b, self.step)
             torch.manual_seed(micro_seed(cfg.seed, self.step, j))
             last = m == cfg.grad_accum - 1
@@ -689,9 +693,10 @@ class Trainer:
                 (loss / cfg.grad_accum).backward()
             for name, term in terms.items():
                 sums[name] += float(term.detach())
-            for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
-                for key, value in objective.stats(model, b, out).items():
-                    sums[key] = sums.get(key, 0.0) + value
+            with self.autocast():
+                for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
+                    for key, value in objective.stats(model, b, out).items():
+                        sums[key] = sums.get(key, 0.0) + value
             sums["bad"] += 0.0 if torch.isfinite(loss) else 1.0
             sums["loss"] += out.loss.item()
             sums["total_loss"] += loss.item()
@@ -719,7 +724,7 @@ class Trainer:
             return {}
 
         batches = (self.eval_data.batch(i, self.config.batch) for i in range(self.config.eval_batches))
-        with self.gathered():
+        with self.gathered(), self.autocast():
             return evaluate(self.model, ({k: v.to(self.device) for k, v in b.items()} for b in batches),
                             controls=False)
 
@@ -765,8 +770,9 @@ class Trainer:
             while self.step < cfg.steps and not self._stop:
                 row = self.train_step()
                 if self.step == cfg.steps:
-                    for objective in self.objectives:  # e.g. the ratio controller's final calibration
-                        row.update(objective.finish(self))
+                    with self.autocast():
+                        for objective in self.objectives:  # e.g. the ratio controller's final calibration
+                            row.update(objective.finish(self))
                 if self.eval_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     row["eval"] = self.evaluate()
                 self.log(row)
