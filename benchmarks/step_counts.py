@@ -25,6 +25,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from concept.losses import next_token_loss
+from concept.planner.model import text_loss
+
 CASTS = {"_to_copy", "copy_", "to", "_autocast_to_reduced_precision", "_autocast_to_full_precision"}
 
 
@@ -98,9 +101,6 @@ def training_step(model, batch: dict, version: str, optimizer=None):
     the logits of the whole batch, ``new`` from the model's own loss (chunked through the LM head). Both under
     bf16 autocast on the batch's device; the caller stores the base as the version wants
     (``concept.precision.store_frozen_base``). Returns the loss."""
-    from concept.losses import next_token_loss
-    from concept.planner.model import text_loss
-
     ids = batch["input_ids"]
     device = ids.device
     optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
