@@ -96,15 +96,15 @@ def frozen_parameters(model) -> list[torch.Tensor]:
     return [p for p in model.parameters() if not p.requires_grad]
 
 
-def training_step(model, batch: dict, version: str, optimizer=None):
+def training_step(model, batch: dict, version: str, optimizer=None, dtype=torch.bfloat16):
     """One step of ``model`` (LoRA already injected, the base frozen): ``version`` ``today`` reads the CE from
     the logits of the whole batch, ``new`` from the model's own loss (chunked through the LM head). Both under
-    bf16 autocast on the batch's device; the caller stores the base as the version wants
+    autocast to ``dtype`` (fp32: none) on the batch's device; the caller stores the base as the version wants
     (``concept.precision.store_frozen_base``). Returns the loss."""
     ids = batch["input_ids"]
     device = ids.device
     optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype != torch.float32):
         if version == "new":
             loss = model(ids, attention_mask=batch["attention_mask"], labels=ids,
                          document_ids=batch.get("document_ids")).loss
