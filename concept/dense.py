@@ -28,13 +28,14 @@ from .attention import CausalPlan
 from .backbone import decoder, run_layers
 from .generation import generate
 from .hub import HubMixin
-from .losses import next_token_loss
+from .lazy import Deferred, LazyField
+from .losses import head_next_token_loss
 from .mtp import MTPHeads
 
 
 @dataclass
 class DenseOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor = LazyField()  # computed when first read (concept.lazy)
     loss: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # [B, T, d] the last layer's output (before the final norm)
 
@@ -86,9 +87,9 @@ class DenseModel(HubMixin, nn.Module):
             False if self.static or self.compiled_stacks is not None else None)
         x = run(self.layers, inner.embed_tokens(input_ids), pos, CausalPlan(valid, document_ids, causal),
                 inner.rotary_emb, self.gradient_checkpointing and self.training)
-        logits = self.backbone.lm_head(inner.norm(x))
-        loss = None if labels is None else next_token_loss(logits, labels, valid, document_ids)
-        return DenseOutput(logits, loss, x)
+        states, head = inner.norm(x), self.backbone.lm_head
+        loss = None if labels is None else head_next_token_loss(states, head, labels, valid, document_ids)
+        return DenseOutput(Deferred(lambda: head(states), like=states), loss, x)
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Generate with transformers' DynamicCache; see :func:`concept.generation.generate`."""

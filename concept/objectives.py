@@ -124,7 +124,7 @@ class DistillObjective(Objective):
     def __call__(self, model, batch, out, teacher=None):
         pair = next_token_pairs(valid_mask(batch), batch.get("document_ids"))
         if not bool(pair.any()):
-            return zero(out.logits)
+            return zero(batch["input_ids"])
         T = self.temperature
         student = F.log_softmax(out.logits[:, :-1][pair].float() / T, dim=-1)
         target = F.log_softmax(teacher.logits[:, :-1][pair].float() / T, dim=-1)
@@ -161,7 +161,7 @@ class AlignObjective(Objective):
             raise TypeError(f"{type(out).__name__} has no {'deep_input' if self.at == 'deep-input' else 'hidden'} "
                             f"states to align")
         if not bool(mask.any()):
-            return zero(out.logits)
+            return zero(batch["input_ids"])
         s, t = student[mask].float(), target[mask].float()
         if self.loss == "cosine":
             distance = (1 - F.cosine_similarity(s, t, dim=-1)).mean()
@@ -186,7 +186,7 @@ class MTPObjective(Objective):
         heads, ids = model.mtp_heads, batch["input_ids"]
         valid, T = valid_mask(batch), ids.shape[1]
         h = model.mtp_state(out).detach()
-        total = zero(out.logits)
+        total = zero(batch["input_ids"])
         for i in range(heads.k):
             pair = mtp_pairs(valid, batch.get("document_ids"), i)  # t predicts t+1+i
             if not bool(pair.any()):

@@ -148,8 +148,8 @@ class CoreTrainConfig:
     compile: str = option("off", choices=COMPILE_CHOICES, help=COMPILE_HELP, is_flag=False, flag_value="on")
     dtype: str = option(
         "auto", choices=DTYPES,
-        help="Compute precision: bf16 autocast (weights and optimizer state stay fp32) with bf16, or with auto on "
-             "CUDA; fp32 otherwise.")
+        help="Compute precision: with bf16, or auto on CUDA, the frozen base weights are stored in bf16 and the "
+             "step runs under bf16 autocast (LoRA, new modules and optimizer state stay fp32); fp32 otherwise.")
 
     def __post_init__(self):
         if isinstance(self.baseline, bool):  # the older API: baseline=True was the dense baseline

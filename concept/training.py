@@ -16,7 +16,8 @@ logged by name; the distillation teacher is ``concept.teacher``. The target rati
 curriculum (``ratio_start`` -> ``target_ratio`` over ``ratio_warmup`` of the steps). Baselines:
 ``baseline="dense"`` (the backbone + LoRA) or ``"pruned"`` (minus a FLOP-matched block of
 layers, ``concept.flops.matched_prune``). AdamW, linear warmup then cosine
-decay, gradient clipping and accumulation, bf16 autocast on GPU, optional gradient
+decay, gradient clipping and accumulation, bf16 on GPU (the frozen base stored in bf16, LoRA, new
+modules and optimizer state fp32, under autocast: ``concept.precision``), optional gradient
 checkpointing. The data position is a pure function of the step and each micro-batch's
 randomness is seeded from (seed, step, micro-batch), so a resumed run reproduces the
 uninterrupted loss curve exactly. Under ``torchrun`` the same loop runs with DDP or FSDP2
@@ -66,6 +67,7 @@ from .lora import (
 )
 from .objectives import overrides
 from .plots import training_curves
+from .precision import autocast, compute_dtype, store_frozen_base
 from .syncs import declared, host_values
 from .teacher import teacher_forward
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
@@ -194,10 +196,10 @@ class StepModule(nn.Module):
         with self.autocast():  # (extra: what an objective's `prepare` adds, e.g. Hard-EM's plan)
             out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
                              document_ids=b["document_ids"], **extra)
-        loss, terms = self.ce_weight * out.loss, {}
-        for objective in self.losses:
-            terms[objective.name] = objective(self.model, b, out, teacher)
-            loss = loss + terms[objective.name]
+            loss, terms = self.ce_weight * out.loss, {}
+            for objective in self.losses:  # (under autocast too: they read bf16 states with fp32 modules)
+                terms[objective.name] = objective(self.model, b, out, teacher)
+                loss = loss + terms[objective.name]
         return out, loss, terms, teacher_s
 
 
@@ -212,6 +214,7 @@ class Trainer:
         self.dist = dist or Dist()
         self.notes: list[str] = []  # warnings for the user (the CLI prints them)
         plan, self.device = self.check(config, build_config, self.dist)
+        self.dtype = compute_dtype(config.dtype, self.device)  # the frozen base's storage and autocast dtype
         torch.manual_seed(config.seed)
         self.kind = training_kind(config, plan)
         self.model = self._training_model(plan, resume)
@@ -262,6 +265,7 @@ class Trainer:
             for layer in list(decoder(model.backbone).layers)[start:stop]:
                 for p in layer.parameters():
                     p.requires_grad_(False)
+        store_frozen_base(model, self.dtype)  # bf16: cast once here, never inside a step
         model.to(self.device)
         model.gradient_checkpointing = config.grad_checkpointing
         compile_model(model, config.compile)  # (off: eager)
@@ -602,10 +606,9 @@ class Trainer:
         return {k: v.to(self.device) for k, v in b.items()}
 
     def autocast(self):
-        """bf16 autocast (weights and optimizer state stay fp32) where ``--dtype`` asks for it: ``bf16`` on
-        any device, ``auto`` on CUDA only."""
-        bf16 = self.config.dtype == "bf16" or (self.config.dtype == "auto" and self.device.type == "cuda")
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        """bf16 autocast where ``--dtype`` asks for it (``bf16`` on any device, ``auto`` on CUDA only): every
+        use of the model (a bf16-stored base needs it), the backward excepted (``concept.precision``)."""
+        return autocast(self.dtype, self.device)
 
     def forward(self, b):
         """The model alone on a batch (no objectives, no teacher), e.g. to calibrate the NULL bias."""
@@ -627,15 +630,16 @@ class Trainer:
         sampler = getattr(model, "sampler", None)
         if sampler is not None and hasattr(sampler, "tau"):
             sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
-        for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
-            objective.before_step(self)
+        with self.autocast():
+            for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
+                objective.before_step(self)
         start = time.perf_counter()
         sums, out, b = self._accumulate(length)
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
             with declared("step diagnostics"):  # (every log_every steps)
                 diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
-                with torch.no_grad(), self.gathered():  # (this rank's last micro-batch)
+                with torch.no_grad(), self.gathered(), self.autocast():  # (this rank's last micro-batch)
                     diag.update(self.kind.step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
         with declared("step log"):  # the step's one read of its device values: the sums and the gradient norm
@@ -687,7 +691,7 @@ class Trainer:
             j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
             b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
             for objective in self.preparing:  # e.g. Hard-EM's E-step puts the batch's plans in it
-                with self.gathered():  # (FSDP2: the search runs outside the wrapped forward)
+                with self.gathered(), self.autocast():  # (FSDP2: the search runs outside the wrapped forward)
                     b = objective.prepare(model, b, self.step)
             torch.manual_seed(micro_seed(cfg.seed, self.step, j))
             last = m == cfg.grad_accum - 1
@@ -698,10 +702,11 @@ class Trainer:
             # summed on the device in float64 (as Python floats were): read once per step, in train_step
             for name, term in terms.items():
                 sums[name] = sums[name] + term.detach().double()
-            for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
-                for key, value in objective.stats(model, b, out).items():
-                    value = value.detach().double() if isinstance(value, torch.Tensor) else value
-                    sums[key] = sums.get(key, 0.0) + value
+            with self.autocast():
+                for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
+                    for key, value in objective.stats(model, b, out).items():
+                        value = value.detach().double() if isinstance(value, torch.Tensor) else value
+                        sums[key] = sums.get(key, 0.0) + value
             sums["bad"] = sums["bad"] + (~torch.isfinite(loss.detach())).double()
             sums["loss"] = sums["loss"] + out.loss.detach().double()
             sums["total_loss"] = sums["total_loss"] + loss.detach().double()
@@ -729,7 +734,7 @@ class Trainer:
             return {}
 
         batches = (self.eval_data.batch(i, self.config.batch) for i in range(self.config.eval_batches))
-        with self.gathered():
+        with self.gathered(), self.autocast():
             return evaluate(self.model, ({k: v.to(self.device) for k, v in b.items()} for b in batches),
                             controls=False)
 
@@ -775,8 +780,9 @@ class Trainer:
             while self.step < cfg.steps and not self._stop:
                 row = self.train_step()
                 if self.step == cfg.steps:
-                    for objective in self.objectives:  # e.g. the ratio controller's final calibration
-                        row.update(objective.finish(self))
+                    with self.autocast():
+                        for objective in self.objectives:  # e.g. the ratio controller's final calibration
+                            row.update(objective.finish(self))
                 if self.eval_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     row["eval"] = self.evaluate()
                 self.log(row)

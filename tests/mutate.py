@@ -117,6 +117,13 @@ MUTATIONS = [
     Mutation("resume: the ratio controller's state is not restored", "concept/streaming/objectives.py",
              "            self.pi.load_state_dict(state)", "            pass",
              ["tests/test_training.py", "-k", "resume_reproduces"]),
+    # precision and the chunked CE
+    Mutation("bf16: the frozen base left in fp32 (autocast casts it at every use)", "concept/training.py",
+             "        store_frozen_base(model, self.dtype)  # bf16: cast once here, never inside a step\n", "",
+             ["tests/test_bf16.py", "-k", "no_frozen_weight and dense"]),
+    Mutation("chunked CE: the ignored targets counted", "concept/losses.py",
+             "valid = target != IGNORE", "valid = target == target",
+             ["tests/test_head_loss.py", "-k", "every_model_kind and dense"]),
     # the code-only controls read the discrete id alone
     Mutation("code controls: the whole input perturbed, not only the code", "concept/streaming/model.py",
              "        if hasattr(self.sampler, \"mix\"):  # e.g. `hidden-projection`, in training and at inference\n",

@@ -120,7 +120,7 @@ class HardEMObjective(Objective):
         plan = out.plan
         mask = plan.active & ~plan.forced
         if not bool(mask.any()):
-            return zero(out.logits)
+            return zero(out.plan.classes)
         logp = F.log_softmax(plan.logits[mask].float(), dim=-1)
         return self.weight * F.nll_loss(logp, plan.classes[mask])
 

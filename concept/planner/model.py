@@ -47,6 +47,8 @@ from ..errors import ConceptError
 from ..generation import GenerationMixin
 from ..hub import HubMixin
 from ..kv_cache import DecodePlan
+from ..lazy import Deferred, LazyField
+from ..losses import IGNORE, head_cross_entropy
 from ..mtp import MTPHeads
 
 PLANNER_HEAD_INIT_SCALE = 1.0  # the typed vocabularies' head init (``embedding``), unless --set vocabulary.head_init_scale
@@ -279,7 +281,7 @@ class Plan:
 
 @dataclass
 class PlannedOutput:
-    logits: torch.Tensor  # [B, Ty, V] logits[:, k] predicts y_k
+    logits: torch.Tensor = LazyField()  # [B, Ty, V] logits[:, k] predicts y_k (computed when first read)
     plan: Plan
     loss: torch.Tensor | None = None  # mean CE over the real tokens of y
     y: torch.Tensor | None = None  # [B, Ty] the text the executor was trained / scored on
@@ -595,6 +597,10 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
 
     def executor(self, plan: Plan, y_ids, y_valid, embeds=None, cache=None, logits_to_keep: int = 0):
         """Text logits [B, Ty, V] of ``y`` given the plan alone (logits[:, k] predicts y_k)."""
+        return self.text_logits(self.executor_states(plan, y_ids, y_valid, embeds, cache, logits_to_keep))
+
+    def executor_states(self, plan: Plan, y_ids, y_valid, embeds=None, cache=None, logits_to_keep: int = 0):
+        """The executor's last-layer states [B, Ty, d] whose LM-head logits are :meth:`executor`'s."""
         bx, bvalid, bpos = self.plan_block(plan, embeds)
         x = torch.cat([bx, self.embed_text(y_ids).to(bx.dtype)], dim=1)
         valid = torch.cat([bvalid, y_valid], dim=1)
@@ -602,8 +608,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         pos = torch.cat([bpos, ypos], dim=1)
         h = self.run(x, pos, CausalPlan(valid), cache)
         S = bx.shape[1]
-        h = h[:, S - 1: -1] if logits_to_keep == 0 else h[:, -logits_to_keep:]
-        return self.text_logits(h)
+        return h[:, S - 1: -1] if logits_to_keep == 0 else h[:, -logits_to_keep:]
 
     # -- forward -------------------------------------------------------------------------------
     def split_example(self, input_ids, attention_mask=None):
@@ -628,11 +633,11 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         each: packed documents inside a row are read as one stream."""
         u, u_valid, y, y_valid = self.split_example(input_ids, attention_mask)
         plan = self.planner(u, u_valid) if plan is None else self.planner_forced(u, u_valid, plan)
-        logits = self.executor(plan, y, y_valid)
+        states, head = self.inner.norm(self.executor_states(plan, y, y_valid)), self.backbone.lm_head
         loss = None
-        if labels is not None:
-            loss = text_loss(logits, y, y_valid)
-        return PlannedOutput(logits, plan, loss, y, y_valid, u_valid)
+        if labels is not None:  # text_loss(logits, y, y_valid) without the [B, Ty, V] logits
+            loss = head_cross_entropy(states, head, y.masked_fill(~y_valid, IGNORE))
+        return PlannedOutput(Deferred(lambda: head(states), like=states), plan, loss, y, y_valid, u_valid)
 
     # -- anti-collapse (concept.codes) ----------------------------------------------------------
     def code_vocabularies(self) -> list[tuple[str, nn.Module]]:

@@ -50,7 +50,7 @@ class CommitmentObjective(Objective):
         plan = out.plan
         mask = plan.concepts
         if plan.soft is None or not bool(mask.any()):
-            return zero(out.logits)
+            return zero(out.plan.classes)
         soft, hard = plan.soft[mask].float(), plan.hard[mask].float().detach()
         return self.weight * (soft - hard).pow(2).sum(-1).mean() / hard.pow(2).sum(-1).mean().clamp_min(1e-12)
 
@@ -64,7 +64,7 @@ class PlanUsageObjective(Objective):
     name: str = "plan_usage"
 
     def __call__(self, model, batch, out, teacher=None):
-        plan, total = out.plan, zero(out.logits)
+        plan, total = out.plan, zero(out.plan.classes)
         sizes = model.sizes.tolist()
         for i, size in enumerate(sizes):
             mask = plan.concepts & (plan.types == i)
@@ -81,7 +81,7 @@ class EOSObjective(Objective):
         plan = out.plan
         mask = plan.forced
         if mask is None or not bool(mask.any()):
-            return zero(out.logits)
+            return zero(out.plan.classes)
         return self.weight * -torch.log(eos_probs(model, plan)[mask].clamp_min(1e-12)).mean()
 
 
@@ -100,7 +100,7 @@ class PlanMTPObjective(Objective):
             with torch.no_grad():
                 u, u_valid, _, _ = model.split_example(batch["input_ids"], batch.get("attention_mask"))
                 plan = model.planner_forced(u, u_valid, plan)
-        hidden, total, heads = plan.hidden.detach(), zero(out.logits), model.settings.mtp
+        hidden, total, heads = plan.hidden.detach(), zero(out.plan.classes), model.settings.mtp
         for j in range(1, min(heads, plan.classes.shape[1])):
             mask = plan.active[:, j:] & ~plan.forced[:, j:]
             if not bool(mask.any()):

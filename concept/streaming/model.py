@@ -30,12 +30,13 @@ from ..codes import CodeUse
 from ..components import upcast
 from ..generation import GenerationMixin
 from ..hub import HubMixin
-from ..losses import next_token_loss
+from ..lazy import Deferred, LazyField
+from ..losses import head_next_token_loss
 
 
 @dataclass
 class ConceptOutput:
-    logits: torch.Tensor  # [B, T, V] next-token logits for every position
+    logits: torch.Tensor = LazyField()  # [B, T, V] next-token logits for every position (computed when first read)
     keep: torch.Tensor  # [B, T] bool: token t emitted a concept
     concept_ids: torch.Tensor  # [B, T] concept id where keep, else -1
     head_logits: torch.Tensor  # [B, T, K(+1)] ConceptHead output
@@ -314,10 +315,10 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         slots = layout.slot_of_time[:, -logits_to_keep:] if logits_to_keep else layout.slot_of_time
         in_time_order = lambda x: x.gather(1, slots[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
         z = in_time_order(z)
-        logits = self.backbone.lm_head(self.inner.norm(z))
-        loss = None if labels is None else next_token_loss(logits, labels, valid, doc)
+        states, head = self.inner.norm(z), self.backbone.lm_head
+        loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc)
         multi = self.levels > 1
-        return ConceptOutput(logits, keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
+        return ConceptOutput(Deferred(lambda: head(states), like=states), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
                              in_time_order(z_in), z, updates, emitted if multi else None)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:

@@ -32,7 +32,7 @@ class RatioObjective(Objective):
     def __call__(self, model, batch, out, teacher=None):
         target = float(self.target())
         if target >= 1.0:
-            return zero(out.logits)
+            return zero(batch["input_ids"])
         boundary = model.length_policy.boundary_prob(out.head_logits, out.shallow)
         return RatioLoss(target, self.weight)(out.keep, boundary, valid_mask(batch))
 
@@ -45,7 +45,7 @@ class UsageObjective(Objective):
 
     def __call__(self, model, batch, out, teacher=None):
         if not bool(out.keep.any()):
-            return zero(out.logits)
+            return zero(batch["input_ids"])
         return self.weight * usage_kl(out.head_logits[..., : model.vocabulary.size], out.keep)
 
 
@@ -92,7 +92,7 @@ class PlacementObjective(Objective):
         pair = next_token_pairs(valid, doc)  # [B, T-1]: position t predicts the real token t+1
         ratio = float(self.target())
         if ratio >= 1.0 or not bool(pair.any()):  # every token a concept: nothing to place
-            return zero(out.logits)
+            return zero(batch["input_ids"])
         with torch.no_grad():
             skip = model.skip_middle(batch["input_ids"], batch.get("attention_mask"), doc)
             gain = depth_gain(teacher.logits[:, :-1], skip[:, :-1])

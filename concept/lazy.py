@@ -1,0 +1,57 @@
+"""Output fields computed on first read: a model's logits [B, T, V] are built only when something reads them.
+
+A training step takes its CE from the LM head's input states (``concept.losses.head_cross_entropy``);
+evaluation, decoding and the distillation objective read ``out.logits`` as before, and only then is
+the head applied to every position::
+
+    @dataclass
+    class DenseOutput:
+        logits: torch.Tensor = LazyField()
+
+    DenseOutput(Deferred(lambda: head(states), like=states))
+
+The head runs under the autocast state of the forward that deferred it (the reader may be outside
+it, e.g. an objective after the model's forward), and under the reader's grad mode.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Deferred:
+    """A tensor computed by ``fn()`` on first read, under the autocast state of the moment it was made
+    (``like``: a tensor on the device whose autocast state matters)."""
+
+    def __init__(self, fn, like: torch.Tensor):
+        self.fn = fn
+        self.device_type = like.device.type
+        self.autocast = torch.is_autocast_enabled(self.device_type)
+        self.dtype = torch.get_autocast_dtype(self.device_type)
+
+    def __call__(self) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
+            return self.fn()
+
+
+class LazyField:
+    """A dataclass field (``name: T = LazyField()``, still a required argument) whose value may be given as a
+    :class:`Deferred`: computed on first read, then kept."""
+
+    def __set_name__(self, owner, name):
+        self.slot = f"_{name}_value"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:  # dataclass asks for a default: there is none
+            raise AttributeError(self.slot)
+        value = obj.__dict__[self.slot]
+        if isinstance(value, Deferred):
+            value = obj.__dict__[self.slot] = value()
+        return value
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = value
+
+    @staticmethod
+    def computed(obj, name: str) -> bool:
+        """Whether ``obj.name`` holds a value (False: still deferred, nothing built yet)."""
+        return not isinstance(obj.__dict__.get(f"_{name}_value"), Deferred)
