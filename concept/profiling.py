@@ -77,8 +77,9 @@ def _device_to_host(packet, args, kwargs) -> str | None:
         to_cpu = target is not None and torch.device(target).type == "cpu"
     else:  # copy_(dst, src)
         target, source = args[0], args[1]
-        to_cpu = isinstance(target, torch.Tensor) and target.device.type == "cpu"
-    if to_cpu and isinstance(source, torch.Tensor) and source.device.type not in ("cpu", "meta"):
+        to_cpu = getattr(target, "device", None) is not None and torch.device(target.device).type == "cpu"
+    device = getattr(source, "device", None)
+    if to_cpu and device is not None and torch.device(device).type not in ("cpu", "meta"):
         return "device to host copy"
     return None
 
@@ -94,7 +95,8 @@ class OpCounter(TorchDispatchMode):
         self.by_op: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
         self.sync_ops: Counter[str] = Counter()
-        self.sync_sites: Counter[str] = Counter()  # "file.py:LINE function" of the code that asked for each sync
+        # "package/file.py:LINE function" of the code that asked for each sync (" via torch/...": through torch)
+        self.sync_sites: Counter[str] = Counter()
 
     @property
     def ops(self) -> int:
@@ -118,10 +120,10 @@ class OpCounter(TorchDispatchMode):
             self.on_op(func, args, kwargs, out)
         return out
 
-    def syncs_outside(self, *prefixes: str) -> int:
-        """Host syncs asked for by code outside the files whose path (from the package root, e.g.
-        ``torch/optim/``) starts with one of ``prefixes``."""
-        return sum(n for site, n in self.sync_sites.items() if not site.startswith(prefixes))
+    def syncs_outside(self, *paths: str) -> int:
+        """Host syncs whose site (:attr:`sync_sites`: the caller, and the torch module it went through) names
+        none of ``paths`` (e.g. ``torch/optim/``)."""
+        return sum(n for site, n in self.sync_sites.items() if not any(p in site for p in paths))
 
     def summary(self, top: int = 10) -> dict:
         """The counts as plain data (JSON): ops, host syncs by kind and by the code that asked, the most
@@ -132,17 +134,26 @@ class OpCounter(TorchDispatchMode):
 
 
 def _caller() -> str:
-    """``package/file.py:LINE function`` of the innermost frame outside torch's dispatch machinery (torch's
-    private modules and this file): the code that asked for a sync."""
-    frame = sys._getframe(2)
+    """Where a sync was asked for: ``package/file.py:LINE function`` of the innermost frame outside torch, and
+    ``via`` the innermost one inside torch's public modules where that differs (e.g. ``torch/optim/...``)."""
+    frame, inner = sys._getframe(2), None
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
-        if not (("/torch/_" in path and "/torch/_refs" not in path) or path.endswith(("/torch/utils/_python_dispatch.py",
-                                                                                    "concept/profiling.py"))):
+        in_torch = "/torch/" in path
+        internal = ("/torch/_" in path and "/torch/_refs" not in path) or path.endswith(
+            ("/torch/utils/_python_dispatch.py", "concept/profiling.py"))
+        if inner is None and not internal:
+            inner = frame
+        if not in_torch and not internal:
             break
         frame = frame.f_back
-    if frame is None:
+    outer = frame or inner
+    if outer is None:
         return "?"
+    return _where(outer) + (f" via {_where(inner)}" if inner is not None and inner is not outer else "")
+
+
+def _where(frame) -> str:
     parts = frame.f_code.co_filename.replace("\\", "/").split("/")
     root = max((i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages") or p in _PACKAGES), default=-1)
     rel = "/".join(parts[root + 1:] if root >= 0 and parts[root] in ("site-packages", "dist-packages") else parts[root:])
