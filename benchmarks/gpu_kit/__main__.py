@@ -21,6 +21,16 @@ MODULES = {"setup": setup_stage, "exact": exact_stage, "speed": speed_stage, "qu
 # at most with the machine's start, less in practice; a 15-minute lease's plan is in docs/gpu.md
 BUDGET_MIN = {"setup": 2.5, "exact": 3.0, "speed": 3.0, "quality": 7.0, "report": 2.0}
 DEVICE_STAGES = ("setup", "exact", "speed", "quality")
+# the plan of a 15-minute lease (docs/gpu.md), in minutes: the machine's start, then call 1 (setup + exact; its
+# setup ends within half a minute: SmolLM2 is not there yet), call 2 (setup + speed), call 3 (quality: what is left
+# but the margin), back to back
+LEASE_MIN, START_MIN, CALL1_SETUP_MIN, MARGIN_MIN = 15.0, 1.5, 0.5, 1.0
+
+
+def quality_minutes(lease: float = LEASE_MIN) -> float:
+    """The quality call's minutes in the lease's plan when every earlier stage takes its whole budget."""
+    calls = CALL1_SETUP_MIN + BUDGET_MIN["exact"] + BUDGET_MIN["setup"] + BUDGET_MIN["speed"]
+    return lease - START_MIN - calls - MARGIN_MIN
 # a dry run checks the code, not the time: its budgets are this many times the device's (a shared CPU under load
 # runs its stages several times slower than it does alone)
 DRY_SLACK = 4

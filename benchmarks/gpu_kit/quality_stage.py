@@ -42,7 +42,7 @@ DRY_STEPS = 4
 DRY_TRAIN = {"calibration_batches": 2, "eval_batches": 1}  # the dry run's final calibration and evaluations: tiny
 SAFETY = 0.8  # throughput in a real run (evaluations, diagnostics, checkpoints) against `setup`'s steps
 OVERHEAD_S = 30  # per run: process start, build, data, the final calibration and evaluation (2026-11-26: ~24)
-CORPUS_S = 30  # selecting and tokenising the corpus for a plan (16 cores: ~1e7 tokens in a few seconds)
+PLAN_S = 45  # making the plan: the FLOP plans, the tokenizer, the corpus selected and tokenised (~1e7 tokens/10 s)
 
 
 def folder(stage: Stage) -> Path:
@@ -151,7 +151,7 @@ def size(stage: Stage, args, per_step: int, main: dict, near: dict) -> tuple[int
         stage.warn("`setup` did not measure the throughput of all three models on this machine: measuring it now")
         measured = measure_throughput(stage, compiled=False)
         eager = measured["models"]
-    available = args.total_minutes * 60 - 3 * OVERHEAD_S - CORPUS_S
+    available = args.total_minutes * 60 - 3 * OVERHEAD_S - PLAN_S
     modes = [(None, eager, 0.0)]
     compiled = (measured.get("compiled") or {}).get("models", {})
     if set(compiled) == {"streaming", "pruned", "dense"}:
@@ -169,7 +169,7 @@ def size(stage: Stage, args, per_step: int, main: dict, near: dict) -> tuple[int
         stage.warn(f"only {tokens:.2e} tokens per model fit {args.total_minutes} minutes (the floor is "
                    f"{MIN_TOKENS:.0e}): the quality numbers are indicative only")
     near_compile = compile_s * 2 / 3
-    estimate = (round(tokens * per_token_main + 3 * OVERHEAD_S + CORPUS_S + compile_s),
+    estimate = (round(tokens * per_token_main + 3 * OVERHEAD_S + PLAN_S + compile_s),
                 round(tokens * per_token_near + 2 * OVERHEAD_S + near_compile))
     left = args.total_minutes * 60 - estimate[0]
     reason = "" if left >= estimate[1] else (

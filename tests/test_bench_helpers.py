@@ -1,0 +1,47 @@
+"""The benchmarks' helpers (``benchmarks/compiled.py``, ``benchmarks/conftest.py``): the compile option is detected
+from the library, never assumed, and the timing tables keep each side's numbers apart."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from benchmarks import compiled
+from benchmarks.conftest import cpu_side_by_side, renamed_sides
+
+
+@pytest.mark.parametrize("default,choices,value", [(False, None, True), (None, None, True), ("off", None, "on"),
+                                                   ("off", ("off", "reduce-overhead", "auto"), "reduce-overhead"),
+                                                   ("auto", ("auto", "default"), "default")])
+def test_the_value_that_turns_the_compile_option_on(default, choices, value):
+    assert compiled.on_value(default, choices) == value
+
+
+def test_the_build_option_is_used_only_where_the_library_has_it(monkeypatch):
+    import concept
+
+    if "compile" not in inspect.signature(concept.build).parameters:  # today: not there, and said why
+        assert compiled.build_option() == (None, compiled.MISSING)
+
+    def build(config=None, plan=None, compile=False):  # noqa: A002 (the option's name)
+        return None
+
+    monkeypatch.setattr(concept, "build", build)
+    assert compiled.build_option() == ({"compile": True}, "")
+
+
+def test_dense_compiles_in_the_concept_models_mode_on_cuda_and_traces_only_on_a_cpu():
+    assert compiled.dense_compile_kwargs("cuda") == {"mode": "reduce-overhead"}
+    assert compiled.dense_compile_kwargs("cpu") == {"backend": "eager"}
+
+
+def test_sides_are_timed_in_turn_and_renamed_without_mixing():
+    calls = []
+    timing = cpu_side_by_side({"dense_eager": lambda: calls.append("e"), "dense": lambda: calls.append("d"),
+                               "concept": lambda: calls.append("c")}, rounds=2)
+    assert calls == ["e", "d", "c"] * 3  # one warm-up round, then alternating
+    assert set(timing) == {"dense_eager_s", "dense_s", "concept_s", "speedup"}
+    row = renamed_sides({**timing, "reps": 2, "dense_eager_wall_s": 1.0, "dense_wall_s": 2.0, "concept_wall_s": 3.0},
+                        {"dense_eager": "dense", "dense": "concept"})
+    assert row == {"dense_s": timing["dense_eager_s"], "concept_s": timing["dense_s"], "speedup": timing["speedup"],
+                   "reps": 2, "dense_wall_s": 1.0, "concept_wall_s": 2.0}
