@@ -17,7 +17,8 @@ import click
 from .output import print_json, status, stdout, table
 
 SUITES = {"forward": "test_forward.py", "train": "test_train_step.py", "decode": "test_decode.py",
-          "attention": "test_attention.py", "planner": "test_planner.py", "policy": "test_policy_scan.py"}
+          "attention": "test_attention.py", "planner": "test_planner.py", "policy": "test_policy_scan.py",
+          "ops": "test_op_counts.py"}
 FAIL_ON = re.compile(r"^(min|max|mean|median|stddev|iqr):\d+(\.\d+)?%?$")
 
 
@@ -85,6 +86,17 @@ def check_fail_on(expressions: tuple[str, ...]) -> list[str]:
 
 
 def render(rows: list[dict]) -> None:
+    counts = [r for r in rows if r.get("suite") == "ops"]
+    rows = [r for r in rows if r.get("suite") != "ops"]
+    if counts:
+        c = table("backbone", "call", "model", "tokens", "aten ops", "host syncs", "not torch.optim",
+                  title="aten ops and host syncs per call (concept.profiling)")
+        for r in counts:
+            c.add_row(r["backbone"], r["what"], r["model"], str(r["tokens"]), f"{r['aten_ops']:,}", str(r["host_syncs"]),
+                      str(r["syncs_outside_optimizer"]))
+        stdout.print(c)
+    if not rows:
+        return
     t = table("case", "dense s", "concept s", "speed-up", "ideal", "of ideal", "concepts/token",
               "peak MiB (dense / concept)", title="concept vs dense (measured side by side)")
     for r in rows:
@@ -99,6 +111,9 @@ def render(rows: list[dict]) -> None:
 @click.command()
 @click.option("--suite", type=click.Choice(["all", *SUITES]), default="all", show_default=True)
 @click.option("--smollm2", is_flag=True, help="Add the cases on the real SmolLM2 backbone (minutes on a CPU).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Add the compiled cases: the dense backbone compiled like the concept model, and the concept model "
+                   "through its compile option where this build has one.")
 @click.option("--long", "long_", is_flag=True, help="Add the 16k-token attention cases.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("-k", "keyword", default=None, help="Only the cases matching this pytest -k expression.")
@@ -110,12 +125,13 @@ def render(rows: list[dict]) -> None:
               help="Baselines folder (default: benchmarks/baselines/<machine id>).")
 @click.option("--smoke", is_flag=True, help="Run every case once with timing disabled (what CI does).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storage, smoke, as_json):
+def bench(suite, smollm2, compile_, long_, device, keyword, save, compare, fail_on, storage, smoke, as_json):
     """Benchmark the streaming model against the dense backbone (pytest-benchmark).
 
     \b
     concept bench                                        # every suite, tiny cases, a table of ratios
     concept bench --suite attention --long              # attention only, up to 16k tokens
+    concept bench --suite ops --smollm2                 # aten ops and host syncs per forward and training step
     concept bench --smollm2 --save mymachine            # store a baseline for this machine
     concept bench --smollm2 --compare mymachine --fail-on mean:10%
     """
@@ -142,7 +158,7 @@ def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storag
     args = [sys.executable, "-m", "pytest", *(str(where / f) for f in ([SUITES[suite]] if suite != "all" else SUITES.values())),
             "-q", "-p", "no:cacheprovider", "--rootdir", str(where.parent), f"--device={device}",
             f"--benchmark-storage=file://{storage}"]
-    args += ["--smollm2"] * smollm2 + ["--long"] * long_ + (["-k", keyword] if keyword else [])
+    args += ["--smollm2"] * smollm2 + ["--compile"] * compile_ + ["--long"] * long_ + (["-k", keyword] if keyword else [])
     if smoke:
         args.append("--benchmark-disable")
     if save:

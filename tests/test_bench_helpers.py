@@ -45,3 +45,14 @@ def test_sides_are_timed_in_turn_and_renamed_without_mixing():
                         {"dense_eager": "dense", "dense": "concept"})
     assert row == {"dense_s": timing["dense_eager_s"], "concept_s": timing["dense_s"], "speedup": timing["speedup"],
                    "reps": 2, "dense_wall_s": 1.0, "concept_wall_s": 2.0}
+
+
+def test_bench_renders_the_op_counts_apart_from_the_speed_rows(capsys):
+    from concept_cli import bench_cmd
+
+    bench_cmd.render([{"suite": "ops", "backbone": "tiny-llama", "what": "forward", "model": "streaming", "tokens": 512,
+                       "aten_ops": 1606, "host_syncs": 6, "syncs_outside_optimizer": 6},
+                      {"case": "forward x", "dense_s": 0.2, "concept_s": 0.1, "speedup": 2.0, "ideal_speedup": 2.5,
+                       "fraction_of_ideal": 0.8, "ratio": 0.25}])
+    out = capsys.readouterr().out
+    assert "aten ops and host syncs" in out and "1,606" in out and "concept vs dense" in out and "2.00x" in out
