@@ -247,7 +247,7 @@ def instructions(manifest: dict) -> str:
     lines += [f"call {n + 1}: run with (no carry; M: status's budget_left_s / 60 - 1, right after call {n}; at most 9.5)",
               f"  command: PYTHONUNBUFFERED=1 {DEVICE_PYTHON} -m benchmarks.gpu_kit {QUALITY_CALL} --out $OUT",
               "(the 15-minute plan, docs/gpu.md: about 1 minute for the machine's start, call 1 at most 3.5 minutes,",
-              f" call 2 at most 5.5, call {n + 1} what is left but 1 minute; then give_back)"]
+              f" call 2 at most 6, call {n + 1} what is left but 1 minute; then give_back)"]
     lines += ["", "After each call: copy the files it brought back into .gpukit/results/callN/ (N: the call).",
               "Then here: make gpu-kit STAGE=report   (writes the docs; prints the one `git add`). docs/gpu.md has it all."]
     return "\n".join(lines)
