@@ -201,11 +201,12 @@ def pytest_terminal_summary(terminalreporter):
     if COUNTS:
         tr.section("aten ops and host syncs per call (concept.profiling.OpCounter)")
         tr.write_line(f"{'backbone':11} {'call':28} {'model':10} {'tokens':>7} {'aten ops':>9} {'host syncs':>10} "
-                      f"{'not optim':>9}  where")
+                      f"{'not optim':>9} {'frozen casts':>12}  where")
         for r in COUNTS:
             sites = ", ".join(f"{k} x{n}" for k, n in r["sync_sites"].items())
+            casts = "-" if r.get("frozen_weight_casts") is None else str(r["frozen_weight_casts"])
             tr.write_line(f"{r['backbone']:11} {r['what']:28} {r['model']:10} {r['tokens']:7d} {r['aten_ops']:9d} "
-                          f"{r['host_syncs']:10d} {r['syncs_outside_optimizer']:9d}  {sites}")
+                          f"{r['host_syncs']:10d} {r['syncs_outside_optimizer']:9d} {casts:>12}  {sites}")
     if not RESULTS:
         return
     tr.section("concept vs dense (measured side by side in this run)")

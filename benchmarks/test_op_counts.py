@@ -14,7 +14,8 @@ rates), each started by the trainer as ``concept train`` starts it:
   backbone's own forward (what a user of the plain model runs);
 * **training step**: ``Trainer.train_step`` (forward, loss, backward, clipping, the optimizer, the
   scheduler) on the recipe's rows (``STEP_BATCH`` x the recipe's length), in fp32 and under bf16 autocast
-  (the GPU's precision: its casts count), the second step (the first one creates the optimizer's state).
+  (the GPU's precision: its casts count, and ``frozen_weight_casts`` counts the copies whose source is a
+  frozen weight), the second step (the first one creates the optimizer's state).
   Host syncs asked for by ``torch.optim`` are counted apart (``syncs_outside_optimizer``): Adam reads its
   step counters with ``.item()``, but they are CPU tensors on a GPU too, so they do not wait for it.
 
@@ -62,8 +63,10 @@ def test_op_and_sync_counts(request, tmp_path, backbone):
             out = tmp_path / f"{kind}-{precision}"
             trainer = Trainer.start(source, out, config)
             trainer.train_step()  # the first step (optimizer state, caches) is not the steady one
-            with OpCounter() as step:
+            casts = FrozenCasts(trainer.model)
+            with OpCounter(on_op=casts) as step:
                 trainer.train_step()
+            step.frozen_weight_casts = casts.count
             counts = {"step": step}
             if precision == "fp32":
                 counts["forward"] = count_forward(trainer.model, FORWARD_T[backbone])
@@ -73,11 +76,27 @@ def test_op_and_sync_counts(request, tmp_path, backbone):
                 label = what if what != "step" else f"training step ({precision})"
                 tokens = FORWARD_T[backbone] if what != "step" else STEP_BATCH[backbone] * recipe.seq_len(dry)
                 COUNTS.append({"backbone": backbone, "what": label, "model": kind, "tokens": tokens,
-                               **counter.summary(), "syncs_outside_optimizer": counter.syncs_outside(OPTIMIZER)})
+                               **counter.summary(), "syncs_outside_optimizer": counter.syncs_outside(OPTIMIZER),
+                               "frozen_weight_casts": getattr(counter, "frozen_weight_casts", None)})
             del trainer
             shutil.rmtree(out)
     rows = [r for r in COUNTS if r["backbone"] == backbone]
     assert all(r["aten_ops"] > 0 for r in rows) and {r["model"] for r in rows} == set(list(MODELS)[:1 if smoke else None])
+
+
+class FrozenCasts:
+    """An ``OpCounter`` hook: the copies (``_to_copy``, ``copy_``) whose source is a frozen weight of ``model``
+    (what autocast does to an fp32 base every step)."""
+
+    def __init__(self, model):
+        self.frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+        self.count = 0
+
+    def __call__(self, func, args, kwargs, out):
+        name = str(func.overloadpacket)
+        source = args[0] if name == "aten._to_copy" else args[1] if name == "aten.copy_" and len(args) > 1 else None
+        if isinstance(source, torch.Tensor) and source.data_ptr() in self.frozen:
+            self.count += 1
 
 
 def count_forward(model, T: int) -> OpCounter:
