@@ -184,6 +184,18 @@ def tree(root: Path, files: int) -> Path:
     return root
 
 
+def test_the_corpus_leaves_out_files_a_training_run_could_not_read(tmp_path):
+    from benchmarks.gpu_kit import corpus
+
+    root = tree(tmp_path / "site-packages", 6)
+    (root / "pkg0" / "latin1.py").write_bytes("# caf\xe9\n".encode("latin-1"))
+    (root / "pkg1" / "nul.py").write_bytes(b"x = 1\0\n")
+    files = corpus.python_files(root)
+    assert {"pkg0/latin1.py", "pkg1/nul.py"} <= set(files)
+    chosen = corpus.select(files, 1e9, lambda n: corpus.utf8_text(root / n))
+    assert len(chosen) == 6 and "pkg0/latin1.py" not in chosen and "pkg1/nul.py" not in chosen
+
+
 def test_the_corpus_is_a_prefix_of_a_fixed_order_linked_under_the_same_names(tmp_path):
     from benchmarks.gpu_kit import corpus
     from concept import data

@@ -6,8 +6,9 @@ image's installed packages (torch, transformers, jax, scipy, ...) hold several h
 so the corpus is a folder of links, one per source file, named as in ``site-packages``:
 
 * **which files**: every ``.py`` under the image's ``site-packages`` (its ``purelib``), with the standard
-  library's exclusions (tests, ``__pycache__``, hidden folders); never this project, the kit's own wheels
-  or the standard library itself (held-out code is the standard library's: ``--eval-data stdlib``);
+  library's exclusions (tests, ``__pycache__``, hidden folders) and without files that are not UTF-8 text;
+  never this project, the kit's own wheels or the standard library itself (held-out code is the standard
+  library's: ``--eval-data stdlib``);
 * **as many as the plan needs**: the files in a fixed order (sha256 of ``SEED:name``: independent of the
   seed of training and of how the disk lists them), the shortest prefix whose size covers the tokens the
   plan asks for, held-out share and a margin included; the whole corpus at most;
@@ -70,15 +71,28 @@ def order(names) -> list[str]:
     return sorted(names, key=lambda n: hashlib.sha256(f"{SEED}:{n}".encode("utf-8", "surrogateescape")).digest())
 
 
-def select(files: dict[str, int], chars: float) -> list[str]:
-    """The shortest prefix of the fixed order whose size reaches ``chars`` (the whole corpus at most)."""
+def select(files: dict[str, int], chars: float, usable=lambda name: True) -> list[str]:
+    """The shortest prefix of the fixed order whose size reaches ``chars`` (the whole corpus at most), without
+    the files that are not ``usable``."""
     chosen, size = [], 0
     for name in order(files):
         if size >= chars:
             break
-        chosen.append(name)
-        size += files[name]
+        if usable(name):
+            chosen.append(name)
+            size += files[name]
     return chosen
+
+
+def utf8_text(path: Path) -> bool:
+    """Whether ``path`` is text `concept train` reads without an error: UTF-8, no NUL byte (a site-packages
+    holds a few Latin-1 sources, which would stop a run that reads them strictly)."""
+    try:
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return b"\0" not in data
 
 
 def manifest_path(folder: Path) -> Path:
@@ -110,7 +124,7 @@ def prepare(stage: Stage, folder: Path, tokens: float, root: Path | None = None)
         raise KitError(f"no Python sources under {root}: the training corpus is empty; pass the data by hand "
                        f"(--data) or check the image")
     chars = tokens / (1 - heldout_fraction()) * CHARS_PER_TOKEN * MARGIN
-    chosen = select(files, chars)
+    chosen = select(files, chars, lambda name: utf8_text(root / name))
     if folder.exists():
         shutil.rmtree(folder)
     for name in chosen:
