@@ -31,7 +31,8 @@ def pytest_addoption(parser):
                      help="bf16: the inference cases in bfloat16 weights, the training steps under bf16 autocast")
     parser.addoption("--compile", action="store_true",
                      help="also the compiled cases: the dense backbone under torch.compile in the mode the concept "
-                          "model compiles in, and the concept model through its compile option (benchmarks/compiled.py)")
+                          "model compiles in, and the concept model through its compile option "
+                          "(benchmarks/compiled.py)")
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
@@ -174,8 +175,8 @@ def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GP
 def renamed_sides(timing: dict, names: dict[str, str]) -> dict:
     """The ``NAME_...`` fields of :func:`gpu_side_by_side` / :func:`cpu_side_by_side` for the sides in ``names``
     (old name -> new name), renamed; the other sides' fields left out, the shared ones (``reps``...) kept."""
-    sides = sorted({k.rsplit("_s", 1)[0] for k in timing if k.endswith("_s") and not k.endswith(("_wall_s", "_busy_s"))},
-                   key=len, reverse=True)
+    own = [k for k in timing if k.endswith("_s") and not k.endswith(("_wall_s", "_busy_s"))]
+    sides = sorted({k.rsplit("_s", 1)[0] for k in own}, key=len, reverse=True)
     out = {}
     for key, value in timing.items():
         side = next((n for n in sides if key.startswith(n + "_")), None)

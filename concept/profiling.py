@@ -154,13 +154,15 @@ def _caller() -> str:
 
 
 def _where(frame) -> str:
+    """``package/file.py:LINE function``: the path from an installed package's root or this project's folder."""
     parts = frame.f_code.co_filename.replace("\\", "/").split("/")
-    root = max((i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages") or p in _PACKAGES), default=-1)
-    rel = "/".join(parts[root + 1:] if root >= 0 and parts[root] in ("site-packages", "dist-packages") else parts[root:])
+    starts = [i + 1 for i, p in enumerate(parts) if p in _INSTALLED] + [i for i, p in enumerate(parts) if p in _PACKAGES]
+    rel = "/".join(parts[max(starts, default=len(parts) - 1):])
     return f"{rel}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
 _PACKAGES = ("concept", "plugins", "cli", "benchmarks", "tests")  # this project's folders: paths from there
+_INSTALLED = ("site-packages", "dist-packages")  # installed packages: paths from below there
 
 
 def count_ops(fn: Callable, *args, **kwargs) -> tuple[object, OpCounter]:
