@@ -3,6 +3,12 @@
 Speed is always reported as a ratio measured in one run (interleaved rounds on the same
 input), next to the ideal FLOP ratio for the realised split, ratio and T. Absolute times on
 a shared 2-core CPU are not comparable between runs; the ratios are.
+
+On a GPU (``--device cuda``) every row separates the host from the device: each side is timed with
+CUDA events after GPU_WARMUP calls (compilation happens there), median of GPU_REPS alternating calls,
+next to its wall time; then one more call of each side runs under ``torch.profiler``
+(``concept.profiling.profile_call``): the time the device was busy, kernel launches, host syncs and
+aten ops of that call (``dense_device_busy_s``, ``concept_kernel_launches``, ... in the row).
 """
 from __future__ import annotations
 
@@ -12,14 +18,17 @@ import time
 import pytest
 import torch
 
-RESULTS: list[dict] = []
+RESULTS: list[dict] = []  # the side-by-side rows (``record``)
+COUNTS: list[dict] = []  # aten ops and host syncs per call (benchmarks/test_op_counts.py)
 
 
 def pytest_addoption(parser):
     parser.addoption("--smollm2", action="store_true", help="also run the cases on the real SmolLM2 backbone")
     parser.addoption("--long", action="store_true", help="also run the longest attention cases (16k tokens)")
     parser.addoption("--device", default="cpu", help="cpu or cuda")
-    parser.addoption("--compile", default="off", help="the models' compile choice (concept.compiled; `concept bench --compile`)")
+    parser.addoption("--compile", default="off",
+                     help="the concept model's compile choice (concept.compiled; `concept bench --compile`); not off: "
+                          "also the compiled cases, the dense backbone compiled alike (benchmarks/compiled.py)")
     parser.addoption("--concept-results", default=None, help="write the side-by-side rows to this JSON file")
     parser.addoption("--dtype", default="fp32", choices=("fp32", "bf16"),
                      help="bf16: the inference cases in bfloat16 weights, the training steps under bf16 autocast")
@@ -39,7 +48,7 @@ def pytest_sessionfinish(session):
         import json
 
         with open(path, "w") as f:
-            json.dump(RESULTS, f, indent=1, default=float)
+            json.dump(RESULTS + [{"suite": "ops", **r} for r in COUNTS], f, indent=1, default=float)
 
 
 @pytest.fixture
@@ -100,27 +109,86 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+# GPU timing (docs/benchmarks.md): warm-up calls, then the median of this many calls of each side
+GPU_WARMUP, GPU_REPS = 3, 20
+
+
 def side_by_side(dense_fn, concept_fn, rounds: int = 3, device=None) -> dict:
-    """Median seconds of each, alternating dense / concept every round (after one warm-up each).
-    On CUDA the clock waits for the device, and the peak memory of each is recorded too."""
-    cuda = device is not None and torch.device(device).type == "cuda"
-    dense_fn(), concept_fn()
-    dense, concept, peak = [], [], {}
+    """Median seconds of each, alternating dense / concept every round (after one warm-up each). On CUDA:
+    :func:`gpu_side_by_side` (CUDA events, GPU_REPS rounds, a profiled call of each, peak memory)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return gpu_side_by_side({"dense": dense_fn, "concept": concept_fn}, device)
+    return cpu_side_by_side({"dense": dense_fn, "concept": concept_fn}, rounds)
+
+
+def cpu_side_by_side(fns: dict, rounds: int = 3) -> dict:
+    """Each of ``fns`` (name -> call) once, then ``rounds`` rounds calling each in turn: ``NAME_s``, the
+    median seconds (and ``speedup``, dense over concept, where both are there)."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
     for _ in range(rounds):
-        for name, fn, acc in (("dense", dense_fn, dense), ("concept", concept_fn, concept)):
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
+        for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            if cuda:
-                torch.cuda.synchronize(device)
-                peak[name] = torch.cuda.max_memory_allocated(device) / 2**20
-            acc.append(time.perf_counter() - start)
-    d, c = statistics.median(dense), statistics.median(concept)
-    out = {"dense_s": d, "concept_s": c, "speedup": d / c}
-    if peak:
-        out.update(dense_peak_mib=peak["dense"], concept_peak_mib=peak["concept"])
+            times[name].append(time.perf_counter() - start)
+    out = {f"{name}_s": statistics.median(t) for name, t in times.items()}
+    if "dense" in fns and "concept" in fns:
+        out["speedup"] = out["dense_s"] / out["concept_s"]
+    return out
+
+
+def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GPU_REPS) -> dict:
+    """Each of ``fns`` (name -> call) on a CUDA device: ``warmup`` calls each, then ``reps`` rounds calling
+    each in turn, timed by CUDA events around the call (``NAME_s``: the median) and by the host clock to the
+    device's end (``NAME_wall_s``), with the peak memory (``NAME_peak_mib``); then one profiled call of each
+    (``NAME_device_busy_s``, ``NAME_kernel_launches``, ``NAME_host_syncs``, ``NAME_aten_ops``). With a
+    ``dense`` and a ``concept`` entry, ``speedup`` is dense over concept."""
+    from concept.profiling import profile_call
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize(device)
+    spans = {name: [] for name in fns}
+    walls = {name: [] for name in fns}
+    peak = {name: 0.0 for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            torch.cuda.reset_peak_memory_stats(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            host = time.perf_counter()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            walls[name].append(time.perf_counter() - host)
+            spans[name].append(start.elapsed_time(end) / 1e3)
+            peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device) / 2**20)
+    out: dict = {"reps": reps, "warmup": warmup, "timer": "cuda events"}
+    for name, fn in fns.items():
+        prof = profile_call(fn, device)
+        out.update({f"{name}_s": statistics.median(spans[name]), f"{name}_wall_s": statistics.median(walls[name]),
+                    f"{name}_spread": (min(spans[name]), max(spans[name])), f"{name}_peak_mib": peak[name],
+                    f"{name}_device_busy_s": prof["device_busy_s"], f"{name}_kernel_launches": prof["kernel_launches"],
+                    f"{name}_host_syncs": prof["host_syncs"], f"{name}_aten_ops": prof["aten_ops"]})
+    if "dense" in fns and "concept" in fns:
+        out["speedup"] = out["dense_s"] / out["concept_s"]
+    return out
+
+
+def renamed_sides(timing: dict, names: dict[str, str]) -> dict:
+    """The ``NAME_...`` fields of :func:`gpu_side_by_side` / :func:`cpu_side_by_side` for the sides in ``names``
+    (old name -> new name), renamed; the other sides' fields left out, the shared ones (``reps``...) kept."""
+    own = [k for k in timing if k.endswith("_s") and not k.endswith(("_wall_s", "_busy_s"))]
+    sides = sorted({k.rsplit("_s", 1)[0] for k in own}, key=len, reverse=True)
+    out = {}
+    for key, value in timing.items():
+        side = next((n for n in sides if key.startswith(n + "_")), None)
+        if side is None:
+            out[key] = value
+        elif side in names:
+            out[names[side] + key[len(side):]] = value
     return out
 
 
@@ -135,14 +203,33 @@ def record():
 
 
 def pytest_terminal_summary(terminalreporter):
+    tr = terminalreporter
+    if COUNTS:
+        tr.section("aten ops and host syncs per call (concept.profiling.OpCounter)")
+        tr.write_line(f"{'backbone':11} {'call':28} {'model':10} {'tokens':>7} {'aten ops':>9} {'host syncs':>10} "
+                      f"{'not optim':>9} {'frozen casts':>12}  where")
+        for r in COUNTS:
+            sites = ", ".join(f"{k} x{n}" for k, n in r["sync_sites"].items())
+            casts = "-" if r.get("frozen_weight_casts") is None else str(r["frozen_weight_casts"])
+            tr.write_line(f"{r['backbone']:11} {r['what']:28} {r['model']:10} {r['tokens']:7d} {r['aten_ops']:9d} "
+                          f"{r['host_syncs']:10d} {r['syncs_outside_optimizer']:9d} {casts:>12}  {sites}")
     if not RESULTS:
         return
-    tr = terminalreporter
     tr.section("concept vs dense (measured side by side in this run)")
     tr.write_line(f"{'case':44} {'dense s':>9} {'concept s':>9} {'speedup':>8} {'ideal':>7} {'of ideal':>8}")
     for r in RESULTS:
         tr.write_line(f"{r['case']:44} {r['dense_s']:9.4f} {r['concept_s']:9.4f} {r['speedup']:8.2f} "
                       f"{r['ideal_speedup']:7.2f} {100 * r['fraction_of_ideal']:7.0f}%")
+    on_device = [r for r in RESULTS if "concept_device_busy_s" in r]
+    if on_device:  # GPU rows: where each side's time goes (one profiled call each)
+        tr.write_line("")
+        tr.write_line(f"{'case (GPU: one profiled call)':44} {'side':8} {'events ms':>9} {'wall ms':>8} "
+                      f"{'busy ms':>8} {'launches':>8} {'syncs':>5} {'aten ops':>8}")
+        for r in on_device:
+            for side in ("dense", "concept"):
+                tr.write_line(f"{r['case']:44} {side:8} {1e3 * r[side + '_s']:9.2f} {1e3 * r[side + '_wall_s']:8.2f} "
+                              f"{1e3 * r[side + '_device_busy_s']:8.2f} {r[side + '_kernel_launches']:8d} "
+                              f"{r[side + '_host_syncs']:5d} {r[side + '_aten_ops']:8d}")
     decode = [r for r in RESULTS if "kv_saving" in r]
     if decode:
         tr.write_line("")

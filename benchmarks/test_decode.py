@@ -37,7 +37,7 @@ from concept.decoding import DenseDecoder
 from concept.streaming.decoding import ConceptDecoder
 from concept.flops import Shape, decode_flops, evenly_spaced_keep, forward_flops, head_classes
 
-from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side, synchronize
+from .conftest import GPU_LENGTHS, GPU_REPS, dtype_name, gpu_case, side_by_side, synchronize
 from .test_forward import _model
 
 RATIO = 0.25
@@ -73,10 +73,17 @@ def _decode(decoder, ids, steps, peak=None):
         torch.cuda.reset_peak_memory_stats(ids.device)
     decoder, logits = _prefill(decoder, ids)
     synchronize(logits.device)
-    start = time.perf_counter()
-    _steps(decoder, logits, steps)
-    synchronize(logits.device)
-    seconds = time.perf_counter() - start
+    if cuda:  # CUDA events around the steps (docs/benchmarks.md)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _steps(decoder, logits, steps)
+        end.record()
+        synchronize(logits.device)
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        start = time.perf_counter()
+        _steps(decoder, logits, steps)
+        seconds = time.perf_counter() - start
     if cuda and peak is not None:
         peak["dense" if isinstance(decoder, DenseDecoder) else "concept"] = torch.cuda.max_memory_allocated(ids.device) / 2**20
     return seconds, decoder
@@ -100,7 +107,8 @@ def test_decode_default_point_vs_dense(benchmark, record, request, device, dtype
 
 def measure_decode(benchmark, record, model, T, device, name, **extra):
     """Prefill both models on the same random prompt (untimed), then time STEPS greedy steps of each,
-    alternating (median of 3 rounds), next to the ideal FLOP ratio of the realised decisions."""
+    alternating (median of 3 rounds; on CUDA of GPU_REPS, by CUDA events, then one profiled run of the steps
+    of each), next to the ideal FLOP ratio of the realised decisions."""
     torch.manual_seed(0)
     ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
     if hasattr(model.length_policy, "null_bias"):
@@ -110,11 +118,12 @@ def measure_decode(benchmark, record, model, T, device, name, **extra):
         return
     dense_s, concept_s, peak = [], [], {}
     _decode(DenseDecoder(model.backbone), ids, 2), _decode(ConceptDecoder(model), ids, 2)  # warm-up
-    for _ in range(3):
+    for _ in range(GPU_REPS if device.type == "cuda" else 3):
         dense_s.append(_decode(DenseDecoder(model.backbone), ids, STEPS, peak)[0])
         seconds, decoder = _decode(ConceptDecoder(model), ids, STEPS, peak)
         concept_s.append(seconds)
     d, c = statistics.median(dense_s), statistics.median(concept_s)
+    profiled = profile_steps(model, ids) if device.type == "cuda" else {}
     keep = torch.tensor(decoder.keep[0])
     classes = head_classes(model)
     ideal = decode_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, classes, STEPS)
@@ -127,7 +136,21 @@ def measure_decode(benchmark, record, model, T, device, name, **extra):
            T=T, dense_tokens_per_s=STEPS / d, concept_tokens_per_s=STEPS / c,
            decode_ratio=decode_ratio, prompt_ratio=prompt_ratio, ratio=decode_ratio,
            kv_bytes=kv["bytes"], dense_kv_bytes=kv["dense_bytes"], kv_saving=kv["dense_bytes"] / kv["bytes"],
-           suite="decode", **extra)
+           suite="decode", **profiled, **extra)
+
+
+def profile_steps(model, ids) -> dict:
+    """STEPS greedy steps of each decoder after its prefill, once under ``torch.profiler``: device busy,
+    kernel launches, host syncs, aten ops (``dense_...`` / ``concept_...``)."""
+    from concept.profiling import profile_call
+
+    out = {}
+    for name, make in (("dense", lambda: DenseDecoder(model.backbone)), ("concept", lambda: ConceptDecoder(model))):
+        decoder, logits = _prefill(make(), ids)
+        prof = profile_call(lambda: _steps(decoder, logits), ids.device)
+        out.update({f"{name}_{k}": prof[k] for k in ("wall_s", "device_busy_s", "kernel_launches", "host_syncs",
+                                                      "aten_ops")})
+    return out
 
 
 @pytest.mark.parametrize("backbone,T", PREFILL_CASES, ids=[f"{b}-T{t}" for b, t in PREFILL_CASES])

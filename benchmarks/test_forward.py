@@ -3,6 +3,7 @@
     .venv/bin/python -m pytest benchmarks/test_forward.py              # tiny backbone (fast)
     .venv/bin/python -m pytest benchmarks/test_forward.py --smollm2    # + SmolLM2-135M at T=2048
     .venv/bin/python -m pytest benchmarks/test_forward.py --smollm2 --long --device cuda --dtype bf16   # + the GPU cases
+    ... --compile      # + the compiled cases (benchmarks/compiled.py)
 
 The GPU cases run the default build (split 4,18,8 on SmolLM2) at its operating point, 0.125 concepts
 per token, at 2k / 8k / 16k tokens (16k is past SmolLM2's 8192 trained positions: a speed case only).
@@ -11,6 +12,12 @@ Most cases force the decisions evenly at the ratio (``keep=``), so they time the
 ``decided`` cases let the default length policy decide (`null` with its ratio tracker, a sequential
 scan over the tokens), as training and evaluation do; their ideal is computed from the decisions
 that forward made.
+
+The ``compiled`` cases (``--compile``) time, side by side, the dense backbone in HF eager, the dense backbone
+compiled the way the concept model compiles (``reduce-overhead`` on CUDA), and the concept model built with its
+compile option, its policy deciding. Rows: the compiled concept model against the compiled dense one (with
+``speedup_vs_dense_eager`` beside it), and the compiled dense backbone against HF eager. Where this build has no
+compile option, only the second row is measured (the reason is in the row).
 """
 from __future__ import annotations
 
@@ -22,26 +29,31 @@ from concept import BuildConfig, ComponentRef
 from concept.config import DEFAULT_TARGET_RATIO
 from concept.flops import Shape, evenly_spaced_keep, forward_flops, head_classes
 
-from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side, skip_unavailable
+from . import compiled
+from .conftest import (GPU_LENGTHS, cpu_side_by_side, dtype_name, gpu_case, gpu_side_by_side, renamed_sides,
+                       side_by_side, skip_unavailable)
 
 RATIO = 0.25
 GPU_BACKENDS = ("chunked", "flex", "xformers")
 
 
-def _model(backbone: str, attention: str, length_policy: ComponentRef | None = None):
+def _model(backbone: str, attention: str, length_policy: ComponentRef | None = None, max_ratio: float = 0.0,
+           **build):
     """``default``: the default build (split auto = 4,18,8 on SmolLM2); ``smollm2``: split 4,22,4; else
-    the tiny random backbone."""
+    the tiny random backbone. ``max_ratio``: a static concept budget; ``build``: more keywords of
+    ``concept.build`` (e.g. ``compile``)."""
     policy = length_policy or ComponentRef("null")
     if backbone == "default":
-        return concept.build(BuildConfig(attention=ComponentRef(attention), length_policy=policy))
-    if backbone == "smollm2":
+        cfg = BuildConfig(attention=ComponentRef(attention), length_policy=policy)
+    elif backbone == "smollm2":
         cfg = BuildConfig(split="4,22,4", attention=ComponentRef(attention), length_policy=policy)
     else:
         cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 8, "hidden": 256, "heads": 4, "kv_heads": 2,
                                                               "intermediate": 512, "vocab": 1024}),
                           split="1,6,1", attention=ComponentRef(attention), vocabulary=ComponentRef("embedding", {"size": 256}),
                           length_policy=policy)
-    return concept.build(cfg)
+    cfg.max_ratio = max_ratio
+    return concept.build(cfg, **build)
 
 
 CASES = [("tiny-llama", 512, "chunked"), ("tiny-llama", 512, "sdpa"),
@@ -82,6 +94,45 @@ def test_forward_default_point_decided_by_the_policy_vs_dense(benchmark, record,
     gpu_case(request, device, T)
     measure_forward(benchmark, record, _model("default", "flex").to(device, dtype), T, None, device,
                     f"forward default T={T} decided flex", backend="flex", dtype=dtype_name(dtype))
+
+
+@pytest.mark.parametrize("backbone,T", [("tiny-llama", 512)] + [("default", t) for t in GPU_LENGTHS],
+                         ids=["tiny-llama-T512-compiled"] + [f"default-T{t}-compiled" for t in GPU_LENGTHS])
+def test_forward_compiled_vs_dense_compiled(benchmark, record, request, device, dtype, backbone, T):
+    """The compiled model, its policy deciding, against the dense backbone compiled alike and HF eager."""
+    choice = request.config.getoption("--compile")
+    if choice == "off":
+        pytest.skip("pass --compile for the compiled cases")
+    if backbone == "default":
+        gpu_case(request, device, T)
+    attention = "flex" if device.type == "cuda" else "chunked"
+    eager = _model(backbone, attention, max_ratio=compiled.BUDGET).to(device, dtype).eval()
+    model = _model(backbone, attention, max_ratio=compiled.BUDGET, **compiled.build_option(choice)).to(device, dtype).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, eager.backbone.config.vocab_size, (1, T)).to(device)
+    dense = compiled.compile_dense(eager.backbone, device)
+    fns = {"dense_eager": lambda: eager.backbone(ids), "dense": lambda: dense(ids), "concept": lambda: model(ids)}
+    with torch.no_grad():
+        if benchmark.disabled:  # smoke run (CI): one call each, no timing claims
+            for fn in fns.values():
+                fn()
+            return
+        timing = gpu_side_by_side(fns, device) if device.type == "cuda" else cpu_side_by_side(fns)
+        benchmark.pedantic(fns["concept"], rounds=3, iterations=1)
+        keep = model(ids).keep
+    mode = compiled.dense_compile_kwargs(device)
+    label = f"{backbone} T={T} compiled ({', '.join(f'{k}={v}' for k, v in mode.items())})"
+    common = dict(T=T, dtype=dtype_name(dtype), backend=attention, compile=mode, concept_compile=choice,
+                  max_ratio=compiled.BUDGET)
+    ideal = forward_flops(Shape.from_hf_config(eager.backbone.config), eager.split, keep[0].cpu(), head_classes(eager))
+    row = {**timing, "speedup": timing["dense_s"] / timing["concept_s"],
+           "speedup_vs_dense_eager": timing["dense_eager_s"] / timing["concept_s"]}
+    record(benchmark, f"forward {label} decided", row, ideal.speedup, ratio=float(keep.float().mean()),
+           suite="forward-compiled", **common)
+    dense_row = renamed_sides(timing, {"dense_eager": "dense", "dense": "concept"})
+    dense_row["speedup"] = dense_row["dense_s"] / dense_row["concept_s"]
+    record(benchmark, f"forward dense {label} vs HF eager", dense_row, 1.0, suite="forward-compiled-dense",
+           concept_model="the compiled dense backbone (this row's 'concept' side)", **common)
 
 
 def measure_forward(benchmark, record, model, T, ratio, device, name, **extra):

@@ -19,7 +19,8 @@ from concept.config import COMPILE_CHOICES, COMPILE_HELP
 from .output import print_json, status, stdout, table
 
 SUITES = {"forward": "test_forward.py", "train": "test_train_step.py", "decode": "test_decode.py",
-          "attention": "test_attention.py", "planner": "test_planner.py", "policy": "test_policy_scan.py"}
+          "attention": "test_attention.py", "planner": "test_planner.py", "policy": "test_policy_scan.py",
+          "ops": "test_op_counts.py"}
 FAIL_ON = re.compile(r"^(min|max|mean|median|stddev|iqr):\d+(\.\d+)?%?$")
 
 
@@ -87,6 +88,17 @@ def check_fail_on(expressions: tuple[str, ...]) -> list[str]:
 
 
 def render(rows: list[dict]) -> None:
+    counts = [r for r in rows if r.get("suite") == "ops"]
+    rows = [r for r in rows if r.get("suite") != "ops"]
+    if counts:
+        c = table("backbone", "call", "model", "tokens", "aten ops", "host syncs", "not torch.optim",
+                  title="aten ops and host syncs per call (concept.profiling)")
+        for r in counts:
+            c.add_row(r["backbone"], r["what"], r["model"], str(r["tokens"]), f"{r['aten_ops']:,}", str(r["host_syncs"]),
+                      str(r["syncs_outside_optimizer"]))
+        stdout.print(c)
+    if not rows:
+        return
     t = table("case", "dense s", "concept s", "speed-up", "ideal", "of ideal", "concepts/token",
               "peak MiB (dense / concept)", title="concept vs dense (measured side by side)")
     for r in rows:
@@ -120,6 +132,7 @@ def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storag
     \b
     concept bench                                        # every suite, tiny cases, a table of ratios
     concept bench --suite attention --long              # attention only, up to 16k tokens
+    concept bench --suite ops --smollm2                 # aten ops and host syncs per forward and training step
     concept bench --smollm2 --save mymachine            # store a baseline for this machine
     concept bench --smollm2 --compare mymachine --fail-on mean:10%
     """

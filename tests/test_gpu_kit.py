@@ -52,6 +52,10 @@ def test_dry_setup_reports_the_machine_and_throughput(dry):
         p = m["profile"]
         assert p["wall_s"] > 0 and p["device_s"] > 0 and p["ops"] > 100 and p["top_device"] and p["top_cpu"]
         assert p["top_device"][0]["device_ms"] >= p["top_device"][-1]["device_ms"]
+        assert p["host_syncs"] == 0 and p["kernel_launches"] == 0  # a CPU: no CUDA synchronisation, no kernel
+        assert (dry / p["table"]).stat().st_size > 0
+    compiled = result["throughput"]["compiled"]  # the same step compiled (a static concept budget), measured too
+    assert set(compiled["models"]) and all(m["tokens_per_s"] > 0 for m in compiled["models"].values())
 
 
 def test_dry_exact_runs_the_cuda_tests_which_skip_here(dry):
@@ -60,6 +64,7 @@ def test_dry_exact_runs_the_cuda_tests_which_skip_here(dry):
     ids = [t["id"] for t in result["tests"]]
     assert any(i.startswith("tests/test_cuda.py::test_backend_matches_the_naive_reference_on_cuda[") for i in ids)
     assert result["counts"]["skipped"] == len(ids) > 0  # no CUDA here: every one skips, none fails
+    assert [s["tests"] for s in result["shards"]] == [len(result["files"])]  # a dry run: one process over the files
     assert set(result["tolerances"]["relative_l2"]) == {"fp32", "bf16"}
 
 
@@ -75,8 +80,16 @@ def test_dry_speed_writes_rows_a_baseline_and_a_recommendation(dry):
     assert json.loads((dry / "speed-baseline.json").read_text())["benchmarks"]
 
 
+def stage_skips(out: Path, name: str) -> list[dict]:
+    return json.loads((out / f"{name}.json").read_text())["skipped"]
+
+
 def test_dry_quality_trains_the_three_models_and_plots_them(dry):
     result = stage(dry, "quality")
+    plan = result["plan"]  # the corpus: a prefix of the stand-in's sources, tokenised, one epoch at most
+    assert plan["data"].endswith("corpus") and 0 < plan["corpus"]["files"] < plan["corpus"]["corpus_files"]
+    assert plan["steps"] * plan["batch"] <= plan["corpus"]["train"]["rows"]
+    assert f"--data {plan['data']}" in (dry / "quality.log").read_text()
     assert [p["name"] for p in result["points"]][0] == "default" and result["points"][0]["state"] == "complete"
     kinds = sorted(r["kind"] for r in result["frontier"]["rows"])
     assert kinds == ["dense", "pruned", "streaming"]
@@ -113,13 +126,149 @@ def test_quality_sizes_its_runs_from_the_measured_throughput(tmp_path):
                {"result": {"throughput": {"models": {k: {"tokens_per_s": v} for k, v in tokens_per_s.items()}}}})
     main, near = {"flop_ratio": 0.596, "pruned_flop_ratio": 0.604}, {"flop_ratio": 0.81, "pruned_flop_ratio": 0.8}
     per_step = 16_384
-    steps, seconds, reason = quality_stage.size(stage, SimpleNamespace(total_minutes=14, tokens=None), per_step, main, near)
+    steps, seconds, reason, option = quality_stage.size(stage, SimpleNamespace(total_minutes=14, tokens=None), per_step,
+                                                        main, near)
     assert 1e7 < steps * per_step < 3e7 and seconds[0] <= 14 * 60 and "not also this point" in reason
-    steps, seconds, reason = quality_stage.size(stage, SimpleNamespace(total_minutes=60, tokens=None), per_step, main, near)
-    assert 3e7 - per_step < steps * per_step <= 3e7 and reason == "" and sum(seconds) <= 60 * 60
+    assert option is None  # setup measured no compiled training: eager
+    steps, seconds, reason, _ = quality_stage.size(stage, SimpleNamespace(total_minutes=90, tokens=None), per_step,
+                                                   main, near)
+    assert 1e8 - per_step < steps * per_step <= 1e8 and reason == "" and sum(seconds) <= 90 * 60
     assert not stage.warnings
-    steps, _, _ = quality_stage.size(stage, SimpleNamespace(total_minutes=4, tokens=None), per_step, main, near)
+    steps, _, _, _ = quality_stage.size(stage, SimpleNamespace(total_minutes=4, tokens=None), per_step, main, near)
     assert steps * per_step < 1e7 and "indicative only" in stage.warnings[0]
+    stage.finish({})
+
+
+@pytest.mark.parametrize("compile_s,chosen", [(60, True), (400, False)])
+def test_quality_trains_compiled_where_that_fits_more_tokens(tmp_path, compile_s, chosen):
+    """Twice the throughput compiled: worth it at a minute's compilation per model, not at almost seven."""
+    from types import SimpleNamespace
+
+    eager = {"streaming": 150_000, "pruned": 180_000, "dense": 110_000}
+    option = {"compile": True}
+    main, near = {"flop_ratio": 0.596, "pruned_flop_ratio": 0.604}, {"flop_ratio": 0.81, "pruned_flop_ratio": 0.8}
+    sized = {}
+    for name, compiled in (("eager", None), ("both", {"option": option, "models": {
+            k: {"tokens_per_s": 2 * v, "compile_s": compile_s} for k, v in eager.items()}})):
+        stage = Stage("quality", tmp_path / name, tmp_path / name / "work", dry=False, budget_s=60)
+        throughput = {"models": {k: {"tokens_per_s": v} for k, v in eager.items()}, **({"compiled": compiled} if compiled else {})}
+        write_json(tmp_path / name / "work" / "setup.json", {"result": {"throughput": throughput}})
+        sized[name] = quality_stage.size(stage, SimpleNamespace(total_minutes=14, tokens=None), 16_384, main, near)
+        stage.finish({})
+    steps, seconds, _, used = sized["both"]
+    assert sized["eager"][3] is None and (used == option) is chosen and seconds[0] <= 14 * 60
+    assert (steps > 1.3 * sized["eager"][0]) is chosen  # 705 s left: 525 s at twice the speed
+
+
+def test_the_15_minute_lease_leaves_quality_minutes_after_the_worst_case():
+    """Every earlier stage at its whole budget, the machine's start and a margin: quality still gets minutes."""
+    assert kit.quality_minutes(15) >= 3.0
+    assert kit.CALL1_SETUP_MIN + kit.BUDGET_MIN["exact"] <= 10 - 0.5  # each call within the device's 10 minutes
+    assert kit.BUDGET_MIN["setup"] + kit.BUDGET_MIN["speed"] <= 10 - 0.5
+
+
+# -- the quality stage's corpus ---------------------------------------------------------------------
+def tree(root: Path, files: int) -> Path:
+    for i in range(files):
+        path = root / f"pkg{i % 3}" / f"mod{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"def f{i}():\n    return {i}\n" * (20 + i))
+    for skipped in ("pkg0/tests/test_x.py", "pkg1/__pycache__/m.py", ".hidden/h.py", "pkg2/data.txt"):
+        (root / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (root / skipped).write_text("x = 1\n")
+    return root
+
+
+def test_the_corpus_leaves_out_files_a_training_run_could_not_read(tmp_path):
+    from benchmarks.gpu_kit import corpus
+
+    root = tree(tmp_path / "site-packages", 6)
+    (root / "pkg0" / "latin1.py").write_bytes("# caf\xe9\n".encode("latin-1"))
+    (root / "pkg1" / "nul.py").write_bytes(b"x = 1\0\n")
+    files = corpus.python_files(root)
+    assert {"pkg0/latin1.py", "pkg1/nul.py"} <= set(files)
+    chosen = corpus.select(files, 1e9, lambda n: corpus.utf8_text(root / n))
+    assert len(chosen) == 6 and "pkg0/latin1.py" not in chosen and "pkg1/nul.py" not in chosen
+
+
+def test_the_corpus_is_a_prefix_of_a_fixed_order_linked_under_the_same_names(tmp_path):
+    from benchmarks.gpu_kit import corpus
+    from concept import data
+
+    root = tree(tmp_path / "site-packages", 40)
+    files = corpus.python_files(root)
+    assert len(files) == 40 and not any("tests/" in n or "__pycache__" in n or n.startswith(".") for n in files)
+    order = corpus.order(files)
+    assert order == corpus.order(reversed(list(files))) != sorted(files)  # fixed, whatever the listing order
+    stage = Stage("quality", tmp_path / "out", tmp_path / "work", dry=False, budget_s=60)
+    folder = tmp_path / "work" / "corpus"
+    small = corpus.prepare(stage, folder, 300, root=root)
+    chosen = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.py"))
+    assert chosen == sorted(order[:small["files"]]) and 0 < small["files"] < 40
+    assert all((folder / n).resolve() == (root / n).resolve() for n in chosen)
+    assert small["bytes"] >= 300 / 0.95 * corpus.CHARS_PER_TOKEN and small["bytes"] - files[order[small["files"] - 1]] < \
+        300 / 0.95 * corpus.CHARS_PER_TOKEN * corpus.MARGIN  # the shortest prefix that covers it
+    assert corpus.prepare(stage, folder, 200, root=root) == small  # kept: it covers fewer tokens too
+    whole = corpus.prepare(stage, folder, 1e9, root=root)
+    assert whole["whole"] and whole["files"] == 40 and not (folder / "corpus.json").exists()
+    # the held-out rule of `concept train` on the folder is the rule on the same names in site-packages
+    held = {d.name for d in data.read_documents(str(folder), "heldout", heldout_fraction=0.3)}
+    assert held and held == {n for n in files if data._is_heldout(n, 0.3)}
+    stage.finish({})
+
+
+def test_the_corpus_caps_the_plan_at_one_epoch(tmp_path, monkeypatch):
+    """Never a training token twice: more steps than the corpus's training rows hold are cut, with a warning."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_kit import corpus
+
+    root = tree(tmp_path / "site-packages", 12)
+    monkeypatch.setattr(corpus, "source_root", lambda dry: root)
+    monkeypatch.setattr(quality_stage.recipe, "build_config", lambda dry: None)
+    model = SimpleNamespace(tokenizer=None, backbone=SimpleNamespace(config=SimpleNamespace(vocab_size=256)))
+    monkeypatch.setattr("concept.build", lambda config: model)
+    stage = Stage("quality", tmp_path / "out", tmp_path / "work", dry=False, budget_s=60)
+    plan = {"tokens_per_step": 64, "batch": 2, "seq_len": 32}
+    epoch = quality_stage.prepare_corpus(stage, plan, 10)
+    assert epoch >= 10 and not stage.warnings and plan["data"].endswith("corpus")
+    rows = plan["corpus"]["train"]["rows"]
+    assert epoch == rows // 2 and plan["corpus"]["train"]["tokens"] >= rows * 32
+    few = quality_stage.prepare_corpus(stage, plan, 10_000)  # more than the whole corpus holds
+    assert few < 10_000 and "no training token twice" in stage.warnings[0]
+    stage.finish({})
+
+
+# -- exact's shards, running together ---------------------------------------------------------------
+def test_exact_deals_the_collected_tests_with_the_resume_first():
+    from benchmarks.gpu_kit.exact_stage import FIRST, SHARDS
+    from benchmarks.gpu_kit.pytest_run import collected_ids, deal
+
+    out = ("tests/test_cuda.py::test_backend[auto-fp32]\ntests/test_cuda.py::test_backend[flex-fp32]\n"
+           "tests/test_cuda.py::test_decoding[flex]\ntests/test_cuda.py::test_bf16_training_resumes_exactly_on_cuda[chunked]\n"
+           "tests/test_cuda.py::test_bf16_training_resumes_exactly_on_cuda[auto]\n\n5 tests collected in 2.1s\n")
+    ids = collected_ids(out)
+    assert len(ids) == 5
+    shards = deal(ids, SHARDS, FIRST)
+    assert len(shards) == 3 and sorted(sum(shards, [])) == sorted(ids)
+    assert [s[0].split("[")[-1] for s in shards[:2]] == ["chunked]", "auto]"]  # each of them first in a shard
+    assert deal(ids[:1], 3) == [ids[:1]] and deal([], 3) == [[]]
+
+
+def test_commands_run_together_and_each_stops_at_the_deadline(tmp_path):
+    import time
+
+    from benchmarks.gpu_kit.common import run_logged_together
+
+    stage = Stage("exact", tmp_path, tmp_path / "work", dry=True, budget_s=60)
+    quick = [sys.executable, "-c", "print('quick done')"]
+    slow = [sys.executable, "-c", "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('stopped')"]
+    start = time.monotonic()
+    runs = run_logged_together(stage, [quick, slow, quick], deadline=time.monotonic() + 3)
+    assert time.monotonic() - start < 30
+    assert [r["interrupted"] for r in runs] == [False, True, False] and runs[0]["returncode"] == 0
+    log = stage.log_path.read_text()
+    assert "[1] quick done" in log and "[2] stopped" in log and "[3] quick done" in log
     stage.finish({})
 
 

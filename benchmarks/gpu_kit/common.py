@@ -203,41 +203,70 @@ def run_logged(stage: Stage, cmd: list[str], env: dict | None = None, deadline: 
     ``deadline`` (monotonic; default: the stage's) it gets an interrupt (Ctrl-C: pytest and
     training stop cleanly and save what they have), then, after a grace period, a kill.
     Returns ``{"returncode", "seconds", "interrupted"}``."""
+    return run_logged_together(stage, [cmd], env, deadline, on_line)[0]
+
+
+def run_logged_together(stage: Stage, cmds: list[list[str]], env: dict | None = None, deadline: float | None = None,
+                        on_line: Callable[[str], None] | None = None) -> list[dict]:
+    """:func:`run_logged` for several commands at once (each line of command ``i`` logged as ``[i] ...``
+    when there are several); each one is interrupted at the shared ``deadline``. One result per command."""
     deadline = stage.deadline() if deadline is None else deadline
-    stage.say("$ " + " ".join(cmd))
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
+    procs, readers, starts = [], [], []
+    for i, cmd in enumerate(cmds):
+        prefix = f"[{i + 1}] " if len(cmds) > 1 else ""
+        stage.say(f"{prefix}$ " + " ".join(cmd))
+        starts.append(time.monotonic())
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", start_new_session=True)
 
-    def pump():
-        for line in proc.stdout:
-            stage.raw(line)
-            if on_line:
-                on_line(line)
+        def pump(proc=proc, prefix=prefix):
+            for line in proc.stdout:
+                stage.raw(prefix + line)
+                if on_line:
+                    on_line(line)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    interrupted = False
+        readers.append(threading.Thread(target=pump, daemon=True))
+        readers[-1].start()
+        procs.append(proc)
+    interrupted = [False] * len(procs)
+    ended = [None] * len(procs)
+
+    def wait_all(until: float) -> None:
+        while True:
+            for k, p in enumerate(procs):
+                if ended[k] is None and p.poll() is not None:
+                    ended[k] = time.monotonic()
+            if all(e is not None for e in ended) or time.monotonic() >= until:
+                return
+            time.sleep(0.1)
+
     try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        interrupted = True
-        stage.say(f"time budget reached: interrupting (pid {proc.pid}), {GRACE_S} s to stop cleanly")
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=GRACE_S)
-        except subprocess.TimeoutExpired:
-            stage.say(f"still running after {GRACE_S} s: killing pid {proc.pid}")
-            os.killpg(proc.pid, signal.SIGKILL)
+        wait_all(max(deadline, time.monotonic() + 1.0))
+        for k, proc in enumerate(procs):
+            if proc.poll() is None:
+                interrupted[k] = True
+                stage.say(f"time budget reached: interrupting (pid {proc.pid}), {GRACE_S} s to stop cleanly")
+                os.killpg(proc.pid, signal.SIGINT)
+        wait_all(time.monotonic() + GRACE_S)
+        for proc in procs:
+            if proc.poll() is None:
+                stage.say(f"still running after {GRACE_S} s: killing pid {proc.pid}")
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    except BaseException:  # our own Ctrl-C: pass it on, then wait for the child
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait()
+    except BaseException:  # our own Ctrl-C: pass it on, then wait for the children
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+        for proc in procs:
+            proc.wait()
         raise
-    reader.join(timeout=10)
-    seconds = time.monotonic() - start
-    stage.say(f"exit code {proc.returncode} after {seconds:.1f} s")
-    return {"returncode": proc.returncode, "seconds": round(seconds, 1), "interrupted": interrupted}
+    results = []
+    for k, (proc, start, reader) in enumerate(zip(procs, starts, readers)):
+        reader.join(timeout=10)
+        seconds = (ended[k] or time.monotonic()) - start
+        stage.say(f"exit code {proc.returncode} after {seconds:.1f} s" + (f" (pid {proc.pid})" if len(procs) > 1 else ""))
+        results.append({"returncode": proc.returncode, "seconds": round(seconds, 1), "interrupted": interrupted[k]})
+    return results
 
 
 def python_cmd(*args: str) -> list[str]:

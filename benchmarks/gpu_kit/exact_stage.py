@@ -6,18 +6,26 @@ forcing, a bf16 training run resumed exactly; ``tests/test_xformers.py``'s kerne
 xformers is installed) with ``-m cuda``. A file whose top-level imports are missing on this machine
 (xformers when no wheel fits) is left out, with the reason. Without a CUDA device (``--dry``) every
 test skips, and the report has the same shape.
+
+All of it, within a 15-minute lease: most of the stage's time is compilation on the host (FlexAttention,
+inductor), not the GPU, so the tests run as SHARDS pytest processes at once (the machine has 16 cores), dealt
+round-robin from the collected ids with the tests cut by the budget before (the bf16 resume, twice on
+2026-11-26) at the head of the shards. The dry run runs one process over the files.
 """
 from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
 from pathlib import Path
 
 from .common import ROOT, Stage, kit_env
-from .pytest_run import run_pytest
+from .pytest_run import collect, deal, run_pytest_shards
 from .setup_stage import needs_setup
 
 MARKER = "pytest.mark.cuda"
+SHARDS = 3  # pytest processes at once on the device
+FIRST = ("test_bf16_training_resumes_exactly_on_cuda",)  # cut by the stage's budget twice (2026-11-26): first now
 
 
 def missing_imports(path: Path) -> list[str]:
@@ -60,7 +68,19 @@ def run(stage: Stage, args) -> int:
         return stage.finish({})
     files = cuda_test_files(stage)
     env = {**kit_env(stage.work, stage.dry), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    report = run_pytest(stage, ["-m", "cuda", "-q", "-rfEs", *files], env, "exact")
+    args = ["-m", "cuda", "-q", "-rfEs"]
+    shards = [files]
+    if not stage.dry:
+        try:
+            ids = collect([*args, *files], env)
+        except subprocess.TimeoutExpired:
+            ids = []
+        if ids:
+            shards = deal(ids, SHARDS, FIRST)
+            stage.say(f"{len(ids)} tests in {len(shards)} pytest processes at once")
+        else:
+            stage.warn("pytest collected no test ids (see exact.log's command); running the files in one process")
+    report = run_pytest_shards(stage, shards, args, env, "exact")
     counts, tests = report["counts"], report["tests"]
     for t in tests:
         if t["outcome"] in ("failed", "error"):
@@ -71,7 +91,7 @@ def run(stage: Stage, args) -> int:
     elif report["returncode"] not in (0, 1, 5) and not tests:
         stage.problem(f"pytest exited with code {report['returncode']} before running a test (see exact.log)")
     result = {"files": files, "counts": counts, "tests": tests, "pytest_exit": report["returncode"],
-              "pytest_seconds": report["seconds"], "tolerances": tolerances(),
+              "pytest_seconds": report["seconds"], "shards": report["shards"], "tolerances": tolerances(),
               "command": "python -m pytest -m cuda " + " ".join(files)}
     stage.say(", ".join(f"{n} {k}" for k, n in counts.items()))
     return stage.finish(result)

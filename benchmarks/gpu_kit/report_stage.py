@@ -98,15 +98,29 @@ def render_setup(data: dict) -> str:
                   "| model | tokens/s | s / step | peak MiB |", "|---|---:|---:|---:|"]
         lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {m['step_s']:.3f} | {_f(m.get('peak_mib'), ',.0f')} |"
                   for kind, m in tp["models"].items()]
+        compiled = (tp.get("compiled") or {}).get("models", {})
+        if compiled:
+            lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`; compile: the warm-up steps' extra time):",
+                      "", "| model | tokens/s | vs eager | s / step | compile s | peak MiB |", "|---|---:|---:|---:|---:|---:|"]
+            lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {_f(m.get('vs_eager'), '.2f')}x | {m['step_s']:.3f} | "
+                      f"{_f(m.get('compile_s'), '.0f')} | {_f(m.get('peak_mib'), ',.0f')} |" for kind, m in compiled.items()]
+        best = {k: max(d[k]["tokens_per_s"] for d in (tp["models"], compiled) if k in d)
+                for k in ("streaming", "dense") if k in tp["models"] or k in compiled}
+        if len(best) == 2:
+            lines += ["", f"Training target (docs/benchmarks.md): streaming {best['streaming']:,.0f} tokens/s at its best "
+                          f"(bar 250,000), {best['streaming'] / best['dense']:.2f}x the dense model's best (bar 1.4x)."]
         profiled = {kind: m["profile"] for kind, m in tp["models"].items() if m.get("profile")}
+        profiled.update({f"{kind} compiled": m["profile"] for kind, m in compiled.items() if m.get("profile")})
         if profiled:
             lines += ["", "One more step of each under `torch.profiler` (device busy: the sum of its kernels' own time; "
                           "far below the step's wall time means launches and Python bound the step, not arithmetic; "
-                          "the full tables come back as `setup-profile-KIND.txt`):", "",
-                      "| model | step s | device busy s | kernel launches | operator calls | most device time |",
-                      "|---|---:|---:|---:|---:|---|"]
-            lines += [f"| {kind} | {p['wall_s']:.3f} | {p['device_s']:.3f} | {p['kernel_launches']:,} | {p['ops']:,} | "
-                      + ", ".join(f"`{t['op']}` {t['device_ms']:.1f} ms ({t['calls']}x)" for t in p["top_device"][:3])
+                          "host syncs: CUDA synchronisations inside the step; the full tables come back as "
+                          "`setup-profile-KIND.txt`):", "",
+                      "| model | step s | device busy s | kernel launches | host syncs | aten ops | most device time |",
+                      "|---|---:|---:|---:|---:|---:|---|"]
+            lines += [f"| {kind} | {p['wall_s']:.3f} | {p['device_s']:.3f} | {p['kernel_launches']:,} | "
+                      f"{_f(p.get('host_syncs'), ',')} | {p['ops']:,} | "
+                      + ", ".join(f"`{t['op'][:60]}` {t['device_ms']:.1f} ms ({t['calls']}x)" for t in p["top_device"][:3])
                       + " |" for kind, p in profiled.items()]
     return "\n".join(lines + [""] + skipped_lines(data))
 
@@ -153,6 +167,24 @@ def render_speed(data: dict) -> str:
         peak = (f"{row['dense_peak_mib']:,.0f} / {row['concept_peak_mib']:,.0f}" if "dense_peak_mib" in row else "–")
         lines.append(f"| {row['case']} | {1000 * row['dense_s']:.2f} | {1000 * row['concept_s']:.2f} | "
                      f"{row['speedup']:.2f}x | {row['ideal_speedup']:.2f}x | {100 * row['fraction_of_ideal']:.0f}% | {peak} |")
+    profiled = [row for row in r["rows"] if "concept_device_busy_s" in row]
+    if profiled:
+        lines += ["", f"Host and device, per side (CUDA events: the median of {profiled[0].get('reps', '–')} calls after "
+                      f"{profiled[0].get('warmup', '–')}; wall: the host's clock to the device's end; busy, launches, "
+                      f"syncs, aten ops: one more call under `torch.profiler`):", "",
+                  "| case | side | events ms | wall ms | device busy ms | kernel launches | host syncs | aten ops |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for row in profiled:
+            for side in ("dense", "concept"):
+                lines.append(f"| {row['case']} | {side} | {1000 * row[side + '_s']:.2f} | "
+                             f"{_f(row.get(side + '_wall_s') and 1000 * row[side + '_wall_s'], '.2f')} | "
+                             f"{1000 * row[side + '_device_busy_s']:.2f} | {row[side + '_kernel_launches']:,} | "
+                             f"{row[side + '_host_syncs']} | {row[side + '_aten_ops']:,} |")
+    vs_eager = [row for row in r["rows"] if "speedup_vs_dense_eager" in row]
+    if vs_eager:
+        lines += ["", "Forward target at 8k (docs/benchmarks.md; bars: 2x dense compiled alike, 2.5x dense HF eager):", ""]
+        lines += [f"- {row['case']}: {row['speedup']:.2f}x dense compiled, {row['speedup_vs_dense_eager']:.2f}x dense "
+                  f"HF eager" for row in vs_eager]
     lines += ["", "Fastest exact backend (speed-up over dense) per length:", "", "| suite | T | fastest | all |",
               "|---|---:|---|---|"]
     for suite, lengths in r["fastest"].items():
@@ -175,8 +207,9 @@ def render_quality(data: dict, image: str | None) -> str:
     lines = [heading(data), "",
              f"Recipe: `make demo`'s ({', '.join(f'{k} {v}' for k, v in plan['recipe'].items())}), batch {plan['batch']} x "
              f"{plan['seq_len']} tokens, {plan['steps']} steps (warm-up {plan['warmup']}): "
-             f"**{plan['tokens_per_model']:.3g} tokens per model**, the same batches of `{plan['data']}` for every "
-             f"model; held-out: {', '.join(f'`{d}`' for d in plan['domains'])} (`stdlib` and `pydoc` are this "
+             f"**{plan['tokens_per_model']:.3g} tokens per model**, the same batches of {training_text(plan)} for every "
+             f"model{', compiled (' + json.dumps(plan['compile']) + ')' if plan.get('compile') else ', eager'}; "
+             f"held-out: {', '.join(f'`{d}`' for d in plan['domains'])} (`stdlib` and `pydoc` are this "
              f"machine's Python's).", ""]
     lines += [f"- point {p['name']}: split {p['splits']}, ratio {p['ratios']}, planned {_f(p['flop_ratio'], '.3f')}x dense "
               f"FLOPs: {p['state']}" + (f" ({p['reason']})" if p.get("reason") else "") for p in r["points"]]
@@ -190,6 +223,16 @@ def render_quality(data: dict, image: str | None) -> str:
     if image:
         lines += ["", f"![training curves: train loss and held-out NLL against tokens seen]({image})"]
     return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def training_text(plan: dict) -> str:
+    """The plan's training data in words: the corpus of installed sources, or the path (kits before 2026-11-27)."""
+    c = plan.get("corpus")
+    if not c:
+        return f"`{plan.get('data', 'stdlib')}`"
+    return (f"the Python sources installed on the machine ({c['files']:,} of the {c['corpus_files']:,} `.py` files "
+            f"under `{c['root']}`, {c['bytes'] / 1e6:.0f} of {c['corpus_bytes'] / 1e6:.0f} MB; "
+            f"{c['train']['tokens']:.3g} training tokens, one epoch at most: no token twice)")
 
 
 def free_baseline_path(base: Path, relative: str, data: bytes) -> str:

@@ -12,8 +12,9 @@ far allow and is safe to repeat:
    and converted to the cached safetensors folder exactly as the ``smollm2`` plugin does;
 4. the environment: torch, CUDA, the GPU, transformers and every dependency against
    ``pyproject.toml``, Triton, FlexAttention (compiled, forward and backward), xformers' kernels;
-5. training throughput of the default recipe (streaming, pruned, dense) in bf16 on SmolLM2, which
-   `quality` uses to size its runs.
+5. training throughput of the default recipe (streaming, pruned, dense) in bf16 on SmolLM2, eager, then
+   compiled where this build has a compile option (streaming and dense first: issue 39's training target),
+   each with one profiled step (device busy, kernel launches, host syncs); `quality` uses it to size its runs.
 
 A mismatch (a damaged part, a pack mixed with another, a dependency out of range, no CUDA device)
 is a problem: a clear message and exit code 1.
@@ -42,8 +43,11 @@ PACKAGES = {"concept": "concept", "concept_cli": "cli", "concept_plugins": "plug
 # dependencies of pyproject.toml that no kit stage needs, and why
 OPTIONAL = {"datasets": "only for Hugging Face datasets input (--data a save_to_disk folder, .parquet or .arrow), "
                         "which no kit stage reads"}
-THROUGHPUT_STEPS = {"warm-up": 3, "timed": 8}
+THROUGHPUT_STEPS = {"warm-up": 3, "timed": 20}  # the median of 20 steps (docs/benchmarks.md)
 DRY_THROUGHPUT_STEPS = {"warm-up": 1, "timed": 1}
+MODELS = (("streaming", None), ("pruned", "pruned"), ("dense", "dense"))
+COMPILED_ORDER = ("streaming", "dense", "pruned")  # the training target's two first
+EAGER_NEED_S, COMPILED_NEED_S = 20, 75  # seconds of budget a model's measurement needs to start
 
 
 # -- the pack ---------------------------------------------------------------------------------------
@@ -266,18 +270,20 @@ def environment(stage: Stage, manifest: dict | None, state: dict) -> dict:
 
 
 # -- throughput -------------------------------------------------------------------------------------
-def measure_throughput(stage: Stage) -> dict:
+def measure_throughput(stage: Stage, compiled: bool = True) -> dict:
     """Tokens per second of training steps of the default recipe: the streaming model, its pruned
-    baseline and the dense baseline on the same batches (bf16 autocast on CUDA, or ``--dtype bf16``)."""
+    baseline and the dense baseline on the same batches (bf16 autocast on CUDA, or ``--dtype bf16``), eager;
+    then, with ``compiled``, compiled with a static concept budget (``compiled``: the same
+    per model, with ``compile_s``, the warm-up steps' extra time over eager steps: the compilation)."""
     import torch
 
     import concept
-    from concept.training import Trainer
+
+    from ..compiled import budgeted, train_option
 
     dry = stage.dry
     device = "cuda" if torch.cuda.is_available() and not dry else "cpu"
     steps = DRY_THROUGHPUT_STEPS if dry else THROUGHPUT_STEPS
-    total = steps["warm-up"] + steps["timed"]
     folder = stage.work / "throughput"
     source = folder / "build"
     concept.save(concept.build(recipe.build_config(dry)), source, force=True)
@@ -286,64 +292,76 @@ def measure_throughput(stage: Stage) -> dict:
     out = {"recipe": {**recipe.DEMO, "seq_len": seq, "batch": batch, "tokens_per_step": batch * seq,
                       "precision": "bf16" if device == "cuda" else "fp32", **recipe.precision(dry)},
            "device": device, "steps": steps, "models": {}}
-    for kind, baseline in (("streaming", None), ("pruned", "pruned"), ("dense", "dense")):
-        if stage.remaining() < 20:
+    for kind, baseline in MODELS:
+        if stage.remaining() < EAGER_NEED_S:
             stage.skip(f"throughput of {kind}", "the stage's time budget ran out")
             continue
-        config = recipe.train_config(dry, steps=max(100, total), batch_size=batch, baseline=baseline, device=device,
-                                     eval_every=10**6, eval_batches=1, checkpoint_every=10**6, log_every=10**6,
-                                     calibration_batches=0)
-        shutil.rmtree(folder / kind, ignore_errors=True)  # a new run each time (nothing of it is kept)
-        trainer = Trainer.start(source, folder / kind, config)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        rows = [trainer.train_step() for _ in range(total)]
-        timed = rows[steps["warm-up"]:]
-        tps = statistics.median(r["tokens_per_s"] for r in timed)
-        out["models"][kind] = {"tokens_per_s": tps, "step_s": batch * seq / tps,
-                               "loss": timed[-1]["loss"], "ratio": timed[-1].get("ratio")}
-        if device == "cuda":
-            out["models"][kind]["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        stage.say(f"throughput {kind}: {tps:,.0f} tokens/s")
-        if stage.remaining() > 20:
-            out["models"][kind]["profile"] = profile_step(trainer, device, stage.out / f"setup-profile-{kind}.txt")
-            p = out["models"][kind]["profile"]
-            stage.say(f"profile {kind}: one step {p['wall_s']:.3f} s, device busy {p['device_s']:.3f} s, "
-                      f"{p['kernel_launches']:,} kernel launches, {p['ops']:,} operator calls")
-        del trainer
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        out["models"][kind] = train_and_time(stage, source, folder / kind, kind, baseline, device, steps, {})
+    if not compiled:
+        return out
+    option = train_option()
+    static = folder / "build-static"  # a streaming model compiles with a static concept budget only
+    concept.save(concept.build(budgeted(recipe.build_config(dry))), static, force=True)
+    out["compiled"] = {"option": option, "max_ratio": budgeted(recipe.build_config(dry)).max_ratio, "models": {}}
+    for kind in COMPILED_ORDER:
+        if stage.remaining() < COMPILED_NEED_S:
+            stage.skip(f"compiled throughput of {kind}", f"less than {COMPILED_NEED_S} s of the stage's budget left "
+                                                         f"(a compilation takes about a minute)")
+            continue
+        row = train_and_time(stage, static, folder / f"{kind}-compiled", kind, dict(MODELS)[kind], device, steps,
+                             option)
+        eager = out["models"].get(kind)
+        if eager:  # the warm-up steps' extra seconds: compilation
+            row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
+            row["vs_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
+        out["compiled"]["models"][kind] = row
     return out
 
 
-def profile_step(trainer, device: str, table: Path, top: int = 12) -> dict:
-    """One more training step under ``torch.profiler``: its wall time, the time the device was busy (the
-    sum of its kernels' own time; the CPU's on a CPU), the kernel launches and operator calls, and the
-    operators that took the most device time and the most CPU time. A step whose device time is far
-    below its wall time is bound by launches and Python, not by arithmetic. The whole table goes to
-    ``table`` (it comes back with the stage's files)."""
+def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: str | None, device: str, steps: dict,
+                   extra: dict) -> dict:
+    """One model of the recipe: warm-up steps (timed apart: compilation happens there), the median of the
+    timed steps, peak memory, and one more step under ``torch.profiler``."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    cuda = device == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
+    from concept.profiling import profile_call
+    from concept.training import Trainer
+
+    dry = stage.dry
+    batch, seq = recipe.batch(dry), recipe.seq_len(dry)
+    total = steps["warm-up"] + steps["timed"]
+    config = recipe.train_config(dry, steps=max(100, total + 1), batch_size=batch, baseline=baseline, device=device,
+                                 eval_every=10**6, eval_batches=1, checkpoint_every=10**6, log_every=10**6,
+                                 calibration_batches=0, **extra)
+    shutil.rmtree(run, ignore_errors=True)  # a new run each time (nothing of it is kept)
+    trainer = Trainer.start(source, run, config)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps["warm-up"]):
         trainer.train_step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    events = prof.key_averages()
-    device_us = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total  # noqa: E731
-    ops = [e for e in events if e.key.startswith("aten::")]
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    rows = lambda key: [{"op": e.key, "calls": e.count, "device_ms": device_us(e) / 1e3,  # noqa: E731
-                         "cpu_ms": e.self_cpu_time_total / 1e3}
-                        for e in sorted(events, key=key, reverse=True)[:top]]
-    table.write_text(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=60))
-    return {"wall_s": wall, "device_s": sum(device_us(e) for e in events) / 1e6, "kernel_launches": launches,
-            "ops": sum(e.count for e in ops), "top_device": rows(device_us),
-            "top_cpu": rows(lambda e: e.self_cpu_time_total), "table": table.name}
+    warmup_s = time.perf_counter() - start
+    timed = [trainer.train_step() for _ in range(steps["timed"])]
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    row = {"tokens_per_s": tps, "step_s": batch * seq / tps, "warmup_s": warmup_s, "loss": timed[-1]["loss"],
+           "ratio": timed[-1].get("ratio")}
+    if device == "cuda":
+        row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    label = kind + (" compiled" if extra else "")
+    stage.say(f"throughput {label}: {tps:,.0f} tokens/s (warm-up {warmup_s:.1f} s)")
+    if stage.remaining() > 10:
+        prof = profile_call(trainer.train_step, device, table_rows=60)
+        name = f"setup-profile-{kind}{'-compiled' if extra else ''}.txt"
+        (stage.out / name).write_text(prof.pop("table"))
+        # (the names of kits before 2026-11-27 too: device_s, ops)
+        row["profile"] = {**prof, "device_s": prof["device_busy_s"], "ops": prof["aten_ops"], "table": name}
+        stage.say(f"profile {label}: one step {prof['wall_s']:.3f} s, device busy {prof['device_busy_s']:.3f} s, "
+                  f"{prof['kernel_launches']:,} kernel launches, {prof['host_syncs']} host syncs, "
+                  f"{prof['aten_ops']:,} aten ops")
+    del trainer
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 # -- the stage --------------------------------------------------------------------------------------

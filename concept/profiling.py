@@ -1,0 +1,218 @@
+"""Where the time of a forward or a training step goes: aten ops, host syncs, kernel launches.
+
+Two tools, one for each machine:
+
+* :class:`OpCounter` (any device, CPU included): a ``TorchDispatchMode`` that counts every aten op
+  dispatched while it is active (forward and backward, the optimizer too), by name, and the calls among
+  them that force a device -> host synchronisation (:func:`host_sync`). On a GPU each op is at least one
+  kernel launch, so the op count is the CPU's proxy for launches, and a sync stalls the launch queue::
+
+      with OpCounter() as counts:
+          loss = model(ids, labels=ids).loss
+          loss.backward()
+      counts.ops              # 1843: aten ops dispatched
+      counts.syncs            # {"item": 2, "nonzero": 1}: the ops that would stop the host on a GPU
+      counts.by_op.most_common(5)
+
+  ``OpCounter(on_op=f)`` calls ``f(func, args, kwargs, out)`` for every op, for counts of one's own
+  (e.g. casts whose source is a frozen weight). Ops are counted where Python's dispatch sees them:
+  after composite ops are decomposed (``x.item()`` arrives as ``_local_scalar_dense``), before kernels
+  call other ops (boolean indexing arrives as ``index.Tensor`` with a boolean index, not as the
+  ``nonzero`` inside it). Not seen on a CPU: ``.tolist()``, ``.numpy()`` and ``.cpu()`` of a CPU
+  tensor dispatch no op (on a GPU ``.cpu()`` / ``.tolist()`` are a device -> host copy, which is counted).
+* :func:`profile_call` (CUDA, or CPU): one call under ``torch.profiler``: its wall time, the time the
+  device was busy (the sum of its kernels' own time), kernel launches, host synchronisations, aten ops,
+  and the operators with the most device and CPU time. A call whose device time is far below its wall
+  time is bound by launches and Python, not by arithmetic.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpCounter", "host_sync", "count_ops", "profile_call"]
+
+aten = torch.ops.aten
+# ops that always wait for the device: their result's value or shape lives on it
+_SYNC_OPS = {
+    aten._local_scalar_dense: "item",  # .item(), float(t), int(t), bool(t), `if t:`
+    aten.nonzero: "nonzero",  # also torch.where(cond) with one argument, argwhere
+    aten.masked_select: "masked_select",
+    aten._unique2: "unique", aten.unique_dim: "unique", aten.unique_consecutive: "unique",
+    aten.unique_dim_consecutive: "unique", aten._unique: "unique",
+    aten.equal: "equal",  # torch.equal returns a Python bool
+    aten.bincount: "bincount",  # its length is max(x) + 1
+}
+_INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+def host_sync(func, args, kwargs) -> str | None:
+    """Why the aten call ``func(*args, **kwargs)`` forces a device -> host sync on a GPU (a short name), or
+    None where it does not: a scalar read, an output whose shape depends on values (``nonzero``,
+    ``masked_select``, ``unique``, boolean indexing, ``repeat_interleave`` without ``output_size``), a
+    bool result (``equal``), a copy from a device to the host."""
+    packet = func.overloadpacket
+    if packet in _SYNC_OPS:
+        return _SYNC_OPS[packet]
+    if packet in _INDEX_OPS:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
+            return "boolean indexing"
+    if packet is aten.repeat_interleave and func._overloadname in ("Tensor", "self_Tensor") \
+            and kwargs.get("output_size") is None:  # tensor repeats: the output's length is their sum
+        return "repeat_interleave without output_size"
+    if packet in (aten._to_copy, aten.copy_):
+        return _device_to_host(packet, args, kwargs)
+    return None
+
+
+def _device_to_host(packet, args, kwargs) -> str | None:
+    if packet is aten._to_copy:
+        source, target = args[0], kwargs.get("device")
+        to_cpu = target is not None and torch.device(target).type == "cpu"
+    else:  # copy_(dst, src)
+        target, source = args[0], args[1]
+        to_cpu = getattr(target, "device", None) is not None and torch.device(target.device).type == "cpu"
+    device = getattr(source, "device", None)
+    if to_cpu and device is not None and torch.device(device).type not in ("cpu", "meta"):
+        return "device to host copy"
+    return None
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (``ops``, ``by_op``) and the host syncs among them
+    (``syncs``, by kind; ``sync_ops``: the op names, e.g. ``aten._local_scalar_dense.default``).
+    ``on_op(func, args, kwargs, out)`` is called for every op."""
+
+    def __init__(self, on_op: Callable | None = None):
+        super().__init__()
+        self.on_op = on_op
+        self.by_op: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
+        self.sync_ops: Counter[str] = Counter()
+        # "package/file.py:LINE function" of the code that asked for each sync (" via torch/...": through torch)
+        self.sync_sites: Counter[str] = Counter()
+
+    @property
+    def ops(self) -> int:
+        return sum(self.by_op.values())
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "aten":  # (not the profiler's record_function markers, ...)
+            self.by_op[str(func.overloadpacket)] += 1
+        why = host_sync(func, args, kwargs)
+        if why:
+            self.syncs[why] += 1
+            self.sync_ops[str(func)] += 1
+            self.sync_sites[_caller()] += 1
+        out = func(*args, **kwargs)
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs, out)
+        return out
+
+    def syncs_outside(self, *paths: str) -> int:
+        """Host syncs whose site (:attr:`sync_sites`: the caller, and the torch module it went through) names
+        none of ``paths`` (e.g. ``torch/optim/``)."""
+        return sum(n for site, n in self.sync_sites.items() if not any(p in site for p in paths))
+
+    def summary(self, top: int = 10) -> dict:
+        """The counts as plain data (JSON): ops, host syncs by kind and by the code that asked, the most
+        frequent ops."""
+        return {"aten_ops": self.ops, "host_syncs": self.host_syncs, "syncs_by_kind": dict(self.syncs),
+                "sync_ops": dict(self.sync_ops), "sync_sites": dict(self.sync_sites.most_common(top)),
+                "top_ops": dict(self.by_op.most_common(top))}
+
+
+def _caller() -> str:
+    """Where a sync was asked for: ``package/file.py:LINE function`` of the innermost frame outside torch, and
+    ``via`` the innermost one inside torch's public modules where that differs (e.g. ``torch/optim/...``)."""
+    frame, inner = sys._getframe(2), None
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        in_torch = "/torch/" in path
+        internal = ("/torch/_" in path and "/torch/_refs" not in path) or path.endswith(
+            ("/torch/utils/_python_dispatch.py", "concept/profiling.py"))
+        if inner is None and not internal:
+            inner = frame
+        if not in_torch and not internal:
+            break
+        frame = frame.f_back
+    outer = frame or inner
+    if outer is None:
+        return "?"
+    return _where(outer) + (f" via {_where(inner)}" if inner is not None and inner is not outer else "")
+
+
+def _where(frame) -> str:
+    """``package/file.py:LINE function``: the path from an installed package's root or this project's folder."""
+    parts = frame.f_code.co_filename.replace("\\", "/").split("/")
+    starts = [i + 1 for i, p in enumerate(parts) if p in _INSTALLED] + [i for i, p in enumerate(parts) if p in _PACKAGES]
+    rel = "/".join(parts[max(starts, default=len(parts) - 1):])
+    return f"{rel}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+_PACKAGES = ("concept", "plugins", "cli", "benchmarks", "tests")  # this project's folders: paths from there
+_INSTALLED = ("site-packages", "dist-packages")  # installed packages: paths from below there
+
+
+def count_ops(fn: Callable, *args, **kwargs) -> tuple[object, OpCounter]:
+    """``fn(*args, **kwargs)`` under an :class:`OpCounter`: (its result, the counter)."""
+    with OpCounter() as counter:
+        out = fn(*args, **kwargs)
+    return out, counter
+
+
+# -- torch.profiler -------------------------------------------------------------------------------------
+# CUDA runtime / driver calls: a kernel launch (eager, Triton's cuLaunchKernelEx, a CUDA graph replay as one
+# launch), and a host wait for the device
+_LAUNCH = ("LaunchKernel", "cudaGraphLaunch")
+_SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+
+
+def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", top: int = 12,
+                 table_rows: int = 0) -> dict:
+    """``fn()`` once under ``torch.profiler`` (run it once before, so that warm-up and compilation stay out).
+
+    Returns ``wall_s`` (the call, waited for), ``device_busy_s`` (the sum of its kernels' own device time;
+    on a CPU the sum of the ops' own CPU time), ``kernel_launches``, ``host_syncs`` (the CUDA
+    synchronisation calls made inside ``fn``: the one this function makes to wait for the device is not
+    counted), ``sync_ops`` (aten ops that force a sync, by name), ``aten_ops`` (every aten op the profiler
+    records, nested ones included), ``top_device`` / ``top_cpu`` (the ``top`` operators with the most
+    device / CPU time) and, with ``table_rows``, ``table``: the profiler's own table of that many rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    syncs = sum(e.count for e in events if e.key in _SYNC_CALLS) - (1 if cuda else 0)
+    sync_names = {f"aten::{str(op).split('.')[-1]}" for op in _SYNC_OPS}
+    rows = lambda key: [{"op": e.key, "calls": e.count, "device_ms": own(e) / 1e3,  # noqa: E731
+                         "cpu_ms": e.self_cpu_time_total / 1e3}
+                        for e in sorted(events, key=key, reverse=True)[:top]]
+    out = {"wall_s": wall, "device_busy_s": sum(own(e) for e in events) / 1e6,
+           "kernel_launches": sum(e.count for e in events if any(k in e.key for k in _LAUNCH)),
+           "host_syncs": max(0, syncs),
+           "sync_ops": {e.key: e.count for e in events if e.key in sync_names},
+           "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
+           "top_device": rows(own), "top_cpu": rows(lambda e: e.self_cpu_time_total)}
+    if table_rows:
+        out["table"] = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                    row_limit=table_rows)
+    return out

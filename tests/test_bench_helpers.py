@@ -1,0 +1,45 @@
+"""The benchmarks' helpers (``benchmarks/compiled.py``, ``benchmarks/conftest.py``): compiled builds carry a static
+concept budget, the dense side compiles the same way, and the timing tables keep each side's numbers apart."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import compiled
+from benchmarks.conftest import cpu_side_by_side, renamed_sides
+
+
+def test_compiled_builds_get_a_static_budget_unless_they_set_one():
+    from concept.config import BuildConfig
+
+    assert compiled.budgeted(BuildConfig()).max_ratio == compiled.BUDGET
+    assert compiled.budgeted(BuildConfig(max_ratio=0.5)).max_ratio == 0.5
+    assert compiled.build_option("reduce-overhead") == {"compile": "reduce-overhead"}
+    assert compiled.train_option() == {"compile": "on"}
+
+
+def test_dense_compiles_in_the_concept_models_mode_on_cuda_and_traces_only_on_a_cpu():
+    assert compiled.dense_compile_kwargs("cuda") == {"mode": "reduce-overhead"}
+    assert compiled.dense_compile_kwargs("cpu") == {"backend": "eager"}
+
+
+def test_sides_are_timed_in_turn_and_renamed_without_mixing():
+    calls = []
+    timing = cpu_side_by_side({"dense_eager": lambda: calls.append("e"), "dense": lambda: calls.append("d"),
+                               "concept": lambda: calls.append("c")}, rounds=2)
+    assert calls == ["e", "d", "c"] * 3  # one warm-up round, then alternating
+    assert set(timing) == {"dense_eager_s", "dense_s", "concept_s", "speedup"}
+    row = renamed_sides({**timing, "reps": 2, "dense_eager_wall_s": 1.0, "dense_wall_s": 2.0, "concept_wall_s": 3.0},
+                        {"dense_eager": "dense", "dense": "concept"})
+    assert row == {"dense_s": timing["dense_eager_s"], "concept_s": timing["dense_s"], "speedup": timing["speedup"],
+                   "reps": 2, "dense_wall_s": 1.0, "concept_wall_s": 2.0}
+
+
+def test_bench_renders_the_op_counts_apart_from_the_speed_rows(capsys):
+    from concept_cli import bench_cmd
+
+    bench_cmd.render([{"suite": "ops", "backbone": "tiny-llama", "what": "forward", "model": "streaming", "tokens": 512,
+                       "aten_ops": 1606, "host_syncs": 6, "syncs_outside_optimizer": 6},
+                      {"case": "forward x", "dense_s": 0.2, "concept_s": 0.1, "speedup": 2.0, "ideal_speedup": 2.5,
+                       "fraction_of_ideal": 0.8, "ratio": 0.25}])
+    out = capsys.readouterr().out
+    assert "aten ops and host syncs" in out and "1,606" in out and "concept vs dense" in out and "2.00x" in out

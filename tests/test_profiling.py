@@ -1,0 +1,78 @@
+"""``concept.profiling``: the op counter sees every op of a call and exactly the host syncs among them (each kind
+against a sync-free twin that computes the same thing, the negative control), and the profiler summary."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from concept.profiling import OpCounter, count_ops, host_sync, profile_call
+
+X = torch.arange(24.0).reshape(6, 4) - 7
+MASK = X[:, 0] > 0
+COUNTS = torch.tensor([1, 2, 0, 1, 1, 1])
+
+# (kind, a call that syncs on a GPU, the same result without a sync)
+PAIRS = [
+    ("item", lambda: X.sum().item(), lambda: X.sum()),
+    ("item", lambda: float(X[0, 0]), lambda: X[0, 0]),
+    ("item", lambda: 1 if X.sum() > 0 else 0, lambda: (X.sum() > 0).long()),
+    ("nonzero", lambda: X.nonzero(), lambda: torch.nonzero_static(X, size=X.numel())),
+    ("nonzero", lambda: torch.where(MASK), lambda: torch.where(MASK, 1, 0)),
+    ("boolean indexing", lambda: X[MASK], lambda: X * MASK[:, None]),
+    ("boolean indexing", lambda: X.clone().__setitem__(MASK, 0.0), lambda: X.masked_fill(MASK[:, None], 0.0)),
+    ("masked_select", lambda: X.masked_select(MASK[:, None]), lambda: X.where(MASK[:, None], 0.0)),
+    ("unique", lambda: torch.unique(COUNTS), lambda: torch.sort(COUNTS)),
+    ("repeat_interleave without output_size", lambda: torch.repeat_interleave(COUNTS),
+     lambda: torch.repeat_interleave(COUNTS, output_size=6)),
+    ("repeat_interleave without output_size", lambda: X.repeat_interleave(COUNTS, dim=0),
+     lambda: X.repeat_interleave(2, dim=0)),
+    ("equal", lambda: torch.equal(X, X), lambda: (X == X).all()),
+]
+
+
+@pytest.mark.parametrize("kind,syncs,free", PAIRS, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(PAIRS)])
+def test_each_sync_is_counted_and_its_sync_free_twin_is_not(kind, syncs, free):
+    _, counter = count_ops(syncs)
+    assert counter.host_syncs == 1 and dict(counter.syncs) == {kind: 1}, counter.summary()
+    site = next(iter(counter.sync_sites))
+    assert site.startswith("tests/test_profiling.py:"), site  # the line that asked, not torch's internals
+    _, counter = count_ops(free)
+    assert counter.host_syncs == 0, counter.summary()
+    assert counter.ops >= 1
+
+
+def test_ops_are_counted_by_name_forward_and_backward():
+    w = torch.randn(4, 3, requires_grad=True)
+    with OpCounter() as counter:
+        (X @ w).relu().sum().backward()
+    assert counter.by_op["aten.mm"] == 2  # X @ w, then w's gradient X^T @ g (X needs none)
+    assert counter.by_op["aten.relu"] == 1 and counter.by_op["aten.threshold_backward"] == 1
+    assert counter.ops == sum(counter.by_op.values()) and counter.host_syncs == 0
+
+
+def test_on_op_sees_every_op_with_its_arguments():
+    seen = []
+    with OpCounter(on_op=lambda func, args, kwargs, out: seen.append((str(func.overloadpacket), out.dtype))):
+        X.to(torch.bfloat16).sum()
+    assert seen == [("aten._to_copy", torch.bfloat16), ("aten.sum", torch.bfloat16)]
+
+
+def test_a_copy_to_the_host_counts_only_from_another_device():
+    from types import SimpleNamespace
+
+    gpu, cpu, meta = SimpleNamespace(device=torch.device("cuda", 0)), torch.ones(3), torch.ones(3, device="meta")
+    to_copy, copy_ = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
+    assert host_sync(to_copy, (gpu,), {"device": torch.device("cpu")}) == "device to host copy"  # .cpu(), .tolist()
+    assert host_sync(copy_, (cpu, gpu), {}) == "device to host copy"
+    assert host_sync(to_copy, (gpu,), {"dtype": torch.bfloat16}) is None  # a cast on the device
+    assert host_sync(copy_, (gpu, cpu), {}) is None  # host -> device: asynchronous
+    assert host_sync(to_copy, (cpu,), {"device": torch.device("cpu")}) is None
+    assert host_sync(to_copy, (meta,), {"device": "cpu"}) is None
+
+
+def test_profile_call_reports_wall_busy_ops_and_the_top_operators():
+    p = profile_call(lambda: (X @ X.T).relu().sum().item(), top=3, table_rows=5)
+    assert p["wall_s"] > 0 and p["device_busy_s"] > 0 and p["aten_ops"] >= 4
+    assert p["kernel_launches"] == 0 and p["host_syncs"] == 0  # a CPU: no kernels, no CUDA synchronisation
+    assert p["sync_ops"] == {"aten::_local_scalar_dense": 1}
+    assert len(p["top_device"]) == 3 and "Name" in p["table"]
