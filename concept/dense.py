@@ -89,7 +89,7 @@ class DenseModel(HubMixin, nn.Module):
                 inner.rotary_emb, self.gradient_checkpointing and self.training)
         states, head = inner.norm(x), self.backbone.lm_head
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, document_ids)
-        return DenseOutput(Deferred(lambda: head(states), like=states), loss, x)
+        return DenseOutput(Deferred(lambda: head(states), like=states, watch=head), loss, x)
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Generate with transformers' DynamicCache; see :func:`concept.generation.generate`."""

@@ -11,7 +11,9 @@ the head applied to every position::
     DenseOutput(Deferred(lambda: head(states), like=states))
 
 The head runs under the autocast state of the forward that deferred it (the reader may be outside
-it, e.g. an objective after the model's forward), and under the reader's grad mode.
+it, e.g. an objective after the model's forward), and under the reader's grad mode. Its weights must be
+the ones the forward ran with: a read after an optimizer step or a ``.to(dtype)`` of the head is refused
+with an error that says to read ``out.logits`` first (``watch``), never answered with other weights.
 """
 from __future__ import annotations
 
@@ -22,15 +24,25 @@ class Deferred:
     """A tensor computed by ``fn()`` on first read, under the autocast state of the moment it was made
     (``like``: a tensor on the device whose autocast state matters)."""
 
-    def __init__(self, fn, like: torch.Tensor):
+    def __init__(self, fn, like: torch.Tensor, watch: torch.nn.Module | None = None):
         self.fn = fn
         self.device_type = like.device.type
         self.autocast = torch.is_autocast_enabled(self.device_type)
         self.dtype = torch.get_autocast_dtype(self.device_type)
+        self.watched = [] if watch is None else [(p, _state(p)) for p in watch.parameters()]
 
     def __call__(self) -> torch.Tensor:
+        if any(_state(p) != state for p, state in self.watched):
+            raise RuntimeError("out.logits was read after the LM head's weights changed (an optimizer step, an "
+                               "in-place update or a dtype/device move since the forward): the logits would "
+                               "not be the forward's. Read out.logits before changing the model.")
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
             return self.fn()
+
+
+def _state(p: torch.Tensor) -> tuple:
+    """What changes when a parameter's values do: its in-place version, storage and dtype."""
+    return p._version, p.data_ptr(), p.dtype
 
 
 class LazyField:

@@ -104,7 +104,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, rows):
         grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         loss, grad_x, grad_w, grad_b = chunked_loss(x, weight, bias, target, rows, grads)
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_x, grad_w, grad_b)))
+        ctx.save_for_backward(*(g if g is not None else x.new_empty(0) for g in (grad_x, grad_w, grad_b)))
         ctx.asked = grads
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return loss

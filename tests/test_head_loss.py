@@ -170,6 +170,30 @@ def test_every_model_kind_trains_on_the_chunked_ce(kind, models, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["streaming", "dense"])
+def test_logits_read_after_the_head_changed_are_refused(kind, models):
+    """Deferred logits are the forward's or nothing: read before an optimizer step they equal an eager
+    head's (control); read after it, or after a dtype move, a clear error instead of other weights' logits."""
+    model, b = models[kind].eval(), batch()
+    head = model.backbone.lm_head
+    run = lambda: model(b["input_ids"], attention_mask=b["attention_mask"], document_ids=b["document_ids"])  # noqa: E731
+    with torch.no_grad():
+        before, after = run(), run()
+        expected, saved = before.logits.clone(), head.weight.clone()  # read in time: fine
+        head.weight.add_(1.0)  # what an optimizer step does
+        try:
+            with pytest.raises(RuntimeError, match="Read out.logits before changing the model"):
+                after.logits
+            assert torch.equal(before.logits, expected)  # already read: kept
+            moved = run()
+            model.double()
+            with pytest.raises(RuntimeError, match="dtype/device move"):
+                moved.logits
+        finally:
+            model.float()
+            head.weight.copy_(saved)
+
+
+@pytest.mark.parametrize("kind", ["streaming", "dense"])
 def test_a_training_step_builds_at_most_a_chunk_of_logits(kind, monkeypatch):
     """The whole step (autocast, forward, backward, AdamW) under a dispatch mode that records the largest
     [rows, V] tensor any op made (views excluded): a chunk of 8 rows with the bf16 base; today's path (an fp32

@@ -318,7 +318,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         states, head = self.inner.norm(z), self.backbone.lm_head
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc)
         multi = self.levels > 1
-        return ConceptOutput(Deferred(lambda: head(states), like=states), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
+        return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
                              in_time_order(z_in), z, updates, emitted if multi else None)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:

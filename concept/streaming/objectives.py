@@ -154,7 +154,7 @@ class RatioControl(Objective):
         """Device scalars (the trainer reads a step's values once, after its micro-batches): the emitted concept
         slots, the NULL bias the step ran with and, when it tracks, the controller's statistics."""
         found = {"_kept": out.keep.sum() * getattr(model, "emit", 1),
-                 "_null_bias": torch.as_tensor(getattr(model.length_policy, "null_bias", 0.0)).detach()}
+                 "_null_bias": torch.as_tensor(getattr(model.length_policy, "null_bias", 0.0), device=out.keep.device).detach()}
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
             valid = batch["attention_mask"].bool()
             found["_quantile"], found["_spread"] = self.pi.statistics(model.length_policy, out.head_logits.detach(),

@@ -99,7 +99,7 @@ class PIController:
             keep_logit = policy.keep_logit(head_logits, h).float() + policy.null_bias  # without the bias
             spread = masked_std(keep_logit, valid)
             if hasattr(policy, "bias_for_ratio"):  # a policy whose ratio is not P(keep logit >= bias)
-                return torch.as_tensor(policy.bias_for_ratio(head_logits, h, valid, self.target)), spread
+                return torch.as_tensor(policy.bias_for_ratio(head_logits, h, valid, self.target), device=head_logits.device), spread
             hidden = torch.where(valid, keep_logit, torch.full_like(keep_logit, float("nan")))
             return torch.nanquantile(hidden.flatten(), 1.0 - self.target), spread
 
