@@ -7,6 +7,7 @@ cannot be imported only breaks the commands that need it.
 from __future__ import annotations
 
 import difflib
+import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
@@ -66,8 +67,7 @@ class Registry:
     def providers(self) -> dict[str, list[Provider]]:
         """name -> providers (more than one means a conflict). Imports nothing."""
         found: dict[str, dict[tuple[str | None, str], Provider]] = {}
-        for ep in entry_points(group=self.group):
-            p = _provider(self.kind, ep)
+        for p in _scan(self.kind, self.group):
             # The same distribution can be visible twice (e.g. an editable install); count it once.
             found.setdefault(p.name, {})[(p.dist, p.target)] = p
         return {name: list(ps.values()) for name, ps in sorted(found.items())}
@@ -103,6 +103,22 @@ class Registry:
             ) from exc
         self._loaded[name] = obj
         return obj
+
+
+_SCANS: dict[tuple, dict[str, list[Provider]]] = {}
+
+
+def _scan(kind: str, group: str) -> list[Provider]:
+    """The providers of ``group``'s entry points, read once for each ``sys.path`` (a scan of every installed
+    distribution's metadata takes a tenth of a second, and every run folder read asks for the families)."""
+    key = (tuple(sys.path), entry_points)  # (a package put on the path, or a patched lookup, scans again)
+    if key not in _SCANS:
+        _SCANS.clear()
+        _SCANS[key] = {}
+    scanned = _SCANS[key]
+    if group not in scanned:
+        scanned[group] = [_provider(kind, ep) for ep in entry_points(group=group)]
+    return scanned[group]
 
 
 def _unknown(what: str, name: str, available: list[str]) -> str:

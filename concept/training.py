@@ -39,7 +39,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fs
+from . import checkpoint, data, fs, run_files
 from .backbone import decoder
 from .baselines import Baseline
 from .builder import (
@@ -143,10 +143,8 @@ class FamilyTraining:
         model = build(plan=plan)
         self.family.prepare(model, config.to_dict())
         if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
-            from safetensors.torch import load_file
-
-
-            load_new_modules(model, load_file(out / "modules.safetensors"))  # (resume: _restore loads)
+            file = out / "modules.safetensors"
+            load_new_modules(model, run_files.read_weights(file), file)  # (resume: _restore loads)
         return model
 
     def derived(self, config, plan) -> dict:
@@ -243,15 +241,14 @@ class Trainer:
         config = self.config
         model = self.kind.training_model(plan, config, self.out, resume, self.notes)
         if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
-            from safetensors.torch import load_file
-
-            model.backbone.load_state_dict(load_file(self.out / "backbone.safetensors"))
+            run_files.load_weights(model.backbone, self.out / "backbone.safetensors", "backbone")
         add_lora(model.backbone, config.lora)
         if (self.out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
-            from safetensors.torch import load_file
-
-
-            load_lora_state_dict(model.backbone, load_file(self.out / "adapter.safetensors"))
+            file = self.out / "adapter.safetensors"
+            adapter = run_files.read_weights(file)
+            expected = {k: v for k, v in model.backbone.state_dict().items() if "lora_" in k}
+            run_files.check_weights(adapter, expected, file, "LoRA adapters")
+            load_lora_state_dict(model.backbone, adapter)
         if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
             for p in model.backbone.parameters():
                 p.requires_grad_(False)
@@ -369,7 +366,9 @@ class Trainer:
         beside ``out`` (``concept.fs``): a new ``out`` appears once the run is set up, while an existing
         one (``force``) is replaced only when :meth:`train` has trained every step."""
         source, out, dist = Path(source), Path(out), dist or Dist()
-        record = read_run(source)
+        record, trained = run_files.check_files(source)  # every file of the source, before anything is written
+        run_files.plan_of(record, source)  # (a source whose record cannot be built: one line naming it)
+        cls._check_source_lora(source, trained, config)
         build_config = BuildConfig.from_dict(record["config"])
         config = dataclasses.replace(config, data=data.stored_source(config.data))  # resumable from any folder
         cls.check(config, build_config, dist)  # bad options fail before anything is written
@@ -382,7 +381,8 @@ class Trainer:
         dist.on_main(staging.open)
         try:
             dist.on_main(cls._prepare, source, staging.path)
-            trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
+            with run_files.copied_from(staging.path, source):  # a damaged weights file is named in the source
+                trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
             dist.on_main(trainer._record, str(source.resolve()))
             trainer.name = out.name
             if staging.swept:
@@ -397,6 +397,17 @@ class Trainer:
                 staging.discard()
             raise
         return trainer
+
+    @staticmethod
+    def _check_source_lora(source: Path, trained: dict | None, config: TrainConfig) -> None:
+        """A run trained from a trained run continues its LoRA adapters: the same rank and targets."""
+        if not trained or trained.get("baseline") or config.baseline:
+            return
+        saved = LoraSettings(**trained["lora"])
+        if (saved.rank, saved.targets) != (config.lora.rank, config.lora.targets):
+            raise ConfigError([f"lora: {source} was trained with --lora-rank {saved.rank} --lora-targets "
+                               f"{saved.targets}, and a run trained from it continues those adapters; pass them "
+                               f"(or train from its build, {trained.get('source') or 'the run it was trained from'})"])
 
     @staticmethod
     def _prepare(source: Path, out: Path) -> None:
