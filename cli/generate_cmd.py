@@ -64,7 +64,11 @@ def sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_pena
     a positive temperature, --top-k or --top-p turn sampling on."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import ConfigError
+    from concept.options import finite
 
+    for flag, value in (("--temperature", temperature), ("--top-p", top_p), ("--repetition-penalty", repetition_penalty)):
+        if value is not None and not finite(value):  # (NaN compares false: it would pass as greedy)
+            raise ConfigError([f"{flag}: must be a finite number, got {value}"])
     sample = (temperature is not None and temperature > 0) or top_k is not None or top_p is not None
     if temperature == 0 and (top_k is not None or top_p is not None):
         raise ConfigError(["--top-k / --top-p sample, but --temperature 0 means greedy; drop one of them"])
@@ -149,8 +153,9 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     if wrong:
         raise ConfigError([f"{flag}: {run} is a {kind} run, which has no {VIEWS[view]}; drop it"
                            for flag, view in wrong])
+    where = pick_device(device)  # (an unusable device: before anything is loaded)
     status("loading", str(run))
-    model = concept.load(run).to(pick_device(device))
+    model = concept.load(run).to(where)
     if train is None and kind in family_names():
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")

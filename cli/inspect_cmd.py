@@ -12,6 +12,7 @@ from concept.config import DEFAULT_TARGET_RATIO
 
 from .output import (
     describe_backbone,
+    finite,
     param_counts,
     print_json,
     quiet_progress_bars,
@@ -39,7 +40,8 @@ def module_params(model) -> dict:
 
 @click.command()
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=str))
-@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_TARGET_RATIO, show_default=True,
+@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), callback=finite, default=DEFAULT_TARGET_RATIO,
+              show_default=True,
               help="Concepts per token for the ideal FLOP ratio (a family with a concept ratio).")
 @click.option("--seq-len", "seq_len", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Sequence length T for the ideal FLOP ratio.")

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import attention, checkpoint, fs, run_files
+from . import attention, checkpoint, fs, memory, run_files
 from .backbone import LoadedBackbone
 from .components import BuildContext
 from .config import BuildConfig, Plan, resolve
 from .dense import DenseModel
-from .errors import RunFolderError
+from .errors import ConceptError, RunFolderError
 from .families import family, family_of
 from .lora import (
     PEFT_CONFIG_FILE,
@@ -80,6 +80,11 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None):
         if isinstance(config, dict):
             config = BuildConfig.from_dict(config)
         plan = resolve(config or BuildConfig())
+    need, what = memory.build_bytes(plan)
+    fits, have = memory.fits(need)
+    if not fits:  # a clear error, not an allocation failure or an out-of-memory kill halfway
+        raise ConceptError(f"this model needs at least {memory.gib(need)} for {what}, and this machine has "
+                           f"{memory.gib(have)} available; build a smaller one (e.g. a smaller --set vocabulary.size)")
     loaded = build_backbone(plan)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.config.seed)

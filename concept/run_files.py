@@ -497,8 +497,8 @@ def _difference(a: dict, b: dict) -> str:
     return (f"{k!r} is {a[k][0]} {_shape(a[k][1])} here and {b[k][0]} {_shape(b[k][1])} in the checkpoint")
 
 
-def finite_weights(tensors: dict) -> list[str]:
-    """The names of the tensors holding NaN or infinity (checked before weights are published)."""
+def nonfinite_weights(tensors: dict) -> list[str]:
+    """The names of the tensors holding NaN or infinity (weights are checked before they are published)."""
     import torch
 
     return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]

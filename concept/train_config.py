@@ -19,7 +19,7 @@ from . import options
 from .config import DEFAULT_TARGET_RATIO, BuildConfig
 from .families import family
 from .families import names as family_names
-from .options import check, nested, option
+from .options import SEED_MAX, check, nested, option
 
 BASELINES = ("dense", "pruned")
 TRAIN_ONLY = ("all", "new")
@@ -135,7 +135,7 @@ class CoreTrainConfig:
     tau_start: float = option(1.0, above=0, help="Gumbel temperature at step 0.")
     tau_end: float = option(0.5, above=0, help="Gumbel temperature at the last step.")
     lora: LoraSettings = nested(LoraSettings, prefix="lora")  # noqa: RUF009 (a default_factory field)
-    seed: int = option(0, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
+    seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
                                "randomness (Gumbel noise, dropout).")
     eval_every: int = option(50, minimum=1, help="Evaluate on held-out data every this many steps (and at the end).")
     eval_batches: int = option(4, help="Held-out batches per evaluation.")

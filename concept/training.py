@@ -39,7 +39,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fs, run_files
+from . import checkpoint, data, fs, memory, run_files
 from .backbone import decoder
 from .baselines import Baseline
 from .builder import (
@@ -349,6 +349,8 @@ class Trainer:
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
         kind = training_kind(config, plan)
         problems += kind.check_training(config, plan, device, dist)
+        if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
+            problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
         if dist is not None and dist.mode == "fsdp2":
             problems += [f"{flag}: it rewrites code rows in place, which FSDP2's sharded parameters do not allow; "
                          f"use --distributed ddp" for flag, value in (("revive-after", config.revive_after),
@@ -580,6 +582,7 @@ class Trainer:
         model = self.model
         tensors = {"adapter": lora_state_dict(model.backbone),
                    "modules": {k: full_tensor(v) for k, v in model.new_state_dict().items()}}
+        self.check_finite({**tensors["adapter"], **tensors["modules"]})
         optimizer = get_optimizer_state_dict(model, self.optimizer,
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         objects = {"optimizer": optimizer, "optimizer_format": "fqn", "scheduler": self.scheduler.state_dict(),
@@ -588,6 +591,17 @@ class Trainer:
         files = {f"{name}.json": json.dumps(state).encode() for name, state in self.objective_states().items()}
         meta["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         self.dist.on_main(self._write_checkpoint, tensors, objects, meta, files)
+
+    def check_finite(self, tensors: dict) -> None:
+        """Refuse to save weights holding NaN or infinity (e.g. after a step with a huge learning rate): the run
+        keeps its last good checkpoint, and a run replacing another (``--force``) is never published."""
+        bad = run_files.nonfinite_weights(tensors)
+        if bad:
+            prev = checkpoint.read_meta(self.out) if self.staging is None else None
+            where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written"
+            raise TrainingError(f"the weights became NaN or infinite at step {self.step} ({len(bad)} tensors, e.g. "
+                                f"{bad[0]!r}); they were not saved and {where}. Try a lower --lr / --lr-new or a "
+                                f"larger --clip")
 
     def _write_checkpoint(self, tensors, objects, meta, files=None) -> None:
         try:
