@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
-from .errors import PluginConflictError, PluginImportError, UnknownComponentError
+from .errors import PluginConflictError, PluginImportError, UnknownComponentError, one_line
 
 # kind (config slot) -> entry-point group
 KINDS: dict[str, str] = {
@@ -26,6 +26,8 @@ KINDS: dict[str, str] = {
 }
 
 BUILTIN_DIST = "concept"
+# kinds whose components are torch modules (the built-ins all subclass torch.nn.Module)
+MODULE_KINDS = ("length_policy", "sampler", "position_scheme", "vocabulary", "tail_fusion")
 
 
 @dataclass(frozen=True)
@@ -94,15 +96,54 @@ class Registry:
             return self._loaded[name]
         p = self.provider(name)
         ep = EntryPoint(name=p.name, value=p.target, group=self.group)
+        what = f"{self.kind.replace('_', ' ')} plugin '{name}' from {p.label} ({p.target})"
         try:
             obj = ep.load()
-        except Exception as exc:  # any import-time failure of third-party code
-            raise PluginImportError(
-                f"{self.kind.replace('_', ' ')} plugin '{name}' from {p.label} ({p.target}) failed to import: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        except (Exception, SystemExit) as exc:  # any import-time failure of third-party code (sys.exit included)
+            raise PluginImportError(one_line(f"{what} failed to import: {type(exc).__name__}: {exc}; fix or "
+                                             f"uninstall {p.dist or 'the package that provides it'}")) from exc
+        problem = kind_problem(self.kind, obj)
+        if problem:
+            raise PluginImportError(f"{what} {problem}; its entry point must name the component class "
+                                    f"(package.module:ClassName): fix or uninstall {p.dist or 'that package'}")
         self._loaded[name] = obj
         return obj
+
+
+def kind_problem(kind: str, obj) -> str | None:
+    """What keeps ``obj`` (an entry point's target) from being a component of ``kind``, or None: it must be a
+    class; of a torch-module kind, a ``torch.nn.Module`` subclass; a family, a class with the methods of
+    ``concept.components.Family``."""
+    if not isinstance(obj, type):
+        return f"is {_described(obj)}, not a class"
+    if kind in MODULE_KINDS:
+        import torch  # (a module kind's plugin imports torch anyway)
+
+        if not issubclass(obj, torch.nn.Module):
+            return f"is the class {obj.__qualname__}, not a torch.nn.Module (every {kind.replace('_', ' ')} is one)"
+    if kind == "family":
+        from .components import Family
+
+        missing = [m for m in family_methods(Family) if not callable(getattr(obj, m, None))
+                   and not (m == "finish_build" and getattr(obj, "build_options", None) is None)]  # (its pair)
+        if missing:
+            return (f"is the class {obj.__qualname__}, which lacks {', '.join(missing)} of "
+                    f"concept.components.Family")
+    return None
+
+
+def family_methods(protocol: type) -> list[str]:
+    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+
+
+def _described(obj) -> str:
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return f"the module {obj.__name__}"
+    if callable(obj):
+        return f"the function {getattr(obj, '__qualname__', obj)!r}"
+    return f"{type(obj).__name__} {obj!r}"[:80]
 
 
 _SCANS: dict[tuple, dict[str, list[Provider]]] = {}

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from . import options
 from .config import DEFAULT_TARGET_RATIO, BuildConfig
-from .families import family
-from .families import names as family_names
+from .families import working
 from .options import SEED_MAX, check, nested, option
 
 BASELINES = ("dense", "pruned")
@@ -258,9 +257,9 @@ def family_options() -> list[type]:
     """Each registered family's training options (``Family.training``): the default family's first, then the
     others in registry order."""
     default = BuildConfig.__dataclass_fields__["family"].default
-    found = []
-    for name in sorted(family_names(), key=lambda n: n != default):
-        options_cls = getattr(family(name), "training", None)
+    found, loaded = [], working()  # (a family plugin that does not import adds no options)
+    for name in sorted(loaded, key=lambda n: n != default):
+        options_cls = getattr(loaded[name], "training", None)
         if options_cls is not None and options_cls not in found:
             found.append(options_cls)
     return found
@@ -270,8 +269,7 @@ def foreign_options(config: TrainConfig, own=None) -> list[tuple[str, object, st
     """(flag, value, family) of each training option that only another family reads (``Family.training``; all
     of them for a baseline, ``own`` None), set away from its default."""
     found = []
-    for name in family_names():
-        other = family(name)
+    for other in working().values():
         if other is own or getattr(other, "training", None) is None:
             continue
         for f in dataclasses.fields(other.training):
