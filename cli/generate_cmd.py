@@ -28,15 +28,22 @@ def read_prompts(prompts: tuple[str, ...], prompt_file: str | None) -> list[str]
     if prompt_file is None:
         return out
     if prompt_file == "-":
-        text, name = click.get_text_stream("stdin").read(), "stdin"
+        data, name = click.get_binary_stream("stdin").read(), "stdin"
     else:
         path = Path(prompt_file)
+        if path.is_dir():
+            raise ConceptError(f"--prompt-file {prompt_file} is a folder; pass a text file with one prompt per line")
         if not path.is_file():
             raise ConceptError(f"--prompt-file {prompt_file}: no such file")
         try:
-            text, name = path.read_text(encoding="utf-8"), str(path)
-        except UnicodeDecodeError as exc:
-            raise ConceptError(f"--prompt-file {prompt_file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            data, name = path.read_bytes(), str(path)
+        except OSError as exc:
+            raise ConceptError(f"--prompt-file {prompt_file}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConceptError(f"--prompt-file {prompt_file}: {name} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                           f"convert it to UTF-8") from None
     if name.endswith(".jsonl"):
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():

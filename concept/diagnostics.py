@@ -273,7 +273,7 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
     ``data`` if given (the held-out split of a built-in corpus such as ``stdlib`` or ``pydoc``), else
     the held-out split of what the run trained on; unset options default to the run's training settings."""
     train = read_train(run) or {}
-    if data:
+    if data is not None:  # ("" is refused by the reader, not taken for "the run's data")
         source, split = data, "heldout" if builtin_corpus(data) else "all"
     else:
         source, split = train.get("data"), "heldout"

@@ -159,6 +159,9 @@ class CoreTrainConfig:
         p = options.check(self) + self.lora.validate()
         if options.mistyped(self) or options.mistyped(self.lora):  # the checks below compare values
             return p
+        if isinstance(self.data, str) and not self.data.strip():  # ("" would read the working folder)
+            p.append(f"data: {self.data!r} is an empty path; pass a file or folder, or leave --data out to use the "
+                     f"default corpus")
         if max_positions and self.seq_len > max_positions:
             p.append(f"seq-len: {self.seq_len} is above the backbone's maximum of {max_positions} positions")
         return p + self._validate_recipe(num_layers)
