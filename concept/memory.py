@@ -6,10 +6,10 @@ The estimates are rough, calibrated so that they refuse only what cannot fit:
 
 - a build: the backbone's weights (``2 V h + 12 L h^2`` numbers: embeddings and head, attention and MLP) and the
   new modules' tables (each ``size`` of the config times ``h``, three times: table, head, initialisation);
-- a training micro-batch: ``1.25 x bytes x tokens x (32 h L + 3 V)`` (SmolLM2's measured train-step peaks on an
-  H100: 1.45 MB per token in bf16 at 2k and 8k tokens, docs/gpu.md's speed stage), plus on the CPU 60 KB per token
-  and layer (tiny-llama's resident memory grows by about 560 KB per token, 8 layers, where the first term says
-  67 KB); with ``--grad-checkpointing`` two layers' worth instead of ``L``;
+- a training micro-batch: ``bytes x tokens x (32 h L + 3 V)`` (SmolLM2's train-step peaks on an H100, weights
+  and optimizer included: 1.48 MB per token in bf16 at 2k tokens, 1.37 MB at 8k, docs/gpu.md's speed stage; this
+  says 1.40 MB), plus on the CPU 60 KB per token and layer (tiny-llama's resident memory grows by about 560 KB per
+  token over 8 layers where the first term says 67 KB); with ``--grad-checkpointing`` two layers instead of ``L``;
 - an evaluation batch: no saved activations, twice one layer's plus the logits.
 
 Available memory: CUDA's free memory (``torch.cuda.mem_get_info``); on the CPU ``MemAvailable`` of
@@ -90,7 +90,7 @@ def training_bytes(info, batch: int, seq_len: int, grad_checkpointing: bool = Fa
     """Peak activation memory of one training micro-batch of ``batch`` rows of ``seq_len`` tokens."""
     h, layers, vocab = info.hidden_size, info.num_layers, info.vocab_size
     kept = min(2, layers) if grad_checkpointing else layers
-    per_token = 1.25 * width * (32 * h * kept + 3 * vocab) + (0 if cuda else 60_000 * kept)
+    per_token = width * (32 * h * kept + 3 * vocab) + (0 if cuda else 60_000 * kept)
     return int(batch * seq_len * per_token)
 
 

@@ -400,7 +400,7 @@ def test_inspect_corrupt_run(tiny_run, tmp_path):
     bad = tmp_path / "corrupt"
     bad.mkdir()
     (bad / "concept.json").write_text("{")
-    fails(invoke("inspect", bad), 1, "error:", "is corrupt")
+    fails(invoke("inspect", bad), 1, "error:", "concept.json: is not valid JSON", "rebuild the model")
 
     broken = tmp_path / "weights"
     shutil.copytree(src, broken)
