@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -28,7 +29,9 @@ def read_prompts(prompts: tuple[str, ...], prompt_file: str | None) -> list[str]
     if prompt_file is None:
         return out
     if prompt_file == "-":
-        data, name = click.get_binary_stream("stdin").read(), "stdin"
+        stdin = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin  # bytes: a clear error if not UTF-8
+        data, name = stdin.read(), "stdin"
+        data = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
     else:
         path = Path(prompt_file)
         if path.is_dir():
