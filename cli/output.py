@@ -69,7 +69,8 @@ def quiet_progress_bars() -> None:
 
 def finite(ctx: click.Context, param: click.Parameter, value):
     """A click callback: a number option's value must be finite (click's FloatRange lets NaN through)."""
-    from concept.options import finite as representable  # (standard library only)
+    # lazy: concept's package imports torch; concept.options itself is standard library only
+    from concept.options import finite as representable
 
     if isinstance(value, float) and not representable(value):
         raise click.BadParameter(f"must be a finite number, got {value}")

@@ -6,6 +6,7 @@ which needs no family.
 """
 from __future__ import annotations
 
+from .errors import PluginConflictError, PluginImportError
 from .registry import registry
 
 _INSTANCES: dict = {}
@@ -32,8 +33,6 @@ def names() -> list[str]:
 def working() -> dict:
     """Name -> family, of every family that imports (a broken plugin only breaks the runs of its own family:
     looking it up by name says what is wrong with it)."""
-    from .errors import PluginConflictError, PluginImportError
-
     found = {}
     for name in names():
         try:

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
+from .components import Family
 from .errors import PluginConflictError, PluginImportError, UnknownComponentError, one_line
 
 # kind (config slot) -> entry-point group
@@ -122,8 +123,6 @@ def kind_problem(kind: str, obj) -> str | None:
         if not issubclass(obj, torch.nn.Module):
             return f"is the class {obj.__qualname__}, not a torch.nn.Module (every {kind.replace('_', ' ')} is one)"
     if kind == "family":
-        from .components import Family
-
         missing = [m for m in family_methods(Family) if not callable(getattr(obj, m, None))
                    and not (m == "finish_build" and getattr(obj, "build_options", None) is None)]  # (its pair)
         if missing:

@@ -24,7 +24,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import ConceptError, ConfigError, RunFolderError, one_line
+from . import checkpoint
+from .config import SLOTS, BuildConfig, resolve
+from .errors import ConceptError, ConfigError, RunFolderError, UnknownComponentError, one_line
+from .families import family
+from .options import check
+from .train_config import LoraSettings, TrainConfig
+from .train_config import foreign_options as foreign_to
 
 RUN_FILE = "concept.json"
 TRAIN_FILE = "train.json"
@@ -118,6 +124,7 @@ def read_run(path: str | os.PathLike) -> dict:
     """The record of a run folder (``concept.json``), checked: its config is a valid ``BuildConfig`` (not yet
     resolved against the installed plugins: :func:`plan_of`), and its other sections have their types. A
     relative local backbone path inside the folder is made absolute (``concept.builder.localise_backbone_path``)."""
+    # lazy: concept.builder imports this module (its loader reads through it)
     from .builder import localise_backbone_path
 
     folder = Path(path)
@@ -154,9 +161,6 @@ def read_run(path: str | os.PathLike) -> dict:
 def config_problems(config: dict) -> list[str]:
     """What is wrong with a build config dict, structurally (each slot an object with a name and params,
     each family section an object, the plain options of their types)."""
-    from .config import SLOTS, BuildConfig
-    from .options import check
-
     problems = []
     for slot in SLOTS:
         ref = config.get(slot)
@@ -179,8 +183,6 @@ def config_problems(config: dict) -> list[str]:
 def plan_of(record: dict, folder: Path):
     """The resolved build plan of a run's record (``concept.config.resolve``); a config this installation
     cannot build is one line naming the file (a problem with the record: exit 1)."""
-    from .config import BuildConfig, resolve
-
     file = Path(folder) / RUN_FILE
     try:
         return resolve(BuildConfig.from_dict(record["config"]))
@@ -217,9 +219,6 @@ def read_train(folder: str | os.PathLike) -> dict | None:
 def train_problems(record: dict) -> list[str]:
     """What is wrong with a training record: the keys every version wrote, the types and declared checks of
     ``TrainConfig``'s options, the derived keys' types."""
-    from .options import check
-    from .train_config import LoraSettings
-
     missing = [k for k in TRAIN_REQUIRED if k not in record]
     if missing:
         return [f"no {', '.join(repr(k) for k in missing)}"]
@@ -246,8 +245,6 @@ def train_problems(record: dict) -> list[str]:
 
 def _train_config(record: dict):
     """The ``TrainConfig`` of a training record (its known keys; derived and unknown ones left out)."""
-    from .train_config import LoraSettings, TrainConfig
-
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"lora"}
     lora = {k: v for k, v in record["lora"].items() if k in {f.name for f in dataclasses.fields(LoraSettings)}}
     return TrainConfig(**{k: v for k, v in record.items() if k in fields}, lora=LoraSettings(**lora))
@@ -285,8 +282,6 @@ def read_metrics(folder: str | os.PathLike) -> list[dict]:
 
 def checkpoint_state(folder: str | os.PathLike) -> dict | None:
     """The newest checkpoint's ``state.json`` (None without a checkpoint), with its step checked."""
-    from . import checkpoint
-
     found = checkpoint.folder(Path(folder))
     if found is None:
         return None
@@ -349,8 +344,6 @@ def read_weights(file: Path, fix: str | None = None) -> dict:
 
 def weights_file(folder: str | os.PathLike, stem: str) -> Path | None:
     """Where the newest weights named ``stem`` are: the run's checkpoint if it has them, else the folder's own."""
-    from . import checkpoint
-
     found = checkpoint.folder(Path(folder))
     for where in ([found] if found is not None else []) + [Path(folder)]:
         file = where / f"{stem}.safetensors"
@@ -410,8 +403,6 @@ def check_files(folder: str | os.PathLike) -> tuple[dict, dict | None]:
     ``concept.json``, ``train.json`` (and that it trains this run's family), the checkpoint's ``state.json``,
     every weights file's header (and the top-level modules' names and shapes against the checkpoint's copy), an export's backbone
     and adapter configs. Returns (the run record, the training record or None)."""
-    from . import checkpoint
-
     folder = Path(folder)
     record = read_run(folder)
     train = read_train(folder)
@@ -477,16 +468,12 @@ def check_peft_adapter(file: Path, config: dict, headers: dict, train: dict | No
 def foreign_options(record: dict, train: dict) -> str:
     """The options of ``train`` that only another family than the record's reads, set away from their
     defaults ("" for none), e.g. ``task 'reconstruct' (planner-executor)``."""
-    from .errors import UnknownComponentError
-    from .families import family
-    from .train_config import foreign_options as found
-
     config = _train_config(train)
     try:
         own = family(record["config"]["family"])
     except (UnknownComponentError, ConceptError):
         return ""  # (an unknown family is the plan's error)
-    return ", ".join(f"{flag} {value!r} ({owner})" for flag, value, owner in found(config, own))
+    return ", ".join(f"{flag} {value!r} ({owner})" for flag, value, owner in foreign_to(config, own))
 
 
 def _difference(a: dict, b: dict) -> str:
