@@ -31,7 +31,7 @@ from .lora import (
     load_peft_adapter,
 )
 
-from .run_files import BACKBONE_FILE, FORMAT_VERSION, LEGACY_CONFIG, MODULES_FILE, RUN_FILE  # noqa: F401
+from .run_files import BACKBONE_FILE, FORMAT_VERSION, MODULES_FILE, RUN_FILE  # noqa: F401 (this module's API too)
 
 
 def build_backbone(plan: Plan) -> LoadedBackbone:

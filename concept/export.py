@@ -46,7 +46,6 @@ from .builder import (
     load,
     newest_weights,
     read_run,
-    read_train,
 )
 from .config import BuildConfig, resolve
 from .diagnostics import model_kind

@@ -195,7 +195,8 @@ def plan_of(record: dict, folder: Path):
 
 # -- train.json -------------------------------------------------------------------------------
 def train_fix(folder: Path) -> str:
-    return f"restore it from a copy, or start a new run from its build: `concept train SOURCE --out DIR`"
+    return f"restore it from a copy, or start a new run from the build {folder} was trained from: `concept train " \
+           f"SOURCE --out DIR`"
 
 
 def read_train(folder: str | os.PathLike) -> dict | None:

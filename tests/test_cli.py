@@ -405,7 +405,7 @@ def test_inspect_corrupt_run(tiny_run, tmp_path):
     broken = tmp_path / "weights"
     shutil.copytree(src, broken)
     (broken / "modules.safetensors").write_bytes(b"not a safetensors file")
-    fails(invoke("inspect", broken), 1, "error:", "modules.safetensors is unreadable")
+    fails(invoke("inspect", broken), 1, "error:", "modules.safetensors: is not a readable safetensors file")
 
 
 def test_inspect_bad_ratio(tiny_run):

@@ -493,7 +493,8 @@ def evaluate_tasks(folder: Path, spec: FrontierSpec, log) -> dict:
     from . import harness
 
     key = _tasks_key(spec, (run_files.checkpoint_state(folder) or {}).get("step"))
-    cached = _cached(folder / TASKS_FILE, key, "tasks")
+    cache = folder / TASKS_FILE
+    cached = _cached(cache, key, "tasks")
     if cached is not None:
         return cached
     log("evaluating", f"{folder.name} on tasks {', '.join(spec.tasks)} (lm-eval) ...")
