@@ -72,6 +72,27 @@ def scratch(root: Path) -> None:
                  ["export", "run", "--out", "exp"], ["frontier", *FR]):
         result = invoke(argv)
         assert result.exit_code == 0, (argv, result.output)
+    damaged(root)
+
+
+def damaged(root: Path) -> None:
+    """Copies of the runs with one file damaged or replaced, as issue 43 found them (and whitespace-only data,
+    a bench baseline store)."""
+    import shutil
+
+    (root / "ws.txt").write_text("  \n\n\t \n")
+    for name, source in (("nulltrain", "run"), ("badsection", "run"), ("otherbackbone", "run"), ("badmetrics", "run"),
+                         ("zeromodules", "m"), ("fr-damaged", "fr")):
+        shutil.copytree(root / source, root / name)
+    (root / "nulltrain" / "train.json").write_text("null")
+    record = json.loads((root / "badsection" / "concept.json").read_text())
+    (root / "badsection" / "concept.json").write_text(json.dumps({**record, "config": {**record["config"], "sampler": 5}}))
+    shutil.copyfile(root / "pe" / "backbone.safetensors", root / "otherbackbone" / "backbone.safetensors")
+    (root / "badmetrics" / "metrics.jsonl").write_text("[1, 2]\n" + (root / "run" / "metrics.jsonl").read_text())
+    (root / "zeromodules" / "modules.safetensors").write_bytes(b"")
+    (root / "fr-damaged" / "s1-2-1_r0.5" / "train.json").write_text("{x")
+    (root / "bench-store" / "this-machine").mkdir(parents=True)
+    (root / "bench-store" / "this-machine" / "0001_base.json").write_text("{}")
 
 
 # (command, argv, the folder it may write or None); every input below is something a user could type
@@ -113,6 +134,10 @@ CASES = [
                "--force"], None),
     ("build", ["build", "--backbone", "hf", "--set", "backbone.path=hfproj/nothere", "--split", "1,1,1", "-o", "x"],
      None),
+    ("build", ["build", *TINY, "--seed", str(10 ** 23), "-o", "x"], None),
+    ("build", ["build", *TINY, "--set", "sampler.tau=inf", "-o", "x"], None),
+    ("build", ["build", *TINY, "--set", "vocabulary.size=100000000000", "-o", "x"], None),
+    ("build", ["build", *TINY, "--calibration-data", "", "-o", "x"], None),
     ("build", ["build", *TINY, "-o", "new-build", "--json"], "new-build"),
     # inspect
     ("inspect", ["inspect", "nosuch"], None),
@@ -123,6 +148,10 @@ CASES = [
     ("inspect", ["inspect", "m", "--ratio", "2"], None),
     ("inspect", ["inspect", "m", "--seq-len", "0"], None),
     ("inspect", ["inspect", "pe", "--json"], None),
+    ("inspect", ["inspect", "nulltrain"], None),
+    ("inspect", ["inspect", "badsection"], None),
+    ("inspect", ["inspect", "otherbackbone"], None),
+    ("inspect", ["inspect", "run", "--ratio", "nan"], None),
     ("inspect", ["inspect", "run"], None),
     # train
     ("train", ["train", "nosuch", "--out", "x"], None),
@@ -180,6 +209,19 @@ CASES = [
     ("train", ["train", "run", "--resume", "--data", "nosuch.txt", "--steps", "5"], None),
     ("train", ["train", "run", "--resume", "--batch", "3", "--steps", "5"], None),
     ("train", ["train", "exp", "--resume"], None),
+    ("train", ["train", "m", "--lr", "inf", "--out", "x"], None),
+    ("train", ["train", "m", "--lora-alpha", "nan", "--out", "x"], None),
+    ("train", ["train", "m", "--ratio-loss-weight", "nan", "--out", "x"], None),
+    ("train", ["train", "m", "--tau-start", "inf", "--out", "x"], None),
+    ("train", ["train", "m", "--seed", str(10 ** 23), "--out", "x"], None),
+    ("train", ["train", "m", "--device", "meta", "--out", "x"], None),
+    ("train", ["train", "m", "--device", "mps", "--out", "x"], None),
+    ("train", ["train", "m", "--seq-len", "16", "--batch", "100000000", "--out", "x"], None),
+    ("train", ["train", "m", "--data", "", "--out", "x"], None),
+    ("train", ["train", "m", "--data", "ws.txt", "--out", "x"], None),
+    ("train", ["train", "zeromodules", "--data", "code.jsonl", "--out", "x"], None),
+    ("train", ["train", "run", "--data", "code.jsonl", "--out", "x"], None),
+    ("train", ["train", "nulltrain", "--resume", "--steps", "5"], None),
     ("train", ["train", "m", "--data", "code.jsonl", "--steps", "1", *FAST, "--out", "new-run", "--json"], "new-run"),
     # eval
     ("eval", ["eval", "nosuch"], None),
@@ -206,6 +248,13 @@ CASES = [
     ("eval", ["eval", "notarun", "--tasks", "concept_cloze", "--limit", "2"], None),
     ("eval", ["eval", "run", "--tasks", ",", "--json"], None),
     ("eval", ["eval", "run", "pe-run", "--tasks", "concept_docstring_name", "--limit", "2", "--json"], None),
+    ("eval", ["eval", "run", "--seq-len", "5000"], None),
+    ("eval", ["eval", "run", "--batch", "100000000"], None),
+    ("eval", ["eval", "run", "--data", ""], None),
+    ("eval", ["eval", "run", "--device", "xpu"], None),
+    ("eval", ["eval", "nulltrain"], None),
+    ("eval", ["eval", "badmetrics"], None),
+    ("eval", ["eval", "run", "--tasks", "concept_cloze", "--num-fewshot", "100000", "--limit", "1"], None),
     ("eval", ["eval", "--tasks", "list"], None),
     # lm-eval (its own command line, with the concept model)
     ("lm-eval", ["lm-eval", "run", "--model", "concept", "--model_args", "run=nosuch", "--tasks", "concept_cloze"],
@@ -222,6 +271,9 @@ CASES = [
     ("export", ["export", "run", "--out", "."], None),
     ("export", ["export", "run", "--out", "code.jsonl"], None),
     ("export", ["export", "run", "--out", "exp"], None),
+    ("export", ["export", "nulltrain", "--out", "x"], None),
+    ("export", ["export", "badmetrics", "--out", "x"], None),
+    ("export", ["export", "otherbackbone", "--out", "x"], None),
     ("export", ["export", "run"], None),
     ("export", ["export", "m", "--out", "m-exp", "--merge-lora", "--json"], "m-exp"),
     ("export", ["export", "pe-run", "--out", "pe-exp", "--json"], "pe-exp"),
@@ -244,6 +296,10 @@ CASES = [
     ("generate", ["generate", "run", "--prompt", "x", "--show-plan"], None),
     ("generate", ["generate", "pe-run", "--prompt", "x", "--show-concepts"], None),
     ("generate", ["generate", "pe-run", "--prompt", "abc" * 1400], None),
+    ("generate", ["generate", "run", "--prompt", "x", "--temperature", "nan"], None),
+    ("generate", ["generate", "run", "--prompt", "x", "--seed", str(10 ** 23), "--temperature", "0.5"], None),
+    ("generate", ["generate", "run", "--prompt-file", "emptydir"], None),
+    ("generate", ["generate", "run", "--prompt", "x", "--device", "xpu"], None),
     ("generate", ["generate", "run", "--prompt", "x", "--device", "cuda"], None),
     ("generate", ["generate", "run", "--prompt", "def f(", "--max-new-tokens", "4", "--json"], None),
     ("generate", ["generate", "pe-run", "--prompt-file", "prompts.txt", "--max-new-tokens", "4", "--show-plan"], None),
@@ -252,6 +308,9 @@ CASES = [
     ("bench", ["bench", "--compare", "never-saved", "-k", "nothing"], None),
     ("bench", ["bench", "--fail-on", "fast:5%"], None),
     ("bench", ["bench", "--device", "cuda"], None),
+    ("bench", ["bench", "--suite", "forward", "-k", "no_such_case", "--save", "x", "--storage", "bench-store"], None),
+    ("bench", ["bench", "--suite", "forward", "-k", "no_such_case", "--compare", "base", "--fail-on", "mean:1%",
+               "--storage", "bench-store"], None),
     ("bench", ["bench", "--suite", "nope"], None),
     # frontier
     ("frontier", ["frontier", "--splits", " ; ", "--dry-run"], None),
@@ -263,6 +322,7 @@ CASES = [
     ("frontier", ["frontier", *FR, "--train-set", "lr_nwe=1"], None),
     ("frontier", ["frontier", *FR, "--eval-data", "nosuch-corpus"], None),
     ("frontier", ["frontier", *FR, "--baselines", "pruned,dens"], None),
+    ("frontier", ["frontier", *FR[:-2], "--out", "./fr-damaged"], None),
     ("frontier", ["frontier", *FR, "--dry-run", "--json"], None),
     # plugins
     ("plugins", ["plugins", "list", "--kind", "nope"], None),

@@ -188,6 +188,13 @@ def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storag
             raise ConceptError(f"the benchmark run failed (pytest exit code {code}"
                                f"{'; a regression against the baseline' if compare and fail_on else ''}); see its "
                                f"output above{'; no baseline was saved' if save else ''}")
+        if code == 5 and (save or compare):  # a gate that compared nothing must not pass
+            asked = " and ".join(f for f, given in (("--save", save), ("--compare", compare), ("--fail-on", fail_on))
+                                 if given)
+            raise ConceptError(f"no benchmark case ran ({f'-k {keyword!r} matched none' if keyword else 'none selected'}"
+                               f" in suite {suite}), so {asked} had nothing to {'save' if save and not compare else 'compare'}"
+                               f"{'; no baseline was saved' if save else ''}; check -k (`concept bench --suite {suite} "
+                               f"-k EXPR`) and --suite / --smollm2 / --long")
         if save:
             publish_new_files(staged, storage)
     if save:

@@ -53,12 +53,13 @@ def speed_vs_dense(results: dict) -> None:
 
 def training_throughput(run: Path) -> dict:
     """Steps and median training tokens/s from a trained run's metrics.jsonl (empty if untrained)."""
-    import json
     import statistics
 
-    file = Path(run) / "metrics.jsonl"
-    rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.is_file() else []
-    speeds = [r["tokens_per_s"] for r in rows[1:] if r.get("tokens_per_s")]  # step 1 includes warm-up
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.run_files import read_metrics
+
+    rows = read_metrics(run)  # validated: one error line naming a damaged line
+    speeds = [r["tokens_per_s"] for r in rows[1:] if isinstance(r.get("tokens_per_s"), (int, float))]  # step 1: warm-up
     if not speeds:
         return {}
     return {"train_steps": rows[-1]["step"], "train_tokens_per_s": statistics.median(speeds)}
@@ -134,7 +135,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     domains = list(dict.fromkeys(data)) or [None]  # repeated --data: one evaluation per domain
     by_domain = {d: {} for d in domains}
     for run in runs:
-        model = None
+        model, throughput = None, training_throughput(run)
         if compile_ != "off":
             # lazy: the library (torch) loads only when the command runs; --help stays instant
             from concept import load
@@ -144,7 +145,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
         for d in domains:
             model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
                                                           encoding_errors, text_field, device, model)
-            result.update(training_throughput(run))
+            result.update(throughput)
             by_domain[d][str(run)] = result
             if show_map and hasattr(model, "length_policy"):
                 # lazy: the library (torch) loads only when the command runs; --help stays instant

@@ -138,7 +138,7 @@ def print_plan(planned, out: Path, spec) -> None:
         s = run_state(out / r.name, r)
         state = {"complete": f"complete (step {s.get('step')}): skip", "resume": f"resume from step {s.get('step')}",
                  "restart": "restart (no checkpoint)", "new": "train", "differs": "other recipe: --force retrains",
-                 "foreign": "not a run: --force replaces"}[s["status"]]
+                 "foreign": "not a run: --force replaces", "damaged": "damaged: --force retrains"}[s["status"]]
         what = r.kind + (f" ({describe_kind(r)})" if r.kind == "pruned" else "")
         t.add_row(escape(r.name), escape(what), r.split and ",".join(map(str, r.split)) or "-",
                   "-" if r.target_ratio is None else f"{r.target_ratio:g}", f"{r.planned_flop_ratio:.3f}",

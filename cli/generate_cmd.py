@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -30,15 +31,24 @@ def read_prompts(prompts: tuple[str, ...], prompt_file: str | None) -> list[str]
     if prompt_file is None:
         return out
     if prompt_file == "-":
-        text, name = click.get_text_stream("stdin").read(), "stdin"
+        stdin = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin  # bytes: a clear error if not UTF-8
+        data, name = stdin.read(), "stdin"
+        data = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
     else:
         path = Path(prompt_file)
+        if path.is_dir():
+            raise ConceptError(f"--prompt-file {prompt_file} is a folder; pass a text file with one prompt per line")
         if not path.is_file():
             raise ConceptError(f"--prompt-file {prompt_file}: no such file")
         try:
-            text, name = path.read_text(encoding="utf-8"), str(path)
-        except UnicodeDecodeError as exc:
-            raise ConceptError(f"--prompt-file {prompt_file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            data, name = path.read_bytes(), str(path)
+        except OSError as exc:
+            raise ConceptError(f"--prompt-file {prompt_file}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConceptError(f"--prompt-file {prompt_file}: {name} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                           f"convert it to UTF-8") from None
     if name.endswith(".jsonl"):
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -66,7 +76,11 @@ def sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_pena
     a positive temperature, --top-k or --top-p turn sampling on."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import ConfigError
+    from concept.options import finite
 
+    for flag, value in (("--temperature", temperature), ("--top-p", top_p), ("--repetition-penalty", repetition_penalty)):
+        if value is not None and not finite(value):  # (NaN compares false: it would pass as greedy)
+            raise ConfigError([f"{flag}: must be a finite number, got {value}"])
     sample = (temperature is not None and temperature > 0) or top_k is not None or top_p is not None
     if temperature == 0 and (top_k is not None or top_p is not None):
         raise ConfigError(["--top-k / --top-p sample, but --temperature 0 means greedy; drop one of them"])
@@ -154,8 +168,9 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     if wrong:
         raise ConfigError([f"{flag}: {run} is a {kind} run, which has no {VIEWS[view]}; drop it"
                            for flag, view in wrong])
+    where = pick_device(device)  # (an unusable device: before anything is loaded)
     status("loading", str(run))
-    model = concept.load(run, compile=compile_).to(pick_device(device))
+    model = concept.load(run, compile=compile_).to(where)
     if train is None and kind in family_names():
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")

@@ -12,6 +12,7 @@ from concept.config import DEFAULT_TARGET_RATIO
 
 from .output import (
     describe_backbone,
+    finite,
     param_counts,
     print_json,
     quiet_progress_bars,
@@ -39,7 +40,8 @@ def module_params(model) -> dict:
 
 @click.command()
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=str))
-@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_TARGET_RATIO, show_default=True,
+@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), callback=finite, default=DEFAULT_TARGET_RATIO,
+              show_default=True,
               help="Concepts per token for the ideal FLOP ratio (a family with a concept ratio).")
 @click.option("--seq-len", "seq_len", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Sequence length T for the ideal FLOP ratio.")
@@ -49,7 +51,7 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     family: stacks, NULL-bias calibration and the ideal FLOP ratio; the planner-executor: plan types, task)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     import concept
-    from concept.builder import read_run, read_train
+    from concept.builder import read_run, read_train, run_kind
     from concept.components import InspectRequest
 
     record = read_run(run_dir)  # clear error for a missing or corrupt folder, before loading anything
@@ -59,7 +61,17 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     model = concept.load(run_dir)
     plan = model.plan.describe()
     family = model.plan.family_object
-    sections = family.inspect(model, InspectRequest(record, read_train(run_dir), ratio, seq_len))
+    train = read_train(run_dir)
+    kind = run_kind(record, train)
+    if kind == plan["family"]:
+        description = family.describe(model)
+        sections = family.inspect(model, InspectRequest(record, train, ratio, seq_len))
+    else:  # a dense / pruned baseline: the backbone (minus a block of layers) with LoRA adapters
+        removed = getattr(model, "removed", None)
+        description = (f"a {kind} baseline: the backbone"
+                       f"{f' without layers {removed[0]}..{removed[1] - 1}' if removed else ''}, with LoRA adapters")
+        sections = {"baseline": {"kind": kind, "removed_layers": list(removed) if removed else None},
+                    "components": ["backbone"]}
     used = sections.pop("components", None)
     per_slot = module_params(model)
     components = {slot: {**c, "parameters": per_slot.get(slot)} for slot, c in plan["components"].items()
@@ -67,10 +79,10 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     counts = param_counts(model)
     if as_json:
         print_json({"path": run_dir, "format": record.get("format"), "family": plan["family"],
-                    "description": family.describe(model), "backbone": plan["backbone"], "params": counts,
+                    "description": description, "backbone": plan["backbone"], "params": counts,
                     "components": components, **sections})
         return
-    stdout.print(f"[bold]run[/] {escape(run_dir)} ({escape(plan['family'])}): {escape(family.describe(model))}")
+    stdout.print(f"[bold]run[/] {escape(run_dir)} ({escape(plan['family'] if kind == plan['family'] else kind)}): {escape(description)}")
     stdout.print(f"backbone: {escape(describe_backbone(plan['backbone']))}")
     for name, data in sections.items():
         for drawn in render_section(name, data, plan["backbone"]):

@@ -48,14 +48,30 @@ class ConceptGroup(click.Group):
         except OSError as exc:  # e.g. no permission to write the output folder
             print_error(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
             ctx.exit(1)
+        except MemoryError:
+            print_error(f"out of memory ({ctx.invoked_subcommand or 'the command'}); lower --batch or --seq-len, "
+                        f"or free memory (nothing was published)")
+            ctx.exit(1)
         except Exception as exc:
             # lazy: only a failing command needs it (start-up imports nothing of the library)
-            from concept.errors import ConceptError
+            from concept.errors import ConceptError, one_line
 
+            if out_of_memory(exc):  # torch's allocators: CUDA out of memory, a CPU allocation refused
+                print_error(one_line(f"out of memory ({ctx.invoked_subcommand or 'the command'}): {exc}", 240)
+                            + "; lower --batch or --seq-len, or free memory")
+                ctx.exit(1)
             if not isinstance(exc, ConceptError):
                 raise
             print_error(str(exc))
             ctx.exit(getattr(exc, "exit_code", 1))
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: ``torch.OutOfMemoryError`` (CUDA), or the CPU allocator's RuntimeError."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        s in str(exc) for s in ("can't allocate memory", "not enough memory", "CUDA out of memory"))
 
 
 @click.group(cls=ConceptGroup, context_settings={"help_option_names": ["-h", "--help"]})

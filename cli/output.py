@@ -67,6 +67,16 @@ def quiet_progress_bars() -> None:
         os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's and datasets' bars (tqdm reads it per bar)
 
 
+def finite(ctx: click.Context, param: click.Parameter, value):
+    """A click callback: a number option's value must be finite (click's FloatRange lets NaN through)."""
+    # lazy: concept's package imports torch; concept.options itself is standard library only
+    from concept.options import finite as representable
+
+    if isinstance(value, float) and not representable(value):
+        raise click.BadParameter(f"must be a finite number, got {value}")
+    return value
+
+
 def json_safe(data: Any) -> Any:
     """``data`` with every NaN or infinite float replaced by None: JSON has no NaN (``json.dumps`` would
     write a bare ``NaN`` that strict parsers refuse)."""

@@ -14,15 +14,15 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from . import attention, checkpoint, fs
+from . import attention, checkpoint, fs, memory, run_files
 from .backbone import LoadedBackbone
 from .compiled import compile_model
 from .components import BuildContext
 from .config import BuildConfig, Plan, resolve
 from .dense import DenseModel
-from .errors import RunFolderError
+from .errors import ConceptError, RunFolderError
 from .families import family, family_of
 from .hub import local_folder
 from .lora import (
@@ -33,12 +33,7 @@ from .lora import (
     load_peft_adapter,
 )
 
-RUN_FILE = "concept.json"
-MODULES_FILE = "modules.safetensors"
-BACKBONE_FILE = "backbone.safetensors"
-FORMAT_VERSION = 2
-# what run folders of an older format were built with, where the config did not say it yet
-LEGACY_CONFIG = {1: {"concept_input": "embedding", "tail_fusion": {"name": "none", "params": {}}}}
+from .run_files import BACKBONE_FILE, FORMAT_VERSION, MODULES_FILE, RUN_FILE  # noqa: F401 (this module's API too)
 
 
 def build_backbone(plan: Plan) -> LoadedBackbone:
@@ -87,6 +82,11 @@ def build(config: BuildConfig | dict | None = None, plan: Plan | None = None, co
         if isinstance(config, dict):
             config = BuildConfig.from_dict(config)
         plan = resolve(config or BuildConfig())
+    need, what = memory.build_bytes(plan)
+    fits, have = memory.fits(need)
+    if not fits:  # a clear error, not an allocation failure or an out-of-memory kill halfway
+        raise ConceptError(f"this model needs at least {memory.gib(need)} for {what}, and this machine has "
+                           f"{memory.gib(have)} available; build a smaller one (e.g. a smaller --set vocabulary.size)")
     loaded = build_backbone(plan)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(plan.config.seed)
@@ -105,20 +105,8 @@ def _run_record(model) -> dict:
 
 
 def read_run(path: str | os.PathLike) -> dict:
-    folder = Path(path)
-    file = folder / RUN_FILE
-    if not file.is_file():
-        raise RunFolderError(f"{folder} is not a concept run folder (no {RUN_FILE}); create one with `concept build -o {folder}`")
-    try:
-        record = json.loads(file.read_text())
-        config = record["config"]
-        for key, value in LEGACY_CONFIG.get(record.get("format", 1), {}).items():
-            config.setdefault(key, value)
-        config.setdefault("family", "streaming")  # (written before there was a second family)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise RunFolderError(f"{file} is corrupt ({exc}); rebuild the run with `concept build -o {folder} --force`") from exc
-    localise_backbone_path(record["config"], folder)
-    return record
+    """The record of a run folder (``concept.json``), validated (``concept.run_files.read_run``)."""
+    return run_files.read_run(path)
 
 
 def run_kind(record: dict, train: dict | None) -> str:
@@ -212,36 +200,24 @@ PEFT_ADAPTER_DIR = "adapter"  # a run's LoRA adapters as a standard peft folder 
 
 
 def read_train(folder: Path) -> dict | None:
-    """The training record of a trained run (None for a freshly built one)."""
-    file = Path(folder) / TRAIN_FILE
-    if not file.is_file():
-        return None
-    try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RunFolderError(f"{file} is corrupt ({exc})") from exc
+    """The training record of a trained run (None for a freshly built one), validated
+    (``concept.run_files.read_train``)."""
+    return run_files.read_train(folder)
 
 
 def newest_weights(folder: Path, stem: str) -> dict | None:
     """Newest weights named ``stem``: from the run's checkpoint if it has one, else from the build."""
-    state = checkpoint.read_tensors(folder, stem)
-    if state is None and (folder / f"{stem}.safetensors").is_file():
-        try:
-            state = load_file(folder / f"{stem}.safetensors")
-        except Exception as exc:
-            raise RunFolderError(f"{folder}: {stem}.safetensors is unreadable ({exc}); "
-                                 f"rebuild with `concept build -o {folder} --force`") from exc
-    return state
+    file = run_files.weights_file(folder, stem)
+    return None if file is None else run_files.read_weights(file)
 
 
-def load_new_modules(model, state: dict) -> None:
+def load_new_modules(model, state: dict, file: Path | None = None) -> None:
+    """Load the new modules' weights ``state`` (keyed ``MODULE.PARAM``, as ``model.new_state_dict()``), each
+    tensor checked against the model's first (``file``: where they were read, for the error)."""
+    run_files.check_weights(state, model.new_state_dict(), file or Path("modules.safetensors"), "new modules")
     for name, module in model.new_modules().items():
         prefix = f"{name}."
-        try:
-            module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        except RuntimeError as exc:  # keys or shapes differ: the weights were saved with another config
-            first = next(iter(str(exc).splitlines()[1:]), str(exc)).strip()
-            raise RunFolderError(f"saved {name} weights do not match the model built from the run's config ({first})") from None
+        module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
 
 def load(path: str | os.PathLike, compile: str = "off", **hub):
@@ -250,12 +226,12 @@ def load(path: str | os.PathLike, compile: str = "off", **hub):
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
     folder ``adapter/`` or merged into the backbone), or a hub id ``org/name`` of one (downloaded with
     ``huggingface_hub.snapshot_download``; ``hub``: its ``revision``, ``cache_dir``, ``token``,
-    ``local_files_only``, ``force_download``, ``subfolder``; see ``concept.hub``). ``compile``: run its
+    ``local_files_only``, ``force_download``, ``subfolder``; see ``concept.hub``). Every file is validated
+    first (``concept.run_files.check_files``); a damaged one is one error naming it. ``compile``: run its
     stacks compiled (``concept.compiled``; off by default)."""
     folder = local_folder(path, **hub)
-    record = read_run(folder)
-    train = read_train(folder)
-    plan = resolve(BuildConfig.from_dict(record["config"]))
+    record, train = run_files.check_files(folder)
+    plan = run_files.plan_of(record, folder)
     if train and train.get("baseline"):  # "dense" / "pruned" (older runs: true)
         loaded = build_backbone(plan)
         # a pruned baseline skips the block of layers its train.json records (concept.training.prune_plan)
@@ -268,28 +244,35 @@ def load(path: str | os.PathLike, compile: str = "off", **hub):
                            mtp_heads=train.get("mtp_heads", 0), deleted=deleted)
     else:
         model = build(plan=plan)
-    backbone_state = newest_weights(folder, "backbone")
-    if backbone_state is not None:
-        model.backbone.load_state_dict(backbone_state)
+    backbone_file = run_files.weights_file(folder, "backbone")
+    if backbone_file is not None:
+        run_files.load_weights(model.backbone, backbone_file, "backbone")
+    modules_file = run_files.weights_file(folder, "modules") if model.new_modules() else None  # (a baseline's
+    # modules.safetensors is its build's: only MTP heads are its own)
+    if modules_file is None and model.new_modules():
+        raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")
+    modules = run_files.read_weights(modules_file) if modules_file is not None else None
+    if modules is not None:  # checked now, loaded last (a family's prepare sees the model as built)
+        run_files.check_weights(modules, model.new_state_dict(), modules_file, "new modules")
     exported = record.get("export")
     if exported is not None and checkpoint.folder(folder) is None:  # a `concept export` folder (not a run trained
         # from one): its adapters in adapter/ (peft), merged into the backbone, or none
         if exported.get("lora") == "adapter":
             load_peft_adapter(model.backbone, folder / PEFT_ADAPTER_DIR)
     elif train:
-        adapter = newest_weights(folder, "adapter")
-        if adapter is None and (folder / PEFT_ADAPTER_DIR / PEFT_CONFIG_FILE).is_file():  # a peft adapter folder
+        adapter_file = run_files.weights_file(folder, "adapter")
+        if adapter_file is None and (folder / PEFT_ADAPTER_DIR / PEFT_CONFIG_FILE).is_file():  # a peft adapter folder
             load_peft_adapter(model.backbone, folder / PEFT_ADAPTER_DIR)
         else:
             add_lora(model.backbone, LoraSettings(**train["lora"]))
-            if adapter:
+            if adapter_file is not None:
+                adapter = run_files.read_weights(adapter_file)
+                expected = {k: v for k, v in model.backbone.state_dict().items() if "lora_" in k}
+                run_files.check_weights(adapter, expected, adapter_file, "LoRA adapters")
                 load_lora_state_dict(model.backbone, adapter)
     if train and family_of(model) is not None:  # e.g. the task a planner-executor was trained on
         family_of(model).prepare(model, train)
-    modules = newest_weights(folder, "modules")
-    if modules is None and model.new_modules():
-        raise RunFolderError(f"{folder} has no weights (modules.safetensors); rebuild with `concept build -o {folder} --force`")
-    if modules:
-        load_new_modules(model, modules)
+    if modules is not None:
+        load_new_modules(model, modules, modules_file)
     model.loaded_from = {"folder": str(folder.resolve()), "record": record, "train": train}  # (save_pretrained re-exports it)
     return compile_model(model, compile).eval() if compile != "off" else model.eval()

@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import ConceptError, ConfigError, UnknownComponentError
 from .families import family, sections
-from .options import option
+from .options import SEED_MAX, finite, option
 from .registry import KINDS, Provider, registry
 
 SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
@@ -75,7 +75,7 @@ class BuildConfig:
                                 help="Concept input: the emitting token's shallow state + a gated embedding "
                                      "(identity), the same with the gate in units of the shallow state "
                                      "(identity-scaled), or the discrete embedding alone (embedding).")
-    seed: int = option(0, help="Seed for the new modules.")
+    seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed for the new modules.")
     # streaming: the static concept budget (concept.packing.budget); 0 = off (layout widths follow the batch)
     max_ratio: float = option(0.0, minimum=0, maximum=1,
                               help="Streaming: static shapes. A row's first n real tokens emit at most "
@@ -232,9 +232,12 @@ def _coerce(value: Any, tp: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"expected a number, got {value!r}") from None
+        if not finite(number):  # (the rule of every number option: concept.options)
+            raise ValueError(f"expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError(f"expected a string, got {value!r}")
@@ -379,6 +382,8 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
 
     if not isinstance(config.seed, int) or isinstance(config.seed, bool):
         problems.append(f"seed: expected an integer, got {config.seed!r}")
+    elif not 0 <= config.seed <= SEED_MAX:
+        problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {config.seed}")
     if config.concept_input not in CONCEPT_INPUTS:
         problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
     max_ratio = config.max_ratio

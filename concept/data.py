@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import ConceptError
+from .errors import ConceptError, one_line
 from .tokens import ByteTokenizer, tokenize_documents, tokenizer_for
 
 __all__ = ["Document", "DEFAULT_CORPUS", "PROSE_CORPUS", "CORPORA", "builtin_corpus", "read_documents", "ByteTokenizer", "tokenizer_for", "PackedSequences"]
@@ -167,7 +167,7 @@ def _datasets_folder(path: Path) -> str | None:
 def _read_errors():
     import pyarrow
 
-    return OSError, ValueError, KeyError, TypeError, pyarrow.ArrowException
+    return OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, pyarrow.ArrowException
 
 
 def _table_rows(features, read_column, path: Path, name: str, text_field: str) -> list[tuple[int, Document]]:
@@ -244,7 +244,8 @@ def _read_dataset_folder(path: Path, name: str, text_field: str, split: str | No
     try:
         ds = datasets.Dataset.load_from_disk(str(path))  # memory-mapped; writes nothing
     except _read_errors() as exc:
-        raise ConceptError(f"cannot read the Hugging Face datasets folder {path}: {exc}") from None
+        raise ConceptError(one_line(f"cannot read the Hugging Face datasets folder {path} ({type(exc).__name__}: "
+                                    f"{exc}); save it again with Dataset.save_to_disk, or point --data elsewhere")) from None
     return _table_rows(ds.features, lambda: ds.data.column(text_field).to_pylist(), path, name, text_field)
 
 
@@ -317,7 +318,7 @@ def builtin_corpus(source) -> str | None:
 def local_path(source) -> Path | None:
     """The file or folder ``source`` reads (``PATH:SPLIT``: its ``PATH``), or None for a built-in corpus
     or a path that does not exist."""
-    if builtin_corpus(source) is not None:
+    if builtin_corpus(source) is not None or not str(source).strip():  # ("": no path, not the working folder)
         return None
     path = Path(source).expanduser()
     if path.exists():
@@ -372,6 +373,9 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
     except LookupError:
         raise ConceptError(f"unknown encoding error handler {encoding_errors!r}; use 'strict' or 'replace'") from None
 
+    if isinstance(source, (str, os.PathLike)) and not str(source).strip():  # ("" would read the working folder)
+        raise ConceptError(f"--data {str(source)!r} is an empty path; pass a text file, .jsonl file or folder, or "
+                           f"leave --data out to use the default corpus (the Python standard library)")
     corpus = builtin_corpus(source)
     stdlib = corpus == DEFAULT_CORPUS
     root = stdlib_root() if stdlib else None if corpus else Path(source).expanduser()
@@ -420,7 +424,8 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
         keyed = [((root.name, line), doc) for line, doc in found]
         if not keyed:
             detail = ("every line is blank or has an empty text" if root.suffix.lower() == ".jsonl" else
-                      f"no rows, or every row's {text_field!r} is empty" if table else "it is empty")
+                      f"no rows, or every row's {text_field!r} is empty" if table else
+                      "it is empty" if not root.stat().st_size else "it holds only whitespace")
             raise ConceptError(f"{root} holds no documents ({detail}); add text or point --data elsewhere")
     else:
         raise ConceptError(f"data path {root} is neither a regular file nor a folder")

@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from . import data as concept_data
-from . import packing
+from . import memory, packing
 from .builder import load, read_train
 from .data import builtin_corpus
 from .distributed import pick_device
@@ -273,7 +273,7 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
     ``data`` if given (the held-out split of a built-in corpus such as ``stdlib`` or ``pydoc``), else
     the held-out split of what the run trained on; unset options default to the run's training settings."""
     train = read_train(run) or {}
-    if data:
+    if data is not None:  # ("" is refused by the reader, not taken for "the run's data")
         source, split = data, "heldout" if builtin_corpus(data) else "all"
     else:
         source, split = train.get("data"), "heldout"
@@ -290,7 +290,15 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     if problems:
         raise ConfigError(problems)
     source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
-    model = load(path).to(pick_device(device)) if model is None else model
+    where = pick_device(device)  # (an unusable device: before anything is loaded)
+    model = load(path).to(where) if model is None else model
+    info = model.plan.backbone_info
+    if info.max_positions and seq_len > info.max_positions:  # as `concept train` refuses it
+        raise ConfigError([f"seq-len: {seq_len} is above the backbone's maximum of {info.max_positions} positions; "
+                           f"pass --seq-len {info.max_positions} or less"])
+    too_big = memory.inference_problem(info, batch, seq_len, where)
+    if too_big:
+        raise ConfigError([too_big])
     tokenizer = concept_data.tokenizer_for(model)
     docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
     packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)

@@ -168,13 +168,25 @@ def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: full_tensor(v).detach().cpu() for k, v in state.items()}
 
 
+def available_devices() -> list[str]:
+    """The ``--device`` values this machine can run: auto, cpu and each CUDA device."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["auto", "cpu", *(["cuda", *(f"cuda:{i}" for i in range(cuda))] if cuda else [])]
+
+
 def pick_device(name: str) -> torch.device:
+    """The torch device of a ``--device`` value: auto (CUDA if there is one, else the CPU), cpu, cuda or cuda:N.
+    Anything else, or a device this machine lacks, is an error naming the available ones (before anything is
+    loaded or written)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, TypeError):
         raise ConceptError(f"--device {name}: not a device name; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise ConceptError(f"--device {name}: concept runs on the CPU or CUDA devices, not {device}; available here: "
+                           f"{', '.join(available_devices())}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConceptError(f"--device {name}: no CUDA device is available on this machine; use --device cpu (or auto)")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():

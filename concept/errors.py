@@ -38,3 +38,10 @@ class BackboneError(ConceptError):
 
 class RunFolderError(ConceptError):
     exit_code = 1
+
+
+def one_line(text: object, limit: int = 400) -> str:
+    """``text`` (an exception's message, say) as one line for an ``error:`` message: its lines joined, runs of
+    whitespace collapsed, cut at ``limit`` characters (a list of hundreds of keys stays readable)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit - 5].rstrip() + " ..."

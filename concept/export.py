@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from . import __version__, checkpoint, fs
+from . import __version__, checkpoint, fs, run_files
 from .backbone import decoder
 from .builder import (
     MODULES_FILE,
@@ -47,7 +47,6 @@ from .builder import (
     backbone_folder,
     load,
     read_run,
-    read_train,
 )
 from .config import BuildConfig, resolve
 from .diagnostics import model_kind
@@ -84,16 +83,9 @@ class ExportResult:
 def last_evaluation(run: Path, train: dict | None) -> dict | None:
     """The run's last held-out evaluation (metrics.jsonl's last row with an ``eval``), with what it was
     measured on: ``{"step", "eval", "data", "split", "batches", "batch", "seq_len", "tokens"}``."""
-    file = Path(run) / "metrics.jsonl"
-    if not file.is_file():
-        return None
     row = None
-    for line in file.read_text().splitlines():
-        try:
-            parsed = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line
-            continue
-        if isinstance(parsed, dict) and parsed.get("eval"):
+    for parsed in run_files.read_metrics(run):  # (a torn last line is left out)
+        if parsed.get("eval"):
             row = parsed
     if row is None:
         return None
@@ -164,9 +156,9 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     run, out = Path(run), Path(out)
     record = read_run(run)  # a clear error for anything that is not a run folder
     check_target(run, out, force, record["config"])
-    train = read_train(run)
     checkpoint.check_intact(run, "export an earlier copy of the run, or retrain it")
-    meta = checkpoint.read_meta(run)
+    record, train = run_files.check_files(run)  # every file the export reads, before anything is written
+    meta = run_files.checkpoint_state(run)
     result_warnings: list[str] = []
 
     def say(verb: str, detail: str) -> None:

@@ -6,6 +6,7 @@ which needs no family.
 """
 from __future__ import annotations
 
+from .errors import PluginConflictError, PluginImportError
 from .registry import registry
 
 _INSTANCES: dict = {}
@@ -29,11 +30,23 @@ def names() -> list[str]:
     return registry("family").names()
 
 
+def working() -> dict:
+    """Name -> family, of every family that imports (a broken plugin only breaks the runs of its own family:
+    looking it up by name says what is wrong with it)."""
+    found = {}
+    for name in names():
+        try:
+            found[name] = family(name)
+        except (PluginImportError, PluginConflictError):
+            continue
+    return found
+
+
 def sections() -> dict[str, str]:
     """Build-config section name -> the family that reads it (imports each family)."""
-    return {f.section: name for name in names() if (f := family(name)).section}
+    return {f.section: name for name, f in working().items() if f.section}
 
 
 def build_options() -> dict[str, type]:
     """Family name -> the option dataclass of the ``concept build`` flags only it reads (``build_options``)."""
-    return {name: cls for name in names() if (cls := getattr(family(name), "build_options", None)) is not None}
+    return {name: cls for name, f in working().items() if (cls := getattr(f, "build_options", None)) is not None}

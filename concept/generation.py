@@ -20,6 +20,7 @@ from . import multitoken
 from .decoding import DenseDecoder
 from .errors import ConceptError, ConfigError
 from .families import family_of
+from .options import SEED_MAX, finite
 
 
 @dataclass
@@ -37,7 +38,13 @@ class GenerationSettings:
     mtp_tau: float = 0.9  # confadapt: keep drafted tokens while the heads' top-1 probability is >= this
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = [f"{name}: must be a finite number, got {getattr(self, name)}"
+                    for name in ("temperature", "top_p", "repetition_penalty", "mtp_tau")
+                    if isinstance(getattr(self, name), float) and not finite(getattr(self, name))]
+        if problems:  # (the checks below compare numbers)
+            return problems
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {self.seed}")
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if not self.temperature > 0:

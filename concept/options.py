@@ -7,7 +7,8 @@ and its simple checks; the CLI options, the checks and the mapping back are deri
         mode: str = option("fast", choices=("fast", "exact"), help="How to run.")
         lora: LoraSettings = nested(LoraSettings, prefix="lora")  # --lora-rank ... -> recipe.lora.rank
 
-* :func:`check` lists every declared constraint an instance breaks (all at once; NaN fails a range);
+* :func:`check` lists every declared constraint an instance breaks (all at once); a number option is always
+  finite (NaN and infinity are refused whatever its range);
   rules that relate several fields stay hand-written in the dataclass's own ``validate``.
 * :class:`FamilyOptions` is the base of a model family's own training options (``Family.training``).
 * :func:`click_params` / :func:`click_options` make the click options, in declaration order (a
@@ -19,12 +20,20 @@ Standard library only; click is imported when click options are made.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import typing
 from dataclasses import dataclass
 from typing import Any
 
 KEY = "concept.option"  # the field-metadata key
+SEED_MAX = 2 ** 63 - 1  # the largest seed torch, numpy and Python's random all take
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def finite(value: float) -> bool:
+    """A number the model's float32 tensors can hold (not NaN, not infinite, not beyond float32's range)."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 TYPES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
@@ -51,6 +60,8 @@ class Spec:
             return f"expected {TYPES.get(_plain(annotation)[0], 'a value')}, got {value!r}"
         if value is None:  # (allowed: the field is optional)
             return None
+        if isinstance(value, float) and not finite(value):  # every number option is finite
+            return f"must be a finite number, got {value}"
         if self.choices is not None and value not in self.choices:
             return f"{_either(self.choices)}, got {value!r}"
         bounds = ((self.minimum, operator.ge), (self.above, operator.gt), (self.maximum, operator.le),
@@ -64,10 +75,10 @@ class Spec:
         low = ("[", self.minimum) if self.minimum is not None else ("(", self.above) if self.above is not None else None
         high = ("]", self.maximum) if self.maximum is not None else (")", self.below) if self.below is not None else None
         if low and high:
-            return f"in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+            return f"in {low[0]}{_number(low[1])}, {_number(high[1])}{high[0]}"
         if low:
-            return f"{'>=' if low[0] == '[' else '>'} {low[1]:g}"
-        return f"{'<=' if high[0] == ']' else '<'} {high[1]:g}"
+            return f"{'>=' if low[0] == '[' else '>'} {_number(low[1])}"
+        return f"{'<=' if high[0] == ']' else '<'} {_number(high[1])}"
 
 
 def option(default: Any, *, help: str, flag: str | None = None, choices=None, minimum: float | None = None,
@@ -231,6 +242,10 @@ def _plain(annotation: Any) -> tuple[Any, bool]:
         return annotation, False
     rest = [a for a in args if a is not type(None)]
     return (rest[0] if len(rest) == 1 else Any), True
+
+
+def _number(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def _either(choices: tuple) -> str:

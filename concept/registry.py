@@ -7,10 +7,12 @@ cannot be imported only breaks the commands that need it.
 from __future__ import annotations
 
 import difflib
+import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
-from .errors import PluginConflictError, PluginImportError, UnknownComponentError
+from .components import Family
+from .errors import PluginConflictError, PluginImportError, UnknownComponentError, one_line
 
 # kind (config slot) -> entry-point group
 KINDS: dict[str, str] = {
@@ -25,6 +27,8 @@ KINDS: dict[str, str] = {
 }
 
 BUILTIN_DIST = "concept"
+# kinds whose components are torch modules (the built-ins all subclass torch.nn.Module)
+MODULE_KINDS = ("length_policy", "sampler", "position_scheme", "vocabulary", "tail_fusion")
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,7 @@ class Registry:
     def providers(self) -> dict[str, list[Provider]]:
         """name -> providers (more than one means a conflict). Imports nothing."""
         found: dict[str, dict[tuple[str | None, str], Provider]] = {}
-        for ep in entry_points(group=self.group):
-            p = _provider(self.kind, ep)
+        for p in _scan(self.kind, self.group):
             # The same distribution can be visible twice (e.g. an editable install); count it once.
             found.setdefault(p.name, {})[(p.dist, p.target)] = p
         return {name: list(ps.values()) for name, ps in sorted(found.items())}
@@ -94,15 +97,68 @@ class Registry:
             return self._loaded[name]
         p = self.provider(name)
         ep = EntryPoint(name=p.name, value=p.target, group=self.group)
+        what = f"{self.kind.replace('_', ' ')} plugin '{name}' from {p.label} ({p.target})"
         try:
             obj = ep.load()
-        except Exception as exc:  # any import-time failure of third-party code
-            raise PluginImportError(
-                f"{self.kind.replace('_', ' ')} plugin '{name}' from {p.label} ({p.target}) failed to import: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        except (Exception, SystemExit) as exc:  # any import-time failure of third-party code (sys.exit included)
+            raise PluginImportError(one_line(f"{what} failed to import: {type(exc).__name__}: {exc}; fix or "
+                                             f"uninstall {p.dist or 'the package that provides it'}")) from exc
+        problem = kind_problem(self.kind, obj)
+        if problem:
+            raise PluginImportError(f"{what} {problem}; its entry point must name the component class "
+                                    f"(package.module:ClassName): fix or uninstall {p.dist or 'that package'}")
         self._loaded[name] = obj
         return obj
+
+
+def kind_problem(kind: str, obj) -> str | None:
+    """What keeps ``obj`` (an entry point's target) from being a component of ``kind``, or None: it must be a
+    class; of a torch-module kind, a ``torch.nn.Module`` subclass; a family, a class with the methods of
+    ``concept.components.Family``."""
+    if not isinstance(obj, type):
+        return f"is {_described(obj)}, not a class"
+    if kind in MODULE_KINDS:
+        import torch  # (a module kind's plugin imports torch anyway)
+
+        if not issubclass(obj, torch.nn.Module):
+            return f"is the class {obj.__qualname__}, not a torch.nn.Module (every {kind.replace('_', ' ')} is one)"
+    if kind == "family":
+        missing = [m for m in family_methods(Family) if not callable(getattr(obj, m, None))
+                   and not (m == "finish_build" and getattr(obj, "build_options", None) is None)]  # (its pair)
+        if missing:
+            return (f"is the class {obj.__qualname__}, which lacks {', '.join(missing)} of "
+                    f"concept.components.Family")
+    return None
+
+
+def family_methods(protocol: type) -> list[str]:
+    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+
+
+def _described(obj) -> str:
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return f"the module {obj.__name__}"
+    if callable(obj):
+        return f"the function {getattr(obj, '__qualname__', obj)!r}"
+    return f"{type(obj).__name__} {obj!r}"[:80]
+
+
+_SCANS: dict[tuple, dict[str, list[Provider]]] = {}
+
+
+def _scan(kind: str, group: str) -> list[Provider]:
+    """The providers of ``group``'s entry points, read once for each ``sys.path`` (a scan of every installed
+    distribution's metadata takes a tenth of a second, and every run folder read asks for the families)."""
+    key = (tuple(sys.path), entry_points)  # (a package put on the path, or a patched lookup, scans again)
+    if key not in _SCANS:
+        _SCANS.clear()
+        _SCANS[key] = {}
+    scanned = _SCANS[key]
+    if group not in scanned:
+        scanned[group] = [_provider(kind, ep) for ep in entry_points(group=group)]
+    return scanned[group]
 
 
 def _unknown(what: str, name: str, available: list[str]) -> str:

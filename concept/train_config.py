@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 from . import options
 from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_TARGET_RATIO, BuildConfig
-from .families import family
-from .families import names as family_names
-from .options import check, nested, option
+from .families import working
+from .options import SEED_MAX, check, nested, option
 
 BASELINES = ("dense", "pruned")
 TRAIN_ONLY = ("all", "new")
@@ -135,7 +134,7 @@ class CoreTrainConfig:
     tau_start: float = option(1.0, above=0, help="Gumbel temperature at step 0.")
     tau_end: float = option(0.5, above=0, help="Gumbel temperature at the last step.")
     lora: LoraSettings = nested(LoraSettings, prefix="lora")  # noqa: RUF009 (a default_factory field)
-    seed: int = option(0, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
+    seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
                                "randomness (Gumbel noise, dropout).")
     eval_every: int = option(50, minimum=1, help="Evaluate on held-out data every this many steps (and at the end).")
     eval_batches: int = option(4, help="Held-out batches per evaluation.")
@@ -161,6 +160,9 @@ class CoreTrainConfig:
         p = options.check(self) + self.lora.validate()
         if options.mistyped(self) or options.mistyped(self.lora):  # the checks below compare values
             return p
+        if isinstance(self.data, str) and not self.data.strip():  # ("" would read the working folder)
+            p.append(f"data: {self.data!r} is an empty path; pass a file or folder, or leave --data out to use the "
+                     f"default corpus")
         if max_positions and self.seq_len > max_positions:
             p.append(f"seq-len: {self.seq_len} is above the backbone's maximum of {max_positions} positions")
         return p + self._validate_recipe(num_layers)
@@ -259,9 +261,9 @@ def family_options() -> list[type]:
     """Each registered family's training options (``Family.training``): the default family's first, then the
     others in registry order."""
     default = BuildConfig.__dataclass_fields__["family"].default
-    found = []
-    for name in sorted(family_names(), key=lambda n: n != default):
-        options_cls = getattr(family(name), "training", None)
+    found, loaded = [], working()  # (a family plugin that does not import adds no options)
+    for name in sorted(loaded, key=lambda n: n != default):
+        options_cls = getattr(loaded[name], "training", None)
         if options_cls is not None and options_cls not in found:
             found.append(options_cls)
     return found
@@ -271,8 +273,7 @@ def foreign_options(config: TrainConfig, own=None) -> list[tuple[str, object, st
     """(flag, value, family) of each training option that only another family reads (``Family.training``; all
     of them for a baseline, ``own`` None), set away from its default."""
     found = []
-    for name in family_names():
-        other = family(name)
+    for other in working().values():
         if other is own or getattr(other, "training", None) is None:
             continue
         for f in dataclasses.fields(other.training):

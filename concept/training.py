@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fs
+from . import checkpoint, data, fs, memory, run_files
 from .backbone import decoder
 from .compiled import compile_model
 from .baselines import Baseline
@@ -147,10 +147,8 @@ class FamilyTraining:
         model = build(plan=plan)
         self.family.prepare(model, config.to_dict())
         if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
-            from safetensors.torch import load_file
-
-
-            load_new_modules(model, load_file(out / "modules.safetensors"))  # (resume: _restore loads)
+            file = out / "modules.safetensors"
+            load_new_modules(model, run_files.read_weights(file), file)  # (resume: _restore loads)
         return model
 
     def derived(self, config, plan) -> dict:
@@ -248,15 +246,14 @@ class Trainer:
         config = self.config
         model = self.kind.training_model(plan, config, self.out, resume, self.notes)
         if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
-            from safetensors.torch import load_file
-
-            model.backbone.load_state_dict(load_file(self.out / "backbone.safetensors"))
+            run_files.load_weights(model.backbone, self.out / "backbone.safetensors", "backbone")
         add_lora(model.backbone, config.lora)
         if (self.out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
-            from safetensors.torch import load_file
-
-
-            load_lora_state_dict(model.backbone, load_file(self.out / "adapter.safetensors"))
+            file = self.out / "adapter.safetensors"
+            adapter = run_files.read_weights(file)
+            expected = {k: v for k, v in model.backbone.state_dict().items() if "lora_" in k}
+            run_files.check_weights(adapter, expected, file, "LoRA adapters")
+            load_lora_state_dict(model.backbone, adapter)
         if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
             for p in model.backbone.parameters():
                 p.requires_grad_(False)
@@ -359,6 +356,8 @@ class Trainer:
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
         kind = training_kind(config, plan)
         problems += kind.check_training(config, plan, device, dist)
+        if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
+            problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
         if dist is not None and dist.mode == "fsdp2":
             problems += [f"{flag}: it rewrites code rows in place, which FSDP2's sharded parameters do not allow; "
                          f"use --distributed ddp" for flag, value in (("revive-after", config.revive_after),
@@ -376,7 +375,9 @@ class Trainer:
         beside ``out`` (``concept.fs``): a new ``out`` appears once the run is set up, while an existing
         one (``force``) is replaced only when :meth:`train` has trained every step."""
         source, out, dist = Path(source), Path(out), dist or Dist()
-        record = read_run(source)
+        record, trained = run_files.check_files(source)  # every file of the source, before anything is written
+        run_files.plan_of(record, source)  # (a source whose record cannot be built: one line naming it)
+        cls._check_source_lora(source, trained, config)
         build_config = BuildConfig.from_dict(record["config"])
         config = dataclasses.replace(config, data=data.stored_source(config.data))  # resumable from any folder
         cls.check(config, build_config, dist)  # bad options fail before anything is written
@@ -389,7 +390,8 @@ class Trainer:
         dist.on_main(staging.open)
         try:
             dist.on_main(cls._prepare, source, staging.path)
-            trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
+            with run_files.copied_from(staging.path, source):  # a damaged weights file is named in the source
+                trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
             dist.on_main(trainer._record, str(source.resolve()))
             trainer.name = out.name
             if staging.swept:
@@ -404,6 +406,17 @@ class Trainer:
                 staging.discard()
             raise
         return trainer
+
+    @staticmethod
+    def _check_source_lora(source: Path, trained: dict | None, config: TrainConfig) -> None:
+        """A run trained from a trained run continues its LoRA adapters: the same rank and targets."""
+        if not trained or trained.get("baseline") or config.baseline:
+            return
+        saved = LoraSettings(**trained["lora"])
+        if (saved.rank, saved.targets) != (config.lora.rank, config.lora.targets):
+            raise ConfigError([f"lora: {source} was trained with --lora-rank {saved.rank} --lora-targets "
+                               f"{saved.targets}, and a run trained from it continues those adapters; pass them "
+                               f"(or train from its build, {trained.get('source') or 'the run it was trained from'})"])
 
     @staticmethod
     def _prepare(source: Path, out: Path) -> None:
@@ -576,6 +589,7 @@ class Trainer:
         model = self.model
         tensors = {"adapter": lora_state_dict(model.backbone),
                    "modules": {k: full_tensor(v) for k, v in model.new_state_dict().items()}}
+        self.check_finite({**tensors["adapter"], **tensors["modules"]})
         optimizer = get_optimizer_state_dict(model, self.optimizer,
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         objects = {"optimizer": optimizer, "optimizer_format": "fqn", "scheduler": self.scheduler.state_dict(),
@@ -584,6 +598,17 @@ class Trainer:
         files = {f"{name}.json": json.dumps(state).encode() for name, state in self.objective_states().items()}
         meta["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         self.dist.on_main(self._write_checkpoint, tensors, objects, meta, files)
+
+    def check_finite(self, tensors: dict) -> None:
+        """Refuse to save weights holding NaN or infinity (e.g. after a step with a huge learning rate): the run
+        keeps its last good checkpoint, and a run replacing another (``--force``) is never published."""
+        bad = run_files.nonfinite_weights(tensors)
+        if bad:
+            prev = checkpoint.read_meta(self.out) if self.staging is None else None
+            where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written"
+            raise TrainingError(f"the weights became NaN or infinite at step {self.step} ({len(bad)} tensors, e.g. "
+                                f"{bad[0]!r}); they were not saved and {where}. Try a lower --lr / --lr-new or a "
+                                f"larger --clip")
 
     def _write_checkpoint(self, tensors, objects, meta, files=None) -> None:
         try:

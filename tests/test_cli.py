@@ -400,12 +400,12 @@ def test_inspect_corrupt_run(tiny_run, tmp_path):
     bad = tmp_path / "corrupt"
     bad.mkdir()
     (bad / "concept.json").write_text("{")
-    fails(invoke("inspect", bad), 1, "error:", "is corrupt")
+    fails(invoke("inspect", bad), 1, "error:", "concept.json: is not valid JSON", "rebuild the model")
 
     broken = tmp_path / "weights"
     shutil.copytree(src, broken)
     (broken / "modules.safetensors").write_bytes(b"not a safetensors file")
-    fails(invoke("inspect", broken), 1, "error:", "modules.safetensors is unreadable")
+    fails(invoke("inspect", broken), 1, "error:", "modules.safetensors: is not a readable safetensors file")
 
 
 def test_inspect_bad_ratio(tiny_run):

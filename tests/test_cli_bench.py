@@ -32,6 +32,13 @@ def test_save_compare_and_fail_on_a_regression(tmp_path):
     r = run("--suite", "forward", "-k", "tiny and chunked", "--compare", "fast", "--fail-on", "mean:10%",
             "--storage", storage)
     assert r.exit_code == 1 and "regression" in r.stderr
+    # a gate with no case to compare, and a --save with nothing to save, fail (issue 43: both exited 0)
+    before = sorted(p.name for p in storage.rglob("*"))
+    for args in (["--compare", "fast", "--fail-on", "mean:1%"], ["--save", "empty"]):
+        r = run("--suite", "forward", "-k", "no_such_case", *args, "--storage", storage)
+        assert r.exit_code == 1 and "no benchmark case ran" in r.stderr and "'no_such_case' matched none" in r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error:"), r.stderr
+    assert sorted(p.name for p in storage.rglob("*")) == before
 
 
 def test_bench_bad_input(tmp_path):

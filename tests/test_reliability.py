@@ -365,3 +365,48 @@ def test_the_sweep_still_runs(tmp_path, monkeypatch):
     assert set(last) >= {"build", "train", "eval", "lm-eval", "export", "generate", "frontier"}
     rows = sweep.sweep(tmp_path, list(last.values()))
     assert [r for r in rows if r["traceback"] or r["damaged"] or r["litter"]] == []
+
+
+# -- issue 43: misleading messages and tracebacks on odd input -------------------------------------
+def clean_error(r, code: int, *parts: str) -> None:
+    assert r.exit_code == code and "Traceback" not in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    for part in parts:
+        assert part in r.stderr, (part, r.stderr)
+
+
+def test_odd_prompts_are_clean_errors(trained, tmp_path):
+    from click.testing import CliRunner
+
+    from concept_cli.main import cli
+
+    r = CliRunner().invoke(cli, ["generate", str(trained / "p" / "run"), "--prompt-file", "-"], input=b"caf\xe9\n")
+    clean_error(r, 1, "stdin is not UTF-8 text", "convert it to UTF-8")  # (UnicodeDecodeError)
+    r = run("generate", trained / "p" / "run", "--prompt-file", tmp_path)
+    clean_error(r, 1, "is a folder")  # ("no such file")
+    assert "no such file" not in r.stderr
+
+
+def test_empty_and_blank_data_say_what_they_are(trained, tmp_path):
+    r = run("train", trained / "p" / "src", "--data", "", *STEPS, *FAST, "--out", tmp_path / "x")
+    clean_error(r, 2, "data: '' is an empty path")  # (it read the working folder, or the default corpus)
+    r = run("eval", trained / "p" / "run", "--data", "")
+    clean_error(r, 1, "--data '' is an empty path")  # (it evaluated the run's own data)
+    (tmp_path / "blank.txt").write_text("  \n\n\t \n")
+    r = run("train", trained / "p" / "src", "--data", tmp_path / "blank.txt", *STEPS, *FAST, "--out", tmp_path / "x")
+    clean_error(r, 1, "holds no documents (it holds only whitespace)")  # ("(it is empty)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
+
+
+def test_a_malformed_datasets_folder_is_a_clean_error(trained, tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a b c"] * 4}).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "ds" / "dataset_info.json").write_text("[]")  # (AttributeError: 'list' object has no attribute)
+    r = run("eval", trained / "p" / "run", "--data", tmp_path / "ds")
+    clean_error(r, 1, "cannot read the Hugging Face datasets folder", "save it again with Dataset.save_to_disk")
+
+
+def test_more_fewshot_examples_than_a_task_has(trained):
+    r = run("eval", trained / "p" / "run", "--tasks", "concept_cloze", "--num-fewshot", 100000, "--limit", 1)
+    clean_error(r, 2, "--num-fewshot 100000: more examples than a task of concept_cloze has")  # (ValueError)

@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import checkpoint, fs
+from .. import fs, run_files
 from ..backbone import decoder
 from ..baselines import prune_plan
 from ..builder import build as build_model
-from ..builder import build_backbone, read_run, read_train, save
+from ..builder import build_backbone, read_run, save
 from ..config import BuildConfig, _coerce, _unknown_msg, parse_value, resolve
 from ..data import CORPORA, builtin_corpus, local_path, stored_source
 from ..diagnostics import evaluate_folder as eval_one
@@ -362,6 +362,8 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
             if state["status"] == "differs" and not force:
                 problems.append(f"{Path(out) / r.name} was trained with another recipe ({'; '.join(state['differences'])}); "
                                 f"pass --force to retrain it, or choose another --out")
+            elif state["status"] == "damaged" and not force:  # one line: the file, what is wrong, what to do
+                raise run_files.RunFileError(f"{state['detail']}; or pass --force to train the frontier's run {r.name} again")
             elif state["status"] == "foreign" and not force:
                 problems.append(f"{Path(out) / r.name} exists and is not a run of this frontier ({state['detail']}); "
                                 f"pass --force to replace it, or choose another --out")
@@ -401,8 +403,11 @@ def run_state(folder: Path, run: PlannedRun) -> dict:
     if not folder.is_dir():
         return {"status": "foreign", "detail": "not a folder"}
     try:
-        saved = read_train(folder)
-        built = read_run(folder)["config"]
+        record, saved = run_files.check_files(folder)  # every file a re-run trusts (a cached evaluation too)
+        built = record["config"]
+        meta = run_files.checkpoint_state(folder)
+    except run_files.RunFileError as exc:
+        return {"status": "damaged", "detail": str(exc)}
     except RunFolderError as exc:
         return {"status": "foreign", "detail": str(exc)}
     if saved is None:
@@ -423,7 +428,6 @@ def run_state(folder: Path, run: PlannedRun) -> dict:
                                                            {"backbone": planned["backbone"]})]
     if differences:
         return {"status": "differs", "differences": differences}
-    meta = checkpoint.read_meta(folder)
     if meta is None:
         return {"status": "restart"}
     if meta["step"] >= run.train.steps:
@@ -488,14 +492,11 @@ def evaluate_tasks(folder: Path, spec: FrontierSpec, log) -> dict:
     # lazy: lm-eval is the optional `eval` extra; a frontier without --tasks must not need it
     from . import harness
 
-    key = _tasks_key(spec, (checkpoint.read_meta(folder) or {}).get("step"))
+    key = _tasks_key(spec, (run_files.checkpoint_state(folder) or {}).get("step"))
     cache = folder / TASKS_FILE
-    try:
-        saved = json.loads(cache.read_text()) if cache.is_file() else {}
-        if saved.get("key") == key:
-            return saved["tasks"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        pass
+    cached = _cached(cache, key, "tasks")
+    if cached is not None:
+        return cached
     log("evaluating", f"{folder.name} on tasks {', '.join(spec.tasks)} (lm-eval) ...")
     manager = harness.resolve_tasks(list(spec.tasks), spec.include_path)
     scorer = Scorer.from_run(folder, spec.train.device, spec.eval_batch)
@@ -513,6 +514,17 @@ def task_metrics(result: dict) -> list[tuple[str, str]]:
             if names and task not in pairs:
                 pairs[task] = "acc" if "acc" in names else names[0]
     return list(pairs.items())
+
+
+def _cached(file: Path, key: dict, field: str) -> dict | None:
+    """``field`` of the cache file written for ``key`` (an object), or None: no cache, another key, or a damaged
+    file (it is only a cache: the value is computed again and the file rewritten)."""
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+    except (OSError, ValueError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        return None
+    value = saved.get(field) if isinstance(saved, dict) and saved.get("key") == key else None
+    return value if isinstance(value, dict) else None
 
 
 def _write_json(path: Path, data) -> None:
@@ -544,7 +556,7 @@ def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, f
             trainer = Trainer.resume(folder, device=r.train.device)
             _train(trainer, train, log, r.name)
         else:
-            if action in ("differs", "foreign", "restart"):
+            if action in ("differs", "foreign", "damaged", "restart"):
                 if action != "restart" and not force:  # (plan() refuses these first)
                     raise RunFolderError(f"{folder} holds another run; pass --force to replace it")
                 log("replacing" if action != "restart" else "restarting",
@@ -568,16 +580,12 @@ def _train(trainer, train, log, name) -> None:
 
 
 def _row(r: PlannedRun, folder: Path, spec: FrontierSpec, action: str, log=lambda verb, detail: None) -> dict:
-    step = (checkpoint.read_meta(folder) or {}).get("step")
+    step = (run_files.checkpoint_state(folder) or {}).get("step")
     key = _eval_key(spec, step)
     cache = folder / EVAL_FILE
-    cached = None
-    if cache.is_file():
-        try:
-            saved = json.loads(cache.read_text())
-            cached = saved["domains"] if saved.get("key") == key else None
-        except (OSError, json.JSONDecodeError, KeyError, TypeError):
-            cached = None
+    cached = _cached(cache, key, "domains")
+    if cached is not None and not all(isinstance(cached.get(d.label), dict) for d in spec.domains):
+        cached = None
     if cached is None:
         log("evaluating", f"{r.name} on {', '.join(d.source for d in spec.domains)} ...")
     domains_ = cached if cached is not None else evaluate_run(folder, r, spec)

@@ -148,11 +148,17 @@ def evaluate_tasks(scorer: Scorer, names: list[str], manager, limit: int | None 
         raise ConfigError([f"--limit: at least 1 example per task, got {limit!r}"])
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress on stdout; stdout is for data (--json)
-        out = lm_eval.simple_evaluate(model=ConceptLM(scorer=scorer), tasks=list(names), task_manager=manager,
-                                      limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed, log_samples=False, verbosity="ERROR")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress on stdout; stdout is for data (--json)
+            out = lm_eval.simple_evaluate(model=ConceptLM(scorer=scorer), tasks=list(names), task_manager=manager,
+                                          limit=limit, num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
+                                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                          fewshot_random_seed=seed, log_samples=False, verbosity="ERROR")
+    except ValueError as exc:  # random.sample of the few-shot pool: "Sample larger than population"
+        if num_fewshot is None or "larger than population" not in str(exc):
+            raise
+        raise ConfigError([f"--num-fewshot {num_fewshot}: more examples than a task of {', '.join(names)} has to draw "
+                           f"its few-shot examples from; pass a smaller --num-fewshot"]) from None
     samples = out.get("n-samples", {})
     table = {}
     for task, metrics in out["results"].items():

@@ -12,7 +12,7 @@ from concept.backbone import (
     info_from_hf_config,
     read_folder_config,
 )
-from concept.errors import BackboneError
+from concept.errors import BackboneError, one_line
 
 
 @dataclass
@@ -47,7 +47,7 @@ class HFBackbone:
             try:
                 hf_cfg = AutoConfig.from_pretrained(folder)
             except Exception as exc:
-                raise BackboneError(f"backbone folder {folder}: cannot read its config ({exc})") from exc
+                raise BackboneError(one_line(f"backbone folder {folder}: cannot read its config ({exc})")) from exc
         else:
             try:
                 hf_cfg = AutoConfig.from_pretrained(config.path, revision=config.revision)
@@ -83,11 +83,36 @@ class HFBackbone:
         source = str(Path(config.path).expanduser()) if _is_local(config.path) else config.path
         kwargs = {} if _is_local(config.path) else {"revision": config.revision}
         try:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, config.dtype), **kwargs)
+            model, report = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, config.dtype),
+                                                                 output_loading_info=True, **kwargs)
         except Exception as exc:
-            raise BackboneError(f"cannot load backbone weights from {source}: {type(exc).__name__}: {exc}") from exc
+            raise BackboneError(one_line(f"cannot load backbone weights from {source}: {type(exc).__name__}: "
+                                         f"{exc}")) from exc
+        problems = [f"{len(report[key])} {what} (e.g. {sorted(map(str, report[key]))[0]!r})"
+                    for key, what in (("missing_keys", "weights missing: they would be random"),
+                                      ("mismatched_keys", "weights of another shape"))
+                    if report.get(key)]
+        if _is_local(config.path):
+            problems += integer_weights(Path(source), model)
+        if problems:
+            raise BackboneError(f"the backbone folder {source} does not hold this model's weights ({'; '.join(problems)}); "
+                                f"restore its files (or export the run again)")
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         except Exception:
             tokenizer = None
         return LoadedBackbone(model=model, tokenizer=tokenizer, info=info)
+
+
+def integer_weights(folder: Path, model) -> list[str]:
+    """The folder's safetensors tensors stored as integers where the model's are floating point (loading casts
+    them silently: a damaged file, not weights)."""
+    from safetensors import safe_open
+
+    state = model.state_dict()
+    odd = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            odd += [k for k in f.keys() if k in state and state[k].is_floating_point()
+                    and not f.get_slice(k).get_dtype().startswith(("F", "BF"))]
+    return [f"{len(odd)} weights stored as integers (e.g. {odd[0]!r})"] if odd else []

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config
+from concept.options import SEED_MAX
 
 
 @dataclass
@@ -23,6 +24,8 @@ class TinyConfig:
         problems = [f"{k}: must be >= 1, got {getattr(self, k)}" for k in
                     ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions")
                     if getattr(self, k) < 1]
+        if not 0 <= self.seed <= SEED_MAX:
+            problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {self.seed}")
         if not problems and self.hidden % self.heads:
             problems.append(f"hidden: {self.hidden} is not divisible by heads={self.heads}")
         if not problems and self.heads % self.kv_heads:
