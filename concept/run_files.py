@@ -219,7 +219,11 @@ def read_train(folder: str | os.PathLike) -> dict | None:
 
 def train_problems(record: dict) -> list[str]:
     """What is wrong with a training record: the keys every version wrote, the types and declared checks of
-    ``TrainConfig``'s options, the derived keys' types."""
+    ``TrainConfig``'s options, the derived keys' types. A baseline made in memory and saved without training
+    (``save_pretrained`` of a dense or pruned model) records only what rebuilds it: ``baseline``, ``pruned``,
+    ``mtp_heads``."""
+    if set(record) <= BASELINE_ONLY and "baseline" in record:
+        return _baseline_problems(record)
     missing = [k for k in TRAIN_REQUIRED if k not in record]
     if missing:
         return [f"no {', '.join(repr(k) for k in missing)}"]
@@ -240,6 +244,26 @@ def train_problems(record: dict) -> list[str]:
     removed = (record.get("pruned") or {}).get("removed")
     if removed is not None and not (isinstance(removed, list) and len(removed) == 2
                                     and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in removed)):
+        problems.append(f"pruned.removed: expected [START, STOP], got {removed!r}")
+    return problems
+
+
+BASELINE_ONLY = {"baseline", "pruned", "mtp_heads"}
+
+
+def _baseline_problems(record: dict) -> list[str]:
+    problems = []
+    if record["baseline"] not in ("dense", "pruned"):
+        problems.append(f"baseline: expected 'dense' or 'pruned', got {record['baseline']!r}")
+    heads = record.get("mtp_heads", 0)
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
+        problems.append(f"mtp_heads: expected a count >= 0, got {heads!r}")
+    pruned = record.get("pruned")
+    removed = pruned.get("removed") if isinstance(pruned, dict) else None
+    if pruned is not None and not isinstance(pruned, dict):
+        problems.append(f"pruned: expected an object, got {_kind(pruned)}")
+    elif removed is not None and not (isinstance(removed, list) and len(removed) == 2
+                                      and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in removed)):
         problems.append(f"pruned.removed: expected [START, STOP], got {removed!r}")
     return problems
 
@@ -455,7 +479,7 @@ def check_peft_adapter(file: Path, config: dict, headers: dict, train: dict | No
     for key in ("lora_alpha", "lora_dropout"):
         if not isinstance(config.get(key, 0), (int, float)) or isinstance(config.get(key), bool):
             raise damaged(file, f"'{key}' is {config.get(key)!r}, not a number", fix)
-    if train and train["lora"]["rank"] != rank:
+    if train and train.get("lora") and train["lora"]["rank"] != rank:
         raise damaged(file, f"says LoRA rank {rank}, train.json {train['lora']['rank']}: one of them is another "
                             f"run's", fix)
     for weights, header in headers.items():
