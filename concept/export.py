@@ -177,6 +177,9 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
         result_warnings.append(message)
         say("warning:", message)
 
+    swept = checkpoint.sweep_if_free(run)  # what a writer killed in the run left there
+    if swept:
+        say("note:", f"removed {', '.join(swept)} from {run}, left by a writer that was killed")
     if train is None:
         warn(f"{run} was built but never trained (no training checkpoint): exporting the model as built, "
              f"with untrained concept modules and no LoRA adapters")
@@ -200,7 +203,12 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
     if base_state is not None:
         loaded.model.load_state_dict(base_state)
 
-    staging = fs.Staging(out).open()
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    fs.check_space(out, size(loaded.model.state_dict().values()) + size(model.new_state_dict().values())
+                   + size(p for n, p in model.backbone.named_parameters() if "lora_" in n), "the export")
+    staging = fs.Staging(out, replace=force).open()
     tmp = staging.path
     try:
         how = {"merged": "LoRA merged into the backbone", "adapter": "LoRA as a peft adapter folder"}.get(lora, "no LoRA")
@@ -256,8 +264,11 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
             say("checking", "loading the export back and comparing its logits with the run's ...")
             comparison = _compare(model, tmp, lora == "merged")
         files = _files(tmp)
-    except BaseException:
+    except BaseException as exc:
         staging.discard()
+        full = fs.resource_error(exc, out, "; nothing was written" + (f" ({out} is unchanged)" if staging.existed else ""))
+        if full is not None:  # a full disk, a file-size limit or a quota: one line naming the folder
+            raise full from exc
         raise
     staging.publish()
     return ExportResult(path=out, source=run, kind=kind, lora=lora, step=exported["step"], files=files,
