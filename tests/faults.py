@@ -56,7 +56,7 @@ class Injector:
         except TypeError:
             return
         p = p if p.is_absolute() else Path.cwd() / p
-        if not str(p).startswith(str(self.root)):
+        if p != self.root and not str(p).startswith(str(self.root) + os.sep):
             return
         self.count += 1
         rel = str(p.relative_to(self.root)) if p != self.root else "."
@@ -127,11 +127,12 @@ def injected(injector: Injector):
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file under ``root`` (folders as "<dir>")."""
+    """Relative path -> sha256 of every file under ``root`` (folders as "<dir>", symbolic links as "<link TARGET>")."""
     out = {}
     for p in sorted(Path(root).rglob("*")):
         rel = p.relative_to(root).as_posix()
-        out[rel] = "<dir>" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        out[rel] = (f"<link {os.readlink(p)}>" if p.is_symlink() else "<dir>" if p.is_dir()
+                    else hashlib.sha256(p.read_bytes()).hexdigest())
     return out
 
 
@@ -160,7 +161,7 @@ def part(snap: dict, output: str) -> dict:
 
 
 def _child(root: Path, at: int, argv: list[str], extra: list[str], env: dict | None):
-    cmd = [sys.executable, str(Path(__file__).resolve()), str(root), str(at), *extra, "--", *argv]
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(root), str(at), *extra, "--", *map(str, argv)]
     repo = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
            "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -178,7 +179,8 @@ def start_paused(root: Path, match: str, argv: list[str], pause_file: Path, at: 
     """Start ``concept ARGV`` in a child that stops at the ``at``-th write under ``root`` whose path contains
     ``match``: it creates ``pause_file`` there and waits to be killed (``child.kill()``: a real SIGKILL)."""
     cmd, env = _child(root, at, argv, ["--match", match, "--pause", str(pause_file)], env)
-    return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with open(Path(pause_file).with_suffix(".log"), "wb") as log:  # (its stderr: what went wrong, if it did)
+        return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
 if __name__ == "__main__":
