@@ -161,7 +161,8 @@ def family_build_options() -> list:
               help="Start from a saved config (JSON, a run's concept.json or a run folder); flags override it.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), metavar="DIR",
               help="Run folder to write (required unless --dry-run).")
-@click.option("--force", is_flag=True, help="Replace an output folder that holds a different model.")
+@click.option("--force", is_flag=True, help="Replace an output run folder that holds a different model (never a "
+              "folder that is not a run).")
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
 @click.pass_context
