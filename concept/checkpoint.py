@@ -107,7 +107,7 @@ def damaged(file: Path, problem: str, fix: str = FIX) -> RunFolderError:
     return RunFolderError(f"{file} is damaged ({problem}); {fix}")
 
 
-def _whole(value, low: int) -> bool:
+def whole(value, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
@@ -117,10 +117,10 @@ def _meta_problem(meta) -> str | None:
         return f"expected a JSON object, got {type(meta).__name__}"
     if "step" not in meta:
         return "it has no step"
-    if not _whole(meta["step"], 0):
+    if not whole(meta["step"], 0):
         return f"step must be a whole number >= 0, got {json.dumps(meta['step'])}"
     for key in ("world_size", "global_batch"):
-        if key in meta and not _whole(meta[key], 1):
+        if key in meta and not whole(meta[key], 1):
             return f"{key} must be a whole number >= 1, got {json.dumps(meta[key])}"
     for key in ("files", "sha256"):
         value = meta.get(key, {})
@@ -235,7 +235,7 @@ def read_metrics(run: Path) -> list[tuple[str, dict]]:
             raise damaged(file, f"line {i + 1} is not JSON", fix) from None
         if not isinstance(row, dict):
             raise damaged(file, f"line {i + 1} is not a JSON object but {type(row).__name__}", fix)
-        if not _whole(row.get("step"), 1):
+        if not whole(row.get("step"), 1):
             raise damaged(file, f"line {i + 1} has no whole step >= 1 (step: {json.dumps(row.get('step'))})", fix)
         rows.append((line, row))
     return rows

@@ -85,13 +85,6 @@ class TrainingError(ConceptError):
     exit_code = 1
 
 
-def _parse(line: str) -> dict | None:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
-
-
 def _finite(value):
     """Strict JSON: NaN / inf (e.g. a diagnostic with no concept in the batch) become null."""
     if isinstance(value, dict):
@@ -536,14 +529,14 @@ class Trainer:
         """train.json's (source run, number of processes, config), checked for what resume reads: an object
         whose fields are TrainConfig's, each of its type (nothing is written before this)."""
         file = out / TRAIN_FILE
-        fix = f"restore it from a copy of the run, or start a new run instead of --resume (`concept train SOURCE --out DIR`)"
+        fix = "restore it from a copy of the run, or start a new run instead of --resume (`concept train SOURCE --out DIR`)"
         if not isinstance(saved, dict):
             raise checkpoint.damaged(file, f"expected a JSON object, got {json.dumps(saved)[:40]}", fix)
         saved = dict(saved)
         source = saved.pop("source", None)
         distributed = saved.get("distributed") or {}
         before = distributed.get("world_size", 1) if isinstance(distributed, dict) else None
-        if not isinstance(source, (str, type(None))) or not checkpoint._whole(before, 1):
+        if not isinstance(source, (str, type(None))) or not checkpoint.whole(before, 1):
             raise checkpoint.damaged(file, "its source or distributed.world_size has the wrong type", fix)
         for key in DERIVED[1:]:  # not config fields
             saved.pop(key, None)
