@@ -5,7 +5,7 @@ adapters (safetensors), optimizer and scheduler state, RNG states, the ratio con
 the step (the data position is a pure function of the step). A new checkpoint is written to
 a temporary folder and swapped in with renames, so a crash or a full disk while writing
 leaves the previous checkpoint intact. ``state.json`` (written last) records the SHA-256 of
-every other file and the fingerprints of what the run was trained from (``concept.fingerprint``):
+the weights and of ``trainer.pt`` and the fingerprints of what the run was trained from (``concept.fingerprint``):
 reading a checkpoint checks both, so a damaged file or a checkpoint copied from another build is
 one clear error instead of silently wrong weights. ``metrics.jsonl`` (the run's log, truncated
 back to the checkpoint on resume) is read checked here too.
@@ -64,13 +64,14 @@ def save_file(state: dict[str, torch.Tensor], path: Path) -> str:
 def write(run: Path, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, meta: dict,
           files: dict[str, bytes] | None = None) -> Path:
     """tensors: file stem -> state dict (safetensors); objects: torch.save'd; meta: state.json; files: name ->
-    bytes, written as they are (e.g. an objective's state). ``state.json`` gets the SHA-256 of every file."""
+    bytes, written as they are (e.g. an objective's state: a cache its objective checks itself, and rebuilds
+    with a warning when damaged). ``state.json`` gets the SHA-256 of the weights and of ``trainer.pt``."""
     run = Path(run)
     tmp = Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=run))
     try:
         digests = {}
         for name, data in (files or {}).items():
-            digests[name] = fs.write_file(tmp / name, data)
+            fs.write_file(tmp / name, data)
         for stem, state in tensors.items():
             if state:
                 digests[f"{stem}.safetensors"] = save_file(state, tmp / f"{stem}.safetensors")

@@ -433,10 +433,11 @@ class Trainer:
 
         The run's lock is held from here until :meth:`train` ends (a second writer is refused), and what a
         writer killed in it left is swept first. Every file read is checked before anything is written:
-        train.json, the checkpoint (``state.json``, each file's SHA-256, the build and backbone fingerprints),
-        metrics.jsonl, the data and the device; a failed resume leaves the folder byte-identical. train.json
-        is rewritten with the first new checkpoint, so a resume stopped before it (a full disk, Ctrl-C, a
-        kill) leaves it as it was. A run killed before its first checkpoint starts again from step 0."""
+        train.json, the checkpoint (``state.json``, the SHA-256 of its weights and trainer.pt, the build and
+        backbone fingerprints), metrics.jsonl, the data and the device; a failed resume leaves the folder
+        byte-identical. train.json is rewritten with the first new checkpoint, so a resume stopped before it
+        (a full disk, Ctrl-C, a kill) leaves it as it was. A run killed before its first checkpoint starts
+        again from step 0."""
         out, dist = Path(out), dist or Dist()
         read_run(out)  # a clear error for anything that is not a run folder, before its lock is made
         lock = fs.Lock(out)
