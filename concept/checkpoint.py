@@ -298,8 +298,8 @@ def sweep_if_free(run: Path) -> list[str]:
     """:func:`sweep` when nobody holds the run's lock (a command that only reads the run: it takes the lock
     for the sweep alone); nothing when someone is writing it."""
     run = Path(run)
-    if not any(LEFTOVER.match(p.name) for p in run.iterdir()) if run.is_dir() else True:
-        return []
+    if not run.is_dir() or not any(LEFTOVER.match(p.name) for p in run.iterdir()):
+        return []  # (nothing to sweep: no lock taken)
     lock = fs.Lock(run)
     if not lock.try_acquire():
         return []
