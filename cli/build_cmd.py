@@ -89,29 +89,31 @@ def make_config(config_file, names: dict, split, seed, overrides, concept_input=
 
 
 def check_output(folder: Path, config, force: bool, inputs: dict | None = None) -> None:
-    """Refuse (before the slow build) to overwrite a folder holding something else, unless --force, or one
-    holding the command's own ``inputs`` (name -> path), even with --force."""
+    """Refuse (before the slow build) an output path no command can write (a symbolic link, the working folder,
+    a name too long, ...), a folder holding the command's own ``inputs`` (name -> path) even with --force, a
+    folder holding anything but a run even with --force, and a run holding something else without --force;
+    or an output another process is writing now."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import fs
     from concept.builder import read_run
     from concept.errors import RunFolderError
 
-    fs.check_target(folder, True, inputs or {}, flag="-o")
+    fs.check_output_path(folder, "-o")
+    fs.check_inputs(folder, inputs or {}, "-o")
+    problem = fs.replace_problem(folder, True, "-o")  # a file, a link, a folder that is not a run: never
+    if problem:
+        raise RunFolderError(problem)
+    fs.Lock(folder).probe()
     if not folder.exists() or force or not any(folder.iterdir()):
         return
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.builder import BUILT_FILES
 
     extra = sorted(p.name for p in folder.iterdir() if p.name not in BUILT_FILES)
-    if extra and (folder / "concept.json").is_file():
+    if extra:
         raise RunFolderError(f"{folder} holds more than a build ({', '.join(extra)}: e.g. a training run); choose "
                              f"another -o, or pass --force to replace it")
-    try:
-        old = read_run(folder)["config"]
-    except RunFolderError:
-        raise RunFolderError(
-            f"{folder} is not empty and holds no concept run; choose another -o or pass --force to replace it"
-        ) from None
+    old = read_run(folder)["config"]  # (a damaged concept.json: its error says to rebuild with --force)
     new = config.to_dict()
     if old != new:
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -159,7 +161,8 @@ def family_build_options() -> list:
               help="Start from a saved config (JSON, a run's concept.json or a run folder); flags override it.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), metavar="DIR",
               help="Run folder to write (required unless --dry-run).")
-@click.option("--force", is_flag=True, help="Replace an output folder that holds a different model.")
+@click.option("--force", is_flag=True, help="Replace an output run folder that holds a different model (never a "
+              "folder that is not a run).")
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
 @click.pass_context

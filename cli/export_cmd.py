@@ -21,7 +21,8 @@ LORA = {"adapter": "peft adapter folder (adapter/)", "merged": "merged into back
               help="Merge the LoRA adapters into the backbone's weights (peft merge_and_unload) instead of "
                    "writing them as a peft adapter folder.")
 @click.option("--force", is_flag=True,
-              help="Replace a non-empty DIR; the old folder is removed only once the new export is complete.")
+              help="Replace an existing run folder or export at DIR (never a folder that is not a run); the old "
+                   "folder is removed only once the new export is complete.")
 @click.option("--no-check", is_flag=True,
               help="Skip loading the export back and comparing its logits with the run's before publishing it.")
 @click.option("--push-to-hub", "repo", metavar="ORG/NAME", default=None,

@@ -8,6 +8,7 @@ heavy ``concept`` package (torch) is imported only when a command runs, so ``--h
 """
 from __future__ import annotations
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 import click
@@ -45,9 +46,6 @@ class ConceptGroup(click.Group):
         except KeyboardInterrupt:  # Ctrl-C: every command exits 130, as a shell expects (what was written is kept)
             print_error("interrupted (Ctrl-C)")
             ctx.exit(130)
-        except OSError as exc:  # e.g. no permission to write the output folder
-            print_error(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
-            ctx.exit(1)
         except MemoryError:
             print_error(f"out of memory ({ctx.invoked_subcommand or 'the command'}); lower --batch or --seq-len, "
                         f"or free memory (nothing was published)")
@@ -55,7 +53,16 @@ class ConceptGroup(click.Group):
         except Exception as exc:
             # lazy: only a failing command needs it (start-up imports nothing of the library)
             from concept.errors import ConceptError, one_line
+            from concept.fs import disk_errno, disk_message
 
+            code = disk_errno(exc)  # a full disk, a file-size limit, a quota (also inside torch / safetensors errors)
+            if code is not None:
+                where = os.path.dirname(exc.filename) if isinstance(exc, OSError) and exc.filename else "the output folder"
+                print_error(disk_message(code, where or "."))
+                ctx.exit(1)
+            if isinstance(exc, OSError):  # e.g. no permission to write the output folder
+                print_error(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
+                ctx.exit(1)
             if out_of_memory(exc):  # torch's allocators: CUDA out of memory, a CPU allocation refused
                 print_error(one_line(f"out of memory ({ctx.invoked_subcommand or 'the command'}): {exc}", 240)
                             + "; lower --batch or --seq-len, or free memory")

@@ -26,14 +26,18 @@ def train_options() -> list:
 @click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped "
               "(a larger --steps stretches the LR and temperature schedules from there on; --data continues on "
               "other data).")
-@click.option("--force", is_flag=True, help="Replace a non-empty --out folder, once the new run has trained every "
-              "step (until then, and after a failure or Ctrl-C, the old folder stays as it was).")
+@click.option("--force", is_flag=True, help="Replace an existing run folder at --out (never a folder that is not a "
+              "run), once the new run has trained every step (until then, and after a failure or Ctrl-C, the old "
+              "folder stays as it was).")
+@click.option("--accept-data-change", is_flag=True, help="With --resume: continue on data whose documents changed "
+              "since the checkpoint, as a note instead of a warning (the run then no longer reproduces an "
+              "uninterrupted one).")
 @click.option("--distributed", type=click.Choice(["auto", "ddp", "fsdp2", "none"]), default="auto", show_default=True,
               help="Under torchrun: ddp (auto's choice; gloo on CPU, nccl on GPU) or fsdp2 (parameters sharded). "
               "--batch is per process: the global batch is batch x processes x grad-accum. See docs/distributed.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final evaluation as JSON.")
 @click.pass_context
-def train(ctx, source: Path, out, resume, force, as_json, distributed, **options) -> None:
+def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, distributed, **options) -> None:
     """Train a built model (or the dense baseline) on text.
 
     \b
@@ -51,12 +55,12 @@ def train(ctx, source: Path, out, resume, force, as_json, distributed, **options
     if not dist.is_main:  # one voice: rank 0 reports, the other ranks only fail loudly
         quiet_rank()
     try:
-        _train(ctx, source, out, resume, force, as_json, dist, options)
+        _train(ctx, source, out, resume, force, accept_data_change, as_json, dist, options)
     finally:
         teardown(dist)
 
 
-def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> None:
+def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, dist, options) -> None:
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import from_params, paths
     from concept.training import TrainConfig, Trainer
@@ -65,6 +69,8 @@ def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> Non
     given = {k for k in options if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     if resume and out is not None and Path(out).resolve() != source.resolve():
         raise click.UsageError("--resume continues RUN_DIR in place; drop --out (or start a new run without --resume)")
+    if accept_data_change and not resume:
+        raise click.UsageError("--accept-data-change is for --resume (a new run records the data it starts with)")
     if resume:
         fields = paths(TrainConfig)  # e.g. lora_rank -> lora.rank
         overrides = {fields[k]: options[k] for k in given if k in fields}
@@ -84,11 +90,12 @@ def _train(ctx, source: Path, out, resume, force, as_json, dist, options) -> Non
                 print_json({"path": str(source), "step": step, "steps": steps, "trained": False, "message": message})
             return
         status("resuming", f"{source} ...")
-        trainer = Trainer.resume(source, dist=dist, **overrides)
+        trainer = Trainer.resume(source, dist=dist, accept_data_change=accept_data_change, **overrides)
         out = source
     else:
         config = from_params(TrainConfig, options)
-        out = out or source.with_name(source.name + (f"-{config.baseline}" if config.baseline else "-train"))
+        named = source if source.name not in ("", ".", "..") else source.resolve()  # (`concept train .`)
+        out = out or named.with_name(named.name + (f"-{config.baseline}" if config.baseline else "-train"))
         status("preparing", f"{f'{config.baseline} baseline' if config.baseline else 'concept model'} from {source} -> {out} ...")
         trainer = Trainer.start(source, out, config, force=force, dist=dist)
     cfg = trainer.config

@@ -173,24 +173,25 @@ def rebuildable(folder: Path, config: dict) -> bool:
 
 
 def save(model, path: str | os.PathLike, force: bool = False) -> Path:
-    """Write a run folder atomically. An existing folder holding a *different* model is refused
-    unless ``force``; it is only replaced once the new folder is complete."""
+    """Write a run folder atomically. An existing run folder holding a *different* model is refused
+    unless ``force``, a folder holding anything but a run always (``concept.fs.replace_problem``); it is
+    only replaced once the new folder is complete."""
     folder = Path(path)
     record = _run_record(model)
-    if folder.exists():
-        if not folder.is_dir():
-            raise RunFolderError(f"{folder} exists and is not a folder")
-        if any(folder.iterdir()) and not force:
-            same = rebuildable(folder, record["config"])
-            if not same:
-                raise RunFolderError(
-                    f"{folder} already holds a different model (or other files); choose another -o or pass --force to replace it"
-                )
-    with fs.staged(folder) as tmp:  # published whole, or not at all
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.new_state_dict().items()}, tmp / MODULES_FILE)
-        if not model.plan.backbone_info.pretrained:
-            state = {k: v.detach().contiguous().cpu() for k, v in model.backbone.state_dict().items()}
-            save_file(state, tmp / BACKBONE_FILE)
+    fs.check_output_path(folder, "-o")
+    replace = force or (folder.is_dir() and not folder.is_symlink() and rebuildable(folder, record["config"]))
+    problem = fs.replace_problem(folder, replace, "-o", " and holds a different model")
+    if problem:
+        raise RunFolderError(problem)
+    modules = {k: v.detach().contiguous().cpu() for k, v in model.new_state_dict().items()}
+    backbone = None if model.plan.backbone_info.pretrained else {
+        k: v.detach().contiguous().cpu() for k, v in model.backbone.state_dict().items()}
+    fs.check_space(folder, sum(t.numel() * t.element_size() for t in [*modules.values(), *(backbone or {}).values()]),
+                   "the run folder")
+    with fs.staged(folder, replace=replace, flag="-o") as tmp:  # published whole, or not at all
+        save_file(modules, tmp / MODULES_FILE)
+        if backbone is not None:
+            save_file(backbone, tmp / BACKBONE_FILE)
         (tmp / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     return folder
 
@@ -231,6 +232,7 @@ def load(path: str | os.PathLike, compile: str = "off", **hub):
     stacks compiled (``concept.compiled``; off by default)."""
     folder = local_folder(path, **hub)
     record, train = run_files.check_files(folder)
+    checkpoint.check_origin(folder, record["config"], backbone_folder(record["config"]))  # another build's: refused
     plan = run_files.plan_of(record, folder)
     if train and train.get("baseline"):  # "dense" / "pruned" (older runs: true)
         loaded = build_backbone(plan)

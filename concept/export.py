@@ -171,6 +171,9 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
         result_warnings.append(message)
         say("warning:", message)
 
+    swept = checkpoint.sweep_if_free(run)  # what a writer killed in the run left there
+    if swept:
+        say("note:", f"removed {', '.join(swept)} from {run}, left by a writer that was killed")
     if train is None:
         warn(f"{run} was built but never trained (no training checkpoint): exporting the model as built, "
              f"with untrained concept modules and no LoRA adapters")
@@ -249,7 +252,12 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
                            f"{model.backbone.config.num_hidden_layers} layers; its export deletes the others, and a build "
                            f"plan needs at least 3 (one per stack): prune fewer layers to export it")
 
-    staging = fs.Staging(out).open()
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    fs.check_space(out, size(loaded.model.state_dict().values()) + size(model.new_state_dict().values())
+                   + size(p for n, p in model.backbone.named_parameters() if "lora_" in n), "the export")
+    staging = fs.Staging(out, replace=force).open()
     tmp = staging.path
     try:
         how = {"merged": "LoRA merged into the backbone", "adapter": "LoRA as a peft adapter folder"}.get(lora, "no LoRA")
@@ -312,8 +320,11 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
             say("checking", "loading the export back and comparing its logits with the run's ...")
             comparison = _compare(model, tmp, lora == "merged")
         files = _files(tmp)
-    except BaseException:
+    except BaseException as exc:
         staging.discard()
+        full = fs.resource_error(exc, out, "; nothing was written" + (f" ({out} is unchanged)" if staging.existed else ""))
+        if full is not None:  # a full disk, a file-size limit or a quota: one line naming the folder
+            raise full from exc
         raise
     staging.publish()
     return ExportResult(path=out, source=run, kind=kind, lora=lora, step=exported["step"], files=files,

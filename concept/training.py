@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fs, memory, run_files
+from . import checkpoint, data, fingerprint, fs, memory, options, run_files
 from .backbone import decoder
 from .compiled import compile_model
 from .baselines import Baseline
@@ -87,13 +87,6 @@ DATA_FIELDS = {"data", "text_field", "encoding_errors"}  # --resume may point at
 
 class TrainingError(ConceptError):
     exit_code = 1
-
-
-def _parse(line: str) -> dict | None:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
 
 
 def _finite(value):
@@ -209,6 +202,8 @@ class Trainer:
         self.out, self.config, self.build_config = Path(out), config, build_config
         self.name = self.out.name  # the run's name (``out`` may still be its staging folder)
         self.staging: fs.Staging | None = None  # set while the run replaces an existing folder (``start(force=True)``)
+        self.lock: fs.Lock | None = None  # the run's lock while this trainer writes it in place (``train`` releases it)
+        self.record_pending, self.record_source = False, None  # resume: train.json comes with the first new checkpoint
         self.dist = dist or Dist()
         self.notes: list[str] = []  # warnings for the user (the CLI prints them)
         plan, self.device = self.check(config, build_config, self.dist)
@@ -217,6 +212,8 @@ class Trainer:
         self.kind = training_kind(config, plan)
         self.model = self._training_model(plan, resume)
         self.train_data, self.eval_data = self._open_data()
+        built = read_run(self.out)["config"]
+        self.origin = checkpoint.fingerprints(built, backbone_folder(built), self.data_fingerprint)
         self.notes += self.kind.notes(config)
         # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
         self.objectives = self.kind.objectives(config, self.model, lambda: self.step, self.notes)
@@ -275,12 +272,14 @@ class Trainer:
         config = self.config
         tokenizer = data.tokenizer_for(self.model)
         with self.dist.main_first():  # rank 0 fills the tokenisation cache, the others read it
-            train = data.PackedSequences(
-                data.read_documents(config.data, "train", config.text_field, encoding_errors=config.encoding_errors),
-                tokenizer, config.seq_len, seed=config.seed)
+            documents = data.read_documents(config.data, "train", config.text_field,
+                                            encoding_errors=config.encoding_errors)
+            self.data_fingerprint = fingerprint.of_documents(documents)  # (a checkpoint records what it trained on)
+            train = data.PackedSequences(documents, tokenizer, config.seq_len, seed=config.seed)
             try:
                 heldout = data.read_documents(config.data, "heldout", config.text_field,
                                               encoding_errors=config.encoding_errors)
+                self.data_fingerprint = fingerprint.of_documents(documents, heldout)
                 return train, data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
             except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
                 self.notes.append(f"no held-out evaluation during training: {exc}")
@@ -372,8 +371,9 @@ class Trainer:
               dist: Dist | None = None) -> "Trainer":
         """A new run in ``out`` from a built (or trained) run folder ``source`` (under torchrun: every
         rank calls it; rank 0 writes). Everything is checked and the run is set up in a staging folder
-        beside ``out`` (``concept.fs``): a new ``out`` appears once the run is set up, while an existing
-        one (``force``) is replaced only when :meth:`train` has trained every step."""
+        beside ``out`` (``concept.fs``) under ``out``'s lock, held until :meth:`train` ends: a new ``out``
+        appears once the run is set up, while an existing one (``force``: a run folder, never anything else)
+        is replaced only when :meth:`train` has trained every step."""
         source, out, dist = Path(source), Path(out), dist or Dist()
         record, trained = run_files.check_files(source)  # every file of the source, before anything is written
         run_files.plan_of(record, source)  # (a source whose record cannot be built: one line naming it)
@@ -386,20 +386,26 @@ class Trainer:
         fs.check_target(out, force, {"source run": source, "training data": data.local_path(config.data),
                                      "backbone": backbone_folder(record["config"])})
         replace = out.exists() and any(out.iterdir())
-        staging = fs.Staging(out)
+        swept = dist.on_main(checkpoint.sweep_if_free, source)  # what a killed writer left in the source
+        staging = fs.Staging(out, replace=force)
         dist.on_main(staging.open)
         try:
-            dist.on_main(cls._prepare, source, staging.path)
-            with run_files.copied_from(staging.path, source):  # a damaged weights file is named in the source
-                trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
-            dist.on_main(trainer._record, str(source.resolve()))
+            with fs.disk_errors(out, "; nothing was written" + (f" ({out} is unchanged)" if replace else "")):
+                dist.on_main(cls._prepare, source, staging.path)
+                with run_files.copied_from(staging.path, source):  # a damaged weights file is named in the source
+                    trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
+                dist.on_main(fs.check_space, out, 2 * trainer.checkpoint_bytes(), "training (two checkpoints)")
+                dist.on_main(trainer._record, str(source.resolve()))
             trainer.name = out.name
             if staging.swept:
                 trainer.notes.append(f"removed {staging.path}, left by an earlier run into {out} that was killed")
+            if swept:
+                trainer.notes.append(f"removed {', '.join(swept)} from {source}, left by a writer that was killed")
             if replace:  # the old folder stays until training has finished (Trainer.train publishes)
                 trainer.staging = staging
-            else:
-                dist.on_main(staging.publish)
+            else:  # published now; the run is trained in place, still under its lock
+                dist.on_main(staging.publish, keep_lock=True)
+                trainer.lock, staging.lock = staging.lock, None
                 trainer.out = out
         except BaseException:
             if dist.is_main:  # nothing half-set-up is left behind, and `out` was never touched
@@ -438,25 +444,64 @@ class Trainer:
         (out / METRICS).write_text("")
 
     @classmethod
-    def resume(cls, out: str | Path, dist: Dist | None = None, **overrides) -> "Trainer":
+    def resume(cls, out: str | Path, dist: Dist | None = None, accept_data_change: bool = False,
+               **overrides) -> "Trainer":
         """Continue the run in ``out``; only ``steps`` (and logging cadence) may differ from the saved config,
         ``batch`` / ``grad_accum`` as long as the global batch stays (a different number of processes), and
-        the data (``data``, ``text_field``, ``encoding_errors``: a note says the data changed). Nothing is
-        written until the checkpoint, the data and the device have been read and checked. A run killed
-        before its first checkpoint starts again from step 0."""
+        the data (``data``, ``text_field``, ``encoding_errors``: a note says the data changed; data whose
+        documents changed under the same name gets a warning, or a note with ``accept_data_change``).
+
+        The run's lock is held from here until :meth:`train` ends (a second writer is refused), and what a
+        writer killed in it left is swept first. Every file read is checked before anything is written:
+        train.json, the checkpoint (``state.json``, the SHA-256 of its weights and trainer.pt, the build and
+        backbone fingerprints), metrics.jsonl, the data and the device; a failed resume leaves the folder
+        byte-identical. train.json is rewritten with the first new checkpoint, so a resume stopped before it
+        (a full disk, Ctrl-C, a kill) leaves it as it was. A run killed before its first checkpoint starts
+        again from step 0."""
         out, dist = Path(out), dist or Dist()
-        record, config, source, changed = cls.resumed_config(out, dist.world_size, overrides)
-        checkpoint.check_intact(out, f"start a new run from {source or 'its source'} instead of --resume")
-        found = checkpoint.folder(out)
-        trainer = cls(out, config, BuildConfig.from_dict(record["config"]), resume=found is not None, dist=dist)
-        if found is None:
-            trainer.notes.append(f"{out} has no checkpoint yet (stopped before its first one): training starts "
-                                 f"again from step 0")
-        if changed:
-            trainer.notes.append(f"the data changed ({'; '.join(changed)}): training continues at step "
-                                 f"{trainer.step} on the new data, so it no longer reproduces an uninterrupted run")
-        dist.on_main(trainer._commit_resume, source)
+        read_run(out)  # a clear error for anything that is not a run folder, before its lock is made
+        lock = fs.Lock(out)
+        dist.on_main(lock.acquire)
+        try:
+            swept = dist.on_main(checkpoint.sweep, out)
+            record, config, source, changed = cls.resumed_config(out, dist.world_size, overrides)
+            checkpoint.check_intact(out, f"start a new run from {source or 'its source'} instead of --resume")
+            meta = checkpoint.check_origin(out, record["config"], backbone_folder(record["config"]))
+            checkpoint.verify(out)
+            rows = checkpoint.read_metrics(out)
+            trainer = cls(out, config, BuildConfig.from_dict(record["config"]), resume=meta is not None, dist=dist)
+            if swept:
+                trainer.notes.append(f"removed {', '.join(swept)} from {out}, left by a writer that was killed")
+            if meta is None:
+                trainer.notes.append(f"{out} has no checkpoint yet (stopped before its first one): training starts "
+                                     f"again from step 0")
+            trainer._note_data_change(meta, changed, accept_data_change)
+            dist.on_main(fs.check_space, out, trainer.checkpoint_bytes(), "the next checkpoint", " and resume again")
+            dist.on_main(trainer._commit_resume, rows)
+            trainer.record_pending, trainer.record_source = True, source
+            trainer.lock = lock
+        except BaseException:
+            lock.release()
+            raise
         return trainer
+
+    def _note_data_change(self, meta: dict | None, changed: list[str], accepted: bool) -> None:
+        """Say how the data differs from what the checkpoint was trained on: another --data (a note), or the
+        same --data whose documents changed (a warning, unless ``accepted``)."""
+        recorded = ((meta or {}).get("fingerprints") or {}).get("data")
+        same = recorded is None or recorded == self.data_fingerprint
+        lost = f"training continues at step {self.step} on the new data, so it no longer reproduces an uninterrupted run"
+        if changed:
+            self.notes.append(f"the data changed ({'; '.join(changed)}): " + (
+                lost if not same or recorded is None else
+                f"its documents are the same as before, so the run still reproduces an uninterrupted one"))
+        elif not same and accepted:
+            self.notes.append(f"the data {self.config.data or '(default corpus)'} changed since the checkpoint at step "
+                              f"{self.step} (accepted with --accept-data-change): {lost}")
+        elif not same:
+            self.notes.append(f"warning: the documents of --data {self.config.data or '(default corpus)'} changed since "
+                              f"the checkpoint at step {self.step} was written: {lost}; restore the data to continue "
+                              f"exactly, or pass --accept-data-change to accept the change")
 
     @classmethod
     def resumed_config(cls, out: Path, world_size: int, overrides: dict) -> tuple[dict, TrainConfig, str | None, list]:
@@ -466,16 +511,12 @@ class Trainer:
         out = Path(out)
         record = read_run(out)
         saved = read_train(out)
-        if saved is None:
+        if saved is None and not (out / TRAIN_FILE).is_file():
             raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
         if record.get("export"):
             raise RunFolderError(f"{out} is an export (a published model), not a training run to continue; train on from "
                                  f"it in a new run: `concept train {out} --out DIR`")
-        source = saved.pop("source", None)
-        before = (saved.get("distributed") or {}).get("world_size", 1)
-        for key in DERIVED[1:]:  # not config fields
-            saved.pop(key, None)
-        config = TrainConfig.from_dict(saved)
+        source, before, config = cls._saved_config(out, saved)
         overrides = dict(overrides)
         if "data" in overrides:
             overrides["data"] = data.stored_source(overrides["data"])
@@ -504,9 +545,38 @@ class Trainer:
             cls._fit_global_batch(config, global_batch, before, world_size, set(overrides))
         return record, config, source, changed
 
-    def _commit_resume(self, source: str | None) -> None:
-        self._record(source)
-        self._truncate_metrics()
+    @staticmethod
+    def _saved_config(out: Path, saved) -> tuple[str | None, int, TrainConfig]:
+        """train.json's (source run, number of processes, config), checked for what resume reads: an object
+        whose fields are TrainConfig's, each of its type (nothing is written before this)."""
+        file = out / TRAIN_FILE
+        fix = "restore it from a copy of the run, or start a new run instead of --resume (`concept train SOURCE --out DIR`)"
+        if not isinstance(saved, dict):
+            raise checkpoint.damaged(file, f"expected a JSON object, got {json.dumps(saved)[:40]}", fix)
+        saved = dict(saved)
+        source = saved.pop("source", None)
+        distributed = saved.get("distributed") or {}
+        before = distributed.get("world_size", 1) if isinstance(distributed, dict) else None
+        if not isinstance(source, (str, type(None))) or not checkpoint.whole(before, 1):
+            raise checkpoint.damaged(file, "its source or distributed.world_size has the wrong type", fix)
+        for key in DERIVED[1:]:  # not config fields
+            saved.pop(key, None)
+        try:
+            config = TrainConfig.from_dict(saved)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise checkpoint.damaged(file, f"not a training config: {exc}", fix) from None
+        wrong = options.mistyped(config) + [f"lora.{name}" for name in options.mistyped(config.lora)]
+        if wrong:
+            raise checkpoint.damaged(file, f"wrong type of {', '.join(wrong)}", fix)
+        return source, before, config
+
+    def _commit_resume(self, rows: list[tuple[str, dict]]) -> None:
+        """Drop the metrics logged after the checkpoint (``rows``: metrics.jsonl, checked): the resumed run logs
+        those steps again. Written only when that changes the file."""
+        text = "".join(line + "\n" for line, row in rows if row["step"] <= self.step)  # (a torn last line is dropped)
+        file = self.out / METRICS
+        if not file.is_file() or file.read_bytes() != text.encode():
+            fs.write_atomic(file, text)
 
     @staticmethod
     def _fit_global_batch(config: TrainConfig, global_batch: int, before: int, world: int, given: set) -> None:
@@ -534,18 +604,24 @@ class Trainer:
     def _restore_state(self) -> None:
         meta = checkpoint.read_meta(self.out)
         objects = checkpoint.read_objects(self.out)
-        if objects.get("optimizer_format") == "fqn":  # keyed by parameter name: any number of processes
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_optimizer_state_dict,
-            )
+        try:
+            if objects.get("optimizer_format") == "fqn":  # keyed by parameter name: any number of processes
+                from torch.distributed.checkpoint.state_dict import (
+                    StateDictOptions,
+                    set_optimizer_state_dict,
+                )
 
-            set_optimizer_state_dict(self.model, self.optimizer, objects["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
-        else:  # older checkpoints: keyed by position
-            self.optimizer.load_state_dict(objects["optimizer"])
-        self.scheduler.load_state_dict(objects["scheduler"])
-        checkpoint.set_rng_state(objects["rng"])
+                set_optimizer_state_dict(self.model, self.optimizer, objects["optimizer"],
+                                         options=StateDictOptions(full_state_dict=True))
+            else:  # older checkpoints: keyed by position
+                self.optimizer.load_state_dict(objects["optimizer"])
+            self.scheduler.load_state_dict(objects["scheduler"])
+            checkpoint.set_rng_state(objects["rng"])
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError, AttributeError) as exc:
+            file = checkpoint.folder(self.out) / checkpoint.OBJECTS_FILE
+            first = (str(exc).splitlines() or [""])[0][:200]
+            raise RunFolderError(f"{file} does not fit this run ({type(exc).__name__}: {first}); "
+                                 f"{checkpoint.FIX}") from None
         self.step = meta["step"]
         self._restore_objective_states(meta)
 
@@ -573,12 +649,6 @@ class Trainer:
             self.notes.append(f"warning: the checkpoint's {objective.name} state ({name}) is not used: {problem}; "
                               f"it is rebuilt from scratch (Hard-EM: every example's plan is searched again)")
 
-    def _truncate_metrics(self) -> None:
-        """Drop metrics logged after the checkpoint: the resumed run logs those steps again."""
-        lines = (self.out / METRICS).read_text().splitlines() if (self.out / METRICS).is_file() else []
-        kept = [line for line in lines if _parse(line) and _parse(line).get("step", 0) <= self.step]  # a torn last line is dropped
-        fs.write_atomic(self.out / METRICS, "".join(line + "\n" for line in kept))
-
     def save_checkpoint(self) -> None:
         """Every rank gathers (FSDP2: a collective), rank 0 writes; an error on rank 0 stops every rank."""
         from torch.distributed.checkpoint.state_dict import (
@@ -594,7 +664,8 @@ class Trainer:
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         objects = {"optimizer": optimizer, "optimizer_format": "fqn", "scheduler": self.scheduler.state_dict(),
                    "rng": checkpoint.rng_state()}
-        meta = {"step": self.step, "world_size": self.dist.world_size, "global_batch": self.global_batch}
+        meta = {"step": self.step, "world_size": self.dist.world_size, "global_batch": self.global_batch,
+                "fingerprints": self.origin}
         files = {f"{name}.json": json.dumps(state).encode() for name, state in self.objective_states().items()}
         meta["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         self.dist.on_main(self._write_checkpoint, tensors, objects, meta, files)
@@ -619,11 +690,31 @@ class Trainer:
             save_peft_adapter(self.model.backbone, self.out / PEFT_ADAPTER_DIR, state=tensors["adapter"],
                               base_model_name_or_path=self.model.plan.backbone_info.name,
                               removed=getattr(self.model, "removed", None))
-        except (OSError, RuntimeError, SafetensorError) as exc:  # e.g. a full disk (torch.save raises RuntimeError)
+            if self.record_pending:  # (resume) train.json describes the run from its first new checkpoint on
+                self._record(self.record_source)
+                self.record_pending = False
+        except (OSError, RuntimeError, SafetensorError) as exc:  # e.g. a full disk
             prev = checkpoint.read_meta(self.out)
             where = f"the previous checkpoint (step {prev['step']}) is intact" if prev else "no earlier checkpoint exists"
-            reason = getattr(exc, "strerror", None) or exc
-            raise TrainingError(f"could not write the checkpoint at step {self.step} ({reason}); {where}") from exc
+            code = fs.disk_errno(exc)
+            reason = f": {fs.disk_message(code, self.out)}" if code else f" ({getattr(exc, 'strerror', None) or exc})"
+            raise TrainingError(f"could not write the checkpoint at step {self.step}{reason}; {where}") from exc
+
+    def checkpoint_bytes(self) -> int:
+        """About what one checkpoint writes: the new modules, the LoRA adapters (twice: the checkpoint's copy
+        and the peft folder) and AdamW's two moments of every trained parameter."""
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        trained = size(p for group in self.optimizer.param_groups for p in group["params"])
+        return 2 * size(lora_state_dict(self.model.backbone).values()) + size(self.model.new_state_dict().values()) \
+            + 2 * trained
+
+    def release(self) -> None:
+        """Release the run's lock (``train`` does when it ends)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # -- the loop ----------------------------------------------------------------------------------
     def batch(self, index: int) -> dict[str, torch.Tensor]:
@@ -794,6 +885,8 @@ class Trainer:
             if self.staging is not None and self.dist.is_main:  # an unfinished replacement: the old folder stays
                 self.staging.discard()
             raise
+        finally:
+            self.release()
         if self.last_row:
             return self.last_row.get("eval", {})
         return self.metrics()[-1].get("eval", {}) if self.dist.is_main and self.metrics() else {}

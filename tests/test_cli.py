@@ -264,7 +264,9 @@ def test_refuses_before_building_in_dry_run_too(tiny_run):
 
 def test_refuses_non_run_folder_and_file(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    fails(invoke("build", *TINY, "-o", tmp_path), 1, "not empty and holds no concept run", "--force")
+    for force in ([], ["--force"]):  # never replaced, and --force is not suggested (issue 43)
+        err = fails(invoke("build", *TINY, "-o", tmp_path, *force), 1, "not a concept run folder (it holds notes.txt)")
+        assert "--force" not in err
     assert (tmp_path / "notes.txt").read_text() == "mine"
     fails(invoke("build", *TINY, "-o", tmp_path / "notes.txt"), 1, "is not a folder")
 

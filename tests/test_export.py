@@ -189,9 +189,13 @@ def test_bad_targets_and_atomic_replacement(trained, built, tmp_path, monkeypatc
     target = tmp_path / "exp"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
+    for force in ([], ["--force"]):  # a folder that is not a run is never replaced, and --force is not suggested
+        r = run("export", trained, "--out", target, *force)
+        assert r.exit_code == 1 and "not a concept run folder" in r.stderr and "--force" not in r.stderr
+    assert [p.name for p in target.iterdir()] == ["keep.txt"] and r.stdout == ""
+    (target / "concept.json").write_text("{}")  # a run folder (an older export, say): --force may replace it
     r = run("export", trained, "--out", target)
     assert r.exit_code == 1 and "not empty" in r.stderr and "--force" in r.stderr
-    assert [p.name for p in target.iterdir()] == ["keep.txt"] and r.stdout == ""
 
     import concept.export as export_module
 
@@ -201,7 +205,7 @@ def test_bad_targets_and_atomic_replacement(trained, built, tmp_path, monkeypatc
     monkeypatch.setattr(export_module, "model_card", broken)  # fails after the weights were written
     with pytest.raises(ConceptError, match="simulated"):
         export(trained, target, force=True)
-    assert [p.name for p in target.iterdir()] == ["keep.txt"]  # the old folder is untouched
+    assert sorted(p.name for p in target.iterdir()) == ["concept.json", "keep.txt"]  # the old folder is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # no half-written temporary folder left
     monkeypatch.undo()
 

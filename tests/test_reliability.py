@@ -307,7 +307,7 @@ def test_a_second_writer_is_refused_and_a_killed_ones_folder_is_swept(tmp_path):
     with pytest.raises(RunFolderError, match="another process is writing"):
         fs.Staging(tmp_path / "out").open()
     (first.path / "x").write_text("partial")
-    first._lock, fd = None, first._lock  # the writer dies: its lock is released, its folder stays
+    first.lock._fd, fd = None, first.lock._fd  # the writer dies: its lock is released, its folder stays
     os.close(fd)
     second = fs.Staging(tmp_path / "out").open()
     assert second.swept and list(second.path.iterdir()) == []

@@ -279,6 +279,9 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
         problems.append(f"--max-flops: a FLOP ratio to dense, > 0, got {spec.max_flops}")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         problems.append(f"--out {out}: exists and is not a folder; the frontier writes a folder of runs there")
+    elif out is not None and Path(out).is_symlink() and not Path(out).exists():
+        problems.append(f"--out {out}: a symbolic link to {os.readlink(out)}, which does not exist (or loops); remove "
+                        f"the link or choose another --out")
     data_path = local_path(spec.train.data)
     if out is not None and data_path is not None and fs.contains(Path(out), data_path):
         problems.append(f"--out {out}: holds the training data {spec.train.data}; choose an --out of its own")
@@ -362,6 +365,9 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
             if state["status"] == "differs" and not force:
                 problems.append(f"{Path(out) / r.name} was trained with another recipe ({'; '.join(state['differences'])}); "
                                 f"pass --force to retrain it, or choose another --out")
+            elif state["status"] in ("foreign", "damaged") and not fs.is_run_folder(Path(out) / r.name):
+                problems.append(f"{Path(out) / r.name} exists and is not a run folder ({state['detail']}); the frontier "
+                                f"replaces only run folders: move it away, or choose another --out")
             elif state["status"] == "damaged" and not force:  # one line: the file, what is wrong, what to do
                 raise run_files.RunFileError(f"{state['detail']}; or pass --force to train the frontier's run {r.name} again")
             elif state["status"] == "foreign" and not force:
@@ -539,35 +545,40 @@ def run(spec: FrontierSpec, planned: list[PlannedRun], out: str | os.PathLike, f
     out = Path(out)
     log = log or (lambda verb, detail="": None)
     train = train or (lambda trainer: trainer.train())
-    rows = []
-    for i, r in enumerate(planned, 1):
-        folder = out / r.name
-        state = run_state(folder, r)
-        tag = f"[{i}/{len(planned)}] {r.name}"
-        for note in r.notes:
-            log("note:", f"{r.name}: {note}")
-        action = state["status"]
-        if action == "complete":
-            log("skipping", f"{tag}: complete (step {state['step']})")
-        elif action == "resume":
-            log("resuming", f"{tag} from step {state['step']} ...")
-            (folder / EVAL_FILE).unlink(missing_ok=True)  # evaluated weights are about to change
-            (folder / TASKS_FILE).unlink(missing_ok=True)
-            trainer = Trainer.resume(folder, device=r.train.device)
-            _train(trainer, train, log, r.name)
-        else:
-            if action in ("differs", "foreign", "damaged", "restart"):
-                if action != "restart" and not force:  # (plan() refuses these first)
-                    raise RunFolderError(f"{folder} holds another run; pass --force to replace it")
-                log("replacing" if action != "restart" else "restarting",
-                    f"{folder}" + (" (no checkpoint was written)" if action == "restart" else "")
-                    + " once the new run has finished")
-            source = _ensure_build(out / BUILDS / r.build_name, r.build, log)
-            log("training", f"{tag} ({r.kind}: {describe_kind(r)}) ...")
-            trainer = Trainer.start(source, folder, r.train, force=True)  # replaces `folder` only when trained
-            _train(trainer, train, log, r.name)
-        rows.append(_row(r, folder, spec, action, log))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with fs.Lock(out):  # one frontier writes OUT at a time (each run it trains also holds the run's own lock)
+        rows = [_run_one(spec, r, out / r.name, f"[{i}/{len(planned)}] {r.name}", force, train, log)
+                for i, r in enumerate(planned, 1)]
     return summarise(spec, planned, rows)
+
+
+def _run_one(spec: FrontierSpec, r: PlannedRun, folder: Path, tag: str, force: bool, train, log) -> dict:
+    """Train (or skip, or resume) one run of the frontier and evaluate it: its row."""
+    out = folder.parent
+    state = run_state(folder, r)
+    for note in r.notes:
+        log("note:", f"{r.name}: {note}")
+    action = state["status"]
+    if action == "complete":
+        log("skipping", f"{tag}: complete (step {state['step']})")
+    elif action == "resume":
+        log("resuming", f"{tag} from step {state['step']} ...")
+        trainer = Trainer.resume(folder, device=r.train.device)  # (holds the run's lock)
+        (folder / EVAL_FILE).unlink(missing_ok=True)  # evaluated weights are about to change
+        (folder / TASKS_FILE).unlink(missing_ok=True)
+        _train(trainer, train, log, r.name)
+    else:
+        if action in ("differs", "foreign", "damaged", "restart"):
+            if action != "restart" and not force:  # (plan() refuses these first)
+                raise RunFolderError(f"{folder} holds another run; pass --force to replace it")
+            log("replacing" if action != "restart" else "restarting",
+                f"{folder}" + (" (no checkpoint was written)" if action == "restart" else "")
+                + " once the new run has finished")
+        source = _ensure_build(out / BUILDS / r.build_name, r.build, log)
+        log("training", f"{tag} ({r.kind}: {describe_kind(r)}) ...")
+        trainer = Trainer.start(source, folder, r.train, force=True)  # replaces `folder` only when trained
+        _train(trainer, train, log, r.name)
+    return _row(r, folder, spec, action, log)
 
 
 def _train(trainer, train, log, name) -> None:
