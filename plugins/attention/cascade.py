@@ -1,0 +1,339 @@
+"""`cascade`: the deep stack's attention built from dense attention kernels, its parts merged by log-sum-exp.
+
+Every pair the one-pass rule allows (``concept.packing.allowed``) falls in exactly one of three parts:
+
+    concepts   concept queries  vs  concept keys            causal (one SDPA call; a document mask when a
+                                                            row packs several documents)
+    prefix     tail queries     vs  the concept keys        a staircase over the C concept slots: tail query
+                                    emitted before them     i sees the first seg_i * emit of them
+    local      tail queries     vs  their own segment's     block-diagonal causal: inside a window of the W
+                                    tail keys               tail slots before the query (W: the longest run of
+                                                            one segment's tail tokens, which a length policy's
+                                                            maximum gap bounds)
+
+A concept query's output is its part's. A tail query's two parts have disjoint keys and are merged by their
+log-sum-exps (the three lines of ``shared_prefix.merge``)::
+
+    lse = logaddexp(lse_prefix, lse_local);  out = out_prefix * exp(lse_prefix - lse) + out_local * exp(lse_local - lse)
+
+**Tiles.** The prefix and local parts run as a few batched dense calls over tiles of equal shape (one kernel
+call per tile shape, not one per chunk of queries):
+
+- *prefix*: each row's tail slots in ``prefix_blocks`` query blocks; block j reads the concept keys
+  ``[0, w_j)``, ``w_j`` >= the most concepts any of its queries sees, ``granule`` times a power of two (at most
+  C): blocks of one width form one call. A boolean mask (the rule
+  itself) keeps each query to its own concepts. Work: about 4/3 of the staircase's pairs (the rounding) plus
+  each block's own diagonal, against C x (T - C) for one rectangle; keys copied: at most 2 x prefix_blocks x C
+  per row, O(rT).
+- *local*: tail slots in blocks of ``q`` (>= W, a multiple of ``granule``) reading the ``q + W - 1`` tail slots
+  that end with the block, under the rule's mask. Work and memory O(T W).
+
+**Kernels** (``kernel``): the tiles go to a fused attention kernel that returns the log-sum-exp and whose
+backward takes the *merged* output and log-sum-exp (the split-key backward, as in ``shared_prefix``):
+``auto`` is torch's CPU flash attention on the CPU and torch's memory-efficient (cutlass) attention on CUDA,
+both with a mask; ``reference`` is the same tiles in plain torch (scores materialised; tests and debugging).
+Grouped-query heads: a tile's keys are repeated to the query heads (a copy of O(rT) keys, not of the mask).
+
+**Memory per layer** O(T + rT): the query tiles (T), the prefix tiles' keys (2 x prefix_blocks x C), the
+local tiles' keys (about 2T), a float32 merge state of the output's size; the backward keeps q, k, v, the
+merged output and one log-sum-exp per query and head. Built once per forward and shared by every layer: the
+tiles' indices and masks (one byte per computed pair, about rT^2/2 for the prefix: 5 MB at 8k tokens and
+r = 1/8), and, per dtype, the masks as additive biases. The plan costs one host synchronisation per forward
+(the tile widths and W). Exceptions: the concept part's document mask (C x C) when a row packs several
+documents, and a row without concepts, whose tail is one segment (local = dense causal attention).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from concept.attention import AttentionPlan, sdpa
+from concept.components import accumulation_dtype, upcast
+from concept.packing import PackedLayout, SlotMeta, allowed
+
+from .shared_prefix import merge
+
+KERNELS = ("auto", "reference")
+
+
+@dataclass
+class CascadeConfig:
+    kernel: str = "auto"  # auto: the device's fused kernel (CPU flash / CUDA memory-efficient); reference: plain torch
+    prefix_blocks: int = 16  # query blocks per row for the prefix part (their keys are copied: O(blocks x C))
+    granule: int = 16  # tile sizes and key widths are multiples of this (a multiple of 8: CUDA kernels want aligned masks)
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.kernel not in KERNELS:
+            problems.append(f"kernel: one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        if self.prefix_blocks < 1:
+            problems.append(f"prefix_blocks: must be >= 1, got {self.prefix_blocks}")
+        if self.granule < 8 or self.granule % 8:
+            problems.append(f"granule: a multiple of 8, got {self.granule}")
+        return problems
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass
+class Tiles:
+    """One batched call: ``n`` tiles of ``Lq`` queries against ``Lk`` keys (flat slots ``b * L + slot``)."""
+
+    q_index: torch.Tensor  # [n, Lq] query slots (clamped into the row: rows past its tail are not real)
+    k_index: torch.Tensor  # [n, Lk] key slots
+    mask: torch.Tensor  # [n, Lq, Lk] bool: the rule (a row no key may see is all True, and does not count)
+    counts: torch.Tensor  # [n, Lq] bool: the row's result is real and has a key (else it is dropped)
+    rows: torch.Tensor  # [R] positions in the flattened [n * Lq] of the rows that count
+    slots: torch.Tensor  # [R] their flat query slots
+    biases: dict  # dtype -> additive mask [n, 1, Lq, Lk], made once per forward
+
+    def bias(self, dtype) -> torch.Tensor:
+        if dtype not in self.biases:
+            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+            self.biases[dtype] = torch.where(self.mask, zero, torch.tensor(float("-inf"), dtype=dtype,
+                                                                          device=self.mask.device))[:, None]
+        return self.biases[dtype]
+
+
+def _flat(meta: SlotMeta) -> SlotMeta:
+    return SlotMeta(*(None if t is None else t.reshape(-1) for t in (meta.time, meta.keep, meta.seg, meta.valid,
+                                                                      meta.doc, meta.sub)))
+
+
+def _tiles(flat: SlotMeta, q_index, q_real, k_index, k_real, keep_rows=None) -> Tiles:
+    """Tiles from their query / key slots; ``q_real`` / ``k_real`` mark the positions inside the range they
+    stand for (a clamped index past it is not a key and not a result); ``keep_rows`` [n, Lq]: which real
+    rows count (default: every real row with an allowed key)."""
+    mask = allowed(flat[q_index], flat[k_index]) & k_real[:, None, :]
+    counts = q_real & mask.any(-1) if keep_rows is None else q_real & keep_rows & mask.any(-1)
+    mask = mask | ~counts[..., None]  # rows that do not count read every key: finite, then dropped
+    rows = counts.reshape(-1).nonzero().squeeze(1)
+    return Tiles(q_index, k_index, mask, counts, rows, q_index.reshape(-1)[rows], {})
+
+
+class CascadePlan(AttentionPlan):
+    def __init__(self, layout: PackedLayout, config: CascadeConfig):
+        meta = layout.meta
+        self.B, self.L = meta.time.shape
+        self.C = C = layout.num_concepts
+        self.Tt = Tt = self.L - C
+        self.config = config
+        device = meta.time.device
+        # concept part: causal; with several documents in a row, only their own
+        concepts = layout.concept_meta
+        several_docs = bool((concepts.doc != concepts.doc[:, :1]).any()) if C else False
+        self.concept_mask = allowed(concepts, concepts) if several_docs else None
+        self.parts: list[Tiles] = []  # the local part first (every tail row has a key there), then the prefix's
+        if not Tt:
+            return
+        g = config.granule
+        tail = layout.tail_meta
+        flat = _flat(meta)
+        row_base = (torch.arange(self.B, device=device) * self.L)[:, None, None]
+        # the widths both parts need (one host sync): W, the longest run of one segment's tail slots, and each
+        # prefix block's most visible concepts
+        seg = tail.seg.contiguous()
+        run = torch.arange(Tt, device=device) - torch.searchsorted(seg, seg) + 1
+        window = torch.where(tail.valid, run, torch.zeros_like(run)).amax()
+        q_prefix = max(g, _round_up(math.ceil(Tt / config.prefix_blocks), g))
+        blocks = -(-Tt // q_prefix)
+        visible = torch.where(tail.valid, (tail.seg * layout.emit).clamp(max=C), torch.zeros_like(tail.seg))
+        hi = torch.nn.functional.pad(visible, (0, blocks * q_prefix - Tt)).view(self.B, blocks, q_prefix).amax(-1)
+        numbers = torch.cat([window.reshape(1), hi.reshape(-1)]).tolist()
+        W, hi_list = max(1, numbers[0]), numbers[1:]
+
+        # local: blocks of q >= W tail slots, each reading the q + W - 1 tail slots that end with it (one tile
+        # of every tail slot when that is the whole tail)
+        q_local = _round_up(W, g)
+        if q_local + W - 1 >= Tt:
+            q_local = width = _round_up(Tt, g)
+        else:
+            width = _round_up(q_local + W - 1, g)
+        n_local = -(-Tt // q_local)
+        pos_q = (torch.arange(n_local, device=device)[:, None] * q_local + torch.arange(q_local, device=device))[None]
+        start = (torch.arange(n_local, device=device)[:, None] + 1) * q_local - width  # < 0: the window starts at 0
+        pos_k = (start.clamp(min=0) + torch.arange(width, device=device))[None]
+        q_real, k_real = (pos_q < Tt).expand(self.B, -1, -1), (pos_k < Tt).expand(self.B, -1, -1)
+        self.parts.append(_tiles(flat, (row_base + C + pos_q.clamp(max=Tt - 1)).reshape(-1, q_local),
+                                 q_real.reshape(-1, q_local),
+                                 (row_base + C + pos_k.clamp(max=Tt - 1)).reshape(-1, width),
+                                 k_real.reshape(-1, width)))
+
+        # prefix: a block reads the concept keys [0, w) of its row, w >= the most any of its queries sees (a
+        # multiple of the granule times a power of two, at most C): one call per width
+        if not C:
+            return
+        by_width: dict[int, list[tuple[int, int]]] = {}
+        for flat_block, top in enumerate(hi_list):
+            if top > 0:
+                w = min(_round_up(C, g), g << max(0, math.ceil(math.log2(-(-top // g)))))
+                by_width.setdefault(w, []).append((flat_block // blocks, flat_block % blocks))
+        for w, members in sorted(by_width.items()):
+            b, j = (torch.tensor(col, device=device) for col in zip(*members))
+            pos_q = j[:, None] * q_prefix + torch.arange(q_prefix, device=device)
+            keys = torch.arange(w, device=device).expand(len(members), -1)
+            self.parts.append(_tiles(flat, b[:, None] * self.L + C + pos_q.clamp(max=Tt - 1), pos_q < Tt,
+                                     b[:, None] * self.L + keys.clamp(max=C - 1), keys < C))
+
+    def __call__(self, query, key, value, scaling):
+        B, H, L, hd = query.shape
+        C = self.C
+        outs = []
+        if C:
+            outs.append(sdpa(query[:, :, :C], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
+                             is_causal=self.concept_mask is None).transpose(1, 2))
+        if self.Tt:
+            kernels = ReferenceKernel() if self.config.kernel == "reference" else device_kernel(query.device)
+            tail = MergedTiles.apply(query, key, value, self, kernels, scaling)
+            outs.append(tail.view(B, L, H, hd)[:, C:])
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+def _flat_heads(x):
+    """[B, H, L, hd] -> [B * L, H, hd]."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])
+
+
+def _gather(flat, index, heads: int | None = None):
+    """Tiles [n, H, len, hd] from flat [B * L, h, hd] at ``index`` [n, len], repeated to ``heads``."""
+    t = flat[index].permute(0, 2, 1, 3)
+    if heads is not None and heads != t.shape[1]:
+        t = t.repeat_interleave(heads // t.shape[1], dim=1)
+    return t
+
+
+def _rows(tile, rows):
+    """[n, H, Lq, ...] -> the counted rows [R, H, ...]."""
+    t = tile.transpose(1, 2)
+    return t.reshape(-1, *t.shape[2:])[rows]
+
+
+class MergedTiles(torch.autograd.Function):
+    """The tail queries' attention over the union of the parts' disjoint key sets (``CascadePlan.parts``),
+    merged by log-sum-exp. Saves q, k, v, the merged output and log-sum-exp; the backward runs each part's
+    kernel backward with the merged output and log-sum-exp and adds the gradients up. Returns [B * L, H, hd]
+    (the tail rows filled)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, plan: CascadePlan, kernels, scale: float):
+        B, H, L, hd = query.shape
+        q, k, v = (_flat_heads(t) for t in (query, key, value))
+        acc = accumulation_dtype(query.dtype)
+        out = q.new_zeros(B * L, H, hd, dtype=acc)
+        lse = q.new_full((B * L, H), float("-inf"), dtype=acc)
+        states = []
+        for tiles in plan.parts:  # the local part first: every tail row is finite after it
+            part_out, part_lse, state = kernels.forward(_gather(q, tiles.q_index), _gather(k, tiles.k_index, H),
+                                                    _gather(v, tiles.k_index, H), tiles.bias(query.dtype), scale)
+            merge(out, lse, tiles.slots, _rows(part_out, tiles.rows), _rows(part_lse[..., None], tiles.rows)[..., 0])
+            states.append(state)
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.plan, ctx.kernels, ctx.scale, ctx.states = plan, kernels, scale, states
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        B, H, L, hd = query.shape
+        Hkv = key.shape[1]
+        q, k, v = (_flat_heads(t) for t in (query, key, value))
+        acc = accumulation_dtype(query.dtype)
+        dq = torch.zeros_like(q, dtype=acc)
+        dk, dv = (torch.zeros_like(k, dtype=acc) for _ in range(2))
+        for tiles, state in zip(ctx.plan.parts, ctx.states):
+            weight = tiles.counts[:, None, :, None].to(d_out.dtype)  # rows that do not count give nothing
+            d_t = _gather(d_out, tiles.q_index) * weight
+            k_t, v_t = _gather(k, tiles.k_index, H), _gather(v, tiles.k_index, H)
+            # rows that do not count: lse = +inf, so that their probabilities are 0 (their gradient is 0 anyway)
+            lse_t = torch.where(tiles.counts[:, None, :], lse[tiles.q_index].permute(0, 2, 1), float("inf"))
+            gq, gk, gv = ctx.kernels.backward(d_t, _gather(q, tiles.q_index), k_t, v_t, _gather(out, tiles.q_index),
+                                              lse_t, tiles.bias(query.dtype), ctx.scale, state)
+            dq.index_add_(0, tiles.q_index.reshape(-1), upcast(gq).transpose(1, 2).reshape(-1, H, hd))
+            for grad, total in ((gk, dk), (gv, dv)):
+                n, _, lk, _ = grad.shape
+                summed = upcast(grad).view(n, Hkv, H // Hkv, lk, hd).sum(2)  # the query heads back to the KV heads
+                total.index_add_(0, tiles.k_index.reshape(-1), summed.transpose(1, 2).reshape(-1, Hkv, hd))
+        back = lambda g, like: g.view(B, L, -1, hd).transpose(1, 2).to(like.dtype)  # noqa: E731
+        return back(dq, query), back(dk, key), back(dv, value), None, None, None
+
+
+# -- kernels: forward -> (out [n, H, Lq, hd], lse [n, H, Lq] float, state); backward with the merged out, lse ---
+class ReferenceKernel:
+    """Plain torch, scores materialised, at least float32 math (float64 for float64): any device."""
+
+    @staticmethod
+    def _scores(q, k, bias, scale):
+        acc = accumulation_dtype(q.dtype)
+        return torch.einsum("nhqd,nhkd->nhqk", q.to(acc), k.to(acc)) * scale + bias.to(acc)
+
+    def forward(self, q, k, v, bias, scale):
+        scores = self._scores(q, k, bias, scale)
+        lse = scores.logsumexp(-1)
+        out = torch.einsum("nhqk,nhkd->nhqd", torch.exp(scores - lse[..., None]), upcast(v))
+        return out.to(q.dtype), lse, None
+
+    def backward(self, d_out, q, k, v, out, lse, bias, scale, state=None):
+        d_out = upcast(d_out)
+        p = torch.exp(self._scores(q, k, bias, scale) - lse[..., None].to(d_out.dtype))
+        dv = torch.einsum("nhqk,nhqd->nhkd", p, d_out)
+        dp = torch.einsum("nhqd,nhkd->nhqk", d_out, upcast(v))
+        ds = p * (dp - (d_out * upcast(out)).sum(-1, keepdim=True)) * scale
+        return (torch.einsum("nhqk,nhkd->nhqd", ds, upcast(k)), torch.einsum("nhqk,nhqd->nhkd", ds, upcast(q)), dv)
+
+
+class CPUFlashKernel:
+    """torch's CPU flash attention (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward):
+    a mask, the log-sum-exp, any float dtype."""
+
+    def forward(self, q, k, v, bias, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                             scale=scale)
+        return out, lse, None
+
+    def backward(self, d_out, q, k, v, out, lse, bias, scale, state=None):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out.contiguous(), q, k, v, out.contiguous(), lse.float().contiguous() if q.dtype != torch.float64
+            else lse.contiguous(), 0.0, False, attn_mask=bias, scale=scale)
+
+
+class CUDAEfficientKernel:
+    """torch's memory-efficient (cutlass) CUDA attention (``aten::_scaled_dot_product_efficient_attention`` and
+    its backward): a mask, the log-sum-exp (its rows padded to a multiple of 32), fp32 / bf16 / fp16. The
+    operators are attributes so that a test can stand in for them on a machine without CUDA."""
+
+    forward_op = staticmethod(lambda *a, **kw: torch.ops.aten._scaled_dot_product_efficient_attention(*a, **kw))
+    backward_op = staticmethod(lambda *a, **kw: torch.ops.aten._scaled_dot_product_efficient_attention_backward(*a, **kw))
+
+    def forward(self, q, k, v, bias, scale):
+        bias = bias.expand(-1, q.shape[1], -1, -1)
+        out, lse, seed, offset = self.forward_op(q, k, v, bias, True, 0.0, False, scale=scale)
+        return out, lse[..., : q.shape[2]], (seed, offset, lse.shape)
+
+    def backward(self, d_out, q, k, v, out, lse, bias, scale, state):
+        seed, offset, lse_shape = state
+        padded = lse.new_zeros(lse_shape)
+        padded[..., : q.shape[2]] = lse
+        grads = self.backward_op(d_out.contiguous(), q, k, v, bias.expand(-1, q.shape[1], -1, -1), out.contiguous(),
+                                 padded, seed, offset, 0.0, [True, True, True, False], False, scale=scale)
+        return grads[0], grads[1], grads[2]
+
+
+def device_kernel(device):
+    return CUDAEfficientKernel() if torch.device(device).type == "cuda" else CPUFlashKernel()
+
+
+class CascadeBackend:
+    Config = CascadeConfig
+    supports_backward = True
+
+    def __init__(self, config: CascadeConfig | None = None, ctx=None):
+        self.config = config or CascadeConfig()
+
+    def plan(self, layout: PackedLayout) -> AttentionPlan:
+        return CascadePlan(layout, self.config)
