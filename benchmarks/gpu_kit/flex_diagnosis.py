@@ -20,6 +20,8 @@ warm-up), each variant checked against the dense-mask reference:
 | `repeat-kv` | `ranges-static` with K and V repeated to the 9 query heads instead of ``enable_gqa`` |
 | `tiles-64` | `ranges-static` with ``kernel_options`` BLOCK_M = BLOCK_N = 64 |
 | `tiles-128-warps-8` | `ranges-static` with ``kernel_options`` BLOCK_M = BLOCK_N = 128, 8 warps, 2 stages |
+| `rows-safe` | `ranges-static` with ``ROWS_GUARANTEED_SAFE`` (true of this rule: every row has a key) |
+| `tma` | `ranges-static` with ``USE_TMA`` (Hopper's tensor memory accelerator; experimental in torch 2.11) |
 | `cascade` | the `cascade` backend (dense kernels, merged by log-sum-exp) |
 
 The report names the fastest exact FlexAttention variant (``closes_the_gap``) and the `flex` backend settings
@@ -46,8 +48,8 @@ from pathlib import Path
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 GPU_T, DRY_T, RATIO = 8192, 128, 0.125
 BUDGET_S = 60.0
-VARIANTS = ("sdpa-causal", "today", "static", "ranges", "ranges-static", "floor", "dense-causal", "cascade",
-            "repeat-kv", "tiles-64", "tiles-128-warps-8", "mask-per-call")
+VARIANTS = ("sdpa-causal", "today", "ranges-static", "static", "ranges", "floor", "dense-causal", "cascade",
+            "repeat-kv", "tiles-64", "tiles-128-warps-8", "rows-safe", "tma", "mask-per-call")
 FLEX_SETTINGS = {  # the `flex` backend's options that reproduce a variant (what ``adopt`` names)
     "today": {"mask": "rule", "dynamic": "dynamic"}, "static": {"mask": "rule", "dynamic": "static"},
     "ranges": {"mask": "ranges", "dynamic": "dynamic"}, "ranges-static": {"mask": "ranges", "dynamic": "static"},
@@ -55,6 +57,8 @@ FLEX_SETTINGS = {  # the `flex` backend's options that reproduce a variant (what
     "tiles-64": {"mask": "ranges", "dynamic": "static", "kernel_options": {"BLOCK_M": 64, "BLOCK_N": 64}},
     "tiles-128-warps-8": {"mask": "ranges", "dynamic": "static",
                           "kernel_options": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}},
+    "rows-safe": {"mask": "ranges", "dynamic": "static", "kernel_options": {"ROWS_GUARANTEED_SAFE": True}},
+    "tma": {"mask": "ranges", "dynamic": "static", "kernel_options": {"USE_TMA": True}},
 }
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative L2 error against the dense-mask reference
 
