@@ -76,16 +76,11 @@ def test_negative_controls_a_merge_without_weights_and_a_backward_without_the_me
     plan = CascadePlan(layout, CascadeConfig())
     assert max(errors(plan, layout, q, k, v)) < 1e-12
     # the tail's parts averaged instead of weighted by their log-sum-exps: outputs off
-    real_merge = cascade.merge
-
-    def unweighted(out, lse, rows, part_out, part_lse):
-        seen = torch.isfinite(lse[rows])
-        out[rows] = torch.where(seen[..., None], (out[rows] + part_out.to(out.dtype)) / 2, part_out.to(out.dtype))
-        lse[rows] = torch.logaddexp(lse[rows], part_lse)
-
-    monkeypatch.setattr(cascade, "merge", unweighted)
+    real_merge = cascade.merge_parts
+    monkeypatch.setattr(cascade, "merge_parts", lambda out_a, lse_a, out_b, lse_b: (
+        torch.where(torch.isfinite(lse_b)[..., None], (out_a + out_b) / 2, out_a), torch.logaddexp(lse_a, lse_b)))
     assert errors(plan, layout, q, k, v)[0] > 1e-3
-    monkeypatch.setattr(cascade, "merge", real_merge)
+    monkeypatch.setattr(cascade, "merge_parts", real_merge)
 
     # each part's backward told its own log-sum-exp (a part's softmax alone): outputs right, gradients off
     class OwnLSE(CPUFlashKernel):

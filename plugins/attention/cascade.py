@@ -12,7 +12,7 @@ Every pair the one-pass rule allows (``concept.packing.allowed``) falls in exact
                                                             maximum gap bounds)
 
 A concept query's output is its part's. A tail query's two parts have disjoint keys and are merged by their
-log-sum-exps (the three lines of ``shared_prefix.merge``)::
+log-sum-exps (:func:`merge_parts`)::
 
     lse = logaddexp(lse_prefix, lse_local);  out = out_prefix * exp(lse_prefix - lse) + out_local * exp(lse_local - lse)
 
@@ -20,11 +20,10 @@ log-sum-exps (the three lines of ``shared_prefix.merge``)::
 call per tile shape, not one per chunk of queries):
 
 - *prefix*: each row's tail slots in ``prefix_blocks`` query blocks; block j reads the concept keys
-  ``[0, w_j)``, ``w_j`` >= the most concepts any of its queries sees, ``granule`` times a power of two (at most
-  C): blocks of one width form one call. A boolean mask (the rule
-  itself) keeps each query to its own concepts. Work: about 4/3 of the staircase's pairs (the rounding) plus
-  each block's own diagonal, against C x (T - C) for one rectangle; keys copied: at most 2 x prefix_blocks x C
-  per row, O(rT).
+  ``[0, w_j)``, ``w_j`` >= the most concepts any of its queries sees, ``granule`` times 2^m or 3 x 2^(m-1)
+  (at most C): blocks of one width form one call. A boolean mask (the rule itself) keeps each query to its own
+  concepts. Work: about 1.2x the staircase's pairs (the rounding) plus each block's own diagonal, against
+  C x (T - C) for one rectangle; keys copied: at most 1.5 x prefix_blocks x C per row, O(rT).
 - *local*: tail slots in blocks of ``q`` (>= W, a multiple of ``granule``) reading the ``q + W - 1`` tail slots
   that end with the block, under the rule's mask. Work and memory O(T W).
 
@@ -32,7 +31,8 @@ call per tile shape, not one per chunk of queries):
 backward takes the *merged* output and log-sum-exp (the split-key backward, as in ``shared_prefix``):
 ``auto`` is torch's CPU flash attention on the CPU and torch's memory-efficient (cutlass) attention on CUDA,
 both with a mask; ``reference`` is the same tiles in plain torch (scores materialised; tests and debugging).
-Grouped-query heads: a tile's keys are repeated to the query heads (a copy of O(rT) keys, not of the mask).
+Grouped-query heads: the query heads of one KV head are folded into a tile's rows, so no key is copied per
+query head (the mask is, once per forward, as the bias).
 
 **Memory per layer** O(T + rT): the query tiles (T), the prefix tiles' keys (2 x prefix_blocks x C), the
 local tiles' keys (about 2T), a float32 merge state of the output's size; the backward keeps q, k, v, the
@@ -52,8 +52,6 @@ import torch
 from concept.attention import AttentionPlan, sdpa
 from concept.components import accumulation_dtype, upcast
 from concept.packing import PackedLayout, SlotMeta, allowed
-
-from .shared_prefix import merge
 
 KERNELS = ("auto", "reference")
 
@@ -79,6 +77,13 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _units(n: int) -> int:
+    """The smallest 2^m or 3 * 2^(m - 1) >= n: two widths per octave (at most 1.5x the keys needed, 1.2x on average
+    over a staircase), few enough to keep the calls few."""
+    m = max(0, n - 1).bit_length()
+    return 3 << (m - 2) if m >= 2 and 3 << (m - 2) >= n else 1 << m
+
+
 @dataclass
 class Tiles:
     """One batched call: ``n`` tiles of ``Lq`` queries against ``Lk`` keys (flat slots ``b * L + slot``)."""
@@ -88,15 +93,24 @@ class Tiles:
     mask: torch.Tensor  # [n, Lq, Lk] bool: the rule (a row no key may see is all True, and does not count)
     counts: torch.Tensor  # [n, Lq] bool: the row's result is real and has a key (else it is dropped)
     rows: torch.Tensor  # [R] positions in the flattened [n * Lq] of the rows that count
-    slots: torch.Tensor  # [R] their flat query slots
-    biases: dict  # dtype -> additive mask [n, 1, Lq, Lk], made once per forward
+    tail_rows: torch.Tensor  # [R] their flat tail rows (b * (L - C) + slot - C)
+    q_tail: torch.Tensor  # [n, Lq] every query's flat tail row
+    biases: dict  # (dtype, query heads per KV head) -> additive mask [n, 1, groups * Lq, Lk], made once per forward
 
-    def bias(self, dtype) -> torch.Tensor:
-        if dtype not in self.biases:
+    def bias(self, dtype, groups: int) -> torch.Tensor:
+        """The mask as an additive bias for the query heads of one KV head folded into the rows (:func:`_queries`)."""
+        if (dtype, groups) not in self.biases:
+            n, lq, lk = self.mask.shape
+            mask = self.mask[:, None].expand(n, groups, lq, lk).reshape(n, 1, groups * lq, lk)
             zero = torch.zeros((), dtype=dtype, device=self.mask.device)
-            self.biases[dtype] = torch.where(self.mask, zero, torch.tensor(float("-inf"), dtype=dtype,
-                                                                          device=self.mask.device))[:, None]
-        return self.biases[dtype]
+            self.biases[dtype, groups] = torch.where(mask, zero, torch.tensor(float("-inf"), dtype=dtype,
+                                                                              device=self.mask.device))
+        return self.biases[dtype, groups]
+
+    def row_weights(self, dtype, groups: int) -> torch.Tensor:
+        """1 for the rows that count, 0 for the others, in the folded layout [n, 1, groups * Lq, 1]."""
+        n, lq = self.counts.shape
+        return self.counts[:, None, None].expand(n, 1, groups, lq).reshape(n, 1, groups * lq, 1).to(dtype)
 
 
 def _flat(meta: SlotMeta) -> SlotMeta:
@@ -104,15 +118,16 @@ def _flat(meta: SlotMeta) -> SlotMeta:
                                                                       meta.doc, meta.sub)))
 
 
-def _tiles(flat: SlotMeta, q_index, q_real, k_index, k_real, keep_rows=None) -> Tiles:
+def _tiles(flat: SlotMeta, L: int, C: int, q_index, q_real, k_index, k_real) -> Tiles:
     """Tiles from their query / key slots; ``q_real`` / ``k_real`` mark the positions inside the range they
-    stand for (a clamped index past it is not a key and not a result); ``keep_rows`` [n, Lq]: which real
-    rows count (default: every real row with an allowed key)."""
+    stand for (a clamped index past it is not a key and not a result). A row counts when it is real and has
+    an allowed key."""
     mask = allowed(flat[q_index], flat[k_index]) & k_real[:, None, :]
-    counts = q_real & mask.any(-1) if keep_rows is None else q_real & keep_rows & mask.any(-1)
+    counts = q_real & mask.any(-1)
     mask = mask | ~counts[..., None]  # rows that do not count read every key: finite, then dropped
     rows = counts.reshape(-1).nonzero().squeeze(1)
-    return Tiles(q_index, k_index, mask, counts, rows, q_index.reshape(-1)[rows], {})
+    q_tail = (q_index // L) * (L - C) + q_index % L - C
+    return Tiles(q_index, k_index, mask, counts, rows, q_tail.reshape(-1)[rows], q_tail, {})
 
 
 class CascadePlan(AttentionPlan):
@@ -127,7 +142,7 @@ class CascadePlan(AttentionPlan):
         concepts = layout.concept_meta
         several_docs = bool((concepts.doc != concepts.doc[:, :1]).any()) if C else False
         self.concept_mask = allowed(concepts, concepts) if several_docs else None
-        self.parts: list[Tiles] = []  # the local part first (every tail row has a key there), then the prefix's
+        self.parts: list[Tiles] = []  # the local part first (every tail row counts there), then the prefix's
         if not Tt:
             return
         g = config.granule
@@ -158,7 +173,7 @@ class CascadePlan(AttentionPlan):
         start = (torch.arange(n_local, device=device)[:, None] + 1) * q_local - width  # < 0: the window starts at 0
         pos_k = (start.clamp(min=0) + torch.arange(width, device=device))[None]
         q_real, k_real = (pos_q < Tt).expand(self.B, -1, -1), (pos_k < Tt).expand(self.B, -1, -1)
-        self.parts.append(_tiles(flat, (row_base + C + pos_q.clamp(max=Tt - 1)).reshape(-1, q_local),
+        self.parts.append(_tiles(flat, self.L, C, (row_base + C + pos_q.clamp(max=Tt - 1)).reshape(-1, q_local),
                                  q_real.reshape(-1, q_local),
                                  (row_base + C + pos_k.clamp(max=Tt - 1)).reshape(-1, width),
                                  k_real.reshape(-1, width)))
@@ -170,13 +185,13 @@ class CascadePlan(AttentionPlan):
         by_width: dict[int, list[tuple[int, int]]] = {}
         for flat_block, top in enumerate(hi_list):
             if top > 0:
-                w = min(_round_up(C, g), g << max(0, math.ceil(math.log2(-(-top // g)))))
+                w = min(_round_up(C, g), g * _units(-(-top // g)))
                 by_width.setdefault(w, []).append((flat_block // blocks, flat_block % blocks))
         for w, members in sorted(by_width.items()):
             b, j = (torch.tensor(col, device=device) for col in zip(*members))
             pos_q = j[:, None] * q_prefix + torch.arange(q_prefix, device=device)
             keys = torch.arange(w, device=device).expand(len(members), -1)
-            self.parts.append(_tiles(flat, b[:, None] * self.L + C + pos_q.clamp(max=Tt - 1), pos_q < Tt,
+            self.parts.append(_tiles(flat, self.L, C, b[:, None] * self.L + C + pos_q.clamp(max=Tt - 1), pos_q < Tt,
                                      b[:, None] * self.L + keys.clamp(max=C - 1), keys < C))
 
     def __call__(self, query, key, value, scaling):
@@ -188,8 +203,7 @@ class CascadePlan(AttentionPlan):
                              is_causal=self.concept_mask is None).transpose(1, 2))
         if self.Tt:
             kernels = ReferenceKernel() if self.config.kernel == "reference" else device_kernel(query.device)
-            tail = MergedTiles.apply(query, key, value, self, kernels, scaling)
-            outs.append(tail.view(B, L, H, hd)[:, C:])
+            outs.append(MergedTiles.apply(query, key, value, self, kernels, scaling).view(B, self.Tt, H, hd))
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
@@ -198,39 +212,60 @@ def _flat_heads(x):
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])
 
 
-def _gather(flat, index, heads: int | None = None):
-    """Tiles [n, H, len, hd] from flat [B * L, h, hd] at ``index`` [n, len], repeated to ``heads``."""
-    t = flat[index].permute(0, 2, 1, 3)
-    if heads is not None and heads != t.shape[1]:
-        t = t.repeat_interleave(heads // t.shape[1], dim=1)
-    return t
+def _queries(flat, index, kv_heads: int):
+    """Query tiles from flat [B * L, H, ...] at ``index`` [n, Lq], the query heads of one KV head folded into
+    the rows: [n, Hkv, groups * Lq, ...] (grouped-query attention against the KV heads, no key copied)."""
+    t = flat[index]  # [n, Lq, H, ...]
+    n, lq, heads = t.shape[:3]
+    t = t.view(n, lq, kv_heads, heads // kv_heads, *t.shape[3:]).movedim(1, 3)  # [n, Hkv, groups, Lq, ...]
+    return t.reshape(n, kv_heads, heads // kv_heads * lq, *t.shape[4:])
 
 
-def _rows(tile, rows):
-    """[n, H, Lq, ...] -> the counted rows [R, H, ...]."""
-    t = tile.transpose(1, 2)
-    return t.reshape(-1, *t.shape[2:])[rows]
+def _unfold(tile, lq: int):
+    """[n, Hkv, groups * Lq, ...] -> [n * Lq, H, ...]: :func:`_queries` undone, one row per query."""
+    n, kv_heads, rows = tile.shape[:3]
+    t = tile.reshape(n, kv_heads, rows // lq, lq, *tile.shape[3:]).movedim(3, 1)  # [n, Lq, Hkv, groups, ...]
+    return t.reshape(n * lq, kv_heads * (rows // lq), *tile.shape[3:])
+
+
+def _keys(flat, index):
+    """Key / value tiles [n, Hkv, Lk, hd] from flat [B * L, Hkv, hd] at ``index`` [n, Lk]."""
+    return flat[index].transpose(1, 2)
+
+
+def merge_parts(out_a, lse_a, out_b, lse_b):
+    """Attention over two disjoint key sets from each's output [R, H, hd] and log-sum-exp [R, H] (``lse_a``
+    finite): ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)``."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
 
 
 class MergedTiles(torch.autograd.Function):
-    """The tail queries' attention over the union of the parts' disjoint key sets (``CascadePlan.parts``),
-    merged by log-sum-exp. Saves q, k, v, the merged output and log-sum-exp; the backward runs each part's
-    kernel backward with the merged output and log-sum-exp and adds the gradients up. Returns [B * L, H, hd]
-    (the tail rows filled)."""
+    """The tail queries' attention over the union of the parts' disjoint key sets (``CascadePlan.parts``):
+    the local part's output and log-sum-exp for every tail row, the prefix tiles' for theirs, merged by
+    :func:`merge_parts`. Saves q, k, v, the merged output and log-sum-exp; the backward runs each part's
+    kernel backward with the merged output and log-sum-exp and adds the gradients up. Returns [B * (L - C), H,
+    hd], the tail rows."""
 
     @staticmethod
     def forward(ctx, query, key, value, plan: CascadePlan, kernels, scale: float):
         B, H, L, hd = query.shape
+        Hkv, groups = key.shape[1], H // key.shape[1]
         q, k, v = (_flat_heads(t) for t in (query, key, value))
         acc = accumulation_dtype(query.dtype)
-        out = q.new_zeros(B * L, H, hd, dtype=acc)
-        lse = q.new_full((B * L, H), float("-inf"), dtype=acc)
-        states = []
-        for tiles in plan.parts:  # the local part first: every tail row is finite after it
-            part_out, part_lse, state = kernels.forward(_gather(q, tiles.q_index), _gather(k, tiles.k_index, H),
-                                                    _gather(v, tiles.k_index, H), tiles.bias(query.dtype), scale)
-            merge(out, lse, tiles.slots, _rows(part_out, tiles.rows), _rows(part_lse[..., None], tiles.rows)[..., 0])
+        found, states = [], []  # (out, lse) of the local part, then of the prefix (a tail row at most once in each)
+        for tiles in plan.parts:
+            if len(found) < 2:
+                found.append((q.new_zeros(B * plan.Tt, H, hd, dtype=acc),
+                              q.new_full((B * plan.Tt, H), float("-inf"), dtype=acc)))
+            lq = tiles.q_index.shape[1]
+            part_out, part_lse, state = kernels.forward(_queries(q, tiles.q_index, Hkv), _keys(k, tiles.k_index),
+                                                        _keys(v, tiles.k_index), tiles.bias(query.dtype, groups), scale)
+            out_acc, lse_acc = found[-1]
+            out_acc.index_copy_(0, tiles.tail_rows, _unfold(part_out, lq)[tiles.rows].to(acc))
+            lse_acc.index_copy_(0, tiles.tail_rows, _unfold(part_lse, lq)[tiles.rows].to(acc))
             states.append(state)
+        out, lse = merge_parts(*found[0], *found[1]) if len(found) > 1 else found[0]
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.kernels, ctx.scale, ctx.states = plan, kernels, scale, states
@@ -241,24 +276,23 @@ class MergedTiles(torch.autograd.Function):
     def backward(ctx, d_out):
         query, key, value, out, lse = ctx.saved_tensors
         B, H, L, hd = query.shape
-        Hkv = key.shape[1]
+        Hkv, groups = key.shape[1], H // key.shape[1]
         q, k, v = (_flat_heads(t) for t in (query, key, value))
         acc = accumulation_dtype(query.dtype)
         dq = torch.zeros_like(q, dtype=acc)
         dk, dv = (torch.zeros_like(k, dtype=acc) for _ in range(2))
         for tiles, state in zip(ctx.plan.parts, ctx.states):
-            weight = tiles.counts[:, None, :, None].to(d_out.dtype)  # rows that do not count give nothing
-            d_t = _gather(d_out, tiles.q_index) * weight
-            k_t, v_t = _gather(k, tiles.k_index, H), _gather(v, tiles.k_index, H)
+            lq = tiles.q_index.shape[1]
+            weight = tiles.row_weights(d_out.dtype, groups)  # rows that do not count give nothing
             # rows that do not count: lse = +inf, so that their probabilities are 0 (their gradient is 0 anyway)
-            lse_t = torch.where(tiles.counts[:, None, :], lse[tiles.q_index].permute(0, 2, 1), float("inf"))
-            gq, gk, gv = ctx.kernels.backward(d_t, _gather(q, tiles.q_index), k_t, v_t, _gather(out, tiles.q_index),
-                                              lse_t, tiles.bias(query.dtype), ctx.scale, state)
-            dq.index_add_(0, tiles.q_index.reshape(-1), upcast(gq).transpose(1, 2).reshape(-1, H, hd))
-            for grad, total in ((gk, dk), (gv, dv)):
-                n, _, lk, _ = grad.shape
-                summed = upcast(grad).view(n, Hkv, H // Hkv, lk, hd).sum(2)  # the query heads back to the KV heads
-                total.index_add_(0, tiles.k_index.reshape(-1), summed.transpose(1, 2).reshape(-1, Hkv, hd))
+            lse_t = torch.where(weight[..., 0] > 0, _queries(lse, tiles.q_tail, Hkv), float("inf"))
+            gq, gk, gv = ctx.kernels.backward(_queries(d_out, tiles.q_tail, Hkv) * weight,
+                                              _queries(q, tiles.q_index, Hkv), _keys(k, tiles.k_index),
+                                              _keys(v, tiles.k_index), _queries(out, tiles.q_tail, Hkv), lse_t,
+                                              tiles.bias(query.dtype, groups), ctx.scale, state)
+            dq.index_add_(0, tiles.q_index.reshape(-1), upcast(_unfold(gq, lq)))
+            dk.index_add_(0, tiles.k_index.reshape(-1), upcast(gk).transpose(1, 2).reshape(-1, Hkv, hd))
+            dv.index_add_(0, tiles.k_index.reshape(-1), upcast(gv).transpose(1, 2).reshape(-1, Hkv, hd))
         back = lambda g, like: g.view(B, L, -1, hd).transpose(1, 2).to(like.dtype)  # noqa: E731
         return back(dq, query), back(dk, key), back(dv, value), None, None, None
 
