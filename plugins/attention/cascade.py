@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -235,9 +236,27 @@ def _keys(flat, index):
 
 def merge_parts(out_a, lse_a, out_b, lse_b):
     """Attention over two disjoint key sets from each's output [R, H, hd] and log-sum-exp [R, H] (``lse_a``
-    finite): ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)``."""
+    finite): ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)``; on CUDA
+    xformers' fused ``merge_attentions`` where its kernels load (:func:`xformers_merge`)."""
+    fused = xformers_merge() if out_a.is_cuda else None
+    if fused is not None:
+        out, lse = fused([out_a[None], out_b[None]], [lse_a.T[None], lse_b.T[None]], write_lse=True,
+                         output_dtype=out_a.dtype)
+        return out[0], lse[0].T
     lse = torch.logaddexp(lse_a, lse_b)
     return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+
+
+@lru_cache(maxsize=None)
+def xformers_merge():
+    """xformers' ``merge_attentions`` (a fused Triton merge) where xformers' CUDA kernels load, else None."""
+    try:
+        # lazy: xformers (slow to import, and it warns on a build for another torch) only where a CUDA merge asks
+        from .xformers import _fmha, kernel_unavailable
+
+        return None if kernel_unavailable() else _fmha().merge_attentions
+    except Exception:  # no xformers, or one that does not import here: the three lines of torch
+        return None
 
 
 class MergedTiles(torch.autograd.Function):
