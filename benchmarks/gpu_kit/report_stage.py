@@ -15,6 +15,7 @@ import json
 import re
 from pathlib import Path
 
+from . import flex_diagnosis
 from .common import RESULTS, ROOT, KitError, Stage, read_json
 from .pytest_run import counts
 
@@ -153,6 +154,8 @@ def render_speed(data: dict) -> str:
         peak = (f"{row['dense_peak_mib']:,.0f} / {row['concept_peak_mib']:,.0f}" if "dense_peak_mib" in row else "–")
         lines.append(f"| {row['case']} | {1000 * row['dense_s']:.2f} | {1000 * row['concept_s']:.2f} | "
                      f"{row['speedup']:.2f}x | {row['ideal_speedup']:.2f}x | {100 * row['fraction_of_ideal']:.0f}% | {peak} |")
+    if (r.get("flex_diagnosis") or {}).get("variants"):  # issue 40: the flex kernel, one cause at a time
+        lines += ["", flex_diagnosis.markdown(r["flex_diagnosis"])]
     lines += ["", "Fastest exact backend (speed-up over dense) per length:", "", "| suite | T | fastest | all |",
               "|---|---:|---|---|"]
     for suite, lengths in r["fastest"].items():
