@@ -93,9 +93,8 @@ class Tiles:
     k_index: torch.Tensor  # [n, Lk] key slots
     mask: torch.Tensor  # [n, Lq, Lk] bool: the rule (a row no key may see is all True, and does not count)
     counts: torch.Tensor  # [n, Lq] bool: the row's result is real and has a key (else it is dropped)
-    rows: torch.Tensor  # [R] positions in the flattened [n * Lq] of the rows that count
-    tail_rows: torch.Tensor  # [R] their flat tail rows (b * (L - C) + slot - C)
-    q_tail: torch.Tensor  # [n, Lq] every query's flat tail row
+    q_tail: torch.Tensor  # [n, Lq] every query's flat tail row (b * (L - C) + slot - C)
+    target: torch.Tensor  # [n * Lq] where each row's result goes: its tail row, or past the last one (dropped)
     biases: dict  # (dtype, query heads per KV head) -> additive mask [n, 1, groups * Lq, Lk], made once per forward
 
     def bias(self, dtype, groups: int) -> torch.Tensor:
@@ -119,16 +118,16 @@ def _flat(meta: SlotMeta) -> SlotMeta:
                                                                       meta.doc, meta.sub)))
 
 
-def _tiles(flat: SlotMeta, L: int, C: int, q_index, q_real, k_index, k_real) -> Tiles:
+def _tiles(flat: SlotMeta, B: int, L: int, C: int, q_index, q_real, k_index, k_real) -> Tiles:
     """Tiles from their query / key slots; ``q_real`` / ``k_real`` mark the positions inside the range they
     stand for (a clamped index past it is not a key and not a result). A row counts when it is real and has
-    an allowed key."""
+    an allowed key. No host synchronisation."""
     mask = allowed(flat[q_index], flat[k_index]) & k_real[:, None, :]
     counts = q_real & mask.any(-1)
     mask = mask | ~counts[..., None]  # rows that do not count read every key: finite, then dropped
-    rows = counts.reshape(-1).nonzero().squeeze(1)
     q_tail = (q_index // L) * (L - C) + q_index % L - C
-    return Tiles(q_index, k_index, mask, counts, rows, q_tail.reshape(-1)[rows], q_tail, {})
+    target = torch.where(counts, q_tail, B * (L - C)).reshape(-1)
+    return Tiles(q_index, k_index, mask, counts, q_tail, target, {})
 
 
 class CascadePlan(AttentionPlan):
@@ -139,28 +138,28 @@ class CascadePlan(AttentionPlan):
         self.Tt = Tt = self.L - C
         self.config = config
         device = meta.time.device
-        # concept part: causal; with several documents in a row, only their own
-        concepts = layout.concept_meta
-        several_docs = bool((concepts.doc != concepts.doc[:, :1]).any()) if C else False
-        self.concept_mask = allowed(concepts, concepts) if several_docs else None
-        self.parts: list[Tiles] = []  # the local part first (every tail row counts there), then the prefix's
-        if not Tt:
-            return
         g = config.granule
-        tail = layout.tail_meta
-        flat = _flat(meta)
-        row_base = (torch.arange(self.B, device=device) * self.L)[:, None, None]
-        # the widths both parts need (one host sync): W, the longest run of one segment's tail slots, and each
-        # prefix block's most visible concepts
+        tail, concepts = layout.tail_meta, layout.concept_meta
+        # the one host synchronisation: whether a row packs several documents (the concept part's mask), W (the
+        # longest run of one segment's tail slots) and each prefix block's most visible concepts
+        several_docs = (concepts.doc != concepts.doc[:, :1]).any() if C else torch.zeros((), dtype=torch.bool,
+                                                                                         device=device)
         seg = tail.seg.contiguous()
         run = torch.arange(Tt, device=device) - torch.searchsorted(seg, seg) + 1
-        window = torch.where(tail.valid, run, torch.zeros_like(run)).amax()
+        window = torch.where(tail.valid, run, torch.zeros_like(run)).amax() if Tt else torch.zeros((), device=device)
         q_prefix = max(g, _round_up(math.ceil(Tt / config.prefix_blocks), g))
         blocks = -(-Tt // q_prefix)
         visible = torch.where(tail.valid, (tail.seg * layout.emit).clamp(max=C), torch.zeros_like(tail.seg))
         hi = torch.nn.functional.pad(visible, (0, blocks * q_prefix - Tt)).view(self.B, blocks, q_prefix).amax(-1)
-        numbers = torch.cat([window.reshape(1), hi.reshape(-1)]).tolist()
-        W, hi_list = max(1, numbers[0]), numbers[1:]
+        numbers = torch.cat([several_docs.long().reshape(1), window.long().reshape(1), hi.reshape(-1)]).tolist()
+        W, hi_list = max(1, numbers[1]), numbers[2:]
+        # concept part: causal; with several documents in a row, only their own
+        self.concept_mask = allowed(concepts, concepts) if numbers[0] else None
+        self.parts: list[Tiles] = []  # the local part first (every tail row counts there), then the prefix's
+        if not Tt:
+            return
+        flat = _flat(meta)
+        row_base = (torch.arange(self.B, device=device) * self.L)[:, None, None]
 
         # local: blocks of q >= W tail slots, each reading the q + W - 1 tail slots that end with it (one tile
         # of every tail slot when that is the whole tail)
@@ -174,13 +173,13 @@ class CascadePlan(AttentionPlan):
         start = (torch.arange(n_local, device=device)[:, None] + 1) * q_local - width  # < 0: the window starts at 0
         pos_k = (start.clamp(min=0) + torch.arange(width, device=device))[None]
         q_real, k_real = (pos_q < Tt).expand(self.B, -1, -1), (pos_k < Tt).expand(self.B, -1, -1)
-        self.parts.append(_tiles(flat, self.L, C, (row_base + C + pos_q.clamp(max=Tt - 1)).reshape(-1, q_local),
+        self.parts.append(_tiles(flat, self.B, self.L, C, (row_base + C + pos_q.clamp(max=Tt - 1)).reshape(-1, q_local),
                                  q_real.reshape(-1, q_local),
                                  (row_base + C + pos_k.clamp(max=Tt - 1)).reshape(-1, width),
                                  k_real.reshape(-1, width)))
 
-        # prefix: a block reads the concept keys [0, w) of its row, w >= the most any of its queries sees (a
-        # multiple of the granule times a power of two, at most C): one call per width
+        # prefix: a block reads the concept keys [0, w) of its row, w >= the most any of its queries sees (the
+        # granule times 2^m or 3 x 2^(m-1), at most C rounded up): one call per width
         if not C:
             return
         by_width: dict[int, list[tuple[int, int]]] = {}
@@ -192,7 +191,8 @@ class CascadePlan(AttentionPlan):
             b, j = (torch.tensor(col, device=device) for col in zip(*members))
             pos_q = j[:, None] * q_prefix + torch.arange(q_prefix, device=device)
             keys = torch.arange(w, device=device).expand(len(members), -1)
-            self.parts.append(_tiles(flat, self.L, C, b[:, None] * self.L + C + pos_q.clamp(max=Tt - 1), pos_q < Tt,
+            self.parts.append(_tiles(flat, self.B, self.L, C, b[:, None] * self.L + C + pos_q.clamp(max=Tt - 1),
+                                     pos_q < Tt,
                                      b[:, None] * self.L + keys.clamp(max=C - 1), keys < C))
 
     def __call__(self, query, key, value, scaling):
@@ -272,18 +272,19 @@ class MergedTiles(torch.autograd.Function):
         Hkv, groups = key.shape[1], H // key.shape[1]
         q, k, v = (_flat_heads(t) for t in (query, key, value))
         acc = accumulation_dtype(query.dtype)
+        rows = B * plan.Tt  # the tail rows; one more, past them, takes the results of rows that do not count
         found, states = [], []  # (out, lse) of the local part, then of the prefix (a tail row at most once in each)
         for tiles in plan.parts:
             if len(found) < 2:
-                found.append((q.new_zeros(B * plan.Tt, H, hd, dtype=acc),
-                              q.new_full((B * plan.Tt, H), float("-inf"), dtype=acc)))
+                found.append((q.new_zeros(rows + 1, H, hd, dtype=acc), q.new_full((rows + 1, H), float("-inf"), dtype=acc)))
             lq = tiles.q_index.shape[1]
             part_out, part_lse, state = kernels.forward(_queries(q, tiles.q_index, Hkv), _keys(k, tiles.k_index),
                                                         _keys(v, tiles.k_index), tiles.bias(query.dtype, groups), scale)
             out_acc, lse_acc = found[-1]
-            out_acc.index_copy_(0, tiles.tail_rows, _unfold(part_out, lq)[tiles.rows].to(acc))
-            lse_acc.index_copy_(0, tiles.tail_rows, _unfold(part_lse, lq)[tiles.rows].to(acc))
+            out_acc.index_copy_(0, tiles.target, _unfold(part_out, lq).to(acc))
+            lse_acc.index_copy_(0, tiles.target, _unfold(part_lse, lq).to(acc))
             states.append(state)
+        found = [(o[:rows], l[:rows]) for o, l in found]
         out, lse = merge_parts(*found[0], *found[1]) if len(found) > 1 else found[0]
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
