@@ -45,6 +45,7 @@ documents, and a row without concepts, whose tail is one segment (local = dense 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -240,16 +241,26 @@ def merge_parts(out_a, lse_a, out_b, lse_b):
     xformers' fused ``merge_attentions`` where its kernels load (:func:`xformers_merge`)."""
     fused = xformers_merge() if out_a.is_cuda else None
     if fused is not None:
-        out, lse = fused([out_a[None], out_b[None]], [lse_a.T[None], lse_b.T[None]], write_lse=True,
-                         output_dtype=out_a.dtype)
-        return out[0], lse[0].T
+        try:
+            out, lse = fused([out_a[None], out_b[None]], [lse_a.T[None], lse_b.T[None]], write_lse=True,
+                             output_dtype=out_a.dtype)
+            return out[0], lse[0].T.to(lse_a.dtype)
+        except Exception as exc:  # a fast path only: the same merge in torch below, and never again this process
+            warnings.warn(f"cascade: xformers' merge_attentions failed ({type(exc).__name__}: {exc}); merging in torch")
+            xformers_merge.cache_clear()
+            _MERGE_FAILED.append(exc)
     lse = torch.logaddexp(lse_a, lse_b)
     return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+
+
+_MERGE_FAILED: list = []  # xformers' merge failed once in this process: torch's from then on
 
 
 @lru_cache(maxsize=None)
 def xformers_merge():
     """xformers' ``merge_attentions`` (a fused Triton merge) where xformers' CUDA kernels load, else None."""
+    if _MERGE_FAILED:
+        return None
     try:
         # lazy: xformers (slow to import, and it warns on a build for another torch) only where a CUDA merge asks
         from .xformers import _fmha, kernel_unavailable
