@@ -34,12 +34,14 @@ both with a mask; ``reference`` is the same tiles in plain torch (scores materia
 Grouped-query heads: the query heads of one KV head are folded into a tile's rows, so no key is copied per
 query head (the mask is, once per forward, as the bias).
 
-**Memory per layer** O(T + rT): the query tiles (T), the prefix tiles' keys (2 x prefix_blocks x C), the
-local tiles' keys (about 2T), a float32 merge state of the output's size; the backward keeps q, k, v, the
+**Memory per layer** O(T + rT): the query tiles (T), the prefix tiles' keys (1.5 x prefix_blocks x C), the
+local tiles' keys (about 2T), two float32 merge states of the output's size; the backward keeps q, k, v, the
 merged output and one log-sum-exp per query and head. Built once per forward and shared by every layer: the
 tiles' indices and masks (one byte per computed pair, about rT^2/2 for the prefix: 5 MB at 8k tokens and
-r = 1/8), and, per dtype, the masks as additive biases. The plan costs one host synchronisation per forward
-(the tile widths and W). Exceptions: the concept part's document mask (C x C) when a row packs several
+r = 1/8), and, per dtype, the masks as additive biases (the query heads of a KV head folded in: 4 bytes x
+3 per pair in float32). The plan costs one host synchronisation per forward (the tile widths, W, and whether
+a row packs several documents). With a length policy's default gap bound (16 at r = 1/8) W <= 16, so the
+local tiles keep one shape (16 queries x 32 keys) from forward to forward. Exceptions: the concept part's document mask (C x C) when a row packs several
 documents, and a row without concepts, whose tail is one segment (local = dense causal attention).
 """
 from __future__ import annotations
