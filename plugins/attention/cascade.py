@@ -40,8 +40,9 @@ merged output and one log-sum-exp per query and head. Built once per forward and
 tiles' indices and masks (one byte per computed pair, about rT^2/2 for the prefix: 5 MB at 8k tokens and
 r = 1/8), and, per dtype, the masks as additive biases (the query heads of a KV head folded in: 4 bytes x
 3 per pair in float32). The plan costs one host synchronisation per forward (the tile widths, W, and whether
-a row packs several documents). With a length policy's default gap bound (16 at r = 1/8) W <= 16, so the
-local tiles keep one shape (16 queries x 32 keys) from forward to forward. Exceptions: the concept part's document mask (C x C) when a row packs several
+a row packs several documents). With a length policy's default gap bound (16 at r = 1/8) W <= 16 (up to 32
+where one segment runs across a document start), so the local tiles keep one or two shapes (16 queries x 32
+keys) from forward to forward. Exceptions: the concept part's document mask (C x C) when a row packs several
 documents, and a row without concepts, whose tail is one segment (local = dense causal attention).
 """
 from __future__ import annotations
