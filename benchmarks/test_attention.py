@@ -7,7 +7,8 @@ head_dim 64).
     .venv/bin/python -m pytest benchmarks/test_attention.py --long --device cuda   # the GPU cases
     .venv/bin/python -m pytest benchmarks/test_attention.py --long --device cuda --dtype bf16 -k r0.125   # the GPU kit's
 
-Backends: the exact ones of the registry, ``xformers`` once per layout (``xformers-gathered``: each
+Backends: the exact ones of the registry (``cascade``: dense kernels on tiles, merged by log-sum-exp),
+``xformers`` once per layout (``xformers-gathered``: each
 segment's concept prefix copied as K/V, one call; ``xformers-shared``: every key once, partials
 merged by their log-sum-exps; only where xformers' CUDA kernels run), and ``flex-time-ordered``:
 FlexAttention with the same rule over the slots in *time* order instead of concepts first (the
@@ -34,7 +35,7 @@ from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 LENGTHS = [1024, 4096, 8192, 16384]
 RATIOS = [0.1, 0.25, 0.5]
-BACKENDS = ["chunked", "flex", "flex-time-ordered", "xformers-gathered", "xformers-shared", "sdpa"]
+BACKENDS = ["chunked", "cascade", "flex", "flex-time-ordered", "xformers-gathered", "xformers-shared", "sdpa"]
 CASES = [(b, t, r) for b in BACKENDS for t in LENGTHS for r in RATIOS if not (b == "sdpa" and t > 4096)]
 GPU_RATIO = 0.125  # the default operating point's concepts per token: the GPU cases (CUDA only)
 CASES += [(b, t, GPU_RATIO) for b in BACKENDS for t in GPU_LENGTHS if not (b == "sdpa" and t > 4096)]

@@ -34,7 +34,7 @@ from .conftest import (GPU_LENGTHS, cpu_side_by_side, dtype_name, gpu_case, gpu_
                        side_by_side, skip_unavailable)
 
 RATIO = 0.25
-GPU_BACKENDS = ("chunked", "flex", "xformers")
+GPU_BACKENDS = ("chunked", "flex", "xformers", "cascade")
 
 
 def _model(backbone: str, attention: str, length_policy: ComponentRef | None = None, max_ratio: float = 0.0,
@@ -56,8 +56,8 @@ def _model(backbone: str, attention: str, length_policy: ComponentRef | None = N
     return concept.build(cfg, **build)
 
 
-CASES = [("tiny-llama", 512, "chunked"), ("tiny-llama", 512, "sdpa"),
-         ("smollm2", 2048, "chunked"), ("smollm2", 2048, "sdpa")]
+CASES = [("tiny-llama", 512, "chunked"), ("tiny-llama", 512, "sdpa"), ("tiny-llama", 512, "cascade"),
+         ("smollm2", 2048, "chunked"), ("smollm2", 2048, "sdpa"), ("smollm2", 2048, "cascade")]
 
 
 @pytest.mark.parametrize("backbone,T,attention", CASES, ids=[f"{b}-T{t}-{a}" for b, t, a in CASES])

@@ -163,7 +163,7 @@ def test_build_dry_run_json_writes_nothing(tmp_path):
 def test_build_dry_run_table():
     result = ok(invoke("build", *TINY, "--set", "sampler.tau=0.7", "--dry-run"))
     for text in ("plan", "dry run: nothing written", "shallow", "0-1", "2-5", "6-7", "tiny-llama", "builtin", "set by user",
-                 "tau=0.7*", "max_run=16", "concept_plugins.samplers"):
+                 "tau=0.7*", 'max_run="auto"', "concept_plugins.samplers"):
         assert text in result.stdout, text
 
 

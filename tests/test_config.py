@@ -19,7 +19,7 @@ def test_json_round_trip():
 def test_all_problems_reported_together():
     cfg = BuildConfig(backbone=ComponentRef("tiny-llama"), split="2,4,2")
     cfg.apply_overrides(["vocabulary.size=0", "sampler.tau=-1", "length_policy.max_rn=3"])
-    cfg.length_policy.params["max_run"] = "many"
+    cfg.length_policy.params["track"] = "many"
     cfg.attention.name = "chunkd"
     with pytest.raises(ConfigError) as info:
         resolve(cfg)
@@ -27,7 +27,7 @@ def test_all_problems_reported_together():
     assert "size: K must be >= 1" in text
     assert "tau: temperature must be > 0" in text
     assert "Did you mean 'max_run'" in text
-    assert "max_run: expected an integer" in text
+    assert "track: expected a number" in text
     assert "Did you mean 'chunked'" in text
     assert len(info.value.problems) == 5
 

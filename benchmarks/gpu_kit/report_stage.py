@@ -15,6 +15,7 @@ import json
 import re
 from pathlib import Path
 
+from . import flex_diagnosis
 from .common import RESULTS, ROOT, KitError, Stage, read_json
 from .pytest_run import counts
 
@@ -185,6 +186,8 @@ def render_speed(data: dict) -> str:
         lines += ["", "Forward target at 8k (docs/benchmarks.md; bars: 2x dense compiled alike, 2.5x dense HF eager):", ""]
         lines += [f"- {row['case']}: {row['speedup']:.2f}x dense compiled, {row['speedup_vs_dense_eager']:.2f}x dense "
                   f"HF eager" for row in vs_eager]
+    if (r.get("flex_diagnosis") or {}).get("variants"):  # issue 40: the flex kernel, one cause at a time
+        lines += ["", flex_diagnosis.markdown(r["flex_diagnosis"])]
     lines += ["", "Fastest exact backend (speed-up over dense) per length:", "", "| suite | T | fastest | all |",
               "|---|---:|---|---|"]
     for suite, lengths in r["fastest"].items():

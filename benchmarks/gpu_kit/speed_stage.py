@@ -19,6 +19,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from . import flex_diagnosis
 from .common import ROOT, Stage, kit_env, read_json
 from .pytest_run import run_pytest
 from .setup_stage import needs_setup, smollm2_ready
@@ -94,6 +95,7 @@ def run(stage: Stage, args) -> int:
     shutil.rmtree(storage, ignore_errors=True)  # one saved run per stage run
     rows_path = folder / "rows.json"
     rows_path.unlink(missing_ok=True)
+    diagnosis = flex_diagnosis.in_stage(stage)  # issue 40: <= 60 s, before the suites (flex_diagnosis.py)
     selection = DRY_SELECTION if stage.dry else GPU_SELECTION
     pytest_args = [*(f"benchmarks/{s}" for s in SUITES), "-q", "-rs", "--rootdir", str(ROOT), f"--device={device}",
                    f"--dtype={'fp32' if stage.dry else 'bf16'}", "-k", selection,
@@ -117,6 +119,7 @@ def run(stage: Stage, args) -> int:
     best = fastest(rows, ratio)
     result = {"device": device, "machine_id": machine, "selection": selection, "counts": report["counts"],
               "rows": rows, "cases": cases, "fastest": best, "auto_recommendation": recommend(best),
+              "flex_diagnosis": diagnosis,
               "baseline": {"file": "speed-baseline.json", "path": str(saved.relative_to(storage.parent)),
                            "name": machine} if saved else None,
               "command": "python -m pytest " + shlex.join(a for a in pytest_args if a != str(ROOT) and not a.startswith(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from concept.streaming import gap
 from concept.streaming.host_scan import scan_rows, state_tensors
 
 
@@ -24,9 +25,9 @@ def validate(config) -> list[str]:
         problems.append(f"tau: must be in (0, 1), got {config.tau}")
     if config.min_chunk < 1:
         problems.append(f"min_chunk: must be >= 1, got {config.min_chunk}")
-    if config.max_chunk < 1:
-        problems.append(f"max_chunk: must be >= 1, got {config.max_chunk}")
-    if config.min_chunk > config.max_chunk:
+    bound = gap.problems("max_chunk", config.max_chunk)
+    problems += bound
+    if not bound and isinstance(config.max_chunk, int) and config.min_chunk > config.max_chunk:
         problems.append(f"min_chunk ({config.min_chunk}) must be <= max_chunk ({config.max_chunk})")
     if config.block < 1:
         problems.append(f"block: must be >= 1, got {config.block}")

@@ -12,7 +12,11 @@ chosen for its fused forward and backward kernels; where FlexAttention cannot be
 `chunked`. Measured on an H100 (the GPU kit, `docs/benchmarks.md`, "GPU: the GPU kit"): `flex` was
 the fastest exact backend for training and for full forwards at 2k, 8k and 16k tokens (train step
 0.89-0.97x dense, forward 0.57-0.75x, against `chunked` at 0.29-0.72x and 0.28-0.63x); `xformers`
-was not measured there (no wheel for that machine's torch).
+was not measured there (no wheel for that machine's torch), nor was `cascade` (issue 40: built after that
+lease; on this CPU it is slower than `chunked`, 0.46-1.0x of its speed at 1k-8k tokens, so it is not the CPU
+choice). The GPU kit's speed stage measures `cascade` and `flex`'s variants (its flex diagnosis) and its
+``auto_recommendation`` says whether the CUDA choice should change; until a GPU has measured `cascade`
+faster, `auto` does not pick it.
 Decoding never uses a backend: a decoding query attends to its row's cache with one SDPA.
 The run records ``auto``; :meth:`AutoBackend.choice` says what it resolves to on a device.
 """

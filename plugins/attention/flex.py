@@ -1,9 +1,21 @@
 """`flex`: FlexAttention over the concepts-first layout, with the one-pass rule as a ``mask_mod``.
 
-The mask is never materialised as T x T: ``mask_mod`` reads O(T) per-slot metadata (time,
-keep, segment, slot index, validity, document) and ``create_block_mask`` builds a BlockMask
-that skips every fully masked 128 x 128 tile, which in the concepts-first layout is most of
-the tail-to-tail and every concept-to-tail tile. Exact against the dense reference (tests).
+The mask is never materialised as T x T. In the concepts-first layout the keys a query may see are two
+runs of slots (``mask = "ranges"``, the default): its document's concepts emitted before it
+``[concept_lo, concept_hi)`` (a concept: up to itself, causally; a tail token: the first ``seg * emit``
+concept slots), and its own segment's tail slots up to itself ``[tail_lo, q]`` (empty for a concept). So
+``mask_mod`` reads three int32 per query row, computed once per forward from the layout, and compares slot
+indices; nothing per key. (``mask = "rule"``: the rule of ``concept.packing.allowed`` over six per-slot
+tensors (time, keep, segment, slot index, validity, document) for query and key alike: what the backend did
+before issue 40, kept for the GPU kit's diagnosis.) ``create_block_mask`` builds the BlockMask once per
+forward (shared by every deep layer) and skips every fully masked 128 x 128 tile, which in the
+concepts-first layout is most of the tail-to-tail and every concept-to-tail tile. Exact against the dense
+reference (tests).
+
+Compilation (``dynamic``): ``auto`` compiles FlexAttention with symbolic shapes on CUDA (one kernel for every
+packed length) and with static ones on the CPU; ``static`` / ``dynamic`` force one. ``kernel_options``:
+passed to FlexAttention as they are (tile sizes, warps, stages). The GPU kit's flex diagnosis
+(``benchmarks/gpu_kit/flex_diagnosis.py``) times each of these choices on the GPU.
 
 Devices: on CUDA, forward and backward run as fused kernels (``torch.compile``). On CPU,
 torch compiles a forward kernel too, but FlexAttention has no backward there: a training
@@ -26,13 +38,86 @@ NO_CPU_BACKWARD = ("torch's FlexAttention has no backward pass on CPU; train wit
                    "(or sdpa), or on a CUDA device")
 
 
+MASKS = ("ranges", "rule")
+DYNAMIC = ("auto", "static", "dynamic")
+
+
 @dataclass
 class FlexConfig:
     compile: bool = True  # fused kernels via torch.compile (eager FlexAttention otherwise)
     block: int = 128  # BlockMask tile size
+    mask: str = "ranges"  # ranges: 3 int32 per query row; rule: the six-tensor rule (before issue 40)
+    dynamic: str = "auto"  # auto: symbolic shapes on CUDA, static on CPU; static; dynamic
+    kernel_options: dict | None = None  # FlexAttention's kernel options, e.g. {"BLOCK_M": 64, "BLOCK_N": 64}
 
     def validate(self) -> list[str]:
-        return [] if self.block >= 16 and self.block % 16 == 0 else [f"block: a multiple of 16, got {self.block}"]
+        problems = [] if self.block >= 16 and self.block % 16 == 0 else [f"block: a multiple of 16, got {self.block}"]
+        if self.mask not in MASKS:
+            problems.append(f"mask: one of {', '.join(MASKS)}, got {self.mask!r}")
+        if self.dynamic not in DYNAMIC:
+            problems.append(f"dynamic: one of {', '.join(DYNAMIC)}, got {self.dynamic!r}")
+        if self.kernel_options is not None and not isinstance(self.kernel_options, dict):
+            problems.append(f"kernel_options: a JSON object, e.g. {{\"BLOCK_M\": 64}}, got {self.kernel_options!r}")
+        return problems
+
+
+def rule_mask(meta):
+    """The rule of ``concept.packing.allowed`` as a ``mask_mod`` over six per-slot tensors, one (query, key)
+    pair at a time (``mask = "rule"``)."""
+    time, keep, seg, valid, doc = meta.time, meta.keep, meta.seg, meta.valid, meta.doc
+    sub = meta.sub if meta.sub is not None else torch.zeros_like(time)
+
+    def mask_mod(b, h, q, k):
+        t_q, t_k = time[b, q], time[b, k]
+        earlier = (t_k < t_q) | ((t_k == t_q) & (sub[b, k] <= sub[b, q]))
+        visible = keep[b, k] | (~keep[b, q] & (seg[b, q] == seg[b, k]))
+        return (earlier & visible & (doc[b, q] == doc[b, k]) & valid[b, k]) | ~valid[b, q]
+
+    return mask_mod
+
+
+def slot_ranges(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query slot [B, L] (int32): the concept slots ``[concept_lo, concept_hi)`` and the tail slots
+    ``[tail_lo, q]`` it may see, which are exactly the keys ``concept.packing.allowed`` allows it (concepts are
+    sorted by time, a document's concepts and a segment's tail tokens are contiguous runs of slots; a padding
+    query sees every slot)."""
+    meta, C, emit = layout.meta, layout.num_concepts, layout.emit
+    B, L = meta.time.shape
+    slot = torch.arange(L, device=meta.time.device).expand(B, L)
+    # the first slot of each slot's run of equal (doc) among the concepts, of equal (doc, seg) among the tails
+    concept_doc = torch.where(meta.valid[:, :C], meta.doc[:, :C], torch.full_like(meta.doc[:, :C], -1))
+    new_doc = torch.ones_like(concept_doc, dtype=torch.bool)
+    new_doc[:, 1:] = concept_doc[:, 1:] != concept_doc[:, :-1]
+    concept_first = torch.cummax(torch.where(new_doc, slot[:, :C], torch.zeros_like(slot[:, :C])), dim=1).values
+    tail_key = torch.stack([meta.doc[:, C:], meta.seg[:, C:]])
+    new_run = torch.ones_like(meta.doc[:, C:], dtype=torch.bool)
+    new_run[:, 1:] = (tail_key[:, :, 1:] != tail_key[:, :, :-1]).any(0)
+    tail_first = torch.cummax(torch.where(new_run, slot[:, C:], torch.zeros_like(slot[:, C:])), dim=1).values
+    # a query's document's first concept: the concept runs' starts, looked up by (document, concepts before it)
+    is_concept = slot < C
+    seen = torch.where(is_concept, slot + 1, (meta.seg * emit).clamp(max=C))  # concept slots up to it (exclusive end)
+    last_seen = (seen - 1).clamp(min=0, max=max(C - 1, 0))
+    if C:
+        same_doc = (seen > 0) & (meta.doc[:, :C].gather(1, last_seen) == meta.doc) & meta.valid[:, :C].gather(1, last_seen)
+        concept_lo = torch.where(same_doc, concept_first.gather(1, last_seen), seen)
+    else:
+        concept_lo = seen
+    tail_lo = torch.where(is_concept, slot + 1, torch.cat([torch.zeros_like(slot[:, :C]), tail_first], dim=1))
+    everything = ~meta.valid  # padding queries may look anywhere
+    concept_lo = torch.where(everything, 0, concept_lo)
+    concept_hi = torch.where(everything, L, seen)
+    tail_lo = torch.where(everything, L, tail_lo)
+    return concept_lo.int(), concept_hi.int(), tail_lo.int()
+
+
+def ranges_mask(layout: PackedLayout):
+    """``mask = "ranges"``: three int32 per query row (:func:`slot_ranges`), nothing per key."""
+    concept_lo, concept_hi, tail_lo = slot_ranges(layout)
+
+    def mask_mod(b, h, q, k):
+        return ((k >= concept_lo[b, q]) & (k < concept_hi[b, q])) | ((k >= tail_lo[b, q]) & (k <= q))
+
+    return mask_mod
 
 
 @lru_cache(maxsize=None)
@@ -50,19 +135,10 @@ class FlexPlan(AttentionPlan):
     def __init__(self, layout: PackedLayout, config: FlexConfig):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        meta = layout.meta
-        time, keep, seg, valid, doc = meta.time, meta.keep, meta.seg, meta.valid, meta.doc
-        sub = meta.sub if meta.sub is not None else torch.zeros_like(time)
         self.config = config
-
-        def mask_mod(b, h, q, k):  # the rule of concept.packing.allowed, one (query, key) pair at a time
-            t_q, t_k = time[b, q], time[b, k]
-            earlier = (t_k < t_q) | ((t_k == t_q) & (sub[b, k] <= sub[b, q]))
-            visible = keep[b, k] | (~keep[b, q] & (seg[b, q] == seg[b, k]))
-            return (earlier & visible & (doc[b, q] == doc[b, k]) & valid[b, k]) | ~valid[b, q]
-
-        B, L = time.shape
-        self.block_mask = create_block_mask(mask_mod, B, None, L, L, device=time.device,
+        mask_mod = ranges_mask(layout) if config.mask == "ranges" else rule_mask(layout.meta)
+        B, L = layout.meta.time.shape
+        self.block_mask = create_block_mask(mask_mod, B, None, L, L, device=layout.meta.time.device,
                                             BLOCK_SIZE=config.block, _compile=config.compile)
 
     def __call__(self, query, key, value, scaling):
@@ -71,13 +147,16 @@ class FlexPlan(AttentionPlan):
         if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
             raise ConceptError(f"attention 'flex': {NO_CPU_BACKWARD}")
         gqa = query.shape[1] != key.shape[1]
+        options = {} if self.config.kernel_options is None else {"kernel_options": self.config.kernel_options}
         if self.config.compile:
-            flex = _compiled_flex(query.device.type != "cpu")
-            out = flex(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa)
+            dynamic = self.config.dynamic == "dynamic" or (self.config.dynamic == "auto" and query.device.type != "cpu")
+            flex = _compiled_flex(dynamic)
+            out = flex(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa, **options)
         else:
             with warnings.catch_warnings():  # eager on purpose: "without torch.compile()" is not news here
                 warnings.simplefilter("ignore")
-                out = flex_attention(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa)
+                out = flex_attention(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa,
+                                     **options)
         return out.transpose(1, 2)
 
 

@@ -14,7 +14,9 @@ final LM head; for SmolLM2 about 57 MFLOP per token), computed in chunks of toke
 [T, V] probabilities are never held. It is a heuristic: after only a few layers the lens
 is a weak predictor, so the confidence is a cheap proxy for "the next token is easy", not a
 calibrated probability. Nothing in the policy trains; the ratio is set by ``tau``, ``min_chunk``
-and ``max_chunk``. The head has no NULL class.
+and ``max_chunk``. The head has no NULL class. ``max_chunk`` is an integer, ``auto`` (the default:
+``ceil(2 / r)`` for the project's default target r = 0.125, i.e. 16; the policy has no target of its own)
+or ``none`` (``concept.streaming.gap``).
 
 The rule is sequential (the minimum length depends on the previous boundary), so the
 batched decision is a scan of the step rule over t on the batched confidences.
@@ -26,14 +28,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from concept.streaming import chunks
+from concept.streaming import chunks, gap
 
 
 @dataclass
 class EntropyPolicyConfig:
     tau: float = 0.5  # a token with top-1 probability below tau ends its chunk
     min_chunk: int = 1
-    max_chunk: int = 16  # bounds the deep tail (max_chunk - 1 tokens)
+    max_chunk: int | str = gap.AUTO  # bounds the deep tail (max_chunk - 1 tokens): N, auto (2 / target), none
     block: int = 256  # tokens per LM-head matmul when computing confidences
 
     def validate(self) -> list[str]:
@@ -50,6 +52,11 @@ class EntropyPolicy(nn.Module):
         self.config = config
         self.predictor = None
 
+    @property
+    def max_chunk(self) -> int:
+        """The longest chunk (``max_chunk`` resolved; ``concept.streaming.gap``)."""
+        return gap.resolve(self.config.max_chunk, self)
+
     def confidence(self, h: torch.Tensor) -> torch.Tensor:
         """Top-1 next-token probability [...] of the logit lens on shallow states h [..., d]."""
         if self.predictor is None:
@@ -63,11 +70,11 @@ class EntropyPolicy(nn.Module):
         return torch.zeros(batch_size, dtype=torch.long, device=device)  # tokens of the open chunk
 
     def step(self, h_t, head_logits_t, count):
-        return chunks.advance(self.confidence(h_t) < self.config.tau, count, self.config.min_chunk, self.config.max_chunk)
+        return chunks.advance(self.confidence(h_t) < self.config.tau, count, self.config.min_chunk, self.max_chunk)
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
         """Batched: confidences in one go, then a scan of the step rule over t (``concept.streaming.chunks``)."""
-        return chunks.scan(self.confidence(h) < self.config.tau, valid, self.config.min_chunk, self.config.max_chunk, reset)
+        return chunks.scan(self.confidence(h) < self.config.tau, valid, self.config.min_chunk, self.max_chunk, reset)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset)[0]

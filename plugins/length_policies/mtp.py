@@ -38,7 +38,7 @@ from torch import nn
 from concept.config import DEFAULT_TARGET_RATIO
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
-from concept.streaming import chunks
+from concept.streaming import chunks, gap
 from concept.streaming.host_scan import allowance, scan_rows, state_tensors
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
@@ -48,7 +48,7 @@ class MTPPolicyConfig:
     heads: int = 4  # k: head i predicts token t+1+i
     tau: float = 0.5  # initial confidence threshold (the ratio controller moves it)
     min_chunk: int = 1
-    max_chunk: int = 16  # bounds the deep tail (max_chunk - 1 tokens)
+    max_chunk: int | str = gap.AUTO  # bounds the deep tail (max_chunk - 1 tokens): N, auto (2 / target), none
     block: int = 256  # tokens per LM-head matmul when computing confidences
     lr: float = 0.0  # the heads' learning rate (0: --lr-new)
     track: float = 0.25  # per-document ratio tracker gain per token of lag, as the `null` policy's (0 = off)
@@ -96,6 +96,11 @@ class MTPPolicy(nn.Module):
         return self.config.lr or None
 
     @property
+    def max_chunk(self) -> int:
+        """The longest chunk (``max_chunk`` resolved against the target ratio; ``concept.streaming.gap``)."""
+        return gap.resolve(self.config.max_chunk, self)
+
+    @property
     def tau(self) -> float:
         """The confidence threshold the bias stands for."""
         return float(torch.sigmoid(-self.null_bias))
@@ -118,11 +123,11 @@ class MTPPolicy(nn.Module):
     def step(self, h_t, head_logits_t, state):
         cfg, logit = self.config, self.keep_logit(head_logits_t, h_t)
         if not self.track:
-            return chunks.advance(logit > 0, state, cfg.min_chunk, cfg.max_chunk)
+            return chunks.advance(logit > 0, state, cfg.min_chunk, self.max_chunk)
         count, tokens, concepts = state
         price = concept_price(self.track, self.target_ratio)
         unsure = tracker_ahead(logit, tokens, self.track) - price * concepts.float() > 0
-        keep, count = chunks.advance(unsure, count, cfg.min_chunk, cfg.max_chunk)
+        keep, count = chunks.advance(unsure, count, cfg.min_chunk, self.max_chunk)
         return keep, (count, tokens + 1, concepts + keep.long())
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
@@ -130,12 +135,12 @@ class MTPPolicy(nn.Module):
         the tracker, the per-document lag joins the score as in the `null` policy)."""
         cfg, logit = self.config, self.keep_logit(head_logits, h)
         if not self.track:
-            return chunks.scan(logit > 0, valid, cfg.min_chunk, cfg.max_chunk, reset)
+            return chunks.scan(logit > 0, valid, cfg.min_chunk, self.max_chunk, reset)
         T = valid.shape[1]
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(logit, before, self.track)
         bound, admits = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
-        chunk = chunks.rule(cfg.min_chunk, cfg.max_chunk)
+        chunk = chunks.rule(cfg.min_chunk, self.max_chunk)
 
         def rule(state, bound_t):
             count, concepts = state

@@ -7,7 +7,8 @@ evaluation. ``P(keep) = sigmoid(logsumexp(concept logits) - (NULL logit + null_b
 with the model. The concept *identity* is chosen separately by the sampler.
 
 A maximum run of consecutive NULLs bounds the deep tail: after ``max_run`` NULLs in a row
-the next token is forced to emit a concept.
+the next token is forced to emit a concept. ``max_run`` is an integer, ``auto`` (the default:
+``ceil(2 / target_ratio)``, 16 at the default target; ``concept.streaming.gap``) or ``none`` (no forcing).
 
 **Ratio tracker** (``track``, default 0.25; 0 = off; see ``docs/results.md``, "Second domain").
 A bias calibrated on one domain gives another ratio on another domain (a head trained on
@@ -63,17 +64,18 @@ from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
 from concept.packing import document_tokens, tokens_since_keep
+from concept.streaming import gap
 from concept.streaming.host_scan import allowance, scan_rows, state_tensors
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
 @dataclass
 class NullPolicyConfig:
-    max_run: int = 16  # longest run of consecutive NULL tokens (bounds the deep tail)
+    max_run: int | str = gap.AUTO  # longest run of NULL tokens (bounds the deep tail): N, auto (2 / target), none
     track: float = 0.25  # ratio tracker gain: keep-logit units per token of per-document lag (0 = off)
 
     def validate(self) -> list[str]:
-        problems = [] if self.max_run >= 1 else [f"max_run: must be >= 1, got {self.max_run}"]
+        problems = gap.problems("max_run", self.max_run)
         problems += track_problems(self.track)
         return problems
 
@@ -86,7 +88,6 @@ class NullPolicy(nn.Module):
     def __init__(self, config: NullPolicyConfig, ctx):
         super().__init__()
         self.config = config
-        self.max_run = config.max_run
         self.null_index = ctx.concept_vocab_size
         self.register_buffer("null_bias", torch.zeros(()))
         self.register_buffer("target_ratio", torch.tensor(DEFAULT_TARGET_RATIO))
@@ -99,6 +100,11 @@ class NullPolicy(nn.Module):
             state_dict[prefix + "target_ratio"] = self.target_ratio.detach().clone()
             self.track = 0.0
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def max_run(self) -> int:
+        """The longest run of NULLs now (``max_run`` resolved against the target ratio; ``concept.streaming.gap``)."""
+        return gap.resolve(self.config.max_run, self)
 
     def keep_logit(self, head_logits: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """Log-odds that a token emits a concept: logsumexp(concepts) - (NULL + bias)."""

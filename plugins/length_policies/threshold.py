@@ -5,6 +5,9 @@ emit a concept when the sum reaches the threshold, then start again from zero.
     S_t = S_{t-1} + p_t  (S = 0 after a boundary or at a document start)
     keep_t = S_t >= threshold  or  max_run NULLs in a row
 
+(``max_run``: an integer, ``auto`` = ``ceil(2 / target_ratio)``, 16 at the default target, or ``none``;
+``concept.streaming.gap``. ``target_ratio`` is a buffer the trainer and the build's calibration set.)
+
 A chunk therefore ends after about ``threshold / mean(p)`` tokens: confident "this token
 completes something" scores close chunks fast. ``null_bias`` is the ratio controller's knob
 (as for `null`); ``keep_logit`` / ``boundary_prob`` expose the score to the controller and
@@ -30,13 +33,15 @@ import torch
 from torch import nn
 
 from concept.components import rms_normalize
+from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming import gap
 from concept.streaming.host_scan import scan_rows, state_tensors
 
 
 @dataclass
 class ThresholdPolicyConfig:
     threshold: float = 1.0  # emit when the accumulated score reaches this
-    max_run: int = 16  # longest run of consecutive NULL tokens (bounds the deep tail)
+    max_run: int | str = gap.AUTO  # longest run of NULL tokens (bounds the deep tail): N, auto (2 / target), none
     sharpness: float = 4.0  # slope of the straight-through gate around the threshold
     init_score: float = 0.25  # initial mean score (about threshold / init_score tokens per chunk)
 
@@ -44,8 +49,7 @@ class ThresholdPolicyConfig:
         problems = []
         if not self.threshold > 0:
             problems.append(f"threshold: must be > 0, got {self.threshold}")
-        if self.max_run < 1:
-            problems.append(f"max_run: must be >= 1, got {self.max_run}")
+        problems += gap.problems("max_run", self.max_run)
         if not self.sharpness > 0:
             problems.append(f"sharpness: must be > 0, got {self.sharpness}")
         if not 0 < self.init_score < 1:
@@ -61,11 +65,22 @@ class ThresholdPolicy(nn.Module):
     def __init__(self, config: ThresholdPolicyConfig, ctx):
         super().__init__()
         self.config = config
-        self.threshold, self.max_run = config.threshold, config.max_run
+        self.threshold = config.threshold
         self.score = nn.Linear(ctx.hidden_size, 1)
         nn.init.normal_(self.score.weight, std=ctx.hidden_size ** -0.5)
         nn.init.constant_(self.score.bias, float(torch.logit(torch.tensor(config.init_score))))
         self.register_buffer("null_bias", torch.zeros(()))
+        self.register_buffer("target_ratio", torch.tensor(DEFAULT_TARGET_RATIO))  # what max_run=auto derives from
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "target_ratio" not in state_dict:  # saved before max_run=auto: the default target (16, as then)
+            state_dict[prefix + "target_ratio"] = self.target_ratio.detach().clone().fill_(DEFAULT_TARGET_RATIO)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def max_run(self) -> int:
+        """The longest run of NULLs now (``max_run`` resolved against the target ratio; ``concept.streaming.gap``)."""
+        return gap.resolve(self.config.max_run, self)
 
     # -- the score ------------------------------------------------------------------------
     def keep_logit(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,334 @@
+"""The flex diagnosis (issue 40): what makes FlexAttention's deep-attention kernel 30-60x slower than its
+block sparsity allows, one cause at a time.
+
+On one H100 (2026-11-26) the `flex` kernel took 2.42 ms per deep layer at T = 8192, r = 0.125, while dense
+causal attention (cuDNN) took 0.21 ms and the BlockMask is 90 % sparse. Here the deep attention call alone
+runs at that point (SmolLM2's deep attention: 9 query heads, 3 KV heads, head_dim 64; bf16; concepts evenly
+spaced; the same q, k, v for every variant), timed by CUDA events (the median of ``--reps`` >= 20 calls after
+warm-up), each variant checked against the dense-mask reference:
+
+| variant | what changes against `today` |
+|---|---|
+| `sdpa-causal` | dense causal SDPA (cuDNN / flash): the yardstick |
+| `today` | FlexAttention as the backend called it before issue 40: compiled with ``dynamic=True``, the six-tensor ``mask_mod`` |
+| `static` | compiled with ``dynamic=False`` |
+| `ranges` | the ``mask_mod`` reading three precomputed int32 per query row (the backend's ``mask = "ranges"``) |
+| `ranges-static` | both: what the `flex` backend runs today with ``dynamic = "static"`` |
+| `mask-per-call` | `ranges-static` with the BlockMask built inside every call (a forward builds it once for all its deep layers) |
+| `floor` | the same BlockMask, its partial blocks computed as full (``mask_mod`` True): the kernel's floor for this sparsity, not exact |
+| `dense-causal` | FlexAttention with a causal BlockMask (should be within about 2x of `sdpa-causal`) |
+| `repeat-kv` | `ranges-static` with K and V repeated to the 9 query heads instead of ``enable_gqa`` |
+| `tiles-64` | `ranges-static` with ``kernel_options`` BLOCK_M = BLOCK_N = 64 |
+| `tiles-128-warps-8` | `ranges-static` with ``kernel_options`` BLOCK_M = BLOCK_N = 128, 8 warps, 2 stages |
+| `rows-safe` | `ranges-static` with ``ROWS_GUARANTEED_SAFE`` (true of this rule: every row has a key) |
+| `tma` | `ranges-static` with ``USE_TMA`` (Hopper's tensor memory accelerator; experimental in torch 2.11) |
+| `cascade` | the `cascade` backend (dense kernels, merged by log-sum-exp) |
+
+The report names the fastest exact FlexAttention variant (``closes_the_gap``) and the `flex` backend settings
+that give it (``adopt``: ``mask``, ``dynamic``, ``kernel_options``). Variants run in this order and the run
+stops starting new ones at ``--budget-s`` (60 s of device time by default, compiles included); the JSON is
+rewritten after every variant, so an interrupted run keeps what it measured.
+
+    python -m benchmarks.gpu_kit.flex_diagnosis --out flex.json            # on a GPU
+    python -m benchmarks.gpu_kit.flex_diagnosis --dry --out flex.json      # on the CPU: T = 128, fp32, eager, a check
+
+``--dry`` runs every variant on the CPU, FlexAttention eagerly (no compile), at T = 128 in float32, timed by
+the host clock: it checks that each variant builds, runs and is exact, not how fast it is. The speed stage
+runs it (``in_stage``) before the benchmark suites.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+GPU_T, DRY_T, RATIO = 8192, 128, 0.125
+BUDGET_S = 60.0
+VARIANTS = ("sdpa-causal", "today", "ranges-static", "static", "ranges", "floor", "dense-causal", "cascade",
+            "repeat-kv", "tiles-64", "tiles-128-warps-8", "rows-safe", "tma", "mask-per-call")
+FLEX_SETTINGS = {  # the `flex` backend's options that reproduce a variant (what ``adopt`` names)
+    "today": {"mask": "rule", "dynamic": "dynamic"}, "static": {"mask": "rule", "dynamic": "static"},
+    "ranges": {"mask": "ranges", "dynamic": "dynamic"}, "ranges-static": {"mask": "ranges", "dynamic": "static"},
+    "mask-per-call": {"mask": "ranges", "dynamic": "static"},
+    "tiles-64": {"mask": "ranges", "dynamic": "static", "kernel_options": {"BLOCK_M": 64, "BLOCK_N": 64}},
+    "tiles-128-warps-8": {"mask": "ranges", "dynamic": "static",
+                          "kernel_options": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}},
+    "rows-safe": {"mask": "ranges", "dynamic": "static", "kernel_options": {"ROWS_GUARANTEED_SAFE": True}},
+    "tma": {"mask": "ranges", "dynamic": "static", "kernel_options": {"USE_TMA": True}},
+}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative L2 error against the dense-mask reference
+
+
+def block_counts(block_mask, block: int, L: int) -> dict:
+    """Partial and full KV blocks per query block of a BlockMask, against causal attention's."""
+    q_blocks = -(-L // block)
+    partial = float(block_mask.kv_num_blocks.float().mean())
+    full = float(block_mask.full_kv_num_blocks.float().mean()) if block_mask.full_kv_num_blocks is not None else 0.0
+    causal = (q_blocks + 1) / 2
+    return {"block": block, "q_blocks": q_blocks, "partial_per_q_block": round(partial, 2),
+            "full_per_q_block": round(full, 2), "causal_per_q_block": round(causal, 2),
+            "sparsity": round(1 - (partial + full) / q_blocks, 4)}
+
+
+def build(name: str, layout, q, k, v, scale: float, dry: bool):
+    """The call a variant times (``fn() -> [B, L, H, hd]`` or [B, H, L, hd]), and whether it must be exact."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+    from concept.attention import sdpa
+    from concept_plugins.attention.cascade import CascadeBackend
+    from concept_plugins.attention.flex import FlexConfig, FlexPlan
+
+    compile_ = not dry
+    L = layout.length
+    if name == "sdpa-causal":
+        return (lambda: sdpa(q, k, v, scale, is_causal=True)), False
+    if name == "cascade":
+        plan = CascadeBackend().plan(layout)
+        return (lambda: plan(q, k, v, scale)), True
+    if name == "dense-causal":
+        causal = create_block_mask(lambda b, h, i, j: j <= i, 1, None, L, L, device=q.device, _compile=compile_)
+        flex = torch.compile(flex_attention, dynamic=False) if compile_ else flex_attention
+        return (lambda: flex(q, k, v, block_mask=causal, scale=scale, enable_gqa=True)), False
+    settings = dict(FLEX_SETTINGS.get(name, FLEX_SETTINGS["ranges-static"]))
+    config = FlexConfig(compile=compile_, **settings)
+    if name == "mask-per-call":
+        return (lambda: FlexPlan(layout, config)(q, k, v, scale)), True
+    plan = FlexPlan(layout, config)
+    if name == "repeat-kv":
+        k_full, v_full = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+        return (lambda: plan(q, k_full, v_full, scale)), True
+    if name == "floor":
+        bm = plan.block_mask
+        plan.block_mask = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                                   bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
+                                                   mask_mod=lambda b, h, i, j: i >= 0)
+        return (lambda: plan(q, k, v, scale)), False
+    return (lambda: plan(q, k, v, scale)), True
+
+
+def timed(fn, device, reps: int, warmup: int = 3) -> dict:
+    """The first call (compiles included), ``warmup`` more calls, then ``reps`` calls: the median and spread in
+    ms (CUDA events on a GPU, the host clock on the CPU)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    first_s = time.perf_counter() - start
+    for _ in range(warmup):
+        fn()
+    spans = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize(device)
+            spans.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            spans.append(1e3 * (time.perf_counter() - t))
+    return {"ms": statistics.median(spans), "spread_ms": [min(spans), max(spans)], "reps": reps,
+            "first_call_s": round(first_s, 3)}, out
+
+
+def device_busy(fn, device) -> dict:
+    """Device-busy time of one call, where the project has a profiler helper (``concept.profiling``, issue 39):
+    the seam for the common way of reporting it; nothing otherwise."""
+    try:
+        from concept.profiling import profile_call
+    except ImportError:
+        return {}
+    try:
+        prof = profile_call(fn, device)
+    except Exception as exc:  # a profiler problem must not lose the timings
+        return {"device_busy_error": f"{type(exc).__name__}: {exc}"[:200]}
+    return {k: prof[k] for k in ("device_busy_s", "kernel_launches") if k in prof}
+
+
+def relative_error(out, ref, layout) -> float:
+    real = layout.meta.valid
+    if out.shape[1] != ref.shape[1]:  # [B, H, L, hd] -> [B, L, H, hd]
+        out = out.transpose(1, 2)
+    a, b = out.float()[real], ref.float()[real]
+    return float((a - b).norm() / b.norm())
+
+
+def diagnose(dry: bool, out_path: Path | None, budget_s: float = BUDGET_S, reps: int = 25,
+             variants: tuple = VARIANTS) -> dict:
+    import torch
+
+    from concept.flops import deep_pairs, evenly_spaced_keep
+    from concept.packing import pack
+    from concept_plugins.attention.flex import FlexConfig, FlexPlan
+    from concept_plugins.attention.sdpa import DenseMaskPlan
+
+    begin = time.monotonic()
+    device = torch.device("cpu" if dry else "cuda")
+    dtype = torch.float32 if dry else torch.bfloat16
+    T = DRY_T if dry else GPU_T
+    reps = 2 if dry else max(20, reps)
+    keep = evenly_spaced_keep(T, RATIO)[None].to(device)
+    layout = pack(keep, torch.ones_like(keep))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, T, HEAD_DIM, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, KV_HEADS, T, HEAD_DIM, generator=g).to(device, dtype) for _ in range(2))
+    scale = HEAD_DIM ** -0.5
+    ideal = (T * (T + 1) / 2) / deep_pairs(keep[0].cpu())
+    with torch.no_grad():
+        reference = DenseMaskPlan(layout)(q, k, v, scale)
+        builds = []
+        for _ in range(2):  # the first build compiles create_block_mask; the second is what a forward pays
+            start = time.perf_counter()
+            block_mask = FlexPlan(layout, FlexConfig(compile=not dry)).block_mask
+            if not dry:
+                torch.cuda.synchronize(device)
+            builds.append(time.perf_counter() - start)
+    report = {"dry": dry, "device": str(device), "gpu": torch.cuda.get_device_name(0) if not dry else None,
+              "torch": torch.__version__, "T": T, "ratio": RATIO, "dtype": str(dtype).removeprefix("torch."),
+              "heads": [HEADS, KV_HEADS, HEAD_DIM], "ideal_speedup": ideal,
+              "block_mask": {**block_counts(block_mask, 128, layout.length), "first_build_s": round(builds[0], 3),
+                             "build_s": round(builds[1], 4)},
+              "timer": "host clock" if dry else "cuda events", "budget_s": budget_s, "variants": [], "skipped": []}
+    tolerance = TOLERANCE[report["dtype"]]
+    dense_ms = None
+    for name in variants:
+        if time.monotonic() - begin > budget_s:
+            report["skipped"].append({"variant": name, "reason": f"the diagnosis's budget ({budget_s:.0f} s) ran out"})
+            continue
+        row = {"variant": name}
+        try:
+            with torch.no_grad():
+                fn, must_be_exact = build(name, layout, q, k, v, scale, dry)
+                timing, out = timed(fn, device, reps, warmup=0 if dry else 3)
+            row.update(timing)
+            err = relative_error(out, reference, layout)
+            row.update(error=err, exact=err <= tolerance if must_be_exact else None)
+            if name == "sdpa-causal":
+                dense_ms = row["ms"]
+            if not dry and name in ("sdpa-causal", "today", "ranges-static", "cascade"):
+                with torch.no_grad():
+                    row.update(device_busy(fn, device))
+        except Exception as exc:  # a variant torch refuses here is a finding, not a failed diagnosis
+            row["failed"] = f"{type(exc).__name__}: {exc}"[:400]
+        if dense_ms and "ms" in row:
+            row["speedup_vs_dense"] = dense_ms / row["ms"]
+            row["fraction_of_ideal"] = row["speedup_vs_dense"] / ideal
+        report["variants"].append(row)
+        report["seconds"] = round(time.monotonic() - begin, 1)
+        if out_path is not None:
+            write(out_path, report)
+    report.update(conclude(report))
+    if out_path is not None:
+        write(out_path, report)
+    return report
+
+
+def conclude(report: dict) -> dict:
+    """The fastest exact FlexAttention variant, how it compares with `today`, dense and the ideal, and the
+    backend settings that give it."""
+    rows = {r["variant"]: r for r in report["variants"] if "ms" in r}
+    flex = [r for name, r in rows.items() if name in FLEX_SETTINGS and r.get("exact")]
+    if not flex:
+        return {"closes_the_gap": None, "adopt": None}
+    best = min(flex, key=lambda r: r["ms"])
+    today = rows.get("today")
+    found = {"variant": best["variant"], "ms": best["ms"], "speedup_vs_dense": best.get("speedup_vs_dense"),
+             "fraction_of_ideal": best.get("fraction_of_ideal"),
+             "times_faster_than_today": today["ms"] / best["ms"] if today else None,
+             "meets_the_target": (best.get("speedup_vs_dense") or 0) >= 5.0}
+    return {"closes_the_gap": found, "adopt": FLEX_SETTINGS[best["variant"]]}
+
+
+def write(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    tmp.replace(path)
+
+
+def markdown(report: dict) -> str:
+    """The diagnosis as a table for docs/benchmarks.md."""
+    bm = report.get("block_mask", {})
+    lines = [f"Flex diagnosis (`benchmarks/gpu_kit/flex_diagnosis.py`): deep attention alone at T = {report['T']}, "
+             f"r = {report['ratio']}, {report['dtype']}, heads {report['heads']}, {report['timer']}; BlockMask "
+             f"{bm.get('partial_per_q_block')} partial + {bm.get('full_per_q_block')} full KV blocks per query block "
+             f"(causal: {bm.get('causal_per_q_block')}); ideal {report['ideal_speedup']:.2f}x dense.", "",
+             "| variant | ms | speed-up over dense | of ideal | exact (rel. error) | first call s |",
+             "|---|---:|---:|---:|---|---:|"]
+    for r in report["variants"]:
+        if "failed" in r:
+            lines.append(f"| `{r['variant']}` | – | – | – | failed: {r['failed'][:120]} | – |")
+            continue
+        exact = "–" if r.get("exact") is None else ("yes" if r["exact"] else "**no**")
+        su, fr = r.get("speedup_vs_dense"), r.get("fraction_of_ideal")
+        lines.append(f"| `{r['variant']}` | {r['ms']:.3f} | {'–' if su is None else f'{su:.2f}x'} | "
+                     f"{'–' if fr is None else f'{100 * fr:.0f}%'} | {exact} ({r['error']:.1e}) | {r['first_call_s']:.1f} |")
+    for s in report.get("skipped", []):
+        lines.append(f"| `{s['variant']}` | skipped: {s['reason']} | | | | |")
+    best = report.get("closes_the_gap")
+    if best:
+        lines += ["", f"Fastest exact FlexAttention variant: `{best['variant']}` ({best['ms']:.3f} ms"
+                  + (f", {best['speedup_vs_dense']:.2f}x dense" if best.get("speedup_vs_dense") else "")
+                  + (f", {best['times_faster_than_today']:.1f}x `today`" if best.get("times_faster_than_today") else "")
+                  + f"); the `flex` settings that give it: `{json.dumps(report['adopt'])}`."]
+    return "\n".join(lines)
+
+
+def in_stage(stage) -> dict:
+    """The speed stage's hook: the diagnosis in its own process (a hung compile cannot take the stage with it),
+    within its budget, before the benchmark suites. Returns its report (or why there is none)."""
+    from .common import kit_env, python_cmd, read_json, run_logged
+
+    out = stage.work / "flex_diagnosis.json"
+    out.unlink(missing_ok=True)
+    budget = min(BUDGET_S, max(0.0, stage.remaining() - 30))
+    if budget < 10:
+        stage.skip("the flex diagnosis", f"{stage.remaining():.0f} s left in the stage")
+        return {}
+    cmd = python_cmd("-m", "benchmarks.gpu_kit.flex_diagnosis", "--out", str(out), "--budget-s", f"{budget:.0f}",
+                     *(["--dry"] if stage.dry else []))
+    run = run_logged(stage, cmd, env=kit_env(stage.work, stage.dry), deadline=time.monotonic() + budget + 20)
+    report = read_json(out) or {}
+    if run["returncode"] and not report.get("variants"):
+        stage.problem(f"the flex diagnosis failed (exit code {run['returncode']}; see the log)")
+    for row in report.get("variants", []):
+        if row.get("exact") is False:
+            stage.problem(f"flex diagnosis: variant {row['variant']} is not exact (relative error {row['error']:.1e})")
+    if report.get("closes_the_gap"):
+        best = report["closes_the_gap"]
+        stage.say(f"flex diagnosis: fastest exact variant {best['variant']} ({best['ms']:.3f} ms)")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_kit.flex_diagnosis", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="the JSON report (rewritten after every variant)")
+    p.add_argument("--dry", action="store_true", help="on the CPU, T = 128, eagerly: a check, not a measurement")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop starting variants after this many seconds")
+    p.add_argument("--reps", type=int, default=25, help="timed calls per variant (at least 20 on a GPU)")
+    args = p.parse_args(argv)
+    import torch
+
+    if not args.dry and not torch.cuda.is_available():
+        print("error: no CUDA device: pass --dry to check the diagnosis on the CPU", file=sys.stderr)
+        return 2
+    if args.dry:
+        torch.set_num_threads(1)
+    report = diagnose(args.dry, args.out, args.budget_s, args.reps)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The maximum gap: how long a length policy may go without a concept before it forces one.
+
+The option that bounds it (``max_run`` for `null` and `threshold`: NULL tokens in a row; ``max_chunk`` for
+`entropy` and `mtp`: tokens per chunk, its concept included) takes
+
+- an integer >= 1, as before;
+- ``"auto"`` (the default): derived from the policy's target ratio r (its ``target_ratio`` buffer, which the
+  trainer and the build's calibration set; the project's default target where the policy has none), as
+  ``ceil(2 / r)``: twice the mean spacing of concepts at the target. At the default target 0.125 that is
+  16, the fixed default these options had before, so a model at the default target decides exactly as
+  it did; at 0.25 it is 8, at 1/32 it is 64 (a fixed 16 would have made a target below 1/17 unreachable);
+- ``"none"``: no forcing at all (the gap, and the deep stack's tail, are then unbounded).
+
+A bounded gap bounds the deep tail: a tail token attends to at most that many tail keys of its own
+segment, the local window of the `cascade` attention backend, and the decoder's tail cache.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from concept.config import DEFAULT_TARGET_RATIO
+
+AUTO, NONE = "auto", "none"
+GAP_PER_SPACING = 2.0  # "auto": the bound in units of the mean spacing 1 / r at the target
+UNBOUNDED = 2 ** 62  # "none": larger than any sequence, so the forcing rule never fires (and fits an int64)
+
+
+def problems(name: str, value) -> list[str]:
+    """What is wrong with a maximum-gap option's value (empty: nothing)."""
+    if value in (AUTO, NONE) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return []
+    return [f"{name}: expected an integer >= 1, '{AUTO}' (derived from the target ratio) or '{NONE}' (no forcing), "
+            f"got {value!r}"]
+
+
+def from_target(target: float) -> int:
+    """``auto``: ``ceil(2 / target)`` (at least 1); unbounded for a target that asks for no concepts (<= 0)."""
+    if not math.isfinite(target) or target <= 0:
+        return UNBOUNDED
+    return max(1, math.ceil(GAP_PER_SPACING / target - 1e-9))
+
+
+def target_of(policy) -> float:
+    """The policy's target ratio: its ``target_ratio`` buffer (read from the device once per change of the
+    buffer, not once per decision), or the project's default where it has none."""
+    buffer = getattr(policy, "target_ratio", None)
+    if not isinstance(buffer, torch.Tensor):
+        return DEFAULT_TARGET_RATIO if buffer is None else float(buffer)
+    key = (id(buffer), buffer._version)
+    cached = policy.__dict__.get("_gap_target")
+    if cached is None or cached[0] != key:
+        cached = policy.__dict__["_gap_target"] = (key, float(buffer))
+    return cached[1]
+
+
+def resolve(value, policy) -> int:
+    """The bound a policy's option stands for now, as an integer (``UNBOUNDED`` for ``none``)."""
+    if value == NONE:
+        return UNBOUNDED
+    if value == AUTO:
+        return from_target(target_of(policy))
+    return int(value)
