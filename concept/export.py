@@ -255,8 +255,8 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
     def size(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    fs.check_space(out, size(loaded.model.state_dict().values()) + size(model.new_state_dict().values())
-                   + size(p for n, p in model.backbone.named_parameters() if "lora_" in n), "the export")
+    fs.check_space(out, size(model.backbone.state_dict().values()) + size(model.new_state_dict().values()),
+                   "the export")  # (the base weights, the adapters, the new modules)
     staging = fs.Staging(out, replace=force).open()
     tmp = staging.path
     try:

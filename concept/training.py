@@ -466,6 +466,7 @@ class Trainer:
             swept = dist.on_main(checkpoint.sweep, out)
             record, config, source, changed = cls.resumed_config(out, dist.world_size, overrides)
             checkpoint.check_intact(out, f"start a new run from {source or 'its source'} instead of --resume")
+            run_files.check_files(out)  # every file a reader trusts, as the readers check it
             meta = checkpoint.check_origin(out, record["config"], backbone_folder(record["config"]))
             checkpoint.verify(out)
             rows = checkpoint.read_metrics(out)

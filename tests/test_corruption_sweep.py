@@ -17,13 +17,6 @@ TRAINED_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetenso
                  "checkpoint/adapter.safetensors", "checkpoint/modules.safetensors", "checkpoint/ratio_control.json",
                  "checkpoint/state.json", "checkpoint/trainer.pt", "concept.json", "curves.png", "metrics.jsonl",
                  "modules.safetensors", "train.json")
-# --resume reads with the writer's code (check-then-write: branch i43-writes); these fail until it is merged
-RESUME_TODAY = {("checkpoint/adapter.safetensors", "wrong type"), ("checkpoint/trainer.pt", "another build's"),
-                ("checkpoint/trainer.pt", "flipped byte"),
-                *(("checkpoint/state.json", how) for how in ("zero bytes", "half", "flipped byte", "key removed",
-                                                              "wrong type")),
-                *(("metrics.jsonl", how) for how in ("flipped byte", "key removed", "wrong type")),
-                *(("modules.safetensors", how) for how in sweep.DAMAGES)}
 RESUME_CASES = [(rel, how) for rel in TRAINED_FILES for how in sweep.DAMAGES
                 if sweep.applies(rel, how) and sweep.must_refuse("trained", rel, how, "train --resume")]
 
@@ -61,9 +54,7 @@ def test_every_reader_refuses_damage_in_one_line_and_changes_nothing(rows):
     assert sum(r["expected"] == "refuse" and r["exit"] == 1 for r in rows) > 500
 
 
-@pytest.mark.parametrize("rel, how", [
-    pytest.param(rel, how, marks=pytest.mark.xfail(strict=False, reason=sweep.XFAIL)) if (rel, how) in RESUME_TODAY
-    else (rel, how) for rel, how in RESUME_CASES])
+@pytest.mark.parametrize("rel, how", RESUME_CASES)
 def test_resume_refuses_a_damaged_run_before_writing(rows, rel, how):
     found = [r for r in rows if (r["kind"], r["file"], r["damage"], r["command"]) == ("trained", rel, how,
                                                                                        "train --resume")]
