@@ -112,7 +112,7 @@ def whole(value, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def _meta_problem(meta) -> str | None:
+def meta_problem(meta) -> str | None:
     """What is wrong with a ``state.json``'s content, or None."""
     if not isinstance(meta, dict):
         return f"expected a JSON object, got {type(meta).__name__}"
@@ -143,7 +143,7 @@ def read_meta(run: Path) -> dict | None:
         meta = json.loads(file.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise damaged(file, f"not readable JSON: {exc}") from None
-    problem = _meta_problem(meta)
+    problem = meta_problem(meta)
     if problem:
         raise damaged(file, problem)
     return meta

@@ -314,9 +314,9 @@ def checkpoint_state(folder: str | os.PathLike) -> dict | None:
     fix = (f"restore the checkpoint folder, or remove {found} to use the weights the run started from "
            f"(its training is then lost)")
     state = read_json(file, fix)
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise damaged(file, f"'step' is {step!r}, not a step number", fix)
+    problem = checkpoint.meta_problem(state)  # (the one check of a state.json, the writer's too)
+    if problem:
+        raise damaged(file, problem, fix)
     return state
 
 

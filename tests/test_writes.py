@@ -311,7 +311,7 @@ def test_negative_control_a_resume_that_writes_first_is_caught(trained, tmp_path
     metrics.jsonl and exits 0, and the check says so."""
     from concept.training import Trainer
 
-    monkeypatch.setattr(checkpoint, "_meta_problem", lambda meta: None)
+    monkeypatch.setattr(checkpoint, "meta_problem", lambda meta: None)
     monkeypatch.setattr(Trainer, "train", lambda self, progress=None: {})
     problems = resume_problems(trained, tmp_path, 'state.json {"step": -5}')
     assert "the folder changed" in problems and any(p.startswith("exit 0") for p in problems), problems
