@@ -43,6 +43,7 @@ def of_config(config: dict) -> str:
 
 def of_documents(*splits) -> str:
     """The documents training reads (names and texts, in order), e.g. its train and held-out splits."""
+    # lazy: concept.tokens (the token shards' reader) is needed only when documents are fingerprinted
     from .tokens import documents_digest
 
     return _digest("/".join(documents_digest(docs) for docs in splits))

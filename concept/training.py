@@ -419,7 +419,7 @@ class Trainer:
         if not trained or trained.get("baseline") or config.baseline:
             return
         saved = LoraSettings(**trained["lora"])
-        if (saved.rank, saved.targets) != (config.lora.rank, config.lora.targets):
+        if (saved.rank, tuple(saved.targets)) != (config.lora.rank, tuple(config.lora.targets)):
             raise ConfigError([f"lora: {source} was trained with --lora-rank {saved.rank} --lora-targets "
                                f"{saved.targets}, and a run trained from it continues those adapters; pass them "
                                f"(or train from its build, {trained.get('source') or 'the run it was trained from'})"])

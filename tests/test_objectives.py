@@ -267,7 +267,7 @@ BAD = [
     (dict(ratio_start=1.2), "ratio-start"),
     (dict(ratio_start=0.2, target_ratio=0.25, ratio_warmup=0.5), "below it"),
     (dict(distill=-1.0), "distill: must be >= 0"),
-    (dict(distill=float("nan")), "distill: must be >= 0"),
+    (dict(distill=float("nan")), "distill: must be a finite number"),
     (dict(align=-0.5), "align: must be >= 0"),
     (dict(distill_temperature=0.0), "distill-temperature"),
     (dict(ce_weight=0.0), "nothing to train"),

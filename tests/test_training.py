@@ -247,6 +247,6 @@ def test_training_from_a_trained_run_starts_from_its_weights(built, corpus, tmp_
     second.model.eval()
     with torch.no_grad():  # before any step, the new run is exactly the trained model (adapters and modules)
         torch.testing.assert_close(second.model(ids).logits, trained(ids).logits, rtol=0, atol=0)
-    with pytest.raises(RunFolderError, match="LoRA settings"):
+    with pytest.raises(ConfigError, match="continues those adapters"):
         Trainer.start(tmp_path / "first", tmp_path / "third", small(data=str(corpus), steps=1,
                                                                    lora=concept.lora.LoraSettings(rank=3)))
