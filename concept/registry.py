@@ -131,8 +131,13 @@ def kind_problem(kind: str, obj) -> str | None:
     return None
 
 
+OPTIONAL_FAMILY_METHODS = ("structure",)  # concept.families supplies a default
+
+
 def family_methods(protocol: type) -> list[str]:
-    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    """The methods a family must have (the optional ones left out)."""
+    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")
+            and n not in OPTIONAL_FAMILY_METHODS]
 
 
 def _described(obj) -> str:
