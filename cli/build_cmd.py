@@ -59,7 +59,7 @@ def make_config(config_file, names: dict, split, seed, overrides, concept_input=
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import BuildConfig, ComponentRef
     from concept.builder import absolute_backbone_path
-    from concept.errors import ConceptError
+    from concept.errors import UnknownComponentError
     from concept.families import family as family_named
 
     config = load_config_file(config_file) if config_file else BuildConfig()
@@ -67,8 +67,8 @@ def make_config(config_file, names: dict, split, seed, overrides, concept_input=
         config.family = family
         try:
             defaults = family_named(family).defaults
-        except ConceptError:  # an unknown family: resolve() reports it with the rest
-            defaults = {}
+        except UnknownComponentError:  # a misspelt name: resolve() reports it with the rest
+            defaults = {}  # (a family that fails to import or start: its one-line error, naming its package)
         for slot, name in defaults.items():
             if names.get(slot) is None:
                 setattr(config, slot, ComponentRef(name))
@@ -135,15 +135,16 @@ def print_plan(plan, output: Path | None) -> None:
     stdout.print(render_components(d["components"]))
 
 
-def family_build_options() -> list:
+def family_build_options(third_party: bool = True) -> list:
     """The families' own build options (``Family.build_options``, e.g. the streaming family's calibration),
-    family by family; two families may not declare the same flag."""
+    family by family (without ``third_party``, for --help: the library's own families'); two families may not
+    declare the same flag."""
     # lazy: the library loads only when the command runs; --help stays instant
     from concept.families import build_options
     from concept.options import click_params
 
     made, owner = [], {}
-    for name, cls in build_options().items():
+    for name, cls in build_options(third_party).items():
         for param in click_params(cls):
             if param.name in owner:
                 raise RuntimeError(f"families {owner[param.name]} and {name} both declare the build option "
