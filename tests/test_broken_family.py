@@ -116,7 +116,7 @@ def test_a_command_that_selects_it_gets_one_line(installed, tmp_path, name, prob
     record = json.loads((run / "concept.json").read_text())
     record["config"]["family"] = name
     (run / "concept.json").write_text(json.dumps(record))
-    for command in (["train", run, "--steps", 1], ["generate", run, "--prompt", "x"]):
+    for command in (["train", run, "--steps", 1], ["generate", run, "--prompt", "x"], ["inspect", run]):
         one_error_line(invoke(*command), f"family plugin '{name}'", problem)
 
 
