@@ -22,7 +22,6 @@ from .output import (
     render_components,
     render_params,
     render_structure,
-    stack_layers,
     status,
     stdout,
 )
@@ -60,7 +59,7 @@ def make_config(config_file, names: dict, split, seed, overrides, concept_input=
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import BuildConfig, ComponentRef
     from concept.builder import absolute_backbone_path
-    from concept.errors import ConceptError
+    from concept.errors import UnknownComponentError
     from concept.families import family as family_named
 
     config = load_config_file(config_file) if config_file else BuildConfig()
@@ -68,8 +67,8 @@ def make_config(config_file, names: dict, split, seed, overrides, concept_input=
         config.family = family
         try:
             defaults = family_named(family).defaults
-        except ConceptError:  # an unknown family: resolve() reports it with the rest
-            defaults = {}
+        except UnknownComponentError:  # a misspelt name: resolve() reports it with the rest
+            defaults = {}  # (a family that fails to import or start: its one-line error, naming its package)
         for slot, name in defaults.items():
             if names.get(slot) is None:
                 setattr(config, slot, ComponentRef(name))
@@ -124,23 +123,28 @@ def check_output(folder: Path, config, force: bool, inputs: dict | None = None) 
 
 
 def print_plan(plan, output: Path | None) -> None:
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.families import structure
+
     d = plan.describe()
     where = f" to {output}" if output else ""
     stdout.print(f"[bold]plan[/] (dry run: nothing written{escape(where)})")
     stdout.print(f"backbone: {escape(describe_backbone(d['backbone']))}")
-    stdout.print(render_structure(plan))
+    for drawn in render_structure(structure(plan.family_object, plan), d["backbone"]):
+        stdout.print(drawn)
     stdout.print(render_components(d["components"]))
 
 
-def family_build_options() -> list:
+def family_build_options(third_party: bool = True) -> list:
     """The families' own build options (``Family.build_options``, e.g. the streaming family's calibration),
-    family by family; two families may not declare the same flag."""
+    family by family (without ``third_party``, for --help: the library's own families'); two families may not
+    declare the same flag."""
     # lazy: the library loads only when the command runs; --help stays instant
     from concept.families import build_options
     from concept.options import click_params
 
     made, owner = [], {}
-    for name, cls in build_options().items():
+    for name, cls in build_options(third_party).items():
         for param in click_params(cls):
             if param.name in owner:
                 raise RuntimeError(f"families {owner[param.name]} and {name} both declare the build option "
@@ -185,7 +189,7 @@ def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_
     names = {slot: options.pop(slot) for slot in SLOTS}
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import resolve
-    from concept.families import build_options
+    from concept.families import build_options, structure
     from concept.options import from_params, paths
 
     problems = []
@@ -224,9 +228,7 @@ def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_
 
     quiet_progress_bars()
     bb = plan.components["backbone"]
-    stacks = plan.family_object.stacks  # a split into stacks and a concept ratio (the streaming family)
-    shape = f"split {'/'.join(map(str, plan.split))}" if stacks else f"{plan.family} family"
-    status("building", f"{bb.name} backbone, {shape} ({plan.backbone_info.num_layers} layers) ...")
+    status("building", f"{bb.name} backbone, {plan.family} family ({plan.backbone_info.num_layers} layers) ...")
     start = time.perf_counter()
     model = concept.build(plan=plan)
     finished = plan.family_object.finish_build(model, extras, mine, status) if extras is not None else {}
@@ -235,11 +237,13 @@ def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_
     status("built", f"{output} in {time.perf_counter() - start:.1f} s")
 
     counts = param_counts(model)
+    shown = structure(plan.family_object, plan)  # what the family says its build wires (e.g. "stacks")
     if as_json:
-        print_json({"path": str(output), "family": plan.family, "plan": plan.describe(),
-                    "stacks": stack_layers(plan.split) if stacks else None, "params": counts, **finished})
+        print_json({"path": str(output), "family": plan.family, "plan": plan.describe(), **shown, "params": counts,
+                    **finished})
         return
     stdout.print(f"[bold]built[/] {escape(str(output))} ({plan.family})")
     stdout.print(f"backbone: {escape(describe_backbone(plan.describe()['backbone']))}")
-    stdout.print(render_structure(plan))
+    for drawn in render_structure(shown, plan.describe()["backbone"]):
+        stdout.print(drawn)
     stdout.print(render_params(counts))

@@ -23,12 +23,12 @@ TRAIN = ("data", "steps", "seq_len", "batch", "grad_accum", "lr", "lr_new", "war
          "align", "align_at", "lora_rank", "seed", "device", "ratio_start", "ratio_warmup", "placement")
 
 
-def train_options() -> list:
+def train_options(third_party: bool = True) -> list:
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import click_params
-    from concept.train_config import TrainConfig
+    from concept.train_config import composed
 
-    return click_params(TrainConfig, *TRAIN, unset=True)
+    return click_params(composed(third_party), *TRAIN, unset=True)
 
 
 def command_line(ctx: click.Context) -> str:

@@ -163,12 +163,10 @@ def render_plan_types(planner: dict) -> Table:
     return t
 
 
-def render_structure(plan) -> Table:
-    """What a build plan wires: the streaming model's stacks, or the planner-executor's plan types."""
-    section = plan.family_object.section
-    if section is not None:  # the planner-executor's plan types
-        return render_plan_types(plan.describe()[section])
-    return render_stacks(plan.split, plan.backbone_info.num_layers)
+def render_structure(sections: dict, backbone: dict) -> list:
+    """What a build plan wires, as its family describes it (``concept.families.structure``: e.g. the streaming
+    model's stacks, the planner-executor's plan types): the tables of each section."""
+    return [drawn for name, data in sections.items() for drawn in render_section(name, data, backbone)]
 
 
 def render_calibration(calibration: dict) -> Table:
@@ -215,6 +213,8 @@ def render_section(name: str, data, backbone: dict) -> list:
         return []
     if name == "stacks":
         return [render_stacks(tuple(s["count"] for s in data.values()), backbone.get("num_layers"))]
+    if name == "planner" and "task" not in data:  # a build's plan types (a built model also has its controls)
+        return [render_plan_types(data)]
     if name == "planner":
         task = data["task"] + (f", context {data['context_len']} tokens" if data["task"] == "continue" else "")
         bias = data["eos_bias"]

@@ -10,13 +10,14 @@ from .deferred import DeferredOptions
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
 
 
-def train_options() -> list:
-    """Every TrainConfig field as an option (``--lora-*`` for ``config.lora``), in declaration order."""
+def train_options(third_party: bool = True) -> list:
+    """Every TrainConfig field as an option (``--lora-*`` for ``config.lora``), in declaration order (without
+    ``third_party``, for --help: those of the core and the library's own families)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import click_params
-    from concept.train_config import TrainConfig
+    from concept.train_config import composed
 
-    return click_params(TrainConfig)
+    return click_params(composed(third_party))
 
 
 @click.command(cls=DeferredOptions, make_options=train_options, after="force")

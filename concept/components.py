@@ -125,6 +125,12 @@ class Family(Protocol):
         calibration) before it is saved; ``given``: the options the user set; ``say(label, text)``: status
         for people. Returns what ``concept build --json`` adds to its output."""
 
+    def structure(self, plan) -> dict[str, Any]:
+        """Optional: what ``concept build`` (and its ``--dry-run``) shows of a resolved plan beyond the backbone,
+        the parameters and the components: named sections of JSON data, drawn as ``inspect``'s are (e.g. the
+        streaming family's ``stacks``). Without it: its section's settings (``{section: settings}``), or
+        nothing for a family without a section (``concept.families.structure``)."""
+
     def describe(self, model) -> str:
         """One sentence for people (the model card, ``concept build``): what this model is."""
 

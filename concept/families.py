@@ -7,16 +7,20 @@ which needs no family.
 from __future__ import annotations
 
 from .errors import PluginConflictError, PluginImportError
-from .registry import registry
+from .registry import BUILTIN_DIST, registry
 
 _INSTANCES: dict = {}
 
 
+BROKEN: dict[str, str] = {}  # name -> why, of each family that failed to import or start in this process
+
+
 def family(name: str):
     """The family registered as ``name`` (one instance per name); an unknown name is an
-    ``UnknownComponentError`` with suggestions."""
+    ``UnknownComponentError`` with suggestions, a family that fails to import or to start a
+    ``PluginImportError`` of one line naming its package."""
     if name not in _INSTANCES:
-        _INSTANCES[name] = registry("family").get(name)()
+        _INSTANCES[name] = registry("family").start(name)
     return _INSTANCES[name]
 
 
@@ -30,15 +34,25 @@ def names() -> list[str]:
     return registry("family").names()
 
 
-def working() -> dict:
+def shipped(name: str) -> bool:
+    """Whether the family ``name`` comes with this library (its module imports no torch: see
+    ``tests/test_broken_family.py``), read from the entry points without importing it."""
+    providers = registry("family").providers().get(name, [])
+    return bool(providers) and all(p.dist == BUILTIN_DIST for p in providers)
+
+
+def working(third_party: bool = True) -> dict:
     """Name -> family, of every family that imports (a broken plugin only breaks the runs of its own family:
-    looking it up by name says what is wrong with it)."""
+    looking it up by name says what is wrong with it; why it failed is kept in ``BROKEN``). Without
+    ``third_party``: only the library's own families, imported without importing any other (``--help``)."""
     found = {}
     for name in names():
+        if not third_party and not shipped(name):
+            continue
         try:
             found[name] = family(name)
-        except (PluginImportError, PluginConflictError):
-            continue
+        except (PluginImportError, PluginConflictError) as exc:
+            BROKEN[name] = str(exc)
     return found
 
 
@@ -47,6 +61,16 @@ def sections() -> dict[str, str]:
     return {f.section: name for name, f in working().items() if f.section}
 
 
-def build_options() -> dict[str, type]:
+def build_options(third_party: bool = True) -> dict[str, type]:
     """Family name -> the option dataclass of the ``concept build`` flags only it reads (``build_options``)."""
-    return {name: cls for name, f in working().items() if (cls := getattr(f, "build_options", None)) is not None}
+    return {name: cls for name, f in working(third_party).items()
+            if (cls := getattr(f, "build_options", None)) is not None}
+
+
+def structure(fam, plan) -> dict:
+    """What ``concept build`` shows of a resolved ``plan`` of the family ``fam``: its ``structure(plan)``
+    (optional), else its section's settings (``{section: settings}``; nothing for a family without a section)."""
+    own = getattr(fam, "structure", None)
+    if callable(own):
+        return own(plan)
+    return {fam.section: plan.settings.to_dict()} if fam.section and plan.settings is not None else {}

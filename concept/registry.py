@@ -101,14 +101,31 @@ class Registry:
         try:
             obj = ep.load()
         except (Exception, SystemExit) as exc:  # any import-time failure of third-party code (sys.exit included)
-            raise PluginImportError(one_line(f"{what} failed to import: {type(exc).__name__}: {exc}; fix or "
-                                             f"uninstall {p.dist or 'the package that provides it'}")) from exc
+            raise self.failure(name, "failed to import", exc) from exc
         problem = kind_problem(self.kind, obj)
         if problem:
             raise PluginImportError(f"{what} {problem}; its entry point must name the component class "
                                     f"(package.module:ClassName): fix or uninstall {p.dist or 'that package'}")
         self._loaded[name] = obj
         return obj
+
+
+    def start(self, name: str):
+        """An instance of the component ``name``, made with no arguments (a family): a failure of its code is a
+        ``PluginImportError`` of one line naming its package, as a failed import is."""
+        cls = self.get(name)
+        try:
+            return cls()
+        except (Exception, SystemExit) as exc:  # third-party code: any failure, reported as its package's
+            raise self.failure(name, "failed to start", exc) from exc
+
+    def failure(self, name: str, verb: str, exc: BaseException) -> PluginImportError:
+        """One line: the plugin ``name`` (its package and target) ``verb`` (e.g. "failed to import") with
+        ``exc``, and the fix."""
+        p = self.provider(name)
+        return PluginImportError(one_line(
+            f"{self.kind.replace('_', ' ')} plugin '{name}' from {p.label} ({p.target}) {verb}: "
+            f"{type(exc).__name__}: {exc}; fix or uninstall {p.dist or 'the package that provides it'}"))
 
 
 def kind_problem(kind: str, obj) -> str | None:
@@ -131,8 +148,13 @@ def kind_problem(kind: str, obj) -> str | None:
     return None
 
 
+OPTIONAL_FAMILY_METHODS = ("structure",)  # concept.families supplies a default
+
+
 def family_methods(protocol: type) -> list[str]:
-    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    """The methods a family must have (the optional ones left out)."""
+    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")
+            and n not in OPTIONAL_FAMILY_METHODS]
 
 
 def _described(obj) -> str:
@@ -199,6 +221,8 @@ def check_all() -> list[CheckResult]:
             target = ", ".join(p.target for p in ps)
             try:
                 cls = reg.get(name)
+                if kind == "family":  # the registry makes a family with no arguments: that must work too
+                    reg.start(name)
                 status, detail = "ok", ""
                 why = getattr(cls, "unavailable_reason", None)
                 if callable(why):

@@ -257,11 +257,11 @@ def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
     return a, b
 
 
-def family_options() -> list[type]:
+def family_options(third_party: bool = True) -> list[type]:
     """Each registered family's training options (``Family.training``): the default family's first, then the
-    others in registry order."""
+    others in registry order (without ``third_party``: only the library's own families')."""
     default = BuildConfig.__dataclass_fields__["family"].default
-    found, loaded = [], working()  # (a family plugin that does not import adds no options)
+    found, loaded = [], working(third_party)  # (a family plugin that does not import adds no options)
     for name in sorted(loaded, key=lambda n: n != default):
         options_cls = getattr(loaded[name], "training", None)
         if options_cls is not None and options_cls not in found:
@@ -283,12 +283,12 @@ def foreign_options(config: TrainConfig, own=None) -> list[tuple[str, object, st
     return found
 
 
-def _compose() -> type:
+def _compose(third_party: bool = True) -> type:
     """``TrainConfig``: :class:`CoreTrainConfig`'s fields, then each family's (a name declared twice is an error
     naming both owners)."""
     owner = {f.name: "the core" for f in dataclasses.fields(CoreTrainConfig)}
     extra = []
-    for options_cls in family_options():
+    for options_cls in family_options(third_party):
         hints = typing.get_type_hints(options_cls)
         for f in dataclasses.fields(options_cls):
             if f.name in owner:
@@ -301,4 +301,23 @@ def _compose() -> type:
     return made
 
 
-TrainConfig = _compose()
+_SHIPPED: list[type] = []
+
+
+def composed(third_party: bool = True) -> type:
+    """``TrainConfig`` (every installed family's options), or without ``third_party`` the one of the core and
+    the library's own families, which imports no other family (``concept train --help``: a third-party family
+    that imports torch or fails to import costs it nothing)."""
+    if third_party:
+        return globals().get("TrainConfig") or __getattr__("TrainConfig")
+    if not _SHIPPED:
+        _SHIPPED.append(_compose(third_party=False))
+    return _SHIPPED[0]
+
+
+def __getattr__(name: str):
+    """``TrainConfig``, composed the first time it is asked for: importing this module imports no family."""
+    if name == "TrainConfig":
+        made = globals()["TrainConfig"] = _compose()
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ from concept_cli.build_cmd import build
 from concept_cli.frontier_cmd import TRAIN, frontier
 from concept_cli.train_cmd import train
 
-COMMAND_ONLY = {"source", "out", "resume", "force", "distributed", "as_json"}  # train's hand-written parameters
+COMMAND_ONLY = {"source", "out", "resume", "force", "accept_data_change", "distributed", "as_json"}  # train's hand-written parameters
 
 
 def params(command, args=("RUN",)):
@@ -86,7 +86,7 @@ def test_train_config_is_the_cores_options_then_each_familys():
         seq_len: int = options.option(3, help="a name the core declares")
 
     original = tc.family_options
-    tc.family_options = lambda: [*original(), Clashing]
+    tc.family_options = lambda *args: [*original(*args), Clashing]
     try:
         with pytest.raises(TypeError, match="'seq_len' of .*Clashing is declared by the core already"):
             tc._compose()

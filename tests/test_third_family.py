@@ -125,3 +125,38 @@ def test_it_trains_resumes_exactly_evaluates_and_generates(built, corpus, tmp_pa
         with torch.no_grad():  # decoding = teacher forcing: each token is the argmax of the forced forward
             forced = trained(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].argmax(-1)
         assert tokens == forced.tolist()
+
+
+TINY_FLAGS = ["--backbone", "tiny-llama", *(f for kv in ("layers=3", "hidden=32", "heads=2", "kv_heads=1",
+                                                          "intermediate=64") for f in ("--set", f"backbone.{kv}"))]
+
+
+def test_the_cli_builds_dry_runs_and_inspects_it(installed, tmp_path):
+    """Issue 41, bug 1: `concept build --family soft-prompt` (a family with its own config section) saved the run,
+    then crashed with `KeyError: 'target'` (and `--dry-run` too): the CLI took any family with a section for the
+    planner-executor and drew plan types. The CLI now asks the family what to show (`Family.structure`; this
+    family declares none, so its section's settings are shown)."""
+    from concept_cli.main import cli
+
+    run = CliRunner()
+    dry = run.invoke(cli, ["build", "--family", "soft-prompt", *TINY_FLAGS, "--set", "soft_prompt.length=2",
+                           "--dry-run"])
+    assert dry.exit_code == 0 and dry.exception is None, dry.output
+    assert "soft_prompt" in dry.stdout and "length" in dry.stdout and "stacks" not in dry.stdout
+
+    out = tmp_path / "soft"
+    built = run.invoke(cli, ["build", "--family", "soft-prompt", *TINY_FLAGS, "--set", "soft_prompt.length=2",
+                             "-o", str(out)])
+    assert built.exit_code == 0 and built.exception is None, built.output
+    assert "soft_prompt" in built.stdout and "parameters" in built.stdout and "stacks" not in built.stdout
+    assert "soft-prompt family" in built.stderr
+
+    again = run.invoke(cli, ["build", "--family", "soft-prompt", *TINY_FLAGS, "--set", "soft_prompt.length=2",
+                             "-o", str(out), "--force", "--json"])
+    assert again.exit_code == 0, again.output
+    data = json.loads(again.stdout)
+    assert data["soft_prompt"] == {"length": 2} and "stacks" not in data
+
+    shown = run.invoke(cli, ["inspect", str(out)])
+    assert shown.exit_code == 0 and shown.exception is None, shown.output
+    assert "soft prompt" in shown.stdout and "vectors" in shown.stdout

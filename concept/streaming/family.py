@@ -66,6 +66,10 @@ class Streaming:
                          f"(it reached {result['ratio']:.4f})")
         return {"calibration": result}
 
+    def structure(self, plan) -> dict:
+        """Its stacks (what ``concept build`` shows)."""
+        return {"stacks": stack_layers(plan.split)}
+
     def describe(self, model) -> str:
         comps, info = model.plan.components, model.plan.backbone_info
         shallow, middle, deep = model.plan.split
