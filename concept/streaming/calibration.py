@@ -33,6 +33,7 @@ from ..config import DEFAULT_TARGET_RATIO
 from ..errors import ConfigError
 from ..packing import document_starts
 from ..tokens import tokenizer_for
+from . import gap
 from .options import CALIBRATION_BATCH, CALIBRATION_SEQ_LEN, StreamingBuild
 from .ratio import PIController, ratio_controllable
 
@@ -115,11 +116,7 @@ def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batc
     rows, label = calibration_rows(model, data, batches * batch, seq_len, text_field, encoding_errors)
     device = next(model.parameters()).device
     if hasattr(policy, "target_ratio"):  # the tracker's target (null, mtp)
-        with torch.no_grad():
-            if isinstance(policy.target_ratio, torch.Tensor):
-                policy.target_ratio.fill_(target_ratio)
-            else:
-                policy.target_ratio = target_ratio
+        gap.set_target(policy, target_ratio)
     was_training = model.training
     model.eval()
     try:

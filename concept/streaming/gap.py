@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from concept.config import DEFAULT_TARGET_RATIO
+from ..config import DEFAULT_TARGET_RATIO
 
 AUTO, NONE = "auto", "none"
 GAP_PER_SPACING = 2.0  # "auto": the bound in units of the mean spacing 1 / r at the target
@@ -53,6 +53,18 @@ def target_of(policy) -> float:
     if cached is None or cached[0] != key:
         cached = policy.__dict__["_gap_target"] = (key, float(buffer))
     return cached[1]
+
+
+def set_target(policy, target: float) -> None:
+    """Point ``policy`` at the target ratio ``target``: its ``target_ratio`` buffer filled (or attribute set), and
+    the host copy :func:`target_of` reads kept with it, so the next decision reads nothing back from the device."""
+    buffer = getattr(policy, "target_ratio", None)
+    if not isinstance(buffer, torch.Tensor):
+        policy.target_ratio = target
+        return
+    with torch.no_grad():
+        buffer.fill_(target)
+    policy.__dict__["_gap_target"] = ((id(buffer), buffer._version), float(target))
 
 
 def resolve(value, policy) -> int:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..objectives import Objective, next_token_pairs, usage_kl, valid_mask, zero
+from . import gap
 from .calibration import decision_inputs
 from .ratio import PIController, RatioLoss
 
@@ -134,11 +135,7 @@ class RatioControl(Objective):
             self.pi.target = target
         policy = model.length_policy
         if hasattr(policy, "target_ratio"):
-            if isinstance(policy.target_ratio, torch.Tensor):
-                with torch.no_grad():
-                    policy.target_ratio.fill_(target)
-            else:
-                policy.target_ratio = target
+            gap.set_target(policy, target)  # (no device read at the next decision)
 
     def before_step(self, trainer) -> None:
         model = trainer.model
