@@ -206,6 +206,12 @@ def run_logged(stage: Stage, cmd: list[str], env: dict | None = None, deadline: 
     return run_logged_together(stage, [cmd], env, deadline, on_line)[0]
 
 
+def _interruptible() -> None:
+    """In the child: SIGINT back to its default, so Python turns the deadline's SIGINT into KeyboardInterrupt
+    even when the kit itself runs with SIGINT ignored (a background job of a non-interactive shell, nohup)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_logged_together(stage: Stage, cmds: list[list[str]], env: dict | None = None, deadline: float | None = None,
                         on_line: Callable[[str], None] | None = None) -> list[dict]:
     """:func:`run_logged` for several commands at once (each line of command ``i`` logged as ``[i] ...``
@@ -217,7 +223,7 @@ def run_logged_together(stage: Stage, cmds: list[list[str]], env: dict | None = 
         stage.say(f"{prefix}$ " + " ".join(cmd))
         starts.append(time.monotonic())
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", start_new_session=True)
+                                errors="replace", start_new_session=True, preexec_fn=_interruptible)
 
         def pump(proc=proc, prefix=prefix):
             for line in proc.stdout:
