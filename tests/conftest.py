@@ -1,8 +1,13 @@
+import os
+
 import pytest
 import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one pytest worker per core: one thread each
+    torch.set_num_threads(1)
 
 
 def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split="2,2,2", vocab=32,

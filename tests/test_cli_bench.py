@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from concept_cli.bench_cmd import machine_id
@@ -52,6 +53,7 @@ def test_bench_bad_input(tmp_path):
     assert r.exit_code == 2
 
 
+@pytest.mark.slow  # 55 s; `make test` runs the benchmark suites' smoke run itself (its second command)
 def test_smoke_runs_every_suite_once(tmp_path):
     r = run("--smoke", "-k", "tiny or T1024", "--storage", tmp_path)
     assert r.exit_code == 0, r.output

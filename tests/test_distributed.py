@@ -86,7 +86,7 @@ def reference(tiny, corpus, tmp_path_factory):  # noqa: F811
     return out
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])  # (fsdp2: make test-slow)
 def test_two_processes_give_the_single_process_curve(mode, tiny, corpus, reference, tmp_path):  # noqa: F811
     out = tmp_path / mode
     _, err = torchrun(tiny, "--out", out, "--data", corpus, "--steps", 6, "--batch", 2, "--checkpoint-every", 3,
@@ -119,7 +119,7 @@ def _workers(parent: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_kill_one_rank_then_resume_exactly(mode, tiny, corpus, tmp_path):  # noqa: F811
     args = ["--data", corpus, "--steps", 24, "--batch", 2, "--checkpoint-every", 4, *TRAIN]
     straight = tmp_path / "straight"
@@ -148,6 +148,7 @@ def test_kill_one_rank_then_resume_exactly(mode, tiny, corpus, tmp_path):  # noq
     assert json.loads((run / "train.json").read_text())["grad_accum"] == 2, result.output
 
 
+@pytest.mark.slow  # 55 s; the default suite keeps the killed rank's exact resume
 def test_ctrl_c_on_one_rank_between_checkpoints_resumes_ddp_bit_for_bit(tiny, corpus, tmp_path):  # noqa: F811
     """Ctrl-C seen by rank 1 alone, between scheduled checkpoints: every rank stops at the same step and
     saves; resumed on the same 2 processes, the run equals the uninterrupted 2-process run exactly
@@ -206,6 +207,7 @@ def test_world_size_that_does_not_divide_the_global_batch():
     assert config.grad_accum == 2
 
 
+@pytest.mark.slow  # 23 s: Hard-EM's plans under torchrun (make test-slow)
 @pytest.mark.parametrize("mode", ["ddp"])
 def test_hard_em_under_torchrun_gives_the_single_process_curve(mode, corpus, tmp_path):  # noqa: F811
     """Each rank searches and caches the plans of its own micro-batches; the checkpoint holds their union."""
