@@ -34,9 +34,10 @@ demo: $(STAMP)
 	$(BIN)/concept eval runs/demo-train runs/demo-pruned runs/demo-dense --data stdlib --data pydoc \
 	    --batches 6 --batch 4 --show-map
 
-# the unit tests, then every benchmark suite once with timing off (a smoke run, not a gate)
+# the unit tests (one pytest-xdist worker per core, a test file per worker at a time), then every benchmark
+# suite once with timing off (a smoke run, not a gate)
 test: $(STAMP)
-	$(PYTEST) -m "not slow" -q
+	$(PYTEST) -m "not slow" -q -n auto --dist loadfile --basetemp=/tmp/concept-tests
 	$(PYTEST) benchmarks -q --benchmark-disable -p no:cacheprovider
 
 test-slow: $(STAMP)

@@ -6,8 +6,10 @@ import torch
 import concept
 from concept import BuildConfig, ComponentRef
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one pytest worker per core: one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one pytest worker per core: one thread each, and
     torch.set_num_threads(1)
+    for name in ("COLUMNS", "LINES"):  # the worker's 80 x 24 (execnet sets them) would squeeze the CLI's tables
+        os.environ.pop(name, None)
 
 
 def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split="2,2,2", vocab=32,

@@ -208,6 +208,10 @@ class CascadePlan(AttentionPlan):
                              is_causal=self.concept_mask is None).transpose(1, 2))
         if self.Tt:
             kernels = ReferenceKernel() if self.config.kernel == "reference" else device_kernel(query.device)
+            device = query.device.type
+            if torch.is_autocast_enabled(device):  # one dtype for the kernels, as autocast gives SDPA
+                dtype = torch.get_autocast_dtype(device)
+                query, key, value = (t.to(dtype) for t in (query, key, value))
             outs.append(MergedTiles.apply(query, key, value, self, kernels, scaling).view(B, self.Tt, H, hd))
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
@@ -355,19 +359,24 @@ class ReferenceKernel:
         return (torch.einsum("nhqk,nhkd->nhqd", ds, upcast(k)), torch.einsum("nhqk,nhqd->nhkd", ds, upcast(q)), dv)
 
 
+def _like(bias, q):
+    """The additive mask in the kernel's dtype (the CPU flash kernel takes one dtype; -inf stays -inf)."""
+    return bias if bias is None or bias.dtype == q.dtype else bias.to(q.dtype)
+
+
 class CPUFlashKernel:
     """torch's CPU flash attention (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward):
     a mask, the log-sum-exp, any float dtype."""
 
     def forward(self, q, k, v, bias, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                             scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                             attn_mask=_like(bias, q), scale=scale)
         return out, lse, None
 
     def backward(self, d_out, q, k, v, out, lse, bias, scale, state=None):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             d_out.contiguous(), q, k, v, out.contiguous(), lse.float().contiguous() if q.dtype != torch.float64
-            else lse.contiguous(), 0.0, False, attn_mask=bias, scale=scale)
+            else lse.contiguous(), 0.0, False, attn_mask=_like(bias, q), scale=scale)
 
 
 class CUDAEfficientKernel:
