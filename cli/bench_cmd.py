@@ -71,15 +71,22 @@ def publish_new_files(staged: Path, storage: Path) -> None:
             fs.write_atomic(target, path.read_bytes())
 
 
+def own_pytest_env() -> dict[str, str]:
+    """The environment for a pytest of our own: without a surrounding pytest-xdist worker's variables, which
+    would make pytest-benchmark think it runs under xdist and skip its timings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+
+
 def run_to_stderr(args: list[str]) -> int:
     """Run a command with its output on our stderr (pytest's own report is status, not data)."""
+    env = own_pytest_env()
     try:
         sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a captured stderr (tests): relay the text
-        proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         sys.stderr.write(proc.stdout)
         return proc.returncode
-    return subprocess.call(args, stdout=sys.stderr)
+    return subprocess.call(args, stdout=sys.stderr, env=env)
 
 
 def check_fail_on(expressions: tuple[str, ...]) -> list[str]:

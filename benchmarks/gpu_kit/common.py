@@ -74,7 +74,8 @@ def installed() -> bool:
 def kit_env(work: Path, dry: bool) -> dict[str, str]:
     """The environment of the stages' subprocesses: the installed kit on the path (device), the caches
     inside the kit's folder (so they live as long as the warm machine), everything offline."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # (pytest-benchmark would
+    # take a surrounding xdist worker's variables for its own and skip its timings)
     if not dry and installed():
         env["PYTHONPATH"] = os.pathsep.join([str(SHIM), str(SITE), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
         env["CONCEPT_CACHE"] = str(CACHE)
