@@ -8,9 +8,9 @@ from concept import registry as reg_mod
 from concept.errors import PluginConflictError, PluginImportError, UnknownComponentError
 
 
-def test_listing_imports_nothing():
+def test_listing_imports_nothing(monkeypatch):
     for mod in [m for m in sys.modules if m.startswith("concept_plugins.")]:
-        del sys.modules[mod]
+        monkeypatch.delitem(sys.modules, mod)  # put back afterwards: later tests in this process keep one copy
     r = reg_mod.Registry("attention")
     assert {"sdpa", "chunked"} <= set(r.names())
     assert not [m for m in sys.modules if m.startswith("concept_plugins.attention.")]
