@@ -43,11 +43,15 @@ def load_config_file(path: str):
         raise ConfigError([f"--config {path}: cannot read it ({exc.strerror or exc})"]) from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"--config {path}: not valid JSON ({exc})"]) from exc
-    if isinstance(data, dict) and "format" in data and isinstance(data.get("config"), dict):
+    if isinstance(data, dict) and isinstance(data.get("config"), dict):  # a run folder's concept.json, of any format
         # lazy: the library (torch) loads only when the command runs; --help stays instant
         from concept.builder import localise_backbone_path
+        from concept.migrate import RecordFormatError, migrate_run
 
-        data = localise_backbone_path(data["config"], p.parent)  # a run folder's concept.json (an export's ./backbone)
+        try:
+            data = localise_backbone_path(migrate_run(data)["config"], p.parent)  # (an export's ./backbone)
+        except RecordFormatError as exc:
+            raise ConfigError([f"--config {path}: {exc.problem}" + (f"; {exc.fix}" if exc.fix else "")]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: expected a JSON object, got {type(data).__name__}"])
     return BuildConfig.from_dict(data)

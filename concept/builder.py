@@ -33,7 +33,8 @@ from .lora import (
     load_peft_adapter,
 )
 
-from .run_files import BACKBONE_FILE, FORMAT_VERSION, MODULES_FILE, RUN_FILE  # noqa: F401 (this module's API too)
+from .migrate import FORMAT_VERSION  # noqa: F401 (this module's API too)
+from .run_files import BACKBONE_FILE, MODULES_FILE, RUN_FILE  # noqa: F401 (this module's API too)
 
 
 def build_backbone(plan: Plan) -> LoadedBackbone:
@@ -111,10 +112,10 @@ def read_run(path: str | os.PathLike) -> dict:
 
 def run_kind(record: dict, train: dict | None) -> str:
     """What a run folder holds, from its records (nothing loaded): its family's name, or ``dense`` /
-    ``pruned`` for a trained baseline (older runs stored ``baseline: true`` for the dense one)."""
+    ``pruned`` for a trained baseline."""
     baseline = (train or {}).get("baseline")
     if baseline:
-        return "dense" if baseline is True else str(baseline)
+        return str(baseline)
     return record["config"]["family"]
 
 

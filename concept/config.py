@@ -125,7 +125,7 @@ class BuildConfig:
             elif key in known:
                 if not isinstance(value, dict):
                     problems.append(f"{key}: expected an object of {known[key]} options, got {value!r}")
-                elif value:  # (an empty section: written by older versions into every run)
+                else:
                     kwargs["sections"][key] = dict(value)
             else:
                 kwargs[key] = value

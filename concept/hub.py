@@ -30,6 +30,7 @@ from pathlib import Path
 from . import __version__
 from .config import make_component_config
 from .errors import ConceptError, RunFolderError
+from .migrate import migrate_run
 from .registry import registry
 
 HF_CONFIG_FILE = "config.json"
@@ -168,7 +169,7 @@ def push_folder(folder, repo_id: str, private: bool | None = None, token: str | 
                              f"with `concept export RUN --out {folder}` or model.save_pretrained({str(folder)!r})")
     if not _REPO_ID.match(repo_id or ""):
         raise ConceptError(f"--push-to-hub {repo_id!r}: expected a hub repo id NAMESPACE/NAME, e.g. my-org/my-model")
-    record = json.loads((folder / "concept.json").read_text())
+    record = migrate_run(json.loads((folder / "concept.json").read_text()))  # (an older format's: today's)
     files = upload_files(folder)
     adapter = None
     result = {"repo": repo_id, "files": files, "dry_run": dry_run, "adapter_base": None, "url": None, "commit": None}
@@ -181,7 +182,7 @@ def push_folder(folder, repo_id: str, private: bool | None = None, token: str | 
         return result
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    kind = (record.get("export") or {}).get("kind") or record["config"].get("family", "concept")
+    kind = (record.get("export") or {}).get("kind") or record["config"]["family"]
     operations = [CommitOperationAdd(path_in_repo=f["path"], path_or_fileobj=adapter if f["path"] == ADAPTER_CONFIG
                                      else str(folder / f["path"])) for f in files]
     api = HfApi(token=token)

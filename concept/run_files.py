@@ -28,6 +28,7 @@ from . import checkpoint
 from .config import SLOTS, BuildConfig, resolve
 from .errors import ConceptError, ConfigError, RunFolderError, UnknownComponentError, one_line
 from .families import family
+from .migrate import RecordFormatError, migrate_run, migrate_train
 from .options import check
 from .train_config import LoraSettings, TrainConfig
 from .train_config import foreign_options as foreign_to
@@ -40,9 +41,6 @@ ADAPTER_FILE = "adapter.safetensors"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "state.json"
-FORMAT_VERSION = 2
-# what run folders of an older format were built with, where the config did not say it yet
-LEGACY_CONFIG = {1: {"concept_input": "embedding", "tail_fusion": {"name": "none", "params": {}}}}
 # train.json keys every version of concept wrote (newer fields default when an older file lacks them)
 TRAIN_REQUIRED = ("steps", "seq_len", "batch", "lr", "lora", "seed")
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
@@ -133,13 +131,10 @@ def read_run(path: str | os.PathLike) -> dict:
         raise RunFolderError(f"{folder} is not a concept run folder (no {RUN_FILE}); create one with "
                              f"`concept build -o {folder}`")
     fix = run_fix(folder)
-    record = read_json(file, fix)
-    version = record.get("format", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise damaged(file, f"'format' is {version!r}, not a format version", fix)
-    if version > FORMAT_VERSION:
-        raise damaged(file, f"was written by a newer concept (format {version}; this one reads up to "
-                            f"{FORMAT_VERSION})", "upgrade concept (pip install -U concept)")
+    try:
+        record = migrate_run(read_json(file, fix))  # an older format's record in today's (concept.migrate)
+    except RecordFormatError as exc:
+        raise damaged(file, exc.problem, exc.fix or fix) from None
     if "config" not in record:
         raise damaged(file, "has no 'config' (how the model was built)", fix)
     config = record["config"]
@@ -148,9 +143,6 @@ def read_run(path: str | os.PathLike) -> dict:
     for key, expected in (("plan", dict), ("calibration", dict), ("export", dict)):
         if record.get(key) is not None and not isinstance(record[key], expected):
             raise damaged(file, f"'{key}' is {_kind(record[key])}, not {_kind(expected())}", fix)
-    for key, value in LEGACY_CONFIG.get(version, {}).items():
-        config.setdefault(key, value)
-    config.setdefault("family", "streaming")  # (written before there was a second family)
     problems = config_problems(config)
     if problems:
         raise damaged(file, f"its config is invalid ({'; '.join(problems)})", fix)
@@ -210,7 +202,7 @@ def read_train(folder: str | os.PathLike) -> dict | None:
     text = read_text(file, fix)
     if text.strip() == "null":
         raise damaged(file, "holds null, not a training record", fix)
-    record = read_json(file, fix)
+    record = migrate_train(read_json(file, fix))  # an older version's record in today's (concept.migrate)
     problems = train_problems(record)
     if problems:
         raise damaged(file, f"is invalid ({'; '.join(problems)})", fix)

@@ -151,7 +151,7 @@ class CoreTrainConfig:
              "step runs under bf16 autocast (LoRA, new modules and optimizer state stay fp32); fp32 otherwise.")
 
     def __post_init__(self):
-        if isinstance(self.baseline, bool):  # the older API: baseline=True was the dense baseline
+        if isinstance(self.baseline, bool):  # the Python API's shorthand: baseline=True is the dense baseline
             self.baseline = "dense" if self.baseline else None
 
     def validate(self, max_positions: int = 0, num_layers: int = 0) -> list[str]:
@@ -206,11 +206,11 @@ class CoreTrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> CoreTrainConfig:
-        """From ``to_dict`` (a saved train.json); older files lack the newer fields (defaults) and
-        stored ``baseline`` as a bool (true: the dense baseline)."""
+        """From ``to_dict`` (a saved train.json, read through ``concept.run_files``, which brings an older
+        version's record to today's format: ``concept.migrate``); fields it lacks take their defaults."""
         d = dict(d)
         d["lora"] = LoraSettings(**d.get("lora", {}))
-        return cls(**d)  # (__post_init__ reads a bool baseline)
+        return cls(**d)
 
 
 def parse_curriculum(text: str, seq_len: int) -> tuple[int, float]:

@@ -526,9 +526,7 @@ class Trainer:
         def saved_value(key):
             return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
 
-        def same(key, value):
-            if key == "data":  # a relative path saved by an older run, or spelled differently
-                return data.stored_source(saved_value(key)) == value
+        def same(key, value):  # (both data sources stored alike: data.stored_source, concept.migrate)
             return value == saved_value(key)
 
         conflicts = [f"{k}: the run was trained with {saved_value(k)!r}, you passed {v!r}"

@@ -419,7 +419,6 @@ def run_state(folder: Path, run: PlannedRun) -> dict:
     if saved is None:
         return {"status": "foreign", "detail": "no train.json"}
     kind = saved.get("baseline") or "streaming"
-    kind = "dense" if kind is True else kind
     if kind != run.kind:
         return {"status": "differs", "differences": [f"kind: trained as {kind}, planned {run.kind}"]}
     try:

@@ -1,0 +1,80 @@
+"""Records of run folders written by older versions, brought to today's format in one place.
+
+The one validating reader (``concept.run_files``) passes every record it reads through the ``migrate_*``
+function of its kind, before checking it; nothing else in the library knows an older format. Each step is an
+explicit rewrite of the record (the formats are listed in docs/training.md, "Run folders of older versions"):
+
+``concept.json`` (:func:`migrate_run`):
+
+- **format 1** (no ``format`` key): built before the ``concept_input`` and ``tail_fusion`` components existed,
+  with what they were then: ``concept_input = "embedding"``, ``tail_fusion = none``;
+- **format 2 without ``family``**: written before there was a second family: the ``streaming`` family;
+- **an empty family section** (older versions wrote every family's section, empty, into every run): dropped;
+- **a format above** :data:`FORMAT_VERSION` (a newer concept wrote it): refused, with the fix (upgrade).
+
+``train.json`` (:func:`migrate_train`):
+
+- **``baseline: true / false``** (before the pruned baseline): ``"dense"`` / null;
+- **a relative ``data`` path** (before runs stored absolute paths): made absolute against the working folder,
+  the folder it was always read from;
+- options added since are absent and take their ``TrainConfig`` defaults: nothing to rewrite.
+
+A record that is not an object is returned as it is: the reader reports it.
+"""
+from __future__ import annotations
+
+from .data import stored_source
+from .errors import ConceptError
+from .families import sections
+
+FORMAT_VERSION = 2  # concept.json's format, written by concept.builder
+FORMAT_1_COMPONENTS = {"concept_input": "embedding", "tail_fusion": {"name": "none", "params": {}}}
+FIRST_FAMILY = "streaming"
+
+
+class RecordFormatError(ConceptError):
+    """A record in a format this version cannot read: ``problem`` (what is wrong) and ``fix`` (what to do); the
+    reader names the file."""
+
+    def __init__(self, problem: str, fix: str | None = None):
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
+def migrate_run(record: dict) -> dict:
+    """A ``concept.json`` record (a copy) in today's format; :class:`RecordFormatError` for a format that is
+    not a version number (``fix`` None: the reader's own) or one above :data:`FORMAT_VERSION`."""
+    if not isinstance(record, dict):
+        return record
+    record = dict(record)
+    version = record.get("format", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise RecordFormatError(f"'format' is {version!r}, not a format version")
+    if version > FORMAT_VERSION:
+        raise RecordFormatError(f"was written by a newer concept (format {version}; this one reads up to "
+                                f"{FORMAT_VERSION})", "upgrade concept (pip install -U concept)")
+    config = record.get("config")
+    if isinstance(config, dict):
+        config = dict(config)
+        if version == 1:
+            for key, value in FORMAT_1_COMPONENTS.items():
+                config.setdefault(key, value)
+        config.setdefault("family", FIRST_FAMILY)
+        known = sections()
+        for key in [k for k, v in config.items() if k in known and v == {}]:
+            del config[key]
+        record["config"] = config
+    record["format"] = FORMAT_VERSION
+    return record
+
+
+def migrate_train(record: dict) -> dict:
+    """A ``train.json`` record (a copy) in today's format."""
+    if not isinstance(record, dict):
+        return record
+    record = dict(record)
+    if isinstance(record.get("baseline"), bool):
+        record["baseline"] = "dense" if record["baseline"] else None
+    if isinstance(record.get("data"), str) and record["data"].strip():
+        record["data"] = stored_source(record["data"])
+    return record

@@ -1,0 +1,121 @@
+"""Run folders of older versions (``concept.migrate``, issue 41 item 4): a run saved by today's writer, rewritten
+to each older format the reader still accepts by the explicit transformation below (what that version wrote),
+loads with the same config and the same model as today's folder. Negative controls: without the migration the
+older record names another model; a format from a newer version is refused with the fix."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import concept
+from concept import run_files
+from concept.builder import run_kind
+from concept.config import BuildConfig
+from concept.families import sections
+from concept.migrate import FORMAT_VERSION, migrate_run
+from concept.train_config import TrainConfig
+from tests.test_cli_train import TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from concept_cli.main import cli as main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+
+
+# concept.json as each older version wrote it, from today's record
+def format_1(record: dict) -> dict:
+    """Format 1: no ``format`` key, no ``family`` (one family), and no ``concept_input`` / ``tail_fusion`` (built
+    with what they were then: the embedding alone, no fusion)."""
+    config = {k: v for k, v in record["config"].items() if k not in ("family", "concept_input", "tail_fusion")}
+    return {k: v for k, v in record.items() if k != "format"} | {"config": config}
+
+
+def format_2_one_family(record: dict) -> dict:
+    """Format 2 before the second family: no ``family``."""
+    return record | {"config": {k: v for k, v in record["config"].items() if k != "family"}}
+
+
+def format_2_empty_sections(record: dict) -> dict:
+    """Format 2 as versions wrote it that put every family's section, empty, into every run."""
+    return record | {"config": record["config"] | {section: {} for section in sections()}}
+
+
+OLDER = {"format 1": format_1, "format 2, one family": format_2_one_family,
+         "format 2, empty sections": format_2_empty_sections}
+
+
+@pytest.fixture(scope="module")
+def today(tmp_path_factory):
+    """A tiny build by today's writer, with the components format 1 implied (embedding input, no fusion)."""
+    out = tmp_path_factory.mktemp("migrate") / "today"
+    r = cli("build", *TINY, "--concept-input", "embedding", "--no-calibrate", "-o", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def logits(folder):
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return concept.load(folder)(ids).logits
+
+
+def test_every_older_concept_json_loads_as_today_s(today, tmp_path):
+    record = json.loads((today / "concept.json").read_text())
+    assert record["format"] == FORMAT_VERSION and record["config"]["tail_fusion"]["name"] == "none"
+    expected, expected_logits = run_files.read_run(today), logits(today)
+    for name, rewrite in OLDER.items():
+        old = shutil.copytree(today, tmp_path / name.replace(" ", "-").replace(",", ""))
+        (old / "concept.json").write_text(json.dumps(rewrite(record)))
+        assert run_files.read_run(old)["config"] == expected["config"], name
+        assert run_files.read_run(old)["format"] == FORMAT_VERSION
+        torch.testing.assert_close(logits(old), expected_logits, rtol=0, atol=0)
+        r = cli("build", "--config", old / "concept.json", "--dry-run", "--json")  # a record as a --config file
+        assert r.exit_code == 0 and json.loads(r.stdout)["config"] == expected["config"], (name, r.output)
+    # negative control: read as it is, without the migration, format 1 names another model (today's default input)
+    raw = format_1(record)["config"] | {"family": "streaming"}
+    assert BuildConfig.from_dict(raw).to_dict() != expected["config"]
+    assert BuildConfig.from_dict(migrate_run(format_1(record))["config"]).to_dict() == expected["config"]
+
+
+def test_an_older_train_json_reads_as_today_s(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n")
+    current = TrainConfig(baseline="dense", data=str(corpus.resolve()), steps=3).to_dict()
+    added_since = {"distill", "distill_temperature", "align", "align_at", "align_loss", "train_only", "ratio_start",
+                   "ratio_warmup", "prune_layers", "ce_weight"}
+    # train.json before the pruned baseline and before runs stored absolute data paths: a bool baseline, the data
+    # path as typed (relative to the working folder), none of the options added since
+    older = {k: v for k, v in current.items() if k not in added_since} | {"baseline": True, "data": corpus.name}
+    monkeypatch.chdir(tmp_path)
+    for name, train in (("today", current), ("older", older)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.json").write_text(json.dumps(train))
+    read = {name: run_files.read_train(tmp_path / name) for name in ("today", "older")}
+    assert run_files._train_config(read["older"]) == run_files._train_config(read["today"])
+    assert run_kind({}, read["older"]) == "dense" and read["older"]["data"] == str(corpus.resolve())
+    # negative control: the record as it was written differs from today's
+    assert older["baseline"] is True and older["data"] != current["data"]
+    (tmp_path / "older" / "train.json").write_text(json.dumps(older | {"baseline": False}))
+    assert run_files.read_train(tmp_path / "older")["baseline"] is None  # false: no baseline
+
+
+@pytest.mark.parametrize("version, problem", [
+    (FORMAT_VERSION + 1, f"written by a newer concept (format {FORMAT_VERSION + 1}; this one reads up to "
+                         f"{FORMAT_VERSION}); upgrade concept"),
+    ("two", "'format' is 'two', not a format version"),
+])
+def test_a_format_this_version_cannot_read_is_one_clear_line(today, tmp_path, version, problem):
+    old = shutil.copytree(today, tmp_path / "run")
+    record = json.loads((old / "concept.json").read_text())
+    (old / "concept.json").write_text(json.dumps(record | {"format": version}))
+    for args in (["inspect", old], ["build", "--config", old / "concept.json", "--dry-run"]):
+        r = cli(*args)
+        assert r.exit_code in (1, 2) and problem in r.stderr and "Traceback" not in r.output, (args, r.output)
