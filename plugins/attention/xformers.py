@@ -98,7 +98,7 @@ def kernel_unavailable() -> str:
     try:
         fmha = _fmha()
     except ImportError as exc:
-        return f"xformers is not installed ({exc}): pip install xformers"
+        return f"xformers is not installed ({exc}): pip install 'concept[xformers]'"
     if not torch.cuda.is_available():
         return "needs a CUDA device (xformers' attention kernels are CUDA-only)"
     ops = [getattr(getattr(fmha, name, None), "FwOp", None) for name in ("cutlass", "flash", "flash3")]
