@@ -76,18 +76,22 @@ def open_tracker(name: str, out: Path, config: dict, run_name: str, first_step: 
     ``first_step`` the step of the first row this run will log (a resumed run's earlier rows are in
     metrics.jsonl already)."""
     if name == "csv":
+        # lazy: the backend's module (and its optional package) loads only when its tracker opens
         from .csv_log import CSVTracker
 
         return CSVTracker(out)
     if name == "tensorboard":
+        # lazy: the backend's module (and its optional package) loads only when its tracker opens
         from .tensorboard_log import TensorBoardTracker
 
         return TensorBoardTracker(out, config, first_step)
     if name == "wandb":
+        # lazy: the backend's module (and its optional package) loads only when its tracker opens
         from .wandb_log import WandbTracker
 
         return WandbTracker(out, config, run_name)
     if name == "mlflow":
+        # lazy: the backend's module (and its optional package) loads only when its tracker opens
         from .mlflow_log import MLflowTracker
 
         return MLflowTracker(config, run_name)

@@ -46,6 +46,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import torch
+from einops import rearrange
 
 from concept.attention import AttentionPlan
 from concept.components import accumulation_dtype
@@ -229,7 +230,7 @@ class XFormersPlan(AttentionPlan):
         if not self.blocks.q_index.numel():  # no real token in the batch
             return query.new_zeros(B, L, H, hd)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], hd) for t in (query, key, value)]
+        flat = [rearrange(t, "b h l d -> (b l) h d") for t in (query, key, value)]
         reference = self.config.kernel == "reference"
         if self.layout_for(key, H if training else Hkv, training) == "shared":
             kernels = ReferencePartials() if reference else XFormersPartials()
