@@ -22,34 +22,42 @@ def metrics(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tensorboard_and_csv_through_a_resume_versions_and_progress_lines(built, corpus, tmp_path):  # noqa: F811
-    """The event file read back and metrics.csv hold every logged metric at its step, a resume included (no step
-    twice); train.json names the versions and the commit; on a non-terminal stderr train and eval print a line
-    every --log-every steps / batches."""
+def scalars_logged(out) -> dict[str, list[tuple[int, float]]]:
+    """The TensorBoard event files of ``out`` read back: {tag: [(step, value)]}."""
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    out = tmp_path / "m-train"
-    r = run("train", built, "--data", corpus, "--steps", 2, *FAST, "--eval-every", 2, "--checkpoint-every", 2,
-            "--out", out, "--report-to", "tensorboard,csv")
-    assert r.exit_code == 0, r.output
-    assert [line.split()[2] for line in r.stderr.splitlines() if line.startswith("train step")] == ["2/2"], r.stderr
-    r = run("train", out, "--resume", "--steps", 4, "--log-every", 1)
-    assert r.exit_code == 0, r.output
-    lines = [line for line in r.stderr.splitlines() if line.startswith("train step")]
-    assert [line.split()[2] for line in lines] == ["3/4", "4/4"], r.stderr
-    assert "loss" in lines[0] and "tok/s" in lines[0] and "ETA" in lines[0]
-
-    rows = metrics(out)
     events = event_accumulator.EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    logged = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def csv_rows(out) -> list[dict]:
+    with open(out / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train_tracked(built, corpus, out, steps=2):  # noqa: F811
+    r = run("train", built, "--data", corpus, "--steps", steps, *FAST, "--eval-every", 2, "--checkpoint-every", 2,
+            "--out", out, "--report-to", "tensorboard,csv")
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def test_tensorboard_csv_versions_and_progress_lines(built, corpus, tmp_path):  # noqa: F811
+    """The event file read back and metrics.csv hold every logged metric at its step; train.json names the
+    versions and the commit; on a non-terminal stderr train and eval print a line every --log-every steps /
+    batches."""
+    out = tmp_path / "m-train"
+    r = train_tracked(built, corpus, out, steps=4)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("train step")]
+    assert [line.split()[2] for line in lines] == ["2/4", "4/4"], r.stderr  # --log-every 2
+    assert "loss" in lines[0] and "tok/s" in lines[0] and "ETA" in lines[0]
+
+    rows, logged, table = metrics(out), scalars_logged(out), csv_rows(out)
     assert [s for s, _ in logged["loss"]] == [1, 2, 3, 4]
     assert [v for _, v in logged["loss"]] == pytest.approx([row["loss"] for row in rows], rel=1e-6)
     assert [s for s, _ in logged["eval/nll"]] == [2, 4]
     assert [v for _, v in logged["eval/nll"]] == pytest.approx([rows[1]["eval"]["nll"], rows[3]["eval"]["nll"]], rel=1e-6)
     assert "step" not in logged
-
-    with open(out / "metrics.csv", newline="") as f:
-        table = list(csv.DictReader(f))
     assert [int(float(t["step"])) for t in table] == [row["step"] for row in rows] == [1, 2, 3, 4]
     assert [float(t["loss"]) for t in table] == pytest.approx([row["loss"] for row in rows])
     assert table[0]["eval/nll"] == "" and float(table[1]["eval/nll"]) == pytest.approx(rows[1]["eval"]["nll"])
@@ -65,6 +73,28 @@ def test_tensorboard_and_csv_through_a_resume_versions_and_progress_lines(built,
     r = run("eval", out, "--batches", 3, "--batch", 1, "--seq-len", 16, "--no-controls", "--log-every", 2)
     assert r.exit_code == 0, r.output
     assert [line.split()[3] for line in r.stderr.splitlines() if line.startswith("eval ")] == ["2/3", "3/3"], r.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_logs_no_step_twice(built, corpus, tmp_path):  # noqa: F811
+    """A run stopped after its checkpoint at step 2 had logged step 3: the resume drops it from metrics.jsonl,
+    rebuilds metrics.csv from the kept rows and purges the TensorBoard events past the checkpoint."""
+    out = tmp_path / "m-train"
+    train_tracked(built, corpus, out, steps=2)
+    with open(out / "metrics.jsonl", "a") as f:  # what a run killed during step 4 leaves: a logged step 3
+        f.write(json.dumps({**metrics(out)[-1], "step": 3, "loss": 99.0}) + "\n")
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(out / "tensorboard")) as writer:
+        writer.add_scalar("loss", 99.0, 3)
+    assert (3, 99.0) in scalars_logged(out)["loss"]
+    r = run("train", out, "--resume", "--steps", 4, "--log-every", 1)
+    assert r.exit_code == 0, r.output
+    assert [line.split()[2] for line in r.stderr.splitlines() if line.startswith("train step")] == ["3/4", "4/4"]
+    rows, logged, table = metrics(out), scalars_logged(out), csv_rows(out)
+    assert [row["step"] for row in rows] == [int(float(t["step"])) for t in table] == [1, 2, 3, 4]
+    assert [s for s, _ in logged["loss"]] == [1, 2, 3, 4]
+    assert 99.0 not in [float(t["loss"]) for t in table] + [v for _, v in logged["loss"]]
 
 
 def test_a_missing_tracker_package_names_its_extra(built, corpus, tmp_path, monkeypatch):  # noqa: F811
