@@ -35,7 +35,7 @@ TORCH_APIS = {
 }
 OLDER = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.parallel", "torch.overrides", "torch.profiler",
          "torch.utils._python_dispatch", "torch.utils._pytree", "torch.utils.checkpoint", "torch.distributed",
-         "torch.distributed.fsdp"}  # (torch.distributed.fsdp itself: 1.x; its fully_shard is in TORCH_APIS)
+         "torch.distributed.fsdp", "torch.utils.tensorboard"}  # (1.x; fsdp's fully_shard is in TORCH_APIS)
 
 
 def version(text: str) -> tuple[int, ...]:
