@@ -165,6 +165,8 @@ def test_the_library_works_without_xformers_and_gguf(monkeypatch):
         assert torch.allclose(out, torch.full_like(out, 0.5)) and torch.allclose(lse, torch.full_like(lse, 0.6931),
                                                                                      atol=1e-4)
         assert "xformers" in ok(invoke("plugins", "list", "--check")).stdout
+        reference = plugin.XFormersConfig(kernel="reference")
+        assert "pip install 'concept[xformers]'" in plugin.XFormersBackend.check_compatible(reference, None)[0]
     finally:
         plugin._fmha.cache_clear(), cascade.xformers_merge.cache_clear()
 

@@ -331,7 +331,12 @@ class XFormersBackend:
     @staticmethod
     def check_compatible(config: XFormersConfig, components) -> list[str]:
         """A build (or a load) with the kernel on a machine that cannot run it is refused up front."""
-        if config.kernel == "reference":
+        if config.kernel == "reference":  # plain torch, but the layouts are xformers' block-diagonal biases
+            try:
+                _fmha()
+            except ImportError as exc:
+                return [f"kernel reference: the layouts are built from xformers' attention biases, and xformers is "
+                        f"not installed ({exc}): pip install 'concept[xformers]'; or {INSTEAD}"]
             return []
         reason = kernel_unavailable()
         return [f"{reason}; {INSTEAD} (or --set attention.kernel=reference: exact, slow, for debugging)"] if reason else []
