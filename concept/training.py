@@ -883,8 +883,9 @@ class Trainer:
         folder (``start(force=True)``) publishes only here, once every step is trained; anything that stops
         it before (an error, Ctrl-C) discards it and leaves the old folder as it was."""
         try:
-            self.trackers = (tracking.open_trackers(self.config.report_to, self.out, self.record(self.source_run),
-                                                    self.name, self.step + 1) if self.dist.is_main else [])
+            if self.dist.is_main and tracking.names(self.config.report_to):
+                self.trackers = tracking.open_trackers(self.config.report_to, self.out, self.record(self.source_run),
+                                                       self.name, self.step + 1)
             try:
                 self._loop(progress)
             finally:
