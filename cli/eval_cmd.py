@@ -1,6 +1,9 @@
 """``concept eval``: held-out NLL, realised ratio, concept usage and ΔNLL controls; or a comparison."""
 from __future__ import annotations
 
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -65,8 +68,10 @@ def training_throughput(run: Path) -> dict:
     return {"train_steps": rows[-1]["step"], "train_tokens_per_s": statistics.median(speeds)}
 
 
-def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None):
-    """Evaluate the run at ``path`` (see :func:`concept.diagnostics.evaluate_folder`), with a status line."""
+def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
+                 log_every: int = 1):
+    """Evaluate the run at ``path`` (see :func:`concept.diagnostics.evaluate_folder`), with a status line and the
+    batches' progress: a bar on a terminal, else a plain line every ``log_every`` batches (and at the last)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.diagnostics import heldout_source
 
@@ -75,7 +80,30 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.diagnostics import evaluate_folder
 
-    return evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model)
+    with batch_progress(str(path), log_every) as progress:
+        return evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device,
+                               model, progress)
+
+
+@contextmanager
+def batch_progress(name: str, log_every: int):
+    """A ``progress(done, total)`` callback for the evaluated batches: a rich bar on a terminal stderr, else
+    ``eval NAME batch D/N  S s`` every ``log_every`` batches and at the last."""
+    start = time.monotonic()
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        def line(done: int, total: int) -> None:
+            if done and (done % log_every == 0 or done == total):
+                click.echo(f"eval {name} batch {done}/{total}  {time.monotonic() - start:.0f} s", err=True)
+
+        yield line
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("eval", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 @click.command(name="eval")
@@ -96,6 +124,9 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 @click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default=None,
               help="Default: the run's training setting (strict).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With a stderr that is not a terminal (a batch job, 2>log): a plain progress line every this many "
+                   "batches (a progress bar on a terminal).")
 @click.option("--tasks", "tasks", multiple=True, metavar="NAMES",
               help="Downstream tasks through lm-evaluation-harness instead of held-out NLL: task, group or tag names, "
                    "comma-separated or repeated (the shipped offline tasks: concept_offline; `--tasks list` lists all). "
@@ -110,7 +141,7 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
               is_flag=False, flag_value="on", help=COMPILE_HELP)
 @click.option("--json", "as_json", is_flag=True)
 def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
-          tasks, include_path, limit, num_fewshot, compile_, as_json):
+          log_every, tasks, include_path, limit, num_fewshot, compile_, as_json):
     """Evaluate trained (or built) runs on held-out text, or on downstream tasks (--tasks).
 
     \b
@@ -144,7 +175,7 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
             model = load(run, compile=compile_).to(pick_device(device))
         for d in domains:
             model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
-                                                          encoding_errors, text_field, device, model)
+                                                          encoding_errors, text_field, device, model, log_every)
             result.update(throughput)
             by_domain[d][str(run)] = result
             if show_map and hasattr(model, "length_policy"):

@@ -17,7 +17,7 @@ def harness():
         # lazy: the library (torch) loads only when the command runs; --help stays instant
         from concept.errors import ConceptError
 
-        raise ConceptError("--tasks needs lm-evaluation-harness: pip install 'concept[eval]' (lm-eval==0.4.13)") from exc
+        raise ConceptError("--tasks needs lm-evaluation-harness: pip install 'concept[eval]' (lm-eval>=0.4.8,<0.5)") from exc
     return module
 
 

@@ -1,6 +1,8 @@
 """``concept train``: LoRA + new modules on text, with ratio control, checkpoints and exact resume."""
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import click
@@ -156,8 +158,34 @@ def already_done(run: Path, steps: int | None) -> tuple[int, int] | None:
     return meta["step"], steps
 
 
+def progress_info(row: dict, cfg) -> str:
+    """The metrics of one step's row, as the progress bar and the plain progress lines show them."""
+    info = f"loss {row['loss']:.3f}"
+    if "distill_kl" in row:
+        info += f"  kd {row['distill_kl']:.3f}"
+    if "align" in row:
+        info += f"  align {row['align']:.3f}"
+    if "mtp" in row:
+        info += f"  mtp {row['mtp']:.3f}"
+    if "placement" in row:
+        info += f"  place {row['placement']:.3f}"
+    if "plan_len" in row:
+        info += f"  plan {row['plan_len']:.1f}"
+    if "ratio" in row:
+        info += f"  ratio {row['ratio']:.3f}"
+        if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:
+            info += f" (target {row['target_ratio']:.3f})"
+    info += f"  {row['tokens_per_s']:.0f} tok/s"
+    if row.get("eval"):
+        info += f"  held-out {row['eval']['nll']:.3f}"
+    return info
+
+
 def run_with_progress(trainer) -> dict:
-    """Train with a rich progress bar on stderr: step, loss, ratio, tokens/s, ETA."""
+    """Train with a rich progress bar on stderr (step, loss, ratio, tokens/s, ETA); on a stderr that is not a
+    terminal, one plain line every --log-every steps and at the last step instead."""
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return run_with_lines(trainer)
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -174,24 +202,23 @@ def run_with_progress(trainer) -> dict:
         task = progress.add_task("train", total=cfg.steps, completed=trainer.step, info="")
 
         def update(row: dict) -> None:
-            info = f"loss {row['loss']:.3f}"
-            if "distill_kl" in row:
-                info += f"  kd {row['distill_kl']:.3f}"
-            if "align" in row:
-                info += f"  align {row['align']:.3f}"
-            if "mtp" in row:
-                info += f"  mtp {row['mtp']:.3f}"
-            if "placement" in row:
-                info += f"  place {row['placement']:.3f}"
-            if "plan_len" in row:
-                info += f"  plan {row['plan_len']:.1f}"
-            if "ratio" in row:
-                info += f"  ratio {row['ratio']:.3f}"
-                if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:
-                    info += f" (target {row['target_ratio']:.3f})"
-            info += f"  {row['tokens_per_s']:.0f} tok/s"
-            if row.get("eval"):
-                info += f"  held-out {row['eval']['nll']:.3f}"
-            progress.update(task, completed=row["step"], info=info)
+            progress.update(task, completed=row["step"], info=progress_info(row, cfg))
 
         return trainer.train(progress=update)
+
+
+def run_with_lines(trainer) -> dict:
+    """Train, printing ``train step S/N  loss ...  tok/s  elapsed, ETA`` every --log-every steps (and at the
+    last one) on stderr: a log file or batch job's output shows the run as it goes."""
+    cfg, start, first = trainer.config, time.monotonic(), trainer.step
+
+    def line(row: dict) -> None:
+        step = row["step"]
+        if step % cfg.log_every and step != cfg.steps:
+            return
+        elapsed = time.monotonic() - start
+        eta = elapsed / max(1, step - first) * (cfg.steps - step)
+        click.echo(f"train step {step}/{cfg.steps}  {progress_info(row, cfg)}  {elapsed:.0f} s, ETA {eta:.0f} s",
+                   err=True)
+
+    return trainer.train(progress=line)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 NAME = "concept"
 
@@ -54,7 +55,7 @@ class CausalPlan(AttentionPlan):
 
     def __call__(self, query, key, value, scaling):
         out = sdpa(query, key, value, scaling, self.mask, is_causal=self.mask is None)
-        return out.transpose(1, 2)
+        return rearrange(out, "b h l d -> b l h d")
 
 
 def concept_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

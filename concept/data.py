@@ -70,7 +70,7 @@ BINARY_SUFFIXES = {
 }
 ENCODING_HINT = "pass --encoding-errors replace to decode it with U+FFFD replacement characters"
 TABLE_SUFFIXES = {".parquet", ".arrow"}  # read through `datasets`, one document per row (binary otherwise)
-DATASETS_PIN = "datasets==5.2.0"
+DATASETS_PIN = "'datasets>=3.0,<6'"
 
 
 @dataclass

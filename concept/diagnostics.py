@@ -281,9 +281,11 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
             encoding_errors or train.get("encoding_errors", "strict"))
 
 
-def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None):
+def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
+                    progress=None):
     """Evaluate the run folder ``path`` (or its already loaded ``model``) on one data source: the
-    batches ``concept eval`` uses. Returns (model, tokenizer, documents, result)."""
+    batches ``concept eval`` uses. Returns (model, tokenizer, documents, result). ``progress(done, total)`` is
+    called once the data is read (0 done) and after each batch."""
     problems = [f"{name}: at least {low}, got {value}" for name, value, low in
                 (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
                 if value is not None and (not isinstance(value, int) or value < low)]
@@ -303,10 +305,22 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
     packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
     n = min(batches, max(1, len(packed) // batch))
-    result = evaluate(model, (packed.batch(i, batch) for i in range(n)), controls=controls)
+    result = evaluate(model, counted((packed.batch(i, batch) for i in range(n)), n, progress), controls=controls)
     # streaming | dense | pruned | planner-executor
     result["model"] = model_kind(model)
     return model, tokenizer, docs, result
+
+
+def counted(batches, total: int, progress=None):
+    """``batches``, calling ``progress(done, total)`` first with 0, then each time a batch has been used (when
+    the evaluation asks for the next one, or finds there is none)."""
+    if progress is None:
+        yield from batches
+        return
+    progress(0, total)
+    for done, b in enumerate(batches, 1):
+        yield b
+        progress(done, total)
 
 
 # -- compression map ------------------------------------------------------------------------

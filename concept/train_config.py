@@ -140,7 +140,13 @@ class CoreTrainConfig:
     eval_batches: int = option(4, help="Held-out batches per evaluation.")
     checkpoint_every: int = option(50, minimum=1, help="Save a checkpoint every this many steps (and at the end).")
     log_every: int = option(10, minimum=1, help="Add gradient norms and concept diagnostics to metrics.jsonl every "
-                                                "this many steps.")
+                                                "this many steps; with a stderr that is not a terminal (a batch job, "
+                                                "2>log), also print a plain progress line every this many steps.")
+    report_to: str = option(
+        "none", metavar="NAMES",
+        help="Also send the metrics to experiment trackers, comma-separated: tensorboard (event files in "
+             "RUN/tensorboard), wandb, mlflow, csv (RUN/metrics.csv beside metrics.jsonl), or none. Each but csv "
+             "needs its extra, e.g. pip install 'concept[tensorboard]'.")
     grad_checkpointing: bool = option(
         False, help="Recompute activations in the backward pass: less memory, more compute.")
     device: str = option("auto", help="auto, cpu or cuda.")

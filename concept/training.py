@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fingerprint, fs, memory, options, run_files
+from . import checkpoint, data, fingerprint, fs, memory, options, run_files, tracking
 from .backbone import decoder
 from .compiled import compile_model
 from .baselines import Baseline
@@ -70,6 +70,7 @@ from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
 from .syncs import declared, host_values
 from .teacher import teacher_forward
+from .versions import git_sha, versions
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
     LoraSettings,
     TrainConfig,
@@ -81,7 +82,7 @@ from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also t
 METRICS = "metrics.jsonl"
 STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
-DERIVED = ("source", "attention_resolved", "pruned", "distributed")
+DERIVED = ("source", "attention_resolved", "pruned", "distributed", "versions", "git_sha")
 DATA_FIELDS = {"data", "text_field", "encoding_errors"}  # --resume may point at other data (with a note)
 
 
@@ -225,6 +226,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.step = 0
         self.last_row: dict = {}
+        self.trackers: list = []  # --report-to: opened by train()
+        self.source_run: str | None = None  # the run it trains from, as train.json records it
         if resume:
             self._restore_state()
         self._stop = False
@@ -300,8 +303,13 @@ class Trainer:
     def _record(self, source: str | None) -> None:
         """train.json: the config, the source run and what training derived (resolved attention, pruned
         block, distribution); replaced atomically (a reader never sees it half-written)."""
-        fs.write_atomic(self.out / TRAIN_FILE,
-                        json.dumps({**self.config.to_dict(), "source": source, **self.derived}, indent=2))
+        self.source_run = source
+        fs.write_atomic(self.out / TRAIN_FILE, json.dumps(self.record(source), indent=2))
+
+    def record(self, source: str | None) -> dict:
+        """train.json's content: the config, the source run, what training derived and what the run was made
+        with (library versions, the git commit of a checkout)."""
+        return {**self.config.to_dict(), "source": source, **self.derived, "versions": versions(), "git_sha": git_sha()}
 
     @property
     def micro_batches(self) -> int:
@@ -361,6 +369,7 @@ class Trainer:
             problems += [f"{flag}: it rewrites code rows in place, which FSDP2's sharded parameters do not allow; "
                          f"use --distributed ddp" for flag, value in (("revive-after", config.revive_after),
                                                                      ("kmeans-init", config.kmeans_init)) if value]
+        problems += tracking.problems(config.report_to)
         if problems:
             raise ConfigError(problems)
         return plan, device
@@ -480,6 +489,7 @@ class Trainer:
             dist.on_main(fs.check_space, out, trainer.checkpoint_bytes(), "the next checkpoint", " and resume again")
             dist.on_main(trainer._commit_resume, rows)
             trainer.record_pending, trainer.record_source = True, source
+            trainer.source_run = source
             trainer.lock = lock
         except BaseException:
             lock.release()
@@ -521,7 +531,8 @@ class Trainer:
         overrides = dict(overrides)
         if "data" in overrides:
             overrides["data"] = data.stored_source(overrides["data"])
-        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device", "batch", "grad_accum"}
+        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "report_to", "device", "batch",
+                      "grad_accum"}
 
         def saved_value(key):
             return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
@@ -857,6 +868,8 @@ class Trainer:
         if self.dist.is_main:
             with open(self.out / METRICS, "a") as f:
                 f.write(json.dumps(_finite(row)) + "\n")
+            for tracker in self.trackers:
+                tracker.log(row["step"], row)
 
     def _on_sigint(self, signum, frame):
         if self._stop:  # second Ctrl-C: stop now
@@ -868,7 +881,15 @@ class Trainer:
         folder (``start(force=True)``) publishes only here, once every step is trained; anything that stops
         it before (an error, Ctrl-C) discards it and leaves the old folder as it was."""
         try:
-            self._loop(progress)
+            if self.dist.is_main and tracking.names(self.config.report_to):
+                self.trackers = tracking.open_trackers(self.config.report_to, self.out, self.record(self.source_run),
+                                                       self.name, self.step + 1)
+            try:
+                self._loop(progress)
+            finally:
+                for tracker in self.trackers:
+                    tracker.close()
+                self.trackers = []
             if self.dist.is_main:
                 self.plot()
             if self._stop:

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from einops import rearrange
 
 from concept.attention import AttentionPlan, sdpa
 from concept.components import accumulation_dtype, upcast
@@ -204,8 +205,8 @@ class CascadePlan(AttentionPlan):
         C = self.C
         outs = []
         if C:
-            outs.append(sdpa(query[:, :, :C], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
-                             is_causal=self.concept_mask is None).transpose(1, 2))
+            outs.append(rearrange(sdpa(query[:, :, :C], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
+                             is_causal=self.concept_mask is None), "b h l d -> b l h d"))
         if self.Tt:
             kernels = ReferenceKernel() if self.config.kernel == "reference" else device_kernel(query.device)
             device = query.device.type
@@ -218,28 +219,23 @@ class CascadePlan(AttentionPlan):
 
 def _flat_heads(x):
     """[B, H, L, hd] -> [B * L, H, hd]."""
-    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])
+    return rearrange(x, "b h l d -> (b l) h d")
 
 
 def _queries(flat, index, kv_heads: int):
     """Query tiles from flat [B * L, H, ...] at ``index`` [n, Lq], the query heads of one KV head folded into
     the rows: [n, Hkv, groups * Lq, ...] (grouped-query attention against the KV heads, no key copied)."""
-    t = flat[index]  # [n, Lq, H, ...]
-    n, lq, heads = t.shape[:3]
-    t = t.view(n, lq, kv_heads, heads // kv_heads, *t.shape[3:]).movedim(1, 3)  # [n, Hkv, groups, Lq, ...]
-    return t.reshape(n, kv_heads, heads // kv_heads * lq, *t.shape[4:])
+    return rearrange(flat[index], "n q (k g) ... -> n k (g q) ...", k=kv_heads)
 
 
 def _unfold(tile, lq: int):
     """[n, Hkv, groups * Lq, ...] -> [n * Lq, H, ...]: :func:`_queries` undone, one row per query."""
-    n, kv_heads, rows = tile.shape[:3]
-    t = tile.reshape(n, kv_heads, rows // lq, lq, *tile.shape[3:]).movedim(3, 1)  # [n, Lq, Hkv, groups, ...]
-    return t.reshape(n * lq, kv_heads * (rows // lq), *tile.shape[3:])
+    return rearrange(tile, "n k (g q) ... -> (n q) (k g) ...", q=lq)
 
 
 def _keys(flat, index):
     """Key / value tiles [n, Hkv, Lk, hd] from flat [B * L, Hkv, hd] at ``index`` [n, Lk]."""
-    return flat[index].transpose(1, 2)
+    return rearrange(flat[index], "n l k d -> n k l d")
 
 
 def merge_parts(out_a, lse_a, out_b, lse_b):
@@ -329,9 +325,9 @@ class MergedTiles(torch.autograd.Function):
                                               _keys(v, tiles.k_index), _queries(out, tiles.q_tail, Hkv), lse_t,
                                               tiles.bias(query.dtype, groups), ctx.scale, state)
             dq.index_add_(0, tiles.q_index.reshape(-1), upcast(_unfold(gq, lq)))
-            dk.index_add_(0, tiles.k_index.reshape(-1), upcast(gk).transpose(1, 2).reshape(-1, Hkv, hd))
-            dv.index_add_(0, tiles.k_index.reshape(-1), upcast(gv).transpose(1, 2).reshape(-1, Hkv, hd))
-        back = lambda g, like: g.view(B, L, -1, hd).transpose(1, 2).to(like.dtype)  # noqa: E731
+            dk.index_add_(0, tiles.k_index.reshape(-1), rearrange(upcast(gk), "n k l d -> (n l) k d"))
+            dv.index_add_(0, tiles.k_index.reshape(-1), rearrange(upcast(gv), "n k l d -> (n l) k d"))
+        back = lambda g, like: rearrange(g, "(b l) h d -> b h l d", b=B).to(like.dtype)  # noqa: E731
         return back(dq, query), back(dk, key), back(dv, value), None, None, None
 
 

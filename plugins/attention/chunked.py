@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 
 from concept.attention import AttentionPlan, sdpa
 from concept.packing import PackedLayout, allowed
@@ -84,7 +85,7 @@ class ChunkedPlan(AttentionPlan):
             k = torch.cat([key[:, :, :hc], key[:, :, ka:qb]], dim=2)
             v = torch.cat([value[:, :, :hc], value[:, :, ka:qb]], dim=2)
             outs.append(sdpa(query[:, :, qa:qb], k, v, scaling, mask))
-        return torch.cat(outs, dim=2).transpose(1, 2)
+        return rearrange(torch.cat(outs, dim=2), "b h l d -> b l h d")
 
 
 class ChunkedBackend:

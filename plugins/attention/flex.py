@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from einops import rearrange
 
 from concept.attention import AttentionPlan
 from concept.errors import ConceptError
@@ -157,7 +158,7 @@ class FlexPlan(AttentionPlan):
                 warnings.simplefilter("ignore")
                 out = flex_attention(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa,
                                      **options)
-        return out.transpose(1, 2)
+        return rearrange(out, "b h l d -> b l h d")
 
 
 class FlexBackend:

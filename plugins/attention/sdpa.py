@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from einops import rearrange
+
 from concept.attention import AttentionPlan, sdpa
 from concept.packing import PackedLayout, allowed
 
@@ -18,7 +20,7 @@ class DenseMaskPlan(AttentionPlan):
         self.mask = allowed(layout.meta, layout.meta)
 
     def __call__(self, query, key, value, scaling):
-        return sdpa(query, key, value, scaling, self.mask).transpose(1, 2)
+        return rearrange(sdpa(query, key, value, scaling, self.mask), "b h l d -> b l h d")
 
 
 class SDPABackend:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from einops import reduce
 
 from concept.components import accumulation_dtype, upcast
 
@@ -80,8 +81,7 @@ def _keys(key, value, index, heads: int):
 
 def _sum_groups(grad, kv_heads: int):
     """A key gradient over the query heads [N, H, hd] back to the KV heads [N, Hkv, hd]."""
-    n, heads, hd = grad.shape
-    return upcast(grad).view(n, kv_heads, heads // kv_heads, hd).sum(2)
+    return reduce(upcast(grad), "n (k g) d -> n k d", "sum", k=kv_heads)
 
 
 def merge(out, lse, rows, part_out, part_lse) -> None:

@@ -46,6 +46,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import torch
+from einops import rearrange
 
 from concept.attention import AttentionPlan
 from concept.components import accumulation_dtype
@@ -98,7 +99,7 @@ def kernel_unavailable() -> str:
     try:
         fmha = _fmha()
     except ImportError as exc:
-        return f"xformers is not installed ({exc}): pip install xformers"
+        return f"xformers is not installed ({exc}): pip install 'concept[xformers]'"
     if not torch.cuda.is_available():
         return "needs a CUDA device (xformers' attention kernels are CUDA-only)"
     ops = [getattr(getattr(fmha, name, None), "FwOp", None) for name in ("cutlass", "flash", "flash3")]
@@ -229,7 +230,7 @@ class XFormersPlan(AttentionPlan):
         if not self.blocks.q_index.numel():  # no real token in the batch
             return query.new_zeros(B, L, H, hd)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        flat = [t.transpose(1, 2).reshape(B * L, t.shape[1], hd) for t in (query, key, value)]
+        flat = [rearrange(t, "b h l d -> (b l) h d") for t in (query, key, value)]
         reference = self.config.kernel == "reference"
         if self.layout_for(key, H if training else Hkv, training) == "shared":
             kernels = ReferencePartials() if reference else XFormersPartials()
@@ -330,7 +331,12 @@ class XFormersBackend:
     @staticmethod
     def check_compatible(config: XFormersConfig, components) -> list[str]:
         """A build (or a load) with the kernel on a machine that cannot run it is refused up front."""
-        if config.kernel == "reference":
+        if config.kernel == "reference":  # plain torch, but the layouts are xformers' block-diagonal biases
+            try:
+                _fmha()
+            except ImportError as exc:
+                return [f"kernel reference: the layouts are built from xformers' attention biases, and xformers is "
+                        f"not installed ({exc}): pip install 'concept[xformers]'; or {INSTEAD}"]
             return []
         reason = kernel_unavailable()
         return [f"{reason}; {INSTEAD} (or --set attention.kernel=reference: exact, slow, for debugging)"] if reason else []

