@@ -151,6 +151,7 @@ def read_run(path: str | os.PathLike) -> dict:
     for key, value in LEGACY_CONFIG.get(version, {}).items():
         config.setdefault(key, value)
     config.setdefault("family", "streaming")  # (written before there was a second family)
+    config.setdefault("max_ratio", 0.0)  # (written before the static budget: none, as it was built; not the new auto)
     problems = config_problems(config)
     if problems:
         raise damaged(file, f"its config is invalid ({'; '.join(problems)})", fix)
