@@ -5,6 +5,7 @@ rate, none for a policy with neither; ``none`` / 0 switch it off; runs saved bef
 an injected ``.item()`` and the budget switched off as negative controls (its training step and compiled
 training: ``tests/test_host_syncs.py``, ``tests/test_compile.py``, both on the default build)."""
 import json
+import math
 
 import pytest
 import torch
@@ -14,10 +15,12 @@ import concept
 from concept_cli.main import cli
 from concept import BuildConfig, ComponentRef, ConfigError, resolve
 from concept.config import has_budget, max_ratio_problem
-from concept.streaming import gap
+from concept import packing
+from concept.streaming import budget, gap
 from concept.streaming.model import ConceptModel
 from concept.syncs import HostSyncs
-from tests.conftest import randomize_new_modules
+from tests.conftest import assert_decoding_matches_teacher_forcing, mixed_model, randomize_new_modules
+from tests.test_static_shapes import budgeted
 
 TINY = {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 97}
 
@@ -143,3 +146,33 @@ def test_the_default_forward_reads_the_device_once(default_model, monkeypatch):
     monkeypatch.setattr(ConceptModel, "fuse_tail", fuse_and_read)
     seen = count(default_model, **forward_inputs())
     assert seen.hidden == 1 and dict(seen.syncs) == {"_local_scalar_dense": 1}
+
+
+def test_auto_leaves_a_slack_of_two_and_the_cap_is_still_its_step_rule():
+    """``auto``'s budget is ``ceil(2 r n) + 2`` (a burst at a row's start: docs/results.md); the one-pass cap with
+    a slack equals the cap applied token by token, and the decoder applies it too (decoding = teacher forcing)."""
+    g = torch.Generator().manual_seed(0)
+    keep, valid = torch.rand(6, 40, generator=g) < 0.4, torch.rand(6, 40, generator=g) < 0.9
+    for slack in (0, 2):
+        want = torch.zeros_like(keep)
+        for b in range(6):
+            count = n = 0
+            for t in range(40):
+                n += int(valid[b, t])
+                if valid[b, t] and keep[b, t] and count < math.ceil(n * 0.25) + slack:
+                    want[b, t], count = True, count + 1
+        assert torch.equal(packing.cap_boundaries(keep, valid, 0.25, slack=slack), want)
+    model = mixed_model("threshold")  # (~30% of the tokens emit, no tracker pulling them to the target)
+    target = float(model.length_policy.target_ratio)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
+    try:
+        gap.set_target(model.length_policy, 0.05)  # auto: 0.1, so that the cap binds
+        with budgeted(model, "auto"):
+            assert model.budget_slack == budget.SLACK and model.concept_slots(16) == math.ceil(16 * 0.1) + 2
+            gen = assert_decoding_matches_teacher_forcing(model, prompts, 14)
+            with torch.no_grad():
+                capped = [int(model(torch.tensor([p + gen.tokens[b][:-1]])).capped) for b, p in enumerate(prompts)]
+        assert sum(capped) > 0  # the cap bound on the decoded text
+    finally:
+        gap.set_target(model.length_policy, target)
+    assert model.budget_slack == 0  # (a number is the budget as given)

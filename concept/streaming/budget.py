@@ -30,6 +30,7 @@ from ..config import MAX_RATIO_AUTO, MAX_RATIO_NONE
 from . import gap
 
 HEADROOM = 2.0  # auto: the budget in units of the policy's target ratio
+SLACK = 2  # auto: boundaries a row may have beyond ceil(max_ratio * n), for a burst at its start
 
 
 def from_target(target: float) -> float:
@@ -47,6 +48,12 @@ def auto(policy) -> float:
     if getattr(policy, "target_ratio", None) is not None:
         return from_target(gap.target_of(policy))
     return 0.0
+
+
+def slack(value, max_ratio: float) -> int:
+    """The budget's slack: :data:`SLACK` for ``auto`` (when it finds a budget), 0 for a number, which is the
+    budget exactly as given."""
+    return SLACK if value == MAX_RATIO_AUTO and max_ratio else 0
 
 
 def resolve(value, policy) -> float:

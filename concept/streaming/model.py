@@ -119,6 +119,11 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
     def max_ratio(self, value) -> None:
         self.budget_setting = value
 
+    @property
+    def budget_slack(self) -> int:
+        """Boundaries a row may have beyond ``ceil(max_ratio * n)`` (``auto``: a burst at a row's start)."""
+        return budget.slack(self.budget_setting, self.max_ratio)
+
     @contextmanager
     def budget_off(self):
         """The model without its static budget inside the block (the dynamic layout): for forced decisions that
@@ -154,7 +159,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
 
     def concept_slots(self, T: int) -> int | None:
         """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
-        return packing.budget(T, self.max_ratio) * self.emit if self.max_ratio else None
+        return min(T, packing.budget(T, self.max_ratio, self.budget_slack)) * self.emit if self.max_ratio else None
 
     def shallow_states(self, input_ids, valid, doc=None, pos=None, cache=None, causal=None):
         """h after the shallow stack [B, T, d] (what the ConceptHead reads). ``causal``: whether plain causal
@@ -178,7 +183,9 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         keeps of them), both [B, T] bool: the same tensor without a budget."""
         chosen = (self.length_policy.decide(h, head_logits, valid, reset) if keep is None else keep).bool() & valid
         max_ratio = self.max_ratio
-        return chosen, packing.cap_boundaries(chosen, valid, max_ratio) if max_ratio else chosen
+        if not max_ratio:
+            return chosen, chosen
+        return chosen, packing.cap_boundaries(chosen, valid, max_ratio, slack=self.budget_slack)
 
     def codes(self, h, head_logits):
         """Which concept each token would emit: the sampler's probabilities over the K codes and the
