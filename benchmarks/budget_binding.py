@@ -29,7 +29,7 @@ def main() -> None:
     trainer = Trainer.start(args.run, out, TrainConfig(steps=1, seq_len=args.seq_len, batch=args.batch))
     model = trainer.model.eval()
     target = gap.target_of(model.length_policy)
-    cases = [(h, s) for h in (1.5, 2.0, 3.0) for s in (0, 1, 2)]
+    cases = [(h, s) for h in (1.5, 2.0, 3.0) for s in (0, 1, 2, 3, 4)]
     found = {case: [0, 0] for case in cases}
     with torch.no_grad():
         for i in range(args.batches):
