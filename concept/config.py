@@ -85,7 +85,7 @@ class BuildConfig:
         help="Streaming: static shapes. A row's first n real tokens emit at most ceil(max_ratio * n) boundaries "
              "(the model drops those over it), so the packed layout has ceil(max_ratio * T) concept slots per row "
              "whatever the decisions (no host sync, one compiled graph). auto: twice the length policy's target "
-             "ratio, plus 2 boundaries of slack per row (0.25 at the default 0.125; fixed: its own rate "
+             "ratio, plus 4 boundaries of slack per row (0.25 at the default 0.125; fixed: its own rate "
              "1 / every); none or 0: off, widths follow the batch.")
     # which model family the builder wires (a ``concept.families`` entry point: ``concept plugins list``)
     family: str = option("streaming", metavar="NAME",

@@ -148,8 +148,8 @@ def test_the_default_forward_reads_the_device_once(default_model, monkeypatch):
     assert seen.hidden == 1 and dict(seen.syncs) == {"_local_scalar_dense": 1}
 
 
-def test_auto_leaves_a_slack_of_two_and_the_cap_is_still_its_step_rule(default_model):
-    """``auto``'s budget is ``ceil(2 r n) + 2`` (a burst at a row's start: docs/results.md); the one-pass cap with
+def test_auto_leaves_a_slack_of_four_and_the_cap_is_still_its_step_rule(default_model):
+    """``auto``'s budget is ``ceil(2 r n) + 4`` (a burst at a row's start: docs/results.md); the one-pass cap with
     a slack equals the cap applied token by token, and the decoder applies it too (decoding = teacher forcing)."""
     g = torch.Generator().manual_seed(0)
     keep, valid = torch.rand(6, 40, generator=g) < 0.4, torch.rand(6, 40, generator=g) < 0.9
@@ -163,7 +163,7 @@ def test_auto_leaves_a_slack_of_two_and_the_cap_is_still_its_step_rule(default_m
                     want[b, t], count = True, count + 1
         assert torch.equal(packing.cap_boundaries(keep, valid, 0.25, slack=slack), want)
     model = default_model  # (a random head: ~26% of the tokens would emit, over 0.25)
-    assert model.budget_slack == budget.SLACK and model.concept_slots(16) == math.ceil(16 * 0.25) + 2
+    assert model.budget_slack == budget.SLACK and model.concept_slots(16) == math.ceil(16 * 0.25) + 4
     prompts = [[5, 9, 2, 7, 1, 3, 8, 8, 4, 1, 6, 2], [4, 4, 8]]
     gen = assert_decoding_matches_teacher_forcing(model, prompts, 24)
     with torch.no_grad():

@@ -10,9 +10,9 @@ and ``cap_boundaries`` apply it).
   * a policy with a target ratio r (its ``target_ratio`` buffer: `null`, `threshold`, `mtp`; the trainer
     keeps it at the step's target, the build's calibration at its own): ``min(1, 2 r)``, twice the target,
     0.25 at the default 0.125, with a slack of :data:`SLACK` boundaries: a row's first n real tokens keep at
-    most ``ceil(2 r n) + 2``. The per-document ratio tracker holds a document near r, so a row goes over
-    ``ceil(2 r n)`` only in a burst at its start: on a 20-step default run, 0.72 % of the policy's
-    boundaries without the slack (every one in a row's first 8 tokens), none with it
+    most ``ceil(2 r n) + 4``. The per-document ratio tracker holds a document near r, so a row goes over
+    ``ceil(2 r n)`` only in a burst at its start: on two 20-step default runs, 0.72-0.77 % of the policy's
+    boundaries without a slack (in a row's first tokens), 0-0.03 % with 2, none with 4
     (``benchmarks/budget_binding.py``, ``docs/results.md``);
   * a policy that bounds its own rate (``max_boundary_rate``: `fixed`, one boundary every ``every`` tokens):
     that bound, which the cap then never binds;
@@ -33,7 +33,7 @@ from ..config import MAX_RATIO_AUTO, MAX_RATIO_NONE
 from . import gap
 
 HEADROOM = 2.0  # auto: the budget in units of the policy's target ratio
-SLACK = 2  # auto: boundaries a row may have beyond ceil(max_ratio * n), for a burst at its start
+SLACK = 4  # auto: boundaries a row may have beyond ceil(max_ratio * n), for a burst at its start
 
 
 def from_target(target: float) -> float:
@@ -53,10 +53,12 @@ def auto(policy) -> float:
     return 0.0
 
 
-def slack(value, max_ratio: float) -> int:
-    """The budget's slack: :data:`SLACK` for ``auto`` (when it finds a budget), 0 for a number, which is the
-    budget exactly as given."""
-    return SLACK if value == MAX_RATIO_AUTO and max_ratio else 0
+def slack(value, policy) -> int:
+    """The budget's slack: :data:`SLACK` for ``auto`` from a target ratio; 0 for a policy's own rate bound
+    (it never goes over it) and for a number, which is the budget exactly as given."""
+    if value != MAX_RATIO_AUTO or getattr(policy, "max_boundary_rate", None) is not None:
+        return 0
+    return SLACK if auto(policy) else 0
 
 
 def resolve(value, policy) -> float:

@@ -122,7 +122,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
     @property
     def budget_slack(self) -> int:
         """Boundaries a row may have beyond ``ceil(max_ratio * n)`` (``auto``: a burst at a row's start)."""
-        return budget.slack(self.budget_setting, self.max_ratio)
+        return budget.slack(self.budget_setting, self.length_policy)
 
     @contextmanager
     def budget_off(self):
