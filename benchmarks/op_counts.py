@@ -59,7 +59,8 @@ def main() -> None:
     docs = [c for name in ("textwrap.py", "shlex.py", "heapq.py", "bisect.py", "difflib.py")
             for c in (STDLIB / name).read_text().split("\ndef ") if len(c) > 200]
     (folder / "code.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    extra = {} if args.max_ratio == "auto" else {"max_ratio": 0.0 if args.max_ratio == "none" else float(args.max_ratio)}
+    given = 0.0 if args.max_ratio == "none" else args.max_ratio
+    extra = {} if given == "auto" else {"max_ratio": float(given)}  # (auto: the default, at any commit)
     cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2,
                                                           "vocab": 256}),
                       split="2,2,2", vocabulary=ComponentRef("embedding", {"size": 32}),
