@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from concept.config import has_budget
+
 GPU_MODE = "reduce-overhead"
 BUDGET = 0.25  # the compiled streaming builds' max_ratio: twice the default 0.125 concepts per token
 
@@ -29,8 +31,9 @@ def compile_dense(module, device):
 
 
 def budgeted(config):
-    """``config`` (a ``BuildConfig``) with a static concept budget: its own ``max_ratio``, else :data:`BUDGET`."""
-    return dataclasses.replace(config, max_ratio=config.max_ratio or BUDGET)
+    """``config`` (a ``BuildConfig``) with a static concept budget: its own ``max_ratio`` (the default ``auto``
+    included), else :data:`BUDGET`."""
+    return dataclasses.replace(config, max_ratio=config.max_ratio if has_budget(config.max_ratio) else BUDGET)
 
 
 def build_option(choice: str = "on") -> dict:

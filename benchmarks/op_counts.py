@@ -1,6 +1,6 @@
 """aten ops and host syncs per forward and per training step, on CPU: streaming, pruned and dense.
 
-    python benchmarks/op_counts.py [--max-ratio 0.25] [--compile off|on|aot-eager] [--json]
+    python benchmarks/op_counts.py [--max-ratio auto|none|0.25] [--compile off|on|aot-eager] [--seq-len 128] [--json]
 
 The tiny backbone of the tests (6 layers, hidden 64, a 256-id byte vocabulary, split 2,2,2), the default `null` policy (its tracker
 on: one host scan per forward), `chunked` attention, 2 rows x 128 tokens of packed stdlib documents with
@@ -49,7 +49,7 @@ def dispatched(run) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-ratio", type=float, default=0.0)
+    parser.add_argument("--max-ratio", default="auto", help="the build's (auto: its default, whatever the commit)")
     parser.add_argument("--compile", default="off")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--json", action="store_true")
@@ -59,7 +59,8 @@ def main() -> None:
     docs = [c for name in ("textwrap.py", "shlex.py", "heapq.py", "bisect.py", "difflib.py")
             for c in (STDLIB / name).read_text().split("\ndef ") if len(c) > 200]
     (folder / "code.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    extra = {"max_ratio": args.max_ratio} if args.max_ratio else {}
+    given = 0.0 if args.max_ratio == "none" else args.max_ratio
+    extra = {} if given == "auto" else {"max_ratio": float(given)}  # (auto: the default, at any commit)
     cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2,
                                                           "vocab": 256}),
                       split="2,2,2", vocabulary=ComponentRef("embedding", {"size": 32}),

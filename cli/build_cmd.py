@@ -193,13 +193,14 @@ def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_
     names = {slot: options.pop(slot) for slot in SLOTS}
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import resolve
+    from concept.config import parse_max_ratio
     from concept.families import build_options, structure
     from concept.options import from_params, paths
 
     problems = []
     config = make_config(config_file, names, split, seed, overrides, concept_input, family, problems)
     if max_ratio is not None:
-        config.max_ratio = max_ratio
+        config.max_ratio = parse_max_ratio(max_ratio)
     given = {name for name in options if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
     extras, mine = None, set()
     for name, cls in build_options().items():  # the chosen family's own build options; another's are refused

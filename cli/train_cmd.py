@@ -175,6 +175,8 @@ def progress_info(row: dict, cfg) -> str:
         info += f"  ratio {row['ratio']:.3f}"
         if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:
             info += f" (target {row['target_ratio']:.3f})"
+        if row.get("capped"):  # boundaries the static budget dropped (concept build --max-ratio)
+            info += f" capped {row['capped']:.3f}"
     info += f"  {row['tokens_per_s']:.0f} tok/s"
     if row.get("eval"):
         info += f"  held-out {row['eval']['nll']:.3f}"

@@ -81,8 +81,9 @@ def compile_model(model, choice: str = "on"):
     if family == "streaming":
         if not model.max_ratio:
             raise ConceptError("--compile needs static shapes: build the model with a static concept budget, "
-                               "e.g. `concept build --max-ratio 0.25` (BuildConfig.max_ratio; the shapes then do "
-                               "not depend on the decisions and one graph serves every step)")
+                               "e.g. `concept build --max-ratio 0.25` (BuildConfig.max_ratio; the default `auto` "
+                               "finds none for a length policy with neither a target ratio nor a rate bound; the "
+                               "shapes then do not depend on the decisions and one graph serves every step)")
     elif not isinstance(model, DenseModel):
         raise ConceptError(f"--compile: the streaming family and the dense / pruned baselines compile their stacks; "
                            f"the {family} family does not (leave --compile off)")

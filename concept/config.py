@@ -33,6 +33,8 @@ AUTO_SHALLOW, AUTO_DEEP = 2 / 15, 4 / 15
 DEFAULT_TARGET_RATIO = 0.125
 # --compile (concept.compiled): off until a GPU measurement says otherwise; "on": the device's mode
 COMPILE_CHOICES = ("off", "on", "default", "reduce-overhead", "max-autotune", "aot-eager")
+# BuildConfig.max_ratio's words (besides a number in [0, 1]; 0 = none)
+MAX_RATIO_AUTO, MAX_RATIO_NONE = "auto", "none"
 COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --compile alone is `on` (CUDA graphs on "
                 "CUDA, torch's default mode elsewhere); a streaming model needs a static budget (concept build "
                 "--max-ratio). aot-eager: captured but not code-generated (debugging).")
@@ -76,12 +78,15 @@ class BuildConfig:
                                      "(identity), the same with the gate in units of the shallow state "
                                      "(identity-scaled), or the discrete embedding alone (embedding).")
     seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed for the new modules.")
-    # streaming: the static concept budget (concept.packing.budget); 0 = off (layout widths follow the batch)
-    max_ratio: float = option(0.0, minimum=0, maximum=1,
-                              help="Streaming: static shapes. A row's first n real tokens emit at most "
-                                   "ceil(max_ratio * n) boundaries (the model drops those over it), so the packed "
-                                   "layout has ceil(max_ratio * T) concept slots per row whatever the decisions "
-                                   "(no host sync, one compiled graph). 0 = off: widths follow the batch.")
+    # streaming: the static concept budget (concept.packing.budget): a number, "auto" (derived from the length
+    # policy: concept.streaming.budget) or "none" / 0 = off (layout widths follow the batch)
+    max_ratio: float | str = option(
+        MAX_RATIO_AUTO, metavar="R|auto|none",
+        help="Streaming: static shapes. A row's first n real tokens emit at most ceil(max_ratio * n) boundaries "
+             "(the model drops those over it), so the packed layout has ceil(max_ratio * T) concept slots per row "
+             "whatever the decisions (no host sync, one compiled graph). auto: twice the length policy's target "
+             "ratio, plus 4 boundaries of slack per row (0.25 at the default 0.125; fixed: its own rate "
+             "1 / every); none or 0: off, widths follow the batch.")
     # which model family the builder wires (a ``concept.families`` entry point: ``concept plugins list``)
     family: str = option("streaming", metavar="NAME",
                          help="Model family (`concept plugins list --kind family`): streaming (online concept "
@@ -163,13 +168,41 @@ class BuildConfig:
             elif path in SLOTS:
                 getattr(self, path).name = str(value)
             elif path in ("split", "seed", "concept_input", "family", "max_ratio"):
-                setattr(self, path, value if path in ("seed", "max_ratio") else str(raw))
+                setattr(self, path, value if path == "seed" else parse_max_ratio(raw) if path == "max_ratio"
+                        else str(raw))
             else:
                 problems.append(_unknown_msg("--set key", path, list(SLOTS) + [
                     "split", "seed", "concept_input", "family", "max_ratio", *(f"{s}.KEY" for s in sections)]))
         if problems and not collect:
             raise ConfigError(problems)
         return self
+
+
+def parse_max_ratio(raw):
+    """A ``max_ratio`` as given on a command line (``0.25``, ``auto``, ``none``): a number where it is one,
+    else the text as it is (:func:`max_ratio_problem` names what is wrong with it)."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return float(raw)
+    except ValueError:
+        return raw.strip().lower()
+
+
+def max_ratio_problem(value) -> str | None:
+    """What is wrong with a ``max_ratio`` (None: nothing)."""
+    if value in (MAX_RATIO_AUTO, MAX_RATIO_NONE):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        return (f"max_ratio: a number in [0, 1], '{MAX_RATIO_AUTO}' (from the length policy's target ratio) or "
+                f"'{MAX_RATIO_NONE}' (no static budget; so is 0), got {value!r}")
+    return None
+
+
+def has_budget(value) -> bool:
+    """Whether a ``max_ratio`` asks for a static budget: ``auto`` or a number above 0 (``auto`` may still find
+    none for a length policy with neither a target nor a bound: ``concept.streaming.budget``)."""
+    return value == MAX_RATIO_AUTO or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
 
 
 def family_sections() -> dict[str, str]:
@@ -386,9 +419,8 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
         problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {config.seed}")
     if config.concept_input not in CONCEPT_INPUTS:
         problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
-    max_ratio = config.max_ratio
-    if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float)) or not 0 <= max_ratio <= 1:
-        problems.append(f"max_ratio: a number in [0, 1] (0 = no static budget), got {max_ratio!r}")
+    if max_ratio_problem(config.max_ratio):
+        problems.append(max_ratio_problem(config.max_ratio))
     settings, fam = None, None
     try:
         fam = family(config.family)

@@ -26,6 +26,7 @@ from torch import nn
 from . import packing
 from .attention import CausalPlan
 from .backbone import decoder, run_layers
+from .config import has_budget
 from .generation import generate
 from .hub import HubMixin
 from .lazy import Deferred, LazyField
@@ -50,7 +51,7 @@ class DenseModel(HubMixin, nn.Module):
         self.gradient_checkpointing = False
         self.compiled_stacks = None  # --compile (concept.compiled): its layers compiled
         # the baseline of a static build (max_ratio), or compiled: masks built without reading anything back
-        self.static = bool(getattr(getattr(plan, "config", None), "max_ratio", 0.0))
+        self.static = has_budget(getattr(getattr(plan, "config", None), "max_ratio", 0.0))
         n = len(decoder(backbone).layers)
         if removed is not None and not (0 <= removed[0] < removed[1] <= n):
             raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")

@@ -60,6 +60,7 @@ def migrate_run(record: dict) -> dict:
             for key, value in FORMAT_1_COMPONENTS.items():
                 config.setdefault(key, value)
         config.setdefault("family", FIRST_FAMILY)
+        config.setdefault("max_ratio", 0.0)  # written before the static budget: none, as it was built (not today's auto)
         known = sections()
         for key in [k for k, v in config.items() if k in known and v == {}]:
             del config[key]

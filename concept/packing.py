@@ -103,21 +103,23 @@ def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, present
 
 
-def budget(tokens, max_ratio: float):
+def budget(tokens, max_ratio: float, slack: int = 0):
     """The static concept budget: the most boundaries a row may have among its first ``tokens`` real
-    tokens, ``ceil(max_ratio * tokens)``. ``tokens`` an int (the layout's width) or a long tensor (the
-    cap, token by token): both compute ``max_ratio * tokens`` in IEEE float64, so they agree exactly."""
+    tokens, ``ceil(max_ratio * tokens) + slack`` (``slack``: room for a burst at a row's start, which
+    ``max_ratio="auto"`` gives; ``concept.streaming.budget``). ``tokens`` an int (the layout's width) or a
+    long tensor (the cap, token by token): both compute ``max_ratio * tokens`` in IEEE float64, so they
+    agree exactly."""
     if isinstance(tokens, torch.Tensor):
-        return torch.ceil(tokens.double() * max_ratio).long()
-    return math.ceil(float(tokens) * max_ratio)
+        return torch.ceil(tokens.double() * max_ratio).long() + slack
+    return math.ceil(float(tokens) * max_ratio) + slack
 
 
 def cap_boundaries(keep: torch.Tensor, valid: torch.Tensor, max_ratio: float,
                    boundaries_before: torch.Tensor | None = None,
-                   tokens_before: torch.Tensor | None = None) -> torch.Tensor:
+                   tokens_before: torch.Tensor | None = None, slack: int = 0) -> torch.Tensor:
     """The policy's boundaries ``keep`` [B, n] with those over the row budget dropped: the token that is
-    its row's n-th real token keeps its boundary only while the row has fewer than ``budget(n)``
-    boundaries before it. Causal (a prefix decides the same whatever follows), so the decoder's step
+    its row's n-th real token keeps its boundary only while the row has fewer than ``budget(n, max_ratio,
+    slack)`` boundaries before it. Causal (a prefix decides the same whatever follows), so the decoder's step
     applies the same rule to one token (``n = 1``, with the row's ``boundaries_before`` / ``tokens_before``
     [B], a state the rule reached: ``boundaries_before <= budget(tokens_before)``) and decoding equals
     teacher forcing at the cap too.
@@ -131,7 +133,7 @@ def cap_boundaries(keep: torch.Tensor, valid: torch.Tensor, max_ratio: float,
     if tokens_before is not None:
         seen = seen + tokens_before[:, None]
     start = torch.zeros_like(counted[:, :1]) if boundaries_before is None else boundaries_before[:, None]
-    room = torch.cummin(budget(seen, max_ratio) - start - counted, dim=1).values  # K_s - c_0 - R_s
+    room = torch.cummin(budget(seen, max_ratio, slack) - start - counted, dim=1).values  # K_s - c_0 - R_s
     kept = counted + start + torch.clamp(room, max=0)
     before = torch.cat([start, kept[:, :-1]], dim=1)
     return keep & (kept > before)

@@ -22,7 +22,7 @@ def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split
         position_scheme=ComponentRef(positions),
         vocabulary=extra.pop("vocabulary", ComponentRef("embedding", {"size": vocab})),
         length_policy=ComponentRef(*policy),
-        **extra,
+        **{"max_ratio": 0.0, **extra},  # the dynamic layout (the tests that mix ~30% concepts); opt in to a budget
     )
     return cfg
 

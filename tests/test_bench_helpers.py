@@ -11,7 +11,9 @@ from benchmarks.conftest import cpu_side_by_side, renamed_sides
 def test_compiled_builds_get_a_static_budget_unless_they_set_one():
     from concept.config import BuildConfig
 
-    assert compiled.budgeted(BuildConfig()).max_ratio == compiled.BUDGET
+    assert compiled.budgeted(BuildConfig()).max_ratio == "auto"  # the default: a budget already
+    assert compiled.budgeted(BuildConfig(max_ratio=0.0)).max_ratio == compiled.BUDGET
+    assert compiled.budgeted(BuildConfig(max_ratio="none")).max_ratio == compiled.BUDGET
     assert compiled.budgeted(BuildConfig(max_ratio=0.5)).max_ratio == 0.5
     assert compiled.build_option("reduce-overhead") == {"compile": "reduce-overhead"}
     assert compiled.train_option() == {"compile": "on"}

@@ -32,7 +32,7 @@ def run(tmp_path_factory):
     cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
                                                           "intermediate": 64}),
                       split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}),
-                      attention=ComponentRef("chunked", {"chunk": 16}), max_ratio=0.25)
+                      attention=ComponentRef("chunked", {"chunk": 16}))  # the default budget: auto (0.25 here)
     concept.save(concept.build(cfg), folder / "built")
     return folder
 

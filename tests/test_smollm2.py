@@ -103,18 +103,22 @@ def test_identity_start_keep_all_is_the_backbone_on_smollm2(smol, text_ids):
     before training and with LoRA at its init; the purely discrete input is far from it."""
     from concept.lora import LoraSettings, add_lora
 
-    keep = torch.ones_like(text_ids, dtype=torch.bool)
-    with torch.no_grad():
+    keep = torch.ones_like(text_ids, dtype=torch.bool)  # (more than the default static budget holds: off for it)
+    with torch.no_grad(), smol.budget_off():
         dense = smol.backbone(text_ids).logits
         scale = dense.abs().max().item()
         assert (smol(text_ids, keep=keep).logits - dense).abs().max().item() / scale < 1e-5
     lora = concept.build(BuildConfig(split="4,22,4", attention=ComponentRef("chunked", {"chunk": 16}),
-                                     tail_fusion=ComponentRef("bridge")))
+                                     tail_fusion=ComponentRef("bridge"), max_ratio="none"))
     add_lora(lora.backbone, LoraSettings())
-    discrete = concept.build(BuildConfig(split="4,22,4", concept_input="embedding"))
+    discrete = concept.build(BuildConfig(split="4,22,4", concept_input="embedding", max_ratio="none"))
     with torch.no_grad():
         assert (lora(text_ids, keep=keep).logits - dense).abs().max().item() / scale < 1e-5
         assert (discrete(text_ids, keep=keep).logits - dense).abs().max().item() / scale > 1e-2
+    with torch.no_grad():  # negative control: the default budget (auto, 0.25) drops most of the forced concepts
+        capped = smol(text_ids, keep=keep)
+    assert smol.max_ratio == 0.25 and int(capped.keep.sum()) == 16 + 4  # ceil(0.25 * 64) + the slack
+    assert (capped.logits - dense).abs().max().item() / scale > 1e-2
 
 
 def test_mtp_verify_is_greedy_decoding_on_smollm2(text_ids):

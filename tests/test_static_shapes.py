@@ -76,7 +76,7 @@ def test_cap_check_catches_an_off_by_one_budget(monkeypatch):
     keep, valid = torch.rand(8, 40, generator=g) < 0.6, torch.ones(8, 40, dtype=torch.bool)
     want = capped_by_steps(keep, valid, 0.25)
     exact = packing.budget
-    monkeypatch.setattr(packing, "budget", lambda n, r: exact(n, r) + 1)
+    monkeypatch.setattr(packing, "budget", lambda n, r, slack=0: exact(n, r, slack) + 1)
     assert not torch.equal(packing.cap_boundaries(keep, valid, 0.25), want)
 
 

@@ -75,7 +75,7 @@ class ConceptDecoder:
         if hasattr(policy, "decide_with_state"):  # a scan of the step rule: the same computation as decide()
             keep, state = policy.decide_with_state(out.shallow, out.head_logits, valid)
             if self.model.max_ratio:  # the static budget drops what the policy's state still counts as emitted
-                keep = packing.cap_boundaries(keep.bool(), valid, self.model.max_ratio)
+                keep = packing.cap_boundaries(keep.bool(), valid, self.model.max_ratio, slack=self.model.budget_slack)
             if not torch.equal(keep, out.keep):
                 raise ConceptError(f"length policy {type(policy).__name__}: decide_with_state() disagrees with decide()")
             return state
@@ -87,7 +87,7 @@ class ConceptDecoder:
             state = select_rows(valid[:, t], new, state)
         steps = torch.stack(steps, 1)
         if self.model.max_ratio:
-            steps = packing.cap_boundaries(steps, valid, self.model.max_ratio)
+            steps = packing.cap_boundaries(steps, valid, self.model.max_ratio, slack=self.model.budget_slack)
         differ = (steps != out.keep).any(0).nonzero()  # one host sync, not one per token
         if len(differ):
             raise ConceptError(
@@ -117,7 +117,8 @@ class ConceptDecoder:
         self.state = select_rows(active, state, self.state)
         keep = keep.bool() & active
         if model.max_ratio:  # the static budget (packing.cap_boundaries) for this row's (pos + 1)-th real token
-            keep = keep & (self.num_concepts // model.emit < packing.budget(self.pos + 1, model.max_ratio))
+            keep = keep & (self.num_concepts // model.emit < packing.budget(self.pos + 1, model.max_ratio,
+                                                                            model.budget_slack))
         probs, ids = model.codes(h, head_logits)
         shifted = (torch.cat([old[:, 1:], new], dim=1) for old, new in zip(self.recent, (h, probs, ids, pos)))
         self.recent = tuple(select_rows(active, new, old) for new, old in zip(shifted, self.recent))
@@ -196,7 +197,7 @@ class ConceptDecoder:
         keep = torch.stack(keeps, 1)
         if model.max_ratio:  # the static budget, continuing the row's counts
             keep = packing.cap_boundaries(keep, torch.ones_like(keep), model.max_ratio, self.num_concepts // model.emit,
-                                          self.pos)
+                                          self.pos, model.budget_slack)
         probs = model.concept_probs(head_logits)
         ids = probs.argmax(-1)
 

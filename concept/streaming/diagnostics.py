@@ -200,8 +200,10 @@ class ConceptEvaluation:
                 bad = forward(input_ids, keep=keep, perturb=_control(name, model, out, valid, self.K, self.generator),
                               **kwargs)
             self.control_sum[name] += float(pair_nll(bad.logits, input_ids, valid, doc)[0].double()[pair].sum()) - batch_sum
+        with model.budget_off():  # every token a concept: more than a static budget holds
+            keep_all = pair_nll(forward(input_ids, keep=valid, **kwargs).logits, input_ids, valid, doc)[0]
         _depth_split(self.depth, nll, pair, keep, {
-            "keep_all": pair_nll(forward(input_ids, keep=valid, **kwargs).logits, input_ids, valid, doc)[0],
+            "keep_all": keep_all,
             "skip_middle": pair_nll(model.skip_middle(input_ids, valid.long(), doc), input_ids, valid, doc)[0]})
 
     def result(self, count: int) -> dict:

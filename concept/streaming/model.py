@@ -17,6 +17,7 @@ loop over positions (see ``concept.packing`` for the layout and the mask rule).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from ..generation import GenerationMixin
 from ..hub import HubMixin
 from ..lazy import Deferred, LazyField
 from ..losses import head_next_token_loss
+from . import budget
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ConceptOutput:
     hidden: torch.Tensor | None = None  # [B, T, d] the deep stack's output at t (before the final norm)
     updates: torch.Tensor | None = None  # [B, C, d] each concept slot's middle-stack update (tail fusion)
     codes: torch.Tensor | None = None  # [B, T, L] every level's code where keep, else -1 (multi-level codes)
+    capped: torch.Tensor | None = None  # [] the policy's boundaries the static budget dropped (None: no budget)
 
 
 class ConceptGate(nn.Module):
@@ -91,8 +94,9 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         self.level_beam = getattr(getattr(vocabulary, "config", None), "beam", 1)  # inference search over levels
         self.emit = getattr(length_policy, "emit", 1) * self.levels  # concept slots per emitting token
         self.plan = plan  # the resolved build plan (config + provenance)
-        # static shapes: a row's n-th real token keeps its boundary only within ceil(max_ratio * n) (0: off)
-        self.max_ratio = float(getattr(getattr(plan, "config", None), "max_ratio", 0.0) or 0.0)
+        # static shapes: a row's n-th real token keeps its boundary only within ceil(max_ratio * n): the build's
+        # setting (a number, "auto", "none"; concept.streaming.budget), resolved at each forward (``max_ratio``)
+        self.budget_setting = getattr(getattr(plan, "config", None), "max_ratio", 0.0) or 0.0
         self.tokenizer = tokenizer
         inner = decoder(backbone)
         n_shallow, n_middle, _ = self.split
@@ -105,6 +109,31 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
             length_policy.predictor = lambda h: self.backbone.lm_head(self.inner.norm(h))
 
     # -- pieces --------------------------------------------------------------------------
+    @property
+    def max_ratio(self) -> float:
+        """The static budget now (0.0: none): the build's ``max_ratio`` resolved against the length policy
+        (``auto``: from its target ratio, read on the host; ``concept.streaming.budget``)."""
+        return budget.resolve(self.budget_setting, self.length_policy)
+
+    @max_ratio.setter
+    def max_ratio(self, value) -> None:
+        self.budget_setting = value
+
+    @property
+    def budget_slack(self) -> int:
+        """Boundaries a row may have beyond ``ceil(max_ratio * n)`` (``auto``: a burst at a row's start)."""
+        return budget.slack(self.budget_setting, self.length_policy)
+
+    @contextmanager
+    def budget_off(self):
+        """The model without its static budget inside the block (the dynamic layout): for forced decisions that
+        ask for more boundaries than any budget holds, e.g. the keep-all control (every token a concept)."""
+        saved, self.budget_setting = self.budget_setting, 0.0
+        try:
+            yield self
+        finally:
+            self.budget_setting = saved
+
     @property
     def inner(self) -> nn.Module:
         return decoder(self.backbone)
@@ -130,7 +159,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
 
     def concept_slots(self, T: int) -> int | None:
         """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
-        return packing.budget(T, self.max_ratio) * self.emit if self.max_ratio else None
+        return min(T, packing.budget(T, self.max_ratio, self.budget_slack)) * self.emit if self.max_ratio else None
 
     def shallow_states(self, input_ids, valid, doc=None, pos=None, cache=None, causal=None):
         """h after the shallow stack [B, T, d] (what the ConceptHead reads). ``causal``: whether plain causal
@@ -145,13 +174,18 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         boundaries over it are dropped (``packing.cap_boundaries``), forced ``keep`` included.
         Returns (head_logits, probs over the K concepts, keep, the concept id of every token): see ``codes``."""
         head_logits = self.vocabulary.logits(h)
-        if keep is None:
-            keep = self.length_policy.decide(h, head_logits, valid, reset)
-        keep = keep.bool() & valid
-        if self.max_ratio:
-            keep = packing.cap_boundaries(keep, valid, self.max_ratio)
+        keep = self.boundaries(h, head_logits, valid, keep, reset)[1]
         probs, ids = self.codes(h, head_logits)
         return head_logits, probs, keep, ids
+
+    def boundaries(self, h, head_logits, valid, keep=None, reset=None):
+        """(the length policy's boundaries on real tokens, or the forced ``keep``; those the static budget
+        keeps of them), both [B, T] bool: the same tensor without a budget."""
+        chosen = (self.length_policy.decide(h, head_logits, valid, reset) if keep is None else keep).bool() & valid
+        max_ratio = self.max_ratio
+        if not max_ratio:
+            return chosen, chosen
+        return chosen, packing.cap_boundaries(chosen, valid, max_ratio, slack=self.budget_slack)
 
     def codes(self, h, head_logits):
         """Which concept each token would emit: the sampler's probabilities over the K codes and the
@@ -276,7 +310,10 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
                                 causal=True if plain else (False if static else None))
 
         # concept decisions (every token's would-be concept: with emit > 1 ids also come from earlier tokens)
-        head_logits, probs, keep, token_ids = self.decide(h, valid, keep, starts)
+        head_logits = self.vocabulary.logits(h)
+        chosen, keep = self.boundaries(h, head_logits, valid, keep, starts)  # (decide, with what the cap dropped)
+        probs, token_ids = self.codes(h, head_logits)
+        capped = (chosen.sum() - keep.sum()) if static else None
         if concept_ids is not None:
             token_ids = torch.where(concept_ids >= 0, concept_ids, token_ids)
         emitted = torch.where(keep.view(*keep.shape, *(1,) * (token_ids.dim() - 2)), token_ids, -1)
@@ -319,7 +356,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc)
         multi = self.levels > 1
         return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
-                             in_time_order(z_in), z, updates, emitted if multi else None)
+                             in_time_order(z_in), z, updates, emitted if multi else None, capped)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
         """Logits [B, T, V] of every position as a tail token with no concept before it: the backbone

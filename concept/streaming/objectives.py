@@ -149,9 +149,12 @@ class RatioControl(Objective):
 
     def stats(self, model, batch, out) -> dict[str, torch.Tensor]:
         """Device scalars (the trainer reads a step's values once, after its micro-batches): the emitted concept
-        slots, the NULL bias the step ran with and, when it tracks, the controller's statistics."""
+        slots (and with a static budget the slots it dropped: ``capped`` per token in the log), the NULL bias the
+        step ran with and, when it tracks, the controller's statistics."""
         found = {"_kept": out.keep.sum() * getattr(model, "emit", 1),
                  "_null_bias": torch.as_tensor(getattr(model.length_policy, "null_bias", 0.0), device=out.keep.device).detach()}
+        if getattr(out, "capped", None) is not None:  # a static budget: the policy's boundaries it dropped
+            found["_capped"] = out.capped * getattr(model, "emit", 1)
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
             valid = batch["attention_mask"].bool()
             found["_quantile"], found["_spread"] = self.pi.statistics(model.length_policy, out.head_logits.detach(),
@@ -161,6 +164,7 @@ class RatioControl(Objective):
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
         ratio = totals["_kept"] / max(1, totals["tokens"])
         row = {"ratio": ratio, "target_ratio": self.step_target,
+               **({"capped": totals["_capped"] / max(1, totals["tokens"])} if "_capped" in totals else {}),
                "null_bias": means["_null_bias"],  # (the same on every micro-batch: their mean is it, exactly)
                "tau": getattr(getattr(model, "sampler", None), "tau", None)}
         if self.pi is not None and self.tracking:

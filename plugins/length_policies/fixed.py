@@ -45,6 +45,13 @@ class FixedPolicy(nn.Module):
         self.every = config.every
         self.emit = config.emit
 
+    @property
+    def max_boundary_rate(self) -> float:
+        """The most boundaries per real token this rule emits, whatever the text: one per ``every`` (each
+        document's first n tokens hold floor(n / every)), the static budget ``max_ratio=auto`` takes
+        (``concept.streaming.budget``); the cap never binds it."""
+        return 1.0 / self.every
+
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         """Batched: position in the document (restarting at each ``reset``) -> keep [B, T]."""
         doc = None if reset is None else torch.cumsum(reset.long(), dim=1)
