@@ -55,6 +55,7 @@ from .builder import (
     read_train,
 )
 from .config import BuildConfig, resolve
+from .contracts import Tempered
 from .diagnostics import evaluate, grad_norms
 from .distributed import Dist, full_tensor, pick_device
 from .errors import ConceptError, ConfigError, RunFolderError
@@ -745,7 +746,7 @@ class Trainer:
         length = curriculum_len(cfg, self.step)
         model.train()
         sampler = getattr(model, "sampler", None)
-        if sampler is not None and hasattr(sampler, "tau"):
+        if isinstance(sampler, Tempered):
             sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
         with self.autocast():
             for objective in self.objectives:  # e.g. the ratio controller aims at this step's target

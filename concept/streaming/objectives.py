@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..contracts import Tempered, TracksRatio
 from ..objectives import Objective, next_token_pairs, usage_kl, valid_mask, zero
-from . import gap
 from .calibration import decision_inputs
 from .ratio import PIController, RatioLoss
 
@@ -134,8 +134,8 @@ class RatioControl(Objective):
         if self.pi is not None:
             self.pi.target = target
         policy = model.length_policy
-        if hasattr(policy, "target_ratio"):
-            gap.set_target(policy, target)  # (no device read at the next decision)
+        if isinstance(policy, TracksRatio):
+            policy.set_target_ratio(target)  # (no device read at the next decision)
 
     def before_step(self, trainer) -> None:
         model = trainer.model
@@ -162,7 +162,7 @@ class RatioControl(Objective):
         ratio = totals["_kept"] / max(1, totals["tokens"])
         row = {"ratio": ratio, "target_ratio": self.step_target,
                "null_bias": means["_null_bias"],  # (the same on every micro-batch: their mean is it, exactly)
-               "tau": getattr(getattr(model, "sampler", None), "tau", None)}
+               "tau": model.sampler.tau if isinstance(model.sampler, Tempered) else None}
         if self.pi is not None and self.tracking:
             self.pi.apply(model.length_policy, means["_quantile"], means["_spread"], ratio)
         return row

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from concept.attention import AttentionPlan, sdpa
+from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, allowed
 
 
@@ -87,7 +88,7 @@ class ChunkedPlan(AttentionPlan):
         return torch.cat(outs, dim=2).transpose(1, 2)
 
 
-class ChunkedBackend:
+class ChunkedBackend(AttentionBackend):
     Config = ChunkedConfig
     supports_backward = True
 

@@ -31,6 +31,7 @@ from functools import lru_cache
 import torch
 
 from concept.attention import AttentionPlan
+from concept.contracts import AttentionBackend
 from concept.errors import ConceptError
 from concept.packing import PackedLayout
 
@@ -160,7 +161,7 @@ class FlexPlan(AttentionPlan):
         return out.transpose(1, 2)
 
 
-class FlexBackend:
+class FlexBackend(AttentionBackend):
     Config = FlexConfig
 
     def __init__(self, config: FlexConfig | None = None, ctx=None):

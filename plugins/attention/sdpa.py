@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from concept.attention import AttentionPlan, sdpa
+from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, allowed
 
 
@@ -21,7 +22,7 @@ class DenseMaskPlan(AttentionPlan):
         return sdpa(query, key, value, scaling, self.mask).transpose(1, 2)
 
 
-class SDPABackend:
+class SDPABackend(AttentionBackend):
     Config = SDPAConfig
     supports_backward = True
 

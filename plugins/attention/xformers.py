@@ -49,6 +49,7 @@ import torch
 
 from concept.attention import AttentionPlan
 from concept.components import accumulation_dtype
+from concept.contracts import AttentionBackend
 from concept.errors import ConceptError
 from concept.packing import PackedLayout
 
@@ -314,7 +315,7 @@ class XFormersPartials:
         return tuple(g[0] for g in grads)
 
 
-class XFormersBackend:
+class XFormersBackend(AttentionBackend):
     Config = XFormersConfig
     supports_backward = True
 
