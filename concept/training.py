@@ -77,6 +77,7 @@ from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also t
     curriculum_len,
     foreign_options,
     parse_curriculum,
+    recorded,
 )
 
 METRICS = "metrics.jsonl"
@@ -301,8 +302,9 @@ class Trainer:
     def _record(self, source: str | None) -> None:
         """train.json: the config, the source run and what training derived (resolved attention, pruned
         block, distribution); replaced atomically (a reader never sees it half-written)."""
-        fs.write_atomic(self.out / TRAIN_FILE,
-                        json.dumps({**self.config.to_dict(), "source": source, **self.derived}, indent=2))
+        own = self.kind.family if isinstance(self.kind, FamilyTraining) else None
+        config = self.config.to_dict() if own is None else recorded(self.config, own)
+        fs.write_atomic(self.out / TRAIN_FILE, json.dumps({**config, "source": source, **self.derived}, indent=2))
 
     @property
     def micro_batches(self) -> int:

@@ -102,6 +102,10 @@ def test_it_trains_resumes_exactly_evaluates_and_generates(built, corpus, tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[1]["prompt_norm"] > 0 and rows[1]["grad_norm/prompt"] > 0  # its own step diagnostics, its module
+    from tests.test_third_family_installed import streaming_names_in
+
+    for file in (*built.rglob("*.json"), *(tmp_path / "straight").rglob("*.json")):  # no streaming option written
+        assert streaming_names_in(file.read_text()) == [], file
     trained = concept.load(tmp_path / "straight")
     assert not torch.equal(trained.prompt.vectors, concept.load(built).prompt.vectors)
 
