@@ -208,8 +208,9 @@ class CheckResult:
     detail: str = ""
 
 
-def check_all() -> list[CheckResult]:
-    """Import every registered plugin and report ok / error / conflict for each."""
+def check_all(conformance: bool = True) -> list[CheckResult]:
+    """Import every registered plugin and report ok / error / conflict for each; with ``conformance``, also run
+    each component's tiny conformance forward (``concept.conformance``)."""
     results = []
     for kind in KINDS:
         reg = registry(kind)
@@ -224,6 +225,14 @@ def check_all() -> list[CheckResult]:
                 reason = cls.unavailable_reason() if kind != "family" else ""
                 if reason:
                     status, detail = "ok", f"limited: {reason}"
+                if conformance:
+                    from .conformance import problem  # lazy: torch
+
+                    found = problem(kind, cls)
+                    if found:
+                        status, detail = "error", one_line(
+                            f"{kind.replace('_', ' ')} plugin '{name}' from {label} ({target}) fails its conformance "
+                            f"check: {found}; fix or uninstall {ps[0].dist or 'the package that provides it'}")
             except PluginConflictError as exc:
                 status, detail = "conflict", str(exc)
             except PluginImportError as exc:
