@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..contracts import Tempered, TracksRatio
+from ..contracts import RatioControlled, Tempered, TracksRatio
 from ..objectives import Objective, next_token_pairs, usage_kl, valid_mask, zero
 from .calibration import decision_inputs
 from .ratio import PIController, RatioLoss
@@ -150,8 +150,9 @@ class RatioControl(Objective):
     def stats(self, model, batch, out) -> dict[str, torch.Tensor]:
         """Device scalars (the trainer reads a step's values once, after its micro-batches): the emitted concept
         slots, the NULL bias the step ran with and, when it tracks, the controller's statistics."""
+        bias = model.length_policy.null_bias if isinstance(model.length_policy, RatioControlled) else 0.0
         found = {"_kept": out.keep.sum() * getattr(model, "emit", 1),
-                 "_null_bias": torch.as_tensor(getattr(model.length_policy, "null_bias", 0.0), device=out.keep.device).detach()}
+                 "_null_bias": torch.as_tensor(bias, device=out.keep.device).detach()}
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
             valid = batch["attention_mask"].bool()
             found["_quantile"], found["_spread"] = self.pi.statistics(model.length_policy, out.head_logits.detach(),
