@@ -14,7 +14,13 @@ the call that failed, instead of at the first forward of a build.
 """
 from __future__ import annotations
 
+import torch
+
+from .attention import AttentionPlan, sdpa
+from .components import BuildContext
+from .config import NoOptions
 from .contracts import LengthPolicy, ReadsPredictor
+from .packing import allowed, pack
 
 B, T, D, K, V = 2, 12, 16, 8, 32  # rows, tokens, width, concept ids, token vocabulary
 
@@ -24,8 +30,6 @@ def problem(kind: str, cls: type) -> str | None:
     check = CHECKS.get(kind)
     if check is None or cls.unavailable_reason():
         return None
-    import torch
-
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(0)
@@ -35,9 +39,6 @@ def problem(kind: str, cls: type) -> str | None:
 
 
 def _make(cls: type, concept_vocab_size: int = K):
-    from .components import BuildContext
-    from .config import NoOptions
-
     config = getattr(cls, "Config", NoOptions)()
     ctx = BuildContext(hidden_size=D, vocab_size=V, num_layers=3, split=(1, 1, 1),
                        concept_vocab_size=concept_vocab_size,
@@ -46,8 +47,6 @@ def _make(cls: type, concept_vocab_size: int = K):
 
 
 def length_policy(cls: type) -> str | None:
-    import torch
-
     policy = _make(cls)
     if isinstance(policy, ReadsPredictor):  # the model binds the backbone's next-token readout
         readout = torch.nn.Linear(D, V)
@@ -80,8 +79,6 @@ def length_policy(cls: type) -> str | None:
 
 
 def sampler(cls: type) -> str | None:
-    import torch
-
     logits = torch.randn(B, T, K) * 2
     probs = _make(cls)(logits)
     if not isinstance(probs, torch.Tensor) or probs.shape != logits.shape:
@@ -93,8 +90,6 @@ def sampler(cls: type) -> str | None:
 
 
 def vocabulary(cls: type) -> str | None:
-    import torch
-
     vocab = _make(cls, concept_vocab_size=0)
     vocab.init_from_backbone(torch.randn(V, D))
     h = torch.randn(B, T, D)
@@ -113,8 +108,6 @@ def vocabulary(cls: type) -> str | None:
 
 
 def position_scheme(cls: type) -> str | None:
-    import torch
-
     scheme = _make(cls)
     pos = torch.arange(T).expand(B, T)
     rank = torch.arange(T).expand(B, T)
@@ -132,11 +125,6 @@ def position_scheme(cls: type) -> str | None:
 
 
 def attention(cls: type) -> str | None:
-    import torch
-
-    from .attention import AttentionPlan, sdpa
-    from .packing import allowed, pack
-
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, :3] = False  # a left-padded row
     keep = torch.rand(B, T) < 0.3
@@ -157,8 +145,6 @@ def attention(cls: type) -> str | None:
 
 
 def tail_fusion(cls: type) -> str | None:
-    import torch
-
     fusion = _make(cls)
     tail, update = torch.randn(B, T, D), torch.randn(B, T, D)
     has = torch.rand(B, T) < 0.5

@@ -94,12 +94,7 @@ class DifferentiableBoundary:
 
 class TracksRatio:
     """A length policy that holds a ``target_ratio`` buffer (its per-document tracker aims at it); the trainer
-    and the calibration point it at their target with :meth:`set_target_ratio`."""
-
-    def set_target_ratio(self, target: float) -> None:
-        from .streaming import gap  # lazy: torch
-
-        gap.set_target(self, target)
+    and the calibration point it at their target (``concept.streaming.gap.set_target``)."""
 
 
 class Gated:
@@ -311,7 +306,8 @@ class Family:
 
     def objectives(self, config, model, step, notes: list) -> list:
         """The objectives a ``TrainConfig`` asks for. Default: the shared ones (``concept.objectives.common``)."""
-        from .objectives import common  # lazy: torch
+        # lazy: torch (this module is imported by `concept train --help`)
+        from .objectives import common
 
         return common(config)
 
@@ -322,7 +318,8 @@ class Family:
     def decoder(self, model):
         """The step-wise decoder ``concept.generation`` drives. Default: :class:`concept.decoding.ReplayDecoder`
         (the model's whole forward again at each step: exact, and slow for long outputs)."""
-        from .decoding import ReplayDecoder  # lazy: torch
+        # lazy: torch (this module is imported by `concept train --help`)
+        from .decoding import ReplayDecoder
 
         return ReplayDecoder(model)
 

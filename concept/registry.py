@@ -226,7 +226,8 @@ def check_all(conformance: bool = True) -> list[CheckResult]:
                 if reason:
                     status, detail = "ok", f"limited: {reason}"
                 if conformance:
-                    from .conformance import problem  # lazy: torch
+                    # lazy: torch (listing without --check imports nothing)
+                    from .conformance import problem
 
                     found = problem(kind, cls)
                     if found:

@@ -34,6 +34,7 @@ from ..contracts import TracksRatio
 from ..errors import ConfigError
 from ..packing import document_starts
 from ..tokens import tokenizer_for
+from . import gap
 from .options import CALIBRATION_BATCH, CALIBRATION_SEQ_LEN, StreamingBuild
 from .ratio import PIController, ratio_controllable
 
@@ -116,7 +117,7 @@ def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batc
     rows, label = calibration_rows(model, data, batches * batch, seq_len, text_field, encoding_errors)
     device = next(model.parameters()).device
     if isinstance(policy, TracksRatio):  # the tracker's target (null, mtp)
-        policy.set_target_ratio(target_ratio)
+        gap.set_target(policy, target_ratio)
     was_training = model.training
     model.eval()
     try:

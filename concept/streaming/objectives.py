@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..contracts import RatioControlled, Tempered, TracksRatio
 from ..objectives import Objective, next_token_pairs, usage_kl, valid_mask, zero
+from . import gap
 from .calibration import decision_inputs
 from .ratio import PIController, RatioLoss
 
@@ -135,7 +136,7 @@ class RatioControl(Objective):
             self.pi.target = target
         policy = model.length_policy
         if isinstance(policy, TracksRatio):
-            policy.set_target_ratio(target)  # (no device read at the next decision)
+            gap.set_target(policy, target)  # (no device read at the next decision)
 
     def before_step(self, trainer) -> None:
         model = trainer.model
