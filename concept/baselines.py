@@ -76,7 +76,7 @@ def prune_plan(config, plan, hf_config):
     streaming model of this build plan at ``config.target_ratio`` and ``config.seq_len``."""
     vocabulary = plan.components["vocabulary"]
     policy = plan.components["length_policy"]
-    classes = int(getattr(vocabulary.config, "size", 0)) + int(getattr(policy.cls, "uses_null_class", True))
+    classes = int(getattr(vocabulary.config, "size", 0)) + int(policy.cls.uses_null_class)
     emit = int(getattr(policy.config, "emit", 1) or 1)
     removed = parse_prune_layers(config.prune_layers, plan.backbone_info.num_layers) if config.prune_layers else None
     return matched_prune(Shape.from_hf_config(hf_config), tuple(plan.split), classes, config.target_ratio,

@@ -51,12 +51,11 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
     comps = plan.components
     info = loaded.info
     ctx = BuildContext(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers,
-                       split=plan.split, uses_null_class=getattr(comps["length_policy"].cls, "uses_null_class", True))
+                       split=plan.split, uses_null_class=comps["length_policy"].cls.uses_null_class)
     token_embedding = loaded.model.get_input_embeddings().weight
 
     def init(part):  # components that start at the backbone's embedding scale
-        if callable(getattr(part, "init_from_backbone", None)):
-            part.init_from_backbone(token_embedding)
+        part.init_from_backbone(token_embedding)
         return part
 
     vocabulary = init(comps["vocabulary"].cls(comps["vocabulary"].config, ctx))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .contracts import Revivable
 from .errors import ConfigError
 from .objectives import Objective
 
@@ -72,7 +73,7 @@ def rms_row_norm(rows: torch.Tensor) -> torch.Tensor:
 
 
 def revivable(vocabulary) -> bool:
-    return hasattr(vocabulary, "set_codes") and hasattr(vocabulary, "query")
+    return isinstance(vocabulary, Revivable)
 
 
 def check(model, option: str) -> list[str]:

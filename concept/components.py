@@ -1,4 +1,5 @@
-"""The interfaces the model orchestration calls. Plugins implement them (duck-typed).
+"""The interfaces the model orchestration calls, summarised; their base classes (each kind's contract, with a
+mixin per optional capability, checked at lookup) are in ``concept.contracts``.
 
 Every component class has a ``Config`` dataclass (see ``concept.config``) and is built by
 ``concept.builder`` as ``cls(config, ctx)`` where ``ctx`` is a :class:`BuildContext`.
@@ -30,14 +31,13 @@ Attention backend (plain object)
     ``plan(layout) -> callable(query, key, value, scaling) -> out [B, L, H, hd]`` for the
     deep stack's packed layout (see ``concept.packing``). ``supports_backward: bool``.
 
-Model family (:class:`Family`, a plain object; ``concept.families``)
+Model family (``concept.contracts.Family``, a plain object; ``concept.families``)
     How a build config becomes a model and what training, evaluation, decoding and inspection
     do with it; the core asks the family and never names one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 
 def accumulation_dtype(dtype):
@@ -81,91 +81,3 @@ class InspectRequest:
     train: dict | None  # train.json (None: not trained)
     ratio: float  # concepts per token
     seq_len: int  # tokens
-
-
-class Family(Protocol):
-    """A model family, registered in the ``concept.families`` entry-point group (docs/plugins.md, §1 "Kinds
-    and entry-point groups"; docs/architecture.md, §0 "Code map"). The registry instantiates the class with
-    no arguments.
-
-    ``section``: the name of its build-config section (``--set SECTION.KEY=VALUE``; saved in
-    ``concept.json`` as ``"SECTION": {...}``), or None when it has no options of its own.
-    ``defaults``: component names it builds with unless the user chose others (``--family NAME``),
-    e.g. ``{"position_scheme": "per-type"}``. ``checks_components``: whether the components'
-    ``check_compatible`` vetoes apply to its builds (they describe the streaming forward). ``stacks``:
-    whether its model has shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline
-    exists). ``training``: the option dataclass (``concept.options.FamilyOptions``) of the training options
-    only it reads, or None; they join ``TrainConfig`` as flat flags and other kinds of run refuse them.
-    ``build_options`` (optional): the option dataclass of the ``concept build`` flags only it reads (with a
-    ``validate()`` and an ``inputs()``: the data they name), or None; a build of another family refuses them,
-    and ``finish_build`` receives them after the model is built.
-    ``decodes``: what ``concept generate`` can show of its decoding: ``concepts`` (marks where concepts were
-    emitted, ``--show-concepts``), ``mtp`` (multi-token decoding, ``--mtp``), ``plan`` (``--show-plan``).
-    """
-
-    name: str
-    section: str | None
-    defaults: dict[str, str]
-    checks_components: bool
-    stacks: bool
-    training: type | None
-    decodes: tuple[str, ...]
-
-    # -- building ------------------------------------------------------------------------------
-    def settings(self, options: dict, components: dict) -> tuple[Any, list[str]]:
-        """Parse and check its section's ``options`` against the resolved components: (settings, problems)."""
-
-    def build(self, plan, loaded) -> Any:
-        """Wire the model (an ``nn.Module`` with ``family``, ``plan``, ``backbone``, ``new_modules()``,
-        ``new_state_dict()``, and a forward returning ``logits`` and ``loss``) from a resolved plan and a
-        loaded backbone."""
-
-    def finish_build(self, model, options, given: set, say) -> dict:
-        """Only with ``build_options``: finish a freshly built model with them (e.g. the streaming family's
-        calibration) before it is saved; ``given``: the options the user set; ``say(label, text)``: status
-        for people. Returns what ``concept build --json`` adds to its output."""
-
-    def structure(self, plan) -> dict[str, Any]:
-        """Optional: what ``concept build`` (and its ``--dry-run``) shows of a resolved plan beyond the backbone,
-        the parameters and the components: named sections of JSON data, drawn as ``inspect``'s are (e.g. the
-        streaming family's ``stacks``). Without it: its section's settings (``{section: settings}``), or
-        nothing for a family without a section (``concept.families.structure``)."""
-
-    def describe(self, model) -> str:
-        """One sentence for people (the model card, ``concept build``): what this model is."""
-
-    def inspect(self, model, request: InspectRequest) -> dict[str, Any]:
-        """What ``concept inspect`` shows beyond the backbone, parameters and components: named sections of
-        JSON data (a dict of rows is drawn as a table titled by its name; the CLI draws some by name, e.g.
-        ``stacks``, ``planner``, ``flops``, ``calibration``). ``components``: the slots it uses, when not all."""
-
-    # -- training ------------------------------------------------------------------------------
-    def check_training(self, config, plan, device, dist) -> list[str]:
-        """Problems of a ``TrainConfig`` for this family (all at once; empty: fine)."""
-
-    def prepare(self, model, train: dict) -> None:
-        """Set what a run's train.json (``train``: a ``TrainConfig`` as a dict) says the model was trained for
-        onto a freshly built or loaded model (e.g. a task)."""
-
-    def objectives(self, config, model, step, notes: list) -> list:
-        """The objectives and controllers a ``TrainConfig`` asks for (``concept.objectives``), in a fixed
-        order; ``step()`` is the step about to be trained; ``notes`` collects what the user should read."""
-
-    def plots(self, name: str, rows: list[dict], out) -> None:
-        """Write the family's own plots of a run's metrics rows into the run folder ``out``."""
-
-    # -- decoding and evaluation ---------------------------------------------------------------
-    def decoder(self, model):
-        """The step-wise decoder ``concept.generation`` drives (``prefill`` / ``step``)."""
-
-    def step_diagnostics(self, model, out, batch) -> dict[str, float]:
-        """Cheap statistics of a training micro-batch, logged every ``--log-every`` steps."""
-
-    def evaluate(self, model, batches, bucket: int, controls: bool, seed: int) -> dict | None:
-        """Held-out evaluation: the core's NLL (``concept.diagnostics.evaluate_tokens``, which takes what the family
-        adds per batch) or the family's own; None: the core's alone."""
-
-    def score(self, model, context, context_valid, continuation, continuation_valid):
-        """Logits [B, Tx, V] whose position k predicts continuation token k given the context (right-padded id
-        rows with their masks; ``concept.scoring``, what lm-eval asks), or None: the core's one causal forward
-        over context + continuation."""

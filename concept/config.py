@@ -24,6 +24,10 @@ SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_schem
 CONCEPT_INPUTS = ("identity", "identity-scaled", "embedding")
 SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
 assert set(SLOT_KIND.values()) == set(KINDS) - {"family"}
+# The build keys that only some families read (the streaming forward's components and layout; issue 41, item 1
+# moves them into the streaming family's own section): a family names those it reads (``Family.slots``); for
+# another family they are neither resolved nor written, printed or inspected, and setting one is refused.
+FAMILY_KEYS = (*SLOTS[1:], "split", "concept_input", "max_ratio")
 
 # The default operating point: the best measured streaming point at <= 0.6x the dense backbone's FLOPs
 # (docs/results.md, "The default operating point: 4,18,8 at 0.125"). Split "auto" gives the shallow
@@ -106,7 +110,15 @@ class BuildConfig:
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data.update(data.pop("sections"))  # each family's section at the top level, under its own name
+        for key in unread_keys(self.family):
+            del data[key]
         return data
+
+    def unread_set(self) -> list[str]:
+        """The keys of :data:`FAMILY_KEYS` that this build's family does not read but that differ from their defaults
+        (an option the user set for nothing)."""
+        fresh = BuildConfig()
+        return [key for key in unread_keys(self.family) if getattr(self, key) != getattr(fresh, key)]
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -203,6 +215,16 @@ def has_budget(value) -> bool:
     """Whether a ``max_ratio`` asks for a static budget: ``auto`` or a number above 0 (``auto`` may still find
     none for a length policy with neither a target nor a bound: ``concept.streaming.budget``)."""
     return value == MAX_RATIO_AUTO or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
+
+
+def unread_keys(name: str) -> tuple[str, ...]:
+    """The keys of :data:`FAMILY_KEYS` that the family ``name`` does not read (``Family.slots``); none while the
+    family cannot be looked up (``resolve`` says why)."""
+    try:
+        reads = family(name).slots
+    except ConceptError:
+        return ()
+    return tuple(key for key in FAMILY_KEYS if key not in reads)
 
 
 def family_sections() -> dict[str, str]:
@@ -344,11 +366,13 @@ class Plan:
     def describe(self) -> dict:
         section = self.family_object.section
         extra = {section: self.settings.to_dict()} if section and self.settings is not None else {}
+        split = {} if self.split is None else {
+            "split": {"shallow": self.split[0], "middle": self.split[1], "deep": self.split[2]}}
         return {
             "family": self.config.family,
             **extra,
             "config": self.config.to_dict(),
-            "split": {"shallow": self.split[0], "middle": self.split[1], "deep": self.split[2]},
+            **split,
             "backbone": dataclasses.asdict(self.backbone_info),
             "components": {slot: c.describe() for slot, c in self.components.items()},
         }
@@ -394,8 +418,21 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
     own, e.g. ``--set`` items that did not apply, listed first)."""
     problems: list[str] = list(earlier)
     environment_problem = False
+    settings, fam = None, None
+    try:
+        fam = family(config.family)
+    except UnknownComponentError as exc:
+        problems.append(f"family: {exc}")
+    except ConceptError as exc:  # a broken or conflicting installed family: the environment, not the input
+        problems.append(f"family: {exc}")
+        environment_problem = True
+    unread = set(unread_keys(config.family)) if fam is not None else set()
+    problems.extend(f"{key}: the {config.family} family does not read it (it reads "
+                    f"{', '.join(fam.slots) or 'none of the streaming keys'}); drop it" for key in config.unread_set())
     components: dict[str, ResolvedComponent] = {}
     for slot in SLOTS:
+        if slot in unread:
+            continue
         ref: ComponentRef = getattr(config, slot)
         reg = registry(SLOT_KIND[slot])
         try:
@@ -417,18 +454,10 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
         problems.append(f"seed: expected an integer, got {config.seed!r}")
     elif not 0 <= config.seed <= SEED_MAX:
         problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {config.seed}")
-    if config.concept_input not in CONCEPT_INPUTS:
+    if "concept_input" not in unread and config.concept_input not in CONCEPT_INPUTS:
         problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
-    if max_ratio_problem(config.max_ratio):
+    if "max_ratio" not in unread and max_ratio_problem(config.max_ratio):
         problems.append(max_ratio_problem(config.max_ratio))
-    settings, fam = None, None
-    try:
-        fam = family(config.family)
-    except UnknownComponentError as exc:
-        problems.append(f"family: {exc}")
-    except ConceptError as exc:  # a broken or conflicting installed family: the environment, not the input
-        problems.append(f"family: {exc}")
-        environment_problem = True
     sections = family_sections()
     for section, options in config.sections.items():
         if fam is not None and section == fam.section:
@@ -447,16 +476,14 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
             info = bb.cls.describe(bb.config)
         except ConceptError as exc:
             problems.append(f"backbone: {exc}")
-        if info is not None:
+        if info is not None and "split" not in unread:
             split, errs = parse_split(config.split, info.num_layers)
             problems.extend(errs)
 
     # Cross-component compatibility: each component may veto a combination, with its reason.
     if not problems and fam.checks_components:  # (a family may use no length policy, attention, ...)
         for comp in components.values():
-            check = getattr(comp.cls, "check_compatible", None)
-            if callable(check):
-                problems.extend(f"{comp.slot} '{comp.name}': {p}" for p in check(comp.config, components))
+            problems.extend(f"{comp.slot} '{comp.name}': {p}" for p in comp.cls.check_compatible(comp.config, components))
     if problems:
         raise ConfigError(problems, exit_code=1 if environment_problem else 2)
     return Plan(config=config, components=components, split=split, backbone_info=info, settings=settings)

@@ -107,3 +107,35 @@ class DenseDecoder:
         return [{"tokens": t, "entries": {"dense": layers * t}, "bytes": layers * t * entry,
                  "dense_bytes": layers * t * entry, "allocated_bytes": layers * self.mask.shape[1] * len(self.mask) * entry}
                 for t in self.pos.tolist()]
+
+
+class ReplayDecoder:
+    """Decoding by the model's own forward over the whole row again at each step (no cache): exact by construction,
+    and quadratic in the output's length. The default of a family that writes no decoder of its own
+    (``concept.contracts.Family.decoder``). ``model(input_ids, attention_mask=...)`` must return ``logits`` whose
+    position t predicts token t+1, with masked-out positions (left padding, a finished row's steps) ignored."""
+
+    def __init__(self, model):
+        self.model = model
+        self.keep = None
+
+    def _last_logits(self) -> torch.Tensor:
+        logits = self.model(self.ids, attention_mask=self.valid.long()).logits
+        rows = torch.arange(len(self.ids), device=self.ids.device)
+        return logits[rows, last_real(self.valid)]
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self.ids, self.valid = input_ids, valid.bool()
+        return self._last_logits()
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        active = torch.ones_like(tokens, dtype=torch.bool) if active is None else active
+        self.ids = torch.cat([self.ids, tokens[:, None]], dim=1)
+        self.valid = torch.cat([self.valid, active[:, None]], dim=1)  # a finished row's token is masked out
+        return self._last_logits()
+
+    def kv_stats(self) -> list[dict]:
+        return [{"tokens": t, "entries": {}, "bytes": 0, "dense_bytes": 0, "allocated_bytes": 0}
+                for t in self.valid.sum(1).tolist()]

@@ -296,7 +296,7 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
         if pruned:
             config["split"] = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)
         new_plan = resolve(BuildConfig.from_dict(config))
-        if not pruned and tuple(new_plan.split) != tuple(plan.split):
+        if not pruned and tuple(new_plan.split or ()) != tuple(plan.split or ()):  # (a family without stacks: none)
             raise ConceptError(f"the exported backbone resolves to split {new_plan.split}, not the run's {plan.split}")
         exported = {"from": str(run.resolve()) if run is not None else None, "step": step, "kind": kind, "lora": lora,
                     "removed_layers": list(pruned) if pruned else None, "backbone_pruned": bool(pruned),

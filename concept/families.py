@@ -63,14 +63,10 @@ def sections() -> dict[str, str]:
 
 def build_options(third_party: bool = True) -> dict[str, type]:
     """Family name -> the option dataclass of the ``concept build`` flags only it reads (``build_options``)."""
-    return {name: cls for name, f in working(third_party).items()
-            if (cls := getattr(f, "build_options", None)) is not None}
+    return {name: f.build_options for name, f in working(third_party).items() if f.build_options is not None}
 
 
 def structure(fam, plan) -> dict:
-    """What ``concept build`` shows of a resolved ``plan`` of the family ``fam``: its ``structure(plan)``
-    (optional), else its section's settings (``{section: settings}``; nothing for a family without a section)."""
-    own = getattr(fam, "structure", None)
-    if callable(own):
-        return own(plan)
-    return {fam.section: plan.settings.to_dict()} if fam.section and plan.settings is not None else {}
+    """What ``concept build`` shows of a resolved ``plan`` of the family ``fam`` (``Family.structure``: by default
+    its section's settings, ``{section: settings}``; nothing for a family without a section)."""
+    return fam.structure(plan)

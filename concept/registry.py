@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
-from .components import Family
+from .contracts import BASES, missing_members
 from .errors import PluginConflictError, PluginImportError, UnknownComponentError, one_line
 
 # kind (config slot) -> entry-point group
@@ -104,8 +104,9 @@ class Registry:
             raise self.failure(name, "failed to import", exc) from exc
         problem = kind_problem(self.kind, obj)
         if problem:
-            raise PluginImportError(f"{what} {problem}; its entry point must name the component class "
-                                    f"(package.module:ClassName): fix or uninstall {p.dist or 'that package'}")
+            hint = "" if isinstance(obj, type) else ("; its entry point must name the component class "
+                                                     "(package.module:ClassName)")
+            raise PluginImportError(f"{what} {problem}{hint}: fix or uninstall {p.dist or 'that package'}")
         self._loaded[name] = obj
         return obj
 
@@ -130,31 +131,27 @@ class Registry:
 
 def kind_problem(kind: str, obj) -> str | None:
     """What keeps ``obj`` (an entry point's target) from being a component of ``kind``, or None: it must be a
-    class; of a torch-module kind, a ``torch.nn.Module`` subclass; a family, a class with the methods of
-    ``concept.components.Family``."""
+    class deriving from the kind's base in ``concept.contracts`` (``BASES``, as lm-eval's ``Registry(base_cls=...)``)
+    and defining the members the base requires; of a torch-module kind, also a ``torch.nn.Module`` subclass."""
     if not isinstance(obj, type):
         return f"is {_described(obj)}, not a class"
+    base = BASES[kind]
+    what = kind.replace("_", " ")
     if kind in MODULE_KINDS:
         import torch  # (a module kind's plugin imports torch anyway)
 
         if not issubclass(obj, torch.nn.Module):
-            return f"is the class {obj.__qualname__}, not a torch.nn.Module (every {kind.replace('_', ' ')} is one)"
-    if kind == "family":
-        missing = [m for m in family_methods(Family) if not callable(getattr(obj, m, None))
-                   and not (m == "finish_build" and getattr(obj, "build_options", None) is None)]  # (its pair)
-        if missing:
-            return (f"is the class {obj.__qualname__}, which lacks {', '.join(missing)} of "
-                    f"concept.components.Family")
+            return (f"is the class {obj.__qualname__}, not a torch.nn.Module (every {what} is one: "
+                    f"class {obj.__name__}({base.__name__}, torch.nn.Module))")
+    if not issubclass(obj, base):
+        mixed = f"{base.__name__}, torch.nn.Module" if kind in MODULE_KINDS else base.__name__
+        return (f"is the class {obj.__qualname__}, which does not derive from concept.contracts.{base.__name__} "
+                f"(every {what} does: from concept.contracts import {base.__name__}; class {obj.__name__}({mixed}))")
+    missing = missing_members(obj, base)
+    if missing:
+        return (f"is the class {obj.__qualname__}, which does not define {', '.join(missing)} "
+                f"(required by concept.contracts.{base.__name__})")
     return None
-
-
-OPTIONAL_FAMILY_METHODS = ("structure",)  # concept.families supplies a default
-
-
-def family_methods(protocol: type) -> list[str]:
-    """The methods a family must have (the optional ones left out)."""
-    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")
-            and n not in OPTIONAL_FAMILY_METHODS]
 
 
 def _described(obj) -> str:
@@ -211,8 +208,9 @@ class CheckResult:
     detail: str = ""
 
 
-def check_all() -> list[CheckResult]:
-    """Import every registered plugin and report ok / error / conflict for each."""
+def check_all(conformance: bool = True) -> list[CheckResult]:
+    """Import every registered plugin and report ok / error / conflict for each; with ``conformance``, also run
+    each component's tiny conformance forward (``concept.conformance``)."""
     results = []
     for kind in KINDS:
         reg = registry(kind)
@@ -224,11 +222,18 @@ def check_all() -> list[CheckResult]:
                 if kind == "family":  # the registry makes a family with no arguments: that must work too
                     reg.start(name)
                 status, detail = "ok", ""
-                why = getattr(cls, "unavailable_reason", None)
-                if callable(why):
-                    reason = why()
-                    if reason:
-                        status, detail = "ok", f"limited: {reason}"
+                reason = cls.unavailable_reason() if kind != "family" else ""
+                if reason:
+                    status, detail = "ok", f"limited: {reason}"
+                if conformance:
+                    # lazy: torch (listing without --check imports nothing)
+                    from .conformance import problem
+
+                    found = problem(kind, cls)
+                    if found:
+                        status, detail = "error", one_line(
+                            f"{kind.replace('_', ' ')} plugin '{name}' from {label} ({target}) fails its conformance "
+                            f"check: {found}; fix or uninstall {ps[0].dist or 'the package that provides it'}")
             except PluginConflictError as exc:
                 status, detail = "conflict", str(exc)
             except PluginImportError as exc:

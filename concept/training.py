@@ -55,6 +55,7 @@ from .builder import (
     read_train,
 )
 from .config import BuildConfig, resolve
+from .contracts import Tempered
 from .diagnostics import evaluate, grad_norms
 from .distributed import Dist, full_tensor, pick_device
 from .errors import ConceptError, ConfigError, RunFolderError
@@ -77,6 +78,7 @@ from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also t
     curriculum_len,
     foreign_options,
     parse_curriculum,
+    recorded,
 )
 
 METRICS = "metrics.jsonl"
@@ -307,9 +309,11 @@ class Trainer:
         fs.write_atomic(self.out / TRAIN_FILE, json.dumps(self.record(source), indent=2))
 
     def record(self, source: str | None) -> dict:
-        """train.json's content: the config, the source run, what training derived and what the run was made
-        with (library versions, the git commit of a checkout)."""
-        return {**self.config.to_dict(), "source": source, **self.derived, "versions": versions(), "git_sha": git_sha()}
+        """train.json's content: the config (only the options the run's family reads), the source run, what
+        training derived and what the run was made with (library versions, the git commit of a checkout)."""
+        own = self.kind.family if isinstance(self.kind, FamilyTraining) else None
+        config = self.config.to_dict() if own is None else recorded(self.config, own)
+        return {**config, "source": source, **self.derived, "versions": versions(), "git_sha": git_sha()}
 
     @property
     def micro_batches(self) -> int:
@@ -754,7 +758,7 @@ class Trainer:
         length = curriculum_len(cfg, self.step)
         model.train()
         sampler = getattr(model, "sampler", None)
-        if sampler is not None and hasattr(sampler, "tau"):
+        if isinstance(sampler, Tempered):
             sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
         with self.autocast():
             for objective in self.objectives:  # e.g. the ratio controller aims at this step's target

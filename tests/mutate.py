@@ -133,9 +133,9 @@ MUTATIONS = [
              ["tests/test_head_loss.py", "-k", "every_model_kind and dense"]),
     # the code-only controls read the discrete id alone
     Mutation("code controls: the whole input perturbed, not only the code", "concept/streaming/model.py",
-             "        if hasattr(self.sampler, \"mix\"):  # e.g. `hidden-projection`, in training and at inference\n",
+             "        if isinstance(self.sampler, Mixes):  # e.g. `hidden-projection`, in training and at inference\n",
              "        h = h if perturb_codes is None else torch.zeros_like(h)\n"
-             "        if hasattr(self.sampler, \"mix\"):  # e.g. `hidden-projection`, in training and at inference\n",
+             "        if isinstance(self.sampler, Mixes):  # e.g. `hidden-projection`, in training and at inference\n",
              ["tests/test_code_controls.py"]),
     # anti-collapse
     Mutation("revival: the idle counters are not restored on resume", "concept/codes.py",

@@ -24,20 +24,18 @@ from tests.test_training import corpus  # noqa: F401  (fixture)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILY = '''
-class Family:
+from concept.contracts import Family as Base
+
+
+class Family(Base):  # a minimal family: its name and build
     name = "{name}"
-    section = None
-    defaults = {{}}
-    checks_components = False
-    stacks = False
-    training = None
-    decodes = ()
 
     def __init__(self):
         {init}
-''' + "".join(f"\n    def {m}(self, *args):\n        return None\n" for m in (
-    "settings", "build", "describe", "inspect", "check_training", "prepare", "objectives", "plots", "decoder",
-    "step_diagnostics", "evaluate", "score"))
+
+    def build(self, plan, loaded):
+        return None
+'''
 ENTRY_POINTS = """[concept.families]
 broken = broken_family:Family
 unstartable = unstartable_family:Family

@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from concept.streaming import decoding as streaming_decoding
 from concept.streaming.decoding import ConceptDecoder
 from concept.errors import ConceptError, ConfigError
 from concept.flops import Shape, decode_flops, deep_keys, forward_flops
@@ -258,7 +259,8 @@ def test_a_policy_whose_steps_disagree_with_its_batched_rule_is_refused(mixed, m
     model = mixed()
     policy = model.length_policy
     monkeypatch.setattr(policy, "track", 0.0)  # the plain rule: a single-tensor state
-    monkeypatch.delattr(type(policy), "decide_with_state")  # a policy with only the step rule: prefill replays it
+    # a policy with only the step rule (not a DecidesWithState): prefill replays it
+    monkeypatch.setattr(streaming_decoding, "DecidesWithState", type("NoPolicyHasIt", (), {}))
     monkeypatch.setattr(policy, "step", lambda h, logits, run: (torch.zeros_like(run, dtype=torch.bool), run + 1))
     with warnings.catch_warnings(), pytest.raises(ConceptError, match="step-wise decision differs"):
         model.generate(prompts((12,)), max_new_tokens=2)

@@ -30,11 +30,24 @@ class HalfAFamily:
 
     def build(self, plan, loaded):
         return None
+
+
+from concept.contracts import LengthPolicy
+
+
+class NoStep(LengthPolicy, torch.nn.Module):  # derives from its base, and lacks a member it requires
+    def decide(self, h, head_logits, valid, reset=None):
+        return valid
+
+    def init_state(self, batch_size, device):
+        return None
 '''
 ENTRY_POINTS = """[concept.length_policies]
 an-int = odd_plugin:NUMBER
 a-module = odd_plugin
 not-a-module = odd_plugin:NotAModule
+plain-module = odd_plugin:Policy
+no-step = odd_plugin:NoStep
 exits = odd_plugin_exit:Policy
 
 [concept.families]
@@ -70,13 +83,17 @@ def test_check_reports_every_entry_point_that_is_not_a_component(odd_plugins):
                 ("length_policy", "a-module"): "is the module odd_plugin, not a class",
                 ("length_policy", "not-a-module"): "is the class NotAModule, not a torch.nn.Module",
                 ("length_policy", "exits"): "failed to import: SystemExit: 3",
-                ("family", "half"): "lacks settings, describe, inspect"}
+                ("length_policy", "plain-module"): "does not derive from concept.contracts.LengthPolicy (every "
+                                                   "length policy does: from concept.contracts import LengthPolicy; "
+                                                   "class Policy(LengthPolicy, torch.nn.Module))",
+                ("length_policy", "no-step"): "does not define step (required by concept.contracts.LengthPolicy)",
+                ("family", "half"): "does not derive from concept.contracts.Family"}
     for key, problem in expected.items():
         row = rows[key]
         assert row["status"] == "error" and problem in row["detail"], row
         assert "odd-plugin" in row["detail"] and "\n" not in row["detail"], row  # the package to fix, one line
     assert all(row["status"] == "ok" for key, row in rows.items() if key not in expected)
-    assert "5 of" in r.stderr and "broken" in r.stderr
+    assert "7 of" in r.stderr and "broken" in r.stderr
 
 
 @pytest.mark.parametrize("policy, problem", [("an-int", "not a class"), ("a-module", "not a class"),
@@ -100,5 +117,28 @@ def test_the_kind_check_accepts_the_classes_of_the_kind_only():
     assert registry.kind_problem("length_policy", registry.Registry) is not None  # a class, not a module
     import torch
 
-    assert registry.kind_problem("length_policy", torch.nn.Linear) is None
-    assert registry.kind_problem("backbone", registry.Registry) is None  # backbones are plain classes
+    assert "does not derive from concept.contracts.LengthPolicy" in registry.kind_problem("length_policy",
+                                                                                           torch.nn.Linear)
+    from concept.contracts import Backbone, Family
+    from concept_plugins.length_policies.null import NullPolicy
+
+    assert registry.kind_problem("length_policy", NullPolicy) is None
+    assert registry.kind_problem("backbone", registry.Registry) is not None  # backbones derive from Backbone
+
+    class Described(Backbone):
+        @classmethod
+        def describe(cls, config):
+            return None
+
+    assert registry.kind_problem("backbone", Described) == ("is the class test_the_kind_check_accepts_the_classes_of_"
+                                                            "the_kind_only.<locals>.Described, which does not define "
+                                                            "load (required by concept.contracts.Backbone)")
+
+    class Minimal(Family):
+        name = "minimal"
+
+        def build(self, plan, loaded):
+            return None
+
+    assert registry.kind_problem("family", Minimal) is None
+    assert "does not define build" in registry.kind_problem("family", type("Unbuilt", (Family,), {"name": "u"}))

@@ -102,6 +102,10 @@ def test_it_trains_resumes_exactly_evaluates_and_generates(built, corpus, tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[1]["prompt_norm"] > 0 and rows[1]["grad_norm/prompt"] > 0  # its own step diagnostics, its module
+    from tests.test_third_family_installed import streaming_names_in
+
+    for file in (*built.rglob("*.json"), *(tmp_path / "straight").rglob("*.json")):  # no streaming option written
+        assert streaming_names_in(file.read_text()) == [], file
     trained = concept.load(tmp_path / "straight")
     assert not torch.equal(trained.prompt.vectors, concept.load(built).prompt.vectors)
 
@@ -160,3 +164,16 @@ def test_the_cli_builds_dry_runs_and_inspects_it(installed, tmp_path):
     shown = run.invoke(cli, ["inspect", str(out)])
     assert shown.exit_code == 0 and shown.exception is None, shown.output
     assert "soft prompt" in shown.stdout and "vectors" in shown.stdout
+
+
+def test_the_streaming_keys_are_refused_for_it(installed, corpus):  # noqa: F811
+    """It reads no streaming key (``Family.slots`` empty): setting one is refused, at build and at training."""
+    import dataclasses
+
+    with pytest.raises(ConfigError) as err:
+        concept.resolve(dataclasses.replace(config(), split="1,1,1", length_policy=ComponentRef("fixed")))
+    assert "split: the soft-prompt family does not read it" in str(err.value)
+    assert "length_policy: the soft-prompt family does not read it" in str(err.value)
+    with pytest.raises(ConfigError, match="tau-start 2.0: only for streaming runs"):
+        Trainer.check(small(corpus, tau_start=2.0), config())
+    Trainer.check(small(corpus), config())  # (the defaults: fine)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from concept import packing
-from concept.decoding import DenseDecoder, last_real
+from concept.contracts import Family
 from concept.generation import GenerationMixin
 from concept.losses import next_token_loss
 
@@ -70,35 +70,13 @@ class SoftPromptModel(GenerationMixin, nn.Module):
         return {f"prompt.{k}": v for k, v in self.prompt.state_dict().items()}
 
 
-class SoftPromptDecoder(DenseDecoder):
-    """The backbone's own KV cache, filled with the prompt and the row's tokens."""
-
-    def __init__(self, model):
-        super().__init__(model.backbone)
-        self.model = model
-
-    @torch.no_grad()
-    def prefill(self, input_ids, valid):
-        from transformers import DynamicCache
-
-        self.cache, self.keep = DynamicCache(), None
-        x, self.mask, positions = self.model.inputs(input_ids, valid)
-        out, _ = self._forward(inputs_embeds=x, attention_mask=self.mask, position_ids=positions)
-        self.pos = self.model.prompt.vectors.shape[0] + valid.sum(1)  # the next token's position
-        rows = torch.arange(len(valid), device=valid.device)
-        return out.logits[rows, last_real(valid) + self.model.prompt.vectors.shape[0]]
-
-
-class SoftPrompt:
-    """The family object (``concept.components.Family``)."""
+class SoftPrompt(Family):
+    """The family (``concept.contracts.Family``): its name, section, settings and build, and what it says about
+    itself; everything else (training objectives, evaluation, decoding by replaying its forward, ...) is the
+    base's default, and no streaming key is read, written or shown for it (``slots`` is empty)."""
 
     name = "soft-prompt"
     section = "soft_prompt"  # --set soft_prompt.length=8
-    defaults: dict = {}
-    checks_components = False
-    stacks = False
-    training = None  # no training options of its own
-    decodes = ()  # nothing beyond the text
 
     def settings(self, options, components):
         unknown = sorted(set(options) - {"length"})
@@ -121,25 +99,5 @@ class SoftPrompt:
     def check_training(self, config, plan, device, dist):
         return ["align: a soft prompt has no deep stack to align; drop it"] if config.align else []
 
-    def prepare(self, model, train):
-        pass
-
-    def objectives(self, config, model, step, notes):
-        from concept.objectives import common
-
-        return common(config)
-
-    def plots(self, name, rows, out):
-        pass
-
-    def decoder(self, model):
-        return SoftPromptDecoder(model)
-
     def step_diagnostics(self, model, out, batch):
         return {"prompt_norm": float(model.prompt.vectors.norm(dim=-1).mean())}
-
-    def evaluate(self, model, batches, bucket, controls, seed):
-        return None  # the core's evaluation: NLL, bits per token, by position
-
-    def score(self, model, context, context_valid, continuation, continuation_valid):
-        return None  # the core's causal forward over context + continuation

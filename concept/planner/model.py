@@ -353,7 +353,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         sizes = torch.tensor([t.size for t in settings.types])
         self.register_buffer("sizes", sizes, persistent=False)
         self.register_buffer("max_lens", torch.tensor([t.max_len for t in settings.types]), persistent=False)
-        levels = [getattr(v, "levels", 1) for v in vocabularies]  # multi-level codes: code tokens per concept
+        levels = [v.levels for v in vocabularies]  # multi-level codes: code tokens per concept
         self.register_buffer("levels", torch.tensor(levels), persistent=False)
         self.multilevel = max(levels) > 1
 
@@ -387,7 +387,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         """[..., K_i + 1] type i's head on normed states ``x``: its concepts, then <EOS_i> (+ the quota's bias).
         ``level``: the code level of the step (multi-level codes; an int or a tensor like ``x``'s leading dims)."""
         vocab = self.vocabularies[i]
-        logits = vocab.logits(x, level) if getattr(vocab, "levels", 1) > 1 else vocab.logits(x)
+        logits = vocab.logits(x, level) if vocab.levels > 1 else vocab.logits(x)
         return torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.of(i).to(logits.dtype)], dim=-1)
 
     def level(self, types, count):
@@ -432,7 +432,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         for i, vocab in enumerate(self.vocabularies):
             K, rows = vocab.size, types == i
             concept = rows & (classes < K)
-            extra = (level,) if level is not None and getattr(vocab, "levels", 1) > 1 else ()
+            extra = (level,) if level is not None and vocab.levels > 1 else ()
             e = vocab.embed_hard(classes.clamp(0, K - 1), *extra)
             hard = torch.where(concept[..., None], e.to(hard.dtype), hard)
             if probs is not None:
@@ -482,7 +482,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
 
         sample = self.training if sample is None else sample
         sampler = self.sampler if sample else self.eval_sampler
-        straight_through = sample and torch.is_grad_enabled() and getattr(sampler, "straight_through", False)
+        straight_through = sample and torch.is_grad_enabled() and sampler.straight_through
         cache = DynamicCache() if cache is None else cache
         h, keys, next_pos, cur, last = self.prefix(u_ids, u_valid, cache, chains)
         B, dev, n = h.shape[0], h.device, self.num_types
@@ -688,8 +688,7 @@ def build(plan, loaded) -> PlannerExecutor:
     for t in settings.types:  # the type's vocabulary: the `vocabulary` plugin at the type's size; NULL = <EOS_t>
         config = dataclasses.replace(vocab.config, **{**options, "size": t.size})
         v = vocab.cls(config, dataclasses.replace(ctx, concept_vocab_size=t.size))
-        if callable(getattr(v, "init_from_backbone", None)):
-            v.init_from_backbone(token_embedding)
+        v.init_from_backbone(token_embedding)
         vocabularies.append(v)
     specials = PlanSpecials(len(settings.types), info.hidden_size)
     specials.init_from_backbone(token_embedding)

@@ -30,6 +30,7 @@ import torch
 
 from .. import data as data_
 from ..config import DEFAULT_TARGET_RATIO
+from ..contracts import TracksRatio
 from ..errors import ConfigError
 from ..packing import document_starts
 from ..tokens import tokenizer_for
@@ -83,7 +84,7 @@ def decision_inputs(model, batches):
     with the model in the mode whose decisions are wanted. The shallow states are kept only for a
     policy that reads them (``reads_hidden``). Shared by ``calibrate`` and the trainer's final
     calibration."""
-    reads_h = getattr(model.length_policy, "reads_hidden", False)
+    reads_h = model.length_policy.reads_hidden
     logits, valid, reset, states = [], [], [], []
     for b in batches:
         mask = b["attention_mask"].bool()
@@ -115,7 +116,7 @@ def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batc
     seq_len = min(seq_len, max_positions) if max_positions else seq_len
     rows, label = calibration_rows(model, data, batches * batch, seq_len, text_field, encoding_errors)
     device = next(model.parameters()).device
-    if hasattr(policy, "target_ratio"):  # the tracker's target (null, mtp)
+    if isinstance(policy, TracksRatio):  # the tracker's target (null, mtp)
         gap.set_target(policy, target_ratio)
     was_training = model.training
     model.eval()

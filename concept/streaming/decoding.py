@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from .. import packing
 from ..compiled import PREFILL_BUCKET
+from ..contracts import DecidesWithState
 from ..decoding import last_real, select_rows
 from ..errors import ConceptError
 from ..kv_cache import ConceptCache, DecodePlan
@@ -72,7 +73,7 @@ class ConceptDecoder:
         """The length policy's step-wise state after the prompt, by stepping its rule over the
         prefill's head outputs; its decisions must be the batched ones."""
         policy = self.model.length_policy
-        if hasattr(policy, "decide_with_state"):  # a scan of the step rule: the same computation as decide()
+        if isinstance(policy, DecidesWithState):  # a scan of the step rule: the same computation as decide()
             keep, state = policy.decide_with_state(out.shallow, out.head_logits, valid)
             if self.model.max_ratio:  # the static budget drops what the policy's state still counts as emitted
                 keep = packing.cap_boundaries(keep.bool(), valid, self.model.max_ratio, slack=self.model.budget_slack)

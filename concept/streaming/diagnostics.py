@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from ..contracts import DifferentiableBoundary
 from ..diagnostics import evaluate_tokens, pair_nll, real_mask
 
 
@@ -43,7 +44,7 @@ def _concept_stats(m, out, valid: torch.Tensor) -> dict:
         stats["level_histograms"] = torch.stack([torch.bincount(codes[..., level][keep].long(), minlength=K)[:K].cpu()
                                                  for level in range(codes.shape[-1])])
     policy = m.length_policy
-    if hasattr(policy, "boundary_prob"):
+    if isinstance(policy, DifferentiableBoundary):
         p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None)).float()
         stats["boundary_sum"] = float(p[valid].sum())
     if stats["kept"]:

@@ -7,11 +7,14 @@ This module stays free of torch: the torch-free ``TrainConfig`` (``concept.train
 So each method imports the modules it needs (which import torch) when it runs (``# lazy: torch``)."""
 from __future__ import annotations
 
+from ..config import FAMILY_KEYS
+from ..contracts import DifferentiableBoundary, Family, RatioControlled, TracksRatio
 from .options import StreamingBuild, StreamingTraining
 
 
-class Streaming:
+class Streaming(Family):
     name = "streaming"
+    slots = FAMILY_KEYS  # every streaming key: its components, split, concept input and budget
     section = None  # no options of its own: its components are the build's slots
     defaults: dict[str, str] = {}
     checks_components = True  # the components' compatibility vetoes describe this family's forward
@@ -21,9 +24,6 @@ class Streaming:
     build_options = StreamingBuild  # the `concept build` options only this family reads (calibration)
 
     # -- building ------------------------------------------------------------------------------
-    def settings(self, options: dict, components: dict):
-        return None, []
-
     def build(self, plan, loaded):
         # lazy: torch (module docstring)
         from ..builder import build_components
@@ -93,12 +93,11 @@ class Streaming:
     def check_training(self, config, plan, device, dist) -> list[str]:
         problems = []
         attention = plan.components["attention"]
-        check = getattr(attention.cls, "check_trainable", None)  # e.g. `flex` has no backward on CPU
-        reason = check(device) if callable(check) else ""
+        reason = attention.cls.check_trainable(device)  # e.g. `flex` has no backward on CPU
         if reason:
             problems.append(f"attention '{attention.name}' cannot train on {device}: {reason}")
         policy = plan.components["length_policy"]
-        if config.placement and not getattr(policy.cls, "learned_placement", False):
+        if config.placement and not policy.cls.learned_placement:
             problems.append(f"placement: length policy '{policy.name}' has no per-token keep score that --placement "
                             f"could train (it decides by its own rule); build with --length-policy null, or drop "
                             f"--placement")
@@ -130,7 +129,7 @@ class Streaming:
             notes.append(f"length policy {type(policy).__name__} sets its ratio by its own parameters; "
                          f"--ratio-control {controls} does nothing for it")
             controls = "none"
-        if controls in ("loss", "both") and not hasattr(policy, "boundary_prob"):
+        if controls in ("loss", "both") and not isinstance(policy, DifferentiableBoundary):
             controls = "pi"
         # the controller calibrates the NULL bias at step 0 unless --ratio-control none; it tracks with pi / both
         pi = PIController(config.target_ratio, ki=config.pi_ki) if controls != "none" else None
@@ -191,12 +190,11 @@ def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
     """The NULL bias the model runs with and where it comes from: the build's calibration (concept.json),
     training (train.json), or nothing (built with --no-calibrate). None for a policy without a bias."""
     policy = getattr(model, "length_policy", None)
-    if policy is None or not hasattr(policy, "null_bias"):
+    if not isinstance(policy, RatioControlled):
         return None
     out = {"null_bias": float(policy.null_bias), "target_ratio": None, "ratio": None, "by": None}
-    target = getattr(policy, "target_ratio", None)  # the ratio tracker's target (null, mtp)
-    if target is not None:
-        out["target_ratio"] = float(target)
+    if isinstance(policy, TracksRatio):  # the ratio tracker's target (null, mtp)
+        out["target_ratio"] = float(policy.target_ratio)
     if train is not None and train.get("ratio_control", "both") != "none":  # the trainer's controller set it
         out.update(by="training", target_ratio=train.get("target_ratio", out["target_ratio"]))
     elif record.get("calibration"):

@@ -29,6 +29,7 @@ from ..attention import CausalPlan
 from ..backbone import decoder, run_layers
 from ..codes import CodeUse
 from ..components import upcast
+from ..contracts import Gated, Mixes, ReadsPredictor
 from ..generation import GenerationMixin
 from ..hub import HubMixin
 from ..lazy import Deferred, LazyField
@@ -90,9 +91,9 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         self.tail_fusion = tail_fusion
         self.concept_gate = ConceptGate(backbone.config.hidden_size, relative_gate) if identity_start else None
         self.split = tuple(split)
-        self.levels = getattr(vocabulary, "levels", 1)  # code levels per concept (multi-level codebooks)
+        self.levels = vocabulary.levels  # code levels per concept (multi-level codebooks)
         self.level_beam = getattr(getattr(vocabulary, "config", None), "beam", 1)  # inference search over levels
-        self.emit = getattr(length_policy, "emit", 1) * self.levels  # concept slots per emitting token
+        self.emit = length_policy.emit * self.levels  # concept slots per emitting token
         self.plan = plan  # the resolved build plan (config + provenance)
         # static shapes: a row's n-th real token keeps its boundary only within ceil(max_ratio * n): the build's
         # setting (a number, "auto", "none"; concept.streaming.budget), resolved at each forward (``max_ratio``)
@@ -105,7 +106,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         self.deep = list(inner.layers[n_shallow + n_middle:])
         self.gradient_checkpointing = False  # recompute layer activations in backward to save memory
         self.compiled_stacks = None  # --compile: the stacks' compiled run_layers (concept.compiled)
-        if getattr(length_policy, "needs_predictor", False):  # e.g. `entropy`: the backbone's own next-token lens
+        if isinstance(length_policy, ReadsPredictor):  # e.g. `entropy`: the backbone's own next-token lens
             length_policy.predictor = lambda h: self.backbone.lm_head(self.inner.norm(h))
 
     # -- pieces --------------------------------------------------------------------------
@@ -238,7 +239,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         if level is not None:  # token t's level l at t * L + l
             probs, concept_ids = probs.flatten(1, 2), concept_ids.flatten(1, 2)
             pick, by_level = src * self.levels + level, {"level": level}
-        if getattr(sampler, "hard", True):
+        if sampler.hard:
             e = self.vocabulary.embed_hard(concept_ids.gather(1, pick).clamp(min=0), **by_level)
             if sampler.straight_through and torch.is_grad_enabled():
                 e_soft = self.vocabulary.embed_soft(at(probs, pick), **by_level)
@@ -247,7 +248,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
             e = self.vocabulary.embed_soft(at(probs, pick), **by_level)
         if perturb_codes is not None:
             e = perturb_codes(e, level)
-        if hasattr(self.sampler, "mix"):  # e.g. `hidden-projection`, in training and at inference
+        if isinstance(self.sampler, Mixes):  # e.g. `hidden-projection`, in training and at inference
             e = self.sampler.mix(e, at(h, src))
         if self.concept_gate is not None:  # identity start: the shallow state + the gated embedding
             e = self.concept_gate(at(h, src), e)
@@ -323,7 +324,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         # middle: concepts only, causal among concepts
         codes = None if perturb_codes is None else lambda e, level: perturb_codes(e, layout.concept_meta.valid, level)
         c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h, layout.concept_level, codes)
-        if self.training and torch.is_grad_enabled() and hasattr(self.length_policy, "gate"):
+        if self.training and torch.is_grad_enabled() and isinstance(self.length_policy, Gated):
             # straight-through gate of the policy's soft boundary (forward value exactly 1)
             g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)
             c = c * (1 + (g - g.detach()))[..., None].to(c.dtype)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..contracts import RatioControlled, Tempered, TracksRatio
 from ..objectives import Objective, next_token_pairs, usage_kl, valid_mask, zero
 from . import gap
 from .calibration import decision_inputs
@@ -134,7 +135,7 @@ class RatioControl(Objective):
         if self.pi is not None:
             self.pi.target = target
         policy = model.length_policy
-        if hasattr(policy, "target_ratio"):
+        if isinstance(policy, TracksRatio):
             gap.set_target(policy, target)  # (no device read at the next decision)
 
     def before_step(self, trainer) -> None:
@@ -151,8 +152,9 @@ class RatioControl(Objective):
         """Device scalars (the trainer reads a step's values once, after its micro-batches): the emitted concept
         slots (and with a static budget the slots it dropped: ``capped`` per token in the log), the NULL bias the
         step ran with and, when it tracks, the controller's statistics."""
+        bias = model.length_policy.null_bias if isinstance(model.length_policy, RatioControlled) else 0.0
         found = {"_kept": out.keep.sum() * getattr(model, "emit", 1),
-                 "_null_bias": torch.as_tensor(getattr(model.length_policy, "null_bias", 0.0), device=out.keep.device).detach()}
+                 "_null_bias": torch.as_tensor(bias, device=out.keep.device).detach()}
         if getattr(out, "capped", None) is not None:  # a static budget: the policy's boundaries it dropped
             found["_capped"] = out.capped * getattr(model, "emit", 1)
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
@@ -166,7 +168,7 @@ class RatioControl(Objective):
         row = {"ratio": ratio, "target_ratio": self.step_target,
                **({"capped": totals["_capped"] / max(1, totals["tokens"])} if "_capped" in totals else {}),
                "null_bias": means["_null_bias"],  # (the same on every micro-batch: their mean is it, exactly)
-               "tau": getattr(getattr(model, "sampler", None), "tau", None)}
+               "tau": model.sampler.tau if isinstance(model.sampler, Tempered) else None}
         if self.pi is not None and self.tracking:
             self.pi.apply(model.length_policy, means["_quantile"], means["_spread"], ratio)
         return row

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contracts import RatioControlled
 
 @dataclass
 class RatioLoss:
@@ -56,7 +57,7 @@ class PIController:
     def _quantile(self, policy, head_logits: torch.Tensor, valid: torch.Tensor, h=None) -> tuple[float, float]:
         with torch.no_grad():
             keep_logit = policy.keep_logit(head_logits, h)[valid].float() + policy.null_bias  # without the bias
-            if hasattr(policy, "bias_for_ratio"):  # a policy whose ratio is not P(keep logit >= bias)
+            if policy.bias_for_ratio is not None:  # a policy whose ratio is not P(keep logit >= bias)
                 return float(policy.bias_for_ratio(head_logits, h, valid, self.target)), float(keep_logit.std())
             return float(torch.quantile(keep_logit, 1.0 - self.target)), float(keep_logit.std())
 
@@ -98,7 +99,7 @@ class PIController:
         with torch.no_grad():
             keep_logit = policy.keep_logit(head_logits, h).float() + policy.null_bias  # without the bias
             spread = masked_std(keep_logit, valid)
-            if hasattr(policy, "bias_for_ratio"):  # a policy whose ratio is not P(keep logit >= bias)
+            if policy.bias_for_ratio is not None:  # a policy whose ratio is not P(keep logit >= bias)
                 return torch.as_tensor(policy.bias_for_ratio(head_logits, h, valid, self.target), device=head_logits.device), spread
             hidden = torch.where(valid, keep_logit, torch.full_like(keep_logit, float("nan")))
             return torch.nanquantile(hidden.flatten(), 1.0 - self.target), spread
@@ -161,7 +162,7 @@ def concept_price(track: float, target: torch.Tensor) -> torch.Tensor:
 
 def ratio_controllable(policy) -> bool:
     """The policy has a bias the ratio controller can move (``null_bias`` + ``keep_logit``)."""
-    return hasattr(policy, "null_bias") and hasattr(policy, "keep_logit")
+    return isinstance(policy, RatioControlled)
 
 
 def scheduled_ratio(step: int, steps: int, target: float, start: float = 1.0, warmup: float = 0.0) -> float:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from concept.attention import AttentionPlan
+from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout
 
 from .chunked import ChunkedBackend, ChunkedConfig
@@ -48,7 +49,7 @@ def _flex_available() -> bool:
     return True
 
 
-class AutoBackend:
+class AutoBackend(AttentionBackend):
     Config = AutoConfig
     supports_backward = True
 

@@ -57,6 +57,7 @@ from einops import rearrange
 
 from concept.attention import AttentionPlan, sdpa
 from concept.components import accumulation_dtype, upcast
+from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, SlotMeta, allowed
 
 KERNELS = ("auto", "reference")
@@ -401,7 +402,7 @@ def device_kernel(device):
     return CUDAEfficientKernel() if torch.device(device).type == "cuda" else CPUFlashKernel()
 
 
-class CascadeBackend:
+class CascadeBackend(AttentionBackend):
     Config = CascadeConfig
     supports_backward = True
 

@@ -23,6 +23,7 @@ import torch
 from einops import rearrange
 
 from concept.attention import AttentionPlan, sdpa
+from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, allowed
 
 
@@ -88,7 +89,7 @@ class ChunkedPlan(AttentionPlan):
         return rearrange(torch.cat(outs, dim=2), "b h l d -> b l h d")
 
 
-class ChunkedBackend:
+class ChunkedBackend(AttentionBackend):
     Config = ChunkedConfig
     supports_backward = True
 

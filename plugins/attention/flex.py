@@ -32,6 +32,7 @@ import torch
 from einops import rearrange
 
 from concept.attention import AttentionPlan
+from concept.contracts import AttentionBackend
 from concept.errors import ConceptError
 from concept.packing import PackedLayout
 
@@ -161,7 +162,7 @@ class FlexPlan(AttentionPlan):
         return rearrange(out, "b h l d -> b l h d")
 
 
-class FlexBackend:
+class FlexBackend(AttentionBackend):
     Config = FlexConfig
 
     def __init__(self, config: FlexConfig | None = None, ctx=None):

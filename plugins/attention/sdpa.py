@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from einops import rearrange
 
 from concept.attention import AttentionPlan, sdpa
+from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, allowed
 
 
@@ -23,7 +24,7 @@ class DenseMaskPlan(AttentionPlan):
         return rearrange(sdpa(query, key, value, scaling, self.mask), "b h l d -> b l h d")
 
 
-class SDPABackend:
+class SDPABackend(AttentionBackend):
     Config = SDPAConfig
     supports_backward = True
 

@@ -50,6 +50,7 @@ from einops import rearrange
 
 from concept.attention import AttentionPlan
 from concept.components import accumulation_dtype
+from concept.contracts import AttentionBackend
 from concept.errors import ConceptError
 from concept.packing import PackedLayout
 
@@ -315,7 +316,7 @@ class XFormersPartials:
         return tuple(g[0] for g in grads)
 
 
-class XFormersBackend:
+class XFormersBackend(AttentionBackend):
     Config = XFormersConfig
     supports_backward = True
 

@@ -12,6 +12,7 @@ from concept.backbone import (
     info_from_hf_config,
     read_folder_config,
 )
+from concept.contracts import Backbone
 from concept.errors import BackboneError, one_line
 
 
@@ -34,7 +35,7 @@ def _is_local(path: str) -> bool:
     return Path(path).expanduser().exists() or path.startswith((".", "/", "~"))
 
 
-class HFBackbone:
+class HFBackbone(Backbone):
     Config = HFConfig
 
     @classmethod

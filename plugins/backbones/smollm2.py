@@ -24,6 +24,7 @@ from concept.backbone import (
     info_from_hf_config,
     read_folder_config,
 )
+from concept.contracts import Backbone
 from concept.errors import BackboneError
 from concept.fs import cache_root as library_cache
 from concept.fs import fill_cache
@@ -94,7 +95,7 @@ def converted_folder(config: SmolLM2Config | None = None) -> Path:
     return folder
 
 
-class SmolLM2Backbone:
+class SmolLM2Backbone(Backbone):
     Config = SmolLM2Config
 
     @classmethod

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from concept.backbone import BackboneInfo, LoadedBackbone, info_from_hf_config
+from concept.contracts import Backbone
 from concept.options import SEED_MAX
 
 
@@ -35,7 +36,7 @@ class TinyConfig:
         return problems
 
 
-class TinyLlamaBackbone:
+class TinyLlamaBackbone(Backbone):
     Config = TinyConfig
     architecture = "llama"
 

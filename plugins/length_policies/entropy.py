@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.contracts import DecidesWithState, LengthPolicy, ReadsPredictor
 from concept.streaming import chunks, gap
 
 
@@ -42,7 +43,7 @@ class EntropyPolicyConfig:
         return chunks.validate(self)
 
 
-class EntropyPolicy(nn.Module):
+class EntropyPolicy(LengthPolicy, DecidesWithState, ReadsPredictor, nn.Module):
     Config = EntropyPolicyConfig
     uses_null_class = False
     needs_predictor = True  # the model binds ``predictor(h) -> next-token logits`` (its LM head)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.contracts import DecidesWithState, LengthPolicy
 from concept.packing import time_positions, tokens_since_keep
 
 
@@ -35,7 +36,7 @@ class FixedPolicyConfig:
         return problems
 
 
-class FixedPolicy(nn.Module):
+class FixedPolicy(LengthPolicy, DecidesWithState, nn.Module):
     Config = FixedPolicyConfig
     uses_null_class = False
 

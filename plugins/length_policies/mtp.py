@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
+from concept.contracts import DecidesWithState, LengthPolicy, RatioControlled, ReadsPredictor, TracksRatio
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
 from concept.streaming import chunks, gap
@@ -63,7 +64,7 @@ class MTPPolicyConfig:
         return problems
 
 
-class MTPPolicy(nn.Module):
+class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, ReadsPredictor, nn.Module):
     Config = MTPPolicyConfig
     uses_null_class = False
     needs_predictor = True  # the model binds the backbone's norm + LM head: the heads' readout

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from concept.config import DEFAULT_TARGET_RATIO
+from concept.contracts import DecidesWithState, DifferentiableBoundary, LengthPolicy, RatioControlled, TracksRatio
 from concept.packing import document_tokens, tokens_since_keep
 from concept.streaming import gap
 from concept.streaming.host_scan import allowance, scan_rows, state_tensors
@@ -80,7 +81,7 @@ class NullPolicyConfig:
         return problems
 
 
-class NullPolicy(nn.Module):
+class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, DifferentiableBoundary, TracksRatio, nn.Module):
     Config = NullPolicyConfig
     uses_null_class = True
     learned_placement = True  # keep[t] thresholds a trainable per-token score (--placement trains where concepts go)

@@ -34,6 +34,7 @@ from torch import nn
 
 from concept.components import rms_normalize
 from concept.config import DEFAULT_TARGET_RATIO
+from concept.contracts import DecidesWithState, DifferentiableBoundary, Gated, LengthPolicy, RatioControlled, TracksRatio
 from concept.streaming import gap
 from concept.streaming.host_scan import scan_rows, state_tensors
 
@@ -57,7 +58,7 @@ class ThresholdPolicyConfig:
         return problems
 
 
-class ThresholdPolicy(nn.Module):
+class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, DifferentiableBoundary, TracksRatio, Gated, nn.Module):
     Config = ThresholdPolicyConfig
     uses_null_class = False
     reads_hidden = True  # the score reads the shallow state h (ratio calibration must keep it)

@@ -12,13 +12,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.contracts import PositionScheme
+
 
 @dataclass
 class CompactConfig:
     pass
 
 
-class CompactPositions(nn.Module):
+class CompactPositions(PositionScheme, nn.Module):
     Config = CompactConfig
 
     def __init__(self, config: CompactConfig | None = None, ctx=None):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.contracts import PositionScheme
+
 
 @dataclass
 class PerTypeConfig:
@@ -25,7 +27,7 @@ class PerTypeConfig:
         return [] if self.offset >= 0 else [f"offset: must be >= 0, got {self.offset}"]
 
 
-class PerTypePositions(nn.Module):
+class PerTypePositions(PositionScheme, nn.Module):
     Config = PerTypeConfig
     TEXT, CONCEPT = 0, 1
 

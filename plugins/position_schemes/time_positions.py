@@ -7,13 +7,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from concept.contracts import PositionScheme
+
 
 @dataclass
 class TimeConfig:
     pass
 
 
-class TimePositions(nn.Module):
+class TimePositions(PositionScheme, nn.Module):
     Config = TimeConfig
 
     def __init__(self, config: TimeConfig | None = None, ctx=None):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from concept.components import upcast
+from concept.contracts import Sampler
 
 
 @dataclass
@@ -18,7 +19,7 @@ class ArgmaxConfig:
     straight_through: bool = True
 
 
-class ArgmaxSampler(nn.Module):
+class ArgmaxSampler(Sampler, nn.Module):
     Config = ArgmaxConfig
 
     def __init__(self, config: ArgmaxConfig, ctx=None):

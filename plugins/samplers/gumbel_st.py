@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from concept.components import upcast
+from concept.contracts import Sampler, Tempered
 
 
 @dataclass
@@ -21,7 +22,7 @@ class GumbelConfig:
         return [] if self.tau > 0 else [f"tau: temperature must be > 0, got {self.tau}"]
 
 
-class GumbelSTSampler(nn.Module):
+class GumbelSTSampler(Sampler, Tempered, nn.Module):
     Config = GumbelConfig
     straight_through = True
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from concept.components import upcast
+from concept.contracts import Mixes, Sampler
 
 
 @dataclass
@@ -36,7 +37,7 @@ class HiddenProjectionConfig:
         return problems
 
 
-class HiddenProjectionSampler(nn.Module):
+class HiddenProjectionSampler(Sampler, Mixes, nn.Module):
     Config = HiddenProjectionConfig
     straight_through = True
 

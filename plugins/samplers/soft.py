@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from concept.components import upcast
+from concept.contracts import Sampler, Tempered
 
 
 @dataclass
@@ -25,7 +26,7 @@ class SoftConfig:
         return [] if self.tau > 0 else [f"tau: temperature must be > 0, got {self.tau}"]
 
 
-class SoftSampler(nn.Module):
+class SoftSampler(Sampler, Tempered, nn.Module):
     Config = SoftConfig
     straight_through = False
     hard = False  # the concept input is the mixture itself

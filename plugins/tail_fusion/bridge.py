@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from concept.components import rms_normalize
+from concept.contracts import TailFusion
 
 BASES = ("update", "none")
 
@@ -39,7 +40,7 @@ class BridgeConfig:
         return problems
 
 
-class BridgeFusion(nn.Module):
+class BridgeFusion(TailFusion, nn.Module):
     Config = BridgeConfig
     needs_update = True
 

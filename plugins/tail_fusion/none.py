@@ -4,9 +4,10 @@ from __future__ import annotations
 from torch import nn
 
 from concept.config import NoOptions
+from concept.contracts import TailFusion
 
 
-class NoFusion(nn.Module):
+class NoFusion(TailFusion, nn.Module):
     Config = NoOptions
     needs_update = False  # the model need not compute the concepts' middle-stack updates
     flops_per_token = 0.0

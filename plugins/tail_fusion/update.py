@@ -12,9 +12,10 @@ from __future__ import annotations
 from torch import nn
 
 from concept.config import NoOptions
+from concept.contracts import TailFusion
 
 
-class UpdateFusion(nn.Module):
+class UpdateFusion(TailFusion, nn.Module):
     Config = NoOptions
     needs_update = True
     flops_per_token = 0.0

@@ -43,6 +43,7 @@ from torch import nn
 
 from concept.codes import other_rows, rms_row_norm
 from concept.components import rms_normalize
+from concept.contracts import Revivable, Vocabulary
 
 
 @dataclass
@@ -68,7 +69,7 @@ class CodebookVocabConfig:
         return problems
 
 
-class CodebookVocabulary(nn.Module):
+class CodebookVocabulary(Vocabulary, Revivable, nn.Module):
     Config = CodebookVocabConfig
 
     def __init__(self, config: CodebookVocabConfig, ctx):

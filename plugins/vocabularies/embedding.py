@@ -9,6 +9,7 @@ from torch import nn
 
 from concept.codes import other_rows, rms_row_norm
 from concept.components import rms_normalize
+from concept.contracts import Revivable, Vocabulary
 
 
 @dataclass
@@ -37,7 +38,7 @@ class ConceptEmbedding(nn.Embedding):
     """Concept id -> input vector of the middle stack (backbone width)."""
 
 
-class EmbeddingVocabulary(nn.Module):
+class EmbeddingVocabulary(Vocabulary, Revivable, nn.Module):
     Config = EmbeddingVocabConfig
 
     def __init__(self, config: EmbeddingVocabConfig, ctx):

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from concept.components import rms_normalize, upcast
+from concept.contracts import Vocabulary
 from concept.errors import ConfigError
 
 DEFAULT_LEVELS = (8, 8, 8, 8)  # K = 4096
@@ -144,7 +145,7 @@ class FSQVocabConfig:
         return tuple(grid_for_size(self.size)) if self.size else DEFAULT_LEVELS
 
 
-class FSQVocabulary(nn.Module):
+class FSQVocabulary(Vocabulary, nn.Module):
     Config = FSQVocabConfig
 
     def __init__(self, config: FSQVocabConfig, ctx):

@@ -1,0 +1,362 @@
+"""The contract of each plugin kind, as base classes (docs/plugins.md, §2 "What each kind's class must provide").
+
+A component derives from its kind's base (the registry checks it at lookup: ``concept.registry``), and from a
+capability mixin for each optional capability it has. The core asks ``isinstance(policy, RatioControlled)``,
+not ``hasattr(policy, "null_bias")``. The torch-module kinds (length policy, sampler, vocabulary, position
+scheme, tail fusion) are also ``torch.nn.Module`` subclasses: ``class MyPolicy(LengthPolicy, nn.Module)``.
+
+Standard library only: the family modules (imported by ``concept train --help``) derive from :class:`Family`,
+so this module imports no torch. The bases define no ``__init__``; ``nn.Module``'s runs as usual.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class Component:
+    """What every component (of every kind but the family) may have; each default is a working no-op.
+
+    ``Config``: its options dataclass (none: it takes no options, ``concept.config.NoOptions``).
+    ``learning_rate``: the learning rate of its parameters (None: the trainer's ``--lr-new``)."""
+
+    required: tuple[str, ...] = ()  # the members a component of the kind must define (checked at lookup)
+    learning_rate: float | None = None
+
+    @classmethod
+    def check_compatible(cls, config, components) -> list[str]:
+        """Problems of this component with the others of a build (``components``: slot -> resolved), or []."""
+        return []
+
+    @staticmethod
+    def unavailable_reason() -> str:
+        """Why it cannot run here (``plugins list --check`` shows it as ``limited: ...``), or ""."""
+        return ""
+
+    def init_from_backbone(self, token_embedding) -> None:
+        """Called once after construction with the backbone's token-embedding weight (e.g. to match its scale)."""
+
+
+# -- length policies -------------------------------------------------------------------------------
+
+class LengthPolicy(Component):
+    """Where concepts are emitted. ``decide(h, head_logits, valid, reset=None) -> keep [B, T] bool`` for whole
+    sequences; ``init_state(batch_size, device)`` and ``step(h_t, head_logits_t, state) -> (keep_t, state)``
+    for decoding, agreeing exactly with ``decide``.
+
+    ``uses_null_class``: the concept head has K+1 classes, NULL last. ``reads_hidden``: its decision reads the
+    shallow state ``h`` (calibration keeps it). ``learned_placement``: ``keep`` thresholds a trainable per-token
+    score (``--placement``). ``emit``: concept slots per emitting token."""
+
+    required = ("decide", "init_state", "step")
+    uses_null_class: bool = True
+    reads_hidden: bool = False
+    learned_placement: bool = False
+    emit: int = 1
+
+    def decide(self, h, head_logits, valid, reset=None):
+        raise NotImplementedError
+
+    def init_state(self, batch_size: int, device):
+        raise NotImplementedError
+
+    def step(self, h_t, head_logits_t, state):
+        raise NotImplementedError
+
+
+class DecidesWithState:
+    """A length policy whose batched decision also returns the state after the last token
+    (``decide_with_state(h, head_logits, valid, reset=None) -> (keep, state)``): decoding starts from it after a
+    prefill instead of replaying ``step`` over the prompt."""
+
+    def decide_with_state(self, h, head_logits, valid, reset=None):
+        raise NotImplementedError
+
+
+class RatioControlled:
+    """A length policy whose concepts-per-token ratio a bias sets: a ``null_bias`` buffer and
+    ``keep_logit(head_logits, h)`` (log-odds the bias shifts). The ratio controller and the build's calibration
+    move the bias (``concept.streaming.ratio``). Optional: ``bias_for_ratio(head_logits, h, valid, target)``, where
+    the ratio is not P(keep logit >= bias)."""
+
+    bias_for_ratio = None  # (a method where the policy has one)
+
+    def keep_logit(self, head_logits, h=None):
+        raise NotImplementedError
+
+
+class DifferentiableBoundary:
+    """A length policy with ``boundary_prob(head_logits, h)``: the differentiable keep probability the ratio loss
+    reads (``--ratio-control loss``)."""
+
+    def boundary_prob(self, head_logits, h=None):
+        raise NotImplementedError
+
+
+class TracksRatio:
+    """A length policy that holds a ``target_ratio`` buffer (its per-document tracker aims at it); the trainer
+    and the calibration point it at their target (``concept.streaming.gap.set_target``)."""
+
+
+class Gated:
+    """A length policy with a soft boundary ``gate(h, head_logits, keep, valid, reset) -> [B, T]``: in training
+    each concept input is multiplied by ``1 + g - stopgrad(g)`` so the LM loss reaches the policy."""
+
+    def gate(self, h, head_logits, keep, valid, reset=None):
+        raise NotImplementedError
+
+
+class ReadsPredictor:
+    """A length policy that reads the backbone's next-token distribution: the model binds
+    ``policy.predictor(h) -> next-token logits`` (its norm + LM head) at construction."""
+
+
+# -- samplers ----------------------------------------------------------------------------------------
+
+class Sampler(Component):
+    """``forward(logits) -> probs`` over the K concept ids (the hard choice is ``probs.argmax(-1)``).
+    ``straight_through``: ``e = e_hard + (e_soft - stopgrad(e_soft))`` (True) or the hard embedding alone (False).
+    ``hard = False``: the concept input is the soft mixture itself."""
+
+    required = ("forward",)
+    straight_through: bool = True
+    hard: bool = True
+
+
+class Tempered:
+    """A sampler with a temperature ``tau`` the trainer anneals (``--tau-start`` / ``--tau-end``)."""
+
+    tau: float = 1.0
+
+
+class Mixes:
+    """A sampler with latent feedback ``mix(e, h) -> e'``, applied to every concept input (``h``: the emitting
+    token's shallow state)."""
+
+    def mix(self, e, h):
+        raise NotImplementedError
+
+
+# -- vocabularies ------------------------------------------------------------------------------------
+
+class Vocabulary(Component):
+    """``size`` (K), ``logits(h) -> [..., K (+1)]``, ``embed_hard(ids)``, ``embed_soft(probs_k)``. ``levels`` > 1:
+    a concept is that many code tokens, and the three methods take a ``level`` argument."""
+
+    required = ("logits", "embed_hard", "embed_soft")
+    levels: int = 1
+
+    def logits(self, h):
+        raise NotImplementedError
+
+    def embed_hard(self, ids):
+        raise NotImplementedError
+
+    def embed_soft(self, probs):
+        raise NotImplementedError
+
+
+class Revivable:
+    """A vocabulary whose codes can be re-initialised (``--revive-after``, ``--kmeans-init``): ``query(h,
+    before=None)`` (the direction its head compares with the codes) and ``set_codes(level, ids, directions)``."""
+
+    def query(self, h, before=None):
+        raise NotImplementedError
+
+    def set_codes(self, level: int, ids, directions) -> None:
+        raise NotImplementedError
+
+
+# -- position schemes, attention, tail fusions, backbones ----------------------------------------------
+
+class PositionScheme(Component):
+    """``text_positions(pos)``, ``concept_positions(pos, rank, stack)`` (stack: "middle" or "deep"); the type
+    embeddings ``add_text_type(x)`` / ``add_concept_type(x)`` return their input unchanged by default."""
+
+    required = ("text_positions", "concept_positions")
+
+    def text_positions(self, pos):
+        raise NotImplementedError
+
+    def concept_positions(self, pos, rank, stack: str):
+        raise NotImplementedError
+
+    def add_text_type(self, x):
+        return x
+
+    def add_concept_type(self, x):
+        return x
+
+
+class AttentionBackend(Component):
+    """A plain object: ``plan(layout) -> concept.attention.AttentionPlan`` for the deep stack's packed layout.
+    ``supports_backward``: it trains. ``check_trainable(device) -> str``: a reason it cannot train there, or ""."""
+
+    required = ("plan",)
+    supports_backward: bool = True
+
+    def plan(self, layout):
+        raise NotImplementedError
+
+    @staticmethod
+    def check_trainable(device) -> str:
+        return ""
+
+
+class TailFusion(Component):
+    """``forward(tail, update, has) -> [B, L, d]``: a tail token's deep-stack input from its shallow state and its
+    segment's latest concept's middle update. ``needs_update = False``: the model skips computing the updates;
+    ``flops_per_token``: its extra FLOPs per tail token."""
+
+    required = ("forward",)
+    needs_update: bool = True
+    flops_per_token: float = 0.0
+
+
+class Backbone:
+    """Never instantiated: classmethods ``describe(config) -> BackboneInfo`` (cheap, loads no weights) and
+    ``load(config) -> LoadedBackbone`` (``concept.backbone``)."""
+
+    required = ("describe", "load")
+
+    @classmethod
+    def describe(cls, config):
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, config):
+        raise NotImplementedError
+
+    @classmethod
+    def check_compatible(cls, config, components) -> list[str]:
+        return []
+
+    @staticmethod
+    def unavailable_reason() -> str:
+        return ""
+
+
+# -- families ------------------------------------------------------------------------------------------
+
+class Family:
+    """A model family (``concept.families`` entry points; docs/plugins.md §8 "Write a family"). The registry
+    makes it with no arguments. A minimal family sets ``name`` (its entry point's name) and defines ``build``;
+    with options of its own, also ``section`` and ``settings``. Every other member has a working default.
+
+    ``section``: its build-config section (``--set SECTION.KEY=VALUE``; saved in ``concept.json``), or None.
+    ``slots``: the build's component slots and streaming keys it reads (written, resolved, printed and
+    inspected only for families that name them). ``defaults``: component names it builds with unless the user
+    chose others. ``checks_components``: whether the components' ``check_compatible`` vetoes apply to its builds.
+    ``stacks``: its model has shallow / middle / deep stacks and a concept ratio. ``training``: the option
+    dataclass of the training options only it reads (``concept.options.FamilyOptions``), or None.
+    ``build_options``: the option dataclass of the ``concept build`` flags only it reads (their values reach
+    ``finish_build``), or None. ``decodes``: what ``concept generate`` can show of its decoding (``concepts``,
+    ``mtp``, ``plan``)."""
+
+    required = ("name", "build")
+    name: str = ""
+    section: str | None = None
+    slots: tuple[str, ...] = ()
+    defaults: dict[str, str] = {}
+    checks_components: bool = False
+    stacks: bool = False
+    training: type | None = None
+    build_options: type | None = None
+    decodes: tuple[str, ...] = ()
+
+    # -- building ----------------------------------------------------------------------------------
+    def settings(self, options: dict, components: dict) -> tuple[Any, list[str]]:
+        """Parse and check its section's ``options``: (settings, problems). Default: no options."""
+        if options:
+            return None, [f"{self.section}.{k}: unknown option (the {self.name} family has none)" for k in sorted(options)]
+        return None, []
+
+    def build(self, plan, loaded) -> Any:
+        """The model (an ``nn.Module`` with ``family`` = this family's name, ``plan``, ``backbone``,
+        ``new_modules()``, ``new_state_dict()``, and a forward returning ``logits`` and ``loss``) from a resolved
+        plan and a loaded backbone."""
+        raise NotImplementedError
+
+    def finish_build(self, model, options, given: set, say) -> dict:
+        """With ``build_options``: finish a freshly built model before it is saved; returns what ``concept build
+        --json`` adds."""
+        return {}
+
+    def structure(self, plan) -> dict[str, Any]:
+        """What ``concept build`` shows of a resolved plan: named sections of JSON data. Default: its section's
+        settings, or nothing."""
+        if self.section and plan.settings is not None and hasattr(plan.settings, "to_dict"):
+            return {self.section: plan.settings.to_dict()}
+        return {}
+
+    def describe(self, model) -> str:
+        """One sentence for people: what this model is."""
+        return f"a {self.name} model"
+
+    def inspect(self, model, request) -> dict[str, Any]:
+        """What ``concept inspect`` shows beyond the backbone, parameters and components (named sections)."""
+        return {}
+
+    # -- training ----------------------------------------------------------------------------------
+    def check_training(self, config, plan, device, dist) -> list[str]:
+        """Problems of a ``TrainConfig`` for this family (empty: fine)."""
+        return []
+
+    def prepare(self, model, train: dict) -> None:
+        """Set what a run's train.json says the model was trained for onto a built or loaded model."""
+
+    def objectives(self, config, model, step, notes: list) -> list:
+        """The objectives a ``TrainConfig`` asks for. Default: the shared ones (``concept.objectives.common``)."""
+        # lazy: torch (this module is imported by `concept train --help`)
+        from .objectives import common
+
+        return common(config)
+
+    def plots(self, name: str, rows: list[dict], out) -> None:
+        """Write the family's own plots of a run's metrics into the run folder ``out``."""
+
+    # -- decoding and evaluation -------------------------------------------------------------------
+    def decoder(self, model):
+        """The step-wise decoder ``concept.generation`` drives. Default: :class:`concept.decoding.ReplayDecoder`
+        (the model's whole forward again at each step: exact, and slow for long outputs)."""
+        # lazy: torch (this module is imported by `concept train --help`)
+        from .decoding import ReplayDecoder
+
+        return ReplayDecoder(model)
+
+    def step_diagnostics(self, model, out, batch) -> dict[str, float]:
+        """Cheap statistics of a training micro-batch, logged every ``--log-every`` steps."""
+        return {}
+
+    def evaluate(self, model, batches, bucket: int, controls: bool, seed: int) -> dict | None:
+        """Held-out evaluation of its own, or None: the core's NLL."""
+        return None
+
+    def score(self, model, context, context_valid, continuation, continuation_valid):
+        """Logits whose position k predicts continuation token k, or None: the core's causal forward."""
+        return None
+
+
+# kind -> base class (``concept.registry.KINDS``); a component that does not derive from it is refused at lookup
+BASES: dict[str, type] = {
+    "backbone": Backbone,
+    "length_policy": LengthPolicy,
+    "sampler": Sampler,
+    "position_scheme": PositionScheme,
+    "vocabulary": Vocabulary,
+    "attention": AttentionBackend,
+    "tail_fusion": TailFusion,
+    "family": Family,
+}
+
+
+def missing_members(cls: type, base: type) -> list[str]:
+    """The members of ``base.required`` that ``cls`` leaves undefined: absent, empty, or only the base's own (or
+    ``torch.nn.Module``'s unimplemented ``forward``)."""
+    found = []
+    for member in base.required:
+        owner = next((k for k in cls.__mro__ if member in vars(k)), None)
+        value = vars(owner)[member] if owner is not None else None
+        if owner is None or owner is base or value in ("", None) or (
+                getattr(value, "__name__", "") == "_forward_unimplemented"):
+            found.append(member)
+    return found
