@@ -40,7 +40,6 @@
 from __future__ import annotations
 
 import codecs
-import hashlib
 import json
 import os
 import re
@@ -52,6 +51,9 @@ import numpy as np
 import torch
 
 from .errors import ConceptError, one_line
+from . import shards
+from .shards import TokenSplit, listing, python_identity
+from .shards import is_heldout as _is_heldout
 from .tokens import ByteTokenizer, tokenize_documents, tokenizer_for
 
 __all__ = ["Document", "DEFAULT_CORPUS", "PROSE_CORPUS", "CORPORA", "builtin_corpus", "read_documents", "ByteTokenizer", "tokenizer_for", "PackedSequences"]
@@ -338,9 +340,7 @@ def hub_identity(source, text_field: str, data_split: str | None, streaming: boo
     ident = {"hub": name, "split": data_split or "train", "text_field": text_field, "streaming": streaming}
     local = Path(name).expanduser()
     if local.exists():
-        from .shards import _listing
-
-        ident["path"], ident["listing"] = str(local.resolve()), _listing(local)
+        ident["path"], ident["listing"] = str(local.resolve()), listing(local)
     if not streaming:
         ident["fingerprint"] = getattr(_load_hub(name, data_split, False), "_fingerprint", None)
     return ident
@@ -433,11 +433,6 @@ def _pydoc_documents() -> list[Document]:
     docs = [Document(f"pydoc_data/topics:{name}", text) for name, text in topics.items()
             if isinstance(text, str) and text.strip()]
     return sorted(docs, key=lambda d: d.name)
-
-
-def _is_heldout(name: str, fraction: float) -> bool:
-    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2.0 ** 64
 
 
 def read_documents(source: str | os.PathLike | None = None, split: str = "all", text_field: str = "text",
@@ -538,14 +533,12 @@ def _split(docs: list[Document], split: str, heldout_fraction: float, label: str
 # -- token shards -----------------------------------------------------------------------------
 def source_identity(source, text_field: str, encoding_errors: str, data_split: str | None, streaming: bool) -> dict:
     """What identifies ``source``'s documents for the token-shard cache without reading them (concept.shards)."""
-    from .shards import _listing, python_identity
-
     corpus = builtin_corpus(source)
     if corpus is not None:
         return {"builtin": corpus, **python_identity()}
     path = local_path(source)
     if path is not None:
-        return {"path": str(path.resolve()), "source": str(source), "listing": _listing(path.resolve()),
+        return {"path": str(path.resolve()), "source": str(source), "listing": listing(path.resolve()),
                 "text_field": text_field, "encoding_errors": encoding_errors}
     if hub_name(source) is not None:
         return hub_identity(source, text_field, data_split, streaming)
@@ -558,8 +551,6 @@ def open_tokens(source, split: str, tokenizer, *, text_field: str = "text", enco
                 cache_dir=None):
     """``split`` of ``source`` (as :func:`read_documents` reads it) as a :class:`concept.shards.TokenSplit`:
     tokenised once into a memory-mapped shard in the cache, then read from it without reading the source."""
-    from . import shards
-
     if split not in SPLITS:
         raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if isinstance(source, (str, os.PathLike)) and not str(source).strip():
@@ -580,7 +571,14 @@ def open_tokens(source, split: str, tokenizer, *, text_field: str = "text", enco
 class PackedSequences:
     """Documents packed back to back into rows of ``seq_len`` tokens (see the module docstring)."""
 
-    def __init__(self, documents: list[Document], tokenizer, seq_len: int, seed: int = 0, cache_dir=None):
+    def __init__(self, documents: list[Document] | TokenSplit, tokenizer, seq_len: int, seed: int = 0, cache_dir=None):
+        """``documents``: Documents (tokenised here, in memory), or a :class:`concept.shards.TokenSplit` (read from
+        its memory map; ``tokenizer`` unused: its tokens and eos are stored)."""
+        if isinstance(documents, TokenSplit):
+            self._pack(documents.ids, documents.starts, documents.lengths, np.zeros_like(documents.lengths), None,
+                       seq_len, seed)
+            self.cache_path, self.cache_hit = documents.path, documents.cache_hit
+            return
         if not documents:
             raise ConceptError("no documents to pack; check --data and --split")
         tokens = tokenize_documents(documents, tokenizer, cache_dir)
@@ -595,14 +593,6 @@ class PackedSequences:
             add = (~ends_with_eos).astype(np.int64)
         self._pack(tokens.ids, starts, lengths, add, eos, seq_len, seed)
         self.cache_path, self.cache_hit = tokens.cache_path, tokens.cache_hit
-
-    @classmethod
-    def from_tokens(cls, split, seq_len: int, seed: int = 0) -> "PackedSequences":
-        """The documents of a :class:`concept.shards.TokenSplit` (eos already stored), read from its memory map."""
-        self = cls.__new__(cls)
-        self._pack(split.ids, split.starts, split.lengths, np.zeros_like(split.lengths), None, seq_len, seed)
-        self.cache_path, self.cache_hit = split.path, split.cache_hit
-        return self
 
     def _pack(self, ids, starts, lengths, add, eos, seq_len, seed) -> None:
         """Documents ``ids[starts[i]:starts[i] + lengths[i]]`` (plus ``eos`` where ``add[i]``) in a seeded

@@ -309,7 +309,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     hub["streaming"] = bool(hub.get("streaming"))
     tokens = concept_data.open_tokens(source, split, tokenizer, text_field=text_field, encoding_errors=encoding_errors,
                                       **hub)
-    packed = concept_data.PackedSequences.from_tokens(tokens, seq_len, seed=0)
+    packed = concept_data.PackedSequences(tokens, None, seq_len, seed=0)
     docs = _LazyDocuments(lambda: concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors,
                                                               data_split=hub.get("data_split")))
     n = min(batches, max(1, len(packed) // batch))

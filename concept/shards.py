@@ -39,6 +39,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -96,7 +97,13 @@ def _sampled(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _listing(root: Path) -> list:
+def is_heldout(name: str, fraction: float) -> bool:
+    """``concept.data``'s hold-out rule: a stable hash (sha256) of the document's name below ``fraction``."""
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0 ** 64
+
+
+def listing(root: Path) -> list:
     """(relative path, size, mtime_ns) of every file under ``root`` (``root`` itself when a file)."""
     if root.is_file():
         st = root.stat()
@@ -114,9 +121,7 @@ def _listing(root: Path) -> list:
 
 # -- the documents of a source ---------------------------------------------------------------------------------
 def _split_flags(names: list[str], fraction: float) -> np.ndarray:
-    from .data import _is_heldout
-
-    held = np.array([_is_heldout(n, fraction) for n in names], dtype=bool)
+    held = np.array([is_heldout(n, fraction) for n in names], dtype=bool)
     return np.zeros_like(held) if held.all() else held  # tiny corpora: never leave training empty
 
 
@@ -164,8 +169,6 @@ def _write(folder: Path, documents: Iterable, tokenizer, tokenizer_fp: dict, fra
            flags: np.ndarray | None, source: str) -> dict:
     """Tokenise ``documents`` (sorted, named) into the shard files of ``folder``; its meta.json last.
     ``flags``: the held-out flags when known in advance (else from each name, with the all-held rule at the end)."""
-    from .data import _is_heldout
-
     dtype = _dtype(tokenizer_fp, tokenizer)
     eos = getattr(tokenizer, "eos_token_id", None)
     lengths, held, digests, count = [], [], _Digests(), 0
@@ -182,7 +185,7 @@ def _write(folder: Path, documents: Iterable, tokenizer, tokenizer_fp: dict, fra
                     piece = np.concatenate([piece, np.array([eos], dtype=ids.dtype)])
                 pieces.append(piece)
                 lengths.append(len(piece))
-                h = bool(flags[len(held)]) if flags is not None else _is_heldout(doc.name, fraction)
+                h = bool(flags[len(held)]) if flags is not None else is_heldout(doc.name, fraction)
                 held.append(h)
                 digests.add(doc.name, doc.text, h)
             data = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
@@ -341,8 +344,6 @@ class _NoneHeld:
 
 
 def fs_tmpdir(root: Path) -> str:
-    import tempfile
-
     return tempfile.mkdtemp(prefix=".tmp-", dir=root)
 
 

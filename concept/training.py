@@ -279,7 +279,7 @@ class Trainer:
             tokens = data.open_tokens(config.data, "train", tokenizer, **read)
             # (a checkpoint records what it trained on: the documents of the train and held-out splits)
             self.data_fingerprint = fingerprint.of_digests(tokens.digest, *filter(None, [tokens.heldout_digest]))
-            train = data.PackedSequences.from_tokens(tokens, config.seq_len, seed=config.seed)
+            train = data.PackedSequences(tokens, None, config.seq_len, seed=config.seed)
             try:
                 if config.eval_data is not None:
                     split = "heldout" if data.builtin_corpus(config.eval_data) else "all"
@@ -287,7 +287,7 @@ class Trainer:
                                                encoding_errors=config.encoding_errors)
                 else:
                     heldout = data.open_tokens(config.data, "heldout", tokenizer, **read)
-                return train, data.PackedSequences.from_tokens(heldout, config.seq_len, seed=config.seed)
+                return train, data.PackedSequences(heldout, None, config.seq_len, seed=config.seed)
             except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
                 self.notes.append(f"no held-out evaluation during training: {exc}")
                 return train, None

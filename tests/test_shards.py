@@ -5,13 +5,12 @@ documents and packs them in memory."""
 import json
 import multiprocessing
 import os
-import shutil
 
 import numpy as np
 import pytest
 
-from concept import data, fingerprint, shards
-from concept.data import ByteTokenizer, Document, PackedSequences, open_tokens, read_documents
+from concept import data, fingerprint
+from concept.data import ByteTokenizer, PackedSequences, open_tokens, read_documents
 from concept.errors import ConceptError
 
 
@@ -53,7 +52,7 @@ def test_shard_batches_equal_the_in_memory_reference(tmp_path, tok):
     for split in ("train", "heldout", "all"):
         tokens = open_tokens(str(src), split, tok, cache_dir=tmp_path / "cache")
         assert isinstance(tokens.ids, np.memmap) and tokens.ids.dtype == np.uint16
-        fast = PackedSequences.from_tokens(tokens, 16, seed=3)
+        fast = PackedSequences(tokens, None, 16, seed=3)
         ref = PackedSequences(read_documents(src, split), tok, 16, seed=3)
         assert same_batches(fast, ref) and fast.num_tokens == ref.num_tokens
         for step in (0, 7, 31):  # across epochs
@@ -64,7 +63,7 @@ def test_shard_batches_equal_the_in_memory_reference(tmp_path, tok):
     assert fingerprint.of_digests(tokens.digest, tokens.heldout_digest) == fingerprint.of_documents(
         read_documents(src, "train"), read_documents(src, "heldout"))
     # negative control: another seed is another order, so the comparison can fail
-    assert not same_batches(PackedSequences.from_tokens(tokens, 16, seed=4),
+    assert not same_batches(PackedSequences(tokens, None, 16, seed=4),
                             PackedSequences(read_documents(src, "train"), tok, 16, seed=3))
 
 
@@ -95,7 +94,7 @@ def test_cached_once_keyed_on_content_and_rebuilt_when_damaged(tmp_path, caplog)
     changed = open_tokens(str(src), "all", tok, cache_dir=cache)
     assert changed.path != first.path and not changed.cache_hit
     ref = PackedSequences(read_documents(src, "all"), tok, 8, seed=0)
-    assert same_batches(PackedSequences.from_tokens(changed, 8), ref)
+    assert same_batches(PackedSequences(changed, None, 8), ref)
     # damage: truncated tokens, flipped bytes, a missing file -> a warning and a rebuild, never a wrong corpus
     for damage in ("truncate", "flip", "remove"):
         tokens_bin = changed.path / "tokens.bin"
@@ -111,7 +110,7 @@ def test_cached_once_keyed_on_content_and_rebuilt_when_damaged(tmp_path, caplog)
         caplog.clear()
         rebuilt = open_tokens(str(src), "all", tok, cache_dir=cache)
         assert "damaged" in caplog.text and not rebuilt.cache_hit
-        assert same_batches(PackedSequences.from_tokens(rebuilt, 8), ref)
+        assert same_batches(PackedSequences(rebuilt, None, 8), ref)
 
 
 def _open_in_child(args):
@@ -162,7 +161,7 @@ def test_hub_dataset_id_with_split_and_streaming(hub_folder, tmp_path, streaming
     assert [d.name for d in docs][:2] == ["test#0", "test#1"] and docs[0].text.startswith("test row 0")
     tokens = open_tokens(source, "all", tok, text_field="content", data_split="test", streaming=streaming,
                          cache_dir=tmp_path / "c")
-    assert same_batches(PackedSequences.from_tokens(tokens, 8), PackedSequences(docs, tok, 8))
+    assert same_batches(PackedSequences(tokens, None, 8), PackedSequences(docs, tok, 8))
     train = open_tokens(source, "train", tok, text_field="content", streaming=streaming, cache_dir=tmp_path / "c")
     assert train.num_documents == len(read_documents(source, "train", text_field="content"))
     with pytest.raises(ConceptError, match="no 'text' column"):
