@@ -175,3 +175,32 @@ def test_a_name_that_is_neither_a_path_nor_loadable(hub_folder, tmp_path):
     assert data.hub_name("stdlib") is None and data.hub_name("org/name") == "org/name"
     with pytest.raises(ConceptError, match="does not exist"):
         open_tokens(str(tmp_path / "missing"), "train", EosBytes(257), cache_dir=tmp_path / "c")
+
+
+# -- the CLI: a hub dataset to train on, --eval-data for the periodic and the later evaluation --------------
+@pytest.mark.slow  # about a minute on 2 shared cores (build, train, four evaluations)
+def test_train_on_a_dataset_id_with_eval_data_then_eval_defaults_to_it(hub_folder, tmp_path, monkeypatch):
+    from tests.test_cli_train import FAST, TINY, run
+
+    monkeypatch.setenv("CONCEPT_CACHE", str(tmp_path / "cache"))
+    built = tmp_path / "m"
+    assert run("build", *TINY, "-o", built).exit_code == 0
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"content": f"held-out prose {i} " * 9}) + "\n" for i in range(12)))
+    out = tmp_path / "run"
+    r = run("train", built, "--data", f"hf:{hub_folder}", "--data-split", "train", "--text-field", "content",
+            "--eval-data", held, "--steps", 2, *FAST, "--eval-every", 2, "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    trained = json.loads(r.stdout)["eval"]["nll"]
+    saved = json.loads((out / "train.json").read_text())
+    saved = saved.get("config", saved)
+    assert saved["eval_data"] == str(held) and saved["data"] == f"hf:{hub_folder}"
+    assert (tmp_path / "cache" / "shards").is_dir()  # the shards live in $CONCEPT_CACHE
+
+    def nll(*data):
+        r = run("eval", out, *data, "--batches", 1, "--batch", 2, "--no-controls", "--json")
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["nll"]
+
+    assert nll() == pytest.approx(trained, abs=1e-5) == nll("--data", held)
+    assert nll("--data", f"hf:{hub_folder}") != pytest.approx(trained, abs=1e-5)  # negative control: other data
