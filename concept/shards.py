@@ -3,7 +3,8 @@
     open_split(source, split, tokenizer, ...)  ->  TokenSplit(ids, lengths, digest, ...)
 
 A **shard** is one folder ``<cache>/shards/<key>/`` (``<cache>``: ``$CONCEPT_CACHE``, else
-``$XDG_CACHE_HOME/concept``, else ``~/.cache/concept``):
+``$XDG_CACHE_HOME/concept``, else ``~/.cache/concept``; ``$CONCEPT_DATA_CACHE`` names the shards' folder
+itself, e.g. a large or fast disk, without moving the rest of the cache):
 
 * ``tokens.bin``: every document's token ids back to back, in the corpus's sorted order, each followed by
   the tokenizer's eos when it has one (unless the document already ends with it); ``uint16`` when the
@@ -74,7 +75,13 @@ class TokenSplit:
         return len(self.lengths)
 
 
+DATA_CACHE_ENV = "CONCEPT_DATA_CACHE"  # the shards' folder itself, when they belong elsewhere than the cache
+
+
 def shards_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir / "shards"``; by default ``$CONCEPT_DATA_CACHE``, else ``cache_root() / "shards"``."""
+    if cache_dir is None and os.environ.get(DATA_CACHE_ENV):
+        return Path(os.environ[DATA_CACHE_ENV]).expanduser()
     return (fs.cache_root() if cache_dir is None else Path(cache_dir).expanduser()) / "shards"
 
 

@@ -12,6 +12,7 @@ import pytest
 from concept import data, fingerprint
 from concept.data import ByteTokenizer, PackedSequences, open_tokens, read_documents
 from concept.errors import ConceptError
+from concept.shards import shards_root
 
 
 class EosBytes(ByteTokenizer):
@@ -129,6 +130,16 @@ def test_two_processes_build_one_shard(tmp_path):
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_where_the_shards_live(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCEPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CONCEPT_DATA_CACHE", raising=False)
+    assert shards_root() == tmp_path / "cache" / "shards"
+    monkeypatch.setenv("CONCEPT_DATA_CACHE", str(tmp_path / "big-disk"))
+    assert shards_root() == tmp_path / "big-disk"
+    tokens = open_tokens(str(corpus(tmp_path / "src", n=5)), "all", EosBytes(257))
+    assert tokens.path.parent == tmp_path / "big-disk"
+
+
 def test_large_vocabularies_use_uint32(tmp_path):
     src = corpus(tmp_path / "src", n=10)
 
@@ -183,6 +194,7 @@ def test_train_on_a_dataset_id_with_eval_data_then_eval_defaults_to_it(hub_folde
     from tests.test_cli_train import FAST, TINY, run
 
     monkeypatch.setenv("CONCEPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CONCEPT_DATA_CACHE", raising=False)
     built = tmp_path / "m"
     assert run("build", *TINY, "-o", built).exit_code == 0
     held = tmp_path / "held.jsonl"
