@@ -1,8 +1,13 @@
 """Training and evaluation data: documents in, fixed-length packed token rows out.
 
     read_documents(source, split)  ->  [Document(name, text), ...]      (sorted by name)
-    PackedSequences(documents, tokenizer, seq_len, seed)
+    open_tokens(source, split, tokenizer)  ->  TokenSplit                 (a memory-mapped token shard)
+    PackedSequences(documents or TokenSplit, tokenizer, seq_len, seed)
         .batch(step, batch_size)  ->  {input_ids, attention_mask, document_ids}  [B, T]
+
+Training and evaluation read ``open_tokens``: the source tokenised once into a token shard
+(``concept.shards``: cached by content, memory-mapped, found without reading the source), so a run
+neither reads nor holds the corpus; ``PackedSequences`` gathers each batch's rows from the map.
 
 * Sources: a built-in corpus (always on the machine, no download), a text file (one document),
   a ``.jsonl`` file (one document per line, text in ``text_field``), or a folder of those
@@ -11,7 +16,9 @@
   the column ``text_field``, rows named ``NAME#ROW`` (0-based): a folder written by
   ``Dataset.save_to_disk``; a ``DatasetDict.save_to_disk`` folder (its ``train`` split, or
   ``PATH:SPLIT`` for another; rows named ``SPLIT#ROW`` like ``PATH/SPLIT`` read as a Dataset
-  folder); a ``.parquet`` or ``.arrow`` file; and those inside a folder. Nothing is written
+  folder); a ``.parquet`` or ``.arrow`` file; and those inside a folder. A dataset id ``datasets.load_dataset``
+  loads (``hf:NAME``, or a bare ``NAME`` / ``ORG/NAME`` that is no path: :func:`hub_name`): its split
+  ``data_split`` (default ``train``), optionally streamed, rows named ``SPLIT#ROW``. Nothing is written
   next to the data (no ``datasets`` cache). Built-in corpora, by name:
 
   - ``stdlib`` (alias ``code``; the default): the ``.py`` sources of the Python standard
@@ -29,7 +36,7 @@
   are listed, and held-out documents are never trained on. If every document of a corpus
   hashes to held-out (only possible for a handful of documents) they are all training data and
   the held-out split is empty.
-* Packing: documents are tokenised (``concept.tokens``, cached), followed by the tokenizer's eos
+* Packing: documents are tokenised (a token shard; ``concept.tokens`` for a list of Documents), followed by the tokenizer's eos
   when it has one, concatenated in a seeded order and cut into rows of ``seq_len`` tokens (the
   incomplete last row is dropped). ``document_ids`` number the documents inside each row from 0;
   a document cut at a row end continues, as id 0, in the next row.
