@@ -562,6 +562,10 @@ def open_tokens(source, split: str, tokenizer, *, text_field: str = "text", enco
         raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if isinstance(source, (str, os.PathLike)) and not str(source).strip():
         read_documents(source)  # the empty-path error
+    if (data_split is not None or streaming) and (hub_name(source) is None or local_path(source) is not None):
+        flag = "--streaming" if streaming else f"--data-split {data_split}"
+        raise ConceptError(f"{flag} is for a --data dataset id that `datasets.load_dataset` loads (hf:NAME), not "
+                           f"--data {source or DEFAULT_CORPUS}; for a DatasetDict folder's split pass --data PATH:SPLIT")
     label = {"stdlib": "the Python standard library", "pydoc": "the pydoc corpus"}.get(builtin_corpus(source),
                                                                                       str(source))
     ident = source_identity(source, text_field, encoding_errors, data_split, streaming)

@@ -82,7 +82,7 @@ METRICS = "metrics.jsonl"
 STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
 DERIVED = ("source", "attention_resolved", "pruned", "distributed")
-DATA_FIELDS = {"data", "text_field", "encoding_errors", "data_split", "streaming", "eval_data"}  # --resume may point at other data (with a note)
+DATA_FIELDS = {"data", "text_field", "encoding_errors", "data_split", "streaming"}  # --resume may point at other data (with a note)
 
 
 class TrainingError(ConceptError):
@@ -531,7 +531,8 @@ class Trainer:
             overrides["data"] = data.stored_source(overrides["data"])
         if overrides.get("eval_data") is not None:
             overrides["eval_data"] = data.stored_source(overrides["eval_data"])
-        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device", "batch", "grad_accum"}
+        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "device", "batch", "grad_accum",
+                      "eval_data"}  # (what the periodic evaluation reads: not what trains)
 
         def saved_value(key):
             return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)

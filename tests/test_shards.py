@@ -186,6 +186,8 @@ def test_a_name_that_is_neither_a_path_nor_loadable(hub_folder, tmp_path):
     assert data.hub_name("stdlib") is None and data.hub_name("org/name") == "org/name"
     with pytest.raises(ConceptError, match="does not exist"):
         open_tokens(str(tmp_path / "missing"), "train", EosBytes(257), cache_dir=tmp_path / "c")
+    with pytest.raises(ConceptError, match="--streaming is for a --data dataset id"):
+        open_tokens(str(hub_folder), "train", EosBytes(257), streaming=True, cache_dir=tmp_path / "c")
 
 
 # -- the CLI: a hub dataset to train on, --eval-data for the periodic and the later evaluation --------------
