@@ -1,8 +1,13 @@
 """Training and evaluation data: documents in, fixed-length packed token rows out.
 
     read_documents(source, split)  ->  [Document(name, text), ...]      (sorted by name)
-    PackedSequences(documents, tokenizer, seq_len, seed)
+    open_tokens(source, split, tokenizer)  ->  TokenSplit                 (a memory-mapped token shard)
+    PackedSequences(documents or TokenSplit, tokenizer, seq_len, seed)
         .batch(step, batch_size)  ->  {input_ids, attention_mask, document_ids}  [B, T]
+
+Training and evaluation read ``open_tokens``: the source tokenised once into a token shard
+(``concept.shards``: cached by content, memory-mapped, found without reading the source), so a run
+neither reads nor holds the corpus; ``PackedSequences`` gathers each batch's rows from the map.
 
 * Sources: a built-in corpus (always on the machine, no download), a text file (one document),
   a ``.jsonl`` file (one document per line, text in ``text_field``), or a folder of those
@@ -11,7 +16,9 @@
   the column ``text_field``, rows named ``NAME#ROW`` (0-based): a folder written by
   ``Dataset.save_to_disk``; a ``DatasetDict.save_to_disk`` folder (its ``train`` split, or
   ``PATH:SPLIT`` for another; rows named ``SPLIT#ROW`` like ``PATH/SPLIT`` read as a Dataset
-  folder); a ``.parquet`` or ``.arrow`` file; and those inside a folder. Nothing is written
+  folder); a ``.parquet`` or ``.arrow`` file; and those inside a folder. A dataset id ``datasets.load_dataset``
+  loads (``hf:NAME``, or a bare ``NAME`` / ``ORG/NAME`` that is no path: :func:`hub_name`): its split
+  ``data_split`` (default ``train``), optionally streamed, rows named ``SPLIT#ROW``. Nothing is written
   next to the data (no ``datasets`` cache). Built-in corpora, by name:
 
   - ``stdlib`` (alias ``code``; the default): the ``.py`` sources of the Python standard
@@ -29,7 +36,7 @@
   are listed, and held-out documents are never trained on. If every document of a corpus
   hashes to held-out (only possible for a handful of documents) they are all training data and
   the held-out split is empty.
-* Packing: documents are tokenised (``concept.tokens``, cached), followed by the tokenizer's eos
+* Packing: documents are tokenised (a token shard; ``concept.tokens`` for a list of Documents), followed by the tokenizer's eos
   when it has one, concatenated in a seeded order and cut into rows of ``seq_len`` tokens (the
   incomplete last row is dropped). ``document_ids`` number the documents inside each row from 0;
   a document cut at a row end continues, as id 0, in the next row.
@@ -40,9 +47,9 @@
 from __future__ import annotations
 
 import codecs
-import hashlib
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +58,9 @@ import numpy as np
 import torch
 
 from .errors import ConceptError, one_line
+from . import shards
+from .shards import TokenSplit, listing, python_identity
+from .shards import is_heldout as _is_heldout
 from .tokens import ByteTokenizer, tokenize_documents, tokenizer_for
 
 __all__ = ["Document", "DEFAULT_CORPUS", "PROSE_CORPUS", "CORPORA", "builtin_corpus", "read_documents", "ByteTokenizer", "tokenizer_for", "PackedSequences"]
@@ -296,6 +306,81 @@ def _walk(root: Path, stdlib: bool) -> list[Path]:
     return files
 
 
+# -- datasets that `datasets.load_dataset` loads (a hub id, or `hf:PATH` for a local dataset folder) --------
+HUB_PREFIX = "hf:"
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+FILE_SUFFIXES = {".txt", ".jsonl", ".json", ".md", ".rst", ".py", ".csv", ".parquet", ".arrow"}
+
+
+def hub_name(source) -> str | None:
+    """The name ``datasets.load_dataset`` is given for ``source``: ``hf:NAME`` (any name, a local dataset
+    folder included), or a bare ``NAME`` / ``ORG/NAME`` that is no existing path, built-in corpus or
+    file name; None otherwise (a local path, read as always)."""
+    if not isinstance(source, str):
+        return None
+    if source.startswith(HUB_PREFIX) and source[len(HUB_PREFIX):].strip():
+        return source[len(HUB_PREFIX):]
+    if (source in CORPORA or os.path.lexists(source) or not HUB_NAME.fullmatch(source)
+            or Path(source).suffix.lower() in FILE_SUFFIXES):
+        return None
+    return source
+
+
+def _load_hub(name: str, data_split: str | None, streaming: bool):
+    """``datasets.load_dataset(name, split=...)``: one error line when it cannot."""
+    datasets = _import_datasets()
+    split = data_split or "train"
+    try:
+        return datasets.load_dataset(name, split=split, streaming=streaming)
+    except Exception as exc:  # datasets raises many kinds (offline, not found, bad split, bad files)
+        local = Path(name).expanduser()
+        what = "" if local.exists() else f"no file or folder {name} exists (does not exist), and "
+        raise ConceptError(one_line(
+            f"--data {name}: {what}`datasets.load_dataset({name!r}, split={split!r})` cannot load it "
+            f"({type(exc).__name__}: {exc}); pass an existing path, a dataset id the `datasets` library can load "
+            f"(a cached hub dataset offline), or another --data-split")) from None
+
+
+def hub_identity(source, text_field: str, data_split: str | None, streaming: bool) -> dict:
+    """What identifies a ``load_dataset`` source's content for the token-shard cache (see concept.shards)."""
+    name = hub_name(source)
+    ident = {"hub": name, "split": data_split or "train", "text_field": text_field, "streaming": streaming}
+    local = Path(name).expanduser()
+    if local.exists():
+        ident["path"], ident["listing"] = str(local.resolve()), listing(local)
+    if not streaming:
+        ident["fingerprint"] = getattr(_load_hub(name, data_split, False), "_fingerprint", None)
+    return ident
+
+
+def hub_documents(source, text_field: str = "text", data_split: str | None = None, streaming: bool = False):
+    """The rows of a ``load_dataset`` source as Documents named ``SPLIT#ROW`` (as a DatasetDict folder's
+    rows), in row order, one at a time (a streamed dataset is never held whole)."""
+    name = hub_name(source)
+    split = data_split or "train"
+    ds = _load_hub(name, data_split, streaming)
+    features = getattr(ds, "features", None)
+    if features is not None and text_field not in features:
+        columns = ", ".join(repr(c) for c in features) or "none"
+        raise ConceptError(f"--data {name} (split {split!r}) has no {text_field!r} column (columns: {columns}); "
+                           f"choose one with --text-field NAME")
+    empty = True
+    for row, record in enumerate(ds):
+        value = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            if text_field not in record:
+                raise ConceptError(f"--data {name} row {row} has no {text_field!r} column; choose one with "
+                                   f"--text-field NAME")
+            raise ConceptError(f"--data {name} row {row}: column {text_field!r} is {type(value).__name__}, "
+                               f"expected a string; drop or fill the rows without text")
+        if value.strip():
+            empty = False
+            yield Document(f"{split}#{row}", value)
+    if empty:
+        raise ConceptError(f"--data {name} (split {split!r}) holds no documents (no rows, or every row's "
+                           f"{text_field!r} is empty); point --data elsewhere")
+
+
 def stdlib_root() -> Path:
     return Path(warnings.__file__).parent
 
@@ -333,6 +418,10 @@ def stored_source(source) -> str | None:
     """``source`` as a run records it: a path made absolute (so ``--resume`` works from any folder),
     a built-in corpus name or anything else unchanged."""
     path = local_path(source)
+    name = hub_name(source)
+    if path is None and name is not None and isinstance(source, str) and source.startswith(HUB_PREFIX):
+        local = Path(name).expanduser()  # hf:PATH of a local dataset folder: absolute, as a path
+        return f"{HUB_PREFIX}{local.resolve()}" if local.exists() else source
     if path is None:
         return source
     absolute = str(path.resolve())
@@ -353,17 +442,14 @@ def _pydoc_documents() -> list[Document]:
     return sorted(docs, key=lambda d: d.name)
 
 
-def _is_heldout(name: str, fraction: float) -> bool:
-    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2.0 ** 64
-
-
 def read_documents(source: str | os.PathLike | None = None, split: str = "all", text_field: str = "text",
-                   heldout_fraction: float = 0.05, encoding_errors: str = "strict") -> list[Document]:
+                   heldout_fraction: float = 0.05, encoding_errors: str = "strict",
+                   data_split: str | None = None) -> list[Document]:
     """Documents of ``source`` (None or "stdlib"/"code": the Python standard library's sources;
     "pydoc"/"prose": its English help topics; a text, .jsonl, .parquet or .arrow file; a folder of
     them; or a ``datasets`` ``save_to_disk`` folder, ``PATH:SPLIT`` for a DatasetDict's split other
-    than "train"), restricted to ``split`` ("train", "heldout" or "all"), sorted."""
+    than "train"; or a dataset ``datasets.load_dataset`` loads, see :func:`hub_name`, its ``data_split``),
+    restricted to ``split`` ("train", "heldout" or "all"), sorted."""
     if split not in SPLITS:
         raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if not 0.0 <= heldout_fraction < 1.0:
@@ -390,6 +476,8 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
         base, colon, chosen = str(source).rpartition(":")
         if colon and base and chosen and "/" not in chosen and _datasets_folder(Path(base).expanduser()):
             root, dataset_split, label = Path(base).expanduser(), chosen, str(source)
+    if not root.exists() and hub_name(source) is not None:
+        return _split(list(hub_documents(source, text_field, data_split)), split, heldout_fraction, label)
     if not root.exists():
         raise ConceptError(f"data path {root} does not exist; pass an existing text file, .jsonl file or folder "
                            f"to --data, or leave it out to use the default corpus (the Python standard library)")
@@ -449,20 +537,62 @@ def _split(docs: list[Document], split: str, heldout_fraction: float, label: str
     return chosen
 
 
+# -- token shards -----------------------------------------------------------------------------
+def source_identity(source, text_field: str, encoding_errors: str, data_split: str | None, streaming: bool) -> dict:
+    """What identifies ``source``'s documents for the token-shard cache without reading them (concept.shards)."""
+    corpus = builtin_corpus(source)
+    if corpus is not None:
+        return {"builtin": corpus, **python_identity()}
+    path = local_path(source)
+    if path is not None:
+        return {"path": str(path.resolve()), "source": str(source), "listing": listing(path.resolve()),
+                "text_field": text_field, "encoding_errors": encoding_errors}
+    if hub_name(source) is not None:
+        return hub_identity(source, text_field, data_split, streaming)
+    read_documents(source)  # the error naming what is wrong with ``source``
+    raise ConceptError(f"--data {source!r}: not a readable source")  # (not reached)
+
+
+def open_tokens(source, split: str, tokenizer, *, text_field: str = "text", encoding_errors: str = "strict",
+                heldout_fraction: float = 0.05, data_split: str | None = None, streaming: bool = False,
+                cache_dir=None):
+    """``split`` of ``source`` (as :func:`read_documents` reads it) as a :class:`concept.shards.TokenSplit`:
+    tokenised once into a memory-mapped shard in the cache, then read from it without reading the source."""
+    if split not in SPLITS:
+        raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
+    if isinstance(source, (str, os.PathLike)) and not str(source).strip():
+        read_documents(source)  # the empty-path error
+    if (data_split is not None or streaming) and (hub_name(source) is None or local_path(source) is not None):
+        flag = "--streaming" if streaming else f"--data-split {data_split}"
+        raise ConceptError(f"{flag} is for a --data dataset id that `datasets.load_dataset` loads (hf:NAME), not "
+                           f"--data {source or DEFAULT_CORPUS}; for a DatasetDict folder's split pass --data PATH:SPLIT")
+    label = {"stdlib": "the Python standard library", "pydoc": "the pydoc corpus"}.get(builtin_corpus(source),
+                                                                                      str(source))
+    ident = source_identity(source, text_field, encoding_errors, data_split, streaming)
+    if hub_name(source) is not None and local_path(source) is None:
+        documents = lambda: hub_documents(source, text_field, data_split, streaming)  # noqa: E731 (streamed)
+    else:
+        documents = lambda: read_documents(source, "all", text_field, heldout_fraction, encoding_errors,  # noqa: E731
+                                           data_split)
+    found = shards.open_shard(ident, documents, tokenizer, heldout_fraction, label, cache_dir)
+    return shards.split_view(*found[:5], split, label, found[5], heldout_fraction)
+
+
 # -- packing ---------------------------------------------------------------------------------
 class PackedSequences:
     """Documents packed back to back into rows of ``seq_len`` tokens (see the module docstring)."""
 
-    def __init__(self, documents: list[Document], tokenizer, seq_len: int, seed: int = 0, cache_dir=None):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-            raise ConceptError(f"seq_len must be a positive integer, got {seq_len!r}")
+    def __init__(self, documents: list[Document] | TokenSplit, tokenizer, seq_len: int, seed: int = 0, cache_dir=None):
+        """``documents``: Documents (tokenised here, in memory), or a :class:`concept.shards.TokenSplit` (read from
+        its memory map; ``tokenizer`` unused: its tokens and eos are stored)."""
+        if isinstance(documents, TokenSplit):
+            self._pack(documents.ids, documents.starts, documents.lengths, np.zeros_like(documents.lengths), None,
+                       seq_len, seed)
+            self.cache_path, self.cache_hit = documents.path, documents.cache_hit
+            return
         if not documents:
             raise ConceptError("no documents to pack; check --data and --split")
-        self.seq_len, self.seed = int(seq_len), int(seed)
-        self.num_documents = len(documents)
         tokens = tokenize_documents(documents, tokenizer, cache_dir)
-        self.cache_path, self.cache_hit = tokens.cache_path, tokens.cache_hit
-
         lengths = tokens.lengths
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -472,6 +602,18 @@ class PackedSequences:
             nonempty = lengths > 0
             ends_with_eos[nonempty] = np.asarray(tokens.ids)[starts[nonempty] + lengths[nonempty] - 1] == eos
             add = (~ends_with_eos).astype(np.int64)
+        self._pack(tokens.ids, starts, lengths, add, eos, seq_len, seed)
+        self.cache_path, self.cache_hit = tokens.cache_path, tokens.cache_hit
+
+    def _pack(self, ids, starts, lengths, add, eos, seq_len, seed) -> None:
+        """Documents ``ids[starts[i]:starts[i] + lengths[i]]`` (plus ``eos`` where ``add[i]``) in a seeded
+        order, as a virtual stream: a row is gathered from ``ids`` when asked for (the stream is never copied)."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+            raise ConceptError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if not len(lengths):
+            raise ConceptError("no documents to pack; check --data and --split")
+        self.seq_len, self.seed = int(seq_len), int(seed)
+        self.num_documents = len(lengths)
         order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(self.seed % 2 ** 64)).numpy()
         order = order[(lengths + add)[order] > 0]
         self.order = order  # document indices, in packing order
@@ -482,17 +624,11 @@ class PackedSequences:
             raise ConceptError(f"data has {total} tokens, fewer than one sequence of seq_len={self.seq_len}; "
                                f"lower --seq-len or add data")
         self._rows = total // self.seq_len
-        used = self._rows * self.seq_len
-
-        dst = np.concatenate([[0], np.cumsum(span)[:-1]]).astype(np.int64)
-        source = np.arange(used, dtype=np.int64) + np.repeat(starts[order] - dst, span)[:used]
-        flat = np.concatenate([np.asarray(tokens.ids, dtype=np.int32), np.zeros(1, np.int32)])  # eos slots read past
-        packed = flat[source]
-        if eos is not None:
-            eos_at = (dst + span - 1)[add[order] == 1]
-            packed[eos_at[eos_at < used]] = eos
-        self._tokens = packed  # int32 [rows * seq_len]
+        self._ids, self._eos = (ids if len(ids) else np.zeros(1, np.int32)), eos
         self._doc_ends = np.cumsum(span)  # end of each packed document in the stream
+        self._doc_starts = self._doc_ends - span  # its start in the stream
+        self._src_starts = np.asarray(starts, dtype=np.int64)[order]  # its start in ``ids``
+        self._src_lengths = np.asarray(lengths, dtype=np.int64)[order]  # its stored tokens (eos slot excluded)
         self._perms: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -519,9 +655,17 @@ class PackedSequences:
     def rows(self, indices) -> dict[str, torch.Tensor]:
         """Rows by their index in packing order (not shuffled), as a batch."""
         rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self._rows):
+            raise IndexError(f"row index out of range 0..{self._rows - 1}")
         where = rows[:, None] * self.seq_len + np.arange(self.seq_len)
         doc = np.searchsorted(self._doc_ends, where, side="right")
-        ids = torch.from_numpy(self._tokens[where].astype(np.int64))
+        offset = where - self._doc_starts[doc]
+        stored = offset < self._src_lengths[doc]  # else the appended eos slot
+        source = np.where(stored, self._src_starts[doc] + offset, 0)
+        tokens = np.asarray(self._ids[source.reshape(-1)], dtype=np.int64).reshape(source.shape)  # reads these only
+        if self._eos is not None:
+            tokens = np.where(stored, tokens, self._eos)
+        ids = torch.from_numpy(tokens)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                 "document_ids": torch.from_numpy(doc - doc[:, :1])}
 

@@ -275,6 +275,9 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
     train = read_train(run) or {}
     if data is not None:  # ("" is refused by the reader, not taken for "the run's data")
         source, split = data, "heldout" if builtin_corpus(data) else "all"
+    elif train.get("eval_data") is not None:  # the run's own --eval-data
+        source = train["eval_data"]
+        split = "heldout" if builtin_corpus(source) else "all"
     else:
         source, split = train.get("data"), "heldout"
     return (source, split, seq_len or train.get("seq_len") or 256, text_field or train.get("text_field", "text"),
@@ -302,8 +305,15 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     if too_big:
         raise ConfigError([too_big])
     tokenizer = concept_data.tokenizer_for(model)
-    docs = concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors)
-    packed = concept_data.PackedSequences(docs, tokenizer, seq_len, seed=0)
+    # the run's own data: its hub split / streaming; other data: the defaults
+    own = data is None and train_data_settings(path).get("eval_data") is None
+    hub = {k: train_data_settings(path).get(k) for k in ("data_split", "streaming")} if own else {}
+    hub["streaming"] = bool(hub.get("streaming"))
+    tokens = concept_data.open_tokens(source, split, tokenizer, text_field=text_field, encoding_errors=encoding_errors,
+                                      **hub)
+    packed = concept_data.PackedSequences(tokens, None, seq_len, seed=0)
+    docs = _LazyDocuments(lambda: concept_data.read_documents(source, split, text_field, encoding_errors=encoding_errors,
+                                                              data_split=hub.get("data_split")))
     n = min(batches, max(1, len(packed) // batch))
     result = evaluate(model, counted((packed.batch(i, batch) for i in range(n)), n, progress), controls=controls)
     # streaming | dense | pruned | planner-executor
@@ -321,6 +331,31 @@ def counted(batches, total: int, progress=None):
     for done, b in enumerate(batches, 1):
         yield b
         progress(done, total)
+
+
+def train_data_settings(run) -> dict:
+    return read_train(run) or {}
+
+
+class _LazyDocuments:
+    """The documents evaluated, read only when asked for (``--show-map``): the batches come from token shards."""
+
+    def __init__(self, read):
+        self._read, self._docs = read, None
+
+    def _all(self) -> list:
+        if self._docs is None:
+            self._docs = self._read()
+        return self._docs
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self):
+        return iter(self._all())
 
 
 # -- compression map ------------------------------------------------------------------------

@@ -49,6 +49,11 @@ def of_documents(*splits) -> str:
     return _digest("/".join(documents_digest(docs) for docs in splits))
 
 
+def of_digests(*digests: str) -> str:
+    """:func:`of_documents` from each split's ``documents_digest`` (as a token shard records them)."""
+    return _digest("/".join(digests))
+
+
 def _sampled(path: Path, size: int) -> bytes:
     with open(path, "rb") as f:
         if size <= SAMPLES * BLOCK:

@@ -67,6 +67,15 @@ class CoreTrainConfig:
     data: str | None = option(
         None, help="Text file, folder, or JSONL; or Hugging Face datasets: a save_to_disk folder (DatasetDict: its "
                    "train split, or PATH:SPLIT), .parquet / .arrow files (default: the Python standard library).")
+    data_split: str | None = option(
+        None, help="With a --data dataset id (or hf:PATH) that `datasets.load_dataset` loads: its split "
+                   "(default: train).")
+    streaming: bool = option(
+        False, help="With a --data dataset id: stream its rows (`load_dataset(streaming=True)`) into the token "
+                    "shard cache instead of downloading it whole first.")
+    eval_data: str | None = option(
+        None, help="Data for the periodic held-out evaluation instead of the held-out split of --data (all of it; "
+                   "a built-in corpus: its held-out split); `concept eval` then defaults to it too.")
     text_field: str = option("text", help="JSONL field holding the text.")
     encoding_errors: str = option(
         "strict", choices=("strict", "replace"),

@@ -85,7 +85,7 @@ METRICS = "metrics.jsonl"
 STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
 DERIVED = ("source", "attention_resolved", "pruned", "distributed", "versions", "git_sha")
-DATA_FIELDS = {"data", "text_field", "encoding_errors"}  # --resume may point at other data (with a note)
+DATA_FIELDS = {"data", "text_field", "encoding_errors", "data_split", "streaming"}  # --resume may point at other data (with a note)
 
 
 class TrainingError(ConceptError):
@@ -273,19 +273,26 @@ class Trainer:
         return model
 
     def _open_data(self):
-        """The training batches and the held-out ones (None, with a note, when the data is too small)."""
+        """The training batches and the held-out ones (None, with a note, when the data is too small): read from
+        token shards (concept.shards: tokenised once, memory-mapped). ``--eval-data`` replaces the held-out
+        split of the training data for the periodic evaluation (all of it; a built-in corpus: its held-out split)."""
         config = self.config
         tokenizer = data.tokenizer_for(self.model)
-        with self.dist.main_first():  # rank 0 fills the tokenisation cache, the others read it
-            documents = data.read_documents(config.data, "train", config.text_field,
-                                            encoding_errors=config.encoding_errors)
-            self.data_fingerprint = fingerprint.of_documents(documents)  # (a checkpoint records what it trained on)
-            train = data.PackedSequences(documents, tokenizer, config.seq_len, seed=config.seed)
+        read = dict(text_field=config.text_field, encoding_errors=config.encoding_errors,
+                    data_split=config.data_split, streaming=config.streaming)
+        with self.dist.main_first():  # rank 0 fills the shard cache, the others read it
+            tokens = data.open_tokens(config.data, "train", tokenizer, **read)
+            # (a checkpoint records what it trained on: the documents of the train and held-out splits)
+            self.data_fingerprint = fingerprint.of_digests(tokens.digest, *filter(None, [tokens.heldout_digest]))
+            train = data.PackedSequences(tokens, None, config.seq_len, seed=config.seed)
             try:
-                heldout = data.read_documents(config.data, "heldout", config.text_field,
-                                              encoding_errors=config.encoding_errors)
-                self.data_fingerprint = fingerprint.of_documents(documents, heldout)
-                return train, data.PackedSequences(heldout, tokenizer, config.seq_len, seed=config.seed)
+                if config.eval_data is not None:
+                    split = "heldout" if data.builtin_corpus(config.eval_data) else "all"
+                    heldout = data.open_tokens(config.eval_data, split, tokenizer, text_field=config.text_field,
+                                               encoding_errors=config.encoding_errors)
+                else:
+                    heldout = data.open_tokens(config.data, "heldout", tokenizer, **read)
+                return train, data.PackedSequences(heldout, None, config.seq_len, seed=config.seed)
             except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
                 self.notes.append(f"no held-out evaluation during training: {exc}")
                 return train, None
@@ -392,7 +399,8 @@ class Trainer:
         run_files.plan_of(record, source)  # (a source whose record cannot be built: one line naming it)
         cls._check_source_lora(source, trained, config)
         build_config = BuildConfig.from_dict(record["config"])
-        config = dataclasses.replace(config, data=data.stored_source(config.data))  # resumable from any folder
+        config = dataclasses.replace(config, data=data.stored_source(config.data),  # resumable from any folder
+                                     eval_data=data.stored_source(config.eval_data))
         cls.check(config, build_config, dist)  # bad options fail before anything is written
         if out.exists() and out.resolve() == source.resolve() and read_train(out) is not None:
             raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
@@ -535,13 +543,18 @@ class Trainer:
         overrides = dict(overrides)
         if "data" in overrides:
             overrides["data"] = data.stored_source(overrides["data"])
+        if overrides.get("eval_data") is not None:
+            overrides["eval_data"] = data.stored_source(overrides["eval_data"])
         changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "report_to", "device", "batch",
-                      "grad_accum"}
+                      "grad_accum", "eval_data"}  # (eval_data: what the periodic evaluation reads, not what trains)
 
         def saved_value(key):
             return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
 
-        def same(key, value):  # (both data sources stored alike: data.stored_source, concept.migrate)
+        if overrides.get("eval_data") is not None:
+            overrides["eval_data"] = data.stored_source(overrides["eval_data"])
+        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "report_to", "device", "batch",
+                      "grad_accum", "eval_data"}  # (eval_data: what the periodic evaluation reads, not what trains)
             return value == saved_value(key)
 
         conflicts = [f"{k}: the run was trained with {saved_value(k)!r}, you passed {v!r}"

@@ -12,6 +12,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one pytest worker 
         os.environ.pop(name, None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_shards_in_a_temporary_folder(tmp_path_factory):
+    """The tests' token shards (every corpus a test makes gets one) go to a folder of the session, not the
+    user's cache (concept.shards; converted backbones stay in the cache)."""
+    if not os.environ.get("CONCEPT_DATA_CACHE"):
+        os.environ["CONCEPT_DATA_CACHE"] = str(tmp_path_factory.mktemp("token-shards"))
+
+
 def tiny_config(backbone="tiny-llama", attention="sdpa", positions="time", split="2,2,2", vocab=32,
                 policy=("null", {"max_run": 3}), **extra):
     cfg = BuildConfig(

@@ -15,7 +15,7 @@ REGISTERS = {"Parameter", "register_buffer", "register_parameter", "float", "int
 
 # (file, function): why its factories without device= are meant to be on the host
 ALLOWED = {
-    ("concept/data.py", "PackedSequences.__init__"): "the data order: drawn on the host, batches move later",
+    ("concept/data.py", "PackedSequences._pack"): "the data order: drawn on the host, batches move later",
     ("concept/data.py", "PackedSequences.permutation"): "the data order: drawn on the host, batches move later",
     ("concept/streaming/diagnostics.py", "_control.shuffle"): "a CPU generator (the same draw on every device), "
                                                                  "then .to()",

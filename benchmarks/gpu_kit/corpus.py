@@ -15,10 +15,11 @@ so the corpus is a folder of links, one per source file, named as in ``site-pack
 * **hold-out unchanged**: a file is held out by ``concept.data``'s rule on its name (the same name as in
   ``site-packages``), so the training run's own held-out split is part of the same rule's split of the
   whole corpus, never trained on;
-* **tokenised once** (:func:`tokenize`): the training split is tokenised with the model's tokenizer into
-  ``concept``'s token cache (a memory-mapped ``.npy`` per document set, under ``$CONCEPT_CACHE``), which
-  every training run of the plan then reads; the count of its rows caps the plan, so that **no training
-  token is seen twice** (the plan's steps x batch <= the rows of one epoch).
+* **tokenised once** (:func:`tokenize`): the corpus is tokenised with the model's tokenizer into
+  ``concept``'s token shard (``concept.shards``: memory-mapped, under ``$CONCEPT_CACHE/shards``), which
+  every training run of the plan then reads without tokenising or loading the corpus; the count of its
+  rows caps the plan, so that **no training token is seen twice** (the plan's steps x batch <= the rows
+  of one epoch).
 
 The dry run's stand-in: this project's own ``concept/`` sources, with the byte tokenizer.
 """
@@ -153,14 +154,14 @@ def tokenize(stage: Stage, folder: Path, model, seq_len: int, seed: int) -> dict
     out = {}
     for split in ("train", "heldout"):
         try:
-            documents = data.read_documents(str(folder), split)
-            packed = data.PackedSequences(documents, tokenizer, seq_len, seed=seed)
+            tokens = data.open_tokens(str(folder), split, tokenizer)  # the token shard the training runs read
+            packed = data.PackedSequences(tokens, None, seq_len, seed=seed)
         except ConceptError as exc:  # a held-out split too small (the training run then says so too)
             if split == "train":
                 raise KitError(f"the training corpus {folder}: {exc}") from None
             out[split] = {"documents": 0, "tokens": 0, "rows": 0, "note": str(exc)}
             continue
-        out[split] = {"documents": len(documents), "tokens": packed.num_tokens, "rows": len(packed),
+        out[split] = {"documents": tokens.num_documents, "tokens": packed.num_tokens, "rows": len(packed),
                       "cached": packed.cache_path is not None}
     out["tokenize_s"] = round(time.monotonic() - start, 1)
     stage.say(f"corpus tokenised: {out['train']['tokens']:,} training tokens ({out['train']['rows']:,} rows of "
