@@ -551,10 +551,7 @@ class Trainer:
         def saved_value(key):
             return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
 
-        if overrides.get("eval_data") is not None:
-            overrides["eval_data"] = data.stored_source(overrides["eval_data"])
-        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "report_to", "device", "batch",
-                      "grad_accum", "eval_data"}  # (eval_data: what the periodic evaluation reads, not what trains)
+        def same(key, value):  # (both data sources stored alike: data.stored_source, concept.migrate)
             return value == saved_value(key)
 
         conflicts = [f"{k}: the run was trained with {saved_value(k)!r}, you passed {v!r}"
