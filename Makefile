@@ -28,11 +28,11 @@ DEMO_TRAIN := --steps 30 --seq-len 128 --batch 4 --lr 3e-3 --lr-new 3e-3 --warmu
               --eval-every 30 --eval-batches 2 --checkpoint-every 30 --force
 demo: $(STAMP)
 	$(BIN)/concept build -o runs/demo --force
-	$(BIN)/concept train runs/demo --out runs/demo-train $(DEMO_TRAIN)
-	$(BIN)/concept train runs/demo --baseline pruned --out runs/demo-pruned $(DEMO_TRAIN)
-	$(BIN)/concept train runs/demo --baseline dense --out runs/demo-dense $(DEMO_TRAIN)
+	$(BIN)/concept train runs/demo -o runs/demo-train $(DEMO_TRAIN)
+	$(BIN)/concept train runs/demo --baseline pruned -o runs/demo-pruned $(DEMO_TRAIN)
+	$(BIN)/concept train runs/demo --baseline dense -o runs/demo-dense $(DEMO_TRAIN)
 	$(BIN)/concept eval runs/demo-train runs/demo-pruned runs/demo-dense --data stdlib --data pydoc \
-	    --batches 6 --batch 4 --show-map
+	    --eval-batches 6 --batch 4 --show-map
 
 # the unit tests (one pytest-xdist worker per core, a test file per worker at a time), then every benchmark
 # suite once with timing off (a smoke run, not a gate)

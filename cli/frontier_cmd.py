@@ -15,6 +15,7 @@ from concept.options import click_options
 
 from .output import print_json, quiet_progress_bars, status, stdout, table
 from .deferred import DeferredOptions
+from .renamed import renamed
 
 DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
 # the common training options, made from TrainConfig (`concept train`'s; any other: --train-set); not given:
@@ -188,11 +189,11 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--include-path", multiple=True, metavar="DIR", help="With --tasks: a folder of your own task YAMLs.")
 @click.option("--max-flops", type=float, default=0.6, show_default=True,
               help="Name the best streaming point at or below this FLOP ratio to dense.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/frontier"), show_default=True,
+@renamed("-o", "--output", "out", old=("--out",), type=click.Path(path_type=Path), default=Path("runs/frontier"), show_default=True,
               help="Folder of the runs (one subfolder each) and of frontier.json / .md / .png.")
 @click.option("--update-doc", type=click.Path(path_type=Path), metavar="FILE",
               help="Replace the block between <!-- frontier:begin --> and <!-- frontier:end --> in FILE.")
-@click.option("--force", is_flag=True, help="Retrain runs in --out that were trained with another recipe.")
+@click.option("--force", is_flag=True, help="Retrain runs in --output that were trained with another recipe.")
 @click.option("--dry-run", is_flag=True, help="Print the planned runs and their FLOP ratios; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the frontier (or the plan) as JSON on stdout.")
 @click.pass_context
@@ -207,7 +208,7 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
     the ones it has no use for (--placement, --align at deep-input).
 
     \b
-    concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 --out runs/frontier
+    concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 -o runs/frontier
     concept frontier --splits "6,18,6;10,10,10" --ratios 0.25 --distill 1 --ratio-warmup 0.3 --dry-run
     concept frontier ... --update-doc docs/results.md
     """

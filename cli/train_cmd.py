@@ -8,6 +8,7 @@ from click.core import ParameterSource
 
 from .deferred import DeferredOptions
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
+from .renamed import renamed
 
 
 def train_options(third_party: bool = True) -> list:
@@ -22,12 +23,12 @@ def train_options(third_party: bool = True) -> list:
 
 @click.command(cls=DeferredOptions, make_options=train_options, after="force")
 @click.argument("source", metavar="RUN_DIR", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or "
+@renamed("-o", "--output", "out", old=("--out",), type=click.Path(path_type=Path), metavar="DIR", help="Run folder to write (default: RUN_DIR-train, or "
               "RUN_DIR-dense / RUN_DIR-pruned with --baseline).")
 @click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped "
               "(a larger --steps stretches the LR and temperature schedules from there on; --data continues on "
               "other data).")
-@click.option("--force", is_flag=True, help="Replace an existing run folder at --out (never a folder that is not a "
+@click.option("--force", is_flag=True, help="Replace an existing run folder at --output (never a folder that is not a "
               "run), once the new run has trained every step (until then, and after a failure or Ctrl-C, the old "
               "folder stays as it was).")
 @click.option("--accept-data-change", is_flag=True, help="With --resume: continue on data whose documents changed "
@@ -42,12 +43,12 @@ def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, di
     """Train a built model (or the dense baseline) on text.
 
     \b
-    concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.125 --out runs/m1-train
+    concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.125 -o runs/m1-train
     concept train runs/m1-train --resume --steps 600
-    concept train runs/m1 --baseline --out runs/dense
-    concept train runs/m1 --baseline pruned --distill 1 --out runs/pruned
-    concept train runs/m1 --distill 1 --ratio-warmup 0.3 --out runs/m1-kd
-    concept train runs/pe --task continue --context-len 192 --out runs/pe-cont
+    concept train runs/m1 --baseline -o runs/dense
+    concept train runs/m1 --baseline pruned --distill 1 -o runs/pruned
+    concept train runs/m1 --distill 1 --ratio-warmup 0.3 -o runs/m1-kd
+    concept train runs/pe --task continue --context-len 192 -o runs/pe-cont
     """
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.distributed import setup, teardown
@@ -69,7 +70,7 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
     quiet_progress_bars()
     given = {k for k in options if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     if resume and out is not None and Path(out).resolve() != source.resolve():
-        raise click.UsageError("--resume continues RUN_DIR in place; drop --out (or start a new run without --resume)")
+        raise click.UsageError("--resume continues RUN_DIR in place; drop --output (or start a new run without --resume)")
     if accept_data_change and not resume:
         raise click.UsageError("--accept-data-change is for --resume (a new run records the data it starts with)")
     if resume:
@@ -103,9 +104,8 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
     for note in trainer.notes:
         status("note:", note)
     noted = len(trainer.notes)
-    accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
-    status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, "
-                       f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}"
+    status("training", f"{training_line(cfg, trainer.step, trainer.global_batch, trainer.train_data.num_tokens)}, "
+                       f"device {trainer.device}"
                        f"{f', attention auto -> {trainer.attention}' if trainer.attention else ''}"
                        f"{f', {dist.describe()}, global batch {trainer.global_batch}' if dist.active else ''}")
     replacing = trainer.staging is not None
@@ -136,6 +136,18 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
             if not isinstance(v, dict):
                 t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
         stdout.print(t)
+
+
+def training_line(cfg, step: int, global_batch: int, corpus_tokens: int) -> str:
+    """What this run will train on: the steps, the tokens per step, the tokens the remaining steps read (rows of
+    --curriculum's length step by step) and, apart, the size of the training corpus they are drawn from."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.train_config import curriculum_len
+
+    accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
+    trained = global_batch * sum(curriculum_len(cfg, s) for s in range(step, cfg.steps))
+    return (f"steps {step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, {trained:,} tokens to train on "
+            f"(from a corpus of {corpus_tokens:,} tokens)")
 
 
 def already_done(run: Path, steps: int | None) -> tuple[int, int] | None:
