@@ -10,6 +10,7 @@ from rich.markup import escape
 from concept.config import COMPILE_CHOICES, COMPILE_HELP
 
 from .output import html_report, print_concepts, print_json, quiet_progress_bars, status, stdout, table
+from .recipes import command_values, config_option, dump, print_config_option
 from .renamed import renamed
 
 # (key, label, format) rows of the table, in order
@@ -127,8 +128,12 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 @click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
               is_flag=False, flag_value="on", help=COMPILE_HELP)
 @click.option("--json", "as_json", is_flag=True)
-def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
-          tasks, include_path, limit, num_fewshot, compile_, as_json):
+@config_option("eval", help="A recipe (YAML or JSON; its eval: section if it has one): its values are the defaults, "
+                            "flags override them (docs/cli.md).")
+@print_config_option()
+@click.pass_context
+def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
+          tasks, include_path, limit, num_fewshot, compile_, as_json, config_file, print_config):
     """Evaluate trained (or built) runs on held-out text, or on downstream tasks (--tasks).
 
     \b
@@ -138,7 +143,11 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     concept eval runs/m1-train --data stdlib --data pydoc   # code and prose: one table per domain
     concept eval runs/m1-train runs/dense --tasks concept_offline --tasks-limit 100   # accuracy, lm-eval
     concept eval --tasks list                      # every task name, the shipped ones first
+    concept eval --config recipes/demo.yaml        # a recipe file (its eval: section); flags override it
     """
+    if print_config:
+        click.echo(dump(command_values(ctx, ctx.params)), nl=False)
+        return
     quiet_progress_bars()
     names = [n.strip() for t in tasks for n in t.split(",") if n.strip()]
     if tasks:

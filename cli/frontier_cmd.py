@@ -15,6 +15,7 @@ from concept.options import click_options
 
 from .output import print_json, quiet_progress_bars, status, stdout, table
 from .deferred import DeferredOptions
+from .recipes import command_values, config_option, dump, print_config_option
 from .renamed import renamed
 
 DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
@@ -164,8 +165,11 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--baselines", default="pruned,dense", show_default=True, metavar="LIST",
               help="Baselines trained alongside: pruned (FLOP-matched to each streaming point), dense; or none.")
 @click.option("--backbone", metavar="NAME", help="Backbone plugin of the streaming builds (default: smollm2).")
-@click.option("--config", "config_file", type=click.Path(exists=True), metavar="FILE",
-              help="Start the builds from a saved config (JSON, a run's concept.json or a run folder).")
+@config_option("frontier", bare=False, dir_okay=True,
+               help="A recipe (YAML or JSON) with a frontier: section (these options) and a build: section (the "
+                    "config the builds start from); or a bare build config, a run's concept.json or a run folder. "
+                    "Flags override it (docs/cli.md).")
+@print_config_option()
 @click.option("--length-policy", metavar="NAME", help="Length policy plugin of the builds.")
 @click.option("--attention", metavar="NAME", help="Deep-stack attention backend of the builds.")
 @click.option("--tail-fusion", metavar="NAME", help="Tail fusion of the builds: none, update, bridge.")
@@ -197,7 +201,7 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the planned runs and their FLOP ratios; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the frontier (or the plan) as JSON on stdout.")
 @click.pass_context
-def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> None:
+def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, print_config, **opts) -> None:
     """Train and evaluate the quality / compute frontier: streaming models over --splits x --ratios,
     a FLOP-matched pruned baseline for each, and the dense baseline, all with the same recipe.
 
@@ -211,12 +215,21 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
     concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 -o runs/frontier
     concept frontier --splits "6,18,6;10,10,10" --ratios 0.25 --distill 1 --ratio-warmup 0.3 --dry-run
     concept frontier ... --update-doc docs/results.md
+    concept frontier --config recipes/frontier.yaml --dry-run     # a recipe file; flags override it
     """
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.recipes import frontier as fr
 
     quiet_progress_bars()
     spec = make_spec(opts)
+    if print_config:  # the resolved recipe: these options, and the build config the builds start from
+        # lazy: the library (torch) loads only when the command runs; --help stays instant
+        from .build_cmd import load_config_file
+
+        base = load_config_file(opts["config_file"]) if opts["config_file"] is not None else BuildConfig()
+        values = {**ctx.params, "out": out, "update_doc": update_doc}
+        click.echo(dump({"frontier": command_values(ctx, values), "build": base.to_dict()}), nl=False)
+        return
     if update_doc is not None and not dry_run:
         fr.check_doc(update_doc)  # a missing block fails now, not after the training
     status("planning", f"{len(spec.splits)} split(s) x {len(spec.ratios)} ratio(s), baselines: "
@@ -251,3 +264,15 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
         return
     stdout.print(render_table(result, out))
     stdout.print(escape(fr.best_line(result).replace("**", "")))
+
+
+def _declared(ctx) -> type:
+    # lazy: the library loads only when the command runs; --help stays instant
+    from concept.train_config import composed
+
+    from .deferred import HELPING
+
+    return composed(not ctx.meta.get(HELPING, False))
+
+
+frontier.recipe_declared = _declared  # (a recipe's sections, e.g. lora:: cli.recipes.nested_groups)

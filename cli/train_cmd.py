@@ -6,8 +6,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from .deferred import DeferredOptions
+from .deferred import HELPING, DeferredOptions
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
+from .recipes import config_option, dump, print_config_option
 from .renamed import renamed
 
 
@@ -38,8 +39,12 @@ def train_options(third_party: bool = True) -> list:
               help="Under torchrun: ddp (auto's choice; gloo on CPU, nccl on GPU) or fsdp2 (parameters sharded). "
               "--batch is per process: the global batch is batch x processes x grad-accum. See docs/distributed.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final evaluation as JSON.")
+@config_option("train", help="A recipe (YAML or JSON; its train: section if it has one): its values are the "
+                             "defaults, flags override them (docs/cli.md).")
+@print_config_option()
 @click.pass_context
-def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, distributed, **options) -> None:
+def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, distributed, config_file, print_config,
+          **options) -> None:
     """Train a built model (or the dense baseline) on text.
 
     \b
@@ -49,7 +54,14 @@ def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, di
     concept train runs/m1 --baseline pruned --distill 1 -o runs/pruned
     concept train runs/m1 --distill 1 --ratio-warmup 0.3 -o runs/m1-kd
     concept train runs/pe --task continue --context-len 192 -o runs/pe-cont
+    concept train --config recipes/demo.yaml --force         # a recipe file; flags override it
+    concept train runs/m1 --steps 50 --print-config > r.yaml   # the resolved recipe
     """
+    if print_config:
+        return print_recipe(ctx, source, out, options)
+    if config_file is not None and resume:
+        raise click.UsageError("--resume continues with the run's recorded options; drop --config (flags given "
+                               "with --resume still change them)")
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.distributed import setup, teardown
 
@@ -138,6 +150,22 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
         stdout.print(t)
 
 
+def print_recipe(ctx, source: Path, out, options: dict) -> None:
+    """--print-config: the resolved training options (train.json's format: ``lora:`` a section) with the run
+    folders, as YAML on stdout; checked first (all problems at once)."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.errors import ConfigError
+    from concept.options import from_params
+    from concept.train_config import TrainConfig
+
+    config = from_params(TrainConfig, options)
+    problems = config.validate()
+    if problems:
+        raise ConfigError(problems)
+    folders = {"run_dir": str(source), **({"output": str(out)} if out is not None else {})}
+    click.echo(dump({**folders, **{k: v for k, v in config.to_dict().items() if v is not None}}), nl=False)
+
+
 def training_line(cfg, step: int, global_batch: int, corpus_tokens: int) -> str:
     """What this run will train on: the steps, the tokens per step, the tokens the remaining steps read (rows of
     --curriculum's length step by step) and, apart, the size of the training corpus they are drawn from."""
@@ -207,3 +235,13 @@ def run_with_progress(trainer) -> dict:
             progress.update(task, completed=row["step"], info=info)
 
         return trainer.train(progress=update)
+
+
+def _declared(ctx) -> type:
+    # lazy: the library loads only when the command runs; --help stays instant
+    from concept.train_config import composed
+
+    return composed(not ctx.meta.get(HELPING, False))
+
+
+train.recipe_declared = _declared  # (a recipe's sections: cli.recipes.nested_groups)
