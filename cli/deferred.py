@@ -2,8 +2,6 @@
 needs them."""
 from __future__ import annotations
 
-import click
-
 from .help_groups import GroupedHelp
 
 HELPING = "concept.helping"  # ctx.meta key: this invocation asks for --help

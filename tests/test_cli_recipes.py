@@ -4,7 +4,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 from click.testing import CliRunner
 
