@@ -22,18 +22,17 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# The main job on the embedded defaults (offline SmolLM2-135M, Python stdlib corpus): build the
-# streaming model (identity start, the default operating point: split 4,18,8, 0.125 concepts per token), train it, the FLOP-matched pruned baseline and the
+# The main job on the embedded defaults (offline SmolLM2-135M, Python stdlib corpus), as the recipe
+# recipes/demo.yaml spells it (docs/cli.md, "Recipes"): build the streaming model (identity start, the default
+# operating point: split 4,18,8, 0.125 concepts per token), train it, the FLOP-matched pruned baseline and the
 # dense baseline the same way, and evaluate all three side by side on held-out code and prose.
-DEMO_TRAIN := --steps 30 --seq-len 128 --batch 4 --lr 3e-3 --lr-new 3e-3 --warmup 3 --target-ratio 0.125 \
-              --eval-every 30 --eval-batches 2 --checkpoint-every 30 --force
+DEMO := recipes/demo.yaml
 demo: $(STAMP)
-	$(BIN)/concept build -o runs/demo --force
-	$(BIN)/concept train runs/demo --out runs/demo-train $(DEMO_TRAIN)
-	$(BIN)/concept train runs/demo --baseline pruned --out runs/demo-pruned $(DEMO_TRAIN)
-	$(BIN)/concept train runs/demo --baseline dense --out runs/demo-dense $(DEMO_TRAIN)
-	$(BIN)/concept eval runs/demo-train runs/demo-pruned runs/demo-dense --data stdlib --data pydoc \
-	    --batches 6 --batch 4 --show-map
+	$(BIN)/concept build --config $(DEMO) --force
+	$(BIN)/concept train --config $(DEMO) -o runs/demo-train --force
+	$(BIN)/concept train --config $(DEMO) --baseline pruned -o runs/demo-pruned --force
+	$(BIN)/concept train --config $(DEMO) --baseline dense -o runs/demo-dense --force
+	$(BIN)/concept eval --config $(DEMO)
 
 # the unit tests (one pytest-xdist worker per core, a test file per worker at a time), then every benchmark
 # suite once with timing off (a smoke run, not a gate)

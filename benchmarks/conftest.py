@@ -194,9 +194,11 @@ def renamed_sides(timing: dict, names: dict[str, str]) -> dict:
 
 @pytest.fixture
 def record():
-    def add(benchmark, name: str, timing: dict, ideal_speedup: float, **extra):
-        row = {"case": name, **timing, "ideal_speedup": ideal_speedup,
-               "fraction_of_ideal": timing["speedup"] / ideal_speedup, **extra}
+    def add(benchmark, name: str, timing: dict, ideal_speedup: float | None, **extra):
+        """``ideal_speedup`` None: the two sides do the same work another way (``sides`` names them, e.g.
+        ("step loop", "host scan")), so there is no FLOP ideal to compare against."""
+        fraction = None if ideal_speedup is None else timing["speedup"] / ideal_speedup
+        row = {"case": name, **timing, "ideal_speedup": ideal_speedup, "fraction_of_ideal": fraction, **extra}
         benchmark.extra_info.update(row)
         RESULTS.append(row)
     return add
@@ -204,7 +206,8 @@ def record():
 
 def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
-    if COUNTS:
+    mine = bool(tr.config.getoption("--concept-results", default=None))  # `concept bench` prints these tables itself
+    if COUNTS and not mine:
         tr.section("aten ops and host syncs per call (concept.profiling.OpCounter)")
         tr.write_line(f"{'backbone':11} {'call':28} {'model':10} {'tokens':>7} {'aten ops':>9} {'host syncs':>10} "
                       f"{'not optim':>9} {'frozen casts':>12}  where")
@@ -213,24 +216,27 @@ def pytest_terminal_summary(terminalreporter):
             casts = "-" if r.get("frozen_weight_casts") is None else str(r["frozen_weight_casts"])
             tr.write_line(f"{r['backbone']:11} {r['what']:28} {r['model']:10} {r['tokens']:7d} {r['aten_ops']:9d} "
                           f"{r['host_syncs']:10d} {r['syncs_outside_optimizer']:9d} {casts:>12}  {sites}")
-    if not RESULTS:
+    on_device = [r for r in RESULTS if "concept_device_busy_s" in r]
+    decode = [r for r in RESULTS if "kv_saving" in r]
+    if not RESULTS or (mine and not on_device and not decode):
         return
     tr.section("concept vs dense (measured side by side in this run)")
-    tr.write_line(f"{'case':44} {'dense s':>9} {'concept s':>9} {'speedup':>8} {'ideal':>7} {'of ideal':>8}")
-    for r in RESULTS:
-        tr.write_line(f"{r['case']:44} {r['dense_s']:9.4f} {r['concept_s']:9.4f} {r['speedup']:8.2f} "
-                      f"{r['ideal_speedup']:7.2f} {100 * r['fraction_of_ideal']:7.0f}%")
-    on_device = [r for r in RESULTS if "concept_device_busy_s" in r]
+    if not mine:
+        tr.write_line(f"{'case':44} {'dense s':>9} {'concept s':>9} {'speedup':>8} {'ideal':>7} {'of ideal':>8}")
+        for r in RESULTS:
+            ideal = ("      -        -" if r["ideal_speedup"] is None else
+                     f"{r['ideal_speedup']:7.2f} {100 * r['fraction_of_ideal']:7.0f}%")
+            sides = f"  ({' / '.join(r['sides'])})" if r.get("sides") else ""
+            tr.write_line(f"{r['case']:44} {r['dense_s']:9.4f} {r['concept_s']:9.4f} {r['speedup']:8.2f} {ideal}{sides}")
     if on_device:  # GPU rows: where each side's time goes (one profiled call each)
         tr.write_line("")
         tr.write_line(f"{'case (GPU: one profiled call)':44} {'side':8} {'events ms':>9} {'wall ms':>8} "
                       f"{'busy ms':>8} {'launches':>8} {'syncs':>5} {'aten ops':>8}")
         for r in on_device:
-            for side in ("dense", "concept"):
-                tr.write_line(f"{r['case']:44} {side:8} {1e3 * r[side + '_s']:9.2f} {1e3 * r[side + '_wall_s']:8.2f} "
+            for side, named in zip(("dense", "concept"), r.get("sides") or ("dense", "concept")):
+                tr.write_line(f"{r['case']:44} {named:8} {1e3 * r[side + '_s']:9.2f} {1e3 * r[side + '_wall_s']:8.2f} "
                               f"{1e3 * r[side + '_device_busy_s']:8.2f} {r[side + '_kernel_launches']:8d} "
                               f"{r[side + '_host_syncs']:5d} {r[side + '_aten_ops']:8d}")
-    decode = [r for r in RESULTS if "kv_saving" in r]
     if decode:
         tr.write_line("")
         tr.write_line(f"{'decode case':44} {'dense tok/s':>11} {'concept tok/s':>13} {'ratio (decode)':>14} "

@@ -106,22 +106,37 @@ def render(rows: list[dict]) -> None:
         stdout.print(c)
     if not rows:
         return
-    t = table("case", "dense s", "concept s", "speed-up", "ideal", "of ideal", "concepts/token",
-              "peak MiB (dense / concept)", title="concept vs dense (measured side by side)")
+    groups: dict[tuple, list] = {}  # the rows by what their two sides are (most: dense and concept)
+    for r in rows:
+        groups.setdefault(tuple(r.get("sides") or ("dense", "concept")), []).append(r)
+    for (first, second), group in groups.items():
+        stdout.print(side_by_side_table(first, second, group))
+
+
+def side_by_side_table(first: str, second: str, rows: list[dict]):
+    """The timings of ``first`` (the reference, ``dense_s``) and ``second`` (``concept_s``); the ideal and its
+    share only where the rows have one (a FLOP ratio: dense vs concept; none for two ways of the same work)."""
+    ideal = any(r.get("ideal_speedup") is not None for r in rows)
+    columns = [f"{first} s", f"{second} s", f"speed-up ({first} / {second})", *(("ideal", "of ideal") if ideal else ()),
+               "concepts/token", f"peak MiB ({first} / {second})"]
+    t = table("case", *columns, title=f"{second} vs {first} (measured side by side)")
     for r in rows:
         peak = f"{r['dense_peak_mib']:.0f} / {r['concept_peak_mib']:.0f}" if "dense_peak_mib" in r else "-"
         # the realised concepts per token (decoding: over the timed steps)
         ratio = f"{r['ratio']:.3f}" if isinstance(r.get("ratio"), (int, float)) else "-"
-        t.add_row(r["case"], f"{r['dense_s']:.4f}", f"{r['concept_s']:.4f}", f"{r['speedup']:.2f}x",
-                  f"{r['ideal_speedup']:.2f}x", f"{100 * r['fraction_of_ideal']:.0f}%", ratio, peak)
-    stdout.print(t)
+        shares = ()
+        if ideal:
+            shares = (("-", "-") if r.get("ideal_speedup") is None else
+                      (f"{r['ideal_speedup']:.2f}x", f"{100 * r['fraction_of_ideal']:.0f}%"))
+        t.add_row(r["case"], f"{r['dense_s']:.4f}", f"{r['concept_s']:.4f}", f"{r['speedup']:.2f}x", *shares, ratio, peak)
+    return t
 
 
 @click.command()
 @click.option("--suite", type=click.Choice(["all", *SUITES]), default="all", show_default=True)
 @click.option("--smollm2", is_flag=True, help="Add the cases on the real SmolLM2 backbone (minutes on a CPU).")
 @click.option("--long", "long_", is_flag=True, help="Add the 16k-token attention cases.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu or cuda.")
 @click.option("-k", "keyword", default=None, help="Only the cases matching this pytest -k expression.")
 @click.option("--save", default=None, metavar="NAME", help="Store this run as baseline NAME for this machine.")
 @click.option("--compare", default=None, metavar="NAME", help="Compare against this machine's latest baseline NAME.")
@@ -153,6 +168,10 @@ def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storag
         problems.append("--smoke disables timing, so there is nothing to --save or --compare")
     if problems:
         raise ConfigError(problems)
+    if device == "auto":  # as every command: the GPU when there is one
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         import torch
 

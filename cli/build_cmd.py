@@ -1,7 +1,6 @@
 """``concept build``: resolve a config (all problems at once), then build and save a run folder."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -10,9 +9,11 @@ from click.core import ParameterSource
 from rich.markup import escape
 
 from concept.config import SLOTS, BuildConfig
+from concept.errors import ConfigError
 from concept.options import click_options
 
 from .deferred import DeferredOptions
+from .recipes import config_option, dump, print_config_option, read_recipe, section
 
 from .output import (
     describe_backbone,
@@ -27,23 +28,19 @@ from .output import (
 )
 
 
-def load_config_file(path: str):
-    """A saved config: a JSON file (a bare config or a run's concept.json) or a run folder."""
+def load_config_file(path: str, command: str = "build"):
+    """A saved build config: a run folder, a run's concept.json, or a recipe file (YAML or JSON: a bare build
+    config or its ``build:`` section), whose keys that are options rather than the config (e.g. the families'
+    build options, ``output``) --config took as defaults already (``cli.recipes.config_option``)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import BuildConfig
     from concept.builder import read_run
-    from concept.errors import ConfigError
 
     p = Path(path)
     if p.is_dir():
         return BuildConfig.from_dict(read_run(p)["config"])
-    try:
-        data = json.loads(p.read_text())
-    except OSError as exc:
-        raise ConfigError([f"--config {path}: cannot read it ({exc.strerror or exc})"]) from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"--config {path}: not valid JSON ({exc})"]) from exc
-    if isinstance(data, dict) and isinstance(data.get("config"), dict):  # a run folder's concept.json, of any format
+    data = read_recipe(p)
+    if isinstance(data.get("config"), dict):  # a run folder's concept.json, of any format
         # lazy: the library (torch) loads only when the command runs; --help stays instant
         from concept.builder import localise_backbone_path
         from concept.migrate import RecordFormatError, migrate_run
@@ -52,9 +49,19 @@ def load_config_file(path: str):
             data = localise_backbone_path(migrate_run(data)["config"], p.parent)  # (an export's ./backbone)
         except RecordFormatError as exc:
             raise ConfigError([f"--config {path}: {exc.problem}" + (f"; {exc.fix}" if exc.fix else "")]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([f"--config {path}: expected a JSON object, got {type(data).__name__}"])
-    return BuildConfig.from_dict(data)
+        return BuildConfig.from_dict(data)
+    keys = build_config_keys()
+    return BuildConfig.from_dict({k: v for k, v in section(data, "build", path).items() if k in keys})
+
+
+def build_config_keys(ctx=None) -> list[str]:
+    """The keys of a build config (``BuildConfig.to_dict``): its fields and the families' sections."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    import dataclasses
+
+    from concept.config import BuildConfig, family_sections
+
+    return [f.name for f in dataclasses.fields(BuildConfig) if f.name != "sections"] + list(family_sections())
 
 
 def make_config(config_file, names: dict, split, seed, overrides, concept_input=None, family=None, problems=None):
@@ -165,8 +172,11 @@ def family_build_options(third_party: bool = True) -> list:
 @click_options(BuildConfig, *SLOTS, "split", "concept_input", "seed", "max_ratio", unset=True)
 @click.option("--set", "overrides", multiple=True, metavar="SLOT.KEY=VALUE",
               help="Set a component option, e.g. --set sampler.tau=0.7 (repeatable; values parsed as JSON).")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=True), metavar="FILE",
-              help="Start from a saved config (JSON, a run's concept.json or a run folder); flags override it.")
+@config_option("build", extra=build_config_keys, dir_okay=True,
+               help="Start from a recipe (YAML or JSON: a build config, with the families' build options and "
+                    "output beside it; its build: section if it has one), a run's concept.json or a run folder; "
+                    "flags override it (docs/cli.md).")
+@print_config_option()
 @click.option("-o", "--output", type=click.Path(path_type=Path), metavar="DIR",
               help="Run folder to write (required unless --dry-run).")
 @click.option("--force", is_flag=True, help="Replace an output run folder that holds a different model (never a "
@@ -174,8 +184,8 @@ def family_build_options(third_party: bool = True) -> list:
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
 @click.pass_context
-def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_file, output, force, dry_run,
-          as_json, **options) -> None:
+def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_file, print_config, output, force,
+          dry_run, as_json, **options) -> None:
     """Build a concept model from a backbone and components (the streaming family unless --family), and save
     it to a run folder.
 
@@ -183,12 +193,14 @@ def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_
     concept build --length-policy null --rope per-type -o runs/m1
     concept build --backbone tiny-llama --split 2,4,2 --set sampler.tau=0.7 -o runs/tiny --json
     concept build --dry-run --json
+    concept build --config recipes/demo.yaml --force      # a recipe file; flags override it
+    concept build --backbone tiny-llama --print-config     # the resolved recipe (YAML)
 
     A streaming build calibrates the NULL bias of a policy with one (null, threshold, mtp) on a few rows of
     text, so that the untrained model already emits about --target-ratio concepts per token (--no-calibrate:
     off).
     """
-    if output is None and not dry_run:
+    if output is None and not dry_run and not print_config:
         raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
     names = {slot: options.pop(slot) for slot in SLOTS}
     # lazy: the library (torch) loads only when the command runs; --help stays instant
@@ -212,6 +224,10 @@ def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_
             problems += [f"--{field.replace('_', '-')}: a {name} build option; the {config.family} family does "
                          f"not read it (leave it out)" for field in sorted(given & fields)]
     plan = resolve(config, problems)  # every problem at once: --set items, the family's options, the config
+    if print_config:  # the resolved recipe: the build config, the family's build options, the output folder
+        own = {k: getattr(extras, k) for k in paths(type(extras))} if extras is not None else {}
+        click.echo(dump({**config.to_dict(), **own, **({"output": str(output)} if output else {})}), nl=False)
+        return
     if output is not None:
         # lazy: the library (torch) loads only when the command runs; --help stays instant
         from concept.builder import backbone_folder

@@ -2,12 +2,12 @@
 needs them."""
 from __future__ import annotations
 
-import click
+from .help_groups import GroupedHelp
 
 HELPING = "concept.helping"  # ctx.meta key: this invocation asks for --help
 
 
-class DeferredOptions(click.Command):
+class DeferredOptions(GroupedHelp):
     """A command with options made from a dataclass (``concept.options``) the first time click needs its
     parameters (to parse or for --help), placed after the parameter named ``after``: the modules that
     declare them (``concept.train_config``, the families' build options) read the installed families'
@@ -15,7 +15,8 @@ class DeferredOptions(click.Command):
 
     ``make_options(third_party)``: with --help, only the options of the core and the library's own families
     (a third-party family is not imported to list its options: one that imports torch or fails to import
-    would make --help slow or broken); otherwise every family's, so that a third-party run's are read."""
+    would make --help slow or broken); otherwise every family's, so that a third-party run's are read. --help
+    lists them in sections by owner (:class:`GroupedHelp`)."""
 
     def __init__(self, *args, make_options, after: str, **kwargs):
         super().__init__(*args, **kwargs)

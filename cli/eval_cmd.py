@@ -4,13 +4,17 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
+import contextlib
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP
 
-from .output import print_json, quiet_progress_bars, status, stdout, table
+from .output import html_report, print_concepts, print_json, quiet_progress_bars, status, stdout, table
+from .recipes import command_values, config_option, dump, print_config_option
+from .renamed import renamed
 
 # (key, label, format) rows of the table, in order
 ROWS = [("model", "model", "{}"), ("bits_per_token", "bits / token", "{:.4f}"), ("nll", "NLL (nats / token)", "{:.4f}"),
@@ -52,6 +56,17 @@ def speed_vs_dense(results: dict) -> None:
     for r in results.values():
         if r.get("train_tokens_per_s"):
             r["train_speed_vs_dense"] = r["train_tokens_per_s"] / dense[0]
+
+
+def run_label(run: Path, loaded_kind: str) -> str:
+    """The kind a run was trained as (train.json: a pruned baseline stays ``pruned`` even when its FLOP-matched
+    block is empty and it runs every layer), else what the loaded model says it is."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.builder import read_run, read_train, run_kind
+
+    if not Path(run).is_dir():  # (a hub id)
+        return loaded_kind
+    return run_kind(read_run(run), read_train(run))
 
 
 def training_throughput(run: Path) -> dict:
@@ -115,10 +130,14 @@ def batch_progress(name: str, log_every: int):
                    "table per domain. Default: the held-out split of the run's data.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=None,
               help="Default: the run's training --seq-len (or 256).")
-@click.option("--batches", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True)
+@renamed("--eval-batches", "batches", old=("--batches",), type=click.IntRange(min=1), default=8, show_default=True,
+         help="Held-out batches per run and domain.")
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Rows per batch.")
 @click.option("--no-controls", is_flag=True, help="Skip the ΔNLL shuffled / random concept passes.")
-@click.option("--show-map", is_flag=True, help="Print a held-out sample with the tokens that became concepts highlighted.")
+@click.option("--show-map", "show_map", type=click.Choice(["text", "html"]), is_flag=False, flag_value="text",
+              default=None, help="Print a held-out sample with the tokens that became concepts highlighted: styled "
+                                 "on a terminal, between [[ ]] in a pipe or file; --show-map html: the whole report "
+                                 "(tables and maps) as one self-contained HTML page on stdout.")
 @click.option("--compare", is_flag=True, help="Side-by-side table of several runs (implied by several RUN_DIRs).")
 @click.option("--text-field", default=None)
 @click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default=None,
@@ -133,15 +152,19 @@ def batch_progress(name: str, log_every: int):
                    "Needs the `eval` extra (lm-eval).")
 @click.option("--include-path", "include_path", multiple=True, metavar="DIR", type=click.Path(path_type=Path),
               help="With --tasks: a folder of your own lm-eval task YAMLs (repeatable).")
-@click.option("--limit", type=click.IntRange(min=1), default=None,
+@renamed("--tasks-limit", "limit", old=("--limit",), type=click.IntRange(min=1), default=None,
               help="With --tasks: at most this many examples per task (default: all).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
               help="With --tasks: few-shot examples per prompt (default: each task's own).")
 @click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
               is_flag=False, flag_value="on", help=COMPILE_HELP)
 @click.option("--json", "as_json", is_flag=True)
-def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
-          log_every, tasks, include_path, limit, num_fewshot, compile_, as_json):
+@config_option("eval", help="A recipe (YAML or JSON; its eval: section if it has one): its values are the defaults, "
+                            "flags override them (docs/cli.md).")
+@print_config_option()
+@click.pass_context
+def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
+          log_every, tasks, include_path, limit, num_fewshot, compile_, as_json, config_file, print_config):
     """Evaluate trained (or built) runs on held-out text, or on downstream tasks (--tasks).
 
     \b
@@ -149,9 +172,13 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
     concept eval runs/m1-train --data held-out/ --show-map
     concept eval runs/m1-train runs/dense          # side by side
     concept eval runs/m1-train --data stdlib --data pydoc   # code and prose: one table per domain
-    concept eval runs/m1-train runs/dense --tasks concept_offline --limit 100   # accuracy, lm-eval
+    concept eval runs/m1-train runs/dense --tasks concept_offline --tasks-limit 100   # accuracy, lm-eval
     concept eval --tasks list                      # every task name, the shipped ones first
+    concept eval --config recipes/demo.yaml        # a recipe file (its eval: section); flags override it
     """
+    if print_config:
+        click.echo(dump(command_values(ctx, ctx.params)), nl=False)
+        return
     quiet_progress_bars()
     names = [n.strip() for t in tasks for n in t.split(",") if n.strip()]
     if tasks:
@@ -160,47 +187,52 @@ def eval_(runs, data, seq_len, batches, batch, no_controls, show_map, compare, t
 
         return evaluate_on_tasks(runs, names, include_path, limit, num_fewshot, batch, seq_len, device, as_json)
     if include_path or limit is not None or num_fewshot is not None:
-        raise click.UsageError("--include-path, --limit and --num-fewshot go with --tasks")
+        raise click.UsageError("--include-path, --tasks-limit and --num-fewshot go with --tasks")
     if not runs:
         raise click.UsageError("give at least one RUN_DIR")
-    domains = list(dict.fromkeys(data)) or [None]  # repeated --data: one evaluation per domain
-    by_domain = {d: {} for d in domains}
-    for run in runs:
-        model, throughput = None, training_throughput(run)
-        if compile_ != "off":
-            # lazy: the library (torch) loads only when the command runs; --help stays instant
-            from concept import load
-            from concept.distributed import pick_device
-
-            model = load(run, compile=compile_).to(pick_device(device))
-        for d in domains:
-            model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
-                                                          encoding_errors, text_field, device, model, log_every)
-            result.update(throughput)
-            by_domain[d][str(run)] = result
-            if show_map and hasattr(model, "length_policy"):
+    if show_map == "html" and as_json:
+        raise click.UsageError("--show-map html and --json both write stdout; choose one")
+    with html_report() if show_map == "html" else contextlib.nullcontext():  # --show-map html: one page
+        domains = list(dict.fromkeys(data)) or [None]  # repeated --data: one evaluation per domain
+        by_domain = {d: {} for d in domains}
+        for run in runs:
+            model, throughput = None, training_throughput(run)
+            if compile_ != "off":
                 # lazy: the library (torch) loads only when the command runs; --help stays instant
-                from concept.diagnostics import compression_map
+                from concept import load
+                from concept.distributed import pick_device
 
-                stdout.print(f"[bold]compression map[/] of {run} ({docs[0].name}); highlighted tokens emitted a concept:")
-                stdout.print(compression_map(model, tokenizer, docs[0].text, max_tokens=200))
-    for results in by_domain.values():
-        speed_vs_dense(results)
-    several = compare or len(runs) > 1
-    if as_json:
-        pick = lambda results: results if several else results[str(runs[0])]  # noqa: E731
-        # one domain: the single-domain format; several: {domain: that format}
-        print_json(pick(by_domain[domains[0]]) if len(domains) == 1 else {d: pick(r) for d, r in by_domain.items()})
-        return
-    if len(domains) > 1:
-        t = table("domain", *(f"{run}: {what}" for run in by_domain[domains[0]] for what in ("bits / token", "concepts / token")),
-                  title="held-out bits / token and realised concepts / token by domain")
+                model = load(run, compile=compile_).to(pick_device(device))
+            for d in domains:
+                model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
+                                                              encoding_errors, text_field, device, model, log_every)
+                result.update(throughput)
+                result["model"] = run_label(run, result["model"])
+                by_domain[d][str(run)] = result
+                if show_map and hasattr(model, "length_policy"):
+                    # lazy: the library (torch) loads only when the command runs; --help stays instant
+                    from concept.diagnostics import compression_map
+
+                    stdout.print(f"[bold]compression map[/] of {escape(str(run))} ({escape(docs[0].name)}); highlighted "
+                                 f"tokens emitted a concept:")
+                    print_concepts(compression_map(model, tokenizer, docs[0].text, max_tokens=200))
+        for results in by_domain.values():
+            speed_vs_dense(results)
+        several = compare or len(runs) > 1
+        if as_json:
+            pick = lambda results: results if several else results[str(runs[0])]  # noqa: E731
+            # one domain: the single-domain format; several: {domain: that format}
+            print_json(pick(by_domain[domains[0]]) if len(domains) == 1 else {d: pick(r) for d, r in by_domain.items()})
+            return
+        if len(domains) > 1:
+            t = table("domain", *(f"{run}: {what}" for run in by_domain[domains[0]] for what in ("bits / token", "concepts / token")),
+                      title="held-out bits / token and realised concepts / token by domain")
+            for d, results in by_domain.items():
+                t.add_row(d, *(fmt.format(r[key]) if key in r else "-" for r in results.values()
+                               for key, fmt in (("bits_per_token", "{:.4f}"), ("ratio", "{:.4f}"))))
+            stdout.print(t)
         for d, results in by_domain.items():
-            t.add_row(d, *(fmt.format(r[key]) if key in r else "-" for r in results.values()
-                           for key, fmt in (("bits_per_token", "{:.4f}"), ("ratio", "{:.4f}"))))
-        stdout.print(t)
-    for d, results in by_domain.items():
-        print_tables(results, f": {d}" if len(domains) > 1 else "")
+            print_tables(results, f": {d}" if len(domains) > 1 else "")
 
 
 def print_tables(results: dict, suffix: str = "") -> None:

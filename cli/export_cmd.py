@@ -9,13 +9,14 @@ import click
 from rich.markup import escape
 
 from .output import human_bytes, print_json, quiet_progress_bars, status, stdout, table
+from .renamed import renamed
 
 LORA = {"adapter": "peft adapter folder (adapter/)", "merged": "merged into backbone/", None: "none"}
 
 
 @click.command(name="export")
 @click.argument("run", metavar="RUN_DIR", type=click.Path(path_type=Path))
-@click.option("-o", "--out", type=click.Path(path_type=Path), metavar="DIR", required=True,
+@renamed("-o", "--output", "out", old=("--out",), type=click.Path(path_type=Path), metavar="DIR", required=True,
               help="Folder to write (refused if it exists and is not empty, unless --force).")
 @click.option("--merge-lora", is_flag=True,
               help="Merge the LoRA adapters into the backbone's weights (peft merge_and_unload) instead of "
@@ -38,10 +39,10 @@ def export(run: Path, out: Path, merge_lora: bool, force: bool, no_check: bool, 
     plan and a model card with the run's held-out numbers.
 
     \b
-    concept export runs/m1-train --out exports/m1
-    concept export runs/m1-train --out exports/m1-merged --merge-lora --json
-    concept export runs/dense --out exports/dense --force
-    concept export runs/m1-train --out exports/m1 --push-to-hub my-org/m1 --dry-run
+    concept export runs/m1-train -o exports/m1
+    concept export runs/m1-train -o exports/m1-merged --merge-lora --json
+    concept export runs/dense -o exports/dense --force
+    concept export runs/m1-train -o exports/m1 --push-to-hub my-org/m1 --dry-run
     """
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.export import export as export_run

@@ -15,6 +15,8 @@ from concept.options import click_options
 
 from .output import print_json, quiet_progress_bars, status, stdout, table
 from .deferred import DeferredOptions
+from .recipes import command_values, config_option, dump, print_config_option
+from .renamed import renamed
 
 DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
 # the common training options, made from TrainConfig (`concept train`'s; any other: --train-set); not given:
@@ -163,8 +165,11 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--baselines", default="pruned,dense", show_default=True, metavar="LIST",
               help="Baselines trained alongside: pruned (FLOP-matched to each streaming point), dense; or none.")
 @click.option("--backbone", metavar="NAME", help="Backbone plugin of the streaming builds (default: smollm2).")
-@click.option("--config", "config_file", type=click.Path(exists=True), metavar="FILE",
-              help="Start the builds from a saved config (JSON, a run's concept.json or a run folder).")
+@config_option("frontier", bare=False, dir_okay=True,
+               help="A recipe (YAML or JSON) with a frontier: section (these options) and a build: section (the "
+                    "config the builds start from); or a bare build config, a run's concept.json or a run folder. "
+                    "Flags override it (docs/cli.md).")
+@print_config_option()
 @click.option("--length-policy", metavar="NAME", help="Length policy plugin of the builds.")
 @click.option("--attention", metavar="NAME", help="Deep-stack attention backend of the builds.")
 @click.option("--tail-fusion", metavar="NAME", help="Tail fusion of the builds: none, update, bridge.")
@@ -188,15 +193,15 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--include-path", multiple=True, metavar="DIR", help="With --tasks: a folder of your own task YAMLs.")
 @click.option("--max-flops", type=float, default=0.6, show_default=True,
               help="Name the best streaming point at or below this FLOP ratio to dense.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/frontier"), show_default=True,
+@renamed("-o", "--output", "out", old=("--out",), type=click.Path(path_type=Path), default=Path("runs/frontier"), show_default=True,
               help="Folder of the runs (one subfolder each) and of frontier.json / .md / .png.")
 @click.option("--update-doc", type=click.Path(path_type=Path), metavar="FILE",
               help="Replace the block between <!-- frontier:begin --> and <!-- frontier:end --> in FILE.")
-@click.option("--force", is_flag=True, help="Retrain runs in --out that were trained with another recipe.")
+@click.option("--force", is_flag=True, help="Retrain runs in --output that were trained with another recipe.")
 @click.option("--dry-run", is_flag=True, help="Print the planned runs and their FLOP ratios; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the frontier (or the plan) as JSON on stdout.")
 @click.pass_context
-def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> None:
+def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, print_config, **opts) -> None:
     """Train and evaluate the quality / compute frontier: streaming models over --splits x --ratios,
     a FLOP-matched pruned baseline for each, and the dense baseline, all with the same recipe.
 
@@ -207,15 +212,24 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
     the ones it has no use for (--placement, --align at deep-input).
 
     \b
-    concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 --out runs/frontier
+    concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 -o runs/frontier
     concept frontier --splits "6,18,6;10,10,10" --ratios 0.25 --distill 1 --ratio-warmup 0.3 --dry-run
     concept frontier ... --update-doc docs/results.md
+    concept frontier --config recipes/frontier.yaml --dry-run     # a recipe file; flags override it
     """
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.recipes import frontier as fr
 
     quiet_progress_bars()
     spec = make_spec(opts)
+    if print_config:  # the resolved recipe: these options, and the build config the builds start from
+        # lazy: the library (torch) loads only when the command runs; --help stays instant
+        from .build_cmd import load_config_file
+
+        base = load_config_file(opts["config_file"]) if opts["config_file"] is not None else BuildConfig()
+        values = {**ctx.params, "out": out, "update_doc": update_doc}
+        click.echo(dump({"frontier": command_values(ctx, values), "build": base.to_dict()}), nl=False)
+        return
     if update_doc is not None and not dry_run:
         fr.check_doc(update_doc)  # a missing block fails now, not after the training
     status("planning", f"{len(spec.splits)} split(s) x {len(spec.ratios)} ratio(s), baselines: "
@@ -250,3 +264,15 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, **opts) -> Non
         return
     stdout.print(render_table(result, out))
     stdout.print(escape(fr.best_line(result).replace("**", "")))
+
+
+def _declared(ctx) -> type:
+    # lazy: the library loads only when the command runs; --help stays instant
+    from concept.train_config import composed
+
+    from .deferred import HELPING
+
+    return composed(not ctx.meta.get(HELPING, False))
+
+
+frontier.recipe_declared = _declared  # (a recipe's sections, e.g. lora:: cli.recipes.nested_groups)

@@ -12,7 +12,8 @@ import click
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP
 
-from .output import human_bytes, json_safe, quiet_progress_bars, status, stdout
+from .output import human_bytes, json_safe, print_concepts, quiet_progress_bars, status, stdout
+from .renamed import renamed
 
 # what a run's decoding can show, by view: the streaming family's (and a baseline's) concept marks and MTP heads,
 # the planner-executor's plan (``Family.decodes``)
@@ -116,8 +117,10 @@ def kv_summary(kv: dict) -> dict:
               "one forward (output = greedy), confadapt = confident drafts kept unchecked (lossy). Greedy only.")
 @click.option("--mtp-tau", type=float, default=0.9, show_default=True,
               help="confadapt: keep drafted tokens while the heads' top-1 probability is at least this.")
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts generated together.")
-@click.option("--show-concepts", is_flag=True, help="Print prompt and output with the tokens that emitted a concept highlighted.")
+@renamed("--batch", "batch_size", old=("--batch-size",), type=int, default=8, show_default=True,
+         help="Prompts generated together.")
+@click.option("--show-concepts", is_flag=True, help="Print prompt and output with the tokens that emitted a concept highlighted (styled on a "
+              "terminal, between [[ ]] in a pipe or file).")
 @click.option("--show-plan", is_flag=True, help="Planner-executor runs: print each prompt's plan (type by type, its "
               "concept ids) before the text.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
@@ -156,7 +159,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     if not texts:
         raise click.UsageError("give a prompt: --prompt TEXT or --prompt-file FILE")
     if batch_size < 1:
-        raise ConfigError([f"--batch-size: must be >= 1, got {batch_size}"])
+        raise ConfigError([f"--batch: must be >= 1, got {batch_size}"])
     settings = settings_from(None, {**sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                                                         stop, seed), "mtp": mtp, "mtp_tau": mtp_tau})
     record = read_run(run)  # a clear error for a folder that is not a run
@@ -189,7 +192,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
         began = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            # prompt i samples with seed + i, whatever --batch-size groups it with
+            # prompt i samples with seed + i, whatever --batch groups it with
             seeded = dataclasses.replace(settings, seed=None if settings.seed is None else settings.seed + start)
             out = run_generate(model, batch, settings=seeded, tokenizer=tokenizer, streamer=streamer)
         seconds = time.perf_counter() - began
@@ -216,7 +219,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
             elif show_concepts:
                 if len(texts) > 1:
                     stdout.print(f"[dim]── prompt {index + 1} ──[/]")
-                stdout.print(render_concepts(tokenizer, ids + out.tokens[b], keep))
+                print_concepts(render_concepts(tokenizer, ids + out.tokens[b], keep))
             else:
                 if len(texts) > 1 and not show_plan:
                     stdout.print(f"[dim]── prompt {index + 1} ──[/]")

@@ -24,6 +24,7 @@ from .inspect_cmd import inspect
 from .lm_eval_cmd import lm_eval_
 from .output import print_error
 from .plugins_cmd import plugins
+from .renamed import ARGV
 from .serve_cmd import serve
 from .train_cmd import train
 
@@ -37,6 +38,11 @@ def _version() -> str:
 
 class ConceptGroup(click.Group):
     """A click group that turns user-facing errors into one line on stderr and an exit code."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]):
+        words = args[:args.index("--")] if "--" in args else args
+        ctx.meta[ARGV] = tuple(words)  # (a renamed option's old spelling: cli.renamed)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
         try:

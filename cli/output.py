@@ -1,6 +1,8 @@
 """Shared rendering: data on stdout (tables or JSON), status and errors on stderr."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -23,8 +25,12 @@ class _Console:
 
     def __init__(self, stderr: bool = False):
         self._stderr = stderr
+        self.recorder: Console | None = None  # set by :func:`html_report`: prints go into its page
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.print(*objects, **kwargs)
+            return
         stream = sys.stderr if self._stderr else sys.stdout
         tty = hasattr(stream, "isatty") and stream.isatty()
         width = None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
@@ -91,6 +97,42 @@ def json_safe(data: Any) -> Any:
 
 def print_json(data: Any) -> None:
     click.echo(json.dumps(json_safe(data), indent=2, default=str, allow_nan=False))
+
+
+CONCEPT_MARKS = ("[[", "]]")  # a concept-emitting token in plain text (a pipe, a log file)
+
+
+def marked_plain(text) -> str:
+    """A concept map (``concept.diagnostics.render_concepts``: a ``rich.text.Text`` whose styled spans are the
+    tokens that emitted a concept) as plain text, each such token between :data:`CONCEPT_MARKS`."""
+    plain, out, at = text.plain, [], 0
+    concepts = (s for s in text.spans if "reverse" in str(s.style))  # (the library's concept style: bold reverse)
+    for span in sorted(concepts, key=lambda s: s.start):
+        out += [plain[at:span.start], CONCEPT_MARKS[0], plain[span.start:span.end], CONCEPT_MARKS[1]]
+        at = span.end
+    return "".join(out) + plain[at:]
+
+
+def print_concepts(text) -> None:
+    """A concept map on stdout: styled on a terminal or into an HTML report (:func:`html_report`), with plain
+    :data:`CONCEPT_MARKS` anywhere else (a pipe or a file keeps which tokens emitted a concept)."""
+    if stdout.recorder is not None or (hasattr(sys.stdout, "isatty") and sys.stdout.isatty()):
+        stdout.print(text)
+    else:
+        click.echo(marked_plain(text))
+
+
+@contextlib.contextmanager
+def html_report():
+    """Inside the block, what goes to stdout through :data:`stdout` (tables, concept maps) is recorded; at its
+    end, the whole of it is written to stdout as one self-contained HTML page (inline styles)."""
+    recorder = Console(record=True, file=io.StringIO(), width=PIPE_WIDTH, highlight=False)
+    stdout.recorder = recorder
+    try:
+        yield
+    finally:
+        stdout.recorder = None
+    click.echo(recorder.export_html(inline_styles=True), nl=False)
 
 
 def table(*columns: str, title: str | None = None, fold: Iterable[str] = ()) -> Table:

@@ -6,6 +6,7 @@ from pathlib import PurePath
 import click
 
 from .output import quiet_progress_bars, status
+from .renamed import renamed
 
 
 @click.command()
@@ -13,8 +14,8 @@ from .output import quiet_progress_bars, status
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--model-name", default=None, help="The model's id in the API (default: the folder's name).")
-@click.option("--max-tokens", type=int, default=16, show_default=True,
-              help="New tokens of a request that gives no max_tokens (OpenAI's default is 16).")
+@renamed("--max-new-tokens", "max_tokens", old=("--max-tokens",), type=int, default=16, show_default=True,
+          help="New tokens of a request that gives no max_tokens (OpenAI's default is 16).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 def serve(run, host, port, model_name, max_tokens, device):
     """Serve a model (a run, an export folder or a hub id) with OpenAI's API: GET /v1/models, POST
@@ -40,7 +41,7 @@ def serve(run, host, port, model_name, max_tokens, device):
     except ImportError as exc:
         raise ConceptError(f"concept serve needs the serve extra ({exc.name} is missing): pip install 'concept[serve]'") from None
     if max_tokens < 1:
-        raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-tokens")
+        raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-new-tokens")
     quiet_progress_bars()
     status("loading", str(run))
     model = concept.load(run).to(pick_device(device))

@@ -8,8 +8,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from .deferred import DeferredOptions
+from .deferred import HELPING, DeferredOptions
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
+from .recipes import config_option, dump, print_config_option
+from .renamed import renamed
 
 
 def train_options(third_party: bool = True) -> list:
@@ -24,12 +26,12 @@ def train_options(third_party: bool = True) -> list:
 
 @click.command(cls=DeferredOptions, make_options=train_options, after="force")
 @click.argument("source", metavar="RUN_DIR", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), help="Run folder to write (default: RUN_DIR-train, or "
+@renamed("-o", "--output", "out", old=("--out",), type=click.Path(path_type=Path), metavar="DIR", help="Run folder to write (default: RUN_DIR-train, or "
               "RUN_DIR-dense / RUN_DIR-pruned with --baseline).")
 @click.option("--resume", is_flag=True, help="Continue the training run in RUN_DIR exactly where it stopped "
               "(a larger --steps stretches the LR and temperature schedules from there on; --data continues on "
               "other data).")
-@click.option("--force", is_flag=True, help="Replace an existing run folder at --out (never a folder that is not a "
+@click.option("--force", is_flag=True, help="Replace an existing run folder at --output (never a folder that is not a "
               "run), once the new run has trained every step (until then, and after a failure or Ctrl-C, the old "
               "folder stays as it was).")
 @click.option("--accept-data-change", is_flag=True, help="With --resume: continue on data whose documents changed "
@@ -39,18 +41,29 @@ def train_options(third_party: bool = True) -> list:
               help="Under torchrun: ddp (auto's choice; gloo on CPU, nccl on GPU) or fsdp2 (parameters sharded). "
               "--batch is per process: the global batch is batch x processes x grad-accum. See docs/distributed.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final evaluation as JSON.")
+@config_option("train", help="A recipe (YAML or JSON; its train: section if it has one): its values are the "
+                             "defaults, flags override them (docs/cli.md).")
+@print_config_option()
 @click.pass_context
-def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, distributed, **options) -> None:
+def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, distributed, config_file, print_config,
+          **options) -> None:
     """Train a built model (or the dense baseline) on text.
 
     \b
-    concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.125 --out runs/m1-train
+    concept train runs/m1 --steps 300 --seq-len 256 --batch 8 --target-ratio 0.125 -o runs/m1-train
     concept train runs/m1-train --resume --steps 600
-    concept train runs/m1 --baseline --out runs/dense
-    concept train runs/m1 --baseline pruned --distill 1 --out runs/pruned
-    concept train runs/m1 --distill 1 --ratio-warmup 0.3 --out runs/m1-kd
-    concept train runs/pe --task continue --context-len 192 --out runs/pe-cont
+    concept train runs/m1 --baseline -o runs/dense
+    concept train runs/m1 --baseline pruned --distill 1 -o runs/pruned
+    concept train runs/m1 --distill 1 --ratio-warmup 0.3 -o runs/m1-kd
+    concept train runs/pe --task continue --context-len 192 -o runs/pe-cont
+    concept train --config recipes/demo.yaml --force         # a recipe file; flags override it
+    concept train runs/m1 --steps 50 --print-config > r.yaml   # the resolved recipe
     """
+    if print_config:
+        return print_recipe(ctx, source, out, options)
+    if config_file is not None and resume:
+        raise click.UsageError("--resume continues with the run's recorded options; drop --config (flags given "
+                               "with --resume still change them)")
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.distributed import setup, teardown
 
@@ -71,7 +84,7 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
     quiet_progress_bars()
     given = {k for k in options if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     if resume and out is not None and Path(out).resolve() != source.resolve():
-        raise click.UsageError("--resume continues RUN_DIR in place; drop --out (or start a new run without --resume)")
+        raise click.UsageError("--resume continues RUN_DIR in place; drop --output (or start a new run without --resume)")
     if accept_data_change and not resume:
         raise click.UsageError("--accept-data-change is for --resume (a new run records the data it starts with)")
     if resume:
@@ -105,9 +118,8 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
     for note in trainer.notes:
         status("note:", note)
     noted = len(trainer.notes)
-    accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
-    status("training", f"steps {trainer.step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, "
-                       f"{trainer.train_data.num_tokens:,} training tokens, device {trainer.device}"
+    status("training", f"{training_line(cfg, trainer.step, trainer.global_batch, trainer.train_data.num_tokens)}, "
+                       f"device {trainer.device}"
                        f"{f', attention auto -> {trainer.attention}' if trainer.attention else ''}"
                        f"{f', {dist.describe()}, global batch {trainer.global_batch}' if dist.active else ''}")
     replacing = trainer.staging is not None
@@ -138,6 +150,34 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
             if not isinstance(v, dict):
                 t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
         stdout.print(t)
+
+
+def print_recipe(ctx, source: Path, out, options: dict) -> None:
+    """--print-config: the resolved training options (train.json's format: ``lora:`` a section) with the run
+    folders, as YAML on stdout; checked first (all problems at once)."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.errors import ConfigError
+    from concept.options import from_params
+    from concept.train_config import TrainConfig
+
+    config = from_params(TrainConfig, options)
+    problems = config.validate()
+    if problems:
+        raise ConfigError(problems)
+    folders = {"run_dir": str(source), **({"output": str(out)} if out is not None else {})}
+    click.echo(dump({**folders, **{k: v for k, v in config.to_dict().items() if v is not None}}), nl=False)
+
+
+def training_line(cfg, step: int, global_batch: int, corpus_tokens: int) -> str:
+    """What this run will train on: the steps, the tokens per step, the tokens the remaining steps read (rows of
+    --curriculum's length step by step) and, apart, the size of the training corpus they are drawn from."""
+    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.train_config import curriculum_len
+
+    accum = f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else ""
+    trained = global_batch * sum(curriculum_len(cfg, s) for s in range(step, cfg.steps))
+    return (f"steps {step}->{cfg.steps}, {cfg.batch}{accum}x{cfg.seq_len} tokens/step, {trained:,} tokens to train on "
+            f"(from a corpus of {corpus_tokens:,} tokens)")
 
 
 def already_done(run: Path, steps: int | None) -> tuple[int, int] | None:
@@ -224,3 +264,13 @@ def run_with_lines(trainer) -> dict:
                    err=True)
 
     return trainer.train(progress=line)
+
+
+def _declared(ctx) -> type:
+    # lazy: the library loads only when the command runs; --help stays instant
+    from concept.train_config import composed
+
+    return composed(not ctx.meta.get(HELPING, False))
+
+
+train.recipe_declared = _declared  # (a recipe's sections: cli.recipes.nested_groups)

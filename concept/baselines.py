@@ -86,8 +86,9 @@ def prune_plan(config, plan, hf_config):
 def describe_prune(prune, split, by_hand: bool = False) -> str:
     """One line for the user (and train.json's reader): what was removed and which FLOPs that gives."""
     a, b = prune.removed
-    text = (f"pruned baseline: layers {a}..{b - 1} removed ({b - a} of {prune.num_layers}, {prune.kept} kept"
-            f"{', set by --prune-layers' if by_hand else ''}), forward FLOPs {prune.flop_ratio:.3f}x dense at T={prune.T}; "
+    block = (f"layers {a}..{b - 1} removed ({b - a} of {prune.num_layers}, {prune.kept} kept" if b > a else
+             f"no layer removed (all {prune.num_layers} kept: it trains as the dense model")
+    text = (f"pruned baseline: {block}{', set by --prune-layers' if by_hand else ''}), forward FLOPs {prune.flop_ratio:.3f}x dense at T={prune.T}; "
             f"the streaming model's ideal at target ratio {prune.target_ratio} (split {','.join(map(str, split))}) "
             f"is {prune.target_flop_ratio:.3f}x")
     if not prune.met and not by_hand:

@@ -36,7 +36,7 @@ CHECKPOINT = "checkpoint"
 STATE_FILE = "state.json"
 OBJECTS_FILE = "trainer.pt"
 METRICS = "metrics.jsonl"
-FIX = "restore the run from a copy, or train a new run from its source (`concept train SOURCE --out DIR`)"
+FIX = "restore the run from a copy, or train a new run from its source (`concept train SOURCE -o DIR`)"
 # left inside a run by a writer killed mid-write: checkpoint staging (not the legacy .checkpoint-old), a peft
 # adapter folder being swapped in (concept.lora), a file being replaced atomically (fs.write_atomic)
 LEFTOVER = re.compile(r"^\.(checkpoint-(?!old$).+|.+\.new-\d+|.+\.tmp)$")
@@ -260,7 +260,7 @@ def check_origin(run: Path, config: dict, backbone_dir: Path | None) -> dict | N
             f"{path} was not written for this run's build: its build fingerprint ({recorded['build']}) differs from "
             f"that of {Path(run) / fs.RUN_MARKER} ({fingerprint.of_config(config)}), e.g. a checkpoint copied from a "
             f"run with another split or backbone; put the run's own checkpoint back, or train a new run from this "
-            f"build (`concept train {run} --out DIR`)")
+            f"build (`concept train {run} -o DIR`)")
     if isinstance(recorded.get("backbone"), dict):
         changes = fingerprint.backbone_changes(recorded["backbone"], fingerprint.of_backbone(backbone_dir))
         if changes:

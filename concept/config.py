@@ -59,6 +59,9 @@ def slot(default: str, *, help: str, **kwargs) -> Any:
 
 @dataclass
 class BuildConfig:
+    options_title = "model"  # their --help sections (concept.options.group_of)
+    option_groups = {"components": SLOTS}
+
     backbone: ComponentRef = slot("smollm2", help="Backbone plugin; smollm2 is the offline SmolLM2-135M")
     # "auto" (AUTO_SHALLOW / AUTO_DEEP of the layers: 4,18,8 on 30), counts "4,22,4" (shallow, middle,
     # deep) or fractions "0.15,0.7,0.15"

@@ -1,6 +1,6 @@
 """Training on several processes, as launched by ``torchrun`` (DDP or FSDP2).
 
-    torchrun --nproc-per-node 2 -m concept_cli train runs/m1 --out runs/m1-ddp    # DDP (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 -m concept_cli train runs/m1 -o runs/m1-ddp    # DDP (gloo on CPU, nccl on GPU)
     torchrun --nproc-per-node 8 -m concept_cli train runs/big --distributed fsdp2   # parameters sharded
 
 ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; a

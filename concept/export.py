@@ -404,7 +404,7 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
         lines.append("")
         if train and train.get("seed", 0) == 0 and heldout["batches"] and heldout["batch"]:
             lines += ["The same batches again (with the training data at its path):", "", "```bash",
-                      f"concept eval {name} --batches {heldout['batches']} --batch {heldout['batch']} "
+                      f"concept eval {name} --eval-batches {heldout['batches']} --batch {heldout['batch']} "
                       f"--seq-len {heldout['seq_len']}", "```", ""]
     else:
         lines += [f"No held-out evaluation was recorded for this run. Evaluate it with `concept eval {name} --data HELD_OUT`.", ""]

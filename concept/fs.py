@@ -202,7 +202,7 @@ def _symlink_problem(dest: Path, flag: str) -> str | None:
             f"the folder itself ({flag} {dest.resolve()}) or another {flag}")
 
 
-def check_output_path(dest: str | os.PathLike, flag: str = "--out") -> None:
+def check_output_path(dest: str | os.PathLike, flag: str = "--output") -> None:
     """Refuse, before any work, an output path no command can write: a symbolic link (dangling, a loop,
     or to a folder: publishing would replace the link), the working folder or one that holds it, a name
     the filesystem does not take (with room for its staging folder ``.NAME.partial``), a path under a
@@ -251,7 +251,7 @@ def contains(folder: Path, path: Path) -> bool:
     return folder == path or folder in path.parents
 
 
-def check_inputs(dest: Path, inputs: Mapping[str, str | os.PathLike | None], flag: str = "--out") -> None:
+def check_inputs(dest: Path, inputs: Mapping[str, str | os.PathLike | None], flag: str = "--output") -> None:
     """Refuse an output folder that is or holds one of the command's ``inputs`` (name -> path): replacing it
     would delete them, so not even ``--force`` may."""
     for name, path in dict(inputs).items():
@@ -266,7 +266,7 @@ def _listing(folder: Path, limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def replace_problem(dest: Path, replace: bool, flag: str = "--out", what: str = "") -> str | None:
+def replace_problem(dest: Path, replace: bool, flag: str = "--output", what: str = "") -> str | None:
     """Why ``dest`` may not be (re)placed now, or None: it may be absent or an empty folder; a folder with
     anything in it only with ``replace`` (``--force``), and only when it is a concept run folder; a file or a
     symbolic link never. ``--force`` is suggested only where it would be allowed."""
@@ -289,7 +289,7 @@ def replace_problem(dest: Path, replace: bool, flag: str = "--out", what: str = 
     return None
 
 
-def check_target(dest: Path, force: bool, inputs: Mapping[str, str | os.PathLike | None] = (), flag: str = "--out",
+def check_target(dest: Path, force: bool, inputs: Mapping[str, str | os.PathLike | None] = (), flag: str = "--output",
                  what: str = "") -> None:
     """Refuse, before anything is read or written, an output that is not ours to (re)place: a path no
     command can write (:func:`check_output_path`), a folder holding one of the command's ``inputs`` (name ->
@@ -521,7 +521,7 @@ class Staging:
     a folder another program created or filled there meanwhile is never replaced. A failure removes the
     staging folder and the parent folders it created."""
 
-    def __init__(self, dest: str | os.PathLike, replace: bool = False, flag: str = "--out"):
+    def __init__(self, dest: str | os.PathLike, replace: bool = False, flag: str = "--output"):
         self.dest = Path(dest)
         self.path = staging_path(self.dest)
         self.replace, self.flag = replace, flag
@@ -610,7 +610,7 @@ class Staging:
 
 
 @contextlib.contextmanager
-def staged(dest: str | os.PathLike, replace: bool = False, flag: str = "--out") -> Iterator[Path]:
+def staged(dest: str | os.PathLike, replace: bool = False, flag: str = "--output") -> Iterator[Path]:
     """``with staged(out) as tmp:`` write the output into ``tmp``; it becomes ``out`` when the block
     finishes, and is removed (``out`` untouched) when the block raises, Ctrl-C included. A full disk, a
     file-size limit or a quota is one line naming the folder (:func:`disk_errors`)."""

@@ -166,7 +166,7 @@ def push_folder(folder, repo_id: str, private: bool | None = None, token: str | 
     folder = Path(folder)
     if not (folder / HF_CONFIG_FILE).is_file() or not (folder / "concept.json").is_file():
         raise RunFolderError(f"{folder} is not a concept export folder (no {HF_CONFIG_FILE} / concept.json); write one "
-                             f"with `concept export RUN --out {folder}` or model.save_pretrained({str(folder)!r})")
+                             f"with `concept export RUN -o {folder}` or model.save_pretrained({str(folder)!r})")
     if not _REPO_ID.match(repo_id or ""):
         raise ConceptError(f"--push-to-hub {repo_id!r}: expected a hub repo id NAMESPACE/NAME, e.g. my-org/my-model")
     record = migrate_run(json.loads((folder / "concept.json").read_text()))  # (an older format's: today's)

@@ -14,6 +14,9 @@ and its simple checks; the CLI options, the checks and the mapping back are deri
 * :func:`click_params` / :func:`click_options` make the click options, in declaration order (a
   :func:`nested` dataclass's in its place); :func:`from_params` builds the dataclass back from the
   command's keyword arguments and :func:`paths` names the field each option sets.
+* Each option belongs to a help group (:func:`group_of`): the title its class declares (``options_title``,
+  e.g. "LoRA adapters"), or a finer one its class names it in (``option_groups``: title -> field names); a
+  made click option carries it as ``help_group`` (``concept --help`` shows one section per group).
 
 Standard library only; click is imported when click options are made.
 """
@@ -113,6 +116,7 @@ class Entry:
     field: dataclasses.Field
     spec: Spec
     type: Any  # int, float, str or bool (None stripped)
+    group: str = "options"  # the --help section it is listed in (group_of)
 
 
 def entries(cls: type, prefix: str = "", path: str = "") -> list[Entry]:
@@ -128,8 +132,17 @@ def entries(cls: type, prefix: str = "", path: str = "") -> list[Entry]:
             continue
         name = prefix + f.name
         found.append(Entry(name, path + f.name, spec.flag or "--" + name.replace("_", "-"), f, spec,
-                           _plain(hints[f.name])[0]))
+                           _plain(hints[f.name])[0], group_of(cls, f.name)))
     return found
+
+
+def group_of(cls: type, name: str) -> str:
+    """The help group of the option ``name`` of ``cls``: the title ``cls.option_groups`` lists it under, else
+    ``cls.options_title`` (else "options")."""
+    for title, names in getattr(cls, "option_groups", {}).items():
+        if name in names:
+            return title
+    return getattr(cls, "options_title", "options")
 
 
 def check(obj: Any, prefix: str = "") -> list[str]:
@@ -180,7 +193,11 @@ def click_params(cls: type, *names: str, unset: bool = False) -> list:
     file's) alone; the help still shows the field's default."""
     import click
 
-    return [click.Option(decls, **attrs) for decls, attrs in _click_args(cls, names, unset)]
+    made = []
+    for decls, attrs, group in _click_args(cls, names, unset):
+        made.append(click.Option(decls, **attrs))
+        made[-1].help_group = group
+    return made
 
 
 def click_options(cls: type, *names: str, unset: bool = False):
@@ -188,14 +205,15 @@ def click_options(cls: type, *names: str, unset: bool = False):
     import click
 
     def apply(f):
-        for decls, attrs in reversed(_click_args(cls, names, unset)):
+        for decls, attrs, group in reversed(_click_args(cls, names, unset)):
             f = click.option(*decls, **attrs)(f)
+            f.__click_params__[-1].help_group = group
         return f
 
     return apply
 
 
-def _click_args(cls: type, names: tuple, unset: bool) -> list[tuple[list[str], dict]]:
+def _click_args(cls: type, names: tuple, unset: bool) -> list[tuple[list[str], dict, str]]:
     import click
 
     chosen = [e for e in entries(cls) if not names or e.name in names]
@@ -219,7 +237,7 @@ def _click_args(cls: type, names: tuple, unset: bool) -> list[tuple[list[str], d
             attrs["is_flag"] = True
         elif e.type in (int, float, str):
             attrs["type"] = e.type
-        made.append(([e.flag, *s.aliases, e.name], {**attrs, **s.click}))
+        made.append(([e.flag, *s.aliases, e.name], {**attrs, **s.click}, e.group))
     return made
 
 

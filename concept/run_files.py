@@ -1,6 +1,6 @@
 """One validating reader for the files of a run folder.
 
-Every command that reads a run (``eval``, ``export``, ``inspect``, ``generate``, ``train SRC --out``, a
+Every command that reads a run (``eval``, ``export``, ``inspect``, ``generate``, ``train SRC -o``, a
 ``frontier`` re-run, ``concept.load``) reads its files through here:
 
 - ``concept.json`` and ``train.json`` are parsed and checked against their dataclasses (``BuildConfig``,
@@ -188,7 +188,7 @@ def plan_of(record: dict, folder: Path):
 # -- train.json -------------------------------------------------------------------------------
 def train_fix(folder: Path) -> str:
     return f"restore it from a copy, or start a new run from the build {folder} was trained from: `concept train " \
-           f"SOURCE --out DIR`"
+           f"SOURCE -o DIR`"
 
 
 def read_train(folder: str | os.PathLike) -> dict | None:

@@ -32,6 +32,8 @@ DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 class LoraSettings:
     """The adapters' options (``concept.options``): ``--lora-rank`` ... in ``concept train``."""
 
+    options_title = "LoRA adapters"  # (their --help section: concept.options.group_of)
+
     rank: int = option(8, minimum=1, help="Rank r of the LoRA adapters.")
     alpha: float = option(16.0, help="LoRA scaling: an adapter's update is multiplied by alpha / rank.")
     dropout: float = option(0.0, minimum=0, below=1,
@@ -55,6 +57,16 @@ class CoreTrainConfig:
     default, its flag (``--seq-len`` for ``seq_len``; ``--lora-*`` for ``lora``), help and simple checks. The
     CLI options are made from these fields, in this order (then the families'); ``validate`` adds the checks
     across fields."""
+
+    options_title = "training"  # their --help sections (concept.options.group_of): these, the rest "training"
+    option_groups = {
+        "baselines": ("baseline", "prune_layers", "mtp_heads"),
+        "data": ("data", "text_field", "encoding_errors", "seq_len", "curriculum"),
+        "objectives": ("target_ratio", "usage_weight", "revive_after", "kmeans_init", "ce_weight", "distill",
+                       "distill_temperature", "mtp", "mtp_ce", "align", "align_at", "align_loss"),
+        "evaluation, checkpoints and logs": ("eval_every", "eval_batches", "checkpoint_every", "log_every"),
+        "device and precision": ("device", "compile", "dtype", "grad_checkpointing"),
+    }
 
     baseline: str | None = option(
         None, choices=BASELINES, is_flag=False, flag_value="dense",
@@ -343,6 +355,13 @@ def _compose(third_party: bool = True) -> type:
             extra.append((f.name, hints[f.name], f))
     made = dataclasses.make_dataclass("TrainConfig", extra, bases=(CoreTrainConfig,))
     made.__module__, made.__doc__ = __name__, CoreTrainConfig.__doc__  # (pickle and help() find it here)
+    groups = dict(CoreTrainConfig.option_groups)  # each family's options: its own --help section(s)
+    for options_cls in family_options(third_party):
+        for f in dataclasses.fields(options_cls):
+            title = options.group_of(options_cls, f.name)
+            title = options_cls.__name__ if title == "options" else title
+            groups[title] = (*groups.get(title, ()), f.name)
+    made.option_groups = groups
     return made
 
 

@@ -403,7 +403,7 @@ class Trainer:
                                      eval_data=data.stored_source(config.eval_data))
         cls.check(config, build_config, dist)  # bad options fail before anything is written
         if out.exists() and out.resolve() == source.resolve() and read_train(out) is not None:
-            raise RunFolderError(f"{out} is already a training run; use --resume, or pass another --out")
+            raise RunFolderError(f"{out} is already a training run; use --resume, or pass another -o/--output")
         fs.check_target(out, force, {"source run": source, "training data": data.local_path(config.data),
                                      "backbone": backbone_folder(record["config"])})
         replace = out.exists() and any(out.iterdir())
@@ -535,10 +535,10 @@ class Trainer:
         record = read_run(out)
         saved = read_train(out)
         if saved is None and not (out / TRAIN_FILE).is_file():
-            raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE --out DIR`")
+            raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE -o DIR`")
         if record.get("export"):
             raise RunFolderError(f"{out} is an export (a published model), not a training run to continue; train on from "
-                                 f"it in a new run: `concept train {out} --out DIR`")
+                                 f"it in a new run: `concept train {out} -o DIR`")
         source, before, config = cls._saved_config(out, saved)
         overrides = dict(overrides)
         if "data" in overrides:
@@ -574,7 +574,7 @@ class Trainer:
         """train.json's (source run, number of processes, config), checked for what resume reads: an object
         whose fields are TrainConfig's, each of its type (nothing is written before this)."""
         file = out / TRAIN_FILE
-        fix = "restore it from a copy of the run, or start a new run instead of --resume (`concept train SOURCE --out DIR`)"
+        fix = "restore it from a copy of the run, or start a new run instead of --resume (`concept train SOURCE -o DIR`)"
         if not isinstance(saved, dict):
             raise checkpoint.damaged(file, f"expected a JSON object, got {json.dumps(saved)[:40]}", fix)
         saved = dict(saved)

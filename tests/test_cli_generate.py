@@ -83,7 +83,7 @@ def test_show_concepts_dense_baseline_and_untrained_warning(runs):
     (("-p", "a", "--temperature", 0, "--top-k", 5), "--temperature 0 means greedy"),
     (("-p", "a", "--top-p", 1.5), "top_p: must be in (0, 1]"),
     (("-p", "a", "--temperature", -1), "--temperature: must be >= 0"),
-    (("-p", "a", "--batch-size", 0), "--batch-size: must be >= 1"),
+    (("-p", "a", "--batch", 0), "--batch: must be >= 1"),
     (("--prompt-file", "/nonexistent/prompts.txt"), "no such file"),
     (("-p", "a" * 5000), "context limit is 4096"),
 ])

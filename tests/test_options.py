@@ -17,7 +17,8 @@ from concept_cli.build_cmd import build
 from concept_cli.frontier_cmd import TRAIN, frontier
 from concept_cli.train_cmd import train
 
-COMMAND_ONLY = {"source", "out", "resume", "force", "accept_data_change", "distributed", "as_json"}  # train's hand-written parameters
+COMMAND_ONLY = {"source", "out", "resume", "force", "accept_data_change", "distributed", "as_json",
+                "config_file", "print_config"}  # train's hand-written parameters
 
 
 def params(command, args=("RUN",)):

@@ -157,6 +157,13 @@ def render_exact(data: dict) -> str:
     return "\n".join(lines + [""] + skipped_lines(data))
 
 
+def ideal_cells(row: dict) -> str:
+    """The ideal and of-ideal cells: "–" for a comparison of two ways of doing the same work (no FLOP ideal)."""
+    if row.get("ideal_speedup") is None:
+        return "– | –"
+    return f"{row['ideal_speedup']:.2f}x | {100 * row['fraction_of_ideal']:.0f}%"
+
+
 def render_speed(data: dict) -> str:
     r = data["result"]
     if not r:
@@ -167,7 +174,7 @@ def render_speed(data: dict) -> str:
     for row in r["rows"]:
         peak = (f"{row['dense_peak_mib']:,.0f} / {row['concept_peak_mib']:,.0f}" if "dense_peak_mib" in row else "–")
         lines.append(f"| {row['case']} | {1000 * row['dense_s']:.2f} | {1000 * row['concept_s']:.2f} | "
-                     f"{row['speedup']:.2f}x | {row['ideal_speedup']:.2f}x | {100 * row['fraction_of_ideal']:.0f}% | {peak} |")
+                     f"{row['speedup']:.2f}x | {ideal_cells(row)} | {peak} |")
     profiled = [row for row in r["rows"] if "concept_device_busy_s" in row]
     if profiled:
         lines += ["", f"Host and device, per side (CUDA events: the median of {profiled[0].get('reps', '–')} calls after "

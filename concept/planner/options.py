@@ -14,6 +14,8 @@ PLAN_TRAINING = ("gumbel", "hard-em")
 class PlannerTraining(FamilyOptions):
     """Options only a planner-executor run reads."""
 
+    options_title = "planner-executor family"  # (their --help section: concept.options.group_of)
+
     task: str | None = option(
         None, choices=TASKS,
         help="Planner-executor runs: reconstruct (default: the executor rebuilds the row u from the plan alone) or "

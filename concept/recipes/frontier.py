@@ -278,13 +278,13 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
     if not spec.max_flops > 0:
         problems.append(f"--max-flops: a FLOP ratio to dense, > 0, got {spec.max_flops}")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
-        problems.append(f"--out {out}: exists and is not a folder; the frontier writes a folder of runs there")
+        problems.append(f"--output {out}: exists and is not a folder; the frontier writes a folder of runs there")
     elif out is not None and Path(out).is_symlink() and not Path(out).exists():
-        problems.append(f"--out {out}: a symbolic link to {os.readlink(out)}, which does not exist (or loops); remove "
-                        f"the link or choose another --out")
+        problems.append(f"--output {out}: a symbolic link to {os.readlink(out)}, which does not exist (or loops); remove "
+                        f"the link or choose another --output")
     data_path = local_path(spec.train.data)
     if out is not None and data_path is not None and fs.contains(Path(out), data_path):
-        problems.append(f"--out {out}: holds the training data {spec.train.data}; choose an --out of its own")
+        problems.append(f"--output {out}: holds the training data {spec.train.data}; choose an --output of its own")
     if spec.build.family != "streaming":
         problems.append(f"--config: the frontier trains streaming models over splits x ratios; this config is a "
                         f"{spec.build.family} build (evaluate it with `concept train` and `concept eval`)")
@@ -364,15 +364,15 @@ def plan(spec: FrontierSpec, out: str | os.PathLike | None = None, force: bool =
             state = run_state(Path(out) / r.name, r)
             if state["status"] == "differs" and not force:
                 problems.append(f"{Path(out) / r.name} was trained with another recipe ({'; '.join(state['differences'])}); "
-                                f"pass --force to retrain it, or choose another --out")
+                                f"pass --force to retrain it, or choose another --output")
             elif state["status"] in ("foreign", "damaged") and not fs.is_run_folder(Path(out) / r.name):
                 problems.append(f"{Path(out) / r.name} exists and is not a run folder ({state['detail']}); the frontier "
-                                f"replaces only run folders: move it away, or choose another --out")
+                                f"replaces only run folders: move it away, or choose another --output")
             elif state["status"] == "damaged" and not force:  # one line: the file, what is wrong, what to do
                 raise run_files.RunFileError(f"{state['detail']}; or pass --force to train the frontier's run {r.name} again")
             elif state["status"] == "foreign" and not force:
                 problems.append(f"{Path(out) / r.name} exists and is not a run of this frontier ({state['detail']}); "
-                                f"pass --force to replace it, or choose another --out")
+                                f"pass --force to replace it, or choose another --output")
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
     return runs
@@ -464,7 +464,7 @@ def _finite(x):
 
 def evaluate_run(folder: Path, run: PlannedRun, spec: FrontierSpec) -> dict:
     """Per domain: bits/token, realised ratio, ΔNLL controls and the FLOP ratio to dense. The held-out
-    batches are exactly those of ``concept eval RUN --data SOURCE --batches N --batch B --seq-len T``."""
+    batches are exactly those of ``concept eval RUN --data SOURCE --eval-batches N --batch B --seq-len T``."""
     model, out = None, {}
     T = spec.seq_len
     for d in spec.domains:

@@ -4,7 +4,7 @@ the shipped offline tasks, and the evaluator that ``concept eval --tasks`` runs 
 lm-eval 0.4.13 (the pinned version, extra ``eval``) finds models in its own registry only: importing
 this module registers ``concept`` there (``lm_eval.api.registry.register_model``). So:
 
-    concept eval runs/x runs/dense --tasks concept_offline --limit 100     # side by side
+    concept eval runs/x runs/dense --tasks concept_offline --tasks-limit 100     # side by side
     concept lm-eval run --model concept --model_args run=runs/x --tasks concept_cloze   # lm-eval's own CLI
     python -c "import concept.recipes.harness, lm_eval; lm_eval.simple_evaluate(model='concept', ...)"
 
@@ -145,7 +145,7 @@ def evaluate_tasks(scorer: Scorer, names: list[str], manager, limit: int | None 
     import lm_eval
 
     if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ConfigError([f"--limit: at least 1 example per task, got {limit!r}"])
+        raise ConfigError([f"--tasks-limit: at least 1 example per task, got {limit!r}"])
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

@@ -18,6 +18,8 @@ class StreamingTraining(FamilyOptions):
     """Options only a streaming run reads: the ratio control and its curriculum, learned placement, the
     final calibration."""
 
+    options_title = "streaming family"  # (their --help section: concept.options.group_of)
+
     teaches = ("placement",)  # a router-only stage trains on it with --ce-weight 0
 
     ratio_control: str = option(
@@ -60,6 +62,8 @@ CALIBRATION_BATCH, CALIBRATION_SEQ_LEN = 4, 128  # the rows of one calibration b
 class StreamingBuild:
     """``concept build`` options only a streaming build reads: the calibration of a fresh model's NULL bias,
     so that it already emits about ``target_ratio`` concepts per token before any training."""
+
+    options_title = "streaming family: calibration"  # (their --help section: concept.options.group_of)
 
     target_ratio: float = option(
         DEFAULT_TARGET_RATIO, above=0, below=1,
