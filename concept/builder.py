@@ -20,7 +20,7 @@ from . import attention, checkpoint, fs, memory, run_files
 from .backbone import LoadedBackbone
 from .compiled import compile_model
 from .components import BuildContext
-from .config import BuildConfig, Plan, resolve
+from .config import BuildConfig, BuildResolution, resolve
 from .dense import DenseModel
 from .errors import ConceptError, RunFolderError
 from .families import family, family_of
@@ -38,7 +38,7 @@ from .run_files import BACKBONE_FILE, MODULES_FILE, RUN_FILE  # noqa: F401 (this
 from .run_files import absolute_backbone_path, backbone_folder, localise_backbone_path  # noqa: F401 (this module's API too)
 
 
-def build_backbone(plan: Plan) -> LoadedBackbone:
+def build_backbone(plan: BuildResolution) -> LoadedBackbone:
     bb = plan.components["backbone"]
     loaded = bb.cls.load(bb.config)
     for p in loaded.model.parameters():
@@ -47,7 +47,7 @@ def build_backbone(plan: Plan) -> LoadedBackbone:
     return loaded
 
 
-def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
+def build_components(plan: BuildResolution, loaded: LoadedBackbone) -> dict:
     """Instantiate every non-backbone component from its resolved class and config."""
     comps = plan.components
     info = loaded.info
@@ -77,7 +77,7 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
     return parts
 
 
-def build(config: BuildConfig | dict | None = None, plan: Plan | None = None, compile: str = "off"):
+def build(config: BuildConfig | dict | None = None, plan: BuildResolution | None = None, compile: str = "off"):
     """Build the model of the config's family (``concept.families``) from a config, validated first (all
     errors at once). ``compile``: run its stacks compiled (``concept.compiled``; off by default)."""
     if plan is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from concept.attention import AttentionPlan, sdpa
+from concept.attention import AttentionPattern, sdpa
 from concept.packing import PackedLayout, allowed
 
 
@@ -13,7 +13,7 @@ class SDPAConfig:
     pass
 
 
-class DenseMaskPlan(AttentionPlan):
+class DenseMaskPattern(AttentionPattern):
     def __init__(self, layout: PackedLayout):
         self.mask = allowed(layout.meta, layout.meta)
 
@@ -28,5 +28,5 @@ class SDPABackend:
     def __init__(self, config: SDPAConfig | None = None, ctx=None):
         self.config = config
 
-    def plan(self, layout: PackedLayout) -> AttentionPlan:
-        return DenseMaskPlan(layout)
+    def plan(self, layout: PackedLayout) -> AttentionPattern:
+        return DenseMaskPattern(layout)
