@@ -21,6 +21,7 @@ from .decoding import DenseDecoder
 from .errors import ConceptError, ConfigError
 from .families import family_of
 from .options import SEED_MAX, finite
+from .tokens import encode_text, tokenizer_for
 
 
 @dataclass
@@ -167,8 +168,6 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     """
     if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
                                       and all(isinstance(p, str) for p in input_ids)):
-        from .tokens import encode_text, tokenizer_for
-
         tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
         prompts = [input_ids] if isinstance(input_ids, str) else list(input_ids)
         out = generate(model, [encode_text(tokenizer, p) for p in prompts], settings=settings, tokenizer=tokenizer,

@@ -86,7 +86,8 @@ def exported_layers(model) -> int:
 
 def hf_config(model):
     """The model's ``config.json`` as a transformers config of its kind (``concept.hf``), with ``auto_map``."""
-    from .hf.configuration_concept import config_class  # lazy: transformers
+    # lazy: transformers, which `concept export --help` and the hub ids do not need
+    from .hf.configuration_concept import config_class
 
     kind = model_kind(model)
     backbone = model.backbone.config
