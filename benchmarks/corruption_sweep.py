@@ -112,16 +112,16 @@ def invoke(argv: list[str]):
 def no_training():
     """Skip the training loop (``Trainer.train`` returns at once) and the frontier's plot: a command has read
     everything by then, and a sweep of reading is neither a sweep of training nor of drawing."""
-    from concept.recipes import frontier
+    from concept.recipes.frontier import reporting
     from concept.training import Trainer
 
-    train, plot = Trainer.train, frontier.plot
+    train, plot = Trainer.train, reporting.plot
     Trainer.train = lambda self, progress=None: {}
-    frontier.plot = lambda result, path: path
+    reporting.plot = lambda result, path: path
     try:
         yield
     finally:
-        Trainer.train, frontier.plot = train, plot
+        Trainer.train, reporting.plot = train, plot
 
 
 def setup(root: Path) -> None:

@@ -29,18 +29,18 @@ import torch
 
 from concept.flops import evenly_spaced_keep
 from concept.packing import pack
-from concept_plugins.attention.xformers import XFormersConfig, XFormersPlan
+from concept_plugins.attention.xformers import XFormersConfig, XFormersPattern
 
 HEADS, KV_HEADS, HEAD_DIM, BYTES = 9, 3, 64, 2  # SmolLM2-135M, bf16
 PER_KEY = 2 * HEAD_DIM * BYTES  # K and V, one head
 
 
-def build_ms(layout, which: str, repeats: int) -> tuple[XFormersPlan, float]:
+def build_ms(layout, which: str, repeats: int) -> tuple[XFormersPattern, float]:
     """A plan with the named layout built, and the median host time of building it."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        plan = XFormersPlan(layout, XFormersConfig(kernel="reference", layout=which))
+        plan = XFormersPattern(layout, XFormersConfig(kernel="reference", layout=which))
         getattr(plan, which)()
         times.append(time.perf_counter() - start)
     return plan, 1e3 * statistics.median(times)
@@ -53,7 +53,7 @@ def measure(T: int, ratio: float, repeats: int = 3) -> dict:
     shared, shared_ms = build_ms(layout, "shared", repeats)
     keys = gathered.num_keys
     partials = shared.shared()
-    auto = XFormersPlan(layout, XFormersConfig(kernel="reference")).layout_for(
+    auto = XFormersPattern(layout, XFormersConfig(kernel="reference")).layout_for(
         torch.empty(0, HEAD_DIM, dtype=torch.bfloat16), HEADS, training=True)
     return {
         "T": T, "ratio": ratio, "concepts": int(keep.sum()), "gathered_keys": keys, "keys_per_token": keys / T,

@@ -234,7 +234,7 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, print_config, 
         fr.check_doc(update_doc)  # a missing block fails now, not after the training
     status("planning", f"{len(spec.splits)} split(s) x {len(spec.ratios)} ratio(s), baselines: "
                        f"{', '.join(spec.baselines) or 'none'} ...")
-    planned = fr.plan(spec, out, force=force)
+    planned = fr.schedule(spec, out, force=force)
     if dry_run:
         if as_json:
             states = {r.name: fr.run_state(out / r.name, r) for r in planned}

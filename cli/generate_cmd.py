@@ -142,7 +142,8 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     import concept
     from concept.builder import read_run, read_train, run_kind
-    from concept.diagnostics import _encode, render_concepts
+    from concept.diagnostics import render_concepts
+    from concept.tokens import encode_text
     from concept.distributed import pick_device
     from concept.errors import ConceptError, ConfigError
     from concept.families import family
@@ -178,7 +179,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")
     tokenizer = tokenizer_for(model)
-    encoded = [_encode(tokenizer, t) for t in texts]
+    encoded = [encode_text(tokenizer, t) for t in texts]
     empty = [i + 1 for i, ids in enumerate(encoded) if not ids]
     if empty:
         raise ConceptError(f"prompt {', '.join(map(str, empty))} is empty; give at least one character of text")

@@ -195,7 +195,7 @@ def render_stacks(split: tuple[int, int, int], num_layers: int | None = None) ->
 
 
 def render_plan_types(planner: dict) -> Table:
-    """The planner-executor's concept types (``Plan.describe()["planner"]``)."""
+    """The planner-executor's concept types (``BuildResolution.describe()["planner"]``)."""
     t = table("type", "vocabulary", "max_len", title=f"plan types (budget {planner['target']:g} concepts per example)")
     for i, pt in enumerate(planner["types"]):
         t.add_row(f"{i + 1}: {pt['name']}", str(pt["size"]), str(pt["max_len"]))

@@ -15,10 +15,13 @@ _EXPORTS = {
     "ConceptModel": "streaming.model", "ConceptOutput": "streaming.model",
     "ConceptError": "errors", "ConfigError": "errors", "generate": "generation",
 }
+_MODULES = ("hub",)  # submodules handed on by name (the modeling file copied into exports reads concept.hub)
 __all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value

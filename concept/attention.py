@@ -16,14 +16,17 @@ from einops import rearrange
 NAME = "concept"
 
 
-class AttentionPlan:
-    """A prepared attention pattern: ``plan(q, k, v, scaling) -> [B, L, H, hd]``.
+class AttentionPattern:
+    """A prepared attention pattern: ``pattern(q, k, v, scaling) -> [B, L, H, hd]``.
 
     q: [B, H, Lq, hd], k / v: [B, Hkv, Lk, hd] (grouped-query heads are not expanded).
     """
 
     def __call__(self, query, key, value, scaling):  # pragma: no cover - interface
         raise NotImplementedError
+
+
+AttentionPlan = AttentionPattern  # its name before 0.1.1, kept for third-party attention plugins (docs/plugins.md)
 
 
 def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor:
@@ -34,7 +37,7 @@ def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor
     )
 
 
-class CausalPlan(AttentionPlan):
+class CausalPattern(AttentionPattern):
     """Plain causal attention over real elements (shallow and middle stacks), optionally
     restricted to the same document. ``causal``: whether plain causal SDPA is exact for every real
     query (right padding or none, one document per row); None: found out from the data (a host sync).
@@ -59,7 +62,7 @@ class CausalPlan(AttentionPlan):
 
 
 def concept_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if isinstance(attention_mask, AttentionPlan):
+    if isinstance(attention_mask, AttentionPattern):
         return attention_mask(query, key, value, scaling).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -20,7 +20,7 @@ from . import attention, checkpoint, fs, memory, run_files
 from .backbone import LoadedBackbone
 from .compiled import compile_model
 from .components import BuildContext
-from .config import BuildConfig, Plan, resolve
+from .config import BuildConfig, BuildResolution, resolve
 from .dense import DenseModel
 from .errors import ConceptError, RunFolderError
 from .families import family, family_of
@@ -35,9 +35,10 @@ from .lora import (
 
 from .migrate import FORMAT_VERSION  # noqa: F401 (this module's API too)
 from .run_files import BACKBONE_FILE, MODULES_FILE, RUN_FILE  # noqa: F401 (this module's API too)
+from .run_files import absolute_backbone_path, backbone_folder, localise_backbone_path  # noqa: F401 (this module's API too)
 
 
-def build_backbone(plan: Plan) -> LoadedBackbone:
+def build_backbone(plan: BuildResolution) -> LoadedBackbone:
     bb = plan.components["backbone"]
     loaded = bb.cls.load(bb.config)
     for p in loaded.model.parameters():
@@ -46,7 +47,7 @@ def build_backbone(plan: Plan) -> LoadedBackbone:
     return loaded
 
 
-def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
+def build_components(plan: BuildResolution, loaded: LoadedBackbone) -> dict:
     """Instantiate every non-backbone component from its resolved class and config."""
     comps = plan.components
     info = loaded.info
@@ -75,7 +76,7 @@ def build_components(plan: Plan, loaded: LoadedBackbone) -> dict:
     return parts
 
 
-def build(config: BuildConfig | dict | None = None, plan: Plan | None = None, compile: str = "off"):
+def build(config: BuildConfig | dict | None = None, plan: BuildResolution | None = None, compile: str = "off"):
     """Build the model of the config's family (``concept.families``) from a config, validated first (all
     errors at once). ``compile``: run its stacks compiled (``concept.compiled``; off by default)."""
     if plan is None:
@@ -109,6 +110,9 @@ def read_run(path: str | os.PathLike) -> dict:
     return run_files.read_run(path)
 
 
+BUILT_FILES = {RUN_FILE, MODULES_FILE, BACKBONE_FILE}
+
+
 def run_kind(record: dict, train: dict | None) -> str:
     """What a run folder holds, from its records (nothing loaded): its family's name, or ``dense`` /
     ``pruned`` for a trained baseline."""
@@ -116,50 +120,6 @@ def run_kind(record: dict, train: dict | None) -> str:
     if baseline:
         return str(baseline)
     return record["config"]["family"]
-
-
-def _hf_params(config: dict) -> dict | None:
-    """The params of an ``hf`` backbone in a build config dict (they hold its ``path``), else None."""
-    backbone = config.get("backbone") if isinstance(config, dict) else None
-    params = backbone.get("params") if isinstance(backbone, dict) and backbone.get("name") == "hf" else None
-    return params if isinstance(params, dict) and isinstance(params.get("path"), str) and params["path"] else None
-
-
-def _relative(path: str) -> bool:
-    return not path.startswith("~") and not Path(path).is_absolute()
-
-
-def localise_backbone_path(config: dict, folder: Path) -> dict:
-    """A relative local path of an ``hf`` backbone that exists inside the run folder (``concept export``
-    writes ``./backbone``) is made absolute, so the folder loads wherever it is moved and whatever the
-    working directory; any other relative path keeps meaning the working directory. Edits ``config``."""
-    params = _hf_params(config)
-    if params and _relative(params["path"]) and (Path(folder) / params["path"] / "config.json").is_file():
-        params["path"] = str((Path(folder) / params["path"]).resolve())
-    return config
-
-
-def backbone_folder(config: dict) -> Path | None:
-    """The local folder an ``hf`` backbone loads from (absolute; relative paths mean the working
-    directory), or None (another backbone, or a hub id)."""
-    params = _hf_params(config)
-    if params is None:
-        return None
-    path = params["path"]
-    folder = Path(path).expanduser()
-    return folder.resolve() if folder.exists() or path.startswith((".", "/", "~")) else None
-
-
-def absolute_backbone_path(config: dict) -> dict:
-    """A relative local path of an ``hf`` backbone (one that exists from the working directory) made
-    absolute, so that the run it is saved in loads from any directory. Edits ``config``."""
-    params = _hf_params(config)
-    if params and _relative(params["path"]) and Path(params["path"]).exists():
-        params["path"] = str(Path(params["path"]).resolve())
-    return config
-
-
-BUILT_FILES = {RUN_FILE, MODULES_FILE, BACKBONE_FILE}
 
 
 def rebuildable(folder: Path, config: dict) -> bool:

@@ -349,7 +349,7 @@ class ResolvedComponent:
 
 
 @dataclass
-class Plan:
+class BuildResolution:
     """A validated config: every component resolved, the split in layer counts."""
 
     config: BuildConfig
@@ -416,7 +416,7 @@ def parse_split(spec: str, num_layers: int) -> tuple[tuple[int, int, int] | None
     return counts, []
 
 
-def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
+def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolution:
     """Validate the whole config; raise one ConfigError listing every problem (``earlier``: the caller's
     own, e.g. ``--set`` items that did not apply, listed first)."""
     problems: list[str] = list(earlier)
@@ -489,4 +489,4 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> Plan:
             problems.extend(f"{comp.slot} '{comp.name}': {p}" for p in comp.cls.check_compatible(comp.config, components))
     if problems:
         raise ConfigError(problems, exit_code=1 if environment_problem else 2)
-    return Plan(config=config, components=components, split=split, backbone_info=info, settings=settings)
+    return BuildResolution(config=config, components=components, split=split, backbone_info=info, settings=settings)

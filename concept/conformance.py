@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionPlan, sdpa
+from .attention import AttentionPattern, sdpa
 from .components import BuildContext
 from .config import NoOptions
 from .contracts import LengthPolicy, ReadsPredictor
@@ -130,8 +130,8 @@ def attention(cls: type) -> str | None:
     keep = torch.rand(B, T) < 0.3
     layout = pack(keep, valid)
     plan = _make(cls).plan(layout)
-    if not isinstance(plan, AttentionPlan):
-        return f"plan(layout) must return a concept.attention.AttentionPlan, got {type(plan).__name__}"
+    if not isinstance(plan, AttentionPattern):
+        return f"plan(layout) must return a concept.attention.AttentionPattern, got {type(plan).__name__}"
     heads, kv_heads, hd, L = 4, 2, 8, layout.length
     q, k, v = torch.randn(B, heads, L, hd), torch.randn(B, kv_heads, L, hd), torch.randn(B, kv_heads, L, hd)
     out = plan(q, k, v, hd ** -0.5)

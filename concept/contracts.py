@@ -188,7 +188,7 @@ class PositionScheme(Component):
 
 
 class AttentionBackend(Component):
-    """A plain object: ``plan(layout) -> concept.attention.AttentionPlan`` for the deep stack's packed layout.
+    """A plain object: ``plan(layout) -> concept.attention.AttentionPattern`` for the deep stack's packed layout.
     ``supports_backward``: it trains. ``check_trainable(device) -> str``: a reason it cannot train there, or ""."""
 
     required = ("plan",)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import packing
-from .attention import CausalPlan
+from .attention import CausalPattern
 from .backbone import decoder, run_layers
 from .config import has_budget
 from .generation import generate
@@ -86,7 +86,7 @@ class DenseModel(HubMixin, nn.Module):
         # static: nothing read back to the host (a mask unless plain causal attention is known to be exact)
         causal = True if attention_mask is None and document_ids is None else (
             False if self.static or self.compiled_stacks is not None else None)
-        x = run(self.layers, inner.embed_tokens(input_ids), pos, CausalPlan(valid, document_ids, causal),
+        x = run(self.layers, inner.embed_tokens(input_ids), pos, CausalPattern(valid, document_ids, causal),
                 inner.rotary_emb, self.gradient_checkpointing and self.training)
         states, head = inner.norm(x), self.backbone.lm_head
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, document_ids)

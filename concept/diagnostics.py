@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .families import family_of
 from .losses import next_token_loss
 from .mtp import mtp_pairs
+from .tokens import encode_text
 
 LN2 = math.log(2.0)
 
@@ -359,17 +360,6 @@ class _LazyDocuments:
 
 
 # -- compression map ------------------------------------------------------------------------
-def _encode(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.encode(text) if hasattr(tokenizer, "encode") else tokenizer(text)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    if isinstance(ids, torch.Tensor):
-        ids = ids.flatten().tolist()
-    if ids and isinstance(ids[0], (list, tuple)):
-        ids = ids[0]
-    return [int(i) for i in ids]
-
-
 def compression_map(model, tokenizer, text: str, max_tokens: int = 256):
     """Run the model (eval mode, previous modes restored) on ``text`` and return a
     ``rich.text.Text``: tokens that emitted a concept are shown in bold reverse video, the
@@ -382,7 +372,7 @@ def compression_map(model, tokenizer, text: str, max_tokens: int = 256):
     tokenizer = tokenizer if tokenizer is not None else getattr(unwrap(model), "tokenizer", None)
     if tokenizer is None:
         raise ValueError("compression_map needs a tokenizer (none given and the model has none)")
-    ids = _encode(tokenizer, text)[:max_tokens]
+    ids = encode_text(tokenizer, text)[:max_tokens]
     if not ids:
         return Text("(empty text)", style="dim")
     fn = model if callable(model) else model.forward

@@ -21,6 +21,7 @@ from .decoding import DenseDecoder
 from .errors import ConceptError, ConfigError
 from .families import family_of
 from .options import SEED_MAX, finite
+from .tokens import encode_text, tokenizer_for
 
 
 @dataclass
@@ -167,13 +168,9 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     """
     if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
                                       and all(isinstance(p, str) for p in input_ids)):
-        # lazy: diagnostics imports the builder, which imports this module (a circle at the top)
-        from .diagnostics import _encode
-        from .tokens import tokenizer_for
-
         tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
         prompts = [input_ids] if isinstance(input_ids, str) else list(input_ids)
-        out = generate(model, [_encode(tokenizer, p) for p in prompts], settings=settings, tokenizer=tokenizer,
+        out = generate(model, [encode_text(tokenizer, p) for p in prompts], settings=settings, tokenizer=tokenizer,
                        streamer=streamer, **overrides)
         return out.texts[0] if isinstance(input_ids, str) else out.texts
     s = settings_from(settings, overrides)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import pkgutil
 import re
 import tempfile
 from pathlib import Path
@@ -37,6 +38,10 @@ HF_CONFIG_FILE = "config.json"
 HF_CODE = ("configuration_concept.py", "modeling_concept.py")  # copied from concept/hf/ into every export
 PIPELINE_TAG = "text-generation"
 ADAPTER_CONFIG = "adapter/adapter_config.json"
+# The loader and the export writer stand above the model classes (they build, load and check models), so a
+# model reaches them by name at call time, as an entry point is reached, and this module imports neither.
+LOADER = "concept.builder:load"
+WRITER = "concept.export:write_export"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -81,20 +86,26 @@ def exported_layers(model) -> int:
 
 def hf_config(model):
     """The model's ``config.json`` as a transformers config of its kind (``concept.hf``), with ``auto_map``."""
-    # lazy: transformers, and the modeling file imports this module (a circle at the top)
+    # lazy: transformers, which `concept export --help` and the hub ids do not need
     from .hf.configuration_concept import config_class
-    from .hf.modeling_concept import model_class
 
     kind = model_kind(model)
     backbone = model.backbone.config
-    config, model_cls = config_class(kind), model_class(kind)
+    config = config_class(kind)
+    model_name = model_class_name(config)
     return config(concept_kind=kind, concept_version=__version__, vocab_size=backbone.vocab_size,
                   hidden_size=backbone.hidden_size, num_hidden_layers=exported_layers(model),
                   max_position_embeddings=getattr(backbone, "max_position_embeddings", None),
                   bos_token_id=getattr(backbone, "bos_token_id", None), eos_token_id=getattr(backbone, "eos_token_id", None),
-                  architectures=[model_cls.__name__],
+                  architectures=[model_name],
                   auto_map={"AutoConfig": f"configuration_concept.{config.__name__}",
-                            "AutoModelForCausalLM": f"modeling_concept.{model_cls.__name__}"})
+                            "AutoModelForCausalLM": f"modeling_concept.{model_name}"})
+
+
+def model_class_name(config: type) -> str:
+    """The name of the ``concept.hf.modeling_concept`` class of a config class (``ConceptStreamingConfig`` ->
+    ``ConceptStreamingForCausalLM``): the modeling file imports this module, so it is named, not imported."""
+    return config.__name__.removesuffix("Config") + "ForCausalLM"
 
 
 def write_hf_files(model, folder: Path) -> None:
@@ -137,9 +148,7 @@ def save_pretrained(model, folder, force: bool = False, merge_lora: bool = False
     """Write ``model`` as a ``concept export`` folder (:func:`concept.export.write_export`): what
     ``concept export`` writes for a run, from the model in memory. ``force`` replaces a non-empty
     folder (atomically, once the new one is complete). Returns the ``ExportResult``."""
-    # lazy: the export imports the builder, which imports this module (a circle at the top)
-    from .export import write_export
-
+    write_export = pkgutil.resolve_name(WRITER)
     return write_export(model, Path(folder), merge_lora=merge_lora, force=force, check=check, report=report)
 
 
@@ -228,9 +237,7 @@ class HubMixin:
     def from_pretrained(cls, name_or_path, **hub_kwargs):
         """``concept.load(name_or_path)`` (a folder or a hub id; ``revision``, ``token`` ...), which must hold a model
         of this class."""
-        # lazy: the builder imports this module (a circle at the top)
-        from .builder import load
-
+        load = pkgutil.resolve_name(LOADER)
         model = load(name_or_path, **hub_kwargs)
         if not isinstance(model, cls):
             raise ConceptError(f"{name_or_path} holds a {model_kind(model)} model ({type(model).__name__}), not a "

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionPlan, sdpa
+from .attention import AttentionPattern, sdpa
 
 
-class DecodePlan(AttentionPlan):
+class DecodePattern(AttentionPattern):
     """Attention of new elements to the cached entries a boolean mask allows: [B, N] (the same for
     every new element) or [B, n, N] (one row per new element, several tokens at once)."""
 

@@ -118,13 +118,51 @@ def run_fix(folder: Path) -> str:
             f"`concept build -o {folder} --force`")
 
 
+def _hf_params(config: dict) -> dict | None:
+    """The params of an ``hf`` backbone in a build config dict (they hold its ``path``), else None."""
+    backbone = config.get("backbone") if isinstance(config, dict) else None
+    params = backbone.get("params") if isinstance(backbone, dict) and backbone.get("name") == "hf" else None
+    return params if isinstance(params, dict) and isinstance(params.get("path"), str) and params["path"] else None
+
+
+def _relative(path: str) -> bool:
+    return not path.startswith("~") and not Path(path).is_absolute()
+
+
+def localise_backbone_path(config: dict, folder: Path) -> dict:
+    """A relative local path of an ``hf`` backbone that exists inside the run folder (``concept export``
+    writes ``./backbone``) is made absolute, so the folder loads wherever it is moved and whatever the
+    working directory; any other relative path keeps meaning the working directory. Edits ``config``."""
+    params = _hf_params(config)
+    if params and _relative(params["path"]) and (Path(folder) / params["path"] / "config.json").is_file():
+        params["path"] = str((Path(folder) / params["path"]).resolve())
+    return config
+
+
+def backbone_folder(config: dict) -> Path | None:
+    """The local folder an ``hf`` backbone loads from (absolute; relative paths mean the working
+    directory), or None (another backbone, or a hub id)."""
+    params = _hf_params(config)
+    if params is None:
+        return None
+    path = params["path"]
+    folder = Path(path).expanduser()
+    return folder.resolve() if folder.exists() or path.startswith((".", "/", "~")) else None
+
+
+def absolute_backbone_path(config: dict) -> dict:
+    """A relative local path of an ``hf`` backbone (one that exists from the working directory) made
+    absolute, so that the run it is saved in loads from any directory. Edits ``config``."""
+    params = _hf_params(config)
+    if params and _relative(params["path"]) and Path(params["path"]).exists():
+        params["path"] = str(Path(params["path"]).resolve())
+    return config
+
+
 def read_run(path: str | os.PathLike) -> dict:
     """The record of a run folder (``concept.json``), checked: its config is a valid ``BuildConfig`` (not yet
     resolved against the installed plugins: :func:`plan_of`), and its other sections have their types. A
-    relative local backbone path inside the folder is made absolute (``concept.builder.localise_backbone_path``)."""
-    # lazy: concept.builder imports this module (its loader reads through it)
-    from .builder import localise_backbone_path
-
+    relative local backbone path inside the folder is made absolute (:func:`localise_backbone_path`)."""
     folder = Path(path)
     file = folder / RUN_FILE
     if not file.exists() and not file.is_symlink():

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import packing
-from .attention import CausalPlan
+from .attention import CausalPattern
 from .backbone import decoder, run_layers
 
 
@@ -80,7 +80,7 @@ def teacher_forward(model, input_ids, attention_mask=None, document_ids=None,
     inner = decoder(backbone)
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     pos = packing.time_positions(valid, document_ids)
-    plan = CausalPlan(valid, document_ids)
+    plan = CausalPattern(valid, document_ids)
     layers = list(inner.layers)
     at = deep_input_layer(model) if "deep_input" in needs else None
     if "deep_input" in needs and at is None:

@@ -89,6 +89,19 @@ class ByteTokenizer:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The token ids of one text, from a Hugging Face tokenizer (its ``encode``) or a callable tokenizer
+    (a dict with ``input_ids``, a tensor or array [T] or [1, T], or a list)."""
+    ids = tokenizer.encode(text) if hasattr(tokenizer, "encode") else tokenizer(text)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    if hasattr(ids, "flatten"):  # a tensor or an array
+        ids = ids.flatten().tolist()
+    if ids and isinstance(ids[0], (list, tuple)):
+        ids = ids[0]
+    return [int(i) for i in ids]
+
+
 def tokenizer_for(model):
     """The model's own tokenizer, or bytes for backbones that have none."""
     tokenizer = getattr(model, "tokenizer", None)

@@ -21,8 +21,8 @@ import concept.packing as packing
 import concept_plugins.attention.cascade as cascade
 from concept.flops import evenly_spaced_keep
 from concept.packing import pack
-from concept_plugins.attention.cascade import CascadeConfig, CascadePlan, CPUFlashKernel
-from concept_plugins.attention.sdpa import DenseMaskPlan
+from concept_plugins.attention.cascade import CascadeConfig, CascadePattern, CPUFlashKernel
+from concept_plugins.attention.sdpa import DenseMaskPattern
 from tests.conftest import PACKED_DOC, assert_decoding_matches_teacher_forcing, mixed_model
 from tests.test_equivalence import (assert_gradients_match_naive, assert_packed_documents_equal_separate_rows,
                                     assert_padded_batch_matches_naive, inputs)
@@ -54,7 +54,7 @@ def layout_and_inputs(name, seed=0, dtype=torch.float64):
 
 def errors(plan, layout, q, k, v):
     """Largest |difference| from the dense-mask reference: outputs at real slots, then q, k, v gradients."""
-    ref = DenseMaskPlan(layout)(q, k, v, 0.3)
+    ref = DenseMaskPattern(layout)(q, k, v, 0.3)
     out = plan(q, k, v, 0.3)
     real = layout.meta.valid
     d_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=ref.dtype) * real[..., None, None]
@@ -66,14 +66,14 @@ def errors(plan, layout, q, k, v):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_tiles_equal_the_dense_mask_outputs_and_gradients(name, kernel):
     layout, q, k, v = layout_and_inputs(name)
-    out_err, grad_err = errors(CascadePlan(layout, CascadeConfig(kernel=kernel, prefix_blocks=3, granule=8)),
+    out_err, grad_err = errors(CascadePattern(layout, CascadeConfig(kernel=kernel, prefix_blocks=3, granule=8)),
                                layout, q, k, v)
     assert out_err < 1e-12 and grad_err < 1e-12, (out_err, grad_err)
 
 
 def test_negative_controls_a_merge_without_weights_and_a_backward_without_the_merged_lse(monkeypatch):
     layout, q, k, v = layout_and_inputs("padded-documents")
-    plan = CascadePlan(layout, CascadeConfig())
+    plan = CascadePattern(layout, CascadeConfig())
     assert max(errors(plan, layout, q, k, v)) < 1e-12
     # the tail's parts averaged instead of weighted by their log-sum-exps: outputs off
     real_merge = cascade.merge_parts
@@ -123,7 +123,7 @@ def test_the_cuda_kernel_wrapper_with_its_operators_stood_in_for(monkeypatch):
     kernel.forward_op, kernel.backward_op = FakeEfficientAttention.forward_op, FakeEfficientAttention.backward_op
     monkeypatch.setattr(cascade, "device_kernel", lambda device: kernel)
     layout, q, k, v = layout_and_inputs("padded-documents")
-    assert max(errors(CascadePlan(layout, CascadeConfig()), layout, q, k, v)) < 1e-12
+    assert max(errors(CascadePattern(layout, CascadeConfig()), layout, q, k, v)) < 1e-12
 
 
 PACKED_KEEP = torch.tensor([[0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 1]], dtype=torch.bool)

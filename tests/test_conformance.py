@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from concept import conformance
-from concept.attention import AttentionPlan, sdpa
+from concept.attention import AttentionPattern, sdpa
 from concept.contracts import AttentionBackend, LengthPolicy, Sampler, TailFusion, Vocabulary
 from concept_plugins.attention.sdpa import DenseMaskPlan
 from concept_plugins.vocabularies.embedding import EmbeddingVocabulary
@@ -79,7 +79,7 @@ class SoftMismatch(EmbeddingVocabulary):
         return super().embed_soft(probs) * 1.01  # a soft mixture of one id is not that id
 
 
-class CausalPlan(AttentionPlan):
+class CausalPattern(AttentionPattern):
     def __init__(self, mask):
         self.mask = mask
 
@@ -97,7 +97,7 @@ class Causal(AttentionBackend):
         if self.exact:
             return DenseMaskPlan(layout)
         L = layout.length
-        return CausalPlan(torch.ones(L, L, dtype=torch.bool).tril().expand(len(layout.meta.time), L, L))
+        return CausalPattern(torch.ones(L, L, dtype=torch.bool).tril().expand(len(layout.meta.time), L, L))
 
 
 class Exact(Causal):

@@ -35,7 +35,7 @@ ALLOWED = {
     ("concept/generation.py", "_multitoken_loop"): "a streamer receives token ids on the host (transformers' "
                                                     "TextStreamer convention)",
     ("concept/planner/model.py", "Plan.from_rows"): "filled element by element on the host, moved once with .to()",
-    ("concept/planner/model.py", "PlannerExecutor.__init__"): "registered as buffers (moved with the module)",
+    ("concept/planner/model.py", "PlannerExecutorModel.__init__"): "registered as buffers (moved with the module)",
     ("concept/codes.py", "spherical_kmeans"): "k-means of queries brought to the host (.cpu()), a CPU generator",
     ("concept/codes.py", "CodeRevival.stats"): "host-side usage counts of .cpu() ids",
     ("concept/codes.py", "CodeRevival.after_step"): "host-side idle counters and CPU-generator draws (the same on "

@@ -62,8 +62,8 @@ def test_two_masks_of_one_shape_in_one_process_are_each_exact(compiled):
     process, each match the dense-mask reference. Negative control: the first mask's plan on the second's
     inputs does not (the two masks differ where it shows)."""
     from concept.packing import pack
-    from concept_plugins.attention.flex import FlexConfig, FlexPlan
-    from concept_plugins.attention.sdpa import DenseMaskPlan
+    from concept_plugins.attention.flex import FlexConfig, FlexPattern
+    from concept_plugins.attention.sdpa import DenseMaskPattern
 
     T = 64
     layouts = []
@@ -75,9 +75,9 @@ def test_two_masks_of_one_shape_in_one_process_are_each_exact(compiled):
     q = torch.randn(1, 4, layouts[0].length, 16, generator=g)
     k, v = (torch.randn(1, 2, layouts[0].length, 16, generator=g) for _ in range(2))
     with torch.no_grad():
-        plans = [FlexPlan(layout, FlexConfig(compile=compiled)) for layout in layouts]
+        plans = [FlexPattern(layout, FlexConfig(compile=compiled)) for layout in layouts]
         outs = [plan(q, k, v, 0.25) for plan in plans]
-        refs = [DenseMaskPlan(layout)(q, k, v, 0.25) for layout in layouts]
+        refs = [DenseMaskPattern(layout)(q, k, v, 0.25) for layout in layouts]
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert (outs[0] - refs[1]).abs().max() > 0.1

@@ -103,7 +103,7 @@ def test_rerun_skips_complete_runs_and_updates_the_doc(frontier, monkeypatch, tm
 
     monkeypatch.setattr(Trainer, "start", refuse)
     monkeypatch.setattr(Trainer, "resume", refuse)
-    monkeypatch.setattr(fr, "evaluate_run", refuse)  # the evaluation is cached in each run folder
+    monkeypatch.setattr(fr.running, "evaluate_run", refuse)  # the evaluation is cached in each run folder
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint/state.json")}
     doc = tmp_path / "results.md"
     doc.write_text("# Results\n\nintro\n\n<!-- frontier:begin -->\nold table\n<!-- frontier:end -->\n\nafter\n")

@@ -270,3 +270,13 @@ def test_component_names_and_prompts_as_strings(streaming):
         text, concept.generate(streaming, "import os", max_new_tokens=5)]
     with pytest.raises(ConceptError, match="empty"):
         streaming.generate("", max_new_tokens=2)
+
+
+def test_config_json_names_the_modeling_class_of_each_kind():
+    """hub names the modeling class (it does not import the modeling file): the name must be the class's."""
+    from concept.hf.configuration_concept import CONFIG_CLASSES, ConceptConfig
+    from concept.hf.modeling_concept import model_class
+
+    for config in (*CONFIG_CLASSES, ConceptConfig):
+        for kind in config.kinds or ("a-third-family",):
+            assert concept.hub.model_class_name(config) == model_class(kind).__name__

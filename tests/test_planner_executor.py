@@ -10,7 +10,7 @@ import torch
 import concept
 from concept import BuildConfig, ComponentRef
 from concept.errors import ConfigError
-from concept.planner.model import Plan, PlannerExecutor, TokenLayout, text_loss
+from concept.planner.model import Plan, PlannerExecutorModel, TokenLayout, text_loss
 from concept.training import TrainConfig, Trainer
 
 from .conftest import randomize_new_modules
@@ -68,7 +68,7 @@ def model():
 
 
 def test_build_and_layout(model):
-    assert isinstance(model, PlannerExecutor) and model.plan.family == "planner-executor"
+    assert isinstance(model, PlannerExecutorModel) and model.plan.family == "planner-executor"
     layout = model.layout
     assert layout == TokenLayout(256, (8, 16))
     assert [layout.concept_id(0, 0), layout.eos_id(0), layout.concept_id(1, 0), layout.eos_id(1)] == [256, 264, 265, 281]
@@ -274,7 +274,7 @@ def test_training_logs_each_objective_and_resumes_exactly(pe_run, tmp_path):
     assert [r["loss"] for r in again] == [r["loss"] for r in rows]
     assert again[-1]["eos_bias"] == rows[-1]["eos_bias"]
     loaded = concept.load(tmp_path / "full")
-    assert isinstance(loaded, PlannerExecutor) and (loaded.task, loaded.context_len) == ("continue", 12)
+    assert isinstance(loaded, PlannerExecutorModel) and (loaded.task, loaded.context_len) == ("continue", 12)
     assert float(loaded.eos_bias.value) == pytest.approx(rows[-1]["eos_bias"])
 
 

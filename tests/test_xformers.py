@@ -25,7 +25,7 @@ from concept.errors import ConceptError
 from concept.packing import allowed, pack
 from concept_plugins.attention.auto import AutoBackend
 from concept_plugins.attention.shared_prefix import MergedAttention, ReferencePartials
-from concept_plugins.attention.xformers import (XFormersBackend, XFormersConfig, XFormersPlan, gathered_keys,
+from concept_plugins.attention.xformers import (XFormersBackend, XFormersConfig, XFormersPattern, gathered_keys,
                                                 kernel_unavailable, query_blocks, shared_partials)
 from tests.conftest import assert_packed_documents_equal_separate_rows, randomize_new_modules, tiny_config
 from tests.reference import reference_logits
@@ -218,7 +218,7 @@ def test_reference_kernel_matches_dense_mask_sdpa(name, layout, layout_name):
     """Each layout with the materialised biases (the shared one: partials merged by their
     log-sum-exps, the split-key backward) equals SDPA under the dense one-pass mask, outputs and
     gradients, with grouped-query heads."""
-    plan = XFormersPlan(layout, XFormersConfig(kernel="reference", layout=layout_name))
+    plan = XFormersPattern(layout, XFormersConfig(kernel="reference", layout=layout_name))
     assert_matches_dense_mask_sdpa(layout, lambda q, k, v: plan(q, k, v, 0.35))
     assert plan.chosen == layout_name
 
@@ -242,7 +242,7 @@ class OwnLSEBackward(ReferencePartials):
 def test_negative_control_wrong_merge_is_caught(wrong):
     _, layout = LAYOUTS[IDS.index("long-docs")]
     B, L = layout.meta.time.shape
-    partials = XFormersPlan(layout, XFormersConfig(kernel="reference")).shared()
+    partials = XFormersPattern(layout, XFormersConfig(kernel="reference")).shared()
 
     def merged(kernels):
         def attend(q, k, v):
@@ -299,14 +299,14 @@ def test_xformers_partials_read_and_write_the_kernels_lse_layouts(monkeypatch, l
     monkeypatch.setattr(plugin._fmha(), "memory_efficient_attention_forward_requires_grad", forward)
     monkeypatch.setattr(plugin._fmha(), "memory_efficient_attention_backward", backward)
     _, layout = LAYOUTS[IDS.index("long-docs")]
-    plan = XFormersPlan(layout, XFormersConfig(layout="shared"))
+    plan = XFormersPattern(layout, XFormersConfig(layout="shared"))
     assert_matches_dense_mask_sdpa(layout, lambda q, k, v: plan(q, k, v, 0.35))
 
 
 def test_memory_limit_is_a_clear_error():
     """A forced gathered layout over the limit is refused, naming the shared layout and the other backends."""
     _, layout = LAYOUTS[IDS.index("rate-0.5")]
-    plan = XFormersPlan(layout, XFormersConfig(kernel="reference", layout="gathered", memory_limit_gib=1e-9))
+    plan = XFormersPattern(layout, XFormersConfig(kernel="reference", layout="gathered", memory_limit_gib=1e-9))
     with pytest.raises(ConceptError, match="gathered key/value layout needs .* attention.layout=shared .*--attention flex"):
         plan(*_qkv(1, layout.length), 0.35)
 
@@ -316,10 +316,10 @@ def test_auto_layout_is_chosen_by_the_gathered_size():
     limit, else shared; decided once per forward."""
     _, layout = LAYOUTS[IDS.index("long-docs")]
     B, L = layout.meta.time.shape
-    need = 2 * XFormersPlan(layout, XFormersConfig()).num_keys * 4 * 8 * 4  # K and V, 4 heads of 8, fp32
+    need = 2 * XFormersPattern(layout, XFormersConfig()).num_keys * 4 * 8 * 4  # K and V, 4 heads of 8, fp32
 
     def chosen(**options):
-        plan = XFormersPlan(layout, XFormersConfig(kernel="reference", **options))
+        plan = XFormersPattern(layout, XFormersConfig(kernel="reference", **options))
         with torch.no_grad():
             plan(*_qkv(B, L, H=4, Hkv=4), 0.35)
         return plan.chosen
@@ -341,7 +341,7 @@ def test_a_batch_without_real_tokens_gives_zeros():
     keep = torch.zeros(2, 6, dtype=torch.bool)
     layout = pack(keep, keep)
     for name in ("gathered", "shared"):
-        out = XFormersPlan(layout, XFormersConfig(kernel="reference", layout=name))(*_qkv(2, layout.length), 0.35)
+        out = XFormersPattern(layout, XFormersConfig(kernel="reference", layout=name))(*_qkv(2, layout.length), 0.35)
         assert out.shape == (2, layout.length, 4, 8) and (out == 0).all()
 
 
@@ -405,15 +405,15 @@ def test_cuda_kernel_matches_reference(name, args, dtype, atol, layout_name):
     B, L = layout.meta.time.shape
     q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in _qkv(B, L, hd=64))
     valid = layout.meta.valid
-    fast = XFormersPlan(layout, XFormersConfig(layout=layout_name))(q, k, v, 0.125)
-    slow = XFormersPlan(layout, XFormersConfig(kernel="reference", layout=layout_name))(q, k, v, 0.125)
+    fast = XFormersPattern(layout, XFormersConfig(layout=layout_name))(q, k, v, 0.125)
+    slow = XFormersPattern(layout, XFormersConfig(kernel="reference", layout=layout_name))(q, k, v, 0.125)
     torch.testing.assert_close(fast[valid].float(), slow[valid].float(), atol=atol, rtol=atol)
     grads = torch.autograd.grad(fast[valid].float().sum(), (q, k, v))
     ref = torch.autograd.grad(slow[valid].float().sum(), (q, k, v))
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g.float(), r.float(), atol=10 * atol, rtol=10 * atol)
     with torch.no_grad():  # forward only (gathered: the grouped 5-D call)
-        again = XFormersPlan(layout, XFormersConfig(layout=layout_name))(q, k, v, 0.125)
+        again = XFormersPattern(layout, XFormersConfig(layout=layout_name))(q, k, v, 0.125)
     torch.testing.assert_close(again[valid].float(), slow[valid].float(), atol=atol, rtol=atol)
 
 
@@ -445,4 +445,4 @@ def test_inputs_no_kernel_accepts_are_a_clear_error(monkeypatch, layout_name, ke
     monkeypatch.setattr(plugin._fmha(), kernel, refuse)
     _, layout = LAYOUTS[IDS.index("runs")]
     with pytest.raises(ConceptError, match=r"no xformers kernel accepts .*max\(query.shape\[-1\]\) > 256.*--attention flex"):
-        XFormersPlan(layout, XFormersConfig(layout=layout_name))(*_qkv(1, layout.length), 0.35)
+        XFormersPattern(layout, XFormersConfig(layout=layout_name))(*_qkv(1, layout.length), 0.35)

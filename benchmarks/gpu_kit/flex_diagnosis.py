@@ -81,7 +81,7 @@ def build(name: str, layout, q, k, v, scale: float, dry: bool):
 
     from concept.attention import sdpa
     from concept_plugins.attention.cascade import CascadeBackend
-    from concept_plugins.attention.flex import FlexConfig, FlexPlan
+    from concept_plugins.attention.flex import FlexConfig, FlexPattern
 
     compile_ = not dry
     L = layout.length
@@ -97,8 +97,8 @@ def build(name: str, layout, q, k, v, scale: float, dry: bool):
     settings = dict(FLEX_SETTINGS.get(name, FLEX_SETTINGS["ranges-static"]))
     config = FlexConfig(compile=compile_, **settings)
     if name == "mask-per-call":
-        return (lambda: FlexPlan(layout, config)(q, k, v, scale)), True
-    plan = FlexPlan(layout, config)
+        return (lambda: FlexPattern(layout, config)(q, k, v, scale)), True
+    plan = FlexPattern(layout, config)
     if name == "repeat-kv":
         k_full, v_full = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
         return (lambda: plan(q, k_full, v_full, scale)), True
@@ -169,8 +169,8 @@ def diagnose(dry: bool, out_path: Path | None, budget_s: float = BUDGET_S, reps:
 
     from concept.flops import deep_pairs, evenly_spaced_keep
     from concept.packing import pack
-    from concept_plugins.attention.flex import FlexConfig, FlexPlan
-    from concept_plugins.attention.sdpa import DenseMaskPlan
+    from concept_plugins.attention.flex import FlexConfig, FlexPattern
+    from concept_plugins.attention.sdpa import DenseMaskPattern
 
     begin = time.monotonic()
     device = torch.device("cpu" if dry else "cuda")
@@ -185,11 +185,11 @@ def diagnose(dry: bool, out_path: Path | None, budget_s: float = BUDGET_S, reps:
     scale = HEAD_DIM ** -0.5
     ideal = (T * (T + 1) / 2) / deep_pairs(keep[0].cpu())
     with torch.no_grad():
-        reference = DenseMaskPlan(layout)(q, k, v, scale)
+        reference = DenseMaskPattern(layout)(q, k, v, scale)
         builds = []
         for _ in range(2):  # the first build compiles create_block_mask; the second is what a forward pays
             start = time.perf_counter()
-            block_mask = FlexPlan(layout, FlexConfig(compile=not dry)).block_mask
+            block_mask = FlexPattern(layout, FlexConfig(compile=not dry)).block_mask
             if not dry:
                 torch.cuda.synchronize(device)
             builds.append(time.perf_counter() - start)

@@ -80,12 +80,12 @@ def planned_flops(stage: Stage, plan: dict, splits: list[str], ratios: list[floa
     """The frontier's plan (what ``concept frontier --dry-run`` shows) of splits x ratios with their pruned
     baselines: ``[{kind, split, target_ratio, flop_ratio, pruned_baseline}]`` in plan order, streaming runs
     first. Loads at most the backbone."""
-    from concept.recipes.frontier import FrontierSpec, domains, plan as plan_runs
+    from concept.recipes.frontier import FrontierSpec, domains, schedule
 
     train = recipe.train_config(stage.dry, steps=plan["steps"], batch_size=plan["batch"], device=plan["device"])
     spec = FrontierSpec(build=recipe.build_config(stage.dry), splits=splits, ratios=ratios, train=train,
                         domains=domains(list(recipe.domains(stage.dry)))[0], baselines=("pruned",))
-    runs = plan_runs(spec)
+    runs = schedule(spec)
     flops = {r.name: r.planned_flop_ratio for r in runs}
     return [{"kind": r.kind, "split": ",".join(map(str, r.split)) if r.split else None, "target_ratio": r.target_ratio,
              "flop_ratio": r.planned_flop_ratio, "pruned_baseline": r.pruned,

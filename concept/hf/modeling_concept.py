@@ -21,8 +21,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-import concept
-from concept import hub
+import concept  # its public face only (concept.load, concept.generate, concept.hub): this file is copied into exports
 
 from .configuration_concept import (
     ConceptBaselineConfig,
@@ -79,7 +78,7 @@ class ConceptForCausalLM(PreTrainedModel):
             warnings.warn(f"{cls.__name__}.from_pretrained ignores {', '.join([*map(repr, model_args), *kwargs])}",
                           stacklevel=2)
         model = concept.load(pretrained_model_name_or_path, **hub_kwargs)
-        kind = hub.model_kind(model)
+        kind = concept.hub.model_kind(model)
         kinds = cls.config_class.kinds
         if kinds and kind not in kinds:
             raise concept.ConceptError(f"{pretrained_model_name_or_path} holds a {kind} model, not one of {cls.__name__}'s "
@@ -90,7 +89,7 @@ class ConceptForCausalLM(PreTrainedModel):
         if device_map not in (None, "auto") and not isinstance(device_map, dict):
             model = model.to(device_map)
         if config is None or not isinstance(config, ConceptConfig):
-            config = hub.hf_config(model)
+            config = concept.hub.hf_config(model)
         return cls(config, model).eval()
 
     # -- running -----------------------------------------------------------------------------------
@@ -127,12 +126,12 @@ class ConceptForCausalLM(PreTrainedModel):
     def save_pretrained(self, save_directory, force: bool = False, **kwargs):
         """Write the model as a ``concept export`` folder (``concept.hub.save_pretrained``); ``force``
         replaces a non-empty folder. transformers' saving options (shards, serialisation) do not apply."""
-        return hub.save_pretrained(self.concept, save_directory, force=force)
+        return concept.hub.save_pretrained(self.concept, save_directory, force=force)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the model as a ``concept export`` folder to the hub repo ``repo_id``
         (``concept.hub.push_to_hub``: ``private``, ``token``, ``revision``, ``commit_message``, ``dry_run``)."""
-        return hub.push_to_hub(self.concept, repo_id, **kwargs)
+        return concept.hub.push_to_hub(self.concept, repo_id, **kwargs)
 
 
 class ConceptStreamingForCausalLM(ConceptForCausalLM):

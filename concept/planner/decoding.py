@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import CausalPlan
-from ..kv_cache import DecodePlan
+from ..attention import CausalPattern
+from ..kv_cache import DecodePattern
 from .model import describe_plan
 
 
@@ -31,7 +31,7 @@ class PlannedDecoder:
         self.plans = [describe_plan(m, self.plan, b) for b in range(len(input_ids))]
         self.cache = DynamicCache()  # the executor's: the plan block, then the text
         x, self.keys, pos = m.plan_block(self.plan)
-        h = m.run(x, pos, CausalPlan(self.keys), self.cache)
+        h = m.run(x, pos, CausalPattern(self.keys), self.cache)
         self.pos = torch.ones(len(input_ids), dtype=torch.long, device=input_ids.device)  # y_k sits at k + 1
         self.text = torch.zeros_like(self.pos)  # text tokens fed so far, per row
         self.block_len, self.u_len = self.keys.sum(1), valid.sum(1)
@@ -42,7 +42,7 @@ class PlannedDecoder:
         m = self.model
         active = torch.ones_like(tokens, dtype=torch.bool) if active is None else active
         self.keys = torch.cat([self.keys, active[:, None]], dim=1)  # a finished row's entry is masked out
-        h = m.run(m.embed_text(tokens[:, None]), self.pos[:, None], DecodePlan(self.keys), self.cache)
+        h = m.run(m.embed_text(tokens[:, None]), self.pos[:, None], DecodePattern(self.keys), self.cache)
         self.pos = self.pos + active.long()
         self.text = self.text + active.long()
         return m.text_logits(h[:, -1])

@@ -36,7 +36,7 @@ from collections import defaultdict
 
 import torch
 
-from ..attention import CausalPlan
+from ..attention import CausalPattern
 from ..backbone import run_layers
 from ..packing import time_positions
 from ..teacher import adapters_disabled
@@ -167,7 +167,7 @@ def frozen_logits(model, ids, valid) -> torch.Tensor:
     """[B, T, V] next-token logits of the frozen backbone (adapters off) on ``ids``."""
     inner = model.inner
     with adapters_disabled(model.backbone):
-        h = run_layers(inner.layers, inner.embed_tokens(ids), time_positions(valid), CausalPlan(valid), inner.rotary_emb)
+        h = run_layers(inner.layers, inner.embed_tokens(ids), time_positions(valid), CausalPattern(valid), inner.rotary_emb)
         return model.backbone.lm_head(inner.norm(h))
 
 

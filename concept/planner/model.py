@@ -39,14 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import packing
-from ..attention import CausalPlan
+from ..attention import CausalPattern
 from ..backbone import decoder, run_layers
 from ..codes import CodeUse
 from ..components import BuildContext
 from ..errors import ConceptError
 from ..generation import GenerationMixin
 from ..hub import HubMixin
-from ..kv_cache import DecodePlan
+from ..kv_cache import DecodePattern
 from ..lazy import Deferred, LazyField
 from ..losses import IGNORE, head_cross_entropy
 from ..mtp import MTPHeads
@@ -329,7 +329,7 @@ class EOSBias(nn.Module):
         return float(self.value) if self.value.dim() == 0 else [float(v) for v in self.value]
 
 
-class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
+class PlannerExecutorModel(GenerationMixin, HubMixin, nn.Module):
     family = "planner-executor"
 
     def __init__(self, backbone, settings: PlannerSettings, vocabularies, sampler, eval_sampler, positions,
@@ -466,7 +466,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype)], 1)
         keys = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
         pos = packing.time_positions(keys)
-        h = self.run(x, pos, CausalPlan(keys), cache)[:, -1]
+        h = self.run(x, pos, CausalPattern(keys), cache)[:, -1]
         next_pos = pos[:, -1] + 1
         first = torch.zeros(B, dtype=torch.long, device=dev)
         last = torch.full_like(first, self.num_types - 1)  # a row is done once it ends this type
@@ -537,7 +537,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         own = torch.ones(g, g, dtype=torch.bool, device=new.device).tril()[None] & new[:, None, :]
         mask = torch.cat([keys[:, None, :].expand(-1, g, -1), own], dim=-1)
         positions = next_pos[:, None] + torch.arange(g, device=new.device)
-        h = self.run(torch.stack(group, 1), positions, DecodePlan(mask), cache)[:, -1]
+        h = self.run(torch.stack(group, 1), positions, DecodePattern(mask), cache)[:, -1]
         return h, torch.cat([keys, new], dim=1), next_pos + g
 
     def planner_forced(self, u_ids, u_valid, plan: Plan) -> Plan:
@@ -561,7 +561,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
                        self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype),
                        e[:, :-1].to(self.inner.embed_tokens.weight.dtype)], 1)
         valid = torch.cat([u_valid, u_valid.new_ones(B, 1), plan.active[:, :-1]], dim=1)
-        h = self.run(x, packing.time_positions(valid), CausalPlan(valid))[:, Lu:]  # [B, S, d]: state before step j
+        h = self.run(x, packing.time_positions(valid), CausalPattern(valid))[:, Lu:]  # [B, S, d]: state before step j
         types = plan.types.clamp(min=0)
         before = plan.before(self.num_types)
         logits = self.plan_logits(h.flatten(0, 1), types.flatten(), before.flatten()).view(B, S, -1)
@@ -606,7 +606,7 @@ class PlannerExecutor(GenerationMixin, HubMixin, nn.Module):
         valid = torch.cat([bvalid, y_valid], dim=1)
         ypos = torch.cumsum(y_valid.long(), 1) * y_valid  # y_k at k + 1 (padding: 0)
         pos = torch.cat([bpos, ypos], dim=1)
-        h = self.run(x, pos, CausalPlan(valid), cache)
+        h = self.run(x, pos, CausalPattern(valid), cache)
         S = bx.shape[1]
         return h[:, S - 1: -1] if logits_to_keep == 0 else h[:, -logits_to_keep:]
 
@@ -672,7 +672,7 @@ def text_loss(logits, y, y_valid, reduction: str = "mean"):
     return loss if reduction == "mean" else loss.view(y.shape)
 
 
-def build(plan, loaded) -> PlannerExecutor:
+def build(plan, loaded) -> PlannerExecutorModel:
     """Wire a planner-executor from a resolved build plan and a loaded backbone (``concept.builder``)."""
     comps, info, settings = plan.components, loaded.info, plan.settings
     ctx = BuildContext(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_layers=info.num_layers,
@@ -692,7 +692,7 @@ def build(plan, loaded) -> PlannerExecutor:
         vocabularies.append(v)
     specials = PlanSpecials(len(settings.types), info.hidden_size)
     specials.init_from_backbone(token_embedding)
-    model = PlannerExecutor(
+    model = PlannerExecutorModel(
         loaded.model, settings, vocabularies,
         sampler=comps["sampler"].cls(comps["sampler"].config, ctx),
         eval_sampler=comps["eval_sampler"].cls(comps["eval_sampler"].config, ctx),
@@ -701,7 +701,7 @@ def build(plan, loaded) -> PlannerExecutor:
     return model
 
 
-def describe_plan(model: PlannerExecutor, plan: Plan, row: int) -> list[dict[str, Any]]:
+def describe_plan(model: PlannerExecutorModel, plan: Plan, row: int) -> list[dict[str, Any]]:
     """Row ``row``'s plan for people: per type, its name and concept ids (``concept generate --show-plan``)."""
     mine = plan.rows()[row]
     return [{"type": t.name, "ids": [c for tt, c in mine if tt == i]} for i, t in enumerate(model.settings.types)]

@@ -26,7 +26,7 @@ from ..compiled import PREFILL_BUCKET
 from ..contracts import DecidesWithState
 from ..decoding import last_real, select_rows
 from ..errors import ConceptError
-from ..kv_cache import ConceptCache, DecodePlan
+from ..kv_cache import ConceptCache, DecodePattern
 
 
 class ConceptDecoder:
@@ -109,7 +109,7 @@ class ConceptDecoder:
         # shallow: every token
         x = model.positions.add_text_type(model.inner.embed_tokens(tokens[:, None]))
         text_pos = model.positions.text_positions(pos)
-        h = model.run_stack(model.shallow, x, text_pos, DecodePlan(cache.shallow.begin(active)), cache.shallow)
+        h = model.run_stack(model.shallow, x, text_pos, DecodePattern(cache.shallow.begin(active)), cache.shallow)
         cache.shallow.commit()
 
         # the step-wise decision, then which concept
@@ -136,11 +136,11 @@ class ConceptDecoder:
                 c_in = model.positions.add_concept_type(
                     model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m, level))
                 middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
-                c = model.run_stack(model.middle, c_in, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
+                c = model.run_stack(model.middle, c_in, middle_pos, DecodePattern(cache.middle.begin(keep)), cache.middle)
                 cache.middle.commit()
                 concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
                 if s < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
-                    model.run_stack(model.deep, c, concept_pos, DecodePlan(cache.deep.begin(keep)), cache.deep)
+                    model.run_stack(model.deep, c, concept_pos, DecodePattern(cache.deep.begin(keep)), cache.deep)
                     cache.deep.commit()
             deep_in = torch.where(keep[:, None, None], c, deep_in)
             deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
@@ -148,7 +148,7 @@ class ConceptDecoder:
             self.has_update = self.has_update | keep
 
         # deep: the last concept slot, or the NULL token joining the tail
-        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(cache.deep.begin(active, ~keep)), cache.deep)
+        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePattern(cache.deep.begin(active, ~keep)), cache.deep)
         cache.deep.commit()
 
         self.pos = self.pos + active.long()
@@ -185,7 +185,7 @@ class ConceptDecoder:
         x = model.positions.add_text_type(model.inner.embed_tokens(tokens))
         text_pos = model.positions.text_positions(pos)
         mask = cache.shallow.begin_many(n, None, causal)
-        h = model.run_stack(model.shallow, x, text_pos, DecodePlan(mask), cache.shallow)
+        h = model.run_stack(model.shallow, x, text_pos, DecodePattern(mask), cache.shallow)
         shallow_slots = cache.shallow.end_many()
 
         # the step-wise decisions, in order (the state after each token is kept for accept())
@@ -207,7 +207,7 @@ class ConceptDecoder:
         rank = self.num_concepts[:, None] + torch.cumsum(keep.long(), 1) - keep.long()
         c_in = model.positions.add_concept_type(model.concept_inputs(probs, ids, index.expand(B, n), h))
         mask = cache.middle.begin_many(n, None, causal & (keep[:, None, :] | torch.eye(n, dtype=torch.bool, device=dev)))
-        c = model.run_stack(model.middle, c_in, model.positions.concept_positions(pos, rank, "middle"), DecodePlan(mask),
+        c = model.run_stack(model.middle, c_in, model.positions.concept_positions(pos, rank, "middle"), DecodePattern(mask),
                             cache.middle)
         middle_slots = cache.middle.end_many()
 
@@ -224,7 +224,7 @@ class ConceptDecoder:
         old = ~(cache.deep.tail[:, None, :] & (seg > 0)[..., None])
         new = causal & (keep[:, None, :] | (~keep[:, :, None] & (seg[:, :, None] == seg[:, None, :])))
         mask = cache.deep.begin_many(n, old, new)
-        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(mask), cache.deep)
+        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePattern(mask), cache.deep)
         deep_slots = cache.deep.end_many()
 
         self._pending = dict(tokens=tokens, keep=keep, states=states, slots=(shallow_slots, middle_slots, deep_slots),

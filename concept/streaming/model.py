@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import packing
-from ..attention import CausalPlan
+from ..attention import CausalPattern
 from ..backbone import decoder, run_layers
 from ..codes import CodeUse
 from ..components import upcast
@@ -167,7 +167,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         attention is exact (no padding before a real token, one document); None: found out (a host sync)."""
         pos = packing.time_positions(valid, doc) if pos is None else pos
         x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
-        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPlan(valid, doc, causal),
+        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPattern(valid, doc, causal),
                               cache)
 
     def decide(self, h, valid, keep=None, reset=None):
@@ -337,7 +337,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
             meta = layout.concept_meta
             c_in = c
             # the concept block is left-aligned: causal attention is exact for its real slots with one document
-            middle_plan = CausalPlan(meta.valid, None if doc is None else meta.doc,
+            middle_plan = CausalPattern(meta.valid, None if doc is None else meta.doc,
                                      True if doc is None else (False if static else None))
             c = self.run_stack(self.middle, c, middle_pos, middle_plan, None if cache is None else cache.middle)
             if self.tail_fusion is not None and self.tail_fusion.needs_update:
@@ -368,7 +368,7 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         pos = packing.time_positions(valid, document_ids)
         h = self.shallow_states(input_ids, valid, document_ids, pos)
         x = self.fuse_step(h, torch.zeros_like(h[:, :1]), torch.zeros_like(valid))
-        z = self.run_stack(self.deep, x, self.positions.text_positions(pos), CausalPlan(valid, document_ids))
+        z = self.run_stack(self.deep, x, self.positions.text_positions(pos), CausalPattern(valid, document_ids))
         return self.backbone.lm_head(self.inner.norm(z))
 
     # -- anti-collapse (concept.codes) ----------------------------------------------------------

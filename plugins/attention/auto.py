@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from concept.attention import AttentionPlan
+from concept.attention import AttentionPattern
 from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout
 
@@ -62,7 +62,7 @@ class AutoBackend(AttentionBackend):
         """The backend ``auto`` uses on ``device`` (for training and for full forwards alike)."""
         return "flex" if torch.device(device).type == "cuda" and _flex_available() else "chunked"
 
-    def plan(self, layout: PackedLayout) -> AttentionPlan:
+    def plan(self, layout: PackedLayout) -> AttentionPattern:
         name = self.choice(layout.meta.time.device)
         if name not in self.backends:
             # lazy: the flex backend (torch's FlexAttention) loads only where a forward picks it

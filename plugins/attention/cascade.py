@@ -55,7 +55,7 @@ from functools import lru_cache
 import torch
 from einops import rearrange
 
-from concept.attention import AttentionPlan, sdpa
+from concept.attention import AttentionPattern, sdpa
 from concept.components import accumulation_dtype, upcast
 from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, SlotMeta, allowed
@@ -136,7 +136,7 @@ def _tiles(flat: SlotMeta, B: int, L: int, C: int, q_index, q_real, k_index, k_r
     return Tiles(q_index, k_index, mask, counts, q_tail, target, {})
 
 
-class CascadePlan(AttentionPlan):
+class CascadePattern(AttentionPattern):
     def __init__(self, layout: PackedLayout, config: CascadeConfig):
         meta = layout.meta
         self.B, self.L = meta.time.shape
@@ -275,14 +275,14 @@ def xformers_merge():
 
 
 class MergedTiles(torch.autograd.Function):
-    """The tail queries' attention over the union of the parts' disjoint key sets (``CascadePlan.parts``):
+    """The tail queries' attention over the union of the parts' disjoint key sets (``CascadePattern.parts``):
     the local part's output and log-sum-exp for every tail row, the prefix tiles' for theirs, merged by
     :func:`merge_parts`. Saves q, k, v, the merged output and log-sum-exp; the backward runs each part's
     kernel backward with the merged output and log-sum-exp and adds the gradients up. Returns [B * (L - C), H,
     hd], the tail rows."""
 
     @staticmethod
-    def forward(ctx, query, key, value, plan: CascadePlan, kernels, scale: float):
+    def forward(ctx, query, key, value, plan: CascadePattern, kernels, scale: float):
         B, H, L, hd = query.shape
         Hkv, groups = key.shape[1], H // key.shape[1]
         q, k, v = (_flat_heads(t) for t in (query, key, value))
@@ -409,5 +409,5 @@ class CascadeBackend(AttentionBackend):
     def __init__(self, config: CascadeConfig | None = None, ctx=None):
         self.config = config or CascadeConfig()
 
-    def plan(self, layout: PackedLayout) -> AttentionPlan:
-        return CascadePlan(layout, self.config)
+    def plan(self, layout: PackedLayout) -> AttentionPattern:
+        return CascadePattern(layout, self.config)

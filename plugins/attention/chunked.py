@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
-from concept.attention import AttentionPlan, sdpa
+from concept.attention import AttentionPattern, sdpa
 from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, allowed
 
@@ -35,7 +35,7 @@ class ChunkedConfig:
         return [] if self.chunk >= 1 else [f"chunk: must be >= 1, got {self.chunk}"]
 
 
-class ChunkedPlan(AttentionPlan):
+class ChunkedPattern(AttentionPattern):
     def __init__(self, layout: PackedLayout, chunk: int):
         C = self.num_concepts = layout.num_concepts
         meta, tail = layout.meta, layout.tail_meta
@@ -96,5 +96,5 @@ class ChunkedBackend(AttentionBackend):
     def __init__(self, config: ChunkedConfig | None = None, ctx=None):
         self.config = config or ChunkedConfig()
 
-    def plan(self, layout: PackedLayout) -> AttentionPlan:
-        return ChunkedPlan(layout, self.config.chunk)
+    def plan(self, layout: PackedLayout) -> AttentionPattern:
+        return ChunkedPattern(layout, self.config.chunk)

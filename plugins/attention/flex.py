@@ -31,7 +31,7 @@ from functools import lru_cache
 import torch
 from einops import rearrange
 
-from concept.attention import AttentionPlan
+from concept.attention import AttentionPattern
 from concept.contracts import AttentionBackend
 from concept.errors import ConceptError
 from concept.packing import PackedLayout
@@ -133,7 +133,7 @@ def _compiled_flex(dynamic: bool):
     return torch.compile(flex_attention, dynamic=dynamic)
 
 
-class FlexPlan(AttentionPlan):
+class FlexPattern(AttentionPattern):
     def __init__(self, layout: PackedLayout, config: FlexConfig):
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -184,5 +184,5 @@ class FlexBackend(AttentionBackend):
     def check_trainable(device) -> str:
         return NO_CPU_BACKWARD if torch.device(device).type == "cpu" else ""
 
-    def plan(self, layout: PackedLayout) -> AttentionPlan:
-        return FlexPlan(layout, self.config)
+    def plan(self, layout: PackedLayout) -> AttentionPattern:
+        return FlexPattern(layout, self.config)

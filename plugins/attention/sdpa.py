@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from einops import rearrange
 
-from concept.attention import AttentionPlan, sdpa
+from concept.attention import AttentionPattern, sdpa
 from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, allowed
 
@@ -16,7 +16,7 @@ class SDPAConfig:
     pass
 
 
-class DenseMaskPlan(AttentionPlan):
+class DenseMaskPattern(AttentionPattern):
     def __init__(self, layout: PackedLayout):
         self.mask = allowed(layout.meta, layout.meta)
 
@@ -31,5 +31,5 @@ class SDPABackend(AttentionBackend):
     def __init__(self, config: SDPAConfig | None = None, ctx=None):
         self.config = config
 
-    def plan(self, layout: PackedLayout) -> AttentionPlan:
-        return DenseMaskPlan(layout)
+    def plan(self, layout: PackedLayout) -> AttentionPattern:
+        return DenseMaskPattern(layout)

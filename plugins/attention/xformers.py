@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 from einops import rearrange
 
-from concept.attention import AttentionPlan
+from concept.attention import AttentionPattern
 from concept.components import accumulation_dtype
 from concept.contracts import AttentionBackend
 from concept.errors import ConceptError
@@ -175,7 +175,7 @@ def shared_partials(blocks: QueryBlocks, device) -> list[Partial]:
     return partials
 
 
-class XFormersPlan(AttentionPlan):
+class XFormersPattern(AttentionPattern):
     def __init__(self, layout: PackedLayout, config: XFormersConfig, deep_layers: int = 1):
         self.config = config
         self.deep_layers = deep_layers
@@ -342,5 +342,5 @@ class XFormersBackend(AttentionBackend):
         reason = kernel_unavailable()
         return [f"{reason}; {INSTEAD} (or --set attention.kernel=reference: exact, slow, for debugging)"] if reason else []
 
-    def plan(self, layout: PackedLayout) -> AttentionPlan:
-        return XFormersPlan(layout, self.config, self.deep_layers)
+    def plan(self, layout: PackedLayout) -> AttentionPattern:
+        return XFormersPattern(layout, self.config, self.deep_layers)
