@@ -1,0 +1,132 @@
+"""Compiled decoding over static KV caches (``concept.static_decoding``, docs/decoding.md "Compiled decoding").
+
+The static step (every cache preallocated, every change in place at tensor indices) gives the eager decoder's
+tokens, decisions and logits and the teacher-forced forward's logits, in float64 at 1e-10 (negative control: a
+cache write one slot off). Compiled with ``fullgraph=True`` (``aot-eager`` here: the graph inductor would get)
+it is one graph for 24 steps whose decisions vary and whose rows stop at different steps, with no graph break,
+no recompile (dynamo's guard armed after the first step) and no host sync, and equals the eager step exactly;
+the dense baseline's static decoder likewise, against transformers' DynamicCache."""
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import concept
+import concept.generation
+from concept import BuildConfig, ComponentRef
+from concept.dense import DenseModel
+from concept.generation import left_pad
+from concept.static_decoding import StaticDenseDecoder, StaticSlotCache
+from concept.streaming.static_decoding import StaticConceptDecoder
+from concept.syncs import HostSyncs
+from tests.conftest import POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions, mixed_model, \
+    randomize_new_modules
+
+PROMPTS = [[5, 17, 3, 44, 8, 21, 9, 60], [9, 10, 11], [70]]
+
+
+@pytest.fixture
+def static_decoding(monkeypatch):
+    """``generate`` decodes with the static step run eagerly (the compiled one is the same Python, traced)."""
+    def use(model):
+        def pick(model_, s, budget):
+            if isinstance(model_, DenseModel):
+                return StaticDenseDecoder(model_, budget, None)
+            return StaticConceptDecoder(model_, budget, None)
+        monkeypatch.setattr(concept.generation, "_decoder", pick)
+    return use
+
+
+@pytest.mark.parametrize("policy", ["null", "fixed-emit2"])
+def test_static_step_equals_eager_decoding_and_teacher_forcing_in_fp64(policy, static_decoding, monkeypatch):
+    model = copy.deepcopy(mixed_model(policy, max_ratio=0.5)).double().eval()
+    eager = model.generate(PROMPTS, max_new_tokens=20, output_logits=True)
+    static_decoding(model)
+    gen = assert_decoding_matches_teacher_forcing(model, PROMPTS, 20, atol=1e-10)
+    assert gen.tokens == eager.tokens and gen.keep == eager.keep and gen.steps == eager.steps
+    assert torch.equal(gen.sequences, eager.sequences)
+    torch.testing.assert_close(gen.logits, eager.logits, atol=1e-10, rtol=1e-10)
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "allocated_bytes"} for r in rows]  # noqa: E731
+    assert drop(gen.kv) == drop(eager.kv)
+    decisions = [k for row in gen.keep for k in row]
+    assert 0 < sum(decisions) < len(decisions)
+
+    # negative control: each new entry written one slot past the row's free slot
+    update = StaticSlotCache.update
+
+    def one_off(self, key, value, layer_idx, *args, **kwargs):
+        self.slot.add_(1)
+        try:
+            return update(self, key, value, layer_idx)
+        finally:
+            self.slot.sub_(1)
+    monkeypatch.setattr(StaticSlotCache, "update", one_off)
+    with pytest.raises(AssertionError):
+        assert_decoding_matches_teacher_forcing(model, PROMPTS, 20, atol=1e-10)
+
+
+def test_static_dense_decoder_equals_transformers_dynamic_cache(tiny_models, static_decoding):
+    dense = copy.deepcopy(DenseModel(tiny_models().backbone)).double().eval()
+    eager = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
+    static_decoding(dense)
+    gen = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
+    assert gen.tokens == eager.tokens
+    torch.testing.assert_close(gen.logits, eager.logits, atol=1e-10, rtol=1e-10)
+
+
+def three_layers():
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64, "vocab": 97}),
+                      split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}),
+                      length_policy=ComponentRef(*POLICIES["null"]), max_ratio=0.5)
+    return mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+
+
+def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(fresh_dynamo, one_thread):
+    model = three_layers()
+    ids, valid = left_pad(PROMPTS, 0)
+    dense = DenseModel(model.backbone).eval()
+    with torch.no_grad():
+        for make in (lambda c: StaticConceptDecoder(model, 24, c), lambda c: StaticDenseDecoder(dense, 24, c)):
+            eager, compiled = make(None), make("aot-eager")
+            logits, fast = eager.prefill(ids, valid), compiled.prefill(ids, valid)
+            graphs = counters["stats"]["unique_graphs"]
+            for i in range(24):
+                token = logits.argmax(-1)
+                active = torch.tensor([True, i < 15, i < 7])  # rows stop at different steps
+                with HostSyncs() as seen:
+                    logits = eager.step(token, active)
+                assert seen.hidden == 0 and seen.ops > 100
+                fast = compiled.step(token, active)
+                assert torch.equal(fast, logits)
+                if i == 0:  # one graph; from now on a recompile raises
+                    assert counters["stats"]["unique_graphs"] == graphs + 1 and not counters["graph_break"]
+                    torch._dynamo.config.error_on_recompile = True
+            assert counters["stats"]["unique_graphs"] == graphs + 1 and not counters["graph_break"]
+            assert compiled.kv_stats() == eager.kv_stats() and compiled.keep == eager.keep
+            torch._dynamo.config.error_on_recompile = False
+            if isinstance(eager, StaticConceptDecoder):  # the concept decisions of the 24 steps varied
+                steps = [k for row, p in zip(eager.keep, PROMPTS) for k in row[len(p):]]
+                assert len(steps) == 24 + 15 + 7 and 0 < sum(steps) < len(steps)
+
+
+@pytest.mark.slow
+def test_generate_compile_decodes_what_eager_does(fresh_dynamo):
+    """``generate`` on a model loaded with ``compile=``: compiled prefill and step, the eager model's tokens."""
+    model = three_layers()
+    compiled = concept.compiled.compile_model(copy.deepcopy(model), "aot-eager")
+    eager, fast = (m.generate(PROMPTS, max_new_tokens=40, output_logits=True) for m in (model, compiled))
+    assert fast.tokens == eager.tokens and fast.keep == eager.keep
+    torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]
