@@ -3,10 +3,11 @@
 The static step (every cache preallocated, every change in place at tensor indices) gives the eager decoder's
 tokens, decisions and logits and the teacher-forced forward's logits, in float64 at 1e-10 (negative control: a
 cache write one slot off). Compiled with ``fullgraph=True`` (``aot-eager`` here: the graph inductor would get)
-it is one graph for 24 steps whose decisions vary and whose rows stop at different steps, with no graph break,
+it is one graph for 20 steps whose decisions vary and whose rows stop at different steps, with no graph break,
 no recompile (dynamo's guard armed after the first step) and no host sync, and equals the eager step exactly;
 the dense baseline's static decoder likewise, against transformers' DynamicCache."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -21,10 +22,19 @@ from concept.generation import left_pad
 from concept.static_decoding import StaticDenseDecoder, StaticSlotCache
 from concept.streaming.static_decoding import StaticConceptDecoder
 from concept.syncs import HostSyncs
-from tests.conftest import POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions, mixed_model, \
-    randomize_new_modules
+from tests.conftest import POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions, randomize_new_modules
 
 PROMPTS = [[5, 17, 3, 44, 8, 21, 9, 60], [9, 10, 11], [70]]
+
+
+@functools.lru_cache(maxsize=None)
+def three_layers(policy="null"):
+    """A tiny streaming model (three layers, split 1,1,1) with a static budget, about 30% of tokens emitting."""
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64, "vocab": 97}),
+                      split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}),
+                      length_policy=ComponentRef(*POLICIES[policy]), max_ratio=0.5)
+    return mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
 
 
 @pytest.fixture
@@ -39,12 +49,13 @@ def static_decoding(monkeypatch):
     return use
 
 
-@pytest.mark.parametrize("policy", ["null", "fixed-emit2"])
+@pytest.mark.parametrize("policy", ["null", pytest.param("fixed-emit2", marks=pytest.mark.slow)])
 def test_static_step_equals_eager_decoding_and_teacher_forcing_in_fp64(policy, static_decoding, monkeypatch):
-    model = copy.deepcopy(mixed_model(policy, max_ratio=0.5)).double().eval()
-    eager = model.generate(PROMPTS, max_new_tokens=20, output_logits=True)
+    """(two concept slots per boundary, ``fixed-emit2``: the deep stack's earlier slot runs every step too)"""
+    model = copy.deepcopy(three_layers(policy)).double().eval()
+    eager = model.generate(PROMPTS, max_new_tokens=12, output_logits=True)
     static_decoding(model)
-    gen = assert_decoding_matches_teacher_forcing(model, PROMPTS, 20, atol=1e-10)
+    gen = assert_decoding_matches_teacher_forcing(model, PROMPTS, 12, atol=1e-10)
     assert gen.tokens == eager.tokens and gen.keep == eager.keep and gen.steps == eager.steps
     assert torch.equal(gen.sequences, eager.sequences)
     torch.testing.assert_close(gen.logits, eager.logits, atol=1e-10, rtol=1e-10)
@@ -64,24 +75,16 @@ def test_static_step_equals_eager_decoding_and_teacher_forcing_in_fp64(policy, s
             self.slot.sub_(1)
     monkeypatch.setattr(StaticSlotCache, "update", one_off)
     with pytest.raises(AssertionError):
-        assert_decoding_matches_teacher_forcing(model, PROMPTS, 20, atol=1e-10)
+        assert_decoding_matches_teacher_forcing(model, PROMPTS, 12, atol=1e-10)
 
 
-def test_static_dense_decoder_equals_transformers_dynamic_cache(tiny_models, static_decoding):
-    dense = copy.deepcopy(DenseModel(tiny_models().backbone)).double().eval()
+def test_static_dense_decoder_equals_transformers_dynamic_cache(static_decoding):
+    dense = copy.deepcopy(DenseModel(three_layers().backbone)).double().eval()
     eager = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
     static_decoding(dense)
     gen = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
     assert gen.tokens == eager.tokens
     torch.testing.assert_close(gen.logits, eager.logits, atol=1e-10, rtol=1e-10)
-
-
-def three_layers():
-    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
-                                                          "intermediate": 64, "vocab": 97}),
-                      split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}),
-                      length_policy=ComponentRef(*POLICIES["null"]), max_ratio=0.5)
-    return mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
 
 
 @pytest.fixture
@@ -93,32 +96,32 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(fresh_dynamo, one_thread):
+@pytest.mark.parametrize("family", ["streaming", pytest.param("dense", marks=pytest.mark.slow)])
+def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(family, fresh_dynamo, one_thread):
     model = three_layers()
     ids, valid = left_pad(PROMPTS, 0)
-    dense = DenseModel(model.backbone).eval()
+    if family == "streaming":
+        eager, compiled = (StaticConceptDecoder(model, 20, c) for c in (None, "aot-eager"))
+    else:
+        dense = DenseModel(model.backbone).eval()
+        eager, compiled = (StaticDenseDecoder(dense, 20, c) for c in (None, "aot-eager"))
     with torch.no_grad():
-        for make in (lambda c: StaticConceptDecoder(model, 24, c), lambda c: StaticDenseDecoder(dense, 24, c)):
-            eager, compiled = make(None), make("aot-eager")
-            logits, fast = eager.prefill(ids, valid), compiled.prefill(ids, valid)
-            graphs = counters["stats"]["unique_graphs"]
-            for i in range(24):
-                token = logits.argmax(-1)
-                active = torch.tensor([True, i < 15, i < 7])  # rows stop at different steps
-                with HostSyncs() as seen:
-                    logits = eager.step(token, active)
-                assert seen.hidden == 0 and seen.ops > 100
-                fast = compiled.step(token, active)
-                assert torch.equal(fast, logits)
-                if i == 0:  # one graph; from now on a recompile raises
-                    assert counters["stats"]["unique_graphs"] == graphs + 1 and not counters["graph_break"]
-                    torch._dynamo.config.error_on_recompile = True
-            assert counters["stats"]["unique_graphs"] == graphs + 1 and not counters["graph_break"]
-            assert compiled.kv_stats() == eager.kv_stats() and compiled.keep == eager.keep
-            torch._dynamo.config.error_on_recompile = False
-            if isinstance(eager, StaticConceptDecoder):  # the concept decisions of the 24 steps varied
-                steps = [k for row, p in zip(eager.keep, PROMPTS) for k in row[len(p):]]
-                assert len(steps) == 24 + 15 + 7 and 0 < sum(steps) < len(steps)
+        logits, _ = eager.prefill(ids, valid), compiled.prefill(ids, valid)
+        for i in range(20):
+            token = logits.argmax(-1)
+            active = torch.tensor([True, i < 12, i < 6])  # rows stop at different steps
+            with HostSyncs() as seen:
+                logits = eager.step(token, active)
+            assert seen.hidden == 0 and seen.ops > 100
+            assert torch.equal(compiled.step(token, active), logits)
+            if i == 0:  # one graph; from now on a recompile raises
+                assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+                torch._dynamo.config.error_on_recompile = True
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert compiled.kv_stats() == eager.kv_stats() and compiled.keep == eager.keep
+    if family == "streaming":  # the concept decisions of the 20 steps varied
+        steps = [k for row, p in zip(eager.keep, PROMPTS) for k in row[len(p):]]
+        assert len(steps) == 20 + 12 + 6 and 0 < sum(steps) < len(steps)
 
 
 @pytest.mark.slow
@@ -130,3 +133,21 @@ def test_generate_compile_decodes_what_eager_does(fresh_dynamo):
     assert fast.tokens == eager.tokens and fast.keep == eager.keep
     torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"]
+
+
+@pytest.mark.slow
+def test_cli_generate_compile_gives_the_eager_text(tmp_path, fresh_dynamo):
+    """``concept generate --compile aot-eager`` on a static build: the eager command's tokens and text."""
+    import json
+
+    from tests.test_cli_train import TINY, run
+
+    assert run("build", *TINY, "--max-ratio", "0.5", "-o", tmp_path / "m").exit_code == 0
+    rows = []
+    for extra in ([], ["--compile", "aot-eager"]):
+        r = run("generate", tmp_path / "m", "--prompt", "def f(x):", "--prompt", "import os", "--max-new-tokens", 20,
+                "--json", *extra)
+        assert r.exit_code == 0, r.output
+        rows.append([{k: row[k] for k in ("tokens", "text", "concept_positions", "finish_reason")}
+                     for row in map(json.loads, r.stdout.splitlines())])
+    assert rows[0] == rows[1] and not counters["graph_break"]
