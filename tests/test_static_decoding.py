@@ -29,11 +29,12 @@ PROMPTS = [[5, 17, 3, 44, 8, 21, 9, 60], [9, 10, 11], [70]]
 
 @functools.lru_cache(maxsize=None)
 def three_layers(policy="null"):
-    """A tiny streaming model (three layers, split 1,1,1) with a static budget, about 30% of tokens emitting."""
+    """A tiny streaming model (three layers, split 1,1,1) with a static budget, about 30% of tokens emitting
+    (``null-auto``: the `null` policy with its default ``max_run``, derived from the target ratio)."""
     cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
                                                           "intermediate": 64, "vocab": 97}),
                       split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}),
-                      length_policy=ComponentRef(*POLICIES[policy]), max_ratio=0.5)
+                      length_policy=ComponentRef(*POLICIES.get(policy, ("null", {}))), max_ratio=0.5)
     return mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
 
 
@@ -98,7 +99,7 @@ def fresh_dynamo():
 
 @pytest.mark.parametrize("family", ["streaming", pytest.param("dense", marks=pytest.mark.slow)])
 def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(family, fresh_dynamo, one_thread):
-    model = three_layers()
+    model = three_layers("null-auto")
     ids, valid = left_pad(PROMPTS, 0)
     if family == "streaming":
         eager, compiled = (StaticConceptDecoder(model, 20, c) for c in (None, "aot-eager"))
