@@ -9,8 +9,8 @@ The sides: ``dense_eager`` (the backbone with transformers' DynamicCache, ``conc
 ``concept.static_decoding.StaticDenseDecoder``), ``concept_eager`` (the streaming model's eager decoder,
 ``ConceptDecoder``) and ``concept`` (its static, compiled step, ``StaticConceptDecoder``); the row's
 ``speedup`` is compiled dense over compiled streaming, ``eager_speedup`` the same of the eager sides. Each is
-prefilled once on the prompt (untimed); a call then runs STEPS greedy steps from where its last call ended
-(the sampled token stays on the device), so every side decodes the same number of tokens at the same
+prefilled once on the prompt (untimed); a call then runs STEPS (CUDA; CPU: CPU_STEPS) greedy steps from where
+its last call ended (the sampled token stays on the device), so every side decodes the same number of tokens at the same
 context. CPU: one warm-up call each, then the median of 3 alternating rounds; CUDA: ``gpu_side_by_side``
 (CUDA events, 3 warm-up calls, where compilation happens, then the median of 20 alternating rounds, one
 profiled call of each). ``--compile off`` (the dry run): the static step runs eagerly.
@@ -40,7 +40,7 @@ from concept.streaming.static_decoding import StaticConceptDecoder
 from .conftest import GPU_REPS, GPU_WARMUP, cpu_side_by_side, dtype_name, gpu_case, gpu_side_by_side
 from .test_forward import _model
 
-STEPS = 32
+STEPS, CPU_STEPS = 32, 8  # greedy steps per timed call (CUDA, CPU: the GPU kit's dry run runs the CPU case)
 CPU_ROUNDS = 3
 CAP_S = 150  # the GPU case: both steps' compilation (reduce-overhead), warm-up and rounds
 CASES = [("tiny-llama", 256, 4), ("default", 8192, round(1 / DEFAULT_TARGET_RATIO))]  # (backbone, T, concept every)
@@ -53,18 +53,18 @@ def time_left() -> float:
     return float(deadline) - time.time() if deadline else float("inf")
 
 
-def decoders(model, ids, calls: int, choice: str | None) -> dict:
+def decoders(model, ids, calls: int, steps: int, choice: str | None) -> dict:
     """The four sides, prefilled on ``ids`` [1, T]: name -> (decoder, next-token logits). The static ones hold
-    ``calls`` calls of STEPS steps."""
+    ``calls`` calls of ``steps`` steps."""
     valid = torch.ones_like(ids, dtype=torch.bool)
     made = {"dense_eager": DenseDecoder(model.backbone),
-            "dense": StaticDenseDecoder(DenseModel(model.backbone).eval(), calls * STEPS, choice),
+            "dense": StaticDenseDecoder(DenseModel(model.backbone).eval(), calls * steps, choice),
             "concept_eager": ConceptDecoder(model),
-            "concept": StaticConceptDecoder(model, calls * STEPS, choice)}
+            "concept": StaticConceptDecoder(model, calls * steps, choice)}
     return {name: [d, d.prefill(ids, valid)] for name, d in made.items()}
 
 
-def stepping(sides: dict, name: str, steps: int = STEPS):
+def stepping(sides: dict, name: str, steps: int):
     """A call running ``steps`` greedy steps of side ``name`` from where it stopped."""
     def run():
         decoder, logits = sides[name]
@@ -87,23 +87,24 @@ def test_compiled_decode_vs_dense(benchmark, record, request, device, dtype, com
     ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
     cuda = device.type == "cuda"
     calls = (GPU_WARMUP + GPU_REPS + 1 if cuda else 1 + CPU_ROUNDS) + 3 + 1  # + pedantic's rounds, + a spare
+    steps = STEPS if cuda else CPU_STEPS
     with torch.no_grad():
-        sides = decoders(model, ids, calls, choice)
+        sides = decoders(model, ids, calls, steps, choice)
         if benchmark.disabled:  # smoke run (CI): two steps each, no timing claims
             for name in SIDES:
                 stepping(sides, name, 2)()
             return
-        fns = {name: stepping(sides, name) for name in SIDES}
+        fns = {name: stepping(sides, name, steps) for name in SIDES}
         timing = gpu_side_by_side(fns, device) if cuda else cpu_side_by_side(fns, CPU_ROUNDS)
         benchmark.pedantic(fns["concept"], rounds=3, iterations=1)
         keep = torch.tensor(sides["concept"][0].keep[0])
     ideal = decode_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, head_classes(model),
-                         STEPS).speedup
+                         steps).speedup
     s = {name: timing[f"{name}_s"] for name in SIDES}
 
     label = f"decode {backbone} ctx={T} fixed compiled ({choice or 'static step eager'})"
     record(benchmark, label, timing, ideal, T=T, suite="decode-compiled", dtype=dtype_name(dtype), concept_compile=choice,
-           steps=STEPS, decode_ratio=float(keep[-STEPS:].float().mean()), max_ratio=model.max_ratio,
+           steps=steps, decode_ratio=float(keep[-steps:].float().mean()), max_ratio=model.max_ratio,
            eager_speedup=s["dense_eager"] / s["concept_eager"], compile_speedup_concept=s["concept_eager"] / s["concept"],
            compile_speedup_dense=s["dense_eager"] / s["dense"],
-           **{f"{name}_tokens_per_s": STEPS / s[name] for name in SIDES})
+           **{f"{name}_tokens_per_s": steps / s[name] for name in SIDES})

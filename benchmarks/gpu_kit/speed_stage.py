@@ -4,8 +4,8 @@ The existing pytest-benchmark suites (what ``concept bench`` runs) with their GP
 decisive first: the full forward (eager; compiled, against the dense backbone compiled alike and HF
 eager: issue 39's forward target), a training step, the deep attention alone, decoding and prefill, the
 policy's scan, then decoding eager against compiled over static KV caches, streaming against dense
-(``test_compiled_decode.py``, tokens/s; it starts only with its cap left before the stage's deadline), at 8k tokens at the default operating point (split 4,18,8, 0.125 concepts per token; 2k
-and 16k are `concept bench --long` cases for a longer lease), inference in bf16 weights and training under
+(``test_compiled_decode.py``, tokens/s; it starts only with its cap left before the stage's deadline),
+at 8k tokens at the default operating point (split 4,18,8, 0.125 concepts per token; 2k and 16k are `concept bench --long` cases for a longer lease), inference in bf16 weights and training under
 bf16 autocast, with peak memory. Each row is timed by CUDA events (median of 20 after warm-up) and
 profiled once per side: device busy, kernel launches, host syncs, aten ops (``benchmarks/conftest.py``). Their per-row JSON
 (``--concept-results``) becomes ``speed.json``; the run is saved as a pytest-benchmark baseline
