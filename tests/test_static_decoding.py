@@ -25,6 +25,7 @@ from concept.syncs import HostSyncs
 from tests.conftest import POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions, randomize_new_modules
 
 PROMPTS = [[5, 17, 3, 44, 8, 21, 9, 60], [9, 10, 11], [70]]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add contention
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +99,7 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("family", ["streaming", pytest.param("dense", marks=pytest.mark.slow)])
-def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(family, fresh_dynamo, one_thread):
+def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(family, fresh_dynamo):
     model = three_layers("null-auto")
     ids, valid = left_pad(PROMPTS, 0)
     if family == "streaming":
