@@ -8,7 +8,9 @@ The sides: ``dense_eager`` (the backbone with transformers' DynamicCache, ``conc
 ``dense`` (the same layers over a static KV cache, one compiled step:
 ``concept.static_decoding.StaticDenseDecoder``), ``concept_eager`` (the streaming model's eager decoder,
 ``ConceptDecoder``) and ``concept`` (its static, compiled step, ``StaticConceptDecoder``); the row's
-``speedup`` is compiled dense over compiled streaming, ``eager_speedup`` the same of the eager sides. Each is
+``speedup`` is compiled dense over compiled streaming, ``eager_speedup`` the same of the eager sides;
+``ideal_speedup`` is the eager decoders' FLOP ratio (the middle stack only at a concept), ``static_ideal_speedup``
+the compiled steps' (every stack every step, attention over the static capacities). Each is
 prefilled once on the prompt (untimed); a call then runs STEPS (CUDA; CPU: CPU_STEPS) greedy steps from where
 its last call ended (the sampled token stays on the device), so every side decodes the same number of tokens at the same
 context. CPU: one warm-up call each, then the median of 3 alternating rounds; CUDA: ``gpu_side_by_side``
@@ -64,6 +66,16 @@ def decoders(model, ids, calls: int, steps: int, choice: str | None) -> dict:
     return {name: [d, d.prefill(ids, valid)] for name, d in made.items()}
 
 
+def static_ideal(shape: Shape, split, steps: int, capacities: tuple[int, int, int], dense_capacity: int,
+                 concept_classes: int) -> float:
+    """The ideal FLOP ratio of the two compiled steps: both run every layer at every step (the streaming one its
+    middle stack too, whatever the decisions) and attend over their caches' whole static capacities."""
+    stacks = sum(n * (shape.linear(steps) + shape.attention(steps * c)) for n, c in zip(split, capacities))
+    dense = sum(split) * (shape.linear(steps) + shape.attention(steps * dense_capacity))
+    lm_head = 2.0 * steps * shape.hidden * shape.vocab
+    return (dense + lm_head) / (stacks + 2.0 * steps * shape.hidden * concept_classes + lm_head)
+
+
 def stepping(sides: dict, name: str, steps: int):
     """A call running ``steps`` greedy steps of side ``name`` from where it stopped."""
     def run():
@@ -98,13 +110,16 @@ def test_compiled_decode_vs_dense(benchmark, record, request, device, dtype, com
         timing = gpu_side_by_side(fns, device) if cuda else cpu_side_by_side(fns, CPU_ROUNDS)
         benchmark.pedantic(fns["concept"], rounds=3, iterations=1)
         keep = torch.tensor(sides["concept"][0].keep[0])
-    ideal = decode_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, head_classes(model),
-                         steps).speedup
+    shape = Shape.from_hf_config(model.backbone.config)
+    ideal = decode_flops(shape, model.split, keep, head_classes(model), steps).speedup  # the eager decoders'
+    caches = sides["concept"][0].cache.stacks().values()
+    static = static_ideal(shape, model.split, steps, tuple(c.capacity for c in caches), sides["dense"][0].cache.capacity,
+                          head_classes(model))
     s = {name: timing[f"{name}_s"] for name in SIDES}
 
     label = f"decode {backbone} ctx={T} fixed compiled ({choice or 'static step eager'})"
     record(benchmark, label, timing, ideal, T=T, suite="decode-compiled", dtype=dtype_name(dtype), concept_compile=choice,
            steps=steps, decode_ratio=float(keep[-steps:].float().mean()), max_ratio=model.max_ratio,
-           eager_speedup=s["dense_eager"] / s["concept_eager"], compile_speedup_concept=s["concept_eager"] / s["concept"],
+           static_ideal_speedup=static, eager_speedup=s["dense_eager"] / s["concept_eager"], compile_speedup_concept=s["concept_eager"] / s["concept"],
            compile_speedup_dense=s["dense_eager"] / s["dense"],
            **{f"{name}_tokens_per_s": steps / s[name] for name in SIDES})
