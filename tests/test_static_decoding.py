@@ -80,6 +80,43 @@ def test_static_step_equals_eager_decoding_and_teacher_forcing_in_fp64(policy, s
         assert_decoding_matches_teacher_forcing(model, PROMPTS, 12, atol=1e-10)
 
 
+def test_device_loop_stops_rows_as_the_eager_loop_does(static_decoding):
+    """The compiled path's host loop (tokens read back every 16 steps, EOS on the device; every step with stop
+    strings or a streamer): EOS mid-block, a stop string, a streamer, sampling; the eager loop's outputs."""
+    class Letters:  # id -> one letter
+        eos_token_id = pad_token_id = None
+
+        def decode(self, ids, **_):
+            return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    class Collect(list):
+        def put(self, ids):
+            self.append(ids.tolist())
+
+        def end(self):
+            pass
+
+    model = three_layers()
+    free = model.generate(PROMPTS, max_new_tokens=24)
+    eos = free.tokens[1][5]
+    text = Letters().decode(free.tokens[0])
+    runs = [dict(eos_token_id=eos), dict(stop_strings=[text[6:8]], tokenizer=Letters()),
+            dict(do_sample=True, seed=3, top_k=5, eos_token_id=eos, streamer=Collect())]
+    eager = [model.generate(PROMPTS, max_new_tokens=24, output_logits=True, **kw) for kw in runs]
+    streamed = runs[2]["streamer"][:]
+    runs[2]["streamer"].clear()
+    static_decoding(model)
+    for kw, want in zip(runs, eager):
+        got = model.generate(PROMPTS, max_new_tokens=24, output_logits=True, **kw)
+        assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons and got.texts == want.texts
+        assert torch.equal(got.sequences, want.sequences) and got.keep == want.keep
+        for b, row in enumerate(want.tokens):  # (a finished row's later logits are not the row's: not compared)
+            torch.testing.assert_close(got.logits[b, :len(row)], want.logits[b, :len(row)], atol=1e-5, rtol=1e-5)
+    assert runs[2]["streamer"] == streamed
+    assert "eos" in eager[0].finish_reasons and len({len(t) for t in eager[0].tokens}) > 1  # rows stop apart
+    assert eager[1].finish_reasons[0] == "stop"
+
+
 def test_static_dense_decoder_equals_transformers_dynamic_cache(static_decoding):
     dense = copy.deepcopy(DenseModel(three_layers().backbone)).double().eval()
     eager = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
