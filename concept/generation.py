@@ -144,13 +144,14 @@ READ_EVERY = 16  # compiled decoding reads the sampled tokens back every this ma
 
 def _decoder(model, s: GenerationSettings, budget: int):
     compiled = getattr(model, "compiled_stacks", None)
-    if compiled is not None and not s.mtp:  # --compile: a static KV cache and a compiled step
-        from .static_decoding import StaticDenseDecoder
-        from .streaming.static_decoding import StaticConceptDecoder
-
-        static = StaticDenseDecoder if family_of(model) is None else StaticConceptDecoder
-        return static(model, budget, compiled.choice)
     family = family_of(model)
+    if compiled is not None and not s.mtp:  # --compile: static KV caches and a compiled step
+        if family is not None:
+            return family.static_decoder(model, budget, compiled.choice)
+        # lazy: concept.static_decoding imports concept.dense, which imports this module (a circle at the top)
+        from .static_decoding import StaticDenseDecoder
+
+        return StaticDenseDecoder(model, budget, compiled.choice)
     if family is not None:
         return family.decoder(model)
     heads = getattr(model, "mtp_heads", None)  # a baseline with MTP heads: keep the state they read
