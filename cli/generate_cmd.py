@@ -126,7 +126,9 @@ def kv_summary(kv: dict) -> dict:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
               is_flag=False, flag_value="on", help=COMPILE_HELP + " Generation: the prompt's forward (prompts left-padded "
-                                                                 "to a multiple of 64 tokens); decoding steps stay eager.")
+                                                                 "to a multiple of 64 tokens) and each decoding step, one "
+                                                                 "graph over static KV caches (CUDA graphs on CUDA); not "
+                                                                 "with --mtp (eager).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt (JSON lines).")
 def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed,
              mtp, mtp_tau, batch_size, show_concepts, show_plan, device, compile_, as_json):

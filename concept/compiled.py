@@ -4,8 +4,8 @@ What is compiled is ``concept.backbone.run_layers`` (a stack's decoder layers wi
 attention plan): the streaming model's shallow, middle and deep stacks, and the dense / pruned baselines'
 layers, in training and in full forwards, and the streaming decoder's prefill (its prompts left-padded to
 a multiple of ``PREFILL_BUCKET`` tokens, so a few graphs serve every prompt length). The length policy's
-decisions, the packing and the attention plans are computed between the stacks, eagerly. Decoding steps
-(KV caches that grow) stay eager: a static KV cache for CUDA graphs in decoding is not built yet.
+decisions, the packing and the attention plans are computed between the stacks, eagerly. A decoding step
+is compiled whole, over static KV caches (``concept.static_decoding``: one graph per (batch, cache capacity)).
 
 ``fullgraph=True`` makes any graph break an error, so a compiled stack has no host sync in it (a ``.item()``,
 a data-dependent ``if`` or a ``nonzero`` would break the graph). Shapes must not depend on the decisions or

@@ -140,8 +140,19 @@ def _context_limit(model) -> int | None:
     return getattr(model.backbone.config, "max_position_embeddings", None)
 
 
-def _decoder(model):
+READ_EVERY = 16  # compiled decoding reads the sampled tokens back every this many steps (without stop strings or a streamer)
+
+
+def _decoder(model, s: GenerationSettings, budget: int):
+    compiled = getattr(model, "compiled_stacks", None)
     family = family_of(model)
+    if compiled is not None and not s.mtp:  # --compile: static KV caches and a compiled step
+        if family is not None:
+            return family.static_decoder(model, budget, compiled.choice)
+        # lazy: concept.static_decoding imports concept.dense, which imports this module (a circle at the top)
+        from .static_decoding import StaticDenseDecoder
+
+        return StaticDenseDecoder(model, budget, compiled.choice)
     if family is not None:
         return family.decoder(model)
     heads = getattr(model, "mtp_heads", None)  # a baseline with MTP heads: keep the state they read
@@ -203,7 +214,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     device = next(model.parameters()).device
     ids, valid = left_pad(rows, pad, device)
     B = len(rows)
-    decoder = _decoder(model)
+    decoder = _decoder(model, s, budget)
     processors = _processors(s)
     # one generator per row (seed + row): a row's text does not depend on the other rows of the batch
     generators = [None] * B
@@ -237,7 +248,11 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
         if s.mtp:
             ids, kept_logits, steps = _multitoken_loop(model, decoder, logits, ids, pad, record, new, s, streamer,
                                                        output_logits)
-        for i in range(budget if not s.mtp else 0):
+        on_device = getattr(decoder, "static", False)
+        if on_device:
+            ids, kept_logits, steps = _device_loop(decoder, logits, ids, valid, s, processors, penalty_view, generators,
+                                                   eos, pad, budget, record, new, reasons, streamer, output_logits)
+        for i in range(budget if not (s.mtp or on_device) else 0):
             if output_logits:
                 kept_logits.append(logits)
             scores = processors(penalty_view, logits.float())
@@ -273,6 +288,57 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
         logits=(kept_logits if s.mtp else torch.stack(kept_logits, dim=1)) if output_logits else None, steps=steps,
         plans=getattr(decoder, "plans", None),
     )
+
+
+def _sample(scores, s: GenerationSettings, generators):
+    if not s.do_sample:
+        return scores.argmax(-1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+def _device_loop(decoder, logits, ids, valid, s, processors, penalty_view, generators, eos, pad, budget, record, new,
+                 reasons, streamer, output_logits):
+    """The per-token loop of compiled decoding: the sampled tokens and which rows are done (EOS) stay on the
+    device; the host reads the tokens every ``READ_EVERY`` steps (every step for a streamer or stop strings,
+    which need the text), so up to ``READ_EVERY - 1`` steps may run after every row is done (they keep
+    nothing). Returns the sequences, the logits and the steps, as the eager loop has them."""
+    device = ids.device
+    B = ids.shape[0]
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # on the device: EOS seen
+    stopped = torch.zeros_like(done)  # on the host's word: a stop string
+    every = 1 if streamer is not None or s.stop_strings else READ_EVERY
+    fed, kept_logits, steps, read = [], [], 0, 0
+    for i in range(budget):
+        if output_logits:
+            kept_logits.append(logits)
+        token = _sample(processors(penalty_view, logits.float()), s, generators)
+        token = torch.where(done | stopped, torch.full_like(token, pad), token)
+        if s.repetition_penalty != 1.0:
+            penalty_view = torch.cat([penalty_view, torch.where(done | stopped, penalty_view[:, -1], token)[:, None]], 1)
+        fed.append(token)
+        if streamer is not None:
+            streamer.put(token.cpu())
+        if (i + 1) % every == 0 or i == budget - 1:
+            block = torch.stack(fed[read:], 1).tolist()  # one read of the steps since the last
+            read = len(fed)
+            for b in range(B):
+                for t in block[b]:
+                    if reasons[b] is None:
+                        record(b, t)
+            if all(r is not None for r in reasons) or i == budget - 1:
+                break
+            if s.stop_strings:
+                stopped = torch.tensor([r == "stop" for r in reasons], device=device)
+        if eos is not None:
+            done = done | (token == eos)
+        logits = decoder.step(token, ~(done | stopped))
+        steps += 1
+    width = max(len(r) for r in new)  # the eager loop stops when the last row does
+    tail = torch.full((B, width), pad, dtype=torch.long, device=device)
+    for b, r in enumerate(new):
+        tail[b, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
+    return torch.cat([ids, tail], dim=1), kept_logits[:width], steps
 
 
 def _multitoken_loop(model, decoder, logits, ids, pad, record, new, s, streamer, output_logits):

@@ -193,6 +193,15 @@ def render_speed(data: dict) -> str:
         lines += ["", "Forward target at 8k (docs/benchmarks.md; bars: 2x dense compiled alike, 2.5x dense HF eager):", ""]
         lines += [f"- {row['case']}: {row['speedup']:.2f}x dense compiled, {row['speedup_vs_dense_eager']:.2f}x dense "
                   f"HF eager" for row in vs_eager]
+    decode = [row for row in r["rows"] if row.get("suite") == "decode-compiled"]
+    if decode:  # tokens/s of the four decoders (benchmarks/test_compiled_decode.py)
+        lines += ["", "Decoding, tokens/s (eager: DynamicCache / the eager streaming decoder; compiled: a static KV "
+                      "cache and one compiled step):", "",
+                  "| case | dense eager | dense compiled | streaming eager | streaming compiled | streaming / dense, "
+                  "compiled | compiled / eager, streaming |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {row['case']} | {row['dense_eager_tokens_per_s']:,.0f} | {row['dense_tokens_per_s']:,.0f} | "
+                  f"{row['concept_eager_tokens_per_s']:,.0f} | {row['concept_tokens_per_s']:,.0f} | {row['speedup']:.2f}x "
+                  f"(ideal {row['static_ideal_speedup']:.2f}x) | {row['compile_speedup_concept']:.2f}x |" for row in decode]
     if (r.get("flex_diagnosis") or {}).get("variants"):  # issue 40: the flex kernel, one cause at a time
         lines += ["", flex_diagnosis.markdown(r["flex_diagnosis"])]
     lines += ["", "Fastest exact backend (speed-up over dense) per length:", "", "| suite | T | fastest | all |",

@@ -3,8 +3,9 @@
 The existing pytest-benchmark suites (what ``concept bench`` runs) with their GPU cases, most
 decisive first: the full forward (eager; compiled, against the dense backbone compiled alike and HF
 eager: issue 39's forward target), a training step, the deep attention alone, decoding and prefill, the
-policy's scan, at 8k tokens at the default operating point (split 4,18,8, 0.125 concepts per token; 2k
-and 16k are `concept bench --long` cases for a longer lease), inference in bf16 weights and training under
+policy's scan, then decoding eager against compiled over static KV caches, streaming against dense
+(``test_compiled_decode.py``, tokens/s; it starts only with its cap left before the stage's deadline),
+at 8k tokens at the default operating point (split 4,18,8, 0.125 concepts per token; 2k and 16k are `concept bench --long` cases for a longer lease), inference in bf16 weights and training under
 bf16 autocast, with peak memory. Each row is timed by CUDA events (median of 20 after warm-up) and
 profiled once per side: device busy, kernel launches, host syncs, aten ops (``benchmarks/conftest.py``). Their per-row JSON
 (``--concept-results``) becomes ``speed.json``; the run is saved as a pytest-benchmark baseline
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,13 +28,14 @@ from .setup_stage import needs_setup, smollm2_ready
 
 # in the order they run (pytest runs the files in the order given): the most decisive first, so that a budget
 # that runs out cuts the least
-SUITES = ("test_forward.py", "test_train_step.py", "test_attention.py", "test_decode.py", "test_policy_scan.py")
+SUITES = ("test_forward.py", "test_train_step.py", "test_attention.py", "test_decode.py", "test_policy_scan.py",
+          "test_compiled_decode.py")  # (last: its two compilations take the longest; it starts only with CAP_S left)
 # the GPU cases of a 15-minute lease: 8k tokens, the default ratio and build; not `chunked` (5-10x slower than
 # `flex` on the H100, 2026-11-26) nor the time-ordered comparison mask (measured then: 0.01-0.07x dense)
 GPU_SELECTION = "T8192 and (r0.125 or default) and not chunked and not ordered"
 # one small case per suite: seconds on a CPU
 DRY_SELECTION = ("chunked-T1024-r0.25 or tiny-llama-T512-chunked or tiny-llama-B2-T256 or (prefill and tiny) "
-                 "or B16-T128")
+                 "or B16-T128 or tiny-llama-T256-compiled-decode")
 NOT_BACKENDS = {"flex-time-ordered"}  # a comparison mask, not a backend `auto` could choose
 MODES = {"train": "training", "forward": "prefill / evaluation"}  # auto.py's columns, from these suites
 
@@ -100,8 +103,10 @@ def run(stage: Stage, args) -> int:
     pytest_args = [*(f"benchmarks/{s}" for s in SUITES), "-q", "-rs", "--rootdir", str(ROOT), f"--device={device}",
                    f"--dtype={'fp32' if stage.dry else 'bf16'}", "-k", selection,
                    f"--benchmark-storage=file://{storage}", f"--benchmark-save={machine}",
-                   f"--concept-results={rows_path}"] + ([] if stage.dry else ["--smollm2", "--long", "--compile"])
-    report = run_pytest(stage, pytest_args, kit_env(stage.work, stage.dry), "speed")
+                   f"--concept-results={rows_path}"] + ([] if stage.dry else ["--smollm2", "--long", "--compile=on"])
+    env = kit_env(stage.work, stage.dry)
+    env["CONCEPT_BENCH_DEADLINE"] = str(time.time() + stage.remaining())  # the decode row's time cap
+    report = run_pytest(stage, pytest_args, env, "speed")
     rows = read_json(rows_path) or []
     cases = [{k: t[k] for k in ("id", "outcome", "message")} for t in report["tests"]]
     for t in report["tests"]:

@@ -155,6 +155,13 @@ class Streaming(Family):
 
         return ConceptDecoder(model)
 
+    def static_decoder(self, model, new_tokens: int, compile_choice: str | None):
+        """``--compile``: the decoder whose step is one compiled graph over static KV caches."""
+        # lazy: torch (module docstring)
+        from .static_decoding import StaticConceptDecoder
+
+        return StaticConceptDecoder(model, new_tokens, compile_choice)
+
     def step_diagnostics(self, model, out, batch) -> dict[str, float]:
         # lazy: torch (module docstring)
         from .diagnostics import step_diagnostics

@@ -48,8 +48,10 @@ def target_of(policy) -> float:
     buffer = getattr(policy, "target_ratio", None)
     if not isinstance(buffer, torch.Tensor):
         return DEFAULT_TARGET_RATIO if buffer is None else float(buffer)
-    key = (id(buffer), buffer._version)
     cached = policy.__dict__.get("_gap_target")
+    if cached is not None and torch.compiler.is_compiling():  # a compiled decoding step: the host copy, a constant
+        return cached[1]  # of its graph (the eager prefill read it; a tensor's _version cannot be traced)
+    key = (id(buffer), buffer._version)
     if cached is None or cached[0] != key:
         cached = policy.__dict__["_gap_target"] = (key, float(buffer))
     return cached[1]
