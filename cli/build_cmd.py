@@ -56,10 +56,9 @@ def load_config_file(path: str, command: str = "build"):
 
 def build_config_keys(ctx=None) -> list[str]:
     """The keys of a build config (``BuildConfig.to_dict``): its fields and the families' sections."""
-    # lazy: the library (torch) loads only when the command runs; --help stays instant
+    # lazy: kept beside its one use (concept.config is imported above already: no torch)
     import dataclasses
-
-    from concept.config import BuildConfig, family_sections
+    from concept.config import family_sections
 
     return [f.name for f in dataclasses.fields(BuildConfig) if f.name != "sections"] + list(family_sections())
 

@@ -269,7 +269,6 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, print_config, 
 def _declared(ctx) -> type:
     # lazy: the library loads only when the command runs; --help stays instant
     from concept.train_config import composed
-
     from .deferred import HELPING
 
     return composed(not ctx.meta.get(HELPING, False))

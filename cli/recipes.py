@@ -27,7 +27,6 @@ def read_recipe(path: str | Path) -> dict:
     the problem."""
     # lazy: PyYAML and the library load only when a recipe is read
     import yaml
-
     from concept.errors import ConfigError
 
     try:
@@ -149,7 +148,7 @@ def config_option(command: str, help: str, extra=None, dir_okay: bool = False, b
         if value is None or ctx.resilient_parsing or Path(value).is_dir():  # (a run folder: a build config)
             return value
         data = read_recipe(value)
-        if "format" in data and isinstance(data.get("config"), dict):  # a run's concept.json: a build config
+        if isinstance(data.get("config"), dict):  # a run's concept.json (of any format): a build config
             return value
         if not bare and not any(key in COMMANDS for key in data):
             return value

@@ -60,7 +60,8 @@ def migrate_run(record: dict) -> dict:
             for key, value in FORMAT_1_COMPONENTS.items():
                 config.setdefault(key, value)
         config.setdefault("family", FIRST_FAMILY)
-        config.setdefault("max_ratio", 0.0)  # written before the static budget: none, as it was built (not today's auto)
+        if "length_policy" in config:  # a family with concept slots, written before the static budget: none, as
+            config.setdefault("max_ratio", 0.0)  # it was built (not today's auto); a slot-less family has no key
         known = sections()
         for key in [k for k, v in config.items() if k in known and v == {}]:
             del config[key]

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from . import packing
-from .attention import CausalPlan
+from .attention import CausalPattern
 from .backbone import decoder, run_layers
 from .compiled import device_mode
 from .decoding import last_real
-from .kv_cache import DecodePlan, SlotCache
+from .kv_cache import DecodePattern, SlotCache
 
 
 CAPACITY_BUCKET = 64  # a static cache's slots per row: rounded up to a multiple of this, so a few graphs serve all
@@ -169,7 +169,7 @@ class StaticDenseDecoder:
         B, P = input_ids.shape
         recorder = SlotCache(B, input_ids.device)
         pos = packing.time_positions(valid)
-        x = run_layers(model.layers, inner.embed_tokens(input_ids), pos, CausalPlan(valid, None, False),
+        x = run_layers(model.layers, inner.embed_tokens(input_ids), pos, CausalPattern(valid, None, False),
                        inner.rotary_emb, cache=recorder)
         recorder.adopt(valid)
         dtype = next(model.parameters()).dtype
@@ -185,7 +185,7 @@ class StaticDenseDecoder:
         model, cache = self.model, self.cache
         inner = decoder(model.backbone)
         x = run_layers(model.layers, inner.embed_tokens(tokens[:, None]), self.pos[:, None],
-                       DecodePlan(cache.begin(active)), inner.rotary_emb, cache=cache)
+                       DecodePattern(cache.begin(active)), inner.rotary_emb, cache=cache)
         cache.commit()
         self.pos.add_(active.long())
         return model.backbone.lm_head(inner.norm(x))[:, 0]

@@ -13,7 +13,7 @@ from torch import nn
 from concept import conformance
 from concept.attention import AttentionPattern, sdpa
 from concept.contracts import AttentionBackend, LengthPolicy, Sampler, TailFusion, Vocabulary
-from concept_plugins.attention.sdpa import DenseMaskPlan
+from concept_plugins.attention.sdpa import DenseMaskPattern
 from concept_plugins.vocabularies.embedding import EmbeddingVocabulary
 
 PACKAGE = '''
@@ -95,7 +95,7 @@ class Causal(AttentionBackend):
 
     def plan(self, layout):
         if self.exact:
-            return DenseMaskPlan(layout)
+            return DenseMaskPattern(layout)
         L = layout.length
         return CausalPattern(torch.ones(L, L, dtype=torch.bool).tril().expand(len(layout.meta.time), L, L))
 

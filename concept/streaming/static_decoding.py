@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from .. import packing
 from ..decoding import select_rows
-from ..kv_cache import DecodePlan
+from ..kv_cache import DecodePattern
 from ..static_decoding import CompiledStep, StaticSlotCache, capacity, kv_shape, layer_ids, static
 from .decoding import ConceptDecoder
 
@@ -79,7 +79,7 @@ class StaticConceptDecoder(ConceptDecoder):
         # shallow: every token
         x = model.positions.add_text_type(model.inner.embed_tokens(tokens[:, None]))
         text_pos = model.positions.text_positions(pos)
-        h = model.run_stack(model.shallow, x, text_pos, DecodePlan(cache.shallow.begin(active)), cache.shallow)
+        h = model.run_stack(model.shallow, x, text_pos, DecodePattern(cache.shallow.begin(active)), cache.shallow)
         cache.shallow.commit()
 
         # the step-wise decision (capped by the static budget), then which concept
@@ -103,11 +103,11 @@ class StaticConceptDecoder(ConceptDecoder):
             c_in = model.positions.add_concept_type(
                 model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m, level))
             middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
-            c = model.run_stack(model.middle, c_in, middle_pos, DecodePlan(cache.middle.begin(keep)), cache.middle)
+            c = model.run_stack(model.middle, c_in, middle_pos, DecodePattern(cache.middle.begin(keep)), cache.middle)
             cache.middle.commit()
             concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
             if s < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
-                model.run_stack(model.deep, c, concept_pos, DecodePlan(cache.deep.begin(keep)), cache.deep)
+                model.run_stack(model.deep, c, concept_pos, DecodePattern(cache.deep.begin(keep)), cache.deep)
                 cache.deep.commit()
         tail_in = model.fuse_step(h, self.last_update, self.has_update)
         deep_in = torch.where(keep[:, None, None], c, tail_in)
@@ -116,7 +116,7 @@ class StaticConceptDecoder(ConceptDecoder):
         self.has_update |= keep
 
         # deep: the last concept slot, or the NULL token joining the tail
-        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePlan(cache.deep.begin(active, ~keep)), cache.deep)
+        z = model.run_stack(model.deep, deep_in, deep_pos, DecodePattern(cache.deep.begin(active, ~keep)), cache.deep)
         cache.deep.commit()
 
         at = self.fed[:, None]
