@@ -51,13 +51,14 @@ def _listed(kinds: list[str]) -> list[dict]:
 
 
 def _checked(kinds: list[str]) -> list[dict]:
-    """Import every plugin and report ok / error / conflict."""
+    """Import every plugin and report ok / error / conflict, and run each component's conformance forward."""
     from dataclasses import asdict
 
     # lazy: the library (torch) loads only when the command runs; --help stays instant
+    from concept.conformance import problem
     from concept.registry import check_all
 
-    return [asdict(r) for r in check_all() if r.kind in kinds]
+    return [asdict(r) for r in check_all(conformance=problem) if r.kind in kinds]
 
 
 @plugins.command("list")

@@ -26,20 +26,13 @@ import types
 import torch
 
 from .backbone import run_layers
-from .config import COMPILE_CHOICES
+from .config import COMPILE_CHOICES, device_mode
 from .dense import DenseModel
 from .errors import ConceptError
 
 
 
 PREFILL_BUCKET = 64  # a compiled prefill's prompts are left-padded to a multiple of this many tokens
-
-
-def device_mode(choice: str, device_type: str) -> str:
-    """The torch.compile mode of a ``compile`` choice on a device type."""
-    if choice == "on":
-        return "reduce-overhead" if device_type == "cuda" else "default"
-    return choice
 
 
 def _own_copy(fn, name: str):

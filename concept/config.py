@@ -44,6 +44,13 @@ COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --com
                 "--max-ratio). aot-eager: captured but not code-generated (debugging).")
 
 
+def device_mode(choice: str, device_type: str) -> str:
+    """The torch.compile mode of a ``compile`` choice (:data:`COMPILE_CHOICES`) on a device type."""
+    if choice == "on":
+        return "reduce-overhead" if device_type == "cuda" else "default"
+    return choice
+
+
 @dataclass
 class ComponentRef:
     name: str

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from . import packing
 from .attention import CausalPattern
 from .backbone import decoder, run_layers
-from .compiled import device_mode
+from .config import device_mode
 from .decoding import last_real
 from .kv_cache import DecodePattern, SlotCache
 
