@@ -84,7 +84,7 @@ def training_throughput(run: Path) -> dict:
 
 
 def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
-                 log_every: int = 1):
+                 log_every: int = 1, data_split: str | None = None, streaming: bool | None = None):
     """Evaluate the run at ``path`` (see :func:`concept.diagnostics.evaluate_folder`), with a status line and the
     batches' progress: a bar on a terminal, else a plain line every ``log_every`` batches (and at the last)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
@@ -97,7 +97,7 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 
     with batch_progress(str(path), log_every) as progress:
         return evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device,
-                               model, progress)
+                               model, progress, data_split=data_split, streaming=streaming)
 
 
 @contextmanager
@@ -140,6 +140,10 @@ def batch_progress(name: str, log_every: int):
                                  "(tables and maps) as one self-contained HTML page on stdout.")
 @click.option("--compare", is_flag=True, help="Side-by-side table of several runs (implied by several RUN_DIRs).")
 @click.option("--text-field", default=None)
+@click.option("--data-split", default=None,
+              help="With a --data dataset id (hf:NAME): its split (default train; the run's own when --data is not given).")
+@click.option("--streaming/--no-streaming", default=None,
+              help="With a --data dataset id: stream its rows into the token shard instead of downloading it whole.")
 @click.option("--encoding-errors", type=click.Choice(["strict", "replace"]), default=None,
               help="Default: the run's training setting (strict).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
@@ -163,7 +167,8 @@ def batch_progress(name: str, log_every: int):
                             "flags override them (docs/cli.md).")
 @print_config_option()
 @click.pass_context
-def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, encoding_errors, device,
+def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, data_split, streaming,
+          encoding_errors, device,
           log_every, tasks, include_path, limit, num_fewshot, compile_, as_json, config_file, print_config):
     """Evaluate trained (or built) runs on held-out text, or on downstream tasks (--tasks).
 
@@ -205,7 +210,8 @@ def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compa
                 model = load(run, compile=compile_).to(pick_device(device))
             for d in domains:
                 model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
-                                                              encoding_errors, text_field, device, model, log_every)
+                                                              encoding_errors, text_field, device, model, log_every,
+                                                              data_split, streaming)
                 result.update(throughput)
                 result["model"] = run_label(run, result["model"])
                 by_domain[d][str(run)] = result

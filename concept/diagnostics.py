@@ -286,10 +286,11 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
 
 
 def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
-                    progress=None):
+                    progress=None, data_split: str | None = None, streaming: bool | None = None):
     """Evaluate the run folder ``path`` (or its already loaded ``model``) on one data source: the
     batches ``concept eval`` uses. Returns (model, tokenizer, documents, result). ``progress(done, total)`` is
-    called once the data is read (0 done) and after each batch."""
+    called once the data is read (0 done) and after each batch. ``data_split`` / ``streaming``: a dataset id's
+    split and reading (None: the run's own for its own data, else ``train`` / loaded whole)."""
     problems = [f"{name}: at least {low}, got {value}" for name, value, low in
                 (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
                 if value is not None and (not isinstance(value, int) or value < low)]
@@ -309,6 +310,10 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     # the run's own data: its hub split / streaming; other data: the defaults
     own = data is None and train_data_settings(path).get("eval_data") is None
     hub = {k: train_data_settings(path).get(k) for k in ("data_split", "streaming")} if own else {}
+    if data_split is not None:
+        hub["data_split"] = data_split
+    if streaming is not None:
+        hub["streaming"] = streaming
     hub["streaming"] = bool(hub.get("streaming"))
     tokens = concept_data.open_tokens(source, split, tokenizer, text_field=text_field, encoding_errors=encoding_errors,
                                       **hub)

@@ -218,3 +218,7 @@ def test_train_on_a_dataset_id_with_eval_data_then_eval_defaults_to_it(hub_folde
 
     assert nll() == pytest.approx(trained, abs=1e-5) == nll("--data", held)
     assert nll("--data", f"hf:{hub_folder}") != pytest.approx(trained, abs=1e-5)  # negative control: other data
+    # eval's own --data-split / --streaming: the test split, loaded or streamed alike, is not the train split
+    test_split = nll("--data", f"hf:{hub_folder}", "--data-split", "test")
+    assert test_split == pytest.approx(nll("--data", f"hf:{hub_folder}", "--data-split", "test", "--streaming"), abs=1e-6)
+    assert test_split != pytest.approx(nll("--data", f"hf:{hub_folder}"), abs=1e-5)
