@@ -22,6 +22,7 @@ from concept.generation import left_pad
 from concept.static_decoding import StaticDenseDecoder, StaticSlotCache
 from concept.streaming.static_decoding import StaticConceptDecoder
 from concept.syncs import HostSyncs
+from concept.streaming import gap
 from tests.conftest import POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions, randomize_new_modules
 
 PROMPTS = [[5, 17, 3, 44, 8, 21, 9, 60], [9, 10, 11], [70]]
@@ -29,13 +30,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only 
 
 
 @functools.lru_cache(maxsize=None)
-def three_layers(policy="null"):
+def three_layers(policy="null", max_ratio=0.5):
     """A tiny streaming model (three layers, split 1,1,1) with a static budget, about 30% of tokens emitting
     (``null-auto``: the `null` policy with its default ``max_run``, derived from the target ratio)."""
     cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
                                                           "intermediate": 64, "vocab": 97}),
                       split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}),
-                      length_policy=ComponentRef(*POLICIES.get(policy, ("null", {}))), max_ratio=0.5)
+                      length_policy=ComponentRef(*POLICIES.get(policy, ("null", {}))), max_ratio=max_ratio)
     return mix_decisions(randomize_new_modules(concept.build(cfg))).eval()
 
 
@@ -51,10 +52,15 @@ def static_decoding(monkeypatch):
     return use
 
 
-@pytest.mark.parametrize("policy", ["null", pytest.param("fixed-emit2", marks=pytest.mark.slow)])
-def test_static_step_equals_eager_decoding_and_teacher_forcing_in_fp64(policy, static_decoding, monkeypatch):
-    """(two concept slots per boundary, ``fixed-emit2``: the deep stack's earlier slot runs every step too)"""
-    model = copy.deepcopy(three_layers(policy)).double().eval()
+@pytest.mark.parametrize("policy,max_ratio", [("null", 0.5), ("null", "auto"),
+                                              pytest.param("fixed-emit2", 0.5, marks=pytest.mark.slow)])
+def test_static_step_equals_eager_decoding_and_teacher_forcing_in_fp64(policy, max_ratio, static_decoding, monkeypatch):
+    """(two concept slots per boundary, ``fixed-emit2``: the deep stack's earlier slot runs every step too;
+    ``auto``: the default budget, whose slack lets a row's first tokens emit beyond ``ceil(max_ratio * n)``)"""
+    model = copy.deepcopy(three_layers(policy, max_ratio)).double().eval()
+    if max_ratio == "auto":  # a low target: the budget (0.1 per token plus the slack of 4) binds in these rows
+        gap.set_target(model.length_policy, 0.05)
+        assert model.budget_slack > 0
     eager = model.generate(PROMPTS, max_new_tokens=12, output_logits=True)
     static_decoding(model)
     gen = assert_decoding_matches_teacher_forcing(model, PROMPTS, 12, atol=1e-10)

@@ -9,7 +9,7 @@ decisions are recorded on the device and read once, at the end.
 
 Capacities per row, never exceeded: shallow ``S``, the prompt's real tokens + the new ones + one spare slot
 (for a row that does not write) rounded up to a multiple of 64 (so a few graphs serve every length), middle
-``budget(S) * emit + 1`` (``max_ratio``), deep the two together (concepts plus a tail no longer than the tokens).
+``budget(S) * emit + 1`` (``max_ratio`` and its slack), deep the two together (concepts plus a tail no longer than the tokens).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class StaticConceptCache:
 
     def __init__(self, model, prefilled, new_tokens: int):
         shallow = capacity(prefilled.shallow.capacity + new_tokens)  # tokens: the prompt's, the new ones
-        middle = packing.budget(shallow, model.max_ratio) * model.emit + 1  # the most concepts they can emit
+        middle = packing.budget(shallow, model.max_ratio, model.budget_slack) * model.emit + 1  # the most it can emit
         kv, dtype = kv_shape(model.backbone.config), next(model.parameters()).dtype
         self.shallow = StaticSlotCache(prefilled.shallow, shallow, layer_ids(model.shallow), kv, dtype)
         self.middle = StaticSlotCache(prefilled.middle, middle, layer_ids(model.middle), kv, dtype)
@@ -88,7 +88,7 @@ class StaticConceptDecoder(ConceptDecoder):
         for old, new in zip(pytree.tree_leaves(self.state), pytree.tree_leaves(select_rows(active, state, self.state))):
             old.copy_(new)
         keep = keep.bool() & active
-        keep = keep & (self.num_concepts // model.emit < packing.budget(self.pos + 1, model.max_ratio))
+        keep = keep & (self.num_concepts // model.emit < packing.budget(self.pos + 1, model.max_ratio, model.budget_slack))
         probs, ids = model.codes(h, head_logits)
         for old, new in zip(self.recent, (h, probs, ids, pos)):
             old.copy_(torch.where(active.view(-1, *[1] * (old.dim() - 1)), torch.cat([old[:, 1:], new], dim=1), old))
