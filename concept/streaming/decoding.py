@@ -127,21 +127,7 @@ class ConceptDecoder:
         # a concept drops the row's tail; its slots go through the middle stack, then the deep one
         deep_in, deep_pos = model.fuse_step(h, self.last_update, self.has_update), text_pos
         if bool(keep.any()):
-            cache.deep.drop_tail(keep)
-            for s in range(model.emit):  # slot s: level s % L of the concept from token t - M + 1 + s // L
-                m, level = divmod(s, model.levels)
-                h_m, probs_m, ids_m, pos_m = (x[:, m:m + 1] for x in self.recent)
-                rank = (self.num_concepts + s)[:, None]
-                level = None if model.levels == 1 else torch.full_like(pos, level)
-                c_in = model.positions.add_concept_type(
-                    model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m, level))
-                middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
-                c = model.run_stack(model.middle, c_in, middle_pos, DecodePattern(cache.middle.begin(keep)), cache.middle)
-                cache.middle.commit()
-                concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
-                if s < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
-                    model.run_stack(model.deep, c, concept_pos, DecodePattern(cache.deep.begin(keep)), cache.deep)
-                    cache.deep.commit()
+            c, c_in, concept_pos = concept_slots(model, self.recent, self.num_concepts, pos, keep, cache)
             deep_in = torch.where(keep[:, None, None], c, deep_in)
             deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
             self.last_update = torch.where(keep[:, None, None], c - c_in, self.last_update)  # the last slot's
@@ -281,3 +267,25 @@ class ConceptDecoder:
                          "dense_bytes": sum(model.split) * tokens * entry,
                          "allocated_bytes": sum(c.allocated_bytes() for c in cache.stacks().values())})
         return rows
+
+
+def concept_slots(model, recent, num_concepts, pos, keep, cache):
+    """The concept of the rows that emit one (``keep``) through the middle stack, slot by slot, and all but its
+    last slot into the deep cache (the row's tail dropped first); ``recent``: the last tokens' (h, probs, ids,
+    positions). Returns the last slot's middle output, its input and its deep positions (eager and static
+    decoders alike: ``concept.streaming.static_decoding``)."""
+    cache.deep.drop_tail(keep)
+    for s in range(model.emit):  # slot s: level s % L of the concept from token t - M + 1 + s // L
+        m, level = divmod(s, model.levels)
+        h_m, probs_m, ids_m, pos_m = (x[:, m:m + 1] for x in recent)
+        rank = (num_concepts + s)[:, None]
+        level = None if model.levels == 1 else torch.full_like(pos, level)
+        c_in = model.positions.add_concept_type(model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m, level))
+        middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
+        c = model.run_stack(model.middle, c_in, middle_pos, DecodePattern(cache.middle.begin(keep)), cache.middle)
+        cache.middle.commit()
+        concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
+        if s < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
+            model.run_stack(model.deep, c, concept_pos, DecodePattern(cache.deep.begin(keep)), cache.deep)
+            cache.deep.commit()
+    return c, c_in, concept_pos

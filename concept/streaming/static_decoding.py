@@ -20,7 +20,7 @@ from .. import packing
 from ..decoding import select_rows
 from ..kv_cache import DecodePattern
 from ..static_decoding import CompiledStep, StaticSlotCache, capacity, kv_shape, layer_ids, static
-from .decoding import ConceptDecoder
+from .decoding import ConceptDecoder, concept_slots
 
 
 class StaticConceptCache:
@@ -94,21 +94,7 @@ class StaticConceptDecoder(ConceptDecoder):
             old.copy_(torch.where(active.view(-1, *[1] * (old.dim() - 1)), torch.cat([old[:, 1:], new], dim=1), old))
 
         # the concept path runs for every row; only the rows emitting one (keep) write an entry
-        cache.deep.drop_tail(keep)
-        for s in range(model.emit):  # slot s: level s % L of the concept from token t - M + 1 + s // L
-            m, level = divmod(s, model.levels)
-            h_m, probs_m, ids_m, pos_m = (x[:, m:m + 1] for x in self.recent)
-            rank = (self.num_concepts + s)[:, None]
-            level = None if model.levels == 1 else torch.full_like(pos, level)
-            c_in = model.positions.add_concept_type(
-                model.concept_inputs(probs_m, ids_m, torch.zeros_like(pos), h_m, level))
-            middle_pos = model.positions.concept_positions(pos_m, rank, "middle")
-            c = model.run_stack(model.middle, c_in, middle_pos, DecodePattern(cache.middle.begin(keep)), cache.middle)
-            cache.middle.commit()
-            concept_pos = model.positions.concept_positions(pos_m, rank, "deep")
-            if s < model.emit - 1:  # an earlier slot: into the deep cache, its output is not read
-                model.run_stack(model.deep, c, concept_pos, DecodePattern(cache.deep.begin(keep)), cache.deep)
-                cache.deep.commit()
+        c, c_in, concept_pos = concept_slots(model, self.recent, self.num_concepts, pos, keep, cache)
         tail_in = model.fuse_step(h, self.last_update, self.has_update)
         deep_in = torch.where(keep[:, None, None], c, tail_in)
         deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
