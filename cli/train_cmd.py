@@ -198,19 +198,17 @@ def already_done(run: Path, steps: int | None) -> tuple[int, int] | None:
     return meta["step"], steps
 
 
+# the loss terms and statistics a step's progress shows when its row has them: (key, label, format)
+STEP_TERMS = (("distill_kl", "kd", ".3f"), ("align", "align", ".3f"), ("mtp", "mtp", ".3f"),
+              ("placement", "place", ".3f"), ("plan_len", "plan", ".1f"))
+
+
 def progress_info(row: dict, cfg) -> str:
     """The metrics of one step's row, as the progress bar and the plain progress lines show them."""
     info = f"loss {row['loss']:.3f}"
-    if "distill_kl" in row:
-        info += f"  kd {row['distill_kl']:.3f}"
-    if "align" in row:
-        info += f"  align {row['align']:.3f}"
-    if "mtp" in row:
-        info += f"  mtp {row['mtp']:.3f}"
-    if "placement" in row:
-        info += f"  place {row['placement']:.3f}"
-    if "plan_len" in row:
-        info += f"  plan {row['plan_len']:.1f}"
+    for key, label, spec in STEP_TERMS:
+        if key in row:
+            info += f"  {label} {row[key]:{spec}}"
     if "ratio" in row:
         info += f"  ratio {row['ratio']:.3f}"
         if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:

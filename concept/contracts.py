@@ -13,24 +13,31 @@ from __future__ import annotations
 from typing import Any
 
 
-class Component:
-    """What every component (of every kind but the family) may have; each default is a working no-op.
+class Pluggable:
+    """What every plugin class but a family may have: the members its kind requires (checked at lookup), and
+    working defaults for the checks a build and ``plugins list --check`` ask of it."""
 
-    ``Config``: its options dataclass (none: it takes no options, ``concept.config.NoOptions``).
-    ``learning_rate``: the learning rate of its parameters (None: the trainer's ``--lr-new``)."""
-
-    required: tuple[str, ...] = ()  # the members a component of the kind must define (checked at lookup)
-    learning_rate: float | None = None
+    required: tuple[str, ...] = ()  # the members a plugin of the kind must define (checked at lookup)
 
     @classmethod
     def check_compatible(cls, config, components) -> list[str]:
-        """Problems of this component with the others of a build (``components``: slot -> resolved), or []."""
+        """Problems of this plugin with the others of a build (``components``: slot -> resolved), or []."""
         return []
 
     @staticmethod
     def unavailable_reason() -> str:
         """Why it cannot run here (``plugins list --check`` shows it as ``limited: ...``), or ""."""
         return ""
+
+
+class Component(Pluggable):
+    """What every component (of every kind but the family and the backbone) may have; each default is a
+    working no-op.
+
+    ``Config``: its options dataclass (none: it takes no options, ``concept.config.NoOptions``).
+    ``learning_rate``: the learning rate of its parameters (None: the trainer's ``--lr-new``)."""
+
+    learning_rate: float | None = None
 
     def init_from_backbone(self, token_embedding) -> None:
         """Called once after construction with the backbone's token-embedding weight (e.g. to match its scale)."""
@@ -212,7 +219,7 @@ class TailFusion(Component):
     flops_per_token: float = 0.0
 
 
-class Backbone:
+class Backbone(Pluggable):
     """Never instantiated: classmethods ``describe(config) -> BackboneInfo`` (cheap, loads no weights) and
     ``load(config) -> LoadedBackbone`` (``concept.backbone``)."""
 
@@ -225,14 +232,6 @@ class Backbone:
     @classmethod
     def load(cls, config):
         raise NotImplementedError
-
-    @classmethod
-    def check_compatible(cls, config, components) -> list[str]:
-        return []
-
-    @staticmethod
-    def unavailable_reason() -> str:
-        return ""
 
 
 # -- families ------------------------------------------------------------------------------------------

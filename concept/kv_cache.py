@@ -39,23 +39,9 @@ class DecodePattern(AttentionPattern):
         return sdpa(query, key, value, scaling, mask).transpose(1, 2)
 
 
-class SlotCache:
-    """The KV cache of one layer stack: keys / values [B, Hkv, N, hd] per layer, and per row which
+class CacheSizes:
+    """The sizes of a cache holding keys / values per layer in ``k`` / ``v`` ([B, Hkv, N, hd]) and per row which
     of the N slots hold a real entry (``valid``) and which of those are tail tokens (``tail``)."""
-
-    def __init__(self, batch_size: int, device, min_grow: int = 64):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
-        self.tail = torch.zeros_like(self.valid)
-        self.min_grow = min_grow
-        self._step = None  # (slot, write, tail) between begin() and commit()
-
-    # -- sizes ---------------------------------------------------------------------------
-    @property
-    def recording(self) -> bool:
-        """No step begun: ``update`` records a prefill's one-pass keys and values (a compiled stack may run)."""
-        return self._step is None
 
     @property
     def capacity(self) -> int:
@@ -75,6 +61,25 @@ class SlotCache:
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+
+class SlotCache(CacheSizes):
+    """The KV cache of one layer stack: keys / values [B, Hkv, N, hd] per layer, and per row which
+    of the N slots hold a real entry (``valid``) and which of those are tail tokens (``tail``)."""
+
+    def __init__(self, batch_size: int, device, min_grow: int = 64):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.tail = torch.zeros_like(self.valid)
+        self.min_grow = min_grow
+        self._step = None  # (slot, write, tail) between begin() and commit()
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def recording(self) -> bool:
+        """No step begun: ``update`` records a prefill's one-pass keys and values (a compiled stack may run)."""
+        return self._step is None
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` slots per row (grows the masks now, the tensors when next used)."""

@@ -23,7 +23,7 @@ from .attention import CausalPattern
 from .backbone import decoder, run_layers
 from .config import device_mode
 from .decoding import last_real
-from .kv_cache import DecodePattern, SlotCache
+from .kv_cache import CacheSizes, DecodePattern, SlotCache
 
 
 CAPACITY_BUCKET = 64  # a static cache's slots per row: rounded up to a multiple of this, so a few graphs serve all
@@ -53,7 +53,7 @@ def static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class StaticSlotCache:
+class StaticSlotCache(CacheSizes):
     """The KV cache of one layer stack with a fixed ``capacity`` of slots per row: keys / values
     [B, Hkv, capacity, hd] per layer, ``valid`` / ``tail`` [B, capacity], and the step's slot, all
     allocated once and changed only in place. Same protocol and meaning as :class:`SlotCache`
@@ -79,23 +79,6 @@ class StaticSlotCache:
         self.write = static(torch.zeros(B, dtype=torch.bool, device=device))
         self.new_tail = static(torch.zeros(B, dtype=torch.bool, device=device))
 
-    # -- sizes (as SlotCache's) ------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self.valid.shape[1]
-
-    def entries(self) -> torch.Tensor:
-        return self.valid.sum(1)
-
-    def tail_entries(self) -> torch.Tensor:
-        return (self.valid & self.tail).sum(1)
-
-    def entry_bytes(self) -> int:
-        k = next(iter(self.k.values()))
-        return 2 * k.shape[1] * k.shape[3] * k.element_size()
-
-    def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     # -- a step --------------------------------------------------------------------------
     def drop_tail(self, rows: torch.Tensor) -> None:
