@@ -129,3 +129,16 @@ def assert_decoding_matches_teacher_forcing(model, prompts, max_new_tokens, atol
             n = len(gen.tokens[b])
             torch.testing.assert_close(gen.logits[b, :n], forced[len(p) - 1:len(p) - 1 + n], atol=atol, rtol=atol)
     return gen
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo with no compiled code and zeroed counters (graphs, breaks, recompiles), and reset again after."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()

@@ -44,15 +44,6 @@ def trainer(run, name, compile):
     return Trainer.start(run / "built", run / name, config)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
-
-
 def test_compiled_training_has_no_graph_break_no_recompile_and_equals_eager(run, fresh_dynamo, one_thread):
     eager = trainer(run, "eager", "off")
     compiled = trainer(run, "compiled", "aot-eager")

@@ -132,15 +132,6 @@ def test_static_dense_decoder_equals_transformers_dynamic_cache(static_decoding)
     torch.testing.assert_close(gen.logits, eager.logits, atol=1e-10, rtol=1e-10)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("family", ["streaming", pytest.param("dense", marks=pytest.mark.slow)])
 def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(family, fresh_dynamo):
     model = three_layers("null-auto")
