@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from . import recipe
-from .common import (KIT, ROOT, SHIM, SITE, WORK, KitError, Stage, activate, call_folders, installed, installed_version,
-                     kit_env, read_json, write_json)
+from .common import (KIT, KIT_EXTRAS, ROOT, SHIM, SITE, WORK, KitError, Stage, activate, call_folders, installed,
+                     installed_version, kit_env, read_json, write_json)
 from .parts import PackError, check_part, read_manifest, reassemble
 
 STATE = "setup-state.json"
@@ -164,23 +164,30 @@ def install_smollm2(stage: Stage, manifest: dict, present: list[int], state: dic
 
 # -- the environment --------------------------------------------------------------------------------
 def dependencies(stage: Stage, manifest: dict | None) -> dict:
-    """Every dependency of pyproject.toml: its version here against the required range."""
+    """Every dependency of pyproject.toml and every requirement of the extras the kit uses (``KIT_EXTRAS``):
+    its version here against the required range."""
     import tomllib
 
     from packaging.requirements import Requirement
 
     not_packed = {d["project"]: d["reason"] for d in (manifest or {}).get("not_packed", [])}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {})
     out = {}
-    for text in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+    for text, extra in [(d, None) for d in project["dependencies"]] + \
+            [(d, name) for name in KIT_EXTRAS for d in extras.get(name, [])]:
         req = Requirement(text)
         version = installed_version(req.name)
         ok = version is not None and req.specifier.contains(version, prereleases=True)
         why = OPTIONAL.get(req.name) or not_packed.get(req.name)
         out[req.name] = {"required": str(req.specifier), "found": version, "ok": ok}
+        if extra:
+            out[req.name]["extra"] = extra
         if why:
             out[req.name]["note"] = why
         if not ok and not why and not stage.dry:
-            stage.problem(f"{req.name}: {text} is required, this machine has {version or 'none'}; "
+            stage.problem(f"{req.name}: {text} is required" + (f" (the `{extra}` extra)" if extra else "")
+                          + f", this machine has {version or 'none'}; "
                           f"run `make gpu-pack` again (it packs what the GPU image lacks)")
     return out
 
