@@ -17,7 +17,9 @@ far allow and is safe to repeat:
    each with one profiled step (device busy, kernel launches, host syncs); `quality` uses it to size its runs.
 
 A mismatch (a damaged part, a pack mixed with another, a dependency out of range, no CUDA device)
-is a problem: a clear message and exit code 1.
+is a problem: a clear message and exit code 1. Each part fails on its own and the JSON is written after
+each, so what the others found is kept; a throughput row that fails is a problem naming it, and leaves
+the machine fit for the stages after `setup` (``machine_ok``, ``smollm2_ready``: the machine's state).
 """
 from __future__ import annotations
 
