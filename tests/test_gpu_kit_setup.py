@@ -5,7 +5,6 @@ GPU) and the training are faked: these tests check the stage's bookkeeping, in-p
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
