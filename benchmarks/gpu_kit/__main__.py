@@ -75,11 +75,15 @@ def check(args) -> list[str]:
     return problems
 
 
+def work_folder(name: str, args, out: Path) -> Path:
+    """Where a stage keeps its state: the device stages in .gpukit/work (a dry run, and `report`: inside --out)."""
+    return WORK if name in DEVICE_STAGES and not args.dry else out / "work"
+
+
 def run_stage(name: str, args, out: Path, argv: list[str]) -> int:
     """One stage. The device stages keep their state in .gpukit/work (a dry run: inside --out) and see the
     installed kit; `report` runs here and needs neither."""
-    on_device = name in DEVICE_STAGES and not args.dry
-    work = WORK if on_device else out / "work"
+    work = work_folder(name, args, out)
     if name in DEVICE_STAGES:
         activate(work, args.dry)
     budget = 60 * (args.minutes or BUDGET_MIN[name]) * (DRY_SLACK if args.dry else 1)
@@ -128,11 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(stages):
         rc = run_stage(name, args, out, command)
         code = max(code, rc)
-        if name == "setup" and rc:
-            if stages[i + 1:]:
+        if name == "setup" and rc and stages[i + 1:]:
+            # a failed measurement (a throughput row) leaves the machine fit: the later stages run, and each
+            # checks what it needs (speed and quality: SmolLM2 converted)
+            if not setup_stage.machine_ok(work_folder(name, args, out)):
                 print(f"gpu_kit: setup failed; not running {', '.join(stages[i + 1:])} (see {out / 'setup.json'})",
                       file=sys.stderr)
-            break
+                break
+            print(f"gpu_kit: setup had problems (see {out / 'setup.json'}), but the machine is set up: "
+                  f"running {', '.join(stages[i + 1:])}", file=sys.stderr)
     return code
 
 

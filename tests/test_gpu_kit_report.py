@@ -1,0 +1,102 @@
+"""`report` merges each stage's runs part by part: the GPU lease of 2026-11-27 ran `setup` three times (call 1
+complete for the machine, call 2 failed at once, call 3 measured SmolLM2 and the throughput but crashed), and
+taking only the latest run replaced call 1's machine table with dashes. Fixtures: small pieces of that lease's
+JSON (benchmarks/gpu_results/nvidia-h100-80gb-hbm3/lease-2026-11-27/), in the current kit's shapes."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.gpu_kit import report_stage
+from benchmarks.gpu_kit.common import write_json
+
+MACHINE = {"host_python": "3.12.3", "cpus": 16, "torch": "2.11.0+cu130", "transformers": "5.17.0", "cuda": "13.0",
+           "cuda_available": True, "gpu": "NVIDIA H100 80GB HBM3"}
+ENVIRONMENT = {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "cuda_available": True,
+               "nvidia_smi": "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB", "transformers": "5.17.0", "peft": "0.21.0",
+               "gguf": None, "triton": "3.6.0", "gpu": "NVIDIA H100 80GB HBM3", "capability": "9.0",
+               "gpu_memory_gib": 79.2, "flex": {"available": True, "compiled": True, "forward_backward_s": 23.8,
+                                                "relative_error_vs_sdpa": 0.0019993367604911327},
+               "xformers": {"installed": False, "reason": "not installed"}, "dependencies": {}}
+CRASH = ("RuntimeError: Error: accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run. "
+         "Stack trace: File \"/work/main/concept/backbone.py\", line 103, in run_layers_shallow")
+THROUGHPUT = {"recipe": {"seq_len": 128, "batch": 128, "tokens_per_step": 16384, "precision": "bf16"},
+              "device": "cuda", "steps": {"warm-up": 3, "timed": 20},
+              "models": {"streaming": {"tokens_per_s": 60197.0, "step_s": 0.272, "warmup_s": 6.4},
+                         "pruned": {"tokens_per_s": 102687.0, "step_s": 0.160, "warmup_s": 0.5},
+                         "dense": {"tokens_per_s": 60135.0, "step_s": 0.272, "warmup_s": 1.0}},
+              "compiled": {"option": {"compile": "on"}, "max_ratio": 0.3, "models": {}},
+              "failed": {"streaming compiled": CRASH}}
+ROW = {"case": "forward default T=8192 r=0.125 flex", "dense_s": 0.0255, "concept_s": 0.0320, "speedup": 0.798,
+       "ideal_speedup": 2.603, "fraction_of_ideal": 0.306, "T": 8192, "suite": "forward"}
+
+
+def envelope(stage: str, status: str, started_at: str, command: str, result: dict, problems=(), skipped=()) -> dict:
+    return {"stage": stage, "kit_version": 1, "status": status, "dry": False, "started_at": started_at,
+            "seconds": 25.3, "budget_s": 210.0, "command": command, "machine": MACHINE, "skipped": list(skipped),
+            "problems": list(problems), "warnings": [], "result": result}
+
+
+@pytest.fixture
+def results(tmp_path):
+    """.gpukit/results/ after the lease's calls 1-5 (setup x3, speed x2)."""
+    calls = {
+        "call1/setup.json": envelope("setup", "partial", "2026-11-27T02:04:13Z", "python -m benchmarks.gpu_kit setup exact",
+                                     {"pack": {"pack_id": "a925f056b27e1daa"}, "smollm2": {"state": "waiting"},
+                                      "environment": ENVIRONMENT},
+                                     skipped=[{"what": "throughput", "reason": "SmolLM2 is not complete on this machine yet"}]),
+        "call2/setup.json": envelope("setup", "failed", "2026-11-27T02:08:02Z", "python -m benchmarks.gpu_kit setup speed",
+                                     {}, problems=["BackboneError: converting the default backbone needs the gguf package"]),
+        "call3/setup.json": envelope("setup", "failed", "2026-11-27T02:08:27Z", "python -m benchmarks.gpu_kit setup speed",
+                                     {"pack": {"pack_id": "a925f056b27e1daa"}, "smollm2": {"state": "ready"},
+                                      "throughput": THROUGHPUT},
+                                     problems=[f"throughput of streaming compiled failed: {CRASH}"]),
+        "call4/speed.json": envelope("speed", "failed", "2026-11-27T02:11:15Z", "python -m benchmarks.gpu_kit speed", {},
+                                     problems=["SmolLM2 is not set up on this machine"]),
+        "call5/speed.json": envelope("speed", "partial", "2026-11-27T02:12:02Z", "python -m benchmarks.gpu_kit speed",
+                                     {"rows": [ROW], "command": "python -m pytest benchmarks/test_forward.py"}),
+    }
+    for name, data in calls.items():
+        write_json(tmp_path / name, data)
+    return tmp_path
+
+
+def test_each_part_comes_from_the_latest_run_that_has_it(results):
+    found = report_stage.load([results])
+    setup = found["setup"]
+    assert {p: s["call"] for p, s in setup["parts_from"].items()} == {
+        "environment": "call1", "pack": "call3", "smollm2": "call3", "throughput": "call3"}
+    text = report_stage.render_setup(setup)
+    assert text.startswith("Measured 2026-11-27") and "status **failed**" in text  # the latest run's envelope
+    assert "NVIDIA H100 80GB HBM3, capability 9.0, 79.2 GiB" in text  # call 1's machine table, kept
+    assert "compiled, forward and backward in 24 s" in text
+    assert "| streaming | 60,197 |" in text and "streaming compiled: RuntimeError: Error: accessing tensor" in text
+    assert "`environment` from call1 (2026-11-27 02:04, partial)" in text
+    assert "`pack`, `smollm2`, `throughput` from call3 (2026-11-27 02:08, failed)" in text
+    assert "- problem: call2, 2026-11-27 02:08: BackboneError: converting" in text  # every run's problems, by call
+    assert "- skipped: throughput: SmolLM2 is not complete on this machine yet (call1)" in text
+    speed = report_stage.render_speed(found["speed"])  # the failed call 4 before it: call 5's rows
+    assert "| forward default T=8192 r=0.125 flex | 25.50 | 32.00 | 0.80x |" in speed and "status **partial**" in speed
+
+
+def test_negative_control_the_latest_run_alone_loses_the_machine_table(results, monkeypatch):
+    merge = report_stage.merge
+    monkeypatch.setattr(report_stage, "merge", lambda runs: merge(runs[-1:]))  # the report before 2026-11-27
+    text = report_stage.render_setup(report_stage.load([results])["setup"])
+    assert "capability 9.0" not in text and "| GPU | –, capability –" in text
+
+
+def test_a_run_cut_off_counts_with_what_it_wrote_and_a_copy_counts_once(results):
+    cut = envelope("setup", "running", "2026-11-27T02:20:00Z", "python -m benchmarks.gpu_kit setup speed",
+                   {"smollm2": {"state": "ready"}, "environment": {**ENVIRONMENT, "gpu": "NVIDIA H200"}})
+    write_json(results / "call7" / "setup.json", cut)
+    write_json(results / "call7" / "work" / "setup.json", cut)  # the same run, twice
+    setup = report_stage.load([results])["setup"]
+    assert len(setup["runs"]) == 4 and setup["parts_from"]["environment"]["call"] == "call7"
+    assert setup["parts_from"]["throughput"]["call"] == "call3"
+    assert "NVIDIA H200" in report_stage.render_setup(setup)
+
+
+def test_failed_runs_alone_render_their_heading_and_problems(results):
+    speed = report_stage.load([results / "call4"])["speed"]
+    text = report_stage.render_speed(speed)
+    assert text.startswith("Measured 2026-11-27") and "- problem: SmolLM2 is not set up" in text

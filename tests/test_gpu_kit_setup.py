@@ -1,0 +1,139 @@
+"""`setup` keeps what it found when a part of it fails (the GPU lease of 2026-11-27): a throughput row that
+raises is a problem naming the row, the other rows, the environment and SmolLM2's readiness are kept, and the
+stages after it still run; a call cut off keeps them too. The machine's own parts (the pack, the wheels, the
+GPU) and the training are faked: these tests check the stage's bookkeeping, in-process, in about a second."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.gpu_kit import __main__ as kit
+from benchmarks.gpu_kit import setup_stage, speed_stage
+from benchmarks.gpu_kit.common import write_json
+from concept.errors import BackboneError
+
+PACK = "a925f056b27e1daa"
+CUDA_GRAPHS = ("Error: accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run")
+
+
+@pytest.fixture
+def lease(tmp_path, monkeypatch):
+    """A machine after call 1 (wheels installed, SmolLM2's parts joined and installed), with everything that
+    needs the GPU machine faked. ``lease.fail`` names the row whose training raises; ``lease.speed`` records
+    what speed's gate saw when `speed` ran."""
+    import concept
+    import concept_plugins.backbones.smollm2 as smollm2
+
+    from benchmarks import compiled
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    manifest = {"pack_id": PACK, "created": "2026-11-27T02:03:29Z", "wheels": [], "not_packed": [], "target": {},
+                "calls": [{"index": 1, "wheels": True, "files": []}, {"index": 2, "wheels": False, "files": []}],
+                "large": {"parts": [{"call": 1, "name": "p1"}, {"call": 2, "name": "p2"}], "gguf": {"sha256": "0" * 64}}}
+    write_json(work / setup_stage.STATE, {"pack_id": PACK, "wheels_installed": PACK, "smollm2_installed": PACK})
+    monkeypatch.setattr(kit, "WORK", work)
+    monkeypatch.setattr(kit, "activate", lambda work, dry: None)
+    monkeypatch.setattr(setup_stage, "activate", lambda work, dry: None)
+    monkeypatch.setattr(setup_stage, "load_pack", lambda: (manifest, [1, 2]))
+    monkeypatch.setattr(setup_stage, "check_arrived", lambda stage, manifest, present: None)
+    monkeypatch.setattr(setup_stage, "install_wheels", lambda stage, manifest, state: {"installed": ["concept.whl"]})
+    monkeypatch.setattr(smollm2, "converted_folder", lambda: tmp_path / "converted")
+    monkeypatch.setattr(smollm2, "gguf_path", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(setup_stage, "environment", lambda stage, manifest, state: {"gpu": "NVIDIA H100 80GB HBM3"})
+    monkeypatch.setattr(setup_stage.recipe, "build_config", lambda dry: SimpleNamespace(max_ratio=0.3))
+    monkeypatch.setattr(concept, "build", lambda config: None)
+    monkeypatch.setattr(concept, "save", lambda model, folder, force: None)
+    monkeypatch.setattr(compiled, "budgeted", lambda config: config)
+    monkeypatch.setattr(compiled, "train_option", lambda: {"compile": "on"})
+    state = SimpleNamespace(fail=None, speed=[], work=work, out=out)
+
+    def train_and_time(stage, source, run, kind, baseline, device, steps, extra):
+        label = kind + (" compiled" if extra else "")
+        if label == state.fail:
+            raise RuntimeError(CUDA_GRAPHS)
+        return {"tokens_per_s": 60_000.0 * (2 if extra else 1), "step_s": 0.27, "warmup_s": 6.4 if extra else 1.0}
+
+    def speed(stage, args):
+        state.speed.append({"smollm2_ready": speed_stage.smollm2_ready(stage.work)})  # speed's own gate
+        return stage.finish({})
+
+    monkeypatch.setattr(setup_stage, "train_and_time", train_and_time)
+    monkeypatch.setitem(kit.MODULES, "speed", SimpleNamespace(run=speed))
+    return state
+
+
+def setup_json(lease) -> dict:
+    return json.loads((lease.out / "setup.json").read_text())
+
+
+def lost_by_a_failed_row(lease) -> list[str]:
+    """What a failed `streaming compiled` row must not lose (empty: nothing lost)."""
+    data = setup_json(lease)
+    r, lost = data["result"], []
+    if r.get("environment", {}).get("gpu") != "NVIDIA H100 80GB HBM3":
+        lost.append("the environment")
+    if r.get("smollm2", {}).get("state") != "ready" or not setup_stage.smollm2_ready(lease.work):
+        lost.append("SmolLM2's readiness")
+    tp = r.get("throughput") or {}
+    if set(tp.get("models", {})) != {"streaming", "pruned", "dense"}:
+        lost.append("the eager rows")
+    if set(tp.get("compiled", {}).get("models", {})) != {"dense", "pruned"}:
+        lost.append("the other compiled rows")
+    if len(data["problems"]) != 1 or "throughput of streaming compiled failed: RuntimeError" not in data["problems"][0]:
+        lost.append("a problem naming the row")
+    if lease.speed != [{"smollm2_ready": True}]:
+        lost.append("the speed stage")
+    return lost
+
+
+def test_a_failed_throughput_row_is_a_problem_of_its_own_and_speed_still_runs(lease):
+    lease.fail = "streaming compiled"  # call 3 of the lease: CUDA graphs crashed the first compiled row
+    assert kit.main(["setup", "speed", "--out", str(lease.out)]) == 1
+    assert lost_by_a_failed_row(lease) == []
+    data = setup_json(lease)
+    assert data["status"] == "failed" and CUDA_GRAPHS in data["result"]["throughput"]["failed"]["streaming compiled"]
+    assert "Traceback" in (lease.out / "setup.log").read_text()
+    # `speed` alone in a later call: its gate reads the machine's state, not setup's (failed) result
+    assert kit.main(["speed", "--out", str(lease.out)]) == 0 and lease.speed[-1] == {"smollm2_ready": True}
+
+
+def test_negative_control_without_the_rows_own_guard_the_other_rows_are_lost(lease, monkeypatch):
+    monkeypatch.setattr(setup_stage, "measured_row", lambda stage, label, failed, measure: measure())
+    lease.fail = "streaming compiled"
+    kit.main(["setup", "speed", "--out", str(lease.out)])
+    assert "the other compiled rows" in lost_by_a_failed_row(lease)
+
+
+def test_a_failed_conversion_keeps_the_environment_and_stops_the_later_stages(lease, monkeypatch):
+    """Call 2 of the lease (no gguf): the environment is still reported, SmolLM2 is not ready, `speed` does
+    not run in the call (and refuses in the next, through its gate)."""
+    import concept_plugins.backbones.smollm2 as smollm2
+
+    def no_gguf():
+        raise BackboneError("converting the default backbone needs the gguf package")
+
+    monkeypatch.setattr(smollm2, "converted_folder", no_gguf)
+    assert kit.main(["setup", "speed", "--out", str(lease.out)]) == 1
+    data = setup_json(lease)
+    assert len(data["problems"]) == 1 and "needs the gguf package" in data["problems"][0]
+    assert data["result"]["environment"]["gpu"] == "NVIDIA H100 80GB HBM3" and "throughput" not in data["result"]
+    assert lease.speed == [] and not setup_stage.smollm2_ready(lease.work)
+
+
+def test_a_call_cut_off_in_the_throughput_keeps_what_came_before(lease, monkeypatch):
+    """The device's time limit kills the call during the compiled rows: the JSON that comes back (status
+    running) has the environment, SmolLM2 and the rows measured, and the machine knows SmolLM2 is ready."""
+    def killed(stage, source, run, kind, baseline, device, steps, extra):
+        if extra:
+            raise KeyboardInterrupt
+        return {"tokens_per_s": 60_000.0, "step_s": 0.27, "warmup_s": 1.0}
+
+    monkeypatch.setattr(setup_stage, "train_and_time", killed)
+    with pytest.raises(KeyboardInterrupt):
+        kit.main(["setup", "speed", "--out", str(lease.out)])
+    data = setup_json(lease)
+    assert data["status"] == "running" and data["result"]["smollm2"]["state"] == "ready"
+    assert set(data["result"]["throughput"]["models"]) == {"streaming", "pruned", "dense"}
+    assert setup_stage.smollm2_ready(lease.work) and setup_stage.machine_ok(lease.work)
