@@ -14,7 +14,10 @@ Marked ``cuda``; without a CUDA device every test skips. The GPU kit's ``exact``
   is sharpened (q and k projections x8) so that the deep stack's rule matters: a wrong position rule
   moves the logits by 5-12% (measured on CPU), above the bf16 tolerance of 3% (the negative control
   checks it with the GPU's own bf16 output).
-  Errors are relative L2 norms, ``|x - ref| / |ref|``.
+  Errors are relative L2 norms, ``|x - ref| / |ref|``. The tiny backbone has 2 KV heads: the bug this
+  test found on its first GPU run of ``cascade`` (2026-11-27: bf16 gradients off by 1e34, the merged output
+  handed to the CUDA backward in a layout it misreads across heads; docs/architecture.md §6) needs more than
+  one. Its CPU counterpart, with the CUDA operators stood in for: tests/test_uninitialised_memory.py.
 * **Decoding** with the KV caches equals the teacher-forced one-pass forward (fp32).
 * **Training** in bf16 on CUDA, interrupted after 3 of 6 steps and resumed, gives the same losses
   and weights bit for bit as the uninterrupted run (under ``torch.use_deterministic_algorithms``).
