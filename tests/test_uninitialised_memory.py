@@ -9,10 +9,10 @@ On the CPU the fused kernel is another one, so nothing showed.
 
 Here, on the CPU: the test_cuda.py comparison (the padded batch, logits and the new modules' gradients
 against the naive float32 reference, with the same tolerances) for every attention backend the CPU runs, in
-fp32 and under bf16 autocast, with every ``empty`` allocation full of garbage (NaN); cascade also with its
-``reference`` kernel and through its CUDA kernel wrapper with the CUDA operators stood in for under their
-memory contract. Not ``flex``: it has no backward on the CPU, and its CPU forward is compiled, which a
-dispatch mode cannot wrap (its bf16 forward: tests/test_bf16.py).
+fp32 and under bf16 autocast, with every ``empty`` allocation full of garbage (NaN); cascade also through its
+CUDA kernel wrapper with the CUDA operators stood in for under their memory contract (the same tiny backbone
+as test_cuda.py: 2 KV heads, which the layout bug needs). Not ``flex``: it has no backward on the CPU, and
+its CPU forward is compiled, which a dispatch mode cannot wrap (its bf16 forward: tests/test_bf16.py).
 Negative controls: the wrapper as it was (the output stored [n, H, M, hd]) fails in bf16 and passes in fp32,
 as on the GPU; a merge that leaves rows of an empty allocation unwritten is caught by the garbage.
 """
@@ -23,7 +23,6 @@ import torch
 
 import concept
 import concept_plugins.attention.cascade as cascade
-from concept import ComponentRef
 from tests.conftest import randomize_new_modules, tiny_config
 from tests.cuda_kernel_standin import GarbageAllocations, standin_cuda_kernel
 from tests.test_cuda import (SHARPEN, TOLERANCES, assert_gradients_match, assert_logits_match, new_module_grads,
@@ -31,17 +30,14 @@ from tests.test_cuda import (SHARPEN, TOLERANCES, assert_gradients_match, assert
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# backend, or backend:variant (cascade's reference kernel; its CUDA wrapper over the stood-in operators)
-CASES = ["sdpa", "chunked", "auto", "xformers", "cascade", "cascade:reference", "cascade:cuda-standin"]
+# a backend with its CPU configuration (tests/conftest.py); cascade-cuda: cascade's CUDA kernel wrapper over the
+# stood-in operators
+CASES = ["sdpa", "chunked", "auto", "xformers", "cascade", "cascade-cuda"]
 
 
 def model_for(case: str, state: dict):
     """The tiny sharpened model of ``state`` with the case's attention backend (CPU, float32, eval)."""
-    name, _, variant = case.partition(":")
-    cfg = tiny_config(attention=name)
-    if variant == "reference":
-        cfg.attention = ComponentRef("cascade", {"kernel": "reference"})
-    model = concept.build(cfg)
+    model = concept.build(tiny_config(attention=case.removesuffix("-cuda")))
     model.load_state_dict(state)
     return model.eval()
 
@@ -86,7 +82,7 @@ def check(case: str, dtype: str, base) -> None:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES)
 def test_every_backend_matches_the_naive_reference_with_garbage_in_empty_memory(base, case, dtype, monkeypatch):
-    if case.endswith(":cuda-standin"):
+    if case == "cascade-cuda":
         stand_in_the_cuda_kernel(monkeypatch)
     check(case, dtype, base)
 
@@ -105,9 +101,9 @@ def test_negative_control_the_output_in_the_layout_the_kernel_does_not_read(base
     passes (the float32 kernel does not read the output), as on the H100."""
     stand_in_the_cuda_kernel(monkeypatch)
     monkeypatch.setattr(cascade, "_heads_inner", lambda x: x.contiguous())
-    check("cascade:cuda-standin", "fp32", base)
+    check("cascade-cuda", "fp32", base)
     with pytest.raises(AssertionError, match="gradients differ"):
-        check("cascade:cuda-standin", "bf16", base)
+        check("cascade-cuda", "bf16", base)
 
 
 def test_negative_control_a_row_left_unwritten_in_an_empty_allocation(base, monkeypatch):
