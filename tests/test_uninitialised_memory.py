@@ -13,6 +13,7 @@ fp32 and under bf16 autocast, with every ``empty`` allocation full of garbage (N
 CUDA kernel wrapper with the CUDA operators stood in for under their memory contract (the same tiny backbone
 as test_cuda.py: 2 KV heads, which the layout bug needs). Not ``flex``: it has no backward on the CPU, and
 its CPU forward is compiled, which a dispatch mode cannot wrap (its bf16 forward: tests/test_bf16.py).
+And the training CE, whose input gradient is an empty tensor filled chunk by chunk (concept/losses.py).
 Negative controls: the wrapper as it was (the output stored [n, H, M, hd]) fails in bf16 and passes in fp32,
 as on the GPU; a merge that leaves rows of an empty allocation unwritten is caught by the garbage.
 """
@@ -23,6 +24,7 @@ import torch
 
 import concept
 import concept_plugins.attention.cascade as cascade
+from concept.losses import next_token_loss
 from tests.conftest import randomize_new_modules, tiny_config
 from tests.cuda_kernel_standin import GarbageAllocations, standin_cuda_kernel
 from tests.test_cuda import (SHARPEN, TOLERANCES, assert_gradients_match, assert_logits_match, new_module_grads,
@@ -121,3 +123,21 @@ def test_negative_control_a_row_left_unwritten_in_an_empty_allocation(base, monk
     monkeypatch.setattr(cascade, "merge_parts", forgetful_merge)
     with pytest.raises(AssertionError, match="non-finite logits"):
         check("cascade", "fp32", base)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_training_loss_and_its_gradients_with_garbage_in_empty_memory(base, dtype, monkeypatch):
+    """The training CE (``head_cross_entropy``: its input gradient is an empty tensor filled chunk by chunk, here
+    in 6 chunks of 8 rows, the last one short) equals the reference's mean CE, and its gradients the reference's."""
+    monkeypatch.setattr("concept.losses.CHUNK_LOGITS", 8 * 97)  # 8 rows of the tiny backbone's 97 logits
+    state, (ids, mask, keep, valid, concept_ids, ref, ref_grads) = base
+    model = model_for("chunked", state)
+    with GarbageAllocations() as garbage:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(ids, attention_mask=mask, keep=keep, concept_ids=concept_ids, labels=ids).loss
+        loss.backward()
+    assert garbage.filled > 0  # the CE's empty gradient among them
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ref_loss = float(next_token_loss(ref.detach(), ids, valid))
+    assert abs(float(loss) - ref_loss) <= TOLERANCES[dtype]["logits"] * ref_loss
+    assert_gradients_match(f"training loss {dtype}", grads, ref_grads, TOLERANCES[dtype])
