@@ -1,8 +1,9 @@
 """CUDA's memory made visible on the CPU, for tests that must catch what only a GPU would show.
 
 * :class:`GarbageAllocations`: every ``empty`` allocation (``torch.empty``, ``empty_like``, ``new_empty``,
-  ``empty_strided``, ...) that reaches the dispatcher comes back filled with garbage: NaN for floats, a huge
-  number for integers, True for booleans. On CUDA such memory holds whatever the caching allocator last kept
+  ``empty_strided``, ...) that reaches the dispatcher (Python code's and composite operators', not those a
+  kernel makes inside itself) comes back filled with garbage: NaN for floats, a huge number for integers,
+  True for booleans. On CUDA such memory holds whatever the caching allocator last kept
   there (any bit pattern: NaN, 1e34, ...); on the CPU it is often zeros, which hides a read of memory nobody
   wrote. NaN is the strictest garbage: it survives a multiplication by 0 and a masked sum.
 * :class:`EfficientAttentionStandIn`: torch's CUDA memory-efficient attention operators
