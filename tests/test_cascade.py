@@ -24,6 +24,7 @@ from concept.packing import pack
 from concept_plugins.attention.cascade import CascadeConfig, CascadePattern, CPUFlashKernel
 from concept_plugins.attention.sdpa import DenseMaskPattern
 from tests.conftest import PACKED_DOC, assert_decoding_matches_teacher_forcing, mixed_model
+from tests.cuda_kernel_standin import standin_cuda_kernel
 from tests.test_equivalence import (assert_gradients_match_naive, assert_packed_documents_equal_separate_rows,
                                     assert_padded_batch_matches_naive, inputs)
 
@@ -96,31 +97,8 @@ def test_negative_controls_a_merge_without_weights_and_a_backward_without_the_me
     assert out_err < 1e-12 and grad_err > 1e-3
 
 
-class FakeEfficientAttention:
-    """Stands in for torch's CUDA memory-efficient attention operators on the CPU with their contract: the
-    bias per head, the log-sum-exp's rows padded to a multiple of 32, philox seed and offset, the backward
-    given the output and that padded log-sum-exp."""
-
-    @staticmethod
-    def forward_op(q, k, v, bias, compute_lse, dropout, causal, scale):
-        assert bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2]) and compute_lse and not causal
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                             scale=scale)
-        padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=lse.dtype)
-        padded[..., : lse.shape[2]] = lse
-        return out, padded, torch.tensor(1), torch.tensor(2)
-
-    @staticmethod
-    def backward_op(d_out, q, k, v, bias, out, lse, seed, offset, dropout, grad_mask, causal, scale):
-        assert lse.shape[-1] % 32 == 0 and int(seed) == 1 and int(offset) == 2 and grad_mask == [True, True, True, False]
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, k, v, out, lse[..., : q.shape[2]].contiguous(), 0.0, False, attn_mask=bias[:, :1], scale=scale)
-        return (*grads, None)
-
-
 def test_the_cuda_kernel_wrapper_with_its_operators_stood_in_for(monkeypatch):
-    kernel = cascade.CUDAEfficientKernel()
-    kernel.forward_op, kernel.backward_op = FakeEfficientAttention.forward_op, FakeEfficientAttention.backward_op
+    kernel = standin_cuda_kernel()  # the operators' contract: tests/cuda_kernel_standin.py
     monkeypatch.setattr(cascade, "device_kernel", lambda device: kernel)
     layout, q, k, v = layout_and_inputs("padded-documents")
     assert max(errors(CascadePattern(layout, CascadeConfig()), layout, q, k, v)) < 1e-12

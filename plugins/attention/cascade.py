@@ -378,8 +378,10 @@ class CPUFlashKernel:
 
 class CUDAEfficientKernel:
     """torch's memory-efficient (cutlass) CUDA attention (``aten::_scaled_dot_product_efficient_attention`` and
-    its backward): a mask, the log-sum-exp (its rows padded to a multiple of 32), fp32 / bf16 / fp16. The
-    operators are attributes so that a test can stand in for them on a machine without CUDA."""
+    its backward): a mask, the log-sum-exp (its rows padded to a multiple of 32), fp32 / bf16 / fp16. The backward
+    is given the merged output in the layout the forward returns its own (:func:`_heads_inner`). The operators are
+    attributes so that a test can stand in for them on a machine without CUDA (tests/cuda_kernel_standin.py
+    keeps to the kernels' memory contract)."""
 
     forward_op = staticmethod(lambda *a, **kw: torch.ops.aten._scaled_dot_product_efficient_attention(*a, **kw))
     backward_op = staticmethod(lambda *a, **kw: torch.ops.aten._scaled_dot_product_efficient_attention_backward(*a, **kw))
@@ -393,9 +395,18 @@ class CUDAEfficientKernel:
         seed, offset, lse_shape = state
         padded = lse.new_zeros(lse_shape)
         padded[..., : q.shape[2]] = lse
-        grads = self.backward_op(d_out.contiguous(), q, k, v, bias.expand(-1, q.shape[1], -1, -1), out.contiguous(),
+        grads = self.backward_op(d_out.contiguous(), q, k, v, bias.expand(-1, q.shape[1], -1, -1), _heads_inner(out),
                                  padded, seed, offset, 0.0, [True, True, True, False], False, scale=scale)
         return grads[0], grads[1], grads[2]
+
+
+def _heads_inner(x):
+    """``x`` [n, H, M, hd] stored as [n, M, H, hd] (a view with the same shape): the layout in which the kernel's
+    backward reads the forward's output. It takes that output's batch and head strides but assumes its row
+    stride to be H x hd (cutlass ``o_strideM``), so an output stored [n, H, M, hd] is read at wrong rows, past
+    its end for the last heads (uninitialised memory), whenever H > 1. Only the half-precision kernels read it
+    (they compute rowsum(dO * O) themselves; in float32 torch does, with the true strides)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def device_kernel(device):
