@@ -29,6 +29,7 @@ from concept.streaming.decoding import ConceptDecoder
 from concept.training import TrainConfig, Trainer
 
 STDLIB = pathlib.Path(warnings.__file__).parent
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 OVERWRITTEN = "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"  # (torch's words)
@@ -218,7 +219,7 @@ def rows(trainer) -> list[dict]:
 
 
 @pytest.mark.parametrize("baseline", [None, "dense"], ids=["streaming", "dense"])
-def test_training_steps_equal_eager(run, monkeypatch, one_thread, baseline):
+def test_training_steps_equal_eager(run, monkeypatch, baseline):
     """Three steps (LoRA in every stack: gradients through the copies); the streaming run's first step
     calibrates the NULL bias with a no-grad forward (the crash of 2026-11-27); log_every=1: the step
     diagnostics read the step's output after its backward."""
@@ -233,10 +234,11 @@ def test_training_steps_equal_eager(run, monkeypatch, one_thread, baseline):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
-def test_training_without_the_copies_reads_overwritten_memory(run, monkeypatch, one_thread):
+def test_training_without_the_copies_reads_overwritten_memory(run, monkeypatch):
     """Negative control: the first step's calibration forward (no gradients) reads the shallow states the
     middle stack's run overwrote, as on the H100 (2026-11-27)."""
     GraphMemory().install(monkeypatch, copies=False)
     compiled = trainer(run, "without-copies", "on")
-    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+    with pytest.raises(RuntimeError, match=OVERWRITTEN) as caught:
         compiled.train_step()
+    assert "before_step" in {entry.name for entry in caught.traceback}  # (the calibration forward)
