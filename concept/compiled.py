@@ -18,6 +18,16 @@ picks the device's mode when a stack first runs (``reduce-overhead``, CUDA graph
 elsewhere); one of torch's modes by name; or ``aot-eager``: the same graphs captured (dynamo, AOT autograd)
 but run by torch's eager kernels, no code generated (debugging, and the default test suite, where
 inductor's C++ compilation of a tiny model's stacks takes minutes on a CPU).
+
+CUDA graphs (``reduce-overhead`` and ``max-autotune`` on CUDA) return their outputs in a memory pool that a
+later compiled call reuses: torch's cudagraph trees start a new *generation* at every call of a compiled
+function unless a backward is pending, so under ``torch.no_grad()`` (eval, calibration, benchmarks, prefill)
+the shallow stack's output would be overwritten by the middle stack's run while the model still needs it
+(the deep stack's tail reads it), and any output kept past the next call (a logged state, ``out.shallow``,
+``out.hidden``) would be too. So a compiled stack's output is copied out of that memory as it returns, and
+so are the keys / values a prefill's cache recorded in it (:func:`copy_recorded`): one copy per stack
+output (the hidden state, and at a prefill each layer's keys and values), nothing in training's backward.
+On a CPU, and with ``aot-eager``, no copy is made.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ import types
 import torch
 
 from .backbone import run_layers
-from .config import COMPILE_CHOICES, device_mode
+from .config import COMPILE_CHOICES, device_mode, uses_cuda_graphs
 from .dense import DenseModel
 from .errors import ConceptError
 
@@ -45,21 +55,41 @@ def _own_copy(fn, name: str):
 class CompiledStacks:
     """``run_layers`` compiled with ``fullgraph=True`` and static shapes, once per stack (its ``name``) and
     device type (the mode may differ): call it as ``run_layers``, with the stack's name first (a KV cache
-    only while it records a prefill: a decoding step's cache grows)."""
+    only while it records a prefill: a decoding step's cache grows). Where the graphs are CUDA graphs, what
+    a call returns (and records in the cache) is a copy of their output (the module's docstring says why)."""
 
     def __init__(self, choice: str):
         self.choice = choice
-        self.compiled: dict[tuple[str, str], object] = {}
+        self.compiled: dict[tuple[str, str], tuple[object, bool]] = {}
+
+    def compile(self, name: str, device_type: str) -> tuple[object, bool]:
+        """(``run_layers`` compiled for the stack ``name`` on a device type, whether its outputs live in the
+        memory of CUDA graphs)."""
+        fn = _own_copy(run_layers, name)
+        if self.choice == "aot-eager":
+            return torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager"), False
+        mode = device_mode(self.choice, device_type)
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode), uses_cuda_graphs(mode, device_type)
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         key = (name, x.device.type)
         if key not in self.compiled:
-            if self.choice == "aot-eager":
-                options = dict(backend="aot_eager")
-            else:
-                options = dict(mode=device_mode(self.choice, x.device.type))
-            self.compiled[key] = torch.compile(_own_copy(run_layers, name), fullgraph=True, dynamic=False, **options)
-        return self.compiled[key](layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
+            self.compiled[key] = self.compile(name, x.device.type)
+        run, in_graph_memory = self.compiled[key]
+        out = run(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
+        if not in_graph_memory:
+            return out
+        if cache is not None:
+            copy_recorded(cache)
+        return out.clone()  # (its backward passes the gradient through: nothing is kept for it)
+
+
+def copy_recorded(cache) -> None:
+    """Replace the keys / values a prefill's cache (``concept.kv_cache.SlotCache``, one stack's) recorded by
+    copies: a compiled stack's records are its graph's outputs."""
+    for store in (cache.k, cache.v):
+        for layer, t in store.items():
+            store[layer] = t.clone()
 
 
 def compile_model(model, choice: str = "on"):

@@ -51,6 +51,16 @@ def device_mode(choice: str, device_type: str) -> str:
     return choice
 
 
+def uses_cuda_graphs(mode: str | None, device_type: str) -> bool:
+    """Whether torch.compile's ``mode`` runs its graphs as CUDA graphs on a device type (``reduce-overhead``,
+    ``max-autotune`` on CUDA): their outputs then live in memory a later compiled call reuses (``concept.compiled``)."""
+    if device_type != "cuda" or mode in (None, "aot-eager"):
+        return False
+    import torch._inductor  # lazy: only a compiled model asks
+
+    return bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False))
+
+
 @dataclass
 class ComponentRef:
     name: str

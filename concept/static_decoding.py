@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from . import packing
 from .attention import CausalPattern
 from .backbone import decoder, run_layers
-from .config import device_mode
+from .config import device_mode, uses_cuda_graphs
 from .decoding import last_real
 from .kv_cache import CacheSizes, DecodePattern, SlotCache
 
@@ -124,9 +124,10 @@ class CompiledStep:
         else:
             self.mode = device_mode(choice, device_type)
             self.fn = torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode)
+        self.cuda_graphs = uses_cuda_graphs(self.mode, device_type)
 
     def __call__(self, *args):
-        if self.mode == "reduce-overhead":
+        if self.cuda_graphs:  # (reduce-overhead, max-autotune): each step a new generation of the graphs' memory
             torch.compiler.cudagraph_mark_step_begin()
         out = self.fn(*args)
         return out.clone() if self.mode is not None else out

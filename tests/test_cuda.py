@@ -21,6 +21,11 @@ Marked ``cuda``; without a CUDA device every test skips. The GPU kit's ``exact``
 * **Decoding** with the KV caches equals the teacher-forced one-pass forward (fp32).
 * **Training** in bf16 on CUDA, interrupted after 3 of 6 steps and resumed, gives the same losses
   and weights bit for bit as the uninterrupted run (under ``torch.use_deterministic_algorithms``).
+* **Compiled** (``--compile on``: ``reduce-overhead``, CUDA graphs, whose outputs' memory the next compiled
+  call reuses; ``concept.compiled``): a no-grad forward with every output kept past the later calls, the
+  prefill and the static decoding step, and three bf16 training steps (the first with the ratio controller's
+  no-grad calibration forward, which crashed on 2026-11-27) equal eager. On a CPU, ``tests/test_graph_memory.py``
+  emulates the graphs' memory rules.
 """
 from __future__ import annotations
 
@@ -39,8 +44,10 @@ from concept import BuildConfig, ComponentRef  # noqa: E402
 from concept.losses import next_token_loss  # noqa: E402
 from concept.registry import registry  # noqa: E402
 from concept.training import TrainConfig, Trainer  # noqa: E402
+from concept.compiled import compile_model  # noqa: E402
 from tests.conftest import (POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions,  # noqa: E402
                             randomize_new_modules, tiny_config)
+from tests.test_graph_memory import batch, streaming_forward, streaming_model  # noqa: E402
 from tests.reference import reference_logits, shallow_states  # noqa: E402
 from tests.test_equivalence import padded_batch  # noqa: E402
 from tests.test_training import (corpus, losses, small,  # noqa: E402,F401  (corpus: a fixture)
@@ -203,3 +210,61 @@ def train_three_runs(built, tmp_path, config) -> None:
     for name in ("straight", "again"):
         Trainer.start(built, tmp_path / name, copy.deepcopy(config)).train()
     train_interrupted_and_resumed(built, tmp_path / "resumed", copy.deepcopy(config))
+
+
+# -- --compile: CUDA graphs (reduce-overhead) ---------------------------------------------------------------
+def compiled_forward_errors(device: str = "cuda", choice: str = "on") -> dict[str, float]:
+    """The largest relative error of a compiled no-grad forward's logits / shallow states / deep outputs against
+    eager's, over three calls (cudagraph trees warm up, record, replay), each kept until all three ran."""
+    model = streaming_model().to(device)
+    compiled = compile_model(copy.deepcopy(model), choice)
+    ids = [batch(seed).to(device) for seed in range(3)]
+    with torch.no_grad():
+        assert 0 < int(model(ids[0]).keep.sum()) < ids[0].numel()  # the middle stack runs (concepts and a tail)
+        eager = [streaming_forward(model, x) for x in ids]
+        fast = [streaming_forward(compiled, x) for x in ids]
+    return {name: max(relative(b[i], a[i]) for a, b in zip(eager, fast))
+            for i, name in enumerate(("logits", "shallow", "hidden"))}
+
+
+def test_compiled_no_grad_forward_equals_eager_on_cuda():
+    errors = compiled_forward_errors()
+    assert max(errors.values()) <= TOLERANCES["fp32"]["logits"], f"compiled forward vs eager: {errors}"
+
+
+def compiled_generation(device: str = "cuda", choice: str = "on"):
+    """(eager, compiled) greedy generations of a few prompts: the compiled prefill's stacks record the KV caches,
+    then the compiled static step decodes."""
+    model = streaming_model().to(device)
+    compiled = compile_model(copy.deepcopy(model), choice)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    return tuple(m.generate(prompts, max_new_tokens=6, output_logits=True) for m in (model, compiled))
+
+
+def test_compiled_generation_equals_eager_on_cuda():
+    eager, fast = compiled_generation()
+    assert fast.tokens == eager.tokens and fast.keep == eager.keep
+    err = relative(fast.logits, eager.logits)
+    assert err <= TOLERANCES["fp32"]["logits"], f"compiled generation's logits differ from eager's by {err:.2e}"
+
+
+def compiled_training_rows(corpus, folder, device: str = "cuda", choice: str = "on", steps: int = 3):
+    """(eager, compiled) rows of ``steps`` bf16 training steps of the default streaming build (LoRA in every
+    stack); the first step calibrates the NULL bias with a no-grad forward."""
+    concept.save(streaming_model(), folder / "built")
+    rows = []
+    for name in ("off", choice):
+        trainer = Trainer.start(folder / "built", folder / name, small(
+            data=str(corpus), device=device, steps=steps, eval_every=100, checkpoint_every=100, log_every=1,
+            compile=name, **precision()))
+        rows.append([trainer.train_step() for _ in range(steps)])
+    return rows
+
+
+def test_compiled_training_steps_equal_eager_on_cuda(corpus, tmp_path):  # noqa: F811
+    eager, fast = compiled_training_rows(corpus, tmp_path)
+    tol = TOLERANCES["bf16"]
+    for a, b in zip(eager, fast):
+        assert b["loss"] == pytest.approx(a["loss"], rel=tol["logits"]), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=tol["grads"]), (a, b)
+        assert abs(b["ratio"] - a["ratio"]) <= 0.05, (a, b)  # (bf16 may move a boundary or two)

@@ -1,0 +1,244 @@
+"""``--compile`` under the memory rules of CUDA graphs, on a CPU (``concept.compiled``: what is copied and why).
+
+CUDA graphs (``reduce-overhead`` on CUDA) return their outputs in a pool that later compiled calls reuse, and
+torch's cudagraph trees start a new *generation* of that memory at every call of a compiled function unless a
+backward is pending (``torch/_inductor/cudagraph_trees.py``: ``can_start_new_generation``,
+``dealloc_current_path_weakrefs``). CUDA graphs cannot run here, so :class:`GraphMemory` emulates the rule:
+each compiled stack (any of them) runs eagerly, and when a call starts a new generation every output of the
+earlier calls (the stack's output and the keys / values a prefill's cache recorded) is overwritten with NaN,
+as if the next graph had written its own values there; whatever still reads one shows it. The
+stacks are the model's own ``CompiledStacks`` with only their ``compile`` replaced, so the copies they make
+where the graphs are CUDA graphs are the code under test. With the copies, a no-grad forward, the prefill and
+three training steps (the first with the ratio controller's calibration forward, which crashed on the H100 on
+2026-11-27) equal eager; without them (today's code: negative controls) they do not.
+"""
+import copy
+import json
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+import concept
+from concept import BuildConfig, ComponentRef
+from concept.backbone import run_layers
+from concept.compiled import CompiledStacks, compile_model
+from concept.dense import DenseModel
+from concept.streaming.decoding import ConceptDecoder
+from concept.training import TrainConfig, Trainer
+
+STDLIB = pathlib.Path(warnings.__file__).parent
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+OVERWRITTEN = "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"  # (torch's words)
+METADATA = {"size", "dim", "stride", "numel", "is_contiguous", "register_hook", "untyped_storage", "data_ptr"}
+
+
+class GraphOutput(torch.Tensor):
+    """An output of a compiled call, in graph memory (an alias of it): reading its values once its memory
+    was reused raises, as cudagraph trees make it do (its shape and other metadata stay readable); what an op
+    computes from it is a plain tensor."""
+
+    overwritten = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in ("__get__", *METADATA):
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, GraphOutput) and t.overwritten:
+                    raise RuntimeError(f"Error: {OVERWRITTEN} ({func.__name__}; emulated on a CPU)")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class GraphMemory:
+    """Compiled calls whose outputs live in graph memory, reused when a call starts a new generation: every
+    call does unless an earlier call with gradients still waits for its backward (cudagraph trees' pending
+    backward). The reused outputs are then overwritten (NaN, for aliases made before) and reading them raises."""
+
+    def __init__(self):
+        self.outputs: list[GraphOutput] = []  # the current generation's
+        self.pending_backward = False
+        self.overwritten = 0  # outputs overwritten so far
+
+    def install(self, monkeypatch, copies: bool = True) -> None:
+        """Every ``CompiledStacks`` runs its stacks here, in graph memory (``copies`` False: as if they were
+        not CUDA graphs, so nothing is copied out: the code before the fix)."""
+        monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type: (self.run, copies))
+
+    def run(self, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+        if not self.pending_backward:  # a new generation: the earlier outputs' memory is reused
+            for t in self.outputs:
+                t.data.fill_(float("nan"))
+                t.overwritten = True
+            self.overwritten += len(self.outputs)
+            self.outputs = []
+        out = run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # (its own memory)
+        if out.requires_grad:
+            self.pending_backward = True
+            out.register_hook(self.backward_ran)
+        if cache is not None:  # the keys and values a prefill recorded
+            for store in (cache.k, cache.v):
+                for layer, t in store.items():
+                    store[layer] = self.hand_out(t)
+        return self.hand_out(out)
+
+    def hand_out(self, t: torch.Tensor) -> GraphOutput:
+        alias = t.as_subclass(GraphOutput)
+        self.outputs.append(alias)
+        return alias
+
+    def backward_ran(self, grad) -> None:
+        self.pending_backward = False
+
+
+def streaming_model():
+    """The default streaming build (its budget ``auto``), on a tiny backbone, with ~30% of tokens concepts."""
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64, "vocab": 256}),
+                      split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}))
+    model = concept.build(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.new_state_dict().values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def batch(seed=0, B=2, T=24):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (B, T), generator=g)
+
+
+def compiled_in_graph_memory(model, memory, monkeypatch, copies=True):
+    memory.install(monkeypatch, copies)
+    return compile_model(copy.deepcopy(model), "on")
+
+
+def streaming_forward(model, ids):
+    out = model(ids, attention_mask=torch.ones_like(ids))
+    return out.logits, out.shallow, out.hidden
+
+
+@pytest.fixture(scope="module")
+def streaming():
+    return streaming_model()
+
+
+def test_streaming_no_grad_forward_equals_eager(streaming, monkeypatch):
+    memory = GraphMemory()
+    ids = batch()
+    with torch.no_grad():
+        eager = [streaming_forward(streaming, batch(seed)) for seed in (0, 1)]
+        assert 0 < int(streaming(ids).keep.sum()) < ids.numel()  # concepts and tail tokens both
+        compiled = compiled_in_graph_memory(streaming, memory, monkeypatch)
+        fast = [streaming_forward(compiled, batch(seed)) for seed in (0, 1)]  # the first kept past the second
+    assert memory.overwritten > 0
+    for a, b in zip(eager, fast):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+
+
+def test_streaming_forward_without_the_copies_reads_overwritten_memory(streaming, monkeypatch):
+    """Negative control: the stacks' outputs used as they come (before the fix): the deep stack's tail reads
+    the shallow states the middle stack's run overwrote (the error of the H100, 2026-11-27)."""
+    compiled = compiled_in_graph_memory(streaming, GraphMemory(), monkeypatch, copies=False)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=OVERWRITTEN):
+        compiled(batch())
+
+
+@pytest.mark.parametrize("removed", [None, (1, 2)], ids=["dense", "pruned"])
+def test_baseline_outputs_kept_past_the_next_call_equal_eager(streaming, monkeypatch, removed):
+    """The dense / pruned baselines run one stack: their output (``hidden``) is what outlives the call."""
+    base = DenseModel(streaming.backbone, removed=removed).eval()
+    with torch.no_grad():
+        eager = [base(batch(seed)) for seed in (0, 1)]
+        compiled = compiled_in_graph_memory(base, GraphMemory(), monkeypatch)
+        fast = [compiled(batch(seed)) for seed in (0, 1)]
+        for a, b in zip(eager, fast):
+            torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(b.hidden, a.hidden, atol=1e-5, rtol=1e-5)
+        # negative control: without the copy the first output's memory went to the second call
+        compiled = compiled_in_graph_memory(base, GraphMemory(), monkeypatch, copies=False)
+        first, _ = compiled(batch(0)), compiled(batch(1))
+        with pytest.raises(RuntimeError, match=OVERWRITTEN):
+            first.hidden + 0
+
+
+def prefill_then_steps(model, prompts_ids, valid, steps=4):
+    """The decoder's prefill (the compiled stacks record the caches when compiled), then eager steps that
+    read those caches: the logits of each."""
+    decoder = ConceptDecoder(model)
+    logits = [decoder.prefill(prompts_ids, valid)]
+    for t in range(steps):
+        logits.append(decoder.step(batch(10 + t, B=prompts_ids.shape[0], T=1)[:, 0]))
+    return torch.stack(logits)
+
+
+def test_compiled_prefill_equals_eager_and_needs_its_recorded_keys_copied(streaming, monkeypatch):
+    ids = batch(2, T=11)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, :4] = False  # left padding
+    with torch.no_grad():
+        eager = prefill_then_steps(streaming, ids, valid)
+        compiled = compiled_in_graph_memory(streaming, GraphMemory(), monkeypatch)
+        torch.testing.assert_close(prefill_then_steps(compiled, ids, valid), eager, atol=1e-5, rtol=1e-5)
+        # negative control: the stack outputs copied, the recorded keys and values not
+        monkeypatch.setattr("concept.compiled.copy_recorded", lambda cache: None)
+        compiled = compiled_in_graph_memory(streaming, GraphMemory(), monkeypatch)
+        with pytest.raises(RuntimeError, match=OVERWRITTEN):
+            prefill_then_steps(compiled, ids, valid)
+
+
+# -- training ---------------------------------------------------------------------------------------
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("graph_memory")
+    docs = [c for name in ("textwrap.py", "shlex.py") for c in (STDLIB / name).read_text().split("\ndef ") if len(c) > 200]
+    (folder / "code.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    concept.save(streaming_model(), folder / "built")
+    return folder
+
+
+def trainer(run, name, compile, **extra):
+    config = TrainConfig(steps=STEPS, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=1,
+                         warmup=1, data=str(run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2),
+                         compile=compile, **extra)
+    return Trainer.start(run / "built", run / name, config)
+
+
+def rows(trainer) -> list[dict]:
+    return [trainer.train_step() for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("baseline", [None, "dense"], ids=["streaming", "dense"])
+def test_training_steps_equal_eager(run, monkeypatch, baseline):
+    """Three steps (LoRA in every stack: gradients through the copies); the streaming run's first step
+    calibrates the NULL bias with a no-grad forward (the crash of 2026-11-27); log_every=1: the step
+    diagnostics read the step's output after its backward."""
+    name = baseline or "streaming"
+    eager = rows(trainer(run, f"{name}-eager", "off", baseline=baseline))
+    memory = GraphMemory()
+    memory.install(monkeypatch)
+    fast = rows(trainer(run, f"{name}-graphs", "on", baseline=baseline))
+    assert memory.overwritten > 0
+    for a, b in zip(eager, fast):
+        assert a.get("ratio") == b.get("ratio") and a.get("null_bias") == pytest.approx(b.get("null_bias"))
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_training_without_the_copies_reads_overwritten_memory(run, monkeypatch):
+    """Negative control: the first step's calibration forward (no gradients) reads the shallow states the
+    middle stack's run overwrote, as on the H100 (2026-11-27)."""
+    GraphMemory().install(monkeypatch, copies=False)
+    compiled = trainer(run, "without-copies", "on")
+    with pytest.raises(RuntimeError, match=OVERWRITTEN) as caught:
+        compiled.train_step()
+    assert "before_step" in {entry.name for entry in caught.traceback}  # (the calibration forward)
