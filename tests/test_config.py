@@ -13,7 +13,7 @@ def test_json_round_trip():
     again = BuildConfig.from_json(cfg.to_json())
     assert again == cfg
     assert again.sampler.params == {"tau": 0.7} and again.attention.name == "sdpa"
-    assert json.loads(cfg.to_json())["vocabulary"]["params"]["size"] == 64
+    assert json.loads(cfg.to_json())["streaming"]["vocabulary"]["params"]["size"] == 64
 
 
 def test_all_problems_reported_together():
@@ -64,4 +64,6 @@ def test_split_errors(spec, message):
 
 def test_unknown_top_level_key():
     with pytest.raises(ConfigError, match="Did you mean 'sampler'"):
-        BuildConfig.from_dict({"samplr": "argmax"})
+        BuildConfig.from_dict({"streaming": {"samplr": "argmax"}})
+    with pytest.raises(ConfigError, match="Did you mean 'seed'"):
+        BuildConfig.from_dict({"sed": 1})
