@@ -89,6 +89,14 @@ def sectioned(config: dict) -> dict:
     return rest
 
 
+def flat(config: dict) -> dict:
+    """A format-3 build config as format 2 wrote it (the inverse of :func:`sectioned`): what a checkpoint written
+    before format 3 fingerprinted (``concept.checkpoint.check_origin``)."""
+    if not isinstance(config, dict) or not isinstance(config.get(FLAT_SECTION), dict):
+        return config
+    return {k: v for k, v in config.items() if k != FLAT_SECTION} | config[FLAT_SECTION]
+
+
 def migrate_train(record: dict) -> dict:
     """A ``train.json`` record (a copy) in today's format."""
     if not isinstance(record, dict):

@@ -148,3 +148,23 @@ def test_a_format_this_version_cannot_read_is_one_clear_line(today, tmp_path, ve
     for args in (["inspect", old], ["build", "--config", old / "concept.json", "--dry-run"]):
         r = cli(*args)
         assert r.exit_code in (1, 2) and problem in r.stderr and "Traceback" not in r.output, (args, r.output)
+
+
+def test_a_checkpoint_written_before_the_sections_still_resumes(today, tmp_path):
+    """A checkpoint fingerprints its build's config; one written before format 3 fingerprinted it flat: the same
+    build, accepted. Negative control: a flat config of another build (another split) is refused."""
+    from concept import checkpoint, fingerprint
+    from concept.errors import RunFolderError
+    from concept.migrate import flat
+
+    config = run_files.read_run(today)["config"]
+    state = tmp_path / "checkpoint" / "state.json"
+    state.parent.mkdir()
+    for written, accepted in ((config, True), (flat(config), True),
+                              (flat(config) | {"split": "2,1,1"}, False)):
+        state.write_text(json.dumps({"step": 1, "fingerprints": {"build": fingerprint.of_config(written)}}))
+        if accepted:
+            assert checkpoint.check_origin(tmp_path, config, None)["step"] == 1
+        else:
+            with pytest.raises(RunFolderError, match="not written for this run's build"):
+                checkpoint.check_origin(tmp_path, config, None)
