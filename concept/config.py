@@ -207,9 +207,14 @@ class BuildConfig:
             elif key and head in family_sections():  # (every family's: imports them, for this case only)
                 self.sections.setdefault(head, {})[key] = value
             else:
-                problems.append(_unknown_msg("--set key", path, [
-                    *CORE_KEYS, "backbone.KEY", *(section.keys() if section is not None else ()),
-                    *(f"{s}.KEY" for s in family_sections() if section is None or s != section.name)]))
+                slots = ["backbone", *(section.slots() if section is not None else ())]
+                others = [s for s in family_sections() if section is None or s != section.name]
+                if key:
+                    problems.append(_unknown_msg(f"--set {path}: slot", head, slots + others))
+                else:
+                    plain = [f.name for f in dataclasses.fields(section) if f.name not in slots] if section else []
+                    problems.append(_unknown_msg("--set key", path, [
+                        *CORE_KEYS, *slots[1:], *plain, *(f"{s}.KEY" for s in others)]))
         if problems and not collect:
             raise ConfigError(problems)
         return self

@@ -99,11 +99,6 @@ class StreamingSection:
                 kwargs[key] = value
         return (None, problems) if problems else (cls(**kwargs), [])
 
-    def keys(self) -> list[str]:
-        """What ``--set KEY=VALUE`` may name here."""
-        return [*self.slots(), *(f"{s}.KEY" for s in self.slots()),
-                *(f.name for f in dataclasses.fields(self) if f.name not in self.slots())]
-
     def override(self, path: str, raw: str) -> str | None:
         """Apply one ``--set`` item (``sampler.tau=0.7``, ``length_policy=fixed``, ``split=2,2,2``); a problem, or
         None where it applied; ``"unknown"`` where this section has no such key."""
