@@ -8,7 +8,7 @@ import click
 from click.core import ParameterSource
 from rich.markup import escape
 
-from concept.config import SLOTS, BuildConfig
+from concept.config import BuildConfig
 from concept.errors import ConfigError
 from concept.options import click_options
 
@@ -29,12 +29,14 @@ from .output import (
 
 
 def load_config_file(path: str, command: str = "build"):
-    """A saved build config: a run folder, a run's concept.json, or a recipe file (YAML or JSON: a bare build
+    """A saved build config: a run folder, a run's concept.json or a recipe file (YAML or JSON: a bare build
     config or its ``build:`` section), whose keys that are options rather than the config (e.g. the families'
-    build options, ``output``) --config took as defaults already (``cli.recipes.config_option``)."""
+    build options, ``output``) --config took as defaults already (``cli.recipes.config_option``). A recipe
+    written flat (the streaming family's keys beside ``family``, as before format 3) is read as sectioned."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import BuildConfig
     from concept.builder import read_run
+    from concept.migrate import sectioned
 
     p = Path(path)
     if p.is_dir():
@@ -51,46 +53,66 @@ def load_config_file(path: str, command: str = "build"):
             raise ConfigError([f"--config {path}: {exc.problem}" + (f"; {exc.fix}" if exc.fix else "")]) from None
         return BuildConfig.from_dict(data)
     keys = build_config_keys()
-    return BuildConfig.from_dict({k: v for k, v in section(data, "build", path).items() if k in keys})
+    return BuildConfig.from_dict(sectioned({k: v for k, v in section(data, "build", path).items() if k in keys}))
 
 
 def build_config_keys(ctx=None) -> list[str]:
-    """The keys of a build config (``BuildConfig.to_dict``): its fields and the families' sections."""
+    """The keys of a build config (``BuildConfig.to_dict``): its own and the families' sections; and the keys of a
+    recipe written flat (``concept.migrate.FLAT_KEYS``), which it reads into their section."""
     # lazy: kept beside its one use (concept.config is imported above already: no torch)
-    import dataclasses
-    from concept.config import family_sections
+    from concept.config import CORE_KEYS, family_sections
+    from concept.migrate import FLAT_KEYS
 
-    return [f.name for f in dataclasses.fields(BuildConfig) if f.name != "sections"] + list(family_sections())
+    return [*CORE_KEYS, *family_sections(), *FLAT_KEYS]
 
 
-def make_config(config_file, names: dict, split, seed, overrides, concept_input=None, family=None, problems=None):
-    """Start from the defaults (or --config) and apply the flags; --set last. ``--family NAME`` brings the
-    family's own default components (e.g. the planner-executor's ``per-type`` positions) unless a flag names one."""
+def make_config(config_file, values: dict, seed=None, overrides=(), family=None, problems=None):
+    """Start from the defaults (or --config) and apply the flags; --set last. ``values``: the backbone's and the
+    family build section's flags (name -> value; None: not given). ``--family NAME`` brings the family's own
+    default components (e.g. the planner-executor's ``per-type`` positions) unless a flag names one; a family
+    that reads no such section refuses its flags."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import BuildConfig, ComponentRef
     from concept.builder import absolute_backbone_path
+    from concept.config import build_section_of, parse_max_ratio
     from concept.errors import UnknownComponentError
     from concept.families import family as family_named
 
     config = load_config_file(config_file) if config_file else BuildConfig()
+    given = {k: v for k, v in values.items() if v is not None}
     if family is not None and family != config.family:
-        config.family = family
+        kept = {n: s for n, s in config.sections.items() if isinstance(s, dict)}  # (resolve refuses another's)
+        own = build_section_of(family)
+        if own is not None and type(config.section) is own:  # (a section both families read)
+            kept[own.name] = config.section
+        config = BuildConfig(family=family, backbone=config.backbone, seed=config.seed, sections=kept)
         try:
             defaults = family_named(family).defaults
         except UnknownComponentError:  # a misspelt name: resolve() reports it with the rest
             defaults = {}  # (a family that fails to import or start: its one-line error, naming its package)
         for slot, name in defaults.items():
-            if names.get(slot) is None:
-                setattr(config, slot, ComponentRef(name))
-    for slot, name in names.items():
-        if name is not None and name != getattr(config, slot).name:
-            setattr(config, slot, ComponentRef(name))  # another component: its options start fresh
-    if split is not None:
-        config.split = split
+            if given.get(slot) is None and config.section is not None:
+                setattr(config.section, slot, ComponentRef(name))
+    backbone = given.pop("backbone", None)
+    if backbone is not None and backbone != config.backbone.name:
+        config.backbone = ComponentRef(backbone)  # another component: its options start fresh
+    section = config.section
+    if section is None and given:  # (reported with resolve()'s problems)
+        unread = [f"--{key.replace('_', '-')}: the {config.family} family does not read it (it has no build section "
+                  f"of components); drop it" for key in given]
+        if problems is None:
+            raise ConfigError(unread)
+        problems.extend(unread)
+        given = {}
+    slots = section.slots() if section is not None else {}
+    for key, value in given.items():
+        if key in slots:
+            if value != getattr(section, key).name:
+                setattr(section, key, ComponentRef(value))  # another component: its options start fresh
+        else:
+            setattr(section, key, parse_max_ratio(value) if key == "max_ratio" else value)
     if seed is not None:
         config.seed = seed
-    if concept_input is not None:
-        config.concept_input = concept_input
     config = config.apply_overrides(list(overrides), problems)
     # a local hf folder is stored absolute (edits the backbone's params in place)
     absolute_backbone_path({"backbone": {"name": config.backbone.name, "params": config.backbone.params}})
@@ -125,11 +147,26 @@ def check_output(folder: Path, config, force: bool, inputs: dict | None = None) 
     old = read_run(folder)["config"]  # (a damaged concept.json: its error says to rebuild with --force)
     new = config.to_dict()
     if old != new:
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        changed = differing_keys(old, new)
         raise RunFolderError(
             f"{folder} already holds a different model (differs in: {', '.join(changed)}); "
             f"choose another -o or pass --force to replace it"
         )
+
+
+def differing_keys(old: dict, new: dict) -> list[str]:
+    """The keys of two build configs whose values differ; inside a family's section, its own keys
+    (``streaming.sampler``)."""
+    found = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict) and key not in ("backbone",):
+            found += [f"{key}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        else:
+            found.append(key)
+    return found
 
 
 def print_plan(plan, output: Path | None) -> None:
@@ -146,16 +183,21 @@ def print_plan(plan, output: Path | None) -> None:
 
 
 def family_build_options(third_party: bool = True) -> list:
-    """The families' own build options (``Family.build_options``, e.g. the streaming family's calibration),
-    family by family (without ``third_party``, for --help: the library's own families'); two families may not
-    declare the same flag."""
+    """The families' own build options, family by family (without ``third_party``, for --help: the library's own
+    families'): their build sections' (``Family.build_section``: the streaming family's components, split, ...;
+    unset unless given, so that a --config file's values stay) and the flags only they read
+    (``Family.build_options``, e.g. the streaming family's calibration); two families may not declare the same
+    flag."""
     # lazy: the library loads only when the command runs; --help stays instant
-    from concept.families import build_options
+    from concept.families import build_options, build_sections
     from concept.options import click_params
 
     made, owner = [], {}
-    for name, cls in build_options(third_party).items():
-        for param in click_params(cls):
+    sections = {cls: name for name, cls in reversed(build_sections(third_party).items())}  # (one read by two: once)
+    declared = [(name, cls, True) for cls, name in reversed(sections.items())]
+    declared += [(name, cls, False) for name, cls in build_options(third_party).items()]
+    for name, cls, unset in declared:
+        for param in click_params(cls, unset=unset):
             if param.name in owner:
                 raise RuntimeError(f"families {owner[param.name]} and {name} both declare the build option "
                                    f"{param.opts[0]}; rename one of them")
@@ -164,11 +206,10 @@ def family_build_options(third_party: bool = True) -> list:
     return made
 
 
-# BuildConfig's options (the family, the component slots, split, concept input, seed) come from its fields,
-# unset (None) unless given, so that a --config file's values stay; then the families' own build options.
+# BuildConfig's own options (the family, the backbone, the seed) come from its fields, unset (None) unless given,
+# so that a --config file's values stay; then the families' build sections' and build options.
 @click.command(cls=DeferredOptions, make_options=family_build_options, after="seed")
-@click_options(BuildConfig, "family", unset=True)
-@click_options(BuildConfig, *SLOTS, "split", "concept_input", "seed", "max_ratio", unset=True)
+@click_options(BuildConfig, "family", "backbone", "seed", unset=True)
 @click.option("--set", "overrides", multiple=True, metavar="SLOT.KEY=VALUE",
               help="Set a component option, e.g. --set sampler.tau=0.7 (repeatable; values parsed as JSON).")
 @config_option("build", extra=build_config_keys, dir_okay=True,
@@ -183,8 +224,8 @@ def family_build_options(third_party: bool = True) -> list:
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
 @click.pass_context
-def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_file, print_config, output, force,
-          dry_run, as_json, **options) -> None:
+def build(ctx, family, backbone, seed, overrides, config_file, print_config, output, force, dry_run, as_json,
+          **options) -> None:
     """Build a concept model from a backbone and components (the streaming family unless --family), and save
     it to a run folder.
 
@@ -201,17 +242,16 @@ def build(ctx, family, split, concept_input, seed, max_ratio, overrides, config_
     """
     if output is None and not dry_run and not print_config:
         raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
-    names = {slot: options.pop(slot) for slot in SLOTS}
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import resolve
-    from concept.config import parse_max_ratio
-    from concept.families import build_options, structure
+    from concept.families import build_options, build_sections, structure
     from concept.options import from_params, paths
 
+    values = {"backbone": backbone}
+    for cls in dict.fromkeys(build_sections().values()):  # the build sections' flags (a section's name once)
+        values.update({name: options.pop(name) for name in paths(cls) if name in options})
     problems = []
-    config = make_config(config_file, names, split, seed, overrides, concept_input, family, problems)
-    if max_ratio is not None:
-        config.max_ratio = parse_max_ratio(max_ratio)
+    config = make_config(config_file, values, seed, overrides, family, problems)
     given = {name for name in options if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
     extras, mine = None, set()
     for name, cls in build_options().items():  # the chosen family's own build options; another's are refused

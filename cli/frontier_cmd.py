@@ -11,6 +11,7 @@ from click.core import ParameterSource
 from rich.markup import escape
 
 from concept.config import BuildConfig
+from concept.streaming.section import StreamingSection
 from concept.options import click_options
 
 from .output import print_json, quiet_progress_bars, status, stdout, table
@@ -77,10 +78,9 @@ def make_spec(opts: dict):
     problems += p
     doms, p = domains(list(opts["eval_data"]))
     problems += p
-    names = {"backbone": opts["backbone"], "length_policy": opts["length_policy"], "attention": opts["attention"],
-             "tail_fusion": opts["tail_fusion"]}
+    values = {key: opts[key] for key in ("backbone", "length_policy", "attention", "tail_fusion", "concept_input")}
     try:
-        build = make_config(opts["config_file"], names, None, None, opts["build_set"], opts["concept_input"])
+        build = make_config(opts["config_file"], values, None, opts["build_set"])
     except ConfigError as exc:
         problems += exc.problems
         build = None
@@ -173,7 +173,7 @@ def print_plan(planned, out: Path, spec) -> None:
 @click.option("--length-policy", metavar="NAME", help="Length policy plugin of the builds.")
 @click.option("--attention", metavar="NAME", help="Deep-stack attention backend of the builds.")
 @click.option("--tail-fusion", metavar="NAME", help="Tail fusion of the builds: none, update, bridge.")
-@click_options(BuildConfig, "concept_input", unset=True)
+@click_options(StreamingSection, "concept_input", unset=True)
 @click.option("--build-set", multiple=True, metavar="SLOT.KEY=VALUE",
               help="A build option, as `concept build --set` (repeatable), e.g. --build-set length_policy.max_run=16.")
 @click.option("--train-set", multiple=True, metavar="KEY=VALUE",

@@ -31,6 +31,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from . import fingerprint, fs
 from .errors import RunFolderError
+from .migrate import flat
 
 CHECKPOINT = "checkpoint"
 STATE_FILE = "state.json"
@@ -255,7 +256,8 @@ def check_origin(run: Path, config: dict, backbone_dir: Path | None) -> dict | N
     meta = read_meta(run)
     recorded = (meta or {}).get("fingerprints") or {}
     path = folder(run)
-    if recorded.get("build") not in (None, fingerprint.of_config(config)):
+    # (a checkpoint written before concept.json's format 3 fingerprinted the same build written flat)
+    if recorded.get("build") not in (None, fingerprint.of_config(config), fingerprint.of_config(flat(config))):
         raise RunFolderError(
             f"{path} was not written for this run's build: its build fingerprint ({recorded['build']}) differs from "
             f"that of {Path(run) / fs.RUN_MARKER} ({fingerprint.of_config(config)}), e.g. a checkpoint copied from a "

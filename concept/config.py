@@ -1,12 +1,14 @@
 """Build configuration: stdlib dataclasses, validated all at once, round-tripping to JSON.
 
-A :class:`BuildConfig` holds one :class:`ComponentRef` (registry name + params) per slot.
-Each component class declares its own ``Config`` dataclass; :func:`resolve` looks every
-slot up in the registry, builds those dataclasses from the params, runs their checks and
+A :class:`BuildConfig` holds the family, the backbone (a :class:`ComponentRef`: registry name + params), the
+seed and the families' sections; the chosen family's build section (``Family.build_section``) holds its other
+component slots and options. Each component class declares its own ``Config`` dataclass; :func:`resolve` looks
+every slot up in the registry, builds those dataclasses from the params, runs their checks and
 the cross-component checks, and raises a single :class:`ConfigError` listing every problem.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -17,17 +19,10 @@ from typing import Any
 from .errors import ConceptError, ConfigError, UnknownComponentError
 from .families import family, sections
 from .options import SEED_MAX, finite, option
-from .registry import KINDS, Provider, registry
+from .registry import Provider, registry
 
-SLOTS = ("backbone", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
-         "tail_fusion")
-CONCEPT_INPUTS = ("identity", "identity-scaled", "embedding")
-SLOT_KIND = {slot: ("sampler" if slot == "eval_sampler" else slot) for slot in SLOTS}
-assert set(SLOT_KIND.values()) == set(KINDS) - {"family"}
-# The build keys that only some families read (the streaming forward's components and layout; issue 41, item 1
-# moves them into the streaming family's own section): a family names those it reads (``Family.slots``); for
-# another family they are neither resolved nor written, printed or inspected, and setting one is refused.
-FAMILY_KEYS = (*SLOTS[1:], "split", "concept_input", "max_ratio")
+SLOTS = ("backbone",)  # the core's component slots; a family's build section holds its others (``Family.build_section``)
+CORE_KEYS = ("family", "backbone", "seed")  # a build config's own keys; the rest are the families' sections
 
 # The default operating point: the best measured streaming point at <= 0.6x the dense backbone's FLOPs
 # (docs/results.md, "The default operating point: 4,18,8 at 0.125"). Split "auto" gives the shallow
@@ -74,98 +69,118 @@ def slot(default: str, *, help: str, **kwargs) -> Any:
                   default_factory=lambda: ComponentRef(default), **kwargs)
 
 
-@dataclass
+@dataclass(init=False)
 class BuildConfig:
-    options_title = "model"  # their --help sections (concept.options.group_of)
-    option_groups = {"components": SLOTS}
+    """A build: the family, the backbone, the seed, and the families' sections (section name -> the options of a
+    family: an instance of its ``Family.build_section``, e.g. ``concept.streaming.section.StreamingSection``, or the
+    JSON object its ``Family.settings`` reads, e.g. the planner-executor's ``planner``).
 
-    backbone: ComponentRef = slot("smollm2", help="Backbone plugin; smollm2 is the offline SmolLM2-135M")
-    # "auto" (AUTO_SHALLOW / AUTO_DEEP of the layers: 4,18,8 on 30), counts "4,22,4" (shallow, middle,
-    # deep) or fractions "0.15,0.7,0.15"
-    split: str = option("auto", metavar="TEXT", help="Layers per stack: 'auto' (2/15 shallow, 4/15 deep: 4,18,8 on "
-                                                     "30 layers), counts '4,22,4' or fractions '0.15,0.7,0.15'.")
-    length_policy: ComponentRef = slot("null", help="Length policy plugin")
-    sampler: ComponentRef = slot("gumbel-st", help="Training sampler plugin")
-    eval_sampler: ComponentRef = slot("argmax", help="Inference sampler plugin")
-    position_scheme: ComponentRef = slot("time", help="Position scheme plugin", flag="--rope",
-                                         aliases=("--position-scheme",))
-    vocabulary: ComponentRef = slot("embedding", help="Concept vocabulary plugin")
-    attention: ComponentRef = slot("chunked", help="Deep-stack attention backend")
-    tail_fusion: ComponentRef = slot("none", help="What tail tokens take from their latest concept: none, update, "
-                                                  "bridge")
-    # what a concept feeds the middle stack: "identity" = the emitting token's shallow state plus the
-    # discrete concept embedding behind a gate that starts at 0 (keep-all == the backbone exactly);
-    # "identity-scaled" = the same with the gate in units of the shallow state's RMS; "embedding" = the
-    # discrete concept embedding alone
-    concept_input: str = option("identity", choices=CONCEPT_INPUTS,
-                                help="Concept input: the emitting token's shallow state + a gated embedding "
-                                     "(identity), the same with the gate in units of the shallow state "
-                                     "(identity-scaled), or the discrete embedding alone (embedding).")
-    seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed for the new modules.")
-    # streaming: the static concept budget (concept.packing.budget): a number, "auto" (derived from the length
-    # policy: concept.streaming.budget) or "none" / 0 = off (layout widths follow the batch)
-    max_ratio: float | str = option(
-        MAX_RATIO_AUTO, metavar="R|auto|none",
-        help="Streaming: static shapes. A row's first n real tokens emit at most ceil(max_ratio * n) boundaries "
-             "(the model drops those over it), so the packed layout has ceil(max_ratio * T) concept slots per row "
-             "whatever the decisions (no host sync, one compiled graph). auto: twice the length policy's target "
-             "ratio, plus 4 boundaries of slack per row (0.25 at the default 0.125; fixed: its own rate "
-             "1 / every); none or 0: off, widths follow the batch.")
+    Keyword arguments besides these are the chosen family's section by its name (``planner={...}``) or options of
+    its build section, whose options also read and write as attributes:
+    ``BuildConfig(split="2,2,2", attention="sdpa").split``."""
+
+    options_title = "model"  # their --help sections (concept.options.group_of)
+
     # which model family the builder wires (a ``concept.families`` entry point: ``concept plugins list``)
     family: str = option("streaming", metavar="NAME",
                          help="Model family (`concept plugins list --kind family`): streaming (online concept "
                               "compression) or planner-executor (the LLM plans typed concepts, then writes text from "
                               "the plan alone; configure its types with --set planner.types='[{\"name\": ..., "
                               "\"size\": K, \"max_len\": N}, ...]').")
+    backbone: ComponentRef = slot("smollm2", help="Backbone plugin; smollm2 is the offline SmolLM2-135M")
+    seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed for the new modules.")
     # the families' own options by section name (``--set SECTION.KEY=VALUE``; in JSON ``"SECTION": {...}``)
-    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sections: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self):
-        # a component named by a string (``BuildConfig(backbone="tiny-llama")``) is that component with its defaults
-        for name in SLOTS:
-            if isinstance(getattr(self, name), str):
-                setattr(self, name, ComponentRef(getattr(self, name)))
+    def __init__(self, family: str = "streaming", backbone: ComponentRef | str | None = None, seed: int = 0,
+                 sections: dict | None = None, **options):
+        self.family, self.seed = family, seed
+        backbone = ComponentRef(self.__dataclass_fields__["backbone"].default_factory().name) if backbone is None \
+            else backbone
+        self.backbone = ComponentRef(backbone) if isinstance(backbone, str) else backbone
+        self.sections = copy.deepcopy(dict(sections or {}))  # (``dataclasses.replace`` passes the original's)
+        named = getattr(family_or_none(family), "section", None) if options else None
+        if named in options:  # its settings' section by name (``planner={"types": [...]}``)
+            self.sections[named] = dict(options.pop(named))
+        own = build_section_of(family)
+        if own is not None:
+            self.sections.setdefault(own.name, own())
+        elif options:
+            raise ConfigError([f"{key}: the {family} family does not read it (it has no build section of "
+                               f"components); drop it" for key in options])
+        unknown = [k for k in options if own is not None and k not in own.__dataclass_fields__]
+        if unknown:
+            raise ConfigError([_unknown_msg(f"{own.name} option", k, list(own.__dataclass_fields__)) for k in unknown])
+        section = self.sections.get(own.name) if own is not None else None
+        for key, value in options.items():
+            setattr(section, key, value)
+        if section is not None:
+            section.__post_init__()  # (a component named by a string)
+
+    @property
+    def section(self):
+        """The chosen family's build section (``Family.build_section``), or None."""
+        own = build_section_of(self.family)
+        return None if own is None else self.sections.setdefault(own.name, own())
+
+    def __getattr__(self, name: str):  # (only for names that are not attributes: the family's section's options)
+        if name.startswith("_") or name in ("family", "sections"):
+            raise AttributeError(name)
+        own = build_section_of(self.family)
+        if own is not None and name in own.__dataclass_fields__:
+            return getattr(self.section, name)
+        raise AttributeError(f"BuildConfig of the {self.family} family has no option {name!r}")
+
+    def __setattr__(self, name: str, value):
+        if name not in self.__dataclass_fields__:
+            own = build_section_of(self.family)
+            if own is not None and name in own.__dataclass_fields__:
+                setattr(self.section, name, value)
+                return
+        object.__setattr__(self, name, value)
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
-        data.update(data.pop("sections"))  # each family's section at the top level, under its own name
-        for key in unread_keys(self.family):
-            del data[key]
-        return data
-
-    def unread_set(self) -> list[str]:
-        """The keys of :data:`FAMILY_KEYS` that this build's family does not read but that differ from their defaults
-        (an option the user set for nothing)."""
-        fresh = BuildConfig()
-        return [key for key in unread_keys(self.family) if getattr(self, key) != getattr(fresh, key)]
+        """``{"family", "backbone", "seed", SECTION: {...}}``: each family section under its own name."""
+        self.section  # noqa: B018 (the chosen family's, with its defaults)
+        sections = {name: s.to_dict() if hasattr(s, "to_dict") else dict(s) for name, s in self.sections.items()}
+        return {"family": self.family, "backbone": dataclasses.asdict(self.backbone), "seed": self.seed, **sections}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict) -> "BuildConfig":
-        fields = [f.name for f in dataclasses.fields(cls) if f.name != "sections"]
-        known = family_sections()
-        problems = _unknown_keys(data, fields + list(known), "build config")
-        if problems:
-            raise ConfigError(problems)
+        """From :meth:`to_dict` (a run's record passes through ``concept.migrate`` first: an older run's flat keys
+        move into their section there); every problem at once, as one ``ConfigError``."""
+        name = data.get("family", cls.__dataclass_fields__["family"].default)
+        own = build_section_of(name) if isinstance(name, str) else None
+        own_section = getattr(family_or_none(name), "section", None)
+        problems: list[str] = []
         kwargs: dict[str, Any] = {"sections": {}}
         for key, value in data.items():
-            if key in SLOTS:
-                if isinstance(value, str):
-                    value = {"name": value}
-                if not isinstance(value, dict) or "name" not in value:
-                    problems.append(f"{key}: expected {{'name': ..., 'params': {{...}}}}, got {value!r}")
-                    continue
-                kwargs[key] = ComponentRef(value["name"], dict(value.get("params") or {}))
-            elif key in known:
+            if key == "backbone":
+                kwargs[key], problem = component_ref(key, value)
+                problems += [problem] if problem else []
+            elif key in CORE_KEYS:
+                kwargs[key] = value
+            elif own is not None and key == own.name:
+                section, errs = own.from_dict(value) if isinstance(value, dict) else (
+                    None, [f"{key}: expected an object of the {name} family's build options, got {value!r}"])
+                problems += errs
+                kwargs["sections"][key] = section
+            elif key == own_section or key in family_sections():
                 if not isinstance(value, dict):
-                    problems.append(f"{key}: expected an object of {known[key]} options, got {value!r}")
+                    problems.append(f"{key}: expected an object of {family_sections().get(key, name)} options, "
+                                    f"got {value!r}")
                 else:
                     kwargs["sections"][key] = dict(value)
+            elif own is not None and key in own.__dataclass_fields__:
+                problems.append(f"{key}: an option of the {own.name} section; write it there ({own.name}: {{{key}: "
+                                f"...}}; a run folder of an older version is brought to today's format when read)")
             else:
-                kwargs[key] = value
+                allowed = [*CORE_KEYS, *([own.name] if own else []), *([own_section] if own_section else [])]
+                problems.append(_unknown_msg("key in build config:", key, allowed))
         if problems:
             raise ConfigError(problems)
         return cls(**kwargs)
@@ -181,7 +196,6 @@ class BuildConfig:
         as one ``ConfigError`` without it."""
         collect = problems is not None
         problems = problems if collect else []
-        sections = family_sections()  # (reads the entry points once)
         for item in overrides:
             if "=" not in item:
                 problems.append(f"--set {item!r}: expected slot.key=value, e.g. sampler.tau=0.7")
@@ -189,25 +203,56 @@ class BuildConfig:
             path, raw = item.split("=", 1)
             value = parse_value(raw)
             head, _, key = path.partition(".")
-            if key and head in sections:
+            section = self.section
+            if path == "backbone":
+                self.backbone = ComponentRef(str(value))
+            elif head == "backbone" and key:
+                self.backbone.params[key] = value
+            elif path == "seed":
+                self.seed = value
+            elif path == "family":
+                self.family = str(raw)
+            elif section is not None and section.override(path, raw) is None:
+                pass
+            elif key and head in family_sections():  # (every family's: imports them, for this case only)
                 self.sections.setdefault(head, {})[key] = value
-            elif "." in path:
-                slot, key = path.split(".", 1)
-                if slot not in SLOTS:
-                    problems.append(_unknown_msg(f"--set {path}: slot", slot, list(SLOTS)))
-                    continue
-                getattr(self, slot).params[key] = value
-            elif path in SLOTS:
-                getattr(self, path).name = str(value)
-            elif path in ("split", "seed", "concept_input", "family", "max_ratio"):
-                setattr(self, path, value if path == "seed" else parse_max_ratio(raw) if path == "max_ratio"
-                        else str(raw))
             else:
-                problems.append(_unknown_msg("--set key", path, list(SLOTS) + [
-                    "split", "seed", "concept_input", "family", "max_ratio", *(f"{s}.KEY" for s in sections)]))
+                slots = ["backbone", *(section.slots() if section is not None else ())]
+                others = [s for s in family_sections() if section is None or s != section.name]
+                if key:
+                    problems.append(_unknown_msg(f"--set {path}: slot", head, slots + others))
+                else:
+                    plain = [f.name for f in dataclasses.fields(section) if f.name not in slots] if section else []
+                    problems.append(_unknown_msg("--set key", path, [
+                        *CORE_KEYS, *slots[1:], *plain, *(f"{s}.KEY" for s in others)]))
         if problems and not collect:
             raise ConfigError(problems)
         return self
+
+
+def component_ref(key: str, value) -> tuple[ComponentRef | None, str | None]:
+    """A component slot's JSON (``{"name": ..., "params": {...}}``, or its name alone) as a :class:`ComponentRef`,
+    or (None, the problem)."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None, f"{key}: expected {{'name': ..., 'params': {{...}}}}, got {value!r}"
+    if value.get("params") is not None and not isinstance(value["params"], dict):
+        return None, f"{key}.params: expected an object, got {value['params']!r}"
+    return ComponentRef(value["name"], dict(value.get("params") or {})), None
+
+
+def family_or_none(name):
+    """The family ``name``, or None where it cannot be looked up (``resolve`` says why)."""
+    try:
+        return family(name)
+    except (ConceptError, TypeError):
+        return None
+
+
+def build_section_of(name) -> type | None:
+    """The build-section dataclass of the family ``name`` (``Family.build_section``), or None."""
+    return getattr(family_or_none(name), "build_section", None)
 
 
 def parse_max_ratio(raw):
@@ -235,16 +280,6 @@ def has_budget(value) -> bool:
     """Whether a ``max_ratio`` asks for a static budget: ``auto`` or a number above 0 (``auto`` may still find
     none for a length policy with neither a target nor a bound: ``concept.streaming.budget``)."""
     return value == MAX_RATIO_AUTO or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
-
-
-def unread_keys(name: str) -> tuple[str, ...]:
-    """The keys of :data:`FAMILY_KEYS` that the family ``name`` does not read (``Family.slots``); none while the
-    family cannot be looked up (``resolve`` says why)."""
-    try:
-        reads = family(name).slots
-    except ConceptError:
-        return ()
-    return tuple(key for key in FAMILY_KEYS if key not in reads)
 
 
 def family_sections() -> dict[str, str]:
@@ -446,15 +481,13 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolu
     except ConceptError as exc:  # a broken or conflicting installed family: the environment, not the input
         problems.append(f"family: {exc}")
         environment_problem = True
-    unread = set(unread_keys(config.family)) if fam is not None else set()
-    problems.extend(f"{key}: the {config.family} family does not read it (it reads "
-                    f"{', '.join(fam.slots) or 'none of the streaming keys'}); drop it" for key in config.unread_set())
+    own = fam.build_section if fam is not None else None
+    section = config.section if own is not None else None
+    slots = {"backbone": "backbone", **(own.slots() if own is not None else {})}
     components: dict[str, ResolvedComponent] = {}
-    for slot in SLOTS:
-        if slot in unread:
-            continue
-        ref: ComponentRef = getattr(config, slot)
-        reg = registry(SLOT_KIND[slot])
+    for slot, kind in slots.items():
+        ref: ComponentRef = config.backbone if slot == "backbone" else getattr(section, slot)
+        reg = registry(kind)
         try:
             provider = reg.provider(ref.name)
             cls = reg.get(ref.name)
@@ -474,17 +507,15 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolu
         problems.append(f"seed: expected an integer, got {config.seed!r}")
     elif not 0 <= config.seed <= SEED_MAX:
         problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {config.seed}")
-    if "concept_input" not in unread and config.concept_input not in CONCEPT_INPUTS:
-        problems.append(_unknown_msg("concept_input", str(config.concept_input), list(CONCEPT_INPUTS)))
-    if "max_ratio" not in unread and max_ratio_problem(config.max_ratio):
-        problems.append(max_ratio_problem(config.max_ratio))
-    sections = family_sections()
-    for section, options in config.sections.items():
-        if fam is not None and section == fam.section:
+    if section is not None:
+        problems.extend(section.problems())
+    for name, options in config.sections.items():
+        if fam is not None and name in (fam.section, own.name if own is not None else None):
             continue
-        owner = sections.get(section, "another")
-        problems.append(f"{section}: {', '.join(sorted(options))} configure the {owner} family; this build is "
-                        f"{config.family!r} (pass --family {owner}, or drop the {section} options)")
+        owner = family_sections().get(name, "another")  # (every family's: imports them, for this case only)
+        keys = options.to_dict() if hasattr(options, "to_dict") else options
+        problems.append(f"{name}: {', '.join(sorted(keys))} configure the {owner} family; this build is "
+                        f"{config.family!r} (pass --family {owner}, or drop the {name} options)")
     if fam is not None:
         settings, errs = fam.settings(config.sections.get(fam.section, {}) if fam.section else {}, components)
         problems.extend(errs)
@@ -496,8 +527,8 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolu
             info = bb.cls.describe(bb.config)
         except ConceptError as exc:
             problems.append(f"backbone: {exc}")
-        if info is not None and "split" not in unread:
-            split, errs = parse_split(config.split, info.num_layers)
+        if info is not None and section is not None:
+            split, errs = section.layers(info.num_layers)
             problems.extend(errs)
 
     # Cross-component compatibility: each component may veto a combination, with its reason.

@@ -242,8 +242,10 @@ class Family:
     with options of its own, also ``section`` and ``settings``. Every other member has a working default.
 
     ``section``: its build-config section (``--set SECTION.KEY=VALUE``; saved in ``concept.json``), or None.
-    ``slots``: the build's component slots and streaming keys it reads (written, resolved, printed and
-    inspected only for families that name them). ``defaults``: component names it builds with unless the user
+    ``build_section``: the option dataclass of its build options with flags (``concept.options``; its
+    ``ComponentRef`` fields are component slots resolved from the registry, its ``name`` its key in a build config,
+    e.g. ``concept.streaming.section.StreamingSection``), or None: only what it names is resolved, written,
+    printed and inspected. ``defaults``: component names it builds with unless the user
     chose others. ``checks_components``: whether the components' ``check_compatible`` vetoes apply to its builds.
     ``stacks``: its model has shallow / middle / deep stacks and a concept ratio. ``training``: the option
     dataclass of the training options only it reads (``concept.options.FamilyOptions``), or None.
@@ -254,7 +256,7 @@ class Family:
     required = ("name", "build")
     name: str = ""
     section: str | None = None
-    slots: tuple[str, ...] = ()
+    build_section: type | None = None
     defaults: dict[str, str] = {}
     checks_components: bool = False
     stacks: bool = False

@@ -293,9 +293,11 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
                              or _saved_backbone(run) or config.get("backbone"))
         absolute = str((tmp / BACKBONE_DIR).resolve())
         config["backbone"] = {"name": "hf", "params": {"path": absolute, "dtype": dtype}}
+        build = BuildConfig.from_dict(config)
         if pruned:
-            config["split"] = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)
-        new_plan = resolve(BuildConfig.from_dict(config))
+            build.split = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)
+            config = build.to_dict()
+        new_plan = resolve(build)
         if not pruned and tuple(new_plan.split or ()) != tuple(plan.split or ()):  # (a family without stacks: none)
             raise ConceptError(f"the exported backbone resolves to split {new_plan.split}, not the run's {plan.split}")
         exported = {"from": str(run.resolve()) if run is not None else None, "step": step, "kind": kind, "lora": lora,

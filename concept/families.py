@@ -57,13 +57,24 @@ def working(third_party: bool = True) -> dict:
 
 
 def sections() -> dict[str, str]:
-    """Build-config section name -> the family that reads it (imports each family)."""
-    return {f.section: name for name, f in working().items() if f.section}
+    """Build-config section name -> the family that reads it (imports each family): its ``section`` and its
+    ``build_section``'s (a section two families read names the first)."""
+    found = {}
+    for name, f in working().items():
+        for section in (f.section, getattr(f.build_section, "name", None)):
+            if section:
+                found.setdefault(section, name)
+    return found
 
 
 def build_options(third_party: bool = True) -> dict[str, type]:
     """Family name -> the option dataclass of the ``concept build`` flags only it reads (``build_options``)."""
     return {name: f.build_options for name, f in working(third_party).items() if f.build_options is not None}
+
+
+def build_sections(third_party: bool = True) -> dict[str, type]:
+    """Family name -> the option dataclass of its build section (``Family.build_section``)."""
+    return {name: f.build_section for name, f in working(third_party).items() if f.build_section is not None}
 
 
 def structure(fam, plan) -> dict:

@@ -10,6 +10,9 @@ explicit rewrite of the record (the formats are listed in docs/training.md, "Run
   with what they were then: ``concept_input = "embedding"``, ``tail_fusion = none``;
 - **format 2 without ``family``**: written before there was a second family: the ``streaming`` family;
 - **an empty family section** (older versions wrote every family's section, empty, into every run): dropped;
+- **format 2** (flat): the streaming family's keys (its component slots, ``split``, ``concept_input``,
+  ``max_ratio``: :data:`FLAT_KEYS`) sat beside ``family``, ``backbone`` and ``seed``; format 3 holds them in their
+  section, ``"streaming": {...}`` (:func:`sectioned`; a recipe file written flat is read through it too);
 - **a format above** :data:`FORMAT_VERSION` (a newer concept wrote it): refused, with the fix (upgrade).
 
 ``train.json`` (:func:`migrate_train`):
@@ -25,11 +28,14 @@ from __future__ import annotations
 
 from .data import stored_source
 from .errors import ConceptError
-from .families import sections
 
-FORMAT_VERSION = 2  # concept.json's format, written by concept.builder
+FORMAT_VERSION = 3  # concept.json's format, written by concept.builder
 FORMAT_1_COMPONENTS = {"concept_input": "embedding", "tail_fusion": {"name": "none", "params": {}}}
 FIRST_FAMILY = "streaming"
+# format 2's top-level keys of the streaming family (the planner-executor read them too): format 3's "streaming" section
+FLAT_KEYS = ("split", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
+             "tail_fusion", "concept_input", "max_ratio")
+FLAT_SECTION = "streaming"
 
 
 class RecordFormatError(ConceptError):
@@ -62,12 +68,33 @@ def migrate_run(record: dict) -> dict:
         config.setdefault("family", FIRST_FAMILY)
         if "length_policy" in config:  # a family with concept slots, written before the static budget: none, as
             config.setdefault("max_ratio", 0.0)  # it was built (not today's auto); a slot-less family has no key
-        known = sections()
-        for key in [k for k, v in config.items() if k in known and v == {}]:
+        for key in [k for k, v in config.items() if v == {}]:  # (only a section can be empty: a slot has a name)
             del config[key]
-        record["config"] = config
+        record["config"] = sectioned(config) if version < 3 else config
     record["format"] = FORMAT_VERSION
     return record
+
+
+def sectioned(config: dict) -> dict:
+    """A build config (a copy) with format 2's flat keys of the streaming family (:data:`FLAT_KEYS`) moved into
+    its section; one already sectioned is returned as it is (a key in both places: the section's wins)."""
+    if not isinstance(config, dict):
+        return config
+    moved = {k: config[k] for k in FLAT_KEYS if k in config}
+    if not moved:
+        return config
+    rest = {k: v for k, v in config.items() if k not in moved}
+    section = rest.get(FLAT_SECTION)
+    rest[FLAT_SECTION] = {**moved, **section} if isinstance(section, dict) else moved
+    return rest
+
+
+def flat(config: dict) -> dict:
+    """A format-3 build config as format 2 wrote it (the inverse of :func:`sectioned`): what a checkpoint written
+    before format 3 fingerprinted (``concept.checkpoint.check_origin``)."""
+    if not isinstance(config, dict) or not isinstance(config.get(FLAT_SECTION), dict):
+        return config
+    return {k: v for k, v in config.items() if k != FLAT_SECTION} | config[FLAT_SECTION]
 
 
 def migrate_train(record: dict) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import checkpoint
-from .config import SLOTS, BuildConfig, resolve
+from .config import BuildConfig, resolve
 from .errors import ConceptError, ConfigError, RunFolderError, UnknownComponentError, one_line
 from .families import family
 from .migrate import RecordFormatError, migrate_run, migrate_train
@@ -191,23 +191,14 @@ def read_run(path: str | os.PathLike) -> dict:
 def config_problems(config: dict) -> list[str]:
     """What is wrong with a build config dict, structurally (each slot an object with a name and params,
     each family section an object, the plain options of their types)."""
-    problems = []
-    for slot in SLOTS:
-        ref = config.get(slot)
-        if isinstance(ref, dict):
-            if not isinstance(ref.get("name"), str):
-                problems.append(f"{slot}.name: expected a string, got {ref.get('name')!r}")
-            if ref.get("params") is not None and not isinstance(ref["params"], dict):
-                problems.append(f"{slot}.params: expected an object, got {_kind(ref['params'])}")
-    if problems:
-        return problems
     try:
         built = BuildConfig.from_dict(config)
     except ConfigError as exc:
         return exc.problems
     except (TypeError, ValueError, AttributeError) as exc:
         return [str(exc)]
-    return check(built)
+    section = built.section
+    return check(built) + (check(section) if section is not None and dataclasses.is_dataclass(section) else [])
 
 
 def plan_of(record: dict, folder: Path):

@@ -297,15 +297,15 @@ def family_options(third_party: bool = True) -> list[type]:
 
 
 # Core options that only a family with concept components reads (issue 41, item 1 moves them to their owner): a
-# family that names no streaming key (``Family.slots`` empty, e.g. a soft prompt) does not, so its runs refuse
-# them and its train.json leaves them out.
+# family without a build section of components (``Family.build_section`` None, e.g. a soft prompt) does not, so
+# its runs refuse them and its train.json leaves them out.
 CONCEPT_OPTIONS = ("target_ratio", "tau_start", "tau_end", "usage_weight", "revive_after", "kmeans_init", "align_at")
 
 
 def unread_options(own) -> list[str]:
     """The training options a run of the family ``own`` does not read: every other family's own
-    (``Family.training``) and, for a family without components (no ``slots``), :data:`CONCEPT_OPTIONS`."""
-    found = [] if own.slots else list(CONCEPT_OPTIONS)
+    (``Family.training``) and, for a family without components (no ``build_section``), :data:`CONCEPT_OPTIONS`."""
+    found = [] if own.build_section is not None else list(CONCEPT_OPTIONS)
     for other in working().values():
         if other is not own and other.training is not None:
             found += [f.name for f in dataclasses.fields(other.training)]
@@ -326,7 +326,7 @@ def foreign_options(config: TrainConfig, own=None) -> list[tuple[str, object, st
     of them for a baseline, ``own`` None), set away from its default; for a family without components, also the
     core's :data:`CONCEPT_OPTIONS` (owner: streaming)."""
     found = []
-    if own is not None and not own.slots:
+    if own is not None and own.build_section is None:
         defaults = CoreTrainConfig()
         found += [(name.replace("_", "-"), getattr(config, name), "streaming") for name in CONCEPT_OPTIONS
                   if getattr(config, name) != getattr(defaults, name)]

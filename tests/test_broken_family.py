@@ -7,7 +7,8 @@ such a family fail, with one line naming its package and the error. The distribu
 Negative control (without the fix, run on this file): a family whose ``__init__`` raises made every command
 end in its ``RuntimeError`` traceback (``concept.families.family`` instantiated it uncaught, and
 ``TrainConfig`` / ``--help`` instantiate every family); ``train --help`` imported the torch-importing family;
-``build --family broken`` printed a two-line ``invalid config (1 problem)``."""
+``build --family broken`` printed a two-line ``invalid config (1 problem)``. Reading and resolving a streaming run
+imports no other family (before the build sections, ``concept.migrate`` and ``resolve`` imported every one)."""
 from __future__ import annotations
 
 import json
@@ -96,6 +97,20 @@ def test_help_and_streaming_build_train_generate_still_work(installed, corpus, t
     assert invoke("build", *TINY, "--dry-run").exit_code == 0
     built, trained = tmp_path / "m", tmp_path / "m-train"
     assert invoke("build", *TINY, "-o", built).exit_code == 0
+    # reading and resolving the streaming run imports no other family (its config names its own section only)
+    from concept import families, registry, run_files
+
+    def forget_the_families():
+        sys.modules.pop("heavy_family", None)
+        registry._REGISTRIES.clear()  # (the fixture's fresh ones)
+        families._INSTANCES.clear()
+
+    forget_the_families()
+    run_files.plan_of(run_files.read_run(built), built)
+    assert "heavy_family" not in sys.modules
+    families.sections()  # negative control: every family's sections import every family
+    assert "heavy_family" in sys.modules
+    forget_the_families()
     r = invoke("train", built, "--data", corpus, "--steps", 2, *FAST, "--out", trained)
     assert r.exit_code == 0, r.output
     r = invoke("generate", trained, "--prompt", "def f(x):", "--max-new-tokens", 4)

@@ -223,7 +223,7 @@ def test_build_from_config_file(tiny_run, tmp_path):
         assert plan["components"]["eval_sampler"]["name"] == "gumbel-st"  # the flag wins
     # changing a component's name drops the options that belonged to the old one
     plan = json_out(invoke("build", "--config", bare, "--sampler", "argmax", "--dry-run", "--json"))
-    assert plan["config"]["sampler"] == {"name": "argmax", "params": {}}
+    assert plan["config"]["streaming"]["sampler"] == {"name": "argmax", "params": {}}
 
 
 def test_build_config_file_garbage(tmp_path):
@@ -254,7 +254,7 @@ def test_refuses_folder_with_a_different_model(tiny_run, tmp_path):
               "--set", "sampler.tau=0.7", "-o", out))
     # ... and --force replaces a different one
     ok(invoke("build", *TINY, "--set", "sampler.tau=0.5", "-o", out, "--force"))
-    assert json.loads((out / "concept.json").read_text())["config"]["sampler"]["params"] == {"tau": 0.5}
+    assert json.loads((out / "concept.json").read_text())["config"]["streaming"]["sampler"]["params"] == {"tau": 0.5}
 
 
 def test_refuses_before_building_in_dry_run_too(tiny_run):

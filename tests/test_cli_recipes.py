@@ -74,16 +74,25 @@ def test_an_unknown_key_is_named_with_the_nearest_valid_one(tmp_path):
 
 def test_build_reads_a_yaml_recipe_with_its_family_options_and_output(tmp_path):
     recipe = tmp_path / "b.yaml"
-    recipe.write_text("backbone: tiny-llama\nsplit: 2,4,2\nsampler: {name: gumbel-st, params: {tau: 0.7}}\n"
-                      "target_ratio: 0.2\noutput: runs/t\n")
+    recipe.write_text("backbone: tiny-llama\nstreaming:\n  split: 2,4,2\n  sampler: {name: gumbel-st, params: {tau: 0.7}}"
+                      "\ntarget_ratio: 0.2\noutput: runs/t\n")
     got = printed("build", "--config", recipe)
-    assert got["split"] == "2,4,2" and got["sampler"]["params"] == {"tau": 0.7} and got["target_ratio"] == 0.2
-    assert got["output"] == "runs/t"
+    streaming = got["streaming"]  # (the streaming family's build options: a section of their own)
+    assert streaming["split"] == "2,4,2" and streaming["sampler"]["params"] == {"tau": 0.7}
+    assert got["target_ratio"] == 0.2 and got["output"] == "runs/t"
+    assert "split" not in got and "sampler" not in got
     again = tmp_path / "again.yaml"
     again.write_text(yaml.safe_dump(got))
     assert printed("build", "--config", again) == got  # round trip
     flags = printed("build", "--config", again, "--split", "1,6,1", "--target-ratio", "0.3")
-    assert flags == {**got, "split": "1,6,1", "target_ratio": 0.3}
+    assert flags == {**got, "streaming": {**streaming, "split": "1,6,1"}, "target_ratio": 0.3}
+    # a recipe written flat (before the sections: format 2) reads the same; negative control: another split differs
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("backbone: tiny-llama\nsplit: 2,4,2\nsampler: {name: gumbel-st, params: {tau: 0.7}}\n"
+                    "target_ratio: 0.2\noutput: runs/t\n")
+    assert printed("build", "--config", flat) == got
+    flat.write_text(flat.read_text().replace("2,4,2", "1,6,1"))
+    assert printed("build", "--config", flat) != got
     r = run("build", "--config", recipe, "--dry-run", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["split"] == {"shallow": 2, "middle": 4, "deep": 2}
@@ -116,7 +125,8 @@ def test_the_frontier_recipe_resolves_to_the_documented_command(tmp_path):
 def test_help_is_grouped_by_owner():
     for name, sections in (("train", ("Options", "Data", "LoRA adapters", "Evaluation, checkpoints and logs",
                                       "Device and precision", "Streaming family", "Planner-executor family")),
-                           ("build", ("Options", "Model", "Components", "Streaming family: calibration")),
+                           ("build", ("Options", "Model", "Streaming family", "Streaming family: components",
+                                      "Streaming family: calibration")),
                            ("frontier", ("Options", "Data", "LoRA adapters", "Streaming family"))):
         text = run(name, "--help").stdout
         found = re.findall(r"^(\S[^\n]*):$", text, flags=re.M)

@@ -13,7 +13,7 @@ def test_json_round_trip():
     again = BuildConfig.from_json(cfg.to_json())
     assert again == cfg
     assert again.sampler.params == {"tau": 0.7} and again.attention.name == "sdpa"
-    assert json.loads(cfg.to_json())["vocabulary"]["params"]["size"] == 64
+    assert json.loads(cfg.to_json())["streaming"]["vocabulary"]["params"]["size"] == 64
 
 
 def test_all_problems_reported_together():
@@ -64,4 +64,31 @@ def test_split_errors(spec, message):
 
 def test_unknown_top_level_key():
     with pytest.raises(ConfigError, match="Did you mean 'sampler'"):
-        BuildConfig.from_dict({"samplr": "argmax"})
+        BuildConfig.from_dict({"streaming": {"samplr": "argmax"}})
+    with pytest.raises(ConfigError, match="Did you mean 'seed'"):
+        BuildConfig.from_dict({"sed": 1})
+
+
+def test_build_config_is_the_family_backbone_seed_and_the_family_s_section():
+    """The streaming keys live in the streaming family's section (``concept.streaming.section``): keyword arguments
+    and attributes reach it; ``to_dict`` has no streaming key at the top; a misspelt option is refused with the
+    nearest; ``dataclasses.replace`` leaves the original's section alone."""
+    import dataclasses
+
+    from concept.streaming.section import StreamingSection
+
+    cfg = BuildConfig(backbone="tiny-llama", split="2,4,2", attention="sdpa")
+    explicit = BuildConfig(backbone=ComponentRef("tiny-llama"),
+                           sections={"streaming": StreamingSection(split="2,4,2", attention=ComponentRef("sdpa"))})
+    assert cfg == explicit and cfg.section is cfg.sections["streaming"]
+    assert sorted(cfg.to_dict()) == ["backbone", "family", "seed", "streaming"]
+    assert cfg.to_dict()["streaming"]["split"] == "2,4,2" and cfg.attention.name == "sdpa"
+    cfg.max_ratio = 0.5  # (an attribute of the section)
+    assert cfg.section.max_ratio == 0.5 and "max_ratio" not in vars(cfg)
+    changed = dataclasses.replace(cfg, split="1,6,1")
+    assert changed.split == "1,6,1" and cfg.split == "2,4,2"
+    assert explicit != changed  # (negative control: another split is another config)
+    with pytest.raises(ConfigError, match="Did you mean 'split'"):
+        BuildConfig(splt="2,4,2")
+    with pytest.raises(AttributeError, match="no option 'splt'"):
+        cfg.splt  # noqa: B018

@@ -57,7 +57,7 @@ def test_the_build_command_takes_a_number_auto_or_none():
     for given, saved in ((None, "auto"), ("none", "none"), ("0.3", 0.3), ("AUTO", "auto")):
         result = CliRunner().invoke(cli, base + ([] if given is None else ["--max-ratio", given]))
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["config"]["max_ratio"] == saved
+        assert json.loads(result.stdout)["config"]["streaming"]["max_ratio"] == saved
     result = CliRunner().invoke(cli, base + ["--max-ratio", "lots"])
     assert result.exit_code == 2 and "error: " in result.stderr and "max_ratio: a number in [0, 1]" in result.stderr
     assert "Traceback" not in result.output
@@ -102,7 +102,9 @@ def test_runs_saved_before_keep_their_layout(default_model, tmp_path):
     concept.save(old, tmp_path / "zero")
     concept.save(old, tmp_path / "older")
     record = json.loads((tmp_path / "older" / "concept.json").read_text())
-    del record["config"]["max_ratio"]
+    streaming = record["config"].pop("streaming")  # format 2: the streaming keys at the top, no max_ratio yet
+    del streaming["max_ratio"]
+    record.update(format=2, config=record["config"] | streaming)
     (tmp_path / "older" / "concept.json").write_text(json.dumps(record))
     with torch.no_grad():
         want = old(ids)

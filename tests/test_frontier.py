@@ -178,7 +178,7 @@ def test_dry_run_writes_nothing_and_shares_pruned_runs(tmp_path, corpus, held_ou
     assert list(runs) == ["s2-2-2_r0.5", "s2-2-2_r0.25", "pruned-L5-skip2", "dense"]  # both points remove one layer
     assert runs["pruned-L5-skip2"]["matches"] == ["s2-2-2_r0.5", "s2-2-2_r0.25"]
     assert runs["s2-2-2_r0.25"]["planned_flop_ratio"] < runs["s2-2-2_r0.5"]["planned_flop_ratio"] < 1
-    assert runs["s2-2-2_r0.5"]["build_config"]["split"] == "2,2,2" and runs["dense"]["state"]["status"] == "new"
+    assert runs["s2-2-2_r0.5"]["build_config"]["streaming"]["split"] == "2,2,2" and runs["dense"]["state"]["status"] == "new"
     r = run("frontier", *TINY, "--splits", "2,2,2", "--ratios", "0.5", *RECIPE, "--data", corpus, *held_out,
             "--out", out, "--dry-run")
     assert r.exit_code == 0 and "pruned-L5-skip2" in r.stdout and "builds/s2-2-2" in r.stdout and not out.exists()

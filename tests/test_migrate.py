@@ -15,7 +15,8 @@ from concept import run_files
 from concept.builder import run_kind
 from concept.config import BuildConfig
 from concept.families import sections
-from concept.migrate import FORMAT_VERSION, migrate_run
+from concept.errors import ConfigError
+from concept.migrate import FORMAT_VERSION, migrate_run, sectioned
 from concept.train_config import TrainConfig
 from tests.test_cli_train import TINY
 
@@ -31,24 +32,33 @@ def cli(*args):
 
 
 # concept.json as each older version wrote it, from today's record
+def format_2(record: dict) -> dict:
+    """Format 2: flat, the streaming family's keys (its slots, split, concept input, budget) beside ``family``."""
+    config = dict(record["config"])
+    return record | {"format": 2, "config": config | config.pop("streaming")}
+
+
 def format_1(record: dict) -> dict:
     """Format 1: no ``format`` key, no ``family`` (one family), and no ``concept_input`` / ``tail_fusion`` (built
     with what they were then: the embedding alone, no fusion)."""
-    config = {k: v for k, v in record["config"].items() if k not in ("family", "concept_input", "tail_fusion")}
-    return {k: v for k, v in record.items() if k != "format"} | {"config": config}
+    flat = format_2(record)
+    config = {k: v for k, v in flat["config"].items() if k not in ("family", "concept_input", "tail_fusion")}
+    return {k: v for k, v in flat.items() if k != "format"} | {"config": config}
 
 
 def format_2_one_family(record: dict) -> dict:
     """Format 2 before the second family: no ``family``."""
-    return record | {"config": {k: v for k, v in record["config"].items() if k != "family"}}
+    flat = format_2(record)
+    return flat | {"config": {k: v for k, v in flat["config"].items() if k != "family"}}
 
 
 def format_2_empty_sections(record: dict) -> dict:
     """Format 2 as versions wrote it that put every family's section, empty, into every run."""
-    return record | {"config": record["config"] | {section: {} for section in sections()}}
+    flat = format_2(record)
+    return flat | {"config": flat["config"] | {section: {} for section in sections() if section != "streaming"}}
 
 
-OLDER = {"format 1": format_1, "format 2, one family": format_2_one_family,
+OLDER = {"format 1": format_1, "format 2": format_2, "format 2, one family": format_2_one_family,
          "format 2, empty sections": format_2_empty_sections}
 
 
@@ -69,7 +79,7 @@ def logits(folder):
 
 def test_every_older_concept_json_loads_as_today_s(today, tmp_path):
     record = json.loads((today / "concept.json").read_text())
-    assert record["format"] == FORMAT_VERSION and record["config"]["tail_fusion"]["name"] == "none"
+    assert record["format"] == FORMAT_VERSION and record["config"]["streaming"]["tail_fusion"]["name"] == "none"
     expected, expected_logits = run_files.read_run(today), logits(today)
     for name, rewrite in OLDER.items():
         old = shutil.copytree(today, tmp_path / name.replace(" ", "-").replace(",", ""))
@@ -79,10 +89,29 @@ def test_every_older_concept_json_loads_as_today_s(today, tmp_path):
         torch.testing.assert_close(logits(old), expected_logits, rtol=0, atol=0)
         r = cli("build", "--config", old / "concept.json", "--dry-run", "--json")  # a record as a --config file
         assert r.exit_code == 0 and json.loads(r.stdout)["config"] == expected["config"], (name, r.output)
-    # negative control: read as it is, without the migration, format 1 names another model (today's default input)
-    raw = format_1(record)["config"] | {"family": "streaming"}
+    # negative controls: read as it is, without the migration, format 1 names another model (today's default input),
+    # and format 2's flat keys are refused, naming their section
+    raw = sectioned(format_1(record)["config"] | {"family": "streaming"})
     assert BuildConfig.from_dict(raw).to_dict() != expected["config"]
     assert BuildConfig.from_dict(migrate_run(format_1(record))["config"]).to_dict() == expected["config"]
+    with pytest.raises(ConfigError, match="split: an option of the streaming section"):
+        BuildConfig.from_dict(format_2(record)["config"])
+    assert BuildConfig.from_dict(migrate_run(format_2(record))["config"]).to_dict() == expected["config"]
+
+
+def test_the_flat_to_sectioned_move_is_explicit():
+    """Format 2 -> 3 moves exactly the streaming keys (a slot-less family's flat config has none: unchanged); a key
+    in both places keeps the section's; negative control: without the move, the keys stay at the top."""
+    flat = {"family": "streaming", "backbone": {"name": "tiny-llama"}, "seed": 1, "split": "2,2,2",
+            "max_ratio": 0.0, "planner": {"types": []}}
+    assert sectioned(flat) == {"family": "streaming", "backbone": {"name": "tiny-llama"}, "seed": 1,
+                               "planner": {"types": []}, "streaming": {"split": "2,2,2", "max_ratio": 0.0}}
+    assert sectioned(flat | {"streaming": {"split": "1,1,1"}})["streaming"] == {"split": "1,1,1", "max_ratio": 0.0}
+    soft = {"family": "soft-prompt", "backbone": {"name": "tiny-llama"}, "seed": 0, "soft_prompt": {"length": 3}}
+    assert sectioned(soft) == soft
+    migrated = migrate_run({"format": 2, "config": flat})
+    assert migrated["format"] == FORMAT_VERSION and "split" not in migrated["config"]
+    assert migrate_run({"format": FORMAT_VERSION, "config": flat})["config"]["split"] == "2,2,2"  # (today's: as is)
 
 
 def test_an_older_train_json_reads_as_today_s(tmp_path, monkeypatch):
@@ -119,3 +148,23 @@ def test_a_format_this_version_cannot_read_is_one_clear_line(today, tmp_path, ve
     for args in (["inspect", old], ["build", "--config", old / "concept.json", "--dry-run"]):
         r = cli(*args)
         assert r.exit_code in (1, 2) and problem in r.stderr and "Traceback" not in r.output, (args, r.output)
+
+
+def test_a_checkpoint_written_before_the_sections_still_resumes(today, tmp_path):
+    """A checkpoint fingerprints its build's config; one written before format 3 fingerprinted it flat: the same
+    build, accepted. Negative control: a flat config of another build (another split) is refused."""
+    from concept import checkpoint, fingerprint
+    from concept.errors import RunFolderError
+    from concept.migrate import flat
+
+    config = run_files.read_run(today)["config"]
+    state = tmp_path / "checkpoint" / "state.json"
+    state.parent.mkdir()
+    for written, accepted in ((config, True), (flat(config), True),
+                              (flat(config) | {"split": "2,1,1"}, False)):
+        state.write_text(json.dumps({"step": 1, "fingerprints": {"build": fingerprint.of_config(written)}}))
+        if accepted:
+            assert checkpoint.check_origin(tmp_path, config, None)["step"] == 1
+        else:
+            with pytest.raises(RunFolderError, match="not written for this run's build"):
+                checkpoint.check_origin(tmp_path, config, None)

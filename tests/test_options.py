@@ -193,11 +193,13 @@ def test_build_options_come_from_build_config_and_stay_unset_unless_given():
     _, values = params(build, ["--seed", "3", "--concept-input", "embedding"])
     assert values["seed"] == 3 and values["concept_input"] == "embedding"
     # every build option is a declared field: the component slots too (a name each, the default in the help)
-    from concept.config import SLOTS
+    # (the core's: family, backbone, seed; the streaming family's section's: its slots, split, concept input, budget)
+    from concept.streaming.section import StreamingSection
 
-    assert {e.name for e in options.entries(BuildConfig)} == {*SLOTS, "split", "concept_input", "seed", "family",
-                                                              "max_ratio"}
-    assert all(values[slot] is None for slot in SLOTS)
+    assert {e.name for e in options.entries(BuildConfig)} == {"backbone", "seed", "family"}
+    assert {e.name for e in options.entries(StreamingSection)} == {*StreamingSection.slots(), "split", "concept_input",
+                                                                   "max_ratio"}
+    assert all(values[slot] is None for slot in ("backbone", *StreamingSection.slots()))
     assert by_flag["--length-policy"].help == "Length policy plugin (default: null)."
     assert by_flag["--rope"].opts == ["--rope", "--position-scheme"] and by_flag["--rope"].name == "position_scheme"
     # then the families' own build options (the streaming family's calibration), after --seed, with real defaults

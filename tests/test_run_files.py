@@ -93,8 +93,10 @@ def test_a_damaged_train_json_is_one_line_for_every_reader(copy, tmp_path, conte
 
 
 @pytest.mark.parametrize("edit, problem", [
-    (lambda r: r["config"].update(sampler=5), "sampler: expected {'name'"),
-    (lambda r: r["config"].update(vocabulary={"name": "embedding", "params": [1]}), "vocabulary.params: expected an object"),
+    (lambda r: r["config"]["streaming"].update(sampler=5), "sampler: expected {'name'"),
+    (lambda r: r["config"]["streaming"].update(vocabulary={"name": "embedding", "params": [1]}),
+     "vocabulary.params: expected an object"),
+    (lambda r: r["config"].update(backbone={"name": 3}), "backbone: expected {'name'"),
     (lambda r: r.update(config="oops"), "'config' is a string, not an object"),
     (lambda r: r.pop("config"), "has no 'config'"),
     (lambda r: r.update(format=9), "written by a newer concept (format 9"),

@@ -167,7 +167,7 @@ def test_the_cli_builds_dry_runs_and_inspects_it(installed, tmp_path):
 
 
 def test_the_streaming_keys_are_refused_for_it(installed, corpus):  # noqa: F811
-    """It reads no streaming key (``Family.slots`` empty): setting one is refused, at build and at training."""
+    """It reads no streaming key (no ``Family.build_section``): setting one is refused, at build and at training."""
     import dataclasses
 
     with pytest.raises(ConfigError) as err:

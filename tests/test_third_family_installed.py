@@ -18,8 +18,8 @@ import torch
 from click.testing import CliRunner
 
 import concept
-from concept.config import FAMILY_KEYS
 from concept.streaming.options import StreamingBuild, StreamingTraining
+from concept.streaming.section import StreamingSection
 from concept.train_config import CONCEPT_OPTIONS
 from concept.training import Trainer
 from concept_cli.main import cli
@@ -45,9 +45,11 @@ packages = ["soft_prompt_family"]
 [project.entry-points."concept.families"]
 soft-prompt = "soft_prompt_family:SoftPrompt"
 """
-# every option name of the streaming family: its build keys, its own build and training options, and the core
+# every option name of the streaming family: its build section's (its section's name is not one: "streaming" is
+# also the core's option of streamed training data), its own build and training options, and the core
 # training options only a family with concept components reads
-STREAMING_NAMES = sorted({*FAMILY_KEYS, *CONCEPT_OPTIONS, *(f for f in StreamingBuild.__dataclass_fields__),
+STREAMING_NAMES = sorted({*StreamingSection.__dataclass_fields__, *CONCEPT_OPTIONS,
+                          *(f for f in StreamingBuild.__dataclass_fields__),
                           *(f for f in StreamingTraining.__dataclass_fields__)})
 
 

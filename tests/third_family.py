@@ -73,7 +73,7 @@ class SoftPromptModel(GenerationMixin, nn.Module):
 class SoftPrompt(Family):
     """The family (``concept.contracts.Family``): its name, section, settings and build, and what it says about
     itself; everything else (training objectives, evaluation, decoding by replaying its forward, ...) is the
-    base's default, and no streaming key is read, written or shown for it (``slots`` is empty)."""
+    base's default, and no streaming key is read, written or shown for it (it has no ``build_section``)."""
 
     name = "soft-prompt"
     section = "soft_prompt"  # --set soft_prompt.length=8

@@ -6,14 +6,19 @@ This module stays free of torch: the torch-free ``TrainConfig`` (``concept.train
 So each method imports the modules it needs (which import torch) when it runs (``# lazy: torch``)."""
 from __future__ import annotations
 
-from ..config import FAMILY_KEYS
 from ..contracts import Family
+from ..families import family
 from .options import PlannerTraining
 
 
 class PlannerExecutor(Family):
     name = "planner-executor"
-    slots = FAMILY_KEYS  # (it reads the vocabulary, samplers, position scheme and split; it keeps the rest as before)
+    @property
+    def build_section(self):
+        """The streaming family's (it reads its vocabulary, samplers, position scheme and split; it keeps the rest
+        as before), looked up through the registry: one family imports no other."""
+        return family("streaming").build_section
+
     section = "planner"  # `--set planner.KEY=VALUE`: its concept types, plan budget, ...
     defaults = {"position_scheme": "per-type"}  # each token type numbered from 1 (docs/planner_executor.md)
     checks_components = False  # no length policy, attention backend or tail fusion of its own

@@ -7,15 +7,14 @@ This module stays free of torch: the torch-free ``TrainConfig`` (``concept.train
 So each method imports the modules it needs (which import torch) when it runs (``# lazy: torch``)."""
 from __future__ import annotations
 
-from ..config import FAMILY_KEYS
 from ..contracts import DifferentiableBoundary, Family, RatioControlled, TracksRatio
 from .options import StreamingBuild, StreamingTraining
+from .section import StreamingSection
 
 
 class Streaming(Family):
     name = "streaming"
-    slots = FAMILY_KEYS  # every streaming key: its components, split, concept input and budget
-    section = None  # no options of its own: its components are the build's slots
+    build_section = StreamingSection  # its components, split, concept input and budget (--length-policy, ...)
     defaults: dict[str, str] = {}
     checks_components = True  # the components' compatibility vetoes describe this family's forward
     stacks = True  # shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline exists)
