@@ -299,7 +299,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
     where = pick_device(device)  # (an unusable device: before anything is loaded)
     model = load(path).to(where) if model is None else model
-    info = model.plan.backbone_info
+    info = model.resolution.backbone_info
     if info.max_positions and seq_len > info.max_positions:  # as `concept train` refuses it
         raise ConfigError([f"seq-len: {seq_len} is above the backbone's maximum of {info.max_positions} positions; "
                            f"pass --seq-len {info.max_positions} or less"])

@@ -190,7 +190,7 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
 def _plain_backbone(model):
     """The model's backbone as a plain transformers model (no attention routing, no adapters) holding the
     model's base weights, and its tokenizer."""
-    bb = model.plan.components["backbone"]
+    bb = model.resolution.components["backbone"]
     loaded = bb.cls.load(bb.config)
     state = {k.replace(".base_layer.", "."): v for k, v in model.backbone.state_dict().items() if "lora_" not in k}
     loaded.model.load_state_dict(state)
@@ -233,7 +233,7 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
         if run is not None and run.is_dir() and checkpoint.folder(run) is not None:
             step = checkpoint.read_meta(run)["step"]
     check_target(run, out, force, record["config"])
-    plan = model.plan
+    plan = model.resolution
     kind = model_kind(model)  # the family, or dense / pruned
     removed = getattr(model, "removed", None)  # layers the model skips: deleted from the exported backbone
     pruned = removed or getattr(model, "deleted", None)
@@ -340,7 +340,7 @@ def _saved_backbone(run) -> dict | None:
 
 # -- the model card --------------------------------------------------------------------------------
 def _describe_model(model, kind: str, removed) -> str:
-    info = model.plan.backbone_info
+    info = model.resolution.backbone_info
     family = family_of(model)
     if family is not None:
         return family.describe(model)
@@ -361,7 +361,7 @@ def _fmt(value) -> str:
 def model_card(name: str, run: Path, model, train: dict | None, exported: dict, heldout: dict | None) -> str:
     """The card's text (``concept.hub.card`` puts the hub metadata above it)."""
     kind, lora, removed = exported["kind"], exported["lora"], exported["removed_layers"]
-    info = model.plan.backbone_info
+    info = model.resolution.backbone_info
     backbone = exported["backbone"] or {}
     when = f" at training step {exported['step']}" if exported["step"] is not None else " (untrained)"
     origin = f"the run `{run}`" if run is not None else "a model built in memory"

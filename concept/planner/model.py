@@ -50,6 +50,7 @@ from ..kv_cache import DecodePattern
 from ..lazy import Deferred, LazyField
 from ..losses import IGNORE, head_cross_entropy
 from ..mtp import MTPHeads
+from ..resolved import Resolved
 
 PLANNER_HEAD_INIT_SCALE = 1.0  # the typed vocabularies' head init (``embedding``), unless --set vocabulary.head_init_scale
 DEFAULT_TYPES = ({"name": "topic", "size": 512, "max_len": 8}, {"name": "gist", "size": 2048, "max_len": 32})
@@ -329,11 +330,11 @@ class EOSBias(nn.Module):
         return float(self.value) if self.value.dim() == 0 else [float(v) for v in self.value]
 
 
-class PlannerExecutorModel(GenerationMixin, HubMixin, nn.Module):
+class PlannerExecutorModel(Resolved, GenerationMixin, HubMixin, nn.Module):
     family = "planner-executor"
 
     def __init__(self, backbone, settings: PlannerSettings, vocabularies, sampler, eval_sampler, positions,
-                 specials: PlanSpecials, plan=None, tokenizer=None):
+                 specials: PlanSpecials, resolution=None, tokenizer=None):
         super().__init__()
         self.backbone = backbone  # HF *ForCausalLM, frozen (LoRA when training)
         self.settings = settings
@@ -345,7 +346,7 @@ class PlannerExecutorModel(GenerationMixin, HubMixin, nn.Module):
         # MTP concepts: head j > 0 writes the step j after the next from the same state (concept.mtp's residual
         # blocks, zero at init: every head starts as the next-step head)
         self.mtp_heads = MTPHeads(backbone.config.hidden_size, settings.mtp - 1) if settings.mtp > 1 else None
-        self.plan = plan  # the resolved build plan
+        self.resolution = resolution  # the build resolution (concept.resolved)
         self.tokenizer = tokenizer
         self.layout = TokenLayout(backbone.config.vocab_size, tuple(t.size for t in settings.types))
         self.gradient_checkpointing = False
@@ -697,7 +698,7 @@ def build(plan, loaded) -> PlannerExecutorModel:
         sampler=comps["sampler"].cls(comps["sampler"].config, ctx),
         eval_sampler=comps["eval_sampler"].cls(comps["eval_sampler"].config, ctx),
         positions=comps["position_scheme"].cls(comps["position_scheme"].config, ctx),
-        specials=specials, plan=plan, tokenizer=loaded.tokenizer)
+        specials=specials, resolution=plan, tokenizer=loaded.tokenizer)
     return model
 
 

@@ -29,7 +29,7 @@ class Streaming(Family):
         from ..builder import build_components
         from .model import ConceptModel
 
-        return ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
+        return ConceptModel(loaded.model, plan.split, resolution=plan, tokenizer=loaded.tokenizer,
                             identity_start=plan.config.concept_input in ("identity", "identity-scaled"),
                             relative_gate=plan.config.concept_input == "identity-scaled", **build_components(plan, loaded))
 
@@ -46,7 +46,7 @@ class Streaming(Family):
             return {"calibration": None}
         if not calibratable(model):
             if given:
-                say("note:", f"length policy {model.plan.config.length_policy.name} sets its ratio by its own "
+                say("note:", f"length policy {model.resolution.config.length_policy.name} sets its ratio by its own "
                              f"parameters; {', '.join('--' + k.replace('_', '-') for k in sorted(given))} does nothing")
             return {"calibration": None}
         target, data, batches = options.target_ratio, options.calibration_data, options.calibration_batches
@@ -71,8 +71,8 @@ class Streaming(Family):
         return {"stacks": stack_layers(plan.split)}
 
     def describe(self, model) -> str:
-        comps, info = model.plan.components, model.plan.backbone_info
-        shallow, middle, deep = model.plan.split
+        comps, info = model.resolution.components, model.resolution.backbone_info
+        shallow, middle, deep = model.resolution.split
         return (f"a streaming concept model: the backbone's {info.num_layers} layers split {shallow}/{middle}/{deep} "
                 f"(shallow / middle / deep), length policy `{comps['length_policy'].name}`, vocabulary "
                 f"`{comps['vocabulary'].name}`, position scheme `{comps['position_scheme'].name}`, attention "

@@ -34,6 +34,7 @@ from ..generation import GenerationMixin
 from ..hub import HubMixin
 from ..lazy import Deferred, LazyField
 from ..losses import head_next_token_loss
+from ..resolved import Resolved
 from . import budget
 
 
@@ -75,11 +76,11 @@ class ConceptGate(nn.Module):
         return h + self.gate.to(e.dtype) * e
 
 
-class ConceptModel(GenerationMixin, HubMixin, nn.Module):
+class ConceptModel(Resolved, GenerationMixin, HubMixin, nn.Module):
     family = "streaming"  # its `concept.families` entry (concept.streaming.family.Streaming)
 
     def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,
-                 tail_fusion=None, identity_start=False, relative_gate=False, plan=None, tokenizer=None):
+                 tail_fusion=None, identity_start=False, relative_gate=False, resolution=None, tokenizer=None):
         super().__init__()
         self.backbone = backbone  # HF *ForCausalLM, frozen
         self.vocabulary = vocabulary
@@ -94,10 +95,10 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         self.levels = vocabulary.levels  # code levels per concept (multi-level codebooks)
         self.level_beam = getattr(getattr(vocabulary, "config", None), "beam", 1)  # inference search over levels
         self.emit = length_policy.emit * self.levels  # concept slots per emitting token
-        self.plan = plan  # the resolved build plan (config + provenance)
+        self.resolution = resolution  # the build resolution (config + provenance; concept.resolved)
         # static shapes: a row's n-th real token keeps its boundary only within ceil(max_ratio * n): the build's
         # setting (a number, "auto", "none"; concept.streaming.budget), resolved at each forward (``max_ratio``)
-        self.budget_setting = getattr(getattr(plan, "config", None), "max_ratio", 0.0) or 0.0
+        self.budget_setting = getattr(getattr(resolution, "config", None), "max_ratio", 0.0) or 0.0
         self.tokenizer = tokenizer
         inner = decoder(backbone)
         n_shallow, n_middle, _ = self.split
