@@ -27,6 +27,9 @@ as an LM continuing its prompt. The executor restarts every type at 1 under one 
 Batches. Plans differ in length between rows: the planner runs until every row has ended its last
 type (a finished row's steps are masked out of every later key), and the executor right-aligns the
 plan blocks (left padding) so that every row's text starts in the same column.
+
+The plan steps' heads and embeddings are ``concept.planner.steps``'s part, the executor
+``concept.planner.execution``'s; this module holds the model, the planner and the forward.
 """
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ def stack_layers(split) -> dict:
 def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
     """The NULL bias the model runs with and where it comes from: the build's calibration (concept.json),
     training (train.json), or nothing (built with --no-calibrate). None for a policy without a bias."""
-    policy = getattr(model, "length_policy", None)
+    policy = model.length_policy
     if not isinstance(policy, RatioControlled):
         return None
     out = {"null_bias": float(policy.null_bias), "target_ratio": None, "ratio": None, "by": None}

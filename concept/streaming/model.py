@@ -13,7 +13,8 @@ vocabulary with L levels) a concept is L consecutive concept slots, one code lev
 
 The backbone's decoder layers are reused unchanged; their attention is routed through
 ``concept.attention`` with a plan object per stack. One forward pass is O(T): there is no
-loop over positions (see ``concept.packing`` for the layout and the mask rule).
+loop over positions (see ``concept.packing`` for the layout and the mask rule). What each token
+emits (its boundary, its codes, its concept's input) is ``concept.streaming.emission``'s part.
 """
 from __future__ import annotations
 
