@@ -39,13 +39,13 @@ def _concept_stats(m, out, valid: torch.Tensor) -> dict:
         "max_prob_sum": 0.0,
         "cos_sum": 0.0,
     }
-    codes = out.codes
+    codes = getattr(out, "codes", None)
     if codes is not None:  # multi-level codes: a histogram per level (a collapsed level reads perplexity 1)
         stats["level_histograms"] = torch.stack([torch.bincount(codes[..., level][keep].long(), minlength=K)[:K].cpu()
                                                  for level in range(codes.shape[-1])])
     policy = m.length_policy
     if isinstance(policy, DifferentiableBoundary):
-        p = policy.boundary_prob(out.head_logits, out.shallow).float()
+        p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None)).float()
         stats["boundary_sum"] = float(p[valid].sum())
     if stats["kept"]:
         logits = out.head_logits[keep][:, :K].float()
