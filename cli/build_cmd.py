@@ -290,7 +290,7 @@ def build(ctx, family, backbone, seed, overrides, config_file, print_config, out
     bb = plan.components["backbone"]
     status("building", f"{bb.name} backbone, {plan.family} family ({plan.backbone_info.num_layers} layers) ...")
     start = time.perf_counter()
-    model = concept.build(plan=plan)
+    model = concept.build(resolution=plan)
     finished = plan.family_object.finish_build(model, extras, mine, status) if extras is not None else {}
     status("saving", f"{output} ...")
     concept.save(model, output, force=force)

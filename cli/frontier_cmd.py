@@ -11,6 +11,7 @@ from click.core import ParameterSource
 from rich.markup import escape
 
 from concept.config import BuildConfig
+from concept.errors import ConceptError
 from concept.streaming.section import StreamingSection
 from concept.options import click_options
 
@@ -195,8 +196,8 @@ def print_plan(planned, out: Path, spec) -> None:
               help="Name the best streaming point at or below this FLOP ratio to dense.")
 @renamed("-o", "--output", "out", old=("--out",), type=click.Path(path_type=Path), default=Path("runs/frontier"), show_default=True,
               help="Folder of the runs (one subfolder each) and of frontier.json / .md / .png.")
-@click.option("--update-doc", type=click.Path(path_type=Path), metavar="FILE",
-              help="Replace the block between <!-- frontier:begin --> and <!-- frontier:end --> in FILE.")
+@click.option("--update-doc", type=click.Path(path_type=Path), metavar="FILE", hidden=True,
+              help="Removed: the library rewrites no documents (benchmarks/frontier_doc.py does).")
 @click.option("--force", is_flag=True, help="Retrain runs in --output that were trained with another recipe.")
 @click.option("--dry-run", is_flag=True, help="Print the planned runs and their FLOP ratios; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the frontier (or the plan) as JSON on stdout.")
@@ -214,9 +215,12 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, print_config, 
     \b
     concept frontier --steps 30 --seq-len 128 --batch 4 --lr 1e-3 --lr-new 3e-3 -o runs/frontier
     concept frontier --splits "6,18,6;10,10,10" --ratios 0.25 --distill 1 --ratio-warmup 0.3 --dry-run
-    concept frontier ... --update-doc docs/results.md
+    python -m benchmarks.frontier_doc runs/frontier docs/results.md   # (a checkout) the table into a doc
     concept frontier --config recipes/frontier.yaml --dry-run     # a recipe file; flags override it
     """
+    if update_doc is not None:  # refused before anything runs, so nothing is trained for nothing
+        raise ConceptError(f"--update-doc was removed: the library rewrites no documents; run the frontier, then "
+                           f"`python -m benchmarks.frontier_doc {out} {update_doc}` from a checkout of the repository")
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.recipes import frontier as fr
 
@@ -227,11 +231,9 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, print_config, 
         from .build_cmd import load_config_file
 
         base = load_config_file(opts["config_file"]) if opts["config_file"] is not None else BuildConfig()
-        values = {**ctx.params, "out": out, "update_doc": update_doc}
+        values = {**ctx.params, "out": out}
         click.echo(dump({"frontier": command_values(ctx, values), "build": base.to_dict()}), nl=False)
         return
-    if update_doc is not None and not dry_run:
-        fr.check_doc(update_doc)  # a missing block fails now, not after the training
     status("planning", f"{len(spec.splits)} split(s) x {len(spec.ratios)} ratio(s), baselines: "
                        f"{', '.join(spec.baselines) or 'none'} ...")
     planned = fr.schedule(spec, out, force=force)
@@ -255,10 +257,7 @@ def frontier(ctx, out: Path, update_doc, force, dry_run, as_json, print_config, 
     result["command"] = command_line(ctx)
     paths = fr.write(result, out)
     result["files"] = {k: str(v) for k, v in paths.items()}
-    if update_doc is not None:
-        fr.update_doc(update_doc, result, paths["png"])
-        result["files"]["doc"] = str(update_doc)
-    status("done", ", ".join(str(p) for p in paths.values()) + (f"; updated {update_doc}" if update_doc else ""))
+    status("done", ", ".join(str(p) for p in paths.values()))
     if as_json:
         print_json(result)
         return

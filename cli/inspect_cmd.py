@@ -59,8 +59,8 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     status("loading", f"{run_dir} ({backbone.get('name', '?')} backbone) ...")
     quiet_progress_bars()
     model = concept.load(run_dir)
-    plan = model.plan.describe()
-    family = model.plan.family_object
+    plan = model.resolution.describe()
+    family = model.resolution.family_object
     train = read_train(run_dir)
     kind = run_kind(record, train)
     if kind == plan["family"]:

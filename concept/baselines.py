@@ -51,7 +51,7 @@ class Baseline:
             self.prune = prune_plan(config, plan, loaded.model.config)
             notes.append(describe_prune(self.prune, plan.split, by_hand=config.prune_layers is not None))
         removed = self.prune.removed if self.prune and self.prune.kept < self.prune.num_layers else None
-        return DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed,
+        return DenseModel(loaded.model, resolution=plan, tokenizer=loaded.tokenizer, removed=removed,
                           mtp_heads=config.mtp_heads)
 
     def derived(self, config, plan) -> dict:

@@ -76,13 +76,16 @@ def build_components(plan: BuildResolution, loaded: LoadedBackbone) -> dict:
     return parts
 
 
-def build(config: BuildConfig | dict | None = None, plan: BuildResolution | None = None, compile: str = "off"):
+def build(config: BuildConfig | dict | None = None, resolution: BuildResolution | None = None,
+          compile: str = "off"):
     """Build the model of the config's family (``concept.families``) from a config, validated first (all
-    errors at once). ``compile``: run its stacks compiled (``concept.compiled``; off by default)."""
-    if plan is None:
+    errors at once), or from its ``resolution`` (``concept.config.resolve``). ``compile``: run its stacks compiled
+    (``concept.compiled``; off by default)."""
+    if resolution is None:
         if isinstance(config, dict):
             config = BuildConfig.from_dict(config)
-        plan = resolve(config or BuildConfig())
+        resolution = resolve(config or BuildConfig())
+    plan = resolution
     need, what = memory.build_bytes(plan)
     fits, have = memory.fits(need)
     if not fits:  # a clear error, not an allocation failure or an out-of-memory kill halfway
@@ -98,8 +101,8 @@ def build(config: BuildConfig | dict | None = None, plan: BuildResolution | None
 # -- run folders -----------------------------------------------------------------------------
 
 def _run_record(model) -> dict:
-    record = {"format": FORMAT_VERSION, "config": absolute_backbone_path(model.plan.config.to_dict()),
-              "plan": model.plan.describe()}
+    record = {"format": FORMAT_VERSION, "config": absolute_backbone_path(model.resolution.config.to_dict()),
+              "plan": model.resolution.describe()}
     if getattr(model, "calibration", None):  # the build-time NULL-bias calibration (concept.streaming.calibration)
         record["calibration"] = model.calibration
     return record
@@ -144,7 +147,7 @@ def save(model, path: str | os.PathLike, force: bool = False) -> Path:
     if problem:
         raise RunFolderError(problem)
     modules = {k: v.detach().contiguous().cpu() for k, v in model.new_state_dict().items()}
-    backbone = None if model.plan.backbone_info.pretrained else {
+    backbone = None if model.resolution.backbone_info.pretrained else {
         k: v.detach().contiguous().cpu() for k, v in model.backbone.state_dict().items()}
     fs.check_space(folder, sum(t.numel() * t.element_size() for t in [*modules.values(), *(backbone or {}).values()]),
                    "the run folder")
@@ -202,10 +205,10 @@ def load(path: str | os.PathLike, compile: str = "off", **hub):
         deleted = None
         if removed and (record.get("export") or {}).get("backbone_pruned"):  # an export's backbone/ lacks them
             removed, deleted = None, removed
-        model = DenseModel(loaded.model, plan=plan, tokenizer=loaded.tokenizer, removed=removed,
+        model = DenseModel(loaded.model, resolution=plan, tokenizer=loaded.tokenizer, removed=removed,
                            mtp_heads=train.get("mtp_heads", 0), deleted=deleted)
     else:
-        model = build(plan=plan)
+        model = build(resolution=plan)
     backbone_file = run_files.weights_file(folder, "backbone")
     if backbone_file is not None:
         run_files.load_weights(model.backbone, backbone_file, "backbone")

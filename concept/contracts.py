@@ -272,9 +272,9 @@ class Family:
         return None, []
 
     def build(self, plan, loaded) -> Any:
-        """The model (an ``nn.Module`` with ``family`` = this family's name, ``plan``, ``backbone``,
-        ``new_modules()``, ``new_state_dict()``, and a forward returning ``logits`` and ``loss``) from a resolved
-        plan and a loaded backbone."""
+        """The model (an ``nn.Module`` with ``family`` = this family's name, ``resolution`` (the build resolution
+        given here), ``backbone``, ``new_modules()``, ``new_state_dict()``, and a forward returning ``logits`` and
+        ``loss``) from a build resolution (``concept.config.BuildResolution``) and a loaded backbone."""
         raise NotImplementedError
 
     def finish_build(self, model, options, given: set, say) -> dict:

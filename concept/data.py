@@ -450,18 +450,7 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
     them; or a ``datasets`` ``save_to_disk`` folder, ``PATH:SPLIT`` for a DatasetDict's split other
     than "train"; or a dataset ``datasets.load_dataset`` loads, see :func:`hub_name`, its ``data_split``),
     restricted to ``split`` ("train", "heldout" or "all"), sorted."""
-    if split not in SPLITS:
-        raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ConceptError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    try:
-        codecs.lookup_error(encoding_errors)
-    except LookupError:
-        raise ConceptError(f"unknown encoding error handler {encoding_errors!r}; use 'strict' or 'replace'") from None
-
-    if isinstance(source, (str, os.PathLike)) and not str(source).strip():  # ("" would read the working folder)
-        raise ConceptError(f"--data {str(source)!r} is an empty path; pass a text file, .jsonl file or folder, or "
-                           f"leave --data out to use the default corpus (the Python standard library)")
+    _check_read_options(source, split, heldout_fraction, encoding_errors)
     corpus = builtin_corpus(source)
     stdlib = corpus == DEFAULT_CORPUS
     root = stdlib_root() if stdlib else None if corpus else Path(source).expanduser()
@@ -481,44 +470,77 @@ def read_documents(source: str | os.PathLike | None = None, split: str = "all", 
     if not root.exists():
         raise ConceptError(f"data path {root} does not exist; pass an existing text file, .jsonl file or folder "
                            f"to --data, or leave it out to use the default corpus (the Python standard library)")
-    keyed = []  # (sort key, Document)
     kind = None if stdlib or not root.is_dir() else _datasets_folder(root)
     if kind or dataset_split is not None:  # a `save_to_disk` folder: read through `datasets`
-        # a Dataset's rows are named after the folder (like a single file), a DatasetDict's after the split
-        keyed = [((root.name, row), doc) for row, doc in
-                 _read_dataset_folder(root, root.name if kind == "dataset" else "", text_field, dataset_split)]
-        if not keyed:
-            raise ConceptError(f"{label} holds no documents (no rows, or every row's {text_field!r} is empty); "
-                               f"add text or point --data elsewhere")
+        keyed = _keyed_dataset_folder(root, kind, text_field, dataset_split, label)
     elif root.is_dir():
-        files = _walk(root, stdlib)
-        for path in files:
-            rel = path.relative_to(root).as_posix()
-            if path.is_dir():  # a `save_to_disk` folder inside the folder
-                found = _read_dataset_folder(path, rel, text_field)
-            elif not stdlib and path.suffix.lower() in TABLE_SUFFIXES:
-                found = _read_table_file(path, rel, text_field)
-            else:
-                found = _read_file(path, rel, text_field, encoding_errors, False)
-            keyed += [((rel, line), doc) for line, doc in found]
-        if not keyed:
-            what = "no files" if not files else f"{len(files)} file(s), all empty or binary"
-            raise ConceptError(f"{label} holds no readable documents ({what}; hidden entries and binary files are "
-                               f"skipped); point --data at text or .jsonl files")
+        keyed = _keyed_folder(root, stdlib, text_field, encoding_errors, label)
     elif root.is_file():
-        table = root.suffix.lower() in TABLE_SUFFIXES
-        found = (_read_table_file(root, root.name, text_field) if table
-                 else _read_file(root, root.name, text_field, encoding_errors, True))
-        keyed = [((root.name, line), doc) for line, doc in found]
-        if not keyed:
-            detail = ("every line is blank or has an empty text" if root.suffix.lower() == ".jsonl" else
-                      f"no rows, or every row's {text_field!r} is empty" if table else
-                      "it is empty" if not root.stat().st_size else "it holds only whitespace")
-            raise ConceptError(f"{root} holds no documents ({detail}); add text or point --data elsewhere")
+        keyed = _keyed_file(root, text_field, encoding_errors)
     else:
         raise ConceptError(f"data path {root} is neither a regular file nor a folder")
     keyed.sort(key=lambda kd: kd[0])
     return _split([d for _, d in keyed], split, heldout_fraction, label)
+
+
+def _check_read_options(source, split: str, heldout_fraction: float, encoding_errors: str) -> None:
+    """Refuse an unknown split, a held-out fraction outside [0, 1), an unknown error handler, an empty path."""
+    if split not in SPLITS:
+        raise ConceptError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ConceptError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    try:
+        codecs.lookup_error(encoding_errors)
+    except LookupError:
+        raise ConceptError(f"unknown encoding error handler {encoding_errors!r}; use 'strict' or 'replace'") from None
+    if isinstance(source, (str, os.PathLike)) and not str(source).strip():  # ("" would read the working folder)
+        raise ConceptError(f"--data {str(source)!r} is an empty path; pass a text file, .jsonl file or folder, or "
+                           f"leave --data out to use the default corpus (the Python standard library)")
+
+
+def _keyed_dataset_folder(root: Path, kind, text_field: str, dataset_split, label: str) -> list:
+    """(sort key, Document) of a ``save_to_disk`` folder, read through ``datasets``: a Dataset's rows are
+    named after the folder (like a single file), a DatasetDict's after the split."""
+    keyed = [((root.name, row), doc) for row, doc in
+             _read_dataset_folder(root, root.name if kind == "dataset" else "", text_field, dataset_split)]
+    if not keyed:
+        raise ConceptError(f"{label} holds no documents (no rows, or every row's {text_field!r} is empty); "
+                           f"add text or point --data elsewhere")
+    return keyed
+
+
+def _keyed_folder(root: Path, stdlib: bool, text_field: str, encoding_errors: str, label: str) -> list:
+    """(sort key, Document) of every file (and ``save_to_disk`` folder) in the folder ``root``."""
+    keyed = []
+    files = _walk(root, stdlib)
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        if path.is_dir():  # a `save_to_disk` folder inside the folder
+            found = _read_dataset_folder(path, rel, text_field)
+        elif not stdlib and path.suffix.lower() in TABLE_SUFFIXES:
+            found = _read_table_file(path, rel, text_field)
+        else:
+            found = _read_file(path, rel, text_field, encoding_errors, False)
+        keyed += [((rel, line), doc) for line, doc in found]
+    if not keyed:
+        what = "no files" if not files else f"{len(files)} file(s), all empty or binary"
+        raise ConceptError(f"{label} holds no readable documents ({what}; hidden entries and binary files are "
+                           f"skipped); point --data at text or .jsonl files")
+    return keyed
+
+
+def _keyed_file(root: Path, text_field: str, encoding_errors: str) -> list:
+    """(sort key, Document) of the one file ``root`` (text, .jsonl or a table)."""
+    table = root.suffix.lower() in TABLE_SUFFIXES
+    found = (_read_table_file(root, root.name, text_field) if table
+             else _read_file(root, root.name, text_field, encoding_errors, True))
+    keyed = [((root.name, line), doc) for line, doc in found]
+    if not keyed:
+        detail = ("every line is blank or has an empty text" if root.suffix.lower() == ".jsonl" else
+                  f"no rows, or every row's {text_field!r} is empty" if table else
+                  "it is empty" if not root.stat().st_size else "it holds only whitespace")
+        raise ConceptError(f"{root} holds no documents ({detail}); add text or point --data elsewhere")
+    return keyed
 
 
 def _split(docs: list[Document], split: str, heldout_fraction: float, label: str) -> list[Document]:

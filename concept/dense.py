@@ -32,6 +32,7 @@ from .hub import HubMixin
 from .lazy import Deferred, LazyField
 from .losses import head_next_token_loss
 from .mtp import MTPHeads
+from .resolved import Resolved
 
 
 @dataclass
@@ -41,17 +42,17 @@ class DenseOutput:
     hidden: torch.Tensor | None = None  # [B, T, d] the last layer's output (before the final norm)
 
 
-class DenseModel(HubMixin, nn.Module):
-    def __init__(self, backbone, plan=None, tokenizer=None, removed: tuple[int, int] | None = None,
+class DenseModel(Resolved, HubMixin, nn.Module):
+    def __init__(self, backbone, resolution=None, tokenizer=None, removed: tuple[int, int] | None = None,
                  mtp_heads: int = 0, deleted: tuple[int, int] | None = None):
         super().__init__()
         self.backbone = backbone
-        self.plan = plan
+        self.resolution = resolution  # the build resolution (concept.resolved)
         self.tokenizer = tokenizer
         self.gradient_checkpointing = False
         self.compiled_stacks = None  # --compile (concept.compiled): its layers compiled
         # the baseline of a static build (max_ratio), or compiled: masks built without reading anything back
-        self.static = has_budget(getattr(getattr(plan, "config", None), "max_ratio", 0.0))
+        self.static = has_budget(getattr(getattr(resolution, "config", None), "max_ratio", 0.0))
         n = len(decoder(backbone).layers)
         if removed is not None and not (0 <= removed[0] < removed[1] <= n):
             raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")

@@ -220,32 +220,16 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
             valid = real_mask(batch, input_ids)
             doc = batch.get("document_ids")
             doc = None if doc is None else doc.to(device)
-            kwargs = {"attention_mask": valid.long()}
-            if _accepts(forward, "document_ids"):
-                kwargs["document_ids"] = doc
-            elif _accepts(forward, "position_ids"):
-                kwargs["position_ids"] = packing.time_positions(valid, doc)
+            kwargs = _forward_kwargs(forward, valid, doc)
             out = fn(input_ids, **kwargs)
             nll, pair = pair_nll(out.logits, input_ids, valid, doc)
             nll = nll.double()
             nll_sum += nll[pair].sum().cpu()
             count += int(pair.sum())
 
-            index = (packing.time_positions(valid, doc)[:, :-1] // bucket)[pair]
-            sums = torch.zeros(int(index.max()) + 1 if index.numel() else 0, dtype=torch.float64, device=device)
-            sums.index_add_(0, index, nll[pair])
-            ns = torch.bincount(index, minlength=sums.shape[0])
-            for i in torch.nonzero(ns).flatten().tolist():
-                by_bucket_sum[i] += float(sums[i])
-                by_bucket_n[i] += int(ns[i])
-
-            if heads is not None:  # each MTP head's top-1 against the real token t+1+i
-                T, state = input_ids.shape[1], base.mtp_state(out)
-                for i in range(heads.k):
-                    ok = mtp_pairs(valid, doc, i)
-                    _, guess = heads.top1(state[:, : T - 1 - i][ok], i)
-                    mtp_hits[i] += float((guess == input_ids[:, 1 + i:][ok]).sum())
-                    mtp_pairs_n[i] += float(ok.sum())
+            _add_by_position(by_bucket_sum, by_bucket_n, nll, pair, valid, doc, bucket)
+            if heads is not None:
+                _add_mtp_hits(base.mtp_state(out), heads, input_ids, valid, doc, mtp_hits, mtp_pairs_n)
             if extra is not None:
                 extra.add(fn, out, input_ids, valid, doc, kwargs, nll, pair)
     finally:
@@ -266,6 +250,38 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
     if heads is not None:
         result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp_hits, mtp_pairs_n)]
     return result
+
+
+def _forward_kwargs(forward, valid, doc) -> dict:
+    """The keyword arguments of one evaluation forward: the mask, and the documents as the forward takes them
+    (``document_ids``, else their ``position_ids``, else neither)."""
+    kwargs = {"attention_mask": valid.long()}
+    if _accepts(forward, "document_ids"):
+        kwargs["document_ids"] = doc
+    elif _accepts(forward, "position_ids"):
+        kwargs["position_ids"] = packing.time_positions(valid, doc)
+    return kwargs
+
+
+def _add_by_position(by_bucket_sum: dict, by_bucket_n: dict, nll, pair, valid, doc, bucket: int) -> None:
+    """Add a batch's NLL (``nll`` [B, T-1] per pair, ``pair`` its mask) to the sums by position bucket."""
+    index = (packing.time_positions(valid, doc)[:, :-1] // bucket)[pair]
+    sums = torch.zeros(int(index.max()) + 1 if index.numel() else 0, dtype=torch.float64, device=nll.device)
+    sums.index_add_(0, index, nll[pair])
+    ns = torch.bincount(index, minlength=sums.shape[0])
+    for i in torch.nonzero(ns).flatten().tolist():
+        by_bucket_sum[i] += float(sums[i])
+        by_bucket_n[i] += int(ns[i])
+
+
+def _add_mtp_hits(state, heads, input_ids, valid, doc, hits, pairs_n) -> None:
+    """Add each MTP head's top-1 hits against the real token t+1+i (and the pairs it was scored on)."""
+    T = input_ids.shape[1]
+    for i in range(heads.k):
+        ok = mtp_pairs(valid, doc, i)
+        _, guess = heads.top1(state[:, : T - 1 - i][ok], i)
+        hits[i] += float((guess == input_ids[:, 1 + i:][ok]).sum())
+        pairs_n[i] += float(ok.sum())
 
 
 # -- evaluating a run folder -------------------------------------------------------------------
@@ -299,7 +315,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
     where = pick_device(device)  # (an unusable device: before anything is loaded)
     model = load(path).to(where) if model is None else model
-    info = model.plan.backbone_info
+    info = model.resolution.backbone_info
     if info.max_positions and seq_len > info.max_positions:  # as `concept train` refuses it
         raise ConfigError([f"seq-len: {seq_len} is above the backbone's maximum of {info.max_positions} positions; "
                            f"pass --seq-len {info.max_positions} or less"])

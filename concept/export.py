@@ -190,7 +190,7 @@ def export(run, out, merge_lora: bool = False, force: bool = False, check: bool 
 def _plain_backbone(model):
     """The model's backbone as a plain transformers model (no attention routing, no adapters) holding the
     model's base weights, and its tokenizer."""
-    bb = model.plan.components["backbone"]
+    bb = model.resolution.components["backbone"]
     loaded = bb.cls.load(bb.config)
     state = {k.replace(".base_layer.", "."): v for k, v in model.backbone.state_dict().items() if "lora_" not in k}
     loaded.model.load_state_dict(state)
@@ -224,16 +224,9 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
     (``concept.load`` keeps them), else its own build record. ``report(verb, detail)`` receives progress."""
     out = Path(out)
     say = report or (lambda verb, detail: warnings_.warn(detail, stacklevel=3) if verb == "warning:" else None)
-    origin = getattr(model, "loaded_from", None) or {}
     if record is None:
-        record = json.loads(json.dumps(origin.get("record") or _run_record(model)))
-        train = origin.get("train")
-        run = Path(origin["folder"]) if origin.get("folder") else None
-        step = (record.get("export") or {}).get("step")
-        if run is not None and run.is_dir() and checkpoint.folder(run) is not None:
-            step = checkpoint.read_meta(run)["step"]
+        record, train, run, step = _loaded_origin(model)
     check_target(run, out, force, record["config"])
-    plan = model.plan
     kind = model_kind(model)  # the family, or dense / pruned
     removed = getattr(model, "removed", None)  # layers the model skips: deleted from the exported backbone
     pruned = removed or getattr(model, "deleted", None)
@@ -247,76 +240,21 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
     if merge_lora and not has_lora:
         result_warnings.append(f"--merge-lora: {run or 'the model'} has no LoRA adapters; the backbone is exported as it is")
         say("warning:", result_warnings[-1])
-    if removed and exported_layers(model) < 3:
-        raise ConceptError(f"the pruned baseline keeps {exported_layers(model)} of the backbone's "
-                           f"{model.backbone.config.num_hidden_layers} layers; its export deletes the others, and a build "
-                           f"plan needs at least 3 (one per stack): prune fewer layers to export it")
-
-    def size(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    fs.check_space(out, size(model.backbone.state_dict().values()) + size(model.new_state_dict().values()),
-                   "the export")  # (the base weights, the adapters, the new modules)
+    _check_exportable(model, out, removed)
     staging = fs.Staging(out, replace=force).open()
     tmp = staging.path
     try:
         how = {"merged": "LoRA merged into the backbone", "adapter": "LoRA as a peft adapter folder"}.get(lora, "no LoRA")
         say("exporting", f"{kind} model -> {out} ({how}) ...")
-        hf_model, tokenizer = _plain_backbone(model)
-        if removed:
-            delete_layers(hf_model, removed)
-        if has_lora:  # the base: this folder's backbone/ where it is published (stated in the card)
-            save_peft_adapter(model.backbone, tmp / PEFT_ADAPTER_DIR, base_model_name_or_path=str(out.resolve() / BACKBONE_DIR),
-                              removed=removed, renumber=True)
-        if lora == "merged":
-            from peft import PeftModel
-
-            with warnings_.catch_warnings():  # transformers' deprecation notes from inside peft
-                warnings_.simplefilter("ignore", FutureWarning)
-                hf_model = PeftModel.from_pretrained(hf_model, str(tmp / PEFT_ADAPTER_DIR)).merge_and_unload()
-            shutil.rmtree(tmp / PEFT_ADAPTER_DIR)
-        hf_model.save_pretrained(tmp / BACKBONE_DIR)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / BACKBONE_DIR)
-        dtype = _dtype_name(hf_model)
-        del hf_model
-
-        modules = model.new_state_dict()
-        if modules:
-            from safetensors.torch import save_file
-
-            save_file({k: v.detach().contiguous().cpu() for k, v in modules.items()}, tmp / MODULES_FILE)
-
-        # the build plan, its backbone now the exported folder (absolute while resolving, relative on disk)
-        config = json.loads(json.dumps(record["config"]))
-        original_backbone = ((record.get("export") or {}).get("backbone")  # (an export of an export: the first one's)
-                             or _saved_backbone(run) or config.get("backbone"))
-        absolute = str((tmp / BACKBONE_DIR).resolve())
-        config["backbone"] = {"name": "hf", "params": {"path": absolute, "dtype": dtype}}
-        build = BuildConfig.from_dict(config)
-        if pruned:
-            build.split = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)
-            config = build.to_dict()
-        new_plan = resolve(build)
-        if not pruned and tuple(new_plan.split or ()) != tuple(plan.split or ()):  # (a family without stacks: none)
-            raise ConceptError(f"the exported backbone resolves to split {new_plan.split}, not the run's {plan.split}")
-        exported = {"from": str(run.resolve()) if run is not None else None, "step": step, "kind": kind, "lora": lora,
-                    "removed_layers": list(pruned) if pruned else None, "backbone_pruned": bool(pruned),
-                    "backbone": original_backbone, "concept_version": __version__}
-        new_record = {k: v for k, v in record.items() if k != "export"}
-        new_record = {**new_record, "config": config, "plan": new_plan.describe(), "export": exported}
-        new_record = _relative_paths(new_record, absolute, BACKBONE_PATH)
-        (tmp / RUN_FILE).write_text(json.dumps(new_record, indent=2, sort_keys=True))
-        if train is not None:
-            (tmp / TRAIN_FILE).write_text(json.dumps(train, indent=2))
-        for name in COPIED:
-            if run is not None and (run / name).is_file():
-                shutil.copy2(run / name, tmp / name)
+        dtype = _write_backbone(model, tmp, out, removed, lora)
+        _write_new_modules(model, tmp)
+        original_backbone, exported = _write_records(model, tmp, record, train, run, dtype, pruned,
+                                                     {"from": str(run.resolve()) if run is not None else None,
+                                                      "step": step, "kind": kind, "lora": lora})
         heldout = last_evaluation(run, train) if run is not None else None
         write_hf_files(model, tmp)
         body = model_card(out.name, run, model, train, exported, heldout)
         card(body, kind, original_backbone, lora).save(tmp / CARD_FILE)
-
         comparison = None
         if check:
             say("checking", "loading the export back and comparing its logits with the run's ...")
@@ -333,6 +271,97 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
                         heldout=heldout, check=comparison, warnings=result_warnings)
 
 
+def _loaded_origin(model) -> tuple[dict, dict | None, Path | None, int | None]:
+    """The records, run folder and training step ``model`` was loaded from (``concept.load`` keeps them), else
+    its own build record: ``(record, train, run, step)``."""
+    origin = getattr(model, "loaded_from", None) or {}
+    record = json.loads(json.dumps(origin.get("record") or _run_record(model)))
+    train = origin.get("train")
+    run = Path(origin["folder"]) if origin.get("folder") else None
+    step = (record.get("export") or {}).get("step")
+    if run is not None and run.is_dir() and checkpoint.folder(run) is not None:
+        step = checkpoint.read_meta(run)["step"]
+    return record, train, run, step
+
+
+def _check_exportable(model, out: Path, removed) -> None:
+    """Refuse, before writing anything, a pruned baseline too small to export and an export the disk cannot hold."""
+    if removed and exported_layers(model) < 3:
+        raise ConceptError(f"the pruned baseline keeps {exported_layers(model)} of the backbone's "
+                           f"{model.backbone.config.num_hidden_layers} layers; its export deletes the others, and a build "
+                           f"plan needs at least 3 (one per stack): prune fewer layers to export it")
+
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    fs.check_space(out, size(model.backbone.state_dict().values()) + size(model.new_state_dict().values()),
+                   "the export")  # (the base weights, the adapters, the new modules)
+
+
+def _write_backbone(model, tmp: Path, out: Path, removed, lora: str | None) -> str:
+    """``tmp/backbone/``: the plain transformers backbone (skipped layers deleted; LoRA merged into it, or
+    beside it as a peft adapter folder whose base is ``out``'s backbone/) and its tokenizer. Returns its dtype."""
+    hf_model, tokenizer = _plain_backbone(model)
+    if removed:
+        delete_layers(hf_model, removed)
+    if lora is not None:  # the base: this folder's backbone/ where it is published (stated in the card)
+        save_peft_adapter(model.backbone, tmp / PEFT_ADAPTER_DIR, base_model_name_or_path=str(out.resolve() / BACKBONE_DIR),
+                          removed=removed, renumber=True)
+    if lora == "merged":
+        from peft import PeftModel
+
+        with warnings_.catch_warnings():  # transformers' deprecation notes from inside peft
+            warnings_.simplefilter("ignore", FutureWarning)
+            hf_model = PeftModel.from_pretrained(hf_model, str(tmp / PEFT_ADAPTER_DIR)).merge_and_unload()
+        shutil.rmtree(tmp / PEFT_ADAPTER_DIR)
+    hf_model.save_pretrained(tmp / BACKBONE_DIR)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / BACKBONE_DIR)
+    return _dtype_name(hf_model)
+
+
+def _write_new_modules(model, tmp: Path) -> None:
+    """``tmp/modules.safetensors``: the model's new modules (none: no file)."""
+    modules = model.new_state_dict()
+    if modules:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in modules.items()}, tmp / MODULES_FILE)
+
+
+def _write_records(model, tmp: Path, record: dict, train: dict | None, run, dtype: str, pruned,
+                   exported: dict) -> tuple[dict | None, dict]:
+    """``tmp/concept.json`` (the build config and its resolution, the backbone now the exported folder: absolute
+    while resolving, relative on disk; with ``export``: where it came from), ``train.json`` and the copied run
+    files. Returns the original backbone and the ``export`` record."""
+    resolution = model.resolution
+    config = json.loads(json.dumps(record["config"]))
+    original_backbone = ((record.get("export") or {}).get("backbone")  # (an export of an export: the first one's)
+                         or _saved_backbone(run) or config.get("backbone"))
+    absolute = str((tmp / BACKBONE_DIR).resolve())
+    config["backbone"] = {"name": "hf", "params": {"path": absolute, "dtype": dtype}}
+    build = BuildConfig.from_dict(config)
+    if pruned:
+        build.split = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)
+        config = build.to_dict()
+    new_resolution = resolve(build)
+    if not pruned and tuple(new_resolution.split or ()) != tuple(resolution.split or ()):  # (a family without stacks)
+        raise ConceptError(f"the exported backbone resolves to split {new_resolution.split}, not the run's "
+                           f"{resolution.split}")
+    exported = {**exported, "removed_layers": list(pruned) if pruned else None, "backbone_pruned": bool(pruned),
+                "backbone": original_backbone, "concept_version": __version__}
+    new_record = {k: v for k, v in record.items() if k != "export"}
+    new_record = {**new_record, "config": config, "plan": new_resolution.describe(), "export": exported}
+    new_record = _relative_paths(new_record, absolute, BACKBONE_PATH)
+    (tmp / RUN_FILE).write_text(json.dumps(new_record, indent=2, sort_keys=True))
+    if train is not None:
+        (tmp / TRAIN_FILE).write_text(json.dumps(train, indent=2))
+    for name in COPIED:
+        if run is not None and (run / name).is_file():
+            shutil.copy2(run / name, tmp / name)
+    return original_backbone, exported
+
+
 def _saved_backbone(run) -> dict | None:
     """The backbone the run folder ``run`` was built with, as its concept.json says (relative paths unresolved)."""
     if run is None or not (Path(run) / RUN_FILE).is_file():
@@ -342,7 +371,7 @@ def _saved_backbone(run) -> dict | None:
 
 # -- the model card --------------------------------------------------------------------------------
 def _describe_model(model, kind: str, removed) -> str:
-    info = model.plan.backbone_info
+    info = model.resolution.backbone_info
     family = family_of(model)
     if family is not None:
         return family.describe(model)
@@ -363,7 +392,16 @@ def _fmt(value) -> str:
 def model_card(name: str, run: Path, model, train: dict | None, exported: dict, heldout: dict | None) -> str:
     """The card's text (``concept.hub.card`` puts the hub metadata above it)."""
     kind, lora, removed = exported["kind"], exported["lora"], exported["removed_layers"]
-    info = model.plan.backbone_info
+    lines = (_card_model(name, run, model, exported) + _card_training(model, train, lora, exported)
+             + _card_heldout(name, train, heldout, exported) + _card_files(model, train, lora)
+             + _card_loading(name, model, kind, lora, removed, exported))
+    return "\n".join(lines)
+
+
+def _card_model(name: str, run: Path, model, exported: dict) -> list[str]:
+    """The card's title, origin, model and backbone."""
+    kind, removed = exported["kind"], exported["removed_layers"]
+    info = model.resolution.backbone_info
     backbone = exported["backbone"] or {}
     when = f" at training step {exported['step']}" if exported["step"] is not None else " (untrained)"
     origin = f"the run `{run}`" if run is not None else "a model built in memory"
@@ -372,6 +410,12 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
              f"**Model**: {_describe_model(model, kind, removed)}.", "",
              f"**Backbone**: `{backbone.get('name', '?')}` ({info.name}: {info.architecture}, {exported_layers(model)} layers, "
              f"hidden {info.hidden_size}, vocabulary {info.vocab_size}), saved in `backbone/` as a Hugging Face folder.", ""]
+    return lines
+
+
+def _card_training(model, train: dict | None, lora: str | None, exported: dict) -> list[str]:
+    """The card's LoRA settings and training (none for a model neither trained nor given LoRA)."""
+    lines = []
     if train or lora:
         settings = (train or {}).get("lora") or {}
         if not settings and lora:  # (a model given LoRA in memory: its peft config says how)
@@ -388,7 +432,12 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
         accumulated = f" x {accum} accumulated" if accum > 1 else ""
         lines += [f"**Training**: {steps:,} steps on {data} (train split), {train.get('batch')} x "
                   f"{train.get('seq_len')} tokens per step{accumulated} (about {tokens:,} tokens).", ""]
-    lines += ["## Held-out evaluation", ""]
+    return lines
+
+
+def _card_heldout(name: str, train: dict | None, heldout: dict | None, exported: dict) -> list[str]:
+    """The card's held-out evaluation: the run's last one, and the command that repeats it."""
+    lines = ["## Held-out evaluation", ""]
     if heldout:
         ev = heldout["eval"]
         data = heldout["data"] or "the Python standard library"
@@ -411,7 +460,12 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
     else:
         lines += [f"No held-out evaluation was recorded for this run. Evaluate it with `concept eval {name} --data HELD_OUT`.", ""]
 
-    lines += ["## Files", "", "| path | what |", "|---|---|",
+    return lines
+
+
+def _card_files(model, train: dict | None, lora: str | None) -> list[str]:
+    """The card's table of the export's files."""
+    lines = ["## Files", "", "| path | what |", "|---|---|",
               "| `concept.json` | the build plan (backbone: `hf` at `./backbone`, relative to this folder) |",
               "| `config.json`, `configuration_concept.py`, `modeling_concept.py` | the transformers classes "
               "(`AutoModelForCausalLM` with `trust_remote_code=True`) |",
@@ -422,7 +476,12 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
         lines.append("| `train.json` | the training record (baseline kind, pruned layers, LoRA settings, data) |")
     if model.new_modules():
         lines.append(f"| `{MODULES_FILE}` | the concept modules |")
-    lines += ["", "## Loading", "", "```python", "import concept", "", f'model = concept.load("{name}")   # the whole model; '
+    return lines
+
+
+def _card_loading(name: str, model, kind: str, lora: str | None, removed, exported: dict) -> list[str]:
+    """The card's loading recipes: concept.load, transformers, peft (with an adapter), the pruned backbone."""
+    lines = ["", "## Loading", "", "```python", "import concept", "", f'model = concept.load("{name}")   # the whole model; '
               "no run folder or backbone cache needed (a hub id works too)", "```", "",
               f"With transformers (the classes in this folder open it with `concept.load`, so the `concept` library "
               f"must be installed, version {exported['concept_version']} or later; transformers names it when it is "
@@ -451,4 +510,4 @@ def model_card(name: str, run: Path, model, train: dict | None, exported: dict, 
         lines += [f"`backbone/` holds only the kept layers (layers {a}..{b - 1} of the original are deleted and "
                   f"`num_hidden_layers` is {exported_layers(model)}), so that is the pruned baseline itself"
                   f"{' (the adapter is numbered for the kept layers)' if lora == 'adapter' else ''}.", ""]
-    return "\n".join(lines)
+    return lines

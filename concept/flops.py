@@ -112,7 +112,8 @@ def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor,
 
 def fusion_flops(model) -> float:
     """FLOPs per tail token of the model's tail fusion (0 for `none` / `update`)."""
-    return float(getattr(getattr(model, "tail_fusion", None), "flops_per_token", 0.0))
+    fusion = getattr(model, "tail_fusion", None)  # (a dense model has none; a streaming one may have None)
+    return 0.0 if fusion is None else float(fusion.flops_per_token)
 
 
 def head_classes(model) -> int:

@@ -179,11 +179,7 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     """
     if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
                                       and all(isinstance(p, str) for p in input_ids)):
-        tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
-        prompts = [input_ids] if isinstance(input_ids, str) else list(input_ids)
-        out = generate(model, [encode_text(tokenizer, p) for p in prompts], settings=settings, tokenizer=tokenizer,
-                       streamer=streamer, **overrides)
-        return out.texts[0] if isinstance(input_ids, str) else out.texts
+        return _generate_texts(model, input_ids, settings, tokenizer, streamer, overrides)
     s = settings_from(settings, overrides)
     rows = prompt_rows(input_ids, attention_mask)
     if not rows or any(len(r) == 0 for r in rows):
@@ -193,9 +189,44 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
         raise ConceptError("stop_strings need a tokenizer to read the text; pass tokenizer=")
     eos = s.eos_token_id if s.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
     pad = next((i for i in (getattr(tokenizer, "pad_token_id", None), eos) if i is not None), 0)
+    budget = _new_token_budget(model, s, max(len(r) for r in rows))
+    if s.mtp:
+        multitoken.check(model, s)
+    ids, valid = left_pad(rows, pad, next(model.parameters()).device)
+    decoder = _decoder(model, s, budget)
+    finished = _FinishedRows(len(rows), eos, s.stop_strings, tokenizer, budget)
+    was_training = model.training
+    model.eval()
+    try:
+        ids, kept_logits, steps = _decode(model, decoder, ids, valid, s, pad, finished, streamer, output_logits)
+    finally:
+        model.train(was_training)
+        if streamer is not None:
+            streamer.end()
+    last = "length" if budget == s.max_new_tokens else "context"
+    reasons = [r or last for r in finished.reasons]
+    texts = finished.final_texts()
+    return GenerationOutput(
+        sequences=ids, prompt_lengths=[len(r) for r in rows], tokens=finished.new, finish_reasons=reasons,
+        kv=decoder.kv_stats(), keep=getattr(decoder, "keep", None), texts=texts,
+        logits=(kept_logits if s.mtp else torch.stack(kept_logits, dim=1)) if output_logits else None, steps=steps,
+        plans=getattr(decoder, "plans", None),
+    )
 
+
+def _generate_texts(model, prompts, settings, tokenizer, streamer, overrides) -> str | list[str]:
+    """Text in, text out: each prompt encoded with ``tokenizer`` (default: the model's), the new texts."""
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
+    rows = [prompts] if isinstance(prompts, str) else list(prompts)
+    out = generate(model, [encode_text(tokenizer, p) for p in rows], settings=settings, tokenizer=tokenizer,
+                   streamer=streamer, **overrides)
+    return out.texts[0] if isinstance(prompts, str) else out.texts
+
+
+def _new_token_budget(model, s: GenerationSettings, longest: int) -> int:
+    """How many new tokens the longest prompt leaves room for: ``max_new_tokens``, fewer (with a warning)
+    near the backbone's context limit; a prompt (plus the plan a model writes after it) past it is refused."""
     limit = _context_limit(model)
-    longest = max(len(r) for r in rows)
     if limit is not None and longest >= limit:
         raise ConceptError(f"a prompt has {longest} tokens but the backbone's context limit is {limit}; shorten the "
                            f"prompt (keep its last {limit - 1} tokens or fewer)")
@@ -207,87 +238,90 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     budget = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - longest)
     if budget < s.max_new_tokens:
         warnings.warn(f"max_new_tokens={s.max_new_tokens} would pass the context limit ({limit} positions); "
-                      f"generating at most {budget} new tokens", stacklevel=2)
+                      f"generating at most {budget} new tokens", stacklevel=3)
+    return budget
 
+
+class _FinishedRows:
+    """Each row's new tokens (``new``), why it finished (``reasons``: "eos", "stop", None while it runs) and
+    its text cut before a stop string (``texts``; None: not cut)."""
+
+    def __init__(self, rows: int, eos, stop_strings: tuple[str, ...], tokenizer, budget: int):
+        self.eos, self.stops, self.tokenizer, self.budget = eos, stop_strings, tokenizer, budget
+        self.new = [[] for _ in range(rows)]
+        self.reasons = [None] * rows
+        self.texts = [None] * rows
+
+    def record(self, b: int, t: int) -> bool:
+        """Row b's next token; True once the row is finished."""
+        self.new[b].append(t)
+        if self.eos is not None and t == self.eos:
+            self.reasons[b] = "eos"
+        elif self.stops:
+            cut = _stopped_text(self.tokenizer.decode(self.new[b]), self.stops)
+            if cut is not None:
+                self.reasons[b], self.texts[b] = "stop", cut
+        return self.reasons[b] is not None or len(self.new[b]) >= self.budget
+
+    def final_texts(self) -> list[str] | None:
+        """Each row's new text (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return [t if t is not None else self.tokenizer.decode(n, skip_special_tokens=True)
+                for t, n in zip(self.texts, self.new)]
+
+
+def _decode(model, decoder, ids, valid, s: GenerationSettings, pad: int, finished: _FinishedRows, streamer,
+            output_logits: bool):
+    """The prompt's prefill, then the loop the settings call for: multi-token (``mtp``), on the device (a
+    static, compiled decoder) or eager. Returns the sequences, the logits kept and the steps run."""
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    logits = decoder.prefill(ids, valid)
     if s.mtp:
-        multitoken.check(model, s)
-    device = next(model.parameters()).device
-    ids, valid = left_pad(rows, pad, device)
-    B = len(rows)
-    decoder = _decoder(model, s, budget)
+        return _multitoken_loop(model, decoder, logits, ids, pad, finished.record, finished.new, s, streamer,
+                                output_logits)
     processors = _processors(s)
-    # one generator per row (seed + row): a row's text does not depend on the other rows of the batch
-    generators = [None] * B
-    if s.do_sample and s.seed is not None:
-        generators = [torch.Generator(device=device).manual_seed(s.seed + b) for b in range(B)]
+    generators = _row_generators(s, ids.shape[0], ids.device)
     # pads take the row's first token in the penalty's view, so padding never changes a row's scores
     penalty_view = torch.where(valid, ids, ids.gather(1, valid.to(torch.int8).argmax(1, keepdim=True)))
+    if getattr(decoder, "static", False):
+        return _device_loop(decoder, logits, ids, valid, s, processors, penalty_view, generators, finished.eos, pad,
+                            finished.budget, finished.record, finished.new, finished.reasons, streamer, output_logits)
+    return _eager_loop(decoder, logits, ids, s, processors, penalty_view, generators, pad, finished, streamer,
+                       output_logits)
 
-    was_training = model.training
-    model.eval()
-    try:
+
+def _row_generators(s: GenerationSettings, rows: int, device) -> list:
+    """One generator per row (seed + row): a row's text does not depend on the other rows of the batch."""
+    if s.do_sample and s.seed is not None:
+        return [torch.Generator(device=device).manual_seed(s.seed + b) for b in range(rows)]
+    return [None] * rows
+
+
+def _eager_loop(decoder, logits, ids, s: GenerationSettings, processors, penalty_view, generators, pad: int,
+                finished: _FinishedRows, streamer, output_logits: bool):
+    """One token per step for every row, read back each step (a finished row is fed ``pad``). Returns the
+    sequences, the logits that predicted each new token and the steps run."""
+    kept_logits, steps, reasons, device = [], 0, finished.reasons, ids.device
+    for i in range(finished.budget):
+        if output_logits:
+            kept_logits.append(logits)
+        token = _sample(processors(penalty_view, logits.float()), s, generators)
+        done = torch.tensor([r is not None for r in reasons], device=device)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        penalty_view = torch.cat([penalty_view, torch.where(done, penalty_view[:, -1], token)[:, None]], dim=1)
+        ids = torch.cat([ids, token[:, None]], dim=1)
         if streamer is not None:
-            streamer.put(ids.cpu())
-        logits = decoder.prefill(ids, valid)
-        new = [[] for _ in range(B)]
-        reasons = [None] * B
-        texts = [None] * B
-        kept_logits, steps = [], 0
-
-        def record(b: int, t: int) -> bool:
-            """Row b's next token; True once the row is finished."""
-            new[b].append(t)
-            if eos is not None and t == eos:
-                reasons[b] = "eos"
-            elif s.stop_strings:
-                cut = _stopped_text(tokenizer.decode(new[b]), s.stop_strings)
-                if cut is not None:
-                    reasons[b], texts[b] = "stop", cut
-            return reasons[b] is not None or len(new[b]) >= budget
-
-        if s.mtp:
-            ids, kept_logits, steps = _multitoken_loop(model, decoder, logits, ids, pad, record, new, s, streamer,
-                                                       output_logits)
-        on_device = getattr(decoder, "static", False)
-        if on_device:
-            ids, kept_logits, steps = _device_loop(decoder, logits, ids, valid, s, processors, penalty_view, generators,
-                                                   eos, pad, budget, record, new, reasons, streamer, output_logits)
-        for i in range(budget if not (s.mtp or on_device) else 0):
-            if output_logits:
-                kept_logits.append(logits)
-            scores = processors(penalty_view, logits.float())
-            if s.do_sample:
-                probs = torch.softmax(scores, dim=-1)
-                token = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
-            else:
-                token = scores.argmax(-1)
-            done = torch.tensor([r is not None for r in reasons], device=device)
-            token = torch.where(done, torch.full_like(token, pad), token)
-            penalty_view = torch.cat([penalty_view, torch.where(done, penalty_view[:, -1], token)[:, None]], dim=1)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            if streamer is not None:
-                streamer.put(token.cpu())
-            for b, t in enumerate(token.tolist()):
-                if reasons[b] is None:
-                    record(b, t)
-            if all(r is not None for r in reasons) or i == budget - 1:
-                break
-            logits = decoder.step(token, torch.tensor([r is None for r in reasons], device=device))
-            steps += 1
-    finally:
-        model.train(was_training)
-        if streamer is not None:
-            streamer.end()
-    last = "length" if budget == s.max_new_tokens else "context"
-    reasons = [r or last for r in reasons]
-    if tokenizer is not None:
-        texts = [t if t is not None else tokenizer.decode(n, skip_special_tokens=True) for t, n in zip(texts, new)]
-    return GenerationOutput(
-        sequences=ids, prompt_lengths=[len(r) for r in rows], tokens=new, finish_reasons=reasons,
-        kv=decoder.kv_stats(), keep=getattr(decoder, "keep", None), texts=texts if tokenizer is not None else None,
-        logits=(kept_logits if s.mtp else torch.stack(kept_logits, dim=1)) if output_logits else None, steps=steps,
-        plans=getattr(decoder, "plans", None),
-    )
+            streamer.put(token.cpu())
+        for b, t in enumerate(token.tolist()):
+            if reasons[b] is None:
+                finished.record(b, t)
+        if all(r is not None for r in reasons) or i == finished.budget - 1:
+            break
+        logits = decoder.step(token, torch.tensor([r is None for r in reasons], device=device))
+        steps += 1
+    return ids, kept_logits, steps
 
 
 def _sample(scores, s: GenerationSettings, generators):

@@ -247,6 +247,26 @@ def create_app(model, name: str, default_max_tokens: int = 16) -> FastAPI:
     engine = Engine(model, name, default_max_tokens)
     app = FastAPI(title=f"concept: {name}", description="OpenAI-compatible completions from a concept model")
     app.state.engine = engine
+    _add_error_handlers(app)
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": engine.created,
+                                            "owned_by": "concept"}]}
+
+    @app.post("/v1/completions")
+    def completions(request: CompletionRequest):
+        return _completion(engine, request)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(request: ChatRequest):
+        return _chat_completion(engine, request)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style error body: the API's own, a request that does not validate, any other."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -265,65 +285,61 @@ def create_app(model, name: str, default_max_tokens: int = 16) -> FastAPI:
     async def failed(request: Request, exc: Exception):
         return APIError(500, f"{type(exc).__name__}: {exc}", kind="server_error").response()
 
-    def check_model(requested: str) -> None:
-        if requested != engine.name:
-            raise APIError(404, f"The model '{requested}' does not exist; this server serves '{engine.name}' "
-                                f"(GET /v1/models)", param="model", code="model_not_found")
 
-    @app.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": engine.created,
-                                            "owned_by": "concept"}]}
+def _check_model(engine: Engine, requested: str) -> None:
+    if requested != engine.name:
+        raise APIError(404, f"The model '{requested}' does not exist; this server serves '{engine.name}' "
+                            f"(GET /v1/models)", param="model", code="model_not_found")
 
-    @app.post("/v1/completions")
-    def completions(request: CompletionRequest):
-        check_model(request.model)
-        _unsupported(request)
-        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
-        if len(prompts) != 1:
-            raise APIError(400, "give one prompt per request (a string, or a list of one)", param="prompt")
-        settings = engine.settings(request, request.max_tokens, ())
-        ids = engine.prompt_ids(prompts[0])
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text="", finish_reason=None, usage=None):
-            return {"id": rid, "object": "text_completion", "created": created, "model": engine.name,
-                    "choices": [] if usage else [{"text": text, "index": 0, "logprobs": None,
-                                                  "finish_reason": finish_reason}],
-                    **({"usage": usage} if usage else {})}
+def _completion(engine: Engine, request: CompletionRequest):
+    """``POST /v1/completions``: one prompt, the reply (or its stream)."""
+    _check_model(engine, request.model)
+    _unsupported(request)
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if len(prompts) != 1:
+        raise APIError(400, "give one prompt per request (a string, or a list of one)", param="prompt")
+    settings = engine.settings(request, request.max_tokens, ())
+    ids = engine.prompt_ids(prompts[0])
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        if request.stream:
-            return _stream(engine, ids, settings, chunk, include_usage=bool((request.stream_options or {}).get("include_usage")))
-        reply = engine.run(ids, settings)
-        return {**chunk(reply.text, reply.finish_reason), "usage": _usage(reply)}
+    def chunk(text="", finish_reason=None, usage=None):
+        return {"id": rid, "object": "text_completion", "created": created, "model": engine.name,
+                "choices": [] if usage else [{"text": text, "index": 0, "logprobs": None,
+                                              "finish_reason": finish_reason}],
+                **({"usage": usage} if usage else {})}
 
-    @app.post("/v1/chat/completions")
-    def chat_completions(request: ChatRequest):
-        check_model(request.model)
-        _unsupported(request)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
-        problems = chat.check(messages)
-        if problems:
-            raise APIError(400, "; ".join(problems), param="messages")
-        settings = engine.settings(request, request.max_completion_tokens or request.max_tokens,
-                                   chat.stop_strings(engine.tokenizer))
-        ids = chat.encode(engine.tokenizer, chat.prompt(engine.tokenizer, messages))
-        engine.check_length(len(ids), "messages")
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if request.stream:
+        return _stream(engine, ids, settings, chunk, include_usage=bool((request.stream_options or {}).get("include_usage")))
+    reply = engine.run(ids, settings)
+    return {**chunk(reply.text, reply.finish_reason), "usage": _usage(reply)}
 
-        def chunk(text=None, finish_reason=None, usage=None, role=None):
-            delta = {**({"role": role} if role else {}), **({"content": text} if text is not None else {})}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.name,
-                    "choices": [] if usage else [{"index": 0, "delta": delta, "logprobs": None,
-                                                  "finish_reason": finish_reason}],
-                    **({"usage": usage} if usage else {})}
 
-        if request.stream:
-            return _stream(engine, ids, settings, chunk, first=chunk(text="", role="assistant"),
-                           include_usage=bool((request.stream_options or {}).get("include_usage")))
-        reply = engine.run(ids, settings)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": engine.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text}, "logprobs": None,
-                             "finish_reason": reply.finish_reason}], "usage": _usage(reply)}
+def _chat_completion(engine: Engine, request: ChatRequest):
+    """``POST /v1/chat/completions``: the messages in the backbone's chat template, the reply (or its stream)."""
+    _check_model(engine, request.model)
+    _unsupported(request)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
+    problems = chat.check(messages)
+    if problems:
+        raise APIError(400, "; ".join(problems), param="messages")
+    settings = engine.settings(request, request.max_completion_tokens or request.max_tokens,
+                               chat.stop_strings(engine.tokenizer))
+    ids = chat.encode(engine.tokenizer, chat.prompt(engine.tokenizer, messages))
+    engine.check_length(len(ids), "messages")
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    return app
+    def chunk(text=None, finish_reason=None, usage=None, role=None):
+        delta = {**({"role": role} if role else {}), **({"content": text} if text is not None else {})}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.name,
+                "choices": [] if usage else [{"index": 0, "delta": delta, "logprobs": None,
+                                              "finish_reason": finish_reason}],
+                **({"usage": usage} if usage else {})}
+
+    if request.stream:
+        return _stream(engine, ids, settings, chunk, first=chunk(text="", role="assistant"),
+                       include_usage=bool((request.stream_options or {}).get("include_usage")))
+    reply = engine.run(ids, settings)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": engine.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text}, "logprobs": None,
+                         "finish_reason": reply.finish_reason}], "usage": _usage(reply)}

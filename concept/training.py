@@ -140,7 +140,7 @@ class FamilyTraining:
             for flag, value, owner in foreign_options(config, self.family)]
 
     def training_model(self, plan, config, out: Path, resume: bool, notes: list):
-        model = build(plan=plan)
+        model = build(resolution=plan)
         self.family.prepare(model, config.to_dict())
         if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
             file = out / "modules.safetensors"
@@ -712,7 +712,7 @@ class Trainer:
             # concept.load reads the checkpoint's copy first, so a torn peft folder never wins
 
             save_peft_adapter(self.model.backbone, self.out / PEFT_ADAPTER_DIR, state=tensors["adapter"],
-                              base_model_name_or_path=self.model.plan.backbone_info.name,
+                              base_model_name_or_path=self.model.resolution.backbone_info.name,
                               removed=getattr(self.model, "removed", None))
             if self.record_pending:  # (resume) train.json describes the run from its first new checkpoint on
                 self._record(self.record_source)

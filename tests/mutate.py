@@ -103,10 +103,10 @@ MUTATIONS = [
              ["tests/test_null_policy.py", "-k", "tracker"]),
     # decoding
     Mutation("decoding: the tail is kept when a concept is emitted", "concept/streaming/decoding.py",
-             "            cache.deep.drop_tail(keep)\n", "",
+             "    cache.deep.drop_tail(keep)\n", "",
              ["tests/test_decoding.py", "-k", "decode_logits_equal_teacher_forcing and sdpa"]),
     Mutation("decoding: concept ranks off by one", "concept/streaming/decoding.py",
-             "rank = (self.num_concepts + s)[:, None]", "rank = (self.num_concepts + s + 1)[:, None]",
+             "rank = (num_concepts + s)[:, None]", "rank = (num_concepts + s + 1)[:, None]",
              ["tests/test_decoding.py", "-k", "decode_logits_equal_teacher_forcing and per-type and sdpa"]),
     Mutation("kv cache: a concept drops every row's tail", "concept/kv_cache.py",
              "self.valid &= ~(self.tail & rows[:, None])", "self.valid &= ~self.tail",
@@ -135,7 +135,7 @@ MUTATIONS = [
              "valid = target != IGNORE", "valid = target == target",
              ["tests/test_head_loss.py", "-k", "every_model_kind and dense"]),
     # the code-only controls read the discrete id alone
-    Mutation("code controls: the whole input perturbed, not only the code", "concept/streaming/model.py",
+    Mutation("code controls: the whole input perturbed, not only the code", "concept/streaming/emission.py",
              "        if isinstance(self.sampler, Mixes):  # e.g. `hidden-projection`, in training and at inference\n",
              "        h = h if perturb_codes is None else torch.zeros_like(h)\n"
              "        if isinstance(self.sampler, Mixes):  # e.g. `hidden-projection`, in training and at inference\n",

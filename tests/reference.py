@@ -23,7 +23,7 @@ from concept.backbone import decoder
 
 
 def component(model, slot: str) -> str:
-    return model.plan.components[slot].name
+    return model.resolution.components[slot].name
 
 
 # -- positions and type embeddings, by definition -----------------------------------------------------
@@ -40,7 +40,7 @@ def concept_position(model, index: torch.Tensor, rank: torch.Tensor, stack: str)
     if scheme == "time":
         return index
     if scheme == "per-type":
-        return rank + model.plan.components["position_scheme"].config.offset
+        return rank + model.resolution.components["position_scheme"].config.offset
     if scheme == "compact":
         return rank if stack == "middle" else index
     raise NotImplementedError(f"the reference has no definition of the {scheme!r} position scheme; add it here")

@@ -311,7 +311,7 @@ def test_compiled_flex_the_default_path_matches_naive():
     cfg = tiny_config(attention="flex")
     cfg.attention = ComponentRef("flex", {})  # the defaults: compile=True
     model = randomize_new_modules(concept.build(cfg)).eval()
-    assert model.plan.components["attention"].config.compile
+    assert model.resolution.components["attention"].config.compile
     ids, keep = inputs(), pattern("runs")[None]
     with torch.no_grad():
         out = model(ids, keep=keep)

@@ -37,7 +37,7 @@ for name, folder in spec["folders"].items():
     ev = evaluate(model, (packed.batch(i, spec["batch"]) for i in range(spec["batches"])), controls=False)
     keep = getattr(o, "keep", None)
     out[name] = {"logits": o.logits.tolist(), "keep": None if keep is None else keep.tolist(), "nll": ev["nll"],
-                 "kind": getattr(model, "kind", "streaming"), "backbone": model.plan.config.backbone.params["path"],
+                 "kind": getattr(model, "kind", "streaming"), "backbone": model.resolution.config.backbone.params["path"],
                  "lora": sum("lora_" in n for n, _ in model.backbone.named_parameters())}
 print(json.dumps(out))
 """

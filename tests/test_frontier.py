@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 import concept.recipes.frontier as fr
+from benchmarks import frontier_doc
 from concept.training import Trainer
 from concept_cli.main import cli
 from tests.test_training import STDLIB, corpus  # noqa: F401  (fixture)
@@ -95,7 +96,7 @@ def test_frontier_trains_evaluates_and_writes_the_plot_and_table(frontier):
     assert "training" in err and "evaluating" in err  # progress on stderr, data on stdout
 
 
-def test_rerun_skips_complete_runs_and_updates_the_doc(frontier, monkeypatch, tmp_path):
+def test_rerun_skips_complete_runs_and_the_doc_script_fills_a_doc(frontier, monkeypatch, tmp_path):
     out, args, first, _ = frontier
 
     def refuse(*_, **__):
@@ -107,8 +108,9 @@ def test_rerun_skips_complete_runs_and_updates_the_doc(frontier, monkeypatch, tm
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint/state.json")}
     doc = tmp_path / "results.md"
     doc.write_text("# Results\n\nintro\n\n<!-- frontier:begin -->\nold table\n<!-- frontier:end -->\n\nafter\n")
-    r = run(*args, "--update-doc", doc)
+    r = run(*args)
     assert r.exit_code == 0, r.output
+    assert frontier_doc.main([str(out), str(doc)]) == 0  # the library rewrites no docs: the script does
     assert r.stderr.count("skipping") == 5 and "s1-4-1_r0.25" in r.stdout and "Best streaming point" in r.stdout
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint/state.json")} == stamps
     text = doc.read_text()
@@ -120,8 +122,11 @@ def test_rerun_skips_complete_runs_and_updates_the_doc(frontier, monkeypatch, tm
 
     bad = tmp_path / "nomarkers.md"
     bad.write_text("# no block here\n")
-    r = run(*args, "--update-doc", bad)
-    assert r.exit_code == 1 and "<!-- frontier:begin -->" in r.stderr and bad.read_text() == "# no block here\n"
+    with pytest.raises(SystemExit, match="<!-- frontier:begin -->"):
+        frontier_doc.main([str(out), str(bad)])
+    assert bad.read_text() == "# no block here\n"
+    r = run(*args, "--update-doc", doc)  # the removed flag: a clear error before anything runs
+    assert r.exit_code == 1 and "--update-doc was removed" in r.stderr and "benchmarks.frontier_doc" in r.stderr
 
 
 def test_tasks_add_accuracy_columns_and_a_plot_and_are_cached(frontier, monkeypatch):

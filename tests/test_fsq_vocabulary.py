@@ -218,7 +218,7 @@ def test_multilevel_gradients_match_naive_and_reach_every_level(models):
 # -- gradients and training -----------------------------------------------------------------------------
 def test_gradients_reach_the_projections_with_the_default_sampler(models, monkeypatch):
     model = models()
-    assert model.plan.components["sampler"].name == "gumbel-st"
+    assert model.resolution.components["sampler"].name == "gumbel-st"
     grads = assert_gradients_match_naive(model, training=True)
     assert grads["vocabulary.proj_down.weight"].abs().sum() > 0  # through the soft probabilities
     assert grads["vocabulary.proj_up.weight"].abs().sum() > 0

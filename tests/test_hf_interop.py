@@ -128,7 +128,7 @@ def test_planner_executor_through_transformers(tmp_path):
 def pruned(tmp_path_factory):
     """A pruned baseline made in memory (layers 1..2 of 5 skipped) with LoRA, exported with the adapter and merged."""
     plan = concept.resolve(BuildConfig(backbone=ComponentRef("tiny-llama", {**TINY, "layers": 5}), split="1,3,1"))
-    model = with_lora(DenseModel(build_backbone(plan).model, plan=plan, removed=(1, 3)))
+    model = with_lora(DenseModel(build_backbone(plan).model, resolution=plan, removed=(1, 3)))
     folder = tmp_path_factory.mktemp("pruned")
     model.save_pretrained(folder / "adapter-export")
     model.save_pretrained(folder / "merged-export", merge_lora=True)
@@ -161,7 +161,7 @@ def test_pruned_export_deletes_its_layers_and_loads_with_plain_transformers(prun
 
 def test_pruned_export_needs_three_layers(tmp_path):
     plan = concept.resolve(BuildConfig(backbone=ComponentRef("tiny-llama", TINY), split="1,2,1"))
-    model = DenseModel(build_backbone(plan).model, plan=plan, removed=(1, 3))
+    model = DenseModel(build_backbone(plan).model, resolution=plan, removed=(1, 3))
     with pytest.raises(ConceptError, match="keeps 2 of the backbone's 4 layers"):
         model.save_pretrained(tmp_path / "x")
     assert not (tmp_path / "x").exists()

@@ -83,7 +83,7 @@ def test_random_adapters_roundtrip_through_peft_and_back(backbone, tmp_path):
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
 
     fresh = concept.build(tiny_config(backbone=backbone))  # same seed: the same random backbone
-    plain = fresh.plan.components["backbone"].cls.load(fresh.plan.components["backbone"].config).model.eval()
+    plain = fresh.resolution.components["backbone"].cls.load(fresh.resolution.components["backbone"].config).model.eval()
     ids = torch.randint(0, 97, (2, 16), generator=g)
     with torch.no_grad():
         ours = dense(ids).logits

@@ -68,7 +68,9 @@ def model():
 
 
 def test_build_and_layout(model):
-    assert isinstance(model, PlannerExecutorModel) and model.plan.family == "planner-executor"
+    assert isinstance(model, PlannerExecutorModel) and model.resolution.family == "planner-executor"
+    with pytest.warns(DeprecationWarning, match="model.resolution"):  # the old name of the build resolution
+        assert model.plan is model.resolution
     layout = model.layout
     assert layout == TokenLayout(256, (8, 16))
     assert [layout.concept_id(0, 0), layout.eos_id(0), layout.concept_id(1, 0), layout.eos_id(1)] == [256, 264, 265, 281]

@@ -59,7 +59,7 @@ def test_per_type_offset_through_the_whole_model_in_fp64():
         out = model(ids, keep=keep).logits
         ref, _ = reference_logits(model, ids, keep=keep)
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
-        model.plan.components["position_scheme"].config.offset = 0  # the oracle reads another offset: caught
+        model.resolution.components["position_scheme"].config.offset = 0  # the oracle reads another offset: caught
         wrong, _ = reference_logits(model, ids, keep=keep)
-        model.plan.components["position_scheme"].config.offset = 7
+        model.resolution.components["position_scheme"].config.offset = 7
     assert (out - wrong).abs().max() > 1e-6

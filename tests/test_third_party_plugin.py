@@ -110,7 +110,7 @@ def load_check(path):
     return {"keep": out.keep.tolist(), "expected": (every_other & mask.bool()).tolist(),
             "step_agrees": bool(torch.equal(torch.stack(steps, 1), every_other)),
             "module": type(m.length_policy).__module__,
-            "provider": m.plan.components["length_policy"].provider.label}
+            "provider": m.resolution.components["length_policy"].provider.label}
 
 results = []
 for args in json.loads(sys.argv[1]):

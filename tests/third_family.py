@@ -39,9 +39,9 @@ class Prompt(nn.Module):
 class SoftPromptModel(GenerationMixin, nn.Module):
     family = "soft-prompt"
 
-    def __init__(self, backbone, plan, tokenizer, length: int):
+    def __init__(self, backbone, resolution, tokenizer, length: int):
         super().__init__()
-        self.backbone, self.plan, self.tokenizer = backbone, plan, tokenizer
+        self.backbone, self.resolution, self.tokenizer = backbone, resolution, tokenizer
         embedding = backbone.get_input_embeddings().weight
         self.prompt = Prompt(length, embedding.shape[1], float(embedding.std()))
 

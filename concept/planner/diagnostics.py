@@ -190,15 +190,14 @@ def _usage_perplexity(counts: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, seed: int = 0, beam: int = 4) -> dict:
+    """The held-out evaluation of a planner-executor: NLL(y | its greedy plan) and with an empty plan, by position
+    bucket of y, the plans' lengths, the planner's signals and usage per type (and level); with ``controls`` also
+    the frozen backbone's references, the ΔNLL controls and, with ``beam``, the E-step's best plan z*."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    names = [t.name for t in model.settings.types]
-    sums: dict[str, float] = defaultdict(float)
-    by_bucket: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    used = [torch.zeros(int(k), dtype=torch.float64) for k in model.sizes.tolist()]
-    by_level: dict[tuple[int, int], torch.Tensor] = {}
+    totals = _PlannedTotals(model, bucket)
     try:
         for batch in batches:
             ids = batch["input_ids"].to(device)
@@ -206,74 +205,110 @@ def evaluate_planned(model, batches, bucket: int = 64, controls: bool = True, se
             valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.to(device).bool()
             u, u_valid, y, y_valid = model.split_example(ids, valid)
             plan = model.planner(u, u_valid, sample=False)
-            nll = _score(model, plan, y, y_valid)
-            n = float(y_valid.sum())
-            sums["nll"] += float(nll[y_valid].sum())
-            sums["tokens"] += n
-            index = (torch.cumsum(y_valid.long(), 1) - 1)[y_valid] // bucket
-            for b, v in zip(index.tolist(), nll[y_valid].tolist()):
-                by_bucket[b][0] += v
-                by_bucket[b][1] += 1
-            sums["nll_nothing"] += float(_score(model, empty_plan(model, len(ids), device), y, y_valid)[y_valid].sum())
+            totals.add_text(model, plan, y, y_valid)
             if controls:  # the frozen backbone's references (two extra forwards): not in the trainer's periodic eval
-                sums["nll_dense_given_u"] += float(dense_given_u(model, u, u_valid, y, y_valid)[y_valid].sum())
-                alone, alone_mask = dense_alone(model, y, y_valid)
-                sums["nll_dense"] += float(alone[alone_mask].sum())
-                sums["dense_tokens"] += float(alone_mask.sum())
-            lengths = plan.lengths(model.num_types).float()
-            sums["rows"] += len(ids)
-            sums["plan_len"] += float(lengths.sum())
-            sums["plan_per_token"] += float((lengths.sum(1) / u_valid.sum(1).clamp(min=1)).sum())
-            for key, value in planner_signals(model, plan).items():
-                sums[key] += value
-            for i, name in enumerate(names):
-                sums[f"plan_len/{name}"] += float(lengths[:, i].sum())
-                at = plan.concepts & (plan.types == i)
-                used[i] += torch.bincount(plan.classes[at].cpu(), minlength=len(used[i])).double()
-                levels = int(model.levels[i])
-                for level in range(levels if levels > 1 else 0):  # multi-level codes: usage per level (collapse)
-                    mine = at & (model.level(plan.types, plan.before(model.num_types)) == level)
-                    counts = torch.bincount(plan.classes[mine].cpu(), minlength=len(used[i])).double()
-                    by_level[(i, level)] = by_level.get((i, level), 0) + counts
+                totals.add_references(model, u, u_valid, y, y_valid)
+            totals.add_plan(model, plan, u_valid)
             if controls:
-                for key, value in control_nlls(model, plan, y, y_valid, generator).items():
-                    sums[f"control_{key}"] += float(value[y_valid].sum())
-                if beam:  # the E-step's search: its best plan z* under S(z) = log p(y | z) + log p(z | u)
-                    beams, _ = beam_search(model, u, u_valid, beam)
-                    scores = score_plans(model, u, u_valid, y, y_valid, beams, beam)
-                    top = scores.total.topk(min(2, beam), dim=-1)
-                    sums["nll_zstar"] += float(-scores.text.gather(1, top.indices[:, :1]).sum())
-                    if beam > 1:
-                        sums["estep_margin"] += float((top.values[:, 0] - top.values[:, 1]).sum())
+                totals.add_controls(model, plan, u, u_valid, y, y_valid, generator, beam)
     finally:
         model.train(was_training)
-    tokens, rows = max(1.0, sums["tokens"]), max(1.0, sums["rows"])
-    nll = sums["nll"] / tokens
-    result = {"tokens": int(sums["tokens"]), "nll": nll, "bits_per_token": nll / math.log(2),
-              "perplexity": math.exp(min(nll, 50.0)),
-              "nll_nothing": sums["nll_nothing"] / tokens,
-              "plan_len": sums["plan_len"] / rows, "plan_per_token": sums["plan_per_token"] / rows,
-              "nll_by_position": {f"{b * bucket}-{(b + 1) * bucket}": s / c for b, (s, c) in sorted(by_bucket.items())},
-              "tokens_by_position": {f"{b * bucket}-{(b + 1) * bucket}": int(c) for b, (s, c) in sorted(by_bucket.items())},
-              "task": model.task}
-    for i, name in enumerate(names):
-        steps = max(1.0, sums[f"steps/{name}"])
-        result[f"plan_len/{name}"] = sums[f"plan_len/{name}"] / rows
-        result[f"entropy/{name}"] = sums[f"entropy/{name}"] / steps
-        result[f"max_prob/{name}"] = sums[f"max_prob/{name}"] / steps
-        result[f"usage_perplexity/{name}"] = _usage_perplexity(used[i])
-        for (j, level), counts in sorted(by_level.items()):
-            if j == i:
-                result[f"usage_perplexity/{name}/level{level}"] = _usage_perplexity(counts)
-    if controls:
-        result["nll_dense_given_u"] = sums["nll_dense_given_u"] / tokens
-        result["nll_dense"] = sums["nll_dense"] / max(1.0, sums["dense_tokens"])
-        for key in controls_of(model):
-            result[f"delta_nll_{key}"] = sums[f"control_{key}"] / tokens - nll
+    return totals.result(model, controls, beam)
+
+
+class _PlannedTotals:
+    """The sums of :func:`evaluate_planned` over its batches, and the result they give."""
+
+    def __init__(self, model, bucket: int):
+        self.bucket, self.names = bucket, [t.name for t in model.settings.types]
+        self.sums: dict[str, float] = defaultdict(float)
+        self.by_bucket: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.used = [torch.zeros(int(k), dtype=torch.float64) for k in model.sizes.tolist()]
+        self.by_level: dict[tuple[int, int], torch.Tensor] = {}
+
+    def add_text(self, model, plan, y, y_valid) -> None:
+        """NLL(y | plan), by position bucket, and NLL(y | an empty plan)."""
+        sums = self.sums
+        nll = _score(model, plan, y, y_valid)
+        sums["nll"] += float(nll[y_valid].sum())
+        sums["tokens"] += float(y_valid.sum())
+        index = (torch.cumsum(y_valid.long(), 1) - 1)[y_valid] // self.bucket
+        for b, v in zip(index.tolist(), nll[y_valid].tolist()):
+            self.by_bucket[b][0] += v
+            self.by_bucket[b][1] += 1
+        empty = empty_plan(model, len(y), y.device)
+        sums["nll_nothing"] += float(_score(model, empty, y, y_valid)[y_valid].sum())
+
+    def add_references(self, model, u, u_valid, y, y_valid) -> None:
+        """The frozen backbone's NLL of y given u, and of y alone."""
+        self.sums["nll_dense_given_u"] += float(dense_given_u(model, u, u_valid, y, y_valid)[y_valid].sum())
+        alone, alone_mask = dense_alone(model, y, y_valid)
+        self.sums["nll_dense"] += float(alone[alone_mask].sum())
+        self.sums["dense_tokens"] += float(alone_mask.sum())
+
+    def add_plan(self, model, plan, u_valid) -> None:
+        """The plans' lengths (per type, per token of u), the planner's signals and the codes used (per level)."""
+        sums, used = self.sums, self.used
+        lengths = plan.lengths(model.num_types).float()
+        sums["rows"] += len(u_valid)
+        sums["plan_len"] += float(lengths.sum())
+        sums["plan_per_token"] += float((lengths.sum(1) / u_valid.sum(1).clamp(min=1)).sum())
+        for key, value in planner_signals(model, plan).items():
+            sums[key] += value
+        for i, name in enumerate(self.names):
+            sums[f"plan_len/{name}"] += float(lengths[:, i].sum())
+            at = plan.concepts & (plan.types == i)
+            used[i] += torch.bincount(plan.classes[at].cpu(), minlength=len(used[i])).double()
+            levels = int(model.levels[i])
+            for level in range(levels if levels > 1 else 0):  # multi-level codes: usage per level (collapse)
+                mine = at & (model.level(plan.types, plan.before(model.num_types)) == level)
+                counts = torch.bincount(plan.classes[mine].cpu(), minlength=len(used[i])).double()
+                self.by_level[(i, level)] = self.by_level.get((i, level), 0) + counts
+
+    def add_controls(self, model, plan, u, u_valid, y, y_valid, generator, beam: int) -> None:
+        """The controls' NLLs and, with ``beam``, the E-step's search: its best plan z* under
+        S(z) = log p(y | z) + log p(z | u) and its margin over the second best."""
+        sums = self.sums
+        for key, value in control_nlls(model, plan, y, y_valid, generator).items():
+            sums[f"control_{key}"] += float(value[y_valid].sum())
         if beam:
-            result["nll_zstar"] = sums["nll_zstar"] / tokens
+            beams, _ = beam_search(model, u, u_valid, beam)
+            scores = score_plans(model, u, u_valid, y, y_valid, beams, beam)
+            top = scores.total.topk(min(2, beam), dim=-1)
+            sums["nll_zstar"] += float(-scores.text.gather(1, top.indices[:, :1]).sum())
             if beam > 1:
-                result["estep_margin"] = sums["estep_margin"] / rows
-    if sums.get("steps"):
-        result["cos_soft_hard"] = sums["cos_soft_hard"] / sums["steps"]
-    return result
+                sums["estep_margin"] += float((top.values[:, 0] - top.values[:, 1]).sum())
+
+    def result(self, model, controls: bool, beam: int) -> dict:
+        sums, bucket = self.sums, self.bucket
+        tokens, rows = max(1.0, sums["tokens"]), max(1.0, sums["rows"])
+        nll = sums["nll"] / tokens
+        spans = sorted(self.by_bucket.items())
+        result = {"tokens": int(sums["tokens"]), "nll": nll, "bits_per_token": nll / math.log(2),
+                  "perplexity": math.exp(min(nll, 50.0)),
+                  "nll_nothing": sums["nll_nothing"] / tokens,
+                  "plan_len": sums["plan_len"] / rows, "plan_per_token": sums["plan_per_token"] / rows,
+                  "nll_by_position": {f"{b * bucket}-{(b + 1) * bucket}": s / c for b, (s, c) in spans},
+                  "tokens_by_position": {f"{b * bucket}-{(b + 1) * bucket}": int(c) for b, (s, c) in spans},
+                  "task": model.task}
+        for i, name in enumerate(self.names):
+            steps = max(1.0, sums[f"steps/{name}"])
+            result[f"plan_len/{name}"] = sums[f"plan_len/{name}"] / rows
+            result[f"entropy/{name}"] = sums[f"entropy/{name}"] / steps
+            result[f"max_prob/{name}"] = sums[f"max_prob/{name}"] / steps
+            result[f"usage_perplexity/{name}"] = _usage_perplexity(self.used[i])
+            for (j, level), counts in sorted(self.by_level.items()):
+                if j == i:
+                    result[f"usage_perplexity/{name}/level{level}"] = _usage_perplexity(counts)
+        if controls:
+            result["nll_dense_given_u"] = sums["nll_dense_given_u"] / tokens
+            result["nll_dense"] = sums["nll_dense"] / max(1.0, sums["dense_tokens"])
+            for key in controls_of(model):
+                result[f"delta_nll_{key}"] = sums[f"control_{key}"] / tokens - nll
+            if beam:
+                result["nll_zstar"] = sums["nll_zstar"] / tokens
+                if beam > 1:
+                    result["estep_margin"] = sums["estep_margin"] / rows
+        if sums.get("steps"):
+            result["cos_soft_hard"] = sums["cos_soft_hard"] / sums["steps"]
+        return result

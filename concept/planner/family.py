@@ -65,7 +65,7 @@ class PlannerExecutor(Family):
     def inspect(self, model, request) -> dict:
         """Its plan types and budget, the <EOS> bias of its quota controller, and the task it was trained for;
         only the components it uses."""
-        return {"planner": {**model.plan.describe()["planner"], "eos_bias": model.eos_bias.describe(),
+        return {"planner": {**model.resolution.describe()["planner"], "eos_bias": model.eos_bias.describe(),
                             "task": model.task, "context_len": model.context_len},
                 "components": ["backbone", "sampler", "eval_sampler", "position_scheme", "vocabulary"]}
 

@@ -27,6 +27,9 @@ as an LM continuing its prompt. The executor restarts every type at 1 under one 
 Batches. Plans differ in length between rows: the planner runs until every row has ended its last
 type (a finished row's steps are masked out of every later key), and the executor right-aligns the
 plan blocks (left padding) so that every row's text starts in the same column.
+
+The plan steps' heads and embeddings are ``concept.planner.steps``'s part, the executor
+``concept.planner.execution``'s; this module holds the model, the planner and the forward.
 """
 from __future__ import annotations
 
@@ -50,6 +53,9 @@ from ..kv_cache import DecodePattern
 from ..lazy import Deferred, LazyField
 from ..losses import IGNORE, head_cross_entropy
 from ..mtp import MTPHeads
+from ..resolved import Resolved
+from .execution import Execution
+from .steps import PlanSteps
 
 PLANNER_HEAD_INIT_SCALE = 1.0  # the typed vocabularies' head init (``embedding``), unless --set vocabulary.head_init_scale
 DEFAULT_TYPES = ({"name": "topic", "size": 512, "max_len": 8}, {"name": "gist", "size": 2048, "max_len": 32})
@@ -329,11 +335,11 @@ class EOSBias(nn.Module):
         return float(self.value) if self.value.dim() == 0 else [float(v) for v in self.value]
 
 
-class PlannerExecutorModel(GenerationMixin, HubMixin, nn.Module):
+class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubMixin, nn.Module):
     family = "planner-executor"
 
     def __init__(self, backbone, settings: PlannerSettings, vocabularies, sampler, eval_sampler, positions,
-                 specials: PlanSpecials, plan=None, tokenizer=None):
+                 specials: PlanSpecials, resolution=None, tokenizer=None):
         super().__init__()
         self.backbone = backbone  # HF *ForCausalLM, frozen (LoRA when training)
         self.settings = settings
@@ -345,7 +351,7 @@ class PlannerExecutorModel(GenerationMixin, HubMixin, nn.Module):
         # MTP concepts: head j > 0 writes the step j after the next from the same state (concept.mtp's residual
         # blocks, zero at init: every head starts as the next-step head)
         self.mtp_heads = MTPHeads(backbone.config.hidden_size, settings.mtp - 1) if settings.mtp > 1 else None
-        self.plan = plan  # the resolved build plan
+        self.resolution = resolution  # the build resolution (concept.resolved)
         self.tokenizer = tokenizer
         self.layout = TokenLayout(backbone.config.vocab_size, tuple(t.size for t in settings.types))
         self.gradient_checkpointing = False
@@ -382,64 +388,6 @@ class PlannerExecutorModel(GenerationMixin, HubMixin, nn.Module):
 
     def text_logits(self, h):
         return self.backbone.lm_head(self.inner.norm(h))
-
-    def type_logits(self, x, i: int, level=0):
-        """[..., K_i + 1] type i's head on normed states ``x``: its concepts, then <EOS_i> (+ the quota's bias).
-        ``level``: the code level of the step (multi-level codes; an int or a tensor like ``x``'s leading dims)."""
-        vocab = self.vocabularies[i]
-        logits = vocab.logits(x, level) if vocab.levels > 1 else vocab.logits(x)
-        return torch.cat([logits[..., :-1], logits[..., -1:] + self.eos_bias.of(i).to(logits.dtype)], dim=-1)
-
-    def level(self, types, count):
-        """The code level of a step of type ``types`` after ``count`` concepts of its type (0 without levels)."""
-        return count % self.levels[types.clamp(min=0)]
-
-    def plan_logits(self, h, types, count=None):
-        """[B, Kmax+1] the head of each row's current type over its concepts and <EOS> (at K_t; -inf
-        beyond). h: [B, d] the backbone's last hidden state (pre-norm). ``count``: concepts of the type
-        already written (multi-level codes: the step's level, and <EOS> only after a complete concept)."""
-        x = self.inner.norm(h)
-        width = int(self.sizes.max()) + 1
-        out = x.new_full((x.shape[0], width), float("-inf"))
-        level = None if count is None or not self.multilevel else self.level(types, count)
-        for i in range(self.num_types):
-            logits = self.type_logits(x, i, 0 if level is None else level)
-            if level is not None:  # inside a concept: its next level, never <EOS>
-                logits = torch.cat([logits[:, :-1], logits[:, -1:].masked_fill((level > 0)[:, None], float("-inf"))], -1)
-            logits = F.pad(logits, (0, width - int(self.sizes[i]) - 1), value=float("-inf"))
-            out = torch.where((types == i)[:, None], logits, out)
-        return out
-
-    def unified_logits(self, h, phase: int | None):
-        """Logits over the whole output vocabulary (``layout.output_size``), restricted to what ``phase``
-        allows: None = executing (the base vocabulary), i = planning type i (its concepts and <EOS_i>)."""
-        x = self.inner.norm(h)
-        out = x.new_full((*x.shape[:-1], self.layout.output_size), float("-inf"))
-        if phase is None:
-            out[..., : self.layout.base] = self.backbone.lm_head(x)
-        else:
-            start = self.layout.offset(phase)
-            out[..., start: self.layout.eos_id(phase) + 1] = self.type_logits(x, phase)
-        return out
-
-    def step_embedding(self, classes, types, probs=None, rank=None):
-        """Input embeddings [..., d] of planner steps (``classes`` / ``types`` [...]): the concept's embedding
-        or <EOS_t>'s, plus the type embedding; with ``probs`` (training) the straight-through ``e_hard + e_soft - sg(e_soft)``.
-        ``rank``: the concept's 1-based place in its type (multi-level codes: its level). Returns (embedding, e_soft or None, e_hard)."""
-        eos_row = self.specials.eos(types.clamp(min=0))
-        hard, soft = eos_row.clone(), None
-        level = self.level(types, (rank - 1).clamp(min=0)) if rank is not None and self.multilevel else None
-        for i, vocab in enumerate(self.vocabularies):
-            K, rows = vocab.size, types == i
-            concept = rows & (classes < K)
-            extra = (level,) if level is not None and vocab.levels > 1 else ()
-            e = vocab.embed_hard(classes.clamp(0, K - 1), *extra)
-            hard = torch.where(concept[..., None], e.to(hard.dtype), hard)
-            if probs is not None:
-                mix = vocab.embed_soft(probs[..., :K], *extra) + probs[..., K:K + 1] * self.specials.eos(torch.full_like(types, i))
-                soft = mix if soft is None else torch.where(rows[..., None], mix, soft)
-        e = hard if soft is None else hard + (soft - soft.detach())
-        return self.positions.add_types(e, types.clamp(min=0) + 1), soft, hard
 
     # -- planner -------------------------------------------------------------------------------
     def planner(self, u_ids, u_valid, teacher: Plan | None = None, cache=None, sample: bool | None = None) -> Plan:
@@ -568,48 +516,6 @@ class PlannerExecutorModel(GenerationMixin, HubMixin, nn.Module):
         forced = plan.active & (before >= self.max_lens[types])
         return dataclasses.replace(plan, logits=logits, embeds=e, hard=e, forced=forced, hidden=h, soft=None, head=None)
 
-    # -- executor ------------------------------------------------------------------------------
-    def plan_block(self, plan: Plan, embeds: torch.Tensor | None = None):
-        """The executor's plan block ``[<SEP_1>, C_1, ..., <SEP_n>, C_n]`` of each row, right-aligned:
-        (x [B, S, d], valid [B, S], positions [B, S]). A step's concept keeps its embedding (``embeds``,
-        default the plan's own, else the hard ones); an <EOS_t> becomes <SEP_t+1>; the last <EOS> is dropped."""
-        B, S = plan.classes.shape
-        dev = plan.classes.device
-        if embeds is None:
-            embeds = plan.embeds if plan.embeds is not None else self.step_embedding(plan.classes, plan.types,
-                                                                                     rank=plan.rank)[0]
-        types = plan.types.clamp(min=0)
-        sep_type = torch.where(plan.is_eos, types + 1, types).clamp(max=self.num_types - 1)
-        sep = self.positions.add_types(self.specials.sep(sep_type), sep_type + 1).to(embeds.dtype)
-        step_x = torch.where(plan.is_eos[..., None], sep, embeds)  # (a step's own embedding carries its type)
-        first = self.positions.add_types(self.specials.sep(torch.zeros(B, 1, dtype=torch.long, device=dev)),
-                                         torch.ones(B, 1, dtype=torch.long, device=dev)).to(embeds.dtype)
-        x = torch.cat([first, step_x[:, :-1]], dim=1)  # slot j holds step j-1
-        pos = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), plan.rank[:, :-1]], dim=1)
-        lengths = plan.active.sum(1)  # slots per row: <SEP_1> + every step but the last <EOS>
-        shift = S - lengths  # right-align: slot j of the row goes to column j + shift
-        col = torch.arange(S, device=dev)[None, :] - shift[:, None]
-        valid = col >= 0
-        src = col.clamp(min=0)
-        x = x.gather(1, src[..., None].expand(-1, -1, x.shape[-1]))
-        pos = pos.gather(1, src).masked_fill(~valid, 0)
-        return x, valid, pos
-
-    def executor(self, plan: Plan, y_ids, y_valid, embeds=None, cache=None, logits_to_keep: int = 0):
-        """Text logits [B, Ty, V] of ``y`` given the plan alone (logits[:, k] predicts y_k)."""
-        return self.text_logits(self.executor_states(plan, y_ids, y_valid, embeds, cache, logits_to_keep))
-
-    def executor_states(self, plan: Plan, y_ids, y_valid, embeds=None, cache=None, logits_to_keep: int = 0):
-        """The executor's last-layer states [B, Ty, d] whose LM-head logits are :meth:`executor`'s."""
-        bx, bvalid, bpos = self.plan_block(plan, embeds)
-        x = torch.cat([bx, self.embed_text(y_ids).to(bx.dtype)], dim=1)
-        valid = torch.cat([bvalid, y_valid], dim=1)
-        ypos = torch.cumsum(y_valid.long(), 1) * y_valid  # y_k at k + 1 (padding: 0)
-        pos = torch.cat([bpos, ypos], dim=1)
-        h = self.run(x, pos, CausalPattern(valid), cache)
-        S = bx.shape[1]
-        return h[:, S - 1: -1] if logits_to_keep == 0 else h[:, -logits_to_keep:]
-
     # -- forward -------------------------------------------------------------------------------
     def split_example(self, input_ids, attention_mask=None):
         """(u, u_valid, y, y_valid) of the configured task: ``reconstruct`` (y = u, the whole row) or
@@ -697,7 +603,7 @@ def build(plan, loaded) -> PlannerExecutorModel:
         sampler=comps["sampler"].cls(comps["sampler"].config, ctx),
         eval_sampler=comps["eval_sampler"].cls(comps["eval_sampler"].config, ctx),
         positions=comps["position_scheme"].cls(comps["position_scheme"].config, ctx),
-        specials=specials, plan=plan, tokenizer=loaded.tokenizer)
+        specials=specials, resolution=plan, tokenizer=loaded.tokenizer)
     return model
 
 

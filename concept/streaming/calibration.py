@@ -112,7 +112,8 @@ def calibrate(model, target_ratio: float = DEFAULT_TARGET_RATIO, data=None, batc
     if not calibratable(model):
         return None
     policy = model.length_policy
-    max_positions = getattr(getattr(getattr(model, "plan", None), "backbone_info", None), "max_positions", 0)
+    resolution = model.resolution  # (None: a model built by hand)
+    max_positions = resolution.backbone_info.max_positions if resolution is not None else 0
     seq_len = min(seq_len, max_positions) if max_positions else seq_len
     rows, label = calibration_rows(model, data, batches * batch, seq_len, text_field, encoding_errors)
     device = next(model.parameters()).device

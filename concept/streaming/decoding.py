@@ -176,15 +176,7 @@ class ConceptDecoder:
 
         # the step-wise decisions, in order (the state after each token is kept for accept())
         head_logits = model.vocabulary.logits(h)
-        state, keeps, states = self.state, [], []
-        for j in range(n):
-            k, state = model.length_policy.step(h[:, j], head_logits[:, j], state)
-            keeps.append(k.bool())
-            states.append(state)
-        keep = torch.stack(keeps, 1)
-        if model.max_ratio:  # the static budget, continuing the row's counts
-            keep = packing.cap_boundaries(keep, torch.ones_like(keep), model.max_ratio, self.num_concepts // model.emit,
-                                          self.pos, model.budget_slack)
+        keep, states = self._decisions(h, head_logits)
         probs = model.concept_probs(head_logits)
         ids = probs.argmax(-1)
 
@@ -216,6 +208,20 @@ class ConceptDecoder:
         self._pending = dict(tokens=tokens, keep=keep, states=states, slots=(shallow_slots, middle_slots, deep_slots),
                              recent=(h, probs, ids, pos), update=update)
         return model.backbone.lm_head(model.inner.norm(z))
+
+    def _decisions(self, h, head_logits):
+        """The length policy's step rule over ``n`` new tokens in order, from the rows' current state: (the
+        boundaries [B, n] under the static budget, continuing the rows' counts; the state after each token)."""
+        model, state, keeps, states = self.model, self.state, [], []
+        for j in range(h.shape[1]):
+            k, state = model.length_policy.step(h[:, j], head_logits[:, j], state)
+            keeps.append(k.bool())
+            states.append(state)
+        keep = torch.stack(keeps, 1)
+        if model.max_ratio:  # the static budget, continuing the row's counts
+            keep = packing.cap_boundaries(keep, torch.ones_like(keep), model.max_ratio, self.num_concepts // model.emit,
+                                          self.pos, model.budget_slack)
+        return keep, states
 
     @torch.no_grad()
     def accept(self, count: torch.Tensor) -> None:

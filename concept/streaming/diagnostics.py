@@ -33,7 +33,7 @@ def _concept_stats(m, out, valid: torch.Tensor) -> dict:
         "real": int(valid.sum()),
         "kept": int(keep.sum()),
         # concepts: a policy's emit per emitting token (a multi-level concept is one concept of L slots)
-        "concepts": int(keep.sum()) * (getattr(m, "emit", 1) // getattr(m, "levels", 1)),
+        "concepts": int(keep.sum()) * (m.emit // m.levels),
         "histogram": torch.bincount(ids.long().flatten(), minlength=K)[:K].cpu(),
         "entropy_sum": 0.0,
         "max_prob_sum": 0.0,
@@ -109,7 +109,7 @@ def step_diagnostics(model, out, batch) -> dict[str, float]:
 def gate_norm(model) -> dict[str, float]:
     """``gate_norm``: the RMS of the identity start's gate on the discrete embedding (``h + gate * e``; 0 when
     built: the discrete path opens as it trains); nothing without an identity start."""
-    gate = getattr(model, "concept_gate", None)
+    gate = model.concept_gate
     return {} if gate is None else {"gate_norm": float(gate.gate.detach().float().pow(2).mean().sqrt())}
 
 
@@ -212,7 +212,7 @@ class ConceptEvaluation:
         stats = self.stats or {"real": 0, "kept": 0, "histogram": torch.zeros(K, dtype=torch.long),
                                "entropy_sum": 0.0, "max_prob_sum": 0.0, "cos_sum": 0.0}
         result = {"concepts": stats.get("concepts", stats["kept"]), **_finish_concept_stats(stats, K)}
-        if getattr(self.model, "mtp_heads", None) is not None:
+        if self.model.mtp_heads is not None:
             result["mtp_tau"] = self.model.length_policy.tau  # the confidence threshold the ratio control reached
         result.update(gate_norm(self.model))
         if self.controls:

@@ -28,7 +28,7 @@ class Streaming(Family):
         from ..builder import build_components
         from .model import ConceptModel
 
-        return ConceptModel(loaded.model, plan.split, plan=plan, tokenizer=loaded.tokenizer,
+        return ConceptModel(loaded.model, plan.split, resolution=plan, tokenizer=loaded.tokenizer,
                             identity_start=plan.config.concept_input in ("identity", "identity-scaled"),
                             relative_gate=plan.config.concept_input == "identity-scaled", **build_components(plan, loaded))
 
@@ -45,7 +45,7 @@ class Streaming(Family):
             return {"calibration": None}
         if not calibratable(model):
             if given:
-                say("note:", f"length policy {model.plan.config.length_policy.name} sets its ratio by its own "
+                say("note:", f"length policy {model.resolution.config.length_policy.name} sets its ratio by its own "
                              f"parameters; {', '.join('--' + k.replace('_', '-') for k in sorted(given))} does nothing")
             return {"calibration": None}
         target, data, batches = options.target_ratio, options.calibration_data, options.calibration_batches
@@ -70,8 +70,8 @@ class Streaming(Family):
         return {"stacks": stack_layers(plan.split)}
 
     def describe(self, model) -> str:
-        comps, info = model.plan.components, model.plan.backbone_info
-        shallow, middle, deep = model.plan.split
+        comps, info = model.resolution.components, model.resolution.backbone_info
+        shallow, middle, deep = model.resolution.split
         return (f"a streaming concept model: the backbone's {info.num_layers} layers split {shallow}/{middle}/{deep} "
                 f"(shallow / middle / deep), length policy `{comps['length_policy'].name}`, vocabulary "
                 f"`{comps['vocabulary'].name}`, position scheme `{comps['position_scheme'].name}`, attention "
@@ -195,7 +195,7 @@ def stack_layers(split) -> dict:
 def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
     """The NULL bias the model runs with and where it comes from: the build's calibration (concept.json),
     training (train.json), or nothing (built with --no-calibrate). None for a policy without a bias."""
-    policy = getattr(model, "length_policy", None)
+    policy = model.length_policy
     if not isinstance(policy, RatioControlled):
         return None
     out = {"null_bias": float(policy.null_bias), "target_ratio": None, "ratio": None, "by": None}

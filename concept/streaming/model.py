@@ -13,7 +13,8 @@ vocabulary with L levels) a concept is L consecutive concept slots, one code lev
 
 The backbone's decoder layers are reused unchanged; their attention is routed through
 ``concept.attention`` with a plan object per stack. One forward pass is O(T): there is no
-loop over positions (see ``concept.packing`` for the layout and the mask rule).
+loop over positions (see ``concept.packing`` for the layout and the mask rule). What each token
+emits (its boundary, its codes, its concept's input) is ``concept.streaming.emission``'s part.
 """
 from __future__ import annotations
 
@@ -21,20 +22,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import packing
 from ..attention import CausalPattern
 from ..backbone import decoder, run_layers
 from ..codes import CodeUse
-from ..components import upcast
-from ..contracts import Gated, Mixes, ReadsPredictor
+from ..contracts import Gated, ReadsPredictor
 from ..generation import GenerationMixin
 from ..hub import HubMixin
 from ..lazy import Deferred, LazyField
 from ..losses import head_next_token_loss
+from ..resolved import Resolved
 from . import budget
+from .emission import ConceptEmission
 
 
 @dataclass
@@ -75,11 +76,11 @@ class ConceptGate(nn.Module):
         return h + self.gate.to(e.dtype) * e
 
 
-class ConceptModel(GenerationMixin, HubMixin, nn.Module):
+class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Module):
     family = "streaming"  # its `concept.families` entry (concept.streaming.family.Streaming)
 
     def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,
-                 tail_fusion=None, identity_start=False, relative_gate=False, plan=None, tokenizer=None):
+                 tail_fusion=None, identity_start=False, relative_gate=False, resolution=None, tokenizer=None):
         super().__init__()
         self.backbone = backbone  # HF *ForCausalLM, frozen
         self.vocabulary = vocabulary
@@ -94,10 +95,10 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         self.levels = vocabulary.levels  # code levels per concept (multi-level codebooks)
         self.level_beam = getattr(getattr(vocabulary, "config", None), "beam", 1)  # inference search over levels
         self.emit = length_policy.emit * self.levels  # concept slots per emitting token
-        self.plan = plan  # the resolved build plan (config + provenance)
+        self.resolution = resolution  # the build resolution (config + provenance; concept.resolved)
         # static shapes: a row's n-th real token keeps its boundary only within ceil(max_ratio * n): the build's
         # setting (a number, "auto", "none"; concept.streaming.budget), resolved at each forward (``max_ratio``)
-        self.budget_setting = getattr(getattr(plan, "config", None), "max_ratio", 0.0) or 0.0
+        self.budget_setting = getattr(getattr(resolution, "config", None), "max_ratio", 0.0) or 0.0
         self.tokenizer = tokenizer
         inner = decoder(backbone)
         n_shallow, n_middle, _ = self.split
@@ -170,90 +171,6 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPattern(valid, doc, causal),
                               cache)
 
-    def decide(self, h, valid, keep=None, reset=None):
-        """Head -> length policy (keep) and sampler (which concept); with a static budget (``max_ratio``) the
-        boundaries over it are dropped (``packing.cap_boundaries``), forced ``keep`` included.
-        Returns (head_logits, probs over the K concepts, keep, the concept id of every token): see ``codes``."""
-        head_logits = self.vocabulary.logits(h)
-        keep = self.boundaries(h, head_logits, valid, keep, reset)[1]
-        probs, ids = self.codes(h, head_logits)
-        return head_logits, probs, keep, ids
-
-    def boundaries(self, h, head_logits, valid, keep=None, reset=None):
-        """(the length policy's boundaries on real tokens, or the forced ``keep``; those the static budget
-        keeps of them), both [B, T] bool: the same tensor without a budget."""
-        chosen = (self.length_policy.decide(h, head_logits, valid, reset) if keep is None else keep).bool() & valid
-        max_ratio = self.max_ratio
-        if not max_ratio:
-            return chosen, chosen
-        return chosen, packing.cap_boundaries(chosen, valid, max_ratio, slack=self.budget_slack)
-
-    def codes(self, h, head_logits):
-        """Which concept each token would emit: the sampler's probabilities over the K codes and the
-        chosen id, [B, T, K] / [B, T]. With L code levels, [B, T, L, K] / [B, T, L]: level l reads the
-        query that the codes of levels < l left (the codebook's ``before``), greedily, or at inference
-        by a beam of ``vocabulary.beam`` over the levels (``level_search``; its probabilities are one-hot)."""
-        probs = self.concept_probs(head_logits)
-        if self.levels == 1:
-            return probs, probs.argmax(-1)
-        if not self.training and self.level_beam > 1:
-            ids = self.level_search(h, head_logits, self.level_beam)
-            return F.one_hot(ids, self.vocabulary.size).to(probs.dtype), ids
-        all_probs, ids = [probs], [probs.argmax(-1)]
-        for level in range(1, self.levels):
-            p = self.concept_probs(self.vocabulary.logits(h, level, torch.stack(ids, -1)))
-            all_probs.append(p)
-            ids.append(p.argmax(-1))
-        return torch.stack(all_probs, -2), torch.stack(ids, -1)
-
-    def level_search(self, h, head_logits, width: int) -> torch.Tensor:
-        """[..., L] the codes of highest total log-probability ``sum_l log p_l(id_l | ids_<l)`` under the
-        head, by a beam of ``width`` over the levels (exhaustive when ``width >= K ** (L - 1)``)."""
-        K = self.vocabulary.size
-        score, ids = upcast(head_logits[..., :K]).log_softmax(-1).topk(min(width, K), -1)  # [..., W]
-        ids = ids[..., None]  # [..., W, levels so far]
-        for level in range(1, self.levels):
-            state = h[..., None, :].expand(*ids.shape[:-1], h.shape[-1])
-            logp = upcast(self.vocabulary.logits(state, level, ids)[..., :K]).log_softmax(-1)  # [..., W, K]
-            total = (score[..., None] + logp).flatten(-2)
-            score, best = total.topk(min(width, total.shape[-1]), -1)  # sorted: the best first
-            beams = ids.gather(-2, (best // K)[..., None].expand(*best.shape, ids.shape[-1]))
-            ids = torch.cat([beams, (best % K)[..., None]], -1)
-        return ids[..., 0, :]
-
-    def concept_probs(self, head_logits):
-        """The sampler's probabilities over the K concepts (the NULL column is not passed)."""
-        sampler = self.sampler if self.training else self.eval_sampler
-        return sampler(head_logits[..., : self.vocabulary.size])
-
-    def concept_inputs(self, probs, concept_ids, src, h, level=None, perturb_codes=None):
-        """Inputs of the concepts emitted at time indices ``src`` [B, C]: the hard embedding with a
-        straight-through soft part (e_hard + e_soft - sg(e_soft)), or the soft mixture for a
-        sampler without a hard step; a latent-feedback sampler then mixes in the shallow state.
-        Multi-level codes: ``probs`` [B, T, L, K], ``concept_ids`` [B, T, L] and ``level`` [B, C], the
-        code level of each slot. ``perturb_codes``: ``f(e [B, C, d], level) -> e`` replaces the discrete
-        embeddings before the continuous part joins them (diagnostics: the code-only controls)."""
-        sampler = self.sampler if self.training else self.eval_sampler
-        at = lambda x, index: x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
-        pick, by_level = src, {}
-        if level is not None:  # token t's level l at t * L + l
-            probs, concept_ids = probs.flatten(1, 2), concept_ids.flatten(1, 2)
-            pick, by_level = src * self.levels + level, {"level": level}
-        if sampler.hard:
-            e = self.vocabulary.embed_hard(concept_ids.gather(1, pick).clamp(min=0), **by_level)
-            if sampler.straight_through and torch.is_grad_enabled():
-                e_soft = self.vocabulary.embed_soft(at(probs, pick), **by_level)
-                e = e + (e_soft - e_soft.detach())
-        else:
-            e = self.vocabulary.embed_soft(at(probs, pick), **by_level)
-        if perturb_codes is not None:
-            e = perturb_codes(e, level)
-        if isinstance(self.sampler, Mixes):  # e.g. `hidden-projection`, in training and at inference
-            e = self.sampler.mix(e, at(h, src))
-        if self.concept_gate is not None:  # identity start: the shallow state + the gated embedding
-            e = self.concept_gate(at(h, src), e)
-        return e
-
     def fuse_tail(self, tail, updates, layout):
         """Tail states [B, L, d] entering the deep stack, fused with their segment's latest concept's
         middle-stack update (``updates`` [B, C, d]; none before a document's first concept)."""
@@ -275,6 +192,35 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
             return h
         has = has[:, None].expand(-1, h.shape[1]) if has.dim() == 1 else has
         return self.tail_fusion(h, update.to(h.dtype).expand_as(h), has)
+
+    def middle_inputs(self, probs, token_ids, h, head_logits, keep, valid, starts, layout, perturb=None,
+                      perturb_codes=None):
+        """The packed concepts' inputs to the middle stack [B, C, d] (``concept_inputs``; in training times the
+        straight-through gate of a gated policy's soft boundary; ``perturb`` / ``perturb_codes``: the
+        diagnostics' controls, see ``forward``), with the concept type added."""
+        codes = None if perturb_codes is None else lambda e, level: perturb_codes(e, layout.concept_meta.valid, level)
+        c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h, layout.concept_level, codes)
+        if self.training and torch.is_grad_enabled() and isinstance(self.length_policy, Gated):
+            # straight-through gate of the policy's soft boundary (forward value exactly 1)
+            g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)
+            c = c * (1 + (g - g.detach()))[..., None].to(c.dtype)
+        if perturb is not None:
+            c = perturb(c, layout.concept_meta.valid)
+        return self.positions.add_concept_type(c)
+
+    def run_middle(self, c, layout, concept_pos, doc, static: bool, cache=None):
+        """The middle stack over the packed concepts, causal among them: (its output [B, C, d], what it added to
+        each concept when the tail fusion reads it, else None). No concepts: ``c`` unchanged."""
+        if not layout.num_concepts:
+            return c, None
+        middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
+        meta = layout.concept_meta
+        # the concept block is left-aligned: causal attention is exact for its real slots with one document
+        middle_plan = CausalPattern(meta.valid, None if doc is None else meta.doc,
+                                    True if doc is None else (False if static else None))
+        out = self.run_stack(self.middle, c, middle_pos, middle_plan, cache)
+        updates = out - c if self.tail_fusion is not None and self.tail_fusion.needs_update else None
+        return out, updates
 
     def deep_positions(self, pos, concept_pos, layout):
         """Position ids of the packed deep sequence: each element keeps its own position."""
@@ -322,26 +268,8 @@ class ConceptModel(GenerationMixin, HubMixin, nn.Module):
         concept_pos = pos.gather(1, layout.concept_id_src)
 
         # middle: concepts only, causal among concepts
-        codes = None if perturb_codes is None else lambda e, level: perturb_codes(e, layout.concept_meta.valid, level)
-        c = self.concept_inputs(probs, token_ids, layout.concept_id_src, h, layout.concept_level, codes)
-        if self.training and torch.is_grad_enabled() and isinstance(self.length_policy, Gated):
-            # straight-through gate of the policy's soft boundary (forward value exactly 1)
-            g = self.length_policy.gate(h, head_logits, keep, valid, starts).gather(1, layout.concept_src)
-            c = c * (1 + (g - g.detach()))[..., None].to(c.dtype)
-        if perturb is not None:
-            c = perturb(c, layout.concept_meta.valid)
-        c = self.positions.add_concept_type(c)
-        updates = None
-        if layout.num_concepts:
-            middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
-            meta = layout.concept_meta
-            c_in = c
-            # the concept block is left-aligned: causal attention is exact for its real slots with one document
-            middle_plan = CausalPattern(meta.valid, None if doc is None else meta.doc,
-                                     True if doc is None else (False if static else None))
-            c = self.run_stack(self.middle, c, middle_pos, middle_plan, None if cache is None else cache.middle)
-            if self.tail_fusion is not None and self.tail_fusion.needs_update:
-                updates = c - c_in  # what the middle stack added to each concept
+        c = self.middle_inputs(probs, token_ids, h, head_logits, keep, valid, starts, layout, perturb, perturb_codes)
+        c, updates = self.run_middle(c, layout, concept_pos, doc, static, None if cache is None else cache.middle)
 
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
         tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))

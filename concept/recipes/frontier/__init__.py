@@ -30,11 +30,10 @@ layers over all layers (``pruned_flops``); dense = 1. The **best** streaming poi
 the lowest mean bits/token over the domains among those at <= ``max_flops`` on every domain.
 
 The modules: :mod:`.scheduling` (the specification and every run, validated up front), :mod:`.running`
-(building, training and evaluating them) and :mod:`.reporting` (summary, tables, plots, ``--update-doc``).
+(building, training and evaluating them) and :mod:`.reporting` (summary, tables, plots).
 """
 from .reporting import (
     best_line,
-    check_doc,
     markdown_table,
     plot,
     plot_tasks,
@@ -42,7 +41,6 @@ from .reporting import (
     summarise,
     table_cells,
     task_metrics,
-    update_doc,
     write,
 )
 from .running import evaluate_run, evaluate_tasks, run
@@ -60,7 +58,7 @@ from .scheduling import (
     train_overrides,
 )
 
-__all__ = ["Domain", "FrontierSpec", "ScheduledRun", "best_line", "check_doc", "describe_kind", "domains",
+__all__ = ["Domain", "FrontierSpec", "ScheduledRun", "best_line", "describe_kind", "domains",
            "evaluate_run", "evaluate_tasks", "markdown_table", "parse_ratios", "parse_splits", "plot", "plot_tasks",
            "recipe", "report_block", "run", "run_state", "schedule", "summarise", "table_cells", "task_metrics",
-           "train_overrides", "update_doc", "write"]
+           "train_overrides", "write"]

@@ -1,5 +1,5 @@
-"""Reporting the frontier: the summary (best point), the tables, the plots, the files of ``OUT`` and the
-marked block of a document (``--update-doc``)."""
+"""Reporting the frontier: the summary (best point), the tables, the plots and the files of ``OUT``
+(putting the frontier into a document is ``benchmarks/frontier_doc.py``'s job: the library rewrites no docs)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +8,7 @@ import os
 from pathlib import Path
 
 from ... import fs
-from ...errors import ConceptError
 from .scheduling import FrontierSpec, ScheduledRun
-
-BEGIN, END = "<!-- frontier:begin -->", "<!-- frontier:end -->"
-
 
 def write_json(path: Path, data) -> None:
     fs.write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
@@ -125,7 +121,7 @@ def markdown_table(result: dict) -> str:
 
 
 def report_block(result: dict, image: str) -> str:
-    """The table, the image link, the best point and the command (frontier.md and --update-doc)."""
+    """The table, the image link, the best point and the command (frontier.md and benchmarks/frontier_doc.py)."""
     ev = result["eval"]
     domains_ = ", ".join(f"{d['label']} = `{d['source']}`" for d in result["domains"])
     parts = [f"![held-out bits/token against FLOP ratio to dense]({image})", "",
@@ -263,30 +259,3 @@ def write(result: dict, out: str | os.PathLike) -> dict[str, Path]:
     fs.write_atomic(paths["md"], "# Frontier: held-out bits/token against FLOP ratio to dense\n\n"
                     + report_block(result, "frontier.png") + "\n")
     return paths
-
-
-def check_doc(path: str | os.PathLike) -> str:
-    """The text of ``path``, which must hold one ``<!-- frontier:begin -->`` ... ``<!-- frontier:end -->`` block."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConceptError(f"--update-doc {path}: no such file; create it with a line {BEGIN} and a line {END} "
-                           f"where the frontier should go") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConceptError(f"--update-doc {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
-    begins, ends = text.count(BEGIN), text.count(END)
-    if begins != 1 or ends != 1 or text.index(BEGIN) > text.index(END):
-        found = f"found {begins} begin and {ends} end marker(s)" + (", end before begin" if begins == ends == 1 else "")
-        raise ConceptError(f"--update-doc {path}: needs exactly one {BEGIN} line followed by one {END} line "
-                           f"({found}); add them where the frontier should go and rerun")
-    return text
-
-
-def update_doc(path: str | os.PathLike, result: dict, png: str | os.PathLike) -> Path:
-    """Replace the marked block of ``path`` with the table, the image (linked relative to the file)
-    and the command; written atomically (a temporary file renamed over it), the rest untouched."""
-    path = Path(path)
-    text = check_doc(path)
-    image = Path(os.path.relpath(Path(png).resolve(), path.resolve().parent)).as_posix()
-    return fs.write_atomic(path.resolve(), fs.replace_marked(text, BEGIN, END, report_block(result, image)))
