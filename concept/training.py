@@ -907,9 +907,8 @@ class Trainer:
         """The error of a step that was skipped (``read_log``): its loss or gradients were not finite."""
         prev = checkpoint.read_meta(self.out)
         where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
-        loss, total = row["loss"], row["total_loss"]
-        what = (f"the loss became {loss if not math.isfinite(total) else total}" if not math.isfinite(total) else
-                f"the gradients became {row['grad_norm']}")
+        total = row["total_loss"]
+        what = f"the loss became {total}" if not math.isfinite(total) else f"the gradients became {row['grad_norm']}"
         return TrainingError(f"{what} at step {row['step']}; the step was skipped (the weights and the optimizer "
                              f"state are those of step {row['step'] - 1}) and {where}. "
                              f"Try a lower --lr / --lr-new or a larger --clip.")
