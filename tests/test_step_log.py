@@ -6,7 +6,7 @@
 * the PI controller on the device (``PIController.apply_on_device``) gives the host controller's bias bit for bit;
 * a short run (its log read one step late, every ``--log-every`` steps) has the loss curve and the NULL bias
   sequence of today's step (the host controller, non-fused AdamW, every step read at once) to fp32 tolerance
-  (negative control: a broken device controller does not).
+  (negative control: a broken device controller does not; ``slow``).
 """
 import json
 import math
@@ -141,6 +141,8 @@ def curve(built, corpus, out, monkeypatch, controller=None, optimizer=None):  # 
     return [[row[k] for k in CURVE] for row in trainer.metrics()]
 
 
+@pytest.mark.slow  # three short runs, ~50 s on the shared CPU (make test-slow); the default suite keeps the
+# device controller's bit-for-bit test above
 def test_the_loss_curve_and_the_null_bias_are_todays(built, corpus, tmp_path, monkeypatch):  # noqa: F811
     today = curve(built, corpus, tmp_path / "today", monkeypatch, host_ratio_step, TodaysAdamW)
     now = curve(built, corpus, tmp_path / "now", monkeypatch)
