@@ -141,7 +141,7 @@ def curve(built, corpus, out, monkeypatch, controller=None, optimizer=None):  # 
     return [[row[k] for k in CURVE] for row in trainer.metrics()]
 
 
-@pytest.mark.slow  # three short runs, ~50 s on the shared CPU (make test-slow); the default suite keeps the
+@pytest.mark.slow  # three short runs, 15 s + 11 s of fixtures (make test-slow); the default suite keeps the
 # device controller's bit-for-bit test above
 def test_the_loss_curve_and_the_null_bias_are_todays(built, corpus, tmp_path, monkeypatch):  # noqa: F811
     today = curve(built, corpus, tmp_path / "today", monkeypatch, host_ratio_step, TodaysAdamW)
