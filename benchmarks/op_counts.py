@@ -4,8 +4,10 @@
 
 The tiny backbone of the tests (6 layers, hidden 64, a 256-id byte vocabulary, split 2,2,2), the default `null` policy (its tracker
 on: one host scan per forward), `chunked` attention, 2 rows x 128 tokens of packed stdlib documents with
-their document ids, as the trainer feeds them. A training step is the trainer's own (``Trainer.train_step``,
-the second step: the first calibrates the NULL bias), LoRA rank 8, no logging or evaluation step.
+their document ids, as the trainer feeds them. A training step is the trainer's own (``Trainer.queue_step``,
+its log read after it: ``log_read_*``, the two counted steps' log at once; ``Trainer.train_step`` at a commit
+before the deferred log; the second step: the first calibrates the NULL bias), LoRA rank 8, no logging or
+evaluation step.
 
 Columns: ``aten ops`` as torch.profiler counts them (every ``aten::`` event, nested ones too: what the GPU
 profiles of docs/benchmarks.md count; compiled graphs show their extern calls); ``dispatched`` (ops reaching
@@ -90,9 +92,12 @@ def main() -> None:
         if args.compile == "off":
             row.update({f"forward_{k}": v for k, v in dispatched(forward).items()})
         model.train()
-        row["step_aten_ops"] = profiled_ops(trainer.train_step)
+        queue = getattr(trainer, "queue_step", trainer.train_step)  # (a commit before the deferred step log)
+        row["step_aten_ops"] = profiled_ops(queue)
         if args.compile == "off":
-            row.update({f"step_{k}": v for k, v in dispatched(trainer.train_step).items()})
+            row.update({f"step_{k}": v for k, v in dispatched(queue).items()})
+            if hasattr(trainer, "read_log"):  # the two steps' log, read at once
+                row.update({f"log_read_{k}": v for k, v in dispatched(trainer.read_log).items()})
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))

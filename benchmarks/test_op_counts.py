@@ -12,12 +12,12 @@ rates), each started by the trainer as ``concept train`` starts it:
 
 * **forward**: one row of ``FORWARD_T`` tokens, no gradient, the length policy deciding; also the HF
   backbone's own forward (what a user of the plain model runs);
-* **training step**: ``Trainer.train_step`` (forward, loss, backward, clipping, the optimizer, the
-  scheduler) on the recipe's rows (``STEP_BATCH`` x the recipe's length), in fp32 and under bf16 autocast
+* **training step**: ``Trainer.queue_step`` (forward, loss, backward, clipping, the non-finite guard, the
+  optimizer, the scheduler, the ratio controller; its log is read after, uncounted) on the recipe's rows (``STEP_BATCH`` x the recipe's length), in fp32 and under bf16 autocast
   (the GPU's precision: its casts count, and ``frozen_weight_casts`` counts the copies whose source is a
   frozen weight), the second step (the first one creates the optimizer's state).
-  Host syncs asked for by ``torch.optim`` are counted apart (``syncs_outside_optimizer``): Adam reads its
-  step counters with ``.item()``, but they are CPU tensors on a GPU too, so they do not wait for it.
+  Host syncs asked for by ``torch.optim`` are counted apart (``syncs_outside_optimizer``): the trainer's
+  AdamW is fused (its step counters on the device, none read), but a non-fused Adam reads its host counters.
 
 The smoke run (``--benchmark-disable``, what ``make test`` runs) counts the streaming model in fp32 only.
 
@@ -65,7 +65,8 @@ def test_op_and_sync_counts(request, tmp_path, backbone):
             trainer.train_step()  # the first step (optimizer state, caches) is not the steady one
             casts = FrozenCasts(trainer.model)
             with OpCounter(on_op=casts) as step:
-                trainer.train_step()
+                trainer.queue_step()
+            trainer.read_log()  # (its log, read after: one read serves several steps)
             step.frozen_weight_casts = casts.count
             counts = {"step": step}
             if precision == "fp32":

@@ -80,6 +80,12 @@ class Dist:
         torch.distributed.all_reduce(t)
         return t.tolist()
 
+    def sum_on_device(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the ranks in place, on their device: nothing is read back."""
+        if self.active and self.world_size > 1:
+            torch.distributed.all_reduce(values)
+        return values
+
     def mean(self, values: list[float], device=None) -> list[float]:
         return [v / self.world_size for v in self.sum(values, device)]
 

@@ -66,9 +66,20 @@ class Objective:
         inside the step, ``concept.syncs``)."""
         return {}
 
+    def device_step(self, model, means: dict[str, torch.Tensor], totals: dict[str, torch.Tensor],
+                    skipped: torch.Tensor) -> dict:
+        """After the optimizer step, with the step's statistics as float64 device scalars (means over
+        micro-batches, and totals; nothing is read back): act on the device, leaving the state as it was where
+        ``skipped`` (a 0-dim bool tensor: the step's loss or gradients were not finite, the optimizer did not
+        step), and return what to log: numbers, or device scalars the trainer reads with the step's log, later
+        (``Trainer.read_log``). Prefer it to :meth:`after_step`."""
+        return {}
+
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
-        """After the optimizer step, with the step's statistics (means over micro-batches, and totals): act
-        (e.g. move a controller's bias) and return what to log."""
+        """After the optimizer step, with the step's statistics read on the host (means over micro-batches, and
+        totals): act (e.g. move a controller's bias) and return what to log. An objective that overrides it makes
+        the trainer read every step's log before the next step (a host sync per step): :meth:`device_step`
+        does not."""
         return {}
 
     def finish(self, trainer) -> dict[str, float]:

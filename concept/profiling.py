@@ -75,8 +75,10 @@ def _device_to_host(packet, args, kwargs) -> str | None:
     if packet is aten._to_copy:
         source, target = args[0], kwargs.get("device")
         to_cpu = target is not None and torch.device(target).type == "cpu"
-    else:  # copy_(dst, src)
+    else:  # copy_(dst, src[, non_blocking])
         target, source = args[0], args[1]
+        if (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):  # into pinned memory: the host goes on
+            return None
         to_cpu = getattr(target, "device", None) is not None and torch.device(target.device).type == "cpu"
     device = getattr(source, "device", None)
     if to_cpu and device is not None and torch.device(device).type not in ("cpu", "meta"):

@@ -69,7 +69,7 @@ from .lora import (
 from .objectives import overrides
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
-from .syncs import declared, host_values
+from .syncs import declared
 from .teacher import teacher_forward
 from .versions import git_sha, versions
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
@@ -162,6 +162,22 @@ def micro_seed(seed: int, step: int, micro: int) -> int:
     return (seed * 1_000_003 + step * 65_537 + micro) % 2 ** 63
 
 
+@dataclasses.dataclass
+class QueuedStep:
+    """A step run on the device whose logged values are not read yet (``Trainer.queue_step``, ``read_log``)."""
+    step: int  # its number (1-based)
+    lr: float  # the rate it used
+    length: int  # its rows' length (the curriculum's)
+    on_device: list[str]  # the sums in ``values``, in order (then the gradient norm, then ``later``)
+    later: list[str]  # the objectives' logged device scalars in ``values``
+    values: torch.Tensor  # float64: the sums (over the ranks), the gradient norm, ``later`` (a GPU: a pinned copy)
+    host: dict  # the sums made on the host (e.g. teacher seconds), this rank's
+    logged: dict  # what the objectives' ``device_step`` returned (its device scalars are read from ``values``)
+    diag: dict  # the step diagnostics (every --log-every steps), read when it ran
+    scheduler: dict  # the schedule's state before the step (a skipped step puts it back)
+    ready: object = None  # a CUDA event: ``values`` has arrived
+
+
 class StepModule(nn.Module):
     """One training forward: the frozen teacher (when an objective reads it), the model and every
     loss term. One module, so that DDP / FSDP2 see every parameter the loss touches inside its
@@ -227,6 +243,9 @@ class Trainer:
         self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.step = 0
+        self.queued: list[QueuedStep] = []  # steps run on the device whose logged values are not read yet
+        self.skipping: torch.Tensor | None = None  # on the device: a step so far had a non-finite loss or gradient
+        self.window_start = time.perf_counter()  # when the first step not read yet was queued (tokens_per_s)
         self.last_row: dict = {}
         self.trackers: list = []  # --report-to: opened by train()
         self.source_run: str | None = None  # the run it trains from, as train.json records it
@@ -307,7 +326,9 @@ class Trainer:
             if params:
                 groups.append({"params": params, "lr": getattr(module, "learning_rate", None) or config.lr_new,
                                "name": name})
-        return torch.optim.AdamW(groups, weight_decay=config.weight_decay)
+        # fused: a step whose loss or gradients are not finite is skipped on the device (``found_inf``, set by
+        # queue_step), its step counters too, and the counters live on the device (no host read)
+        return torch.optim.AdamW(groups, weight_decay=config.weight_decay, fused=True)
 
     def _record(self, source: str | None) -> None:
         """train.json: the config, the source run and what training derived (resolved attention, pruned
@@ -760,11 +781,30 @@ class Trainer:
         if self.device.type == "cuda":  # honest timings of asynchronous kernels
             torch.cuda.synchronize(self.device)
 
+    @property
+    def acting_on_host(self) -> list:
+        """The objectives that act on a step's values read on the host (``after_step``): with any, every step's
+        log is read before the next step runs."""
+        return [o for o in self.objectives if overrides(o, "after_step")]
+
     def train_step(self) -> dict:
-        """One optimizer step over the global batch: this rank's ``grad_accum`` micro-batches (DDP /
-        FSDP2 average the gradients over the ranks in backward), then every logged value reduced. Rows
-        are ``curriculum_len`` tokens long (``--curriculum``)."""
-        cfg, model, dist = self.config, self.model, self.dist
+        """One optimizer step, its values read now (:meth:`queue_step`, then :meth:`read_log`): its row. A step
+        whose loss or gradients were not finite raises ``TrainingError`` (nothing changed: it was skipped)."""
+        self.queue_step()
+        rows = self.read_log()
+        if rows[-1].get("skipped"):
+            raise self.skip_error(rows[-1])
+        return rows[-1]
+
+    def queue_step(self) -> None:
+        """One optimizer step over the global batch, queued on the device without reading anything back (the
+        length policy's declared scan excepted): this rank's ``grad_accum`` micro-batches (DDP / FSDP2 average
+        the gradients over the ranks in backward), every logged value summed on the device, the non-finite
+        guard (a step whose loss or gradients are not finite, or one after such a step, leaves the weights, the
+        optimizer state and the controllers as they were: fused AdamW's ``found_inf``) and the objectives'
+        ``device_step``. Its values wait in ``queued`` until :meth:`read_log`. Rows are ``curriculum_len``
+        tokens long (``--curriculum``)."""
+        cfg, model = self.config, self.model
         length = curriculum_len(cfg, self.step)
         model.train()
         sampler = getattr(model, "sampler", None)
@@ -773,7 +813,8 @@ class Trainer:
         with self.autocast():
             for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
                 objective.before_step(self)
-        start = time.perf_counter()
+        if not self.queued:
+            self.window_start = time.perf_counter()
         sums, out, b = self._accumulate(length)
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
@@ -782,43 +823,95 @@ class Trainer:
                 with torch.no_grad(), self.gathered(), self.autocast():  # (this rank's last micro-batch)
                     diag.update(self.kind.step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
-        with declared("step log"):  # the step's one read of its device values: the sums and the gradient norm
-            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in sums.values()] +
-                                 [full_tensor(grad_norm).detach().to(self.device, torch.float64)]).tolist()
-        grad_norm = values.pop()
-        total = dict(zip(sums, dist.sum(values, self.device)))
-        mean = {k: v / self.micro_batches for k, v in total.items()}  # per micro-batch, over the global batch
-        if total["bad"]:
-            self.optimizer.zero_grad(set_to_none=True)
-            prev = checkpoint.read_meta(self.out)
-            where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
-            loss_value = mean["loss"] if not math.isfinite(mean["total_loss"]) else mean["total_loss"]
-            raise TrainingError(f"the loss became {loss_value} at step {self.step + 1}; {where}. "
-                                f"Try a lower --lr / --lr-new or a larger --clip.")
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step used
-        with host_values("AdamW's step counters live on the host"):
-            self.optimizer.step()
+        grad_norm = full_tensor(grad_norm).detach().to(self.device, torch.float64)
+        on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]  # (teacher seconds: host numbers)
+        summed = self.dist.sum_on_device(torch.stack([sums[k].double() for k in on_device]))
+        total = dict(zip(on_device, summed.unbind()))
+        skipped = (total["bad"] > 0) | ~torch.isfinite(grad_norm)
+        self.skipping = skipped = skipped if self.skipping is None else skipped | self.skipping
+        self.optimizer.found_inf = skipped.float()  # fused AdamW: no update, the step counters as they were
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        scheduler = self.scheduler.state_dict()  # (a skipped step, once read, puts it back)
+        self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self._sync()
-        seconds = time.perf_counter() - start
-        row = {"step": self.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": lr,
-               "grad_norm": grad_norm, "tokens_per_s": total["tokens"] / seconds}
-        row.update({o.name: mean[o.name] for o in self.objectives if o.adds_term})  # each objective's term, by name
-        # the objectives' statistics (``_``-prefixed ones are inputs of their after_step, not logged)
-        row.update({k: mean[k] for k in mean if k not in row and k not in STEP_SUMS and not k.startswith("_")})
-        if cfg.curriculum:
-            row["seq_len"] = length
-        for objective in self.objectives:  # e.g. the quota controller moves the <EOS> bias
-            row.update(objective.after_step(model, mean, total))
-        if self.teacher_needs:
-            teacher_s = total["teacher_s"] / dist.world_size  # per process
-            row.update(teacher_s=teacher_s, teacher_fraction=teacher_s / seconds)
-        if dist.world_size > 1:
-            row["world_size"] = dist.world_size
-        row.update({k: v for k, v in diag.items() if k not in row})  # (the step's ratio is the global one)
-        return row
+        means = {k: v / self.micro_batches for k, v in total.items()}
+        logged = {}
+        for objective in self.objectives:  # e.g. the ratio controller moves the NULL bias (on the device)
+            logged.update(objective.device_step(model, means, total, skipped))
+        later = [k for k, v in logged.items() if isinstance(v, torch.Tensor)]
+        values = torch.cat([summed, grad_norm[None], *(logged[k].detach().double().reshape(1) for k in later)])
+        ready = None
+        if values.device.type == "cuda":  # copied into pinned memory as the device gets there; read later
+            values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        host = {k: float(v) for k, v in sums.items() if k not in total}
+        self.queued.append(QueuedStep(self.step, lr, length, on_device, later, values, host, logged, diag, scheduler,
+                                      ready))
+
+    def read_log(self, keep: int = 0) -> list[dict]:
+        """The rows of the queued steps but the last ``keep``, in order, their values read in one copy (the
+        declared ``step log`` sync; on a GPU it waits for those steps only, not for the ``keep`` still
+        running). ``tokens_per_s``: over the steps read together. A step whose loss or gradients were not
+        finite (the device skipped it and every step after it) ends the list, marked ``skipped``: the steps
+        after it are dropped and the step counter and the schedule go back to before it (the weights, the
+        optimizer state and the controllers never moved); :meth:`skip_error` says what happened."""
+        cfg, dist = self.config, self.dist
+        ready, self.queued = self.queued[:len(self.queued) - keep], self.queued[len(self.queued) - keep:]
+        if not ready:
+            return []
+        with declared("step log"):  # the one read of these steps' device values
+            if ready[-1].ready is not None:
+                ready[-1].ready.synchronize()  # (in stream order: the earlier steps' copies are done too)
+            values = torch.stack([q.values for q in ready]).tolist()
+            host = iter(dist.sum([v for q in ready for v in q.host.values()], self.device))
+        now = time.perf_counter()
+        seconds, self.window_start = now - self.window_start, now
+        rows = []
+        for q, read in zip(ready, values):
+            total = dict(zip(q.on_device, read))
+            total.update({k: next(host) for k in q.host})
+            mean = {k: v / self.micro_batches for k, v in total.items()}  # per micro-batch, over the global batch
+            grad_norm = read[len(q.on_device)]
+            row = {"step": q.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": q.lr,
+                   "grad_norm": grad_norm, "tokens_per_s": 0.0}
+            row.update({o.name: mean[o.name] for o in self.objectives if o.adds_term})  # each objective's term
+            # the objectives' statistics (``_``-prefixed ones are inputs of their device_step, not logged)
+            row.update({k: mean[k] for k in mean if k not in row and k not in STEP_SUMS and not k.startswith("_")})
+            if cfg.curriculum:
+                row["seq_len"] = q.length
+            row.update({k: dict(zip(q.later, read[len(q.on_device) + 1:])).get(k, v) for k, v in q.logged.items()})
+            for objective in self.acting_on_host:  # e.g. the quota controller moves the <EOS> bias
+                row.update(objective.after_step(self.model, mean, total))
+            if self.teacher_needs:
+                teacher_s = total["teacher_s"] / dist.world_size  # per process
+                row.update(teacher_s=teacher_s, teacher_fraction=teacher_s / seconds * len(ready))
+            if dist.world_size > 1:
+                row["world_size"] = dist.world_size
+            row.update({k: v for k, v in q.diag.items() if k not in row})  # (the step's ratio is the global one)
+            rows.append((row, total["tokens"]))
+            if total["bad"] or not math.isfinite(grad_norm):
+                row["skipped"] = True
+                self.step, self.queued = q.step - 1, []
+                self.scheduler.load_state_dict(q.scheduler)
+                self.optimizer.zero_grad(set_to_none=True)
+                break
+        tokens_per_s = sum(tokens for _, tokens in rows) / seconds
+        for row, _ in rows:
+            row["tokens_per_s"] = tokens_per_s
+        return [row for row, _ in rows]
+
+    def skip_error(self, row: dict) -> TrainingError:
+        """The error of a step that was skipped (``read_log``): its loss or gradients were not finite."""
+        prev = checkpoint.read_meta(self.out)
+        where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
+        total = row["total_loss"]
+        what = f"the loss became {total}" if not math.isfinite(total) else f"the gradients became {row['grad_norm']}"
+        return TrainingError(f"{what} at step {row['step']}; the step was skipped (the weights and the optimizer "
+                             f"state are those of step {row['step'] - 1}) and {where}. "
+                             f"Try a lower --lr / --lr-new or a larger --clip.")
 
     def _accumulate(self, length: int) -> tuple[dict, object, dict]:
         """This rank's ``grad_accum`` micro-batches: forward, backward (gradients add up), and the sums the step
@@ -926,24 +1019,40 @@ class Trainer:
         return self.metrics()[-1].get("eval", {}) if self.dist.is_main and self.metrics() else {}
 
     def _loop(self, progress) -> None:
+        """Queue the steps; read their logs one step late (at step k + 1 the values of the steps up to k, every
+        ``log_every`` steps, so the device always has the next step queued while the host waits), and all of
+        them before an evaluation, a checkpoint and the end (a skipped step is never saved over)."""
         cfg = self.config
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             while self.step < cfg.steps and not self._stop:
-                row = self.train_step()
-                if self.step == cfg.steps:
-                    with self.autocast():
-                        for objective in self.objectives:  # e.g. the ratio controller's final calibration
-                            row.update(objective.finish(self))
-                if self.eval_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    row["eval"] = self.evaluate()
-                self.log(row)
-                self.last_row = row
-                if progress is not None:
-                    progress(row)
+                self.queue_step()
                 if self.dist.world_size > 1:  # a Ctrl-C seen by one rank stops them all at the same step
                     self._stop = self.dist.any(self._stop)
-                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or self._stop:
+                last = self.step == cfg.steps
+                evaluate = self.eval_data is not None and (self.step % cfg.eval_every == 0 or last)
+                save = self.step % cfg.checkpoint_every == 0 or last or self._stop
+                if evaluate or save or self.acting_on_host:
+                    rows = self.read_log()
+                elif (self.step - 1) % cfg.log_every == 0:
+                    rows = self.read_log(keep=1)
+                else:
+                    continue
+                for row in rows:
+                    if row.get("skipped"):
+                        self.log(row)
+                        raise self.skip_error(row)
+                    if row["step"] == cfg.steps:
+                        with self.autocast():
+                            for objective in self.objectives:  # e.g. the ratio controller's final calibration
+                                row.update(objective.finish(self))
+                    if evaluate and row["step"] == self.step:
+                        row["eval"] = self.evaluate()
+                    self.log(row)
+                    self.last_row = row
+                    if progress is not None:
+                        progress(row)
+                if save:
                     self.save_checkpoint()
         finally:
             signal.signal(signal.SIGINT, previous)

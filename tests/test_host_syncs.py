@@ -1,8 +1,9 @@
 """No hidden host syncs (``concept.syncs``): with a static budget, a forward of the streaming model (every
 policy, the sdpa and chunked backends) and a training step (streaming, pruned, dense) run no op that forces a
 device -> host sync outside the declared points: the policy's host scan (one per forward, for the policies
-whose rule is sequential) and the trainer's one read of a step's logged values. Negative controls: an
-injected ``.item()``, and the dynamic layout (no budget), are counted."""
+whose rule is sequential); the trainer reads the logged values of several steps at once, outside the steps
+(``Trainer.read_log``). Negative controls: an injected ``.item()`` (in a forward, in a step), and the dynamic
+layout (no budget), are counted."""
 import json
 import pathlib
 import warnings
@@ -14,7 +15,7 @@ import concept
 from concept import BuildConfig, ComponentRef
 from concept.streaming.model import ConceptModel
 from concept.syncs import HostSyncs
-from concept.training import TrainConfig, Trainer
+from concept.training import StepModule, TrainConfig, Trainer
 from tests.conftest import POLICIES, mixed_model
 from tests.test_static_shapes import BACKENDS, budgeted
 
@@ -77,17 +78,44 @@ def static_run(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("baseline", [None, "pruned", "dense"])
-def test_a_training_step_reads_the_device_once(static_run, baseline, one_thread):
-    """Streaming (the default `null` policy with its tracker, the ratio controller and the ratio loss), and the
-    pruned and dense baselines of the same build: the second step (the first calibrates the NULL bias)."""
-    config = TrainConfig(steps=4, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100, warmup=1,
+def static_trainer(static_run, baseline, name="run"):
+    config = TrainConfig(steps=8, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100, warmup=1,
                          data=str(static_run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2),
                          **({"baseline": baseline} if baseline else {}))
-    trainer = Trainer.start(static_run / "built", static_run / f"run-{baseline}", config)
-    trainer.train_step()
+    trainer = Trainer.start(static_run / "built", static_run / f"{name}-{baseline}", config)
+    trainer.train_step()  # (the first step calibrates the NULL bias)
+    return trainer
+
+
+@pytest.mark.parametrize("baseline", [None, "pruned", "dense"])
+def test_a_training_step_reads_nothing_and_its_log_is_read_once_for_several(static_run, baseline, one_thread):
+    """Streaming (the default `null` policy with its tracker, the ratio controller and the ratio loss), and the
+    pruned and dense baselines of the same build: a step (``queue_step``, the second: the first calibrates the
+    NULL bias) makes no hidden sync and no declared one but the streaming policy's scan (the non-finite guard and
+    the controller act on the device); ``read_log`` reads three steps' values in one declared sync."""
+    trainer = static_trainer(static_run, baseline)
     with HostSyncs() as seen:
-        row = trainer.train_step()
+        trainer.queue_step()
     assert seen.hidden == 0, dict(seen.syncs)
-    assert dict(seen.declared) == {"step log": 1, **({} if baseline else {"policy scan": 1})}
-    assert row["step"] == 2 and row["loss"] > 0 and row["grad_norm"] > 0
+    assert dict(seen.declared) == ({} if baseline else {"policy scan": 1})
+    trainer.queue_step(), trainer.queue_step()
+    with HostSyncs() as read:
+        rows = trainer.read_log()
+    assert read.hidden == 0 and dict(read.declared) == {"step log": 1}
+    assert [r["step"] for r in rows] == [2, 3, 4] and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
+    assert not trainer.queued and trainer.read_log() == []
+
+
+def test_negative_control_an_item_in_the_step_is_counted(static_run, one_thread, monkeypatch):
+    trainer = static_trainer(static_run, "dense", "injected")
+    forward = StepModule.forward
+
+    def forward_and_read(self, b):
+        out = forward(self, b)
+        out[1].item()  # the loss read back inside the step
+        return out
+
+    monkeypatch.setattr(StepModule, "forward", forward_and_read)
+    with HostSyncs() as seen:
+        trainer.queue_step()
+    assert dict(seen.syncs) == {"_local_scalar_dense": 1} and not seen.declared

@@ -112,8 +112,8 @@ class RatioControl(Objective):
     * ``before_step``: the policy and the PI controller aim at the ratio schedule's target of the step; at the
       first step the controller calibrates the NULL bias on the first batch;
     * ``stats``: per micro-batch the emitted concepts and, when it tracks, the controller's statistics;
-    * ``after_step``: the realised ratio, logged with the target, the NULL bias and the temperature, then the
-      PI update of the bias;
+    * ``device_step``: the realised ratio, logged with the target, the NULL bias and the temperature, then the
+      PI update of the bias, on the device (nothing read back; a skipped step leaves it as it was);
     * ``finish``: the final target, and the NULL bias re-estimated on ``--calibration-batches`` training
       batches with the final weights (the batches after the last step: resume stays exact).
 
@@ -163,14 +163,16 @@ class RatioControl(Objective):
                                                                       valid, out.shallow.detach())
         return found
 
-    def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
-        ratio = totals["_kept"] / max(1, totals["tokens"])
+    def device_step(self, model, means: dict[str, torch.Tensor], totals: dict[str, torch.Tensor],
+                    skipped: torch.Tensor) -> dict:
+        tokens = totals["tokens"].clamp(min=1)
+        ratio = totals["_kept"] / tokens
         row = {"ratio": ratio, "target_ratio": self.step_target,
-               **({"capped": totals["_capped"] / max(1, totals["tokens"])} if "_capped" in totals else {}),
+               **({"capped": totals["_capped"] / tokens} if "_capped" in totals else {}),
                "null_bias": means["_null_bias"],  # (the same on every micro-batch: their mean is it, exactly)
                "tau": model.sampler.tau if isinstance(model.sampler, Tempered) else None}
-        if self.pi is not None and self.tracking:
-            self.pi.apply(model.length_policy, means["_quantile"], means["_spread"], ratio)
+        if self.pi is not None and self.tracking:  # on the device: the next step runs with the new bias, unread
+            self.pi.apply_on_device(model.length_policy, means["_quantile"], means["_spread"], ratio, skipped)
         return row
 
     def finish(self, trainer) -> dict[str, float]:

@@ -113,8 +113,26 @@ class PIController:
             policy.null_bias.fill_(bias)
         return bias
 
-    def state_dict(self) -> dict:
-        return {"ema": self.ema, "integral": self.integral}
+    def apply_on_device(self, policy, quantile: torch.Tensor, spread: torch.Tensor, ratio: torch.Tensor,
+                        skipped: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` on float64 device scalars, nothing read back: the same float64 operations in the same
+        order (so the same bias, bit for bit), the state (``ema``, ``integral``) kept as device scalars; where
+        ``skipped`` (a 0-dim bool tensor) the state and the bias stay as they were."""
+        with torch.no_grad():
+            def scalar(value):  # the state: a Python float after calibrate / load_state_dict (no copy to the device)
+                return value if isinstance(value, torch.Tensor) else quantile.new_full((), value)
+
+            ema = quantile if self.ema is None else self.momentum * scalar(self.ema) + (1 - self.momentum) * quantile
+            integral = scalar(self.integral) + (ratio - self.target)
+            bias = ema + self.ki * spread * integral
+            if self.ema is not None:
+                ema = torch.where(skipped, scalar(self.ema), ema)
+            self.ema, self.integral = ema, torch.where(skipped, scalar(self.integral), integral)
+            policy.null_bias.copy_(torch.where(skipped, policy.null_bias, bias.to(policy.null_bias.dtype)))
+        return bias
+
+    def state_dict(self) -> dict:  # (floats, as JSON: a float64 device scalar reads back exactly)
+        return {"ema": None if self.ema is None else float(self.ema), "integral": float(self.integral)}
 
     def load_state_dict(self, state: dict) -> None:
         self.ema, self.integral = state["ema"], state["integral"]
