@@ -45,7 +45,7 @@ def build_once(way: str, T: int, device: str, shift: int):
 
 
 def one_way(way: str, T: int, device: str) -> dict:
-    """In this process: the first and the second build, and the peak memory the eager build's dense mask needs."""
+    """In this process: the first and the second build (of a layout shifted by 3 tokens: another mask)."""
     import torch
 
     torch.set_num_threads(1)

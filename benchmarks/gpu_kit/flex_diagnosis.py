@@ -181,7 +181,7 @@ def diagnose(dry: bool, out_path: Path | None, budget_s: float = BUDGET_S, reps:
     from concept_plugins.attention.flex import FlexConfig, FlexPattern
     from concept_plugins.attention.sdpa import DenseMaskPattern
 
-    start = time.monotonic()
+    set_up = time.monotonic()
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
     T = DRY_T if dry else GPU_T
@@ -211,7 +211,7 @@ def diagnose(dry: bool, out_path: Path | None, budget_s: float = BUDGET_S, reps:
     tolerance = TOLERANCE[report["dtype"]]
     dense_ms = None
     begin = time.monotonic()  # the variants' budget: the one-time set-up above is not in it
-    report["setup_s"] = round(begin - start, 1)
+    report["setup_s"] = round(begin - set_up, 1)
     for name in variants:
         if time.monotonic() - begin > budget_s:
             report["skipped"].append({"variant": name, "reason": f"the diagnosis's budget ({budget_s:.0f} s) ran out"})
