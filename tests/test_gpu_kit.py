@@ -65,7 +65,7 @@ def test_dry_exact_runs_the_cuda_tests_which_skip_here(dry):
     assert any(i.startswith("tests/test_cuda.py::test_backend_matches_the_naive_reference_on_cuda[") for i in ids)
     assert result["counts"]["skipped"] == len(ids) > 0  # no CUDA here: every one skips, none fails
     # collected and dealt into shards as on the device (2026-11-27 the collection found no id: `-q` twice)
-    assert len(result["shards"]) == 2 and sum(s["tests"] for s in result["shards"]) == len(ids)
+    assert [s["tests"] for s in result["shards"]] == [len(ids)] and len(ids) > len(result["files"])
     assert "collected no test ids" not in " ".join(json.loads((dry / "exact.json").read_text())["warnings"])
     xformers = [s for s in stage_skips(dry, "exact") if "xformers tests" in s["what"]]  # no kernel here: deselected
     assert len(xformers) == 1 and "CUDA" in xformers[0]["reason"] and not any("xformers" in i for i in ids)

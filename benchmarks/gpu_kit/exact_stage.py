@@ -11,7 +11,7 @@ All of it, within a 15-minute lease: most of the stage's time is compilation on 
 inductor), not the GPU, so the tests run as SHARDS pytest processes at once (the machine has 16 cores), dealt
 round-robin from the collected ids with the tests cut by the budget before (the bf16 resume, twice on
 2026-11-26) at the head of the shards. The dry run collects and deals the same way, into DRY_SHARDS
-processes. Where xformers' kernels do not run (the plugin's probe: on the GPU image of 2026-11-27 its
+process (the ids it runs are the collected ones). Where xformers' kernels do not run (the plugin's probe: on the GPU image of 2026-11-27 its
 operators refused every call, "xFormers wasn't build with CUDA support"), the xformers tests are
 deselected, with that reason under ``skipped``.
 """
@@ -28,7 +28,7 @@ from .setup_stage import needs_setup, xformers_unavailable
 
 MARKER = "pytest.mark.cuda"
 SHARDS = 3  # pytest processes at once on the device
-DRY_SHARDS = 2  # a dry run collects and shards the same way (its tests skip), with fewer processes on a small CPU
+DRY_SHARDS = 1  # a dry run collects and deals the same way (its tests skip), into one process on a small CPU
 XFORMERS = "xformers"  # in the id of every xformers test (tests/test_xformers.py, the `xformers` backend's cases)
 FIRST = ("test_bf16_training_resumes_exactly_on_cuda",)  # cut by the stage's budget twice (2026-11-26): first now
 
