@@ -149,7 +149,6 @@ def run(stage: Stage, args) -> int:
     if report["interrupted"]:
         stage.skip("the remaining benchmark cases", f"the suites' share of the time budget ({suites_s:.0f} s of "
                                                     f"{stage.budget_s:.0f} s) ran out after {len(report['tests'])} cases")
-    diagnosis = flex_diagnosis.in_stage(stage)  # issue 40: what the suites left (flex_diagnosis.py)
     saved = baseline_file(storage, machine)
     if saved is not None:
         shutil.copyfile(saved, stage.out / "speed-baseline.json")
@@ -160,11 +159,13 @@ def run(stage: Stage, args) -> int:
     result = {"device": device, "machine_id": machine, "selection": selection, "plan": [node for node, _ in plan],
               "counts": report["counts"],
               "rows": rows, "cases": cases, "fastest": best, "auto_recommendation": recommend(best),
-              "flex_diagnosis": diagnosis,
+              "flex_diagnosis": {},
               "baseline": {"file": "speed-baseline.json", "path": str(saved.relative_to(storage.parent)),
                            "name": machine} if saved else None,
               "command": "python -m pytest " + shlex.join(a for a in pytest_args if a != str(ROOT) and not a.startswith(
                   ("--rootdir", "--benchmark-storage", "--concept-results")))}
     stage.say(f"{len(rows)} rows; fastest: " + "; ".join(f"{s} " + ", ".join(f"{T}: {v['fastest']}" for T, v in by.items())
                                                        for s, by in best.items()))
+    stage.write("running", result)  # the suites' rows kept, should the call be cut during the diagnosis
+    result["flex_diagnosis"] = flex_diagnosis.in_stage(stage)  # issue 40: what the suites left (flex_diagnosis.py)
     return stage.finish(result)
