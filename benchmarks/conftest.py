@@ -12,6 +12,8 @@ aten ops of that call (``dense_device_busy_s``, ``concept_kernel_launches``, ...
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 
@@ -42,11 +44,39 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["threads"] = torch.get_num_threads()
 
 
+# The GPU kit's plan for its speed stage (benchmarks/gpu_kit/speed_stage.py): the cases to run first, in this
+# order, each with its cap (it starts only with that many seconds left before the kit's deadline)
+PLAN_ENV, DEADLINE_ENV = "CONCEPT_BENCH_PLAN", "CONCEPT_BENCH_DEADLINE"  # JSON [[node id, cap s], ...]; Unix time
+
+
+def time_left() -> float:
+    """Seconds to the GPU kit's deadline (infinite outside the kit)."""
+    deadline = os.environ.get(DEADLINE_ENV)
+    return float(deadline) - time.time() if deadline else float("inf")
+
+
+def planned() -> dict[str, float]:
+    """The kit's planned case ids, in order, with their caps (empty outside the kit)."""
+    return {node: float(cap) for node, cap in json.loads(os.environ.get(PLAN_ENV) or "[]")}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The planned cases first, in the plan's order; the others after them, in their own order."""
+    plan = list(planned())
+    if plan:
+        rank = {node: i for i, node in enumerate(plan)}
+        items.sort(key=lambda item: rank.get(item.nodeid, len(plan)))  # (a stable sort)
+
+
+def pytest_runtest_setup(item):
+    cap = planned().get(item.nodeid)
+    if cap is not None and time_left() < cap:
+        pytest.skip(f"the GPU kit's deadline is {time_left():.0f} s away, less than this case's cap ({cap:.0f} s)")
+
+
 def pytest_sessionfinish(session):
     path = session.config.getoption("--concept-results", default=None)
     if path:
-        import json
-
         with open(path, "w") as f:
             json.dump(RESULTS + [{"suite": "ops", **r} for r in COUNTS], f, indent=1, default=float)
 

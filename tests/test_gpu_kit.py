@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import gpu_pack
 from benchmarks.gpu_kit import __main__ as kit
-from benchmarks.gpu_kit import quality_stage, report_stage, setup_stage
+from benchmarks.gpu_kit import flex_diagnosis, quality_stage, report_stage, setup_stage, speed_stage
 from benchmarks.gpu_kit.common import KitError, Stage, write_json
 from benchmarks.gpu_kit.parts import MANIFEST, PackError, describe, even_sizes, reassemble, split_file
 
@@ -65,7 +65,11 @@ def test_dry_exact_runs_the_cuda_tests_which_skip_here(dry):
     ids = [t["id"] for t in result["tests"]]
     assert any(i.startswith("tests/test_cuda.py::test_backend_matches_the_naive_reference_on_cuda[") for i in ids)
     assert result["counts"]["skipped"] == len(ids) > 0  # no CUDA here: every one skips, none fails
-    assert [s["tests"] for s in result["shards"]] == [len(result["files"])]  # a dry run: one process over the files
+    # collected and dealt into shards as on the device (2026-11-27 the collection found no id: `-q` twice)
+    assert [s["tests"] for s in result["shards"]] == [len(ids)] and len(ids) > len(result["files"])
+    assert "collected no test ids" not in " ".join(json.loads((dry / "exact.json").read_text())["warnings"])
+    xformers = [s for s in stage_skips(dry, "exact") if "xformers tests" in s["what"]]  # no kernel here: deselected
+    assert len(xformers) == 1 and "CUDA" in xformers[0]["reason"] and not any("xformers" in i for i in ids)
     assert set(result["tolerances"]["relative_l2"]) == {"fp32", "bf16"}
 
 
@@ -81,6 +85,63 @@ def test_dry_speed_writes_rows_a_baseline_and_a_recommendation(dry):
     assert {"current_choice_on_cuda", "training", "prefill / evaluation"} <= set(result["auto_recommendation"])
     assert result["baseline"]["path"].endswith(f"_{result['machine_id']}.json")
     assert json.loads((dry / "speed-baseline.json").read_text())["benchmarks"]
+    # the plan's cases ran first, in its order (the compiled forward and step skip: no --compile in a dry run)
+    plan = [node for node, _ in speed_stage.DRY_PLAN]
+    assert result["plan"] == plan and [c["id"] for c in result["cases"]][:len(plan)] == plan
+    assert all(c["seconds"] >= 0 for c in result["cases"])
+    assert any("xformers cases" in s["what"] for s in stage_skips(dry, "speed"))
+    # then the flex diagnosis, with what the suites left
+    assert {r["variant"] for r in result["flex_diagnosis"]["variants"]} == set(flex_diagnosis.VARIANTS)
+    log = (dry / "speed.log").read_text()
+    assert log.index("benchmarks.gpu_kit.flex_diagnosis") > log.index("-m pytest")
+
+
+SPEED_PLAN_KINDS = ["test_forward_default_point_vs_dense", "test_forward_compiled_vs_dense_compiled",
+                    "test_train_step_default_point_vs_dense", "test_train_step_compiled_vs_dense_compiled",
+                    "test_compiled_decode_vs_dense"]
+
+
+def test_the_speed_plan_names_existing_cases_most_decisive_first():
+    """Each planned GPU case is a parametrized case of its suite within the stage's selection (8k tokens, the
+    default build), in the decisive order: forward eager, compiled; train step eager, compiled; compiled decode.
+    (The dry run shows pytest runs a plan first, in its order; the slow test below collects this one.)"""
+    import importlib
+
+    plan = [node for node, _ in speed_stage.GPU_PLAN]
+    for node in plan:
+        path, name = node.split("::")
+        fn = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name.split("[")[0])
+        ids = [i for m in fn.pytestmark if m.name == "parametrize" for i in m.kwargs["ids"]]
+        assert name.split("[")[1].rstrip("]") in ids, node
+        assert "T8192" in node and "default" in node and path.split("/")[1] in speed_stage.SUITES
+    assert [n.split("::")[1].split("[")[0] for n in plan] == SPEED_PLAN_KINDS
+    assert plan[0].endswith("-flex]") and plan[2].endswith("-flex]")
+    assert [cap for _, cap in speed_stage.GPU_PLAN][0] == 0 and sum(c for _, c in speed_stage.GPU_PLAN) < 150
+
+
+@pytest.mark.slow  # two collections of the six suites: 10-20 s on an idle machine, minutes on a loaded one
+def test_the_speed_plan_runs_first_on_the_gpu_in_its_order():
+    """Given the plan, pytest runs the GPU plan's cases first in its order (their collection with the stage's
+    `-q`, as `exact` collects: it would find no id with `-q` twice); without it, the suites' own order."""
+    from benchmarks.conftest import PLAN_ENV
+    from benchmarks.gpu_kit.pytest_run import collect
+
+    plan = [node for node, _ in speed_stage.GPU_PLAN]
+    args = [*(f"benchmarks/{s}" for s in speed_stage.SUITES), "-q", "-k", speed_stage.GPU_SELECTION, "--device=cuda",
+            "--dtype=bf16", "--smollm2", "--long", "--compile=on"]
+    ids = collect(args, {**os.environ, PLAN_ENV: json.dumps(speed_stage.GPU_PLAN)})
+    assert ids[:len(plan)] == plan, ids[:8]
+    assert len(ids) > len(plan) and not any("T2048" in i or "T16384" in i for i in ids)
+    assert collect(args, dict(os.environ))[:2] != plan[:2]  # without the plan: the suites' own order
+
+
+def test_collection_lists_ids_with_the_stages_own_quiet_flag():
+    """`exact` passes `-q` in its args; the collection adds its own: one in all (two list `file: count`)."""
+    from benchmarks.gpu_kit.pytest_run import collect_command
+
+    command = collect_command(["-m", "cuda", "-q", "-rfEs", "tests/test_cuda.py"])
+    assert command.count("-q") == 1 and "-qq" not in command and "--collect-only" in command
+    assert command[-3:] == ["-m", "cuda", "-rfEs", "tests/test_cuda.py"][-3:]
 
 
 def stage_skips(out: Path, name: str) -> list[dict]:

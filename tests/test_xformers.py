@@ -418,17 +418,59 @@ def test_cuda_kernel_matches_reference(name, args, dtype, atol, layout_name):
 
 
 def test_an_xformers_build_without_cuda_kernels_is_named(monkeypatch):
-    from concept_plugins.attention.xformers import _fmha
+    """The probe asks xformers' own dispatch with a real call: on this CPU it refuses (as it refused every call
+    on the GPU image of 2026-11-27, where each operator's ``is_available()`` was true), and the build says so."""
+    from concept_plugins.attention import xformers as plugin
 
-    fmha = _fmha()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in ("cutlass", "flash", "flash3"):
-        if getattr(fmha, name, None) is not None:
-            monkeypatch.setattr(getattr(fmha, name).FwOp, "is_available", classmethod(lambda cls: False))
-    assert "has no CUDA attention kernels" in kernel_unavailable()
+    monkeypatch.setattr(plugin, "PROBE_DEVICE", "cpu")
+    reason = kernel_unavailable()
+    assert reason.startswith("xformers ") and "refuses every attention call here" in reason, reason
+    assert "device=cpu" in reason
     problems = XFormersBackend.check_compatible(XFormersConfig(), {})
-    assert len(problems) == 1 and "--attention flex" in problems[0]
+    assert len(problems) == 1 and "refuses every attention call" in problems[0] and "--attention flex" in problems[0]
     assert XFormersBackend.check_compatible(XFormersConfig(kernel="reference"), {}) == []
+
+
+LEASE_REFUSAL = """No operator found for `memory_efficient_attention_forward` with inputs:
+     query       : shape=(1, 8192, 9, 64) (torch.bfloat16)
+     attn_bias   : <class 'xformers.ops.fmha.attn_bias.BlockDiagonalCausalMask'>
+     p           : 0.0
+`fa3F@0.0.0` is not supported because:
+    xFormers wasn't build with CUDA support
+    operator wasn't built - see `python -m xformers.info` for more info
+`fa2F@2.5.7-pt` is not supported because:
+    xFormers wasn't build with CUDA support
+`cutlassF-pt` is not supported because:
+    xFormers wasn't build with CUDA support"""
+
+
+def test_the_probe_reports_the_leases_refusal_and_passes_a_working_kernel():
+    """The H100 image's refusal (speed call 5, 2026-11-27) in one line naming each operator; a kernel that
+    runs the tiny call is '' (the negative control: the probe does not refuse everything)."""
+    from types import SimpleNamespace
+
+    from concept_plugins.attention import xformers as plugin
+
+    def refusing(*args, **kwargs):
+        raise NotImplementedError(LEASE_REFUSAL)
+
+    bias = plugin._fmha().attn_bias
+    reason = plugin.probe(SimpleNamespace(memory_efficient_attention=refusing, attn_bias=bias), torch.device("cpu"))
+    assert ("`fa3F@0.0.0`: xFormers wasn't build with CUDA support, operator wasn't built" in reason
+            and "`fa2F@2.5.7-pt`: xFormers wasn't build with CUDA support; `cutlassF-pt`:" in reason), reason
+    assert "query" not in reason and "\n" not in reason
+    works = SimpleNamespace(memory_efficient_attention=lambda q, k, v, attn_bias: q, attn_bias=bias)
+    assert plugin.probe(works, torch.device("cpu")) == ""
+
+
+def test_auto_never_chooses_xformers(monkeypatch):
+    """On CUDA `auto` is `flex` (or `chunked` without FlexAttention), whether or not xformers' kernels run."""
+    from concept_plugins.attention import auto
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert AutoBackend.choice("cuda") == "flex" and AutoBackend.choice("cpu") == "chunked"
+    monkeypatch.setattr(auto, "_flex_available", lambda: False)
+    assert AutoBackend.choice("cuda") == "chunked"
 
 
 @pytest.mark.parametrize("layout_name,kernel", [("gathered", "memory_efficient_attention"),

@@ -73,10 +73,19 @@ def run_pytest_shards(stage: Stage, shards: list[list[str]], args: list[str], en
             "shards": [{"tests": len(shard), **r} for shard, r in zip(shards, runs)]}
 
 
+VERBOSITY = ("-q", "-qq", "-v", "-vv", "--quiet", "--verbose")
+
+
+def collect_command(args: list[str]) -> list[str]:
+    """``python -m pytest --collect-only -q ARGS`` with ARGS' own verbosity flags left out: one ``-q`` lists
+    the ids, a second one (a stage's ``-q`` on top of this one, 2026-11-27) lists ``file: count`` lines instead."""
+    return python_cmd("-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                      *(a for a in args if a not in VERBOSITY))
+
+
 def collect(args: list[str], env: dict, timeout: float = 180) -> list[str]:
     """The ids of the tests ``python -m pytest ARGS`` would run (``--collect-only``), in order."""
-    proc = subprocess.run(python_cmd("-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args),
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(collect_command(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return collected_ids(proc.stdout)
 
 

@@ -232,15 +232,26 @@ def xformers_check(manifest: dict | None, dry: bool) -> dict:
         reason = next((d["reason"] for d in (manifest or {}).get("not_packed", []) if d["project"] == "xformers"),
                       "not installed")
         return {"installed": False, "reason": reason}
-    from concept_plugins.attention.xformers import kernel_unavailable
+    from concept_plugins.attention.xformers import extensions_not_loaded, kernel_unavailable
 
-    out = {"installed": True, "version": installed_version("xformers"), "kernels_load": not kernel_unavailable(),
-           "unavailable_reason": kernel_unavailable()}
+    reason = kernel_unavailable()  # a tiny call answered by xformers' own dispatch, not its operators' is_available()
+    out = {"installed": True, "version": installed_version("xformers"), "kernels_load": not reason,
+           "unavailable_reason": reason, "extensions": extensions_not_loaded() or "loaded"}
     if not dry:  # what each of its kernels says about this GPU
         info = subprocess.run([sys.executable, "-m", "xformers.info"], capture_output=True, text=True,
                               env=kit_env(WORK, False), timeout=300)
         out["info"] = (info.stdout + info.stderr)[-6000:]
     return out
+
+
+def xformers_unavailable() -> str:
+    """Why the xformers cases cannot run here ('' where its kernels run): the plugin's probe. `exact` and
+    `speed` deselect those cases with it."""
+    if importlib.util.find_spec("xformers") is None:
+        return "xformers is not installed"
+    from concept_plugins.attention.xformers import kernel_unavailable
+
+    return kernel_unavailable()
 
 
 def nvidia_smi() -> str | None:
@@ -278,6 +289,9 @@ def environment(stage: Stage, manifest: dict | None, state: dict) -> dict:
     if env["flex"].get("compiled") is False:
         stage.warn(f"FlexAttention did not compile on this GPU: {env['flex']['error'][:300]}")
     env["xformers"] = xformers_check(manifest, stage.dry)
+    if env["xformers"]["installed"] and not env["xformers"]["kernels_load"] and not stage.dry:
+        stage.warn(f"xformers' kernels do not run on this GPU (exact and speed deselect its cases): "
+                   f"{env['xformers']['unavailable_reason'][:400]}")
     return env
 
 

@@ -10,7 +10,8 @@ tensors (time, keep, segment, slot index, validity, document) for query and key 
 before issue 40, kept for the GPU kit's diagnosis.) ``create_block_mask`` builds the BlockMask once per
 forward (shared by every deep layer) and skips every fully masked 128 x 128 tile, which in the
 concepts-first layout is most of the tail-to-tail and every concept-to-tail tile. Exact against the dense
-reference (tests).
+reference (tests). It is built eagerly up to 16k slots per row (no compilation: a compiled build's first
+call took 55.7 s on the H100 host, 2026-11-27), compiled beyond (:func:`build_block_mask`).
 
 Compilation (``dynamic``): ``auto`` compiles FlexAttention with symbolic shapes on CUDA (one kernel for every
 packed length) and with static ones on the CPU; ``static`` / ``dynamic`` force one. ``kernel_options``:
@@ -133,15 +134,36 @@ def _compiled_flex(dynamic: bool):
     return torch.compile(flex_attention, dynamic=dynamic)
 
 
+DENSE_MASK_LIMIT = 1 << 28  # B x L x L: the largest mask built eagerly (L = 16384 at B = 1)
+
+
+@lru_cache(maxsize=None)
+def _compiled_create_block_mask():
+    """``torch.compile(create_block_mask)``, once per process (what torch advises instead of ``_compile=True``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
+def build_block_mask(mask_mod, B: int, L: int, device, block: int, compile: bool):
+    """The BlockMask of ``mask_mod`` over B rows of L slots. Eagerly while the dense B x L x L mask has at most
+    ``DENSE_MASK_LIMIT`` elements: torch evaluates ``mask_mod`` on every pair and reduces it to blocks, no
+    compilation; beyond that (with ``compile``), ``torch.compile(create_block_mask)``, which never materialises
+    the dense mask but compiles once per process (and again per new length): its first build took 55.7 s on
+    the H100 host at 8k tokens (2026-11-27), every one after 3.6 ms; ``docs/benchmarks.md`` has the CPU's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if compile and B * L * L > DENSE_MASK_LIMIT:
+        return _compiled_create_block_mask()(mask_mod, B, None, L, L, device=device, BLOCK_SIZE=block)
+    return create_block_mask(mask_mod, B, None, L, L, device=device, BLOCK_SIZE=block, _compile=False)
+
+
 class FlexPattern(AttentionPattern):
     def __init__(self, layout: PackedLayout, config: FlexConfig):
-        from torch.nn.attention.flex_attention import create_block_mask
-
         self.config = config
         mask_mod = ranges_mask(layout) if config.mask == "ranges" else rule_mask(layout.meta)
         B, L = layout.meta.time.shape
-        self.block_mask = create_block_mask(mask_mod, B, None, L, L, device=layout.meta.time.device,
-                                            BLOCK_SIZE=config.block, _compile=config.compile)
+        self.block_mask = build_block_mask(mask_mod, B, L, layout.meta.time.device, config.block, config.compile)
 
     def __call__(self, query, key, value, scaling):
         from torch.nn.attention.flex_attention import flex_attention

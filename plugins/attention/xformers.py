@@ -40,6 +40,7 @@ the tests compare against, and a debugging aid.
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -95,19 +96,59 @@ def _fmha():
     return fmha
 
 
+PROBE_DEVICE = "cuda"  # where :func:`kernel_unavailable` runs its probe (the tests run it on the CPU)
+
+
 def kernel_unavailable() -> str:
-    """Why xformers' attention kernels cannot run on this machine ('' if they can)."""
+    """Why xformers' attention kernels cannot run on this machine ('' if they can): a tiny call of the
+    kind the backend makes, answered by xformers' own dispatch (:func:`probe`)."""
     try:
         fmha = _fmha()
     except ImportError as exc:
         return f"xformers is not installed ({exc}): pip install 'concept[xformers]'"
-    if not torch.cuda.is_available():
+    if torch.device(PROBE_DEVICE).type == "cuda" and not torch.cuda.is_available():
         return "needs a CUDA device (xformers' attention kernels are CUDA-only)"
-    ops = [getattr(getattr(fmha, name, None), "FwOp", None) for name in ("cutlass", "flash", "flash3")]
-    if not any(op is not None and op.is_available() for op in ops):
-        return ("this xformers build has no CUDA attention kernels (built for another torch / CUDA?); "
-                "see `python -m xformers.info`")
+    return probe(fmha, torch.device(PROBE_DEVICE))
+
+
+def probe(fmha, device: torch.device) -> str:
+    """'' if one of xformers' kernels runs a tiny bf16 block-diagonal causal call (head dim 64) on ``device``,
+    else why not, in one line: xformers' reasons per operator, and why its C++/CUDA extensions did not load.
+    An operator's ``is_available()`` is not enough: on the GPU image of 2026-11-27 xformers 0.0.35's were
+    available, yet it refused every call ("xFormers wasn't build with CUDA support": its ``_C.so`` was built
+    for another torch and did not load, and without it no CUDA operator dispatches)."""
+    try:
+        q = torch.zeros(1, 4, 1, 64, device=device, dtype=torch.bfloat16)
+        fmha.memory_efficient_attention(q, q, q, attn_bias=fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens([2, 2]))
+    except NotImplementedError as exc:  # xformers' "No operator found", with each operator's reasons
+        reasons = refusals(str(exc))
+        cause = extensions_not_loaded()
+        return (f"xformers {getattr(sys.modules.get('xformers'), '__version__', '')} refuses every attention call "
+                f"here ({reasons[:700]})" + (f"; {cause}" if cause else "")).replace("  ", " ")
+    except Exception as exc:  # noqa: BLE001 - any other failure of the tiny call is as telling
+        return f"xformers' attention failed on a tiny call: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     return ""
+
+
+def refusals(message: str) -> str:
+    """xformers' "No operator found" message as one line: each operator with its reasons."""
+    ops, current = [], None
+    for line in (line.strip() for line in message.splitlines()):
+        if line.endswith("is not supported because:"):
+            current = [line.removesuffix(" is not supported because:"), []]
+            ops.append(current)
+        elif line and current is not None:
+            current[1].append(line)
+    return "; ".join(f"{name}: {', '.join(reasons)}" for name, reasons in ops) or message.splitlines()[0]
+
+
+def extensions_not_loaded() -> str:
+    """Why xformers' C++/CUDA extensions did not load (what it was built for against what is here), or ''."""
+    exc = getattr(sys.modules.get("xformers._cpp_lib"), "_cpp_library_load_exception", None)
+    if exc is None:
+        return ""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip() and "reinstall" not in line)
+    return f"its C++/CUDA extensions did not load: {text[:300]}"
 
 
 class QueryBlocks(NamedTuple):
