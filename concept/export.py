@@ -371,7 +371,6 @@ def _saved_backbone(run) -> dict | None:
 
 # -- the model card --------------------------------------------------------------------------------
 def _describe_model(model, kind: str, removed) -> str:
-    info = model.resolution.backbone_info
     family = family_of(model)
     if family is not None:
         return family.describe(model)

@@ -538,7 +538,7 @@ class Trainer:
         if changed:
             self.notes.append(f"the data changed ({'; '.join(changed)}): " + (
                 lost if not same or recorded is None else
-                f"its documents are the same as before, so the run still reproduces an uninterrupted one"))
+                "its documents are the same as before, so the run still reproduces an uninterrupted one"))
         elif not same and accepted:
             self.notes.append(f"the data {self.config.data or '(default corpus)'} changed since the checkpoint at step "
                               f"{self.step} (accepted with --accept-data-change): {lost}")
