@@ -162,9 +162,10 @@ def xformers_decision() -> dict:
     if dispatches_to_torch:
         return {"project": "xformers", "pack": wheel,
                 "reason": f"{version}'s extensions were built for torch {torch_built} with CUDA {cuda_text} and do not "
-                          f"load on the image's torch {TARGET['torch']} with CUDA {TARGET['cuda']}, but its "
-                          f"block-diagonal attention runs on torch's own kernels (cutlass and flash operators call "
-                          f"aten::_efficient_attention_* / aten::_flash_attention_*), which need none of them"}
+                          f"load on the image's torch {TARGET['torch']} with CUDA {TARGET['cuda']}; its cutlass and flash "
+                          f"operators can call torch's own kernels (aten::_efficient_attention_* / "
+                          f"aten::_flash_attention_*), so it is packed for `setup` to try them with a real call "
+                          f"(they refused on 2026-11-27); where they refuse, exact and speed deselect its cases"}
     return {"project": "xformers", "pack": None,
             "reason": f"no wheel fits: the newest on PyPI ({version}) was built for torch {torch_built} with CUDA "
                       f"{cuda_text} (its xformers/cpp_lib.json), the GPU image has torch {TARGET['torch']} with CUDA "

@@ -19,7 +19,7 @@ def fake_wheel(folder, torch_built: str, dispatches_to_torch: bool):
 
 @pytest.mark.parametrize("torch_built,dispatches,packed,reason", [
     ("2.11.0+cu130", False, True, "was built for torch 2.11.0+cu130"),
-    ("2.10.0+cu128", True, True, "runs on torch's own kernels"),
+    ("2.10.0+cu128", True, True, "for `setup` to try them with a real call"),
     ("2.10.0+cu128", False, False, "so its kernels would not load"),  # negative control: an older wheel
 ])
 def test_xformers_is_packed_when_its_kernels_can_run_on_the_image(tmp_path, monkeypatch, torch_built, dispatches,
