@@ -1038,24 +1038,32 @@ class Trainer:
                     rows = self.read_log(keep=1)
                 else:
                     continue
-                for row in rows:
-                    if row.get("skipped"):
-                        self.log(row)
-                        raise self.skip_error(row)
-                    if row["step"] == cfg.steps:
-                        with self.autocast():
-                            for objective in self.objectives:  # e.g. the ratio controller's final calibration
-                                row.update(objective.finish(self))
-                    if evaluate and row["step"] == self.step:
-                        row["eval"] = self.evaluate()
-                    self.log(row)
-                    self.last_row = row
-                    if progress is not None:
-                        progress(row)
+                self._handle_rows(rows, evaluate, progress)
+                if self._stop and not save:  # a Ctrl-C while the rows were handled: the rest, then a checkpoint
+                    self._handle_rows(self.read_log(), False, progress)
+                    save = True
                 if save:
                     self.save_checkpoint()
         finally:
             signal.signal(signal.SIGINT, previous)
+
+    def _handle_rows(self, rows: list[dict], evaluate: bool, progress) -> None:
+        """The steps' rows read back: a skipped step stops the run; the last step's final objectives, the
+        evaluation, the log line and the progress callback."""
+        for row in rows:
+            if row.get("skipped"):
+                self.log(row)
+                raise self.skip_error(row)
+            if row["step"] == self.config.steps:
+                with self.autocast():
+                    for objective in self.objectives:  # e.g. the ratio controller's final calibration
+                        row.update(objective.finish(self))
+            if evaluate and row["step"] == self.step:
+                row["eval"] = self.evaluate()
+            self.log(row)
+            self.last_row = row
+            if progress is not None:
+                progress(row)
 
     def metrics(self) -> list[dict]:
         return [json.loads(line) for line in (self.out / METRICS).read_text().splitlines() if line.strip()]

@@ -40,7 +40,9 @@ ALLOWED = {
     ("plugins/vocabularies/fsq.py", "FSQVocabulary.__init__"): "the fixed grid, registered as buffers (moved with "
                                                                "the module)",
     ("concept/planner/diagnostics.py", "random_plan"): "a CPU generator (the same draw on every device), then .to()",
-    ("concept/planner/diagnostics.py", "evaluate_planned"): "host-side id histograms of .cpu() values",
+    ("concept/planner/diagnostics.py", "_PlannedTotals.__init__"): "host-side id histograms of .cpu() values",
+    ("concept/training.py", "Trainer.queue_step"): "pinned host memory that a step's logged values are copied into "
+                                                   "(non-blocking) on CUDA, read later",
     ("concept/export.py", "_compare"): "the export check runs both models on the CPU, where they are loaded",
     ("concept/flops.py", "evenly_spaced_keep"): "FLOP counting: host-side arithmetic, no model data",
     ("concept/flops.py", "deep_keys"): "FLOP counting: host-side arithmetic, no model data",

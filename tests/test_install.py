@@ -32,6 +32,7 @@ TORCH_APIS = {
     "enable_gqa": "2.5",  # keyword of scaled_dot_product_attention / flex_attention: grouped-query heads
     "torch.get_autocast_dtype": "2.4",
     "torch.distributed.checkpoint.state_dict": "2.2",  # get_optimizer_state_dict, StateDictOptions
+    "torch._inductor": "2.1",  # list_mode_options: which compile modes run as CUDA graphs
 }
 OLDER = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.parallel", "torch.overrides", "torch.profiler",
          "torch.utils._python_dispatch", "torch.utils._pytree", "torch.utils.checkpoint", "torch.distributed",
