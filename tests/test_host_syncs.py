@@ -18,6 +18,7 @@ from concept.streaming import host_scan
 from concept.syncs import HostSyncs
 from concept.training import StepModule, TrainConfig, Trainer
 from plugins.attention import flex
+from plugins.attention.cascade import CascadeBackend
 from plugins.attention.flex import FlexBackend, FlexConfig
 from tests.conftest import POLICIES, mixed_model
 from tests.test_static_shapes import BACKENDS, budgeted
@@ -154,3 +155,13 @@ def test_the_flex_block_mask_is_built_without_a_host_value(monkeypatch):
     with HostSyncs() as seen:
         backend.plan(layout)
     assert dict(seen.syncs) == {"tolist": 3}
+
+
+def test_cascade_reads_its_tile_plan_once_and_sends_nothing_back_with_a_sync():
+    """``cascade``'s tiles have data-dependent widths: its plan reads them in one declared copy ("cascade tile
+    plan"); the prefix tiles' rows go back with ``upload`` and the additive bias is filled on the device (both
+    were ``torch.tensor(..., device=...)``: 2 syncs per prefix width, 1 per bias dtype on CUDA)."""
+    model = mixed_model("fixed")
+    with budgeted(model, 0.25, CascadeBackend()):
+        seen = count_forward(model, **forward_inputs())
+    assert seen.hidden == 0 and dict(seen.declared) == {"cascade tile plan": 1}, dict(seen.syncs)
