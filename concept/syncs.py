@@ -6,8 +6,8 @@ A GPU runs ahead of the Python that feeds it until something needs a device valu
 ``.numpy()``, ``nonzero``, ``masked_select``, boolean indexing, ``unique``, ``repeat_interleave`` without an
 output size (their output shape is data). Each stops the host until the device catches up. The static,
 compiled forward (``docs/architecture.md``, "Static shapes, host syncs and compilation") has none of them,
-except the points declared with :func:`declared` (the length policy's host scan, the trainer's read of its
-steps' logged values, outside the steps: ``Trainer.read_log``)::
+except the points declared with :func:`declared` (the length policy's host scan, ``cascade``'s tile plan, the
+trainer's read of its steps' logged values, outside the steps: ``Trainer.read_log``)::
 
     with declared("policy scan"):
         columns = x.cpu().tolist()
