@@ -55,7 +55,7 @@ def host_sync(func, args, kwargs) -> str | None:
     """Why the aten call ``func(*args, **kwargs)`` forces a device -> host sync on a GPU (a short name), or
     None where it does not: a scalar read, an output whose shape depends on values (``nonzero``,
     ``masked_select``, ``unique``, boolean indexing, ``repeat_interleave`` without ``output_size``), a
-    bool result (``equal``), a copy from a device to the host."""
+    bool result (``equal``), a copy from a device to the host, a blocking copy from the host to a device."""
     packet = func.overloadpacket
     if packet in _SYNC_OPS:
         return _SYNC_OPS[packet]
@@ -83,6 +83,9 @@ def _device_to_host(packet, args, kwargs) -> str | None:
     device = getattr(source, "device", None)
     if to_cpu and device is not None and torch.device(device).type not in ("cpu", "meta"):
         return "device to host copy"
+    if packet is aten._to_copy and target is not None and torch.device(target).type != "cpu" and device is not None \
+            and torch.device(device).type == "cpu" and not kwargs.get("non_blocking", False):
+        return "host to device copy"  # from pageable memory, blocking: cudaMemcpy + cudaStreamSynchronize
     return None
 
 

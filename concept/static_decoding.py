@@ -93,7 +93,10 @@ class StaticSlotCache(CacheSizes):
         slot = (~self.valid).to(torch.int8).argmax(1)
         self.slot.copy_(slot)
         self.write.copy_(write)
-        self.new_tail.copy_(torch.as_tensor(tail, device=write.device).expand_as(write))
+        if isinstance(tail, torch.Tensor):
+            self.new_tail.copy_(tail.expand_as(write))
+        else:  # a Python bool: filled on the device (a tensor made of it would be a host -> device copy, a sync)
+            self.new_tail.fill_(tail)
         return self.valid.scatter(1, slot[:, None], True)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -6,8 +6,8 @@ A GPU runs ahead of the Python that feeds it until something needs a device valu
 ``.numpy()``, ``nonzero``, ``masked_select``, boolean indexing, ``unique``, ``repeat_interleave`` without an
 output size (their output shape is data). Each stops the host until the device catches up. The static,
 compiled forward (``docs/architecture.md``, "Static shapes, host syncs and compilation") has none of them,
-except the points declared with :func:`declared` (the length policy's host scan, the trainer's read of its
-steps' logged values, outside the steps: ``Trainer.read_log``)::
+except the points declared with :func:`declared` (the length policy's host scan, ``cascade``'s tile plan, the
+trainer's read of its steps' logged values, outside the steps: ``Trainer.read_log``)::
 
     with declared("policy scan"):
         columns = x.cpu().tolist()
@@ -18,6 +18,12 @@ steps' logged values, outside the steps: ``Trainer.read_log``)::
 
 On CPU ``.tolist()`` / ``.cpu()`` / ``.numpy()`` dispatch no aten op, so they are caught one level up (a
 ``TorchFunctionMode``); everything else at the aten level (a ``TorchDispatchMode``).
+
+The other direction stops the host too: ``torch.tensor(python_data, device=cuda)`` (and ``torch.as_tensor`` of
+Python data) fills a pageable host buffer and copies it with a blocking ``cudaMemcpy`` + ``cudaStreamSynchronize``.
+On a CPU it is no copy at all, so the counter counts every tensor made from Python data inside the block as the
+sync it is on CUDA (``syncs["tensor from host data"]``); :func:`upload` is the way without one (pinned memory, a
+non-blocking copy).
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique
                       "unique_consecutive", "unique_dim", "is_nonzero", "equal"})
 # tensor methods that copy to the host without an aten op on CPU
 HOST_READS = frozenset({"tolist", "cpu", "numpy"})
+# factories that make a tensor from Python data: a blocking host -> device copy on CUDA
+HOST_DATA = frozenset({"tensor", "as_tensor"})
 
 _local = threading.local()
 
@@ -72,6 +80,21 @@ def host_values(reason: str):
     points.append(None)
     try:
         yield
+    finally:
+        points.pop()
+
+
+def upload(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """Python data (lists, numbers) as a tensor on ``device`` without stopping the host: on CUDA through pinned
+    host memory and a non-blocking copy (torch's caching host allocator keeps the buffer until the copy is
+    done); elsewhere as it is. ``torch.tensor(data, device=cuda)`` would copy from pageable memory and wait."""
+    points = _points()
+    points.append(None)
+    try:
+        host = torch.tensor(data, dtype=dtype)
+        if torch.device(device).type == "cuda":
+            return host.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
     finally:
         points.pop()
 
@@ -115,6 +138,8 @@ class _Reads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in HOST_READS and args and isinstance(args[0], torch.Tensor):
             self.owner._sync(name)
+        elif name in HOST_DATA and args and not isinstance(args[0], torch.Tensor):
+            self.owner._sync("tensor from host data")
         return func(*args, **(kwargs or {}))
 
 

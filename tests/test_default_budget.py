@@ -132,8 +132,9 @@ def count(model, **inputs) -> HostSyncs:
 def test_the_default_forward_reads_the_device_once(default_model, monkeypatch):
     """T = 128, packed documents, `chunked`: the policy scan and nothing else (negative controls: no budget, and
     an ``.item()`` injected into the forward)."""
+    inputs = forward_inputs()  # (made from Python data: outside the counted forward)
     with torch.no_grad(), HostSyncs() as seen:
-        out = default_model(**forward_inputs())
+        out = default_model(**inputs)
     assert out.layout.static and int(out.capped) > 0  # the cap bound (so its path ran)
     assert seen.hidden == 0, dict(seen.syncs)
     assert dict(seen.declared) == {"policy scan": 1}

@@ -14,8 +14,12 @@ import torch
 import concept
 from concept import BuildConfig, ComponentRef
 from concept.streaming.model import ConceptModel
+from concept.streaming import host_scan
 from concept.syncs import HostSyncs
 from concept.training import StepModule, TrainConfig, Trainer
+from plugins.attention import flex
+from plugins.attention.cascade import CascadeBackend
+from plugins.attention.flex import FlexBackend, FlexConfig
 from tests.conftest import POLICIES, mixed_model
 from tests.test_static_shapes import BACKENDS, budgeted
 
@@ -119,3 +123,51 @@ def test_negative_control_an_item_in_the_step_is_counted(static_run, one_thread,
     with HostSyncs() as seen:
         trainer.queue_step()
     assert dict(seen.syncs) == {"_local_scalar_dense": 1} and not seen.declared
+
+
+def test_the_policy_scan_sends_its_decisions_back_without_another_sync(monkeypatch):
+    """The scan's one declared read, and nothing on the way back: its decisions and the trackers' states go to
+    the device with ``upload`` (pinned, non-blocking). Negative control: ``torch.tensor(data, device=...)``, which
+    the H100 lease of 2026-11-27 counted as 3 more syncs per decided forward, is counted, once per tensor."""
+    model = mixed_model("null")
+    with budgeted(model, 0.25, BACKENDS["chunked"]):
+        seen = count_forward(model, **forward_inputs())
+        assert seen.hidden == 0 and dict(seen.declared) == {"policy scan": 1}, dict(seen.syncs)
+        monkeypatch.setattr(host_scan, "upload", lambda data, dtype, device: torch.tensor(data, dtype=dtype,
+                                                                                        device=device))
+        seen = count_forward(model, **forward_inputs())
+    assert dict(seen.syncs) == {"tensor from host data": 3}  # keep, and the tracker's two state fields
+
+
+def test_the_flex_block_mask_is_built_without_a_host_value(monkeypatch):
+    """The flex backend's per-forward work outside the kernel (the three ranges per query, torch's
+    ``create_block_mask``) reads nothing back and makes no tensor from Python data. Negative control: a
+    ``.tolist()`` in the ranges is counted."""
+    model = mixed_model("fixed")
+    with torch.no_grad(), budgeted(model, 0.25, BACKENDS["chunked"]):
+        layout = model(**forward_inputs()).layout
+    backend = FlexBackend(FlexConfig(compile=False, block=16))
+    with HostSyncs() as seen:
+        backend.plan(layout)
+    assert seen.ops > 0 and seen.hidden == 0, dict(seen.syncs)
+    ranges = flex.slot_ranges
+    def ranges_and_read(layout):
+        out = ranges(layout)
+        for r in out:
+            r.tolist()  # a host read slipped into the mask's construction
+        return out
+
+    monkeypatch.setattr(flex, "slot_ranges", ranges_and_read)
+    with HostSyncs() as seen:
+        backend.plan(layout)
+    assert dict(seen.syncs) == {"tolist": 3}
+
+
+def test_cascade_reads_its_tile_plan_once_and_sends_nothing_back_with_a_sync():
+    """``cascade``'s tiles have data-dependent widths: its plan reads them in one declared copy ("cascade tile
+    plan"); the prefix tiles' rows go back with ``upload`` and the additive bias is filled on the device (both
+    were ``torch.tensor(..., device=...)``: 2 syncs per prefix width, 1 per bias dtype on CUDA)."""
+    model = mixed_model("fixed")
+    with budgeted(model, 0.25, CascadeBackend()):
+        seen = count_forward(model, **forward_inputs())
+    assert seen.hidden == 0 and dict(seen.declared) == {"cascade tile plan": 1}, dict(seen.syncs)

@@ -76,3 +76,15 @@ def test_profile_call_reports_wall_busy_ops_and_the_top_operators():
     assert p["kernel_launches"] == 0 and p["host_syncs"] == 0  # a CPU: no kernels, no CUDA synchronisation
     assert p["sync_ops"] == {"aten::_local_scalar_dense": 1}
     assert len(p["top_device"]) == 3 and "Name" in p["table"]
+
+
+def test_a_blocking_host_to_device_copy_is_a_sync():
+    """A host tensor copied to another device (``meta`` stands in for CUDA here) waits for the device unless
+    the copy is non-blocking (from pinned memory: ``concept.syncs.upload``); a copy within the host is none."""
+    host = torch.tensor([1, 2, 3])
+    with OpCounter() as counter:
+        host.to("meta")
+    assert dict(counter.syncs) == {"host to device copy": 1}
+    with OpCounter() as counter:
+        host.to("meta", non_blocking=True), host.to(torch.float64)
+    assert not counter.syncs

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..syncs import declared
+from ..syncs import declared, upload
 
 State = tuple
 Rule = Callable[..., tuple[bool, State]]
@@ -51,14 +51,13 @@ def scan_rows(rule: Rule, init: State, inputs: Sequence[torch.Tensor], valid: to
                 row[t], state = rule(state, *values)
         keeps.append(row)
         finals.append(state)
-    keep = torch.tensor(keeps, dtype=torch.bool, device=valid.device).reshape(B, T)
+    keep = upload(keeps, torch.bool, valid.device).reshape(B, T)  # back without a second sync
     return keep, finals
 
 
 def state_tensors(finals: list[State], device, dtypes: Sequence[torch.dtype]) -> tuple[torch.Tensor, ...]:
     """Rows' final states (tuples of numbers) -> one [B] tensor per state field."""
-    return tuple(torch.tensor([state[i] for state in finals], dtype=dtype, device=device)
-                 for i, dtype in enumerate(dtypes))
+    return tuple(upload([state[i] for state in finals], dtype, device) for i, dtype in enumerate(dtypes))
 
 
 def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,

@@ -59,6 +59,7 @@ from concept.attention import AttentionPattern, sdpa
 from concept.components import accumulation_dtype, upcast
 from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, SlotMeta, allowed
+from concept.syncs import declared, upload
 
 KERNELS = ("auto", "reference")
 
@@ -109,8 +110,7 @@ class Tiles:
             n, lq, lk = self.mask.shape
             mask = self.mask[:, None].expand(n, groups, lq, lk).reshape(n, 1, groups * lq, lk)
             zero = torch.zeros((), dtype=dtype, device=self.mask.device)
-            self.biases[dtype, groups] = torch.where(mask, zero, torch.tensor(float("-inf"), dtype=dtype,
-                                                                              device=self.mask.device))
+            self.biases[dtype, groups] = torch.where(mask, zero, torch.full_like(zero, float("-inf")))
         return self.biases[dtype, groups]
 
     def row_weights(self, dtype, groups: int) -> torch.Tensor:
@@ -157,7 +157,8 @@ class CascadePattern(AttentionPattern):
         blocks = -(-Tt // q_prefix)
         visible = torch.where(tail.valid, (tail.seg * layout.emit).clamp(max=C), torch.zeros_like(tail.seg))
         hi = torch.nn.functional.pad(visible, (0, blocks * q_prefix - Tt)).view(self.B, blocks, q_prefix).amax(-1)
-        numbers = torch.cat([several_docs.long().reshape(1), window.long().reshape(1), hi.reshape(-1)]).tolist()
+        with declared("cascade tile plan"):  # the tiles' widths are shapes: read once per plan, in one copy
+            numbers = torch.cat([several_docs.long().reshape(1), window.long().reshape(1), hi.reshape(-1)]).tolist()
         W, hi_list = max(1, numbers[1]), numbers[2:]
         # concept part: causal; with several documents in a row, only their own
         self.concept_mask = allowed(concepts, concepts) if numbers[0] else None
@@ -194,7 +195,7 @@ class CascadePattern(AttentionPattern):
                 w = min(_round_up(C, g), g * _units(-(-top // g)))
                 by_width.setdefault(w, []).append((flat_block // blocks, flat_block % blocks))
         for w, members in sorted(by_width.items()):
-            b, j = (torch.tensor(col, device=device) for col in zip(*members))
+            b, j = upload(members, torch.long, device).unbind(1)  # one non-blocking copy, no sync
             pos_q = j[:, None] * q_prefix + torch.arange(q_prefix, device=device)
             keys = torch.arange(w, device=device).expand(len(members), -1)
             self.parts.append(_tiles(flat, self.B, self.L, C, b[:, None] * self.L + C + pos_q.clamp(max=Tt - 1),
