@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import shutil
 import signal
 import time
 from contextlib import contextmanager, nullcontext
@@ -40,19 +39,16 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fingerprint, fs, memory, options, run_files, tracking
+from . import checkpoint, data, fingerprint, fs, memory, run_files, tracking, training_run
 from .backbone import decoder
 from .compiled import compile_model
 from .baselines import Baseline
 from .builder import (
     PEFT_ADAPTER_DIR,
-    RUN_FILE,
-    TRAIN_FILE,
     backbone_folder,
     build,
     load_new_modules,
     read_run,
-    read_train,
 )
 from .config import BuildConfig, resolve
 from .contracts import Tempered
@@ -63,7 +59,6 @@ from .lora import (
     add_lora,
     load_lora_state_dict,
     lora_state_dict,
-    peft_adapter_state,
     save_peft_adapter,
 )
 from .objectives import overrides
@@ -71,9 +66,9 @@ from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
 from .syncs import declared
 from .teacher import teacher_forward
+from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
-    LoraSettings,
     TrainConfig,
     curriculum_len,
     foreign_options,
@@ -81,11 +76,7 @@ from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also t
     recorded,
 )
 
-METRICS = "metrics.jsonl"
 STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
-# train.json keys that record what a run resolved to, beside the TrainConfig fields
-DERIVED = ("source", "attention_resolved", "pruned", "distributed", "versions", "git_sha")
-DATA_FIELDS = {"data", "text_field", "encoding_errors", "data_split", "streaming"}  # --resume may point at other data (with a note)
 
 
 class TrainingError(ConceptError):
@@ -218,11 +209,8 @@ class Trainer:
 
     def __init__(self, out: Path, config: TrainConfig, build_config: BuildConfig, resume: bool,
                  dist: Dist | None = None):
-        self.out, self.config, self.build_config = Path(out), config, build_config
-        self.name = self.out.name  # the run's name (``out`` may still be its staging folder)
-        self.staging: fs.Staging | None = None  # set while the run replaces an existing folder (``start(force=True)``)
-        self.lock: fs.Lock | None = None  # the run's lock while this trainer writes it in place (``train`` releases it)
-        self.record_pending, self.record_source = False, None  # resume: train.json comes with the first new checkpoint
+        self.run = training_run.RunFolder(out)  # the folder, its lock and records (``out``: ``run.out``)
+        self.config, self.build_config = config, build_config
         self.dist = dist or Dist()
         self.notes: list[str] = []  # warnings for the user (the CLI prints them)
         plan, self.device = self.check(config, build_config, self.dist)
@@ -248,7 +236,6 @@ class Trainer:
         self.window_start = time.perf_counter()  # when the first step not read yet was queued (tokens_per_s)
         self.last_row: dict = {}
         self.trackers: list = []  # --report-to: opened by train()
-        self.source_run: str | None = None  # the run it trains from, as train.json records it
         if resume:
             self._restore_state()
         self._stop = False
@@ -330,11 +317,18 @@ class Trainer:
         # queue_step), its step counters too, and the counters live on the device (no host read)
         return torch.optim.AdamW(groups, weight_decay=config.weight_decay, fused=True)
 
+    @property
+    def out(self) -> Path:
+        return self.run.out
+
+    @property
+    def staging(self) -> fs.Staging | None:  # (the CLI asks whether the run replaces a folder)
+        return self.run.staging
+
     def _record(self, source: str | None) -> None:
         """train.json: the config, the source run and what training derived (resolved attention, pruned
-        block, distribution); replaced atomically (a reader never sees it half-written)."""
-        self.source_run = source
-        fs.write_atomic(self.out / TRAIN_FILE, json.dumps(self.record(source), indent=2))
+        block, distribution)."""
+        self.run.write_record(self.record(source), source)
 
     def record(self, source: str | None) -> dict:
         """train.json's content: the config (only the options the run's family reads), the source run, what
@@ -415,75 +409,7 @@ class Trainer:
         beside ``out`` (``concept.fs``) under ``out``'s lock, held until :meth:`train` ends: a new ``out``
         appears once the run is set up, while an existing one (``force``: a run folder, never anything else)
         is replaced only when :meth:`train` has trained every step."""
-        source, out, dist = Path(source), Path(out), dist or Dist()
-        record, trained = run_files.check_files(source)  # every file of the source, before anything is written
-        run_files.plan_of(record, source)  # (a source whose record cannot be built: one line naming it)
-        cls._check_source_lora(source, trained, config)
-        build_config = BuildConfig.from_dict(record["config"])
-        config = dataclasses.replace(config, data=data.stored_source(config.data),  # resumable from any folder
-                                     eval_data=data.stored_source(config.eval_data))
-        cls.check(config, build_config, dist)  # bad options fail before anything is written
-        if out.exists() and out.resolve() == source.resolve() and read_train(out) is not None:
-            raise RunFolderError(f"{out} is already a training run; use --resume, or pass another -o/--output")
-        fs.check_target(out, force, {"source run": source, "training data": data.local_path(config.data),
-                                     "backbone": backbone_folder(record["config"])})
-        replace = out.exists() and any(out.iterdir())
-        swept = dist.on_main(checkpoint.sweep_if_free, source)  # what a killed writer left in the source
-        staging = fs.Staging(out, replace=force)
-        dist.on_main(staging.open)
-        try:
-            with fs.disk_errors(out, "; nothing was written" + (f" ({out} is unchanged)" if replace else "")):
-                dist.on_main(cls._prepare, source, staging.path)
-                with run_files.copied_from(staging.path, source):  # a damaged weights file is named in the source
-                    trainer = cls(staging.path, config, build_config, resume=False, dist=dist)
-                dist.on_main(fs.check_space, out, 2 * trainer.checkpoint_bytes(), "training (two checkpoints)")
-                dist.on_main(trainer._record, str(source.resolve()))
-            trainer.name = out.name
-            if staging.swept:
-                trainer.notes.append(f"removed {staging.path}, left by an earlier run into {out} that was killed")
-            if swept:
-                trainer.notes.append(f"removed {', '.join(swept)} from {source}, left by a writer that was killed")
-            if replace:  # the old folder stays until training has finished (Trainer.train publishes)
-                trainer.staging = staging
-            else:  # published now; the run is trained in place, still under its lock
-                dist.on_main(staging.publish, keep_lock=True)
-                trainer.lock, staging.lock = staging.lock, None
-                trainer.out = out
-        except BaseException:
-            if dist.is_main:  # nothing half-set-up is left behind, and `out` was never touched
-                staging.discard()
-            raise
-        return trainer
-
-    @staticmethod
-    def _check_source_lora(source: Path, trained: dict | None, config: TrainConfig) -> None:
-        """A run trained from a trained run continues its LoRA adapters: the same rank and targets."""
-        if not trained or trained.get("baseline") or config.baseline:
-            return
-        saved = LoraSettings(**trained["lora"])
-        if (saved.rank, tuple(saved.targets)) != (config.lora.rank, tuple(config.lora.targets)):
-            raise ConfigError([f"lora: {source} was trained with --lora-rank {saved.rank} --lora-targets "
-                               f"{saved.targets}, and a run trained from it continues those adapters; pass them "
-                               f"(or train from its build, {trained.get('source') or 'the run it was trained from'})"])
-
-    @staticmethod
-    def _prepare(source: Path, out: Path) -> None:
-        """Fill the empty staging folder ``out``: the source's record, weights, modules and adapters."""
-        for name in ("modules.safetensors", "backbone.safetensors"):
-            if (source / name).is_file():
-                shutil.copy2(source / name, out / name)
-        record = {k: v for k, v in read_run(source).items() if k != "export"}  # an export's ./backbone made absolute
-        (out / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
-        from safetensors.torch import save_file
-
-        for stem in ("modules", "adapter"):  # continue from a trained model's modules and adapters
-            state = checkpoint.read_tensors(source, stem)
-            if state is None and stem == "adapter":  # an export: its adapters as a peft folder
-
-                state = peft_adapter_state(source / PEFT_ADAPTER_DIR)
-            if state:
-                save_file(state, out / f"{stem}.safetensors")
-        (out / METRICS).write_text("")
+        return training_run.start(cls, source, out, config, force, dist)
 
     @classmethod
     def resume(cls, out: str | Path, dist: Dist | None = None, accept_data_change: bool = False,
@@ -500,34 +426,7 @@ class Trainer:
         byte-identical. train.json is rewritten with the first new checkpoint, so a resume stopped before it
         (a full disk, Ctrl-C, a kill) leaves it as it was. A run killed before its first checkpoint starts
         again from step 0."""
-        out, dist = Path(out), dist or Dist()
-        read_run(out)  # a clear error for anything that is not a run folder, before its lock is made
-        lock = fs.Lock(out)
-        dist.on_main(lock.acquire)
-        try:
-            swept = dist.on_main(checkpoint.sweep, out)
-            record, config, source, changed = cls.resumed_config(out, dist.world_size, overrides)
-            checkpoint.check_intact(out, f"start a new run from {source or 'its source'} instead of --resume")
-            run_files.check_files(out)  # every file a reader trusts, as the readers check it
-            meta = checkpoint.check_origin(out, record["config"], backbone_folder(record["config"]))
-            checkpoint.verify(out)
-            rows = checkpoint.read_metrics(out)
-            trainer = cls(out, config, BuildConfig.from_dict(record["config"]), resume=meta is not None, dist=dist)
-            if swept:
-                trainer.notes.append(f"removed {', '.join(swept)} from {out}, left by a writer that was killed")
-            if meta is None:
-                trainer.notes.append(f"{out} has no checkpoint yet (stopped before its first one): training starts "
-                                     f"again from step 0")
-            trainer._note_data_change(meta, changed, accept_data_change)
-            dist.on_main(fs.check_space, out, trainer.checkpoint_bytes(), "the next checkpoint", " and resume again")
-            dist.on_main(trainer._commit_resume, rows)
-            trainer.record_pending, trainer.record_source = True, source
-            trainer.source_run = source
-            trainer.lock = lock
-        except BaseException:
-            lock.release()
-            raise
-        return trainer
+        return training_run.resume(cls, out, dist, accept_data_change, **overrides)
 
     def _note_data_change(self, meta: dict | None, changed: list[str], accepted: bool) -> None:
         """Say how the data differs from what the checkpoint was trained on: another --data (a note), or the
@@ -547,98 +446,8 @@ class Trainer:
                               f"the checkpoint at step {self.step} was written: {lost}; restore the data to continue "
                               f"exactly, or pass --accept-data-change to accept the change")
 
-    @classmethod
-    def resumed_config(cls, out: Path, world_size: int, overrides: dict) -> tuple[dict, TrainConfig, str | None, list]:
-        """What ``resume`` would continue, read and checked without loading anything: (the run record, the
-        config with ``overrides`` applied, the source run, the data options that changed). Raises the
-        errors ``resume`` raises for a folder that is not a run or options that conflict with it."""
-        out = Path(out)
-        record = read_run(out)
-        saved = read_train(out)
-        if saved is None and not (out / TRAIN_FILE).is_file():
-            raise RunFolderError(f"{out} is not a training run (no {TRAIN_FILE}); start one with `concept train SOURCE -o DIR`")
-        if record.get("export"):
-            raise RunFolderError(f"{out} is an export (a published model), not a training run to continue; train on from "
-                                 f"it in a new run: `concept train {out} -o DIR`")
-        source, before, config = cls._saved_config(out, saved)
-        overrides = dict(overrides)
-        if "data" in overrides:
-            overrides["data"] = data.stored_source(overrides["data"])
-        if overrides.get("eval_data") is not None:
-            overrides["eval_data"] = data.stored_source(overrides["eval_data"])
-        changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "report_to", "device", "batch",
-                      "grad_accum", "eval_data"}  # (eval_data: what the periodic evaluation reads, not what trains)
-
-        def saved_value(key):
-            return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)
-
-        def same(key, value):  # (both data sources stored alike: data.stored_source, concept.migrate)
-            return value == saved_value(key)
-
-        conflicts = [f"{k}: the run was trained with {saved_value(k)!r}, you passed {v!r}"
-                     for k, v in overrides.items() if k not in changeable | DATA_FIELDS and not same(k, v)]
-        if conflicts:
-            raise ConfigError(["--resume continues the saved configuration; these differ:", *conflicts])
-        changed = [f"{k} {saved_value(k)!r} -> {v!r}" for k, v in overrides.items() if k in DATA_FIELDS and not same(k, v)]
-        global_batch = config.batch * config.grad_accum * before
-        for k, v in overrides.items():
-            if k.startswith("lora."):
-                setattr(config.lora, k[5:], v)
-            else:
-                setattr(config, k, v)
-        if config.batch * config.grad_accum * world_size != global_batch:
-            cls._fit_global_batch(config, global_batch, before, world_size, set(overrides))
-        return record, config, source, changed
-
-    @staticmethod
-    def _saved_config(out: Path, saved) -> tuple[str | None, int, TrainConfig]:
-        """train.json's (source run, number of processes, config), checked for what resume reads: an object
-        whose fields are TrainConfig's, each of its type (nothing is written before this)."""
-        file = out / TRAIN_FILE
-        fix = "restore it from a copy of the run, or start a new run instead of --resume (`concept train SOURCE -o DIR`)"
-        if not isinstance(saved, dict):
-            raise checkpoint.damaged(file, f"expected a JSON object, got {json.dumps(saved)[:40]}", fix)
-        saved = dict(saved)
-        source = saved.pop("source", None)
-        distributed = saved.get("distributed") or {}
-        before = distributed.get("world_size", 1) if isinstance(distributed, dict) else None
-        if not isinstance(source, (str, type(None))) or not checkpoint.whole(before, 1):
-            raise checkpoint.damaged(file, "its source or distributed.world_size has the wrong type", fix)
-        for key in DERIVED[1:]:  # not config fields
-            saved.pop(key, None)
-        try:
-            config = TrainConfig.from_dict(saved)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise checkpoint.damaged(file, f"not a training config: {exc}", fix) from None
-        wrong = options.mistyped(config) + [f"lora.{name}" for name in options.mistyped(config.lora)]
-        if wrong:
-            raise checkpoint.damaged(file, f"wrong type of {', '.join(wrong)}", fix)
-        return source, before, config
-
-    def _commit_resume(self, rows: list[tuple[str, dict]]) -> None:
-        """Drop the metrics logged after the checkpoint (``rows``: metrics.jsonl, checked): the resumed run logs
-        those steps again. Written only when that changes the file."""
-        text = "".join(line + "\n" for line, row in rows if row["step"] <= self.step)  # (a torn last line is dropped)
-        file = self.out / METRICS
-        if not file.is_file() or file.read_bytes() != text.encode():
-            fs.write_atomic(file, text)
-
-    @staticmethod
-    def _fit_global_batch(config: TrainConfig, global_batch: int, before: int, world: int, given: set) -> None:
-        """Resuming on another number of processes: keep the global batch, by the accumulation when the
-        user did not choose --batch / --grad-accum; anything else is an error that says what to pass."""
-        was = f"the run's global batch is {global_batch} rows per step ({before} process{'es' if before > 1 else ''})"
-        if not given & {"batch", "grad_accum"} and global_batch % (config.batch * world) == 0:
-            config.grad_accum = global_batch // (config.batch * world)
-            return
-        if global_batch % world:
-            raise ConfigError([f"{world} processes do not divide the global batch: {was}; resume on a number of "
-                               f"processes that divides {global_batch}"])
-        per_rank = global_batch // world
-        raise ConfigError([f"resuming with a different global batch: {was}, but --batch {config.batch} x "
-                           f"{world} process{'es' if world > 1 else ''} x --grad-accum {config.grad_accum} = "
-                           f"{config.batch * world * config.grad_accum}; pass --batch and --grad-accum whose "
-                           f"product is {per_rank}"])
+    resumed_config = staticmethod(training_run.resumed_config)
+    _fit_global_batch = staticmethod(training_run.fit_global_batch)  # (tests call it)
 
     def _restore_weights(self, model) -> None:
         load_lora_state_dict(model.backbone, checkpoint.read_tensors(self.out, "adapter") or {})
@@ -735,9 +544,9 @@ class Trainer:
             save_peft_adapter(self.model.backbone, self.out / PEFT_ADAPTER_DIR, state=tensors["adapter"],
                               base_model_name_or_path=self.model.resolution.backbone_info.name,
                               removed=getattr(self.model, "removed", None))
-            if self.record_pending:  # (resume) train.json describes the run from its first new checkpoint on
-                self._record(self.record_source)
-                self.record_pending = False
+            if self.run.record_pending:  # (resume) train.json describes the run from its first new checkpoint on
+                self._record(self.run.record_source)
+                self.run.record_pending = False
         except (OSError, RuntimeError, SafetensorError) as exc:  # e.g. a full disk
             prev = checkpoint.read_meta(self.out)
             where = f"the previous checkpoint (step {prev['step']}) is intact" if prev else "no earlier checkpoint exists"
@@ -757,9 +566,7 @@ class Trainer:
 
     def release(self) -> None:
         """Release the run's lock (``train`` does when it ends)."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        self.run.release()
 
     # -- the loop ----------------------------------------------------------------------------------
     def batch(self, index: int) -> dict[str, torch.Tensor]:
@@ -973,8 +780,7 @@ class Trainer:
 
     def log(self, row: dict) -> None:
         if self.dist.is_main:
-            with open(self.out / METRICS, "a") as f:
-                f.write(json.dumps(_finite(row)) + "\n")
+            self.run.append_metrics(_finite(row))
             for tracker in self.trackers:
                 tracker.log(row["step"], row)
 
@@ -989,8 +795,8 @@ class Trainer:
         it before (an error, Ctrl-C) discards it and leaves the old folder as it was."""
         try:
             if self.dist.is_main and tracking.names(self.config.report_to):
-                self.trackers = tracking.open_trackers(self.config.report_to, self.out, self.record(self.source_run),
-                                                       self.name, self.step + 1)
+                self.trackers = tracking.open_trackers(self.config.report_to, self.out, self.record(self.run.source_run),
+                                                       self.run.name, self.step + 1)
             try:
                 self._loop(progress)
             finally:
@@ -1000,17 +806,10 @@ class Trainer:
             if self.dist.is_main:
                 self.plot()
             if self._stop:
-                if self.staging is not None:
-                    raise KeyboardInterrupt(f"interrupted at step {self.step}; {self.staging.dest} is unchanged "
-                                            f"(--force replaces it only once training finishes) and the new run "
-                                            f"was discarded")
-                raise KeyboardInterrupt(f"interrupted at step {self.step}; checkpoint saved in {self.out}")
-            if self.staging is not None:  # every step trained: the new run replaces the old folder now
-                self.dist.on_main(self.staging.publish)
-                self.out, self.staging = self.staging.dest, None
+                raise self.run.interrupted(self.step)
+            self.run.publish(self.dist)  # every step trained: a new run replacing a folder replaces it now
         except BaseException:
-            if self.staging is not None and self.dist.is_main:  # an unfinished replacement: the old folder stays
-                self.staging.discard()
+            self.run.discard(self.dist)  # an unfinished replacement: the old folder stays
             raise
         finally:
             self.release()
@@ -1066,10 +865,10 @@ class Trainer:
                 progress(row)
 
     def metrics(self) -> list[dict]:
-        return [json.loads(line) for line in (self.out / METRICS).read_text().splitlines() if line.strip()]
+        return self.run.metrics()
 
     def plot(self) -> Path | None:
         """curves.png (loss, held-out NLL and, where there is one, the concept ratio), then the kind's own."""
         rows = self.metrics()
-        self.kind.plots(self.name, rows, self.out)
+        self.kind.plots(self.run.name, rows, self.out)
         return training_curves(rows, self.out / "curves.png", self.config.target_ratio)

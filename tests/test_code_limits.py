@@ -10,8 +10,8 @@ MAX_FUNCTION, MAX_CLASS = 60, 250
 ROOT = Path(__file__).resolve().parents[1] / "concept"
 # "path inside concept/::qualified name" -> its lines today (only concept/training.py and concept/config.py)
 ALLOWED = {
-    "training.py::Trainer": 860,
-    "config.py::resolve": 74,
+    "training.py::Trainer": 668,
+    "config.py::resolve": 70,
 }
 
 
