@@ -41,6 +41,8 @@ ALLOWED = {
                                                                "the module)",
     ("concept/planner/diagnostics.py", "random_plan"): "a CPU generator (the same draw on every device), then .to()",
     ("concept/planner/diagnostics.py", "_PlannedTotals.__init__"): "host-side id histograms of .cpu() values",
+    ("concept/syncs.py", "upload"): "Python data staged on the host on purpose (pinned on CUDA), then copied to "
+                                    "the device without a wait",
     ("concept/training.py", "Trainer.queue_step"): "pinned host memory that a step's logged values are copied into "
                                                    "(non-blocking) on CUDA, read later",
     ("concept/export.py", "_compare"): "the export check runs both models on the CPU, where they are loaded",
