@@ -12,7 +12,7 @@ from concept.config import BuildConfig
 from concept.errors import ConfigError
 from concept.options import click_options
 
-from .deferred import DeferredOptions
+from .deferred import CHOSEN, DeferredOptions
 from .recipes import config_option, dump, print_config_option, read_recipe, section
 
 from .output import (
@@ -182,9 +182,33 @@ def print_plan(plan, output: Path | None) -> None:
     stdout.print(render_components(d["components"]))
 
 
-def family_build_options(third_party: bool = True) -> list:
-    """The families' own build options, family by family (without ``third_party``, for --help: the library's own
-    families'): their build sections' (``Family.build_section``: the streaming family's components, split, ...;
+def built_families(words: list[str], helping: bool) -> bool | str:
+    """Which families' build options a ``concept build`` command line has (:func:`family_build_options`): with
+    --family NAME (default: the streaming family), the library's own and NAME's, so that a build imports no
+    other third-party family; with --config, every family's (its recipe may name any); with --help, the
+    library's own."""
+    if helping:
+        return False
+    named = [w.split("=", 1)[1] if "=" in w else words[i + 1] for i, w in enumerate(words)
+             if w.split("=", 1)[0] == "--family" and ("=" in w or i + 1 < len(words))]
+    if named:
+        return named[-1]
+    if any(w.split("=", 1)[0] == "--config" for w in words):
+        return True
+    # lazy: concept.config is imported by this module already (no torch)
+    from concept.config import BuildConfig
+
+    return BuildConfig.__dataclass_fields__["family"].default
+
+
+def family_keys(key: bool | str) -> tuple[bool, str | None]:
+    """(third_party, also) of ``concept.families.build_options`` for a :func:`built_families` key."""
+    return (False, key) if isinstance(key, str) else (key, None)
+
+
+def family_build_options(key: bool | str = True) -> list:
+    """The families' own build options, family by family (``key``: :func:`built_families`; False, for --help:
+    the library's own families'): their build sections' (``Family.build_section``: the streaming family's components, split, ...;
     unset unless given, so that a --config file's values stay) and the flags only they read
     (``Family.build_options``, e.g. the streaming family's calibration); two families may not declare the same
     flag."""
@@ -193,9 +217,9 @@ def family_build_options(third_party: bool = True) -> list:
     from concept.options import click_params
 
     made, owner = [], {}
-    sections = {cls: name for name, cls in reversed(build_sections(third_party).items())}  # (one read by two: once)
+    sections = {cls: name for name, cls in reversed(build_sections(*family_keys(key)).items())}  # (one read by two: once)
     declared = [(name, cls, True) for cls, name in reversed(sections.items())]
-    declared += [(name, cls, False) for name, cls in build_options(third_party).items()]
+    declared += [(name, cls, False) for name, cls in build_options(*family_keys(key)).items()]
     for name, cls, unset in declared:
         for param in click_params(cls, unset=unset):
             if param.name in owner:
@@ -208,7 +232,7 @@ def family_build_options(third_party: bool = True) -> list:
 
 # BuildConfig's own options (the family, the backbone, the seed) come from its fields, unset (None) unless given,
 # so that a --config file's values stay; then the families' build sections' and build options.
-@click.command(cls=DeferredOptions, make_options=family_build_options, after="seed")
+@click.command(cls=DeferredOptions, make_options=family_build_options, after="seed", choose=built_families)
 @click_options(BuildConfig, "family", "backbone", "seed", unset=True)
 @click.option("--set", "overrides", multiple=True, metavar="SLOT.KEY=VALUE",
               help="Set a component option, e.g. --set sampler.tau=0.7 (repeatable; values parsed as JSON).")
@@ -247,14 +271,15 @@ def build(ctx, family, backbone, seed, overrides, config_file, print_config, out
     from concept.families import build_options, build_sections, structure
     from concept.options import from_params, paths
 
+    chosen = family_keys(ctx.meta[CHOSEN])  # (the families whose options this command line has)
     values = {"backbone": backbone}
-    for cls in dict.fromkeys(build_sections().values()):  # the build sections' flags (a section's name once)
+    for cls in dict.fromkeys(build_sections(*chosen).values()):  # the build sections' flags (a section's name once)
         values.update({name: options.pop(name) for name in paths(cls) if name in options})
     problems = []
     config = make_config(config_file, values, seed, overrides, family, problems)
     given = {name for name in options if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
     extras, mine = None, set()
-    for name, cls in build_options().items():  # the chosen family's own build options; another's are refused
+    for name, cls in build_options(*chosen).items():  # the chosen family's own build options; another's are refused
         fields = set(paths(cls))
         if name == config.family:
             extras, mine = from_params(cls, options), given & fields

@@ -24,15 +24,16 @@ DEFAULT_SPLITS = "4,22,4;6,18,6;8,14,8;10,10,10"
 # the common training options, made from TrainConfig (`concept train`'s; any other: --train-set); not given:
 # TrainConfig's default
 TRAIN = ("data", "steps", "seq_len", "batch", "grad_accum", "lr", "lr_new", "warmup", "distill", "distill_temperature",
-         "align", "align_at", "lora_rank", "seed", "device", "ratio_start", "ratio_warmup", "placement")
+         "align", "lora_rank", "seed", "device", "align_at", "ratio_start", "ratio_warmup", "placement")
 
 
 def train_options(third_party: bool = True) -> list:
+    """The core's and the streaming family's (the frontier trains streaming runs and their baselines)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import click_params
-    from concept.train_config import composed
+    from concept.train_config import for_family
 
-    return click_params(composed(third_party), *TRAIN, unset=True)
+    return click_params(for_family("streaming"), *TRAIN, unset=True)
 
 
 def command_line(ctx: click.Context) -> str:

@@ -8,23 +8,80 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from .deferred import HELPING, DeferredOptions
+from .deferred import CHOSEN, HELPING, DeferredOptions
 from .output import print_json, quiet_progress_bars, quiet_rank, status, stdout, table
 from .recipes import config_option, dump, print_config_option
 from .renamed import renamed
 
 
-def train_options(third_party: bool = True) -> list:
-    """Every TrainConfig field as an option (``--lora-*`` for ``config.lora``), in declaration order (without
-    ``third_party``, for --help: those of the core and the library's own families)."""
+def train_options(key: bool | str = True) -> list:
+    """Every field of the training config of ``key`` as an option (``--lora-*`` for ``config.lora``), in
+    declaration order: :func:`declared_for`."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import click_params
+
+    return click_params(declared_for(key))
+
+
+def declared_for(key: bool | str) -> type:
+    """The training config class of ``key``: a family's name (``concept train RUN``: the core's options and
+    that family's only), True (every installed family's) or False (the library's own families', --help)."""
+    # lazy: the library loads only when the command runs; --help stays instant
+    from concept.train_config import composed, for_family
+
+    return for_family(key) if isinstance(key, str) else composed(key)
+
+
+PATH_OPTIONS = ("-o", "--output", "--out", "--config", "--data", "--eval-data")  # their values are not RUN_DIR
+
+
+def chosen_family(words: list[str], helping: bool) -> bool | str:
+    """Which options a ``concept train`` command line has (:func:`declared_for`): the family of its run (the
+    first word that names a run folder and is no option's path, else its --config recipe's ``run_dir``), read
+    from the run's concept.json without importing any family; without one, every family's (with --help: the
+    library's own)."""
+    # lazy: the library loads only when the command runs; --help stays instant
+    from concept.families import of_run
+
+    run = named_run(words)
+    name = of_run(run) if run is not None else None
+    return name if name is not None else not helping
+
+
+def named_run(words: list[str]) -> Path | None:
+    for i, word in enumerate(words):
+        if not word.startswith("-") and not (i and words[i - 1] in PATH_OPTIONS) and (Path(word) / "concept.json").is_file():
+            return Path(word)
+    recipe = next((w.split("=", 1)[1] if "=" in w else words[i + 1] for i, w in enumerate(words)
+                   if w.split("=", 1)[0] == "--config" and ("=" in w or i + 1 < len(words))), None)
+    if recipe is None or Path(recipe).is_dir():
+        return None
+    from .recipes import read_recipe, section
+
+    try:
+        run = section(read_recipe(recipe), "train", recipe).get("run_dir")
+    except Exception:  # (a recipe that does not read: its --config callback reports it)  # noqa: BLE001
+        return None
+    return Path(run) if isinstance(run, str) and (Path(run) / "concept.json").is_file() else None
+
+
+def foreign_flag(flag: str, key: bool | str) -> str | None:
+    """Why ``flag``, which a run of the family ``key`` does not have, is refused: another of the library's
+    families reads it (None: no family's; click says it has no such option)."""
+    if not isinstance(key, str):
+        return None
+    # lazy: the library loads only when the command runs
     from concept.train_config import composed
 
-    return click_params(composed(third_party))
+    owners = composed(third_party=False).option_owners.get(flag.lstrip("-").replace("-", "_"))
+    if not owners or key in owners:
+        return None
+    return (f"{flag}: only for {' or '.join(owners)} runs (`concept build --family {owners[0]}`); the run is a {key} "
+            f"run, which does not read it")
 
 
-@click.command(cls=DeferredOptions, make_options=train_options, after="force")
+@click.command(cls=DeferredOptions, make_options=train_options, after="force", choose=chosen_family,
+               refuse=foreign_flag)
 @click.argument("source", metavar="RUN_DIR", type=click.Path(path_type=Path))
 @renamed("-o", "--output", "out", old=("--out",), type=click.Path(path_type=Path), metavar="DIR", help="Run folder to write (default: RUN_DIR-train, or "
               "RUN_DIR-dense / RUN_DIR-pruned with --baseline).")
@@ -79,8 +136,9 @@ def train(ctx, source: Path, out, resume, force, accept_data_change, as_json, di
 def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, dist, options) -> None:
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.options import from_params, paths
-    from concept.training import TrainConfig, Trainer
+    from concept.training import Trainer
 
+    TrainConfig = declared_for(ctx.meta[CHOSEN])  # the core's options and the run's family's  # noqa: N806
     quiet_progress_bars()
     given = {k for k in options if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     if resume and out is not None and Path(out).resolve() != source.resolve():
@@ -158,9 +216,8 @@ def print_recipe(ctx, source: Path, out, options: dict) -> None:
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.errors import ConfigError
     from concept.options import from_params
-    from concept.train_config import TrainConfig
 
-    config = from_params(TrainConfig, options)
+    config = from_params(declared_for(ctx.meta[CHOSEN]), options)
     problems = config.validate()
     if problems:
         raise ConfigError(problems)
@@ -211,7 +268,7 @@ def progress_info(row: dict, cfg) -> str:
             info += f"  {label} {row[key]:{spec}}"
     if "ratio" in row:
         info += f"  ratio {row['ratio']:.3f}"
-        if row.get("target_ratio") is not None and row["target_ratio"] != cfg.target_ratio:
+        if row.get("target_ratio") is not None and row["target_ratio"] != getattr(cfg, "target_ratio", None):
             info += f" (target {row['target_ratio']:.3f})"
         if row.get("capped"):  # boundaries the static budget dropped (concept build --max-ratio)
             info += f" capped {row['capped']:.3f}"
@@ -265,10 +322,7 @@ def run_with_lines(trainer) -> dict:
 
 
 def _declared(ctx) -> type:
-    # lazy: the library loads only when the command runs; --help stays instant
-    from concept.train_config import composed
-
-    return composed(not ctx.meta.get(HELPING, False))
+    return declared_for(ctx.meta.get(CHOSEN, not ctx.meta.get(HELPING, False)))
 
 
 train.recipe_declared = _declared  # (a recipe's sections: cli.recipes.nested_groups)

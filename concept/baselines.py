@@ -37,9 +37,8 @@ class Baseline:
         if self.name == "dense" and config.distill:
             found.append("--distill with the dense baseline: the teacher is this model without its adapters, so the "
                          "KL starts at 0 and only keeps the adapters close to the backbone (a regulariser)")
-        unread = [f"--{flag}" for flag, _, _ in foreign_options(config)] + [
-            flag for flag, value in (("--usage-weight", config.usage_weight), ("--revive-after", config.revive_after),
-                                     ("--kmeans-init", config.kmeans_init)) if value]
+        read = {"align-at"} | ({"target-ratio"} if self.name == "pruned" else set())  # (its block is matched at it)
+        unread = [f"--{flag}" for flag, _, _ in foreign_options(config) if flag not in read]
         if unread:
             found.append(f"a {self.name} baseline has no concepts: {' / '.join(unread)} do"
                          f"{'es' * (len(unread) == 1)} nothing")
@@ -62,7 +61,8 @@ class Baseline:
                                                                          config.prune_layers is not None)}}
 
     def objectives(self, config, model, step, notes: list) -> list:
-        return objectives.common(config, has_mtp=getattr(model, "mtp_heads", None) is not None)
+        return objectives.common(config, has_mtp=getattr(model, "mtp_heads", None) is not None,
+                                 align_at=getattr(config, "align_at", "final"))  # (a streaming run's option)
 
     def plots(self, name: str, rows: list[dict], out) -> None:
         pass

@@ -224,18 +224,26 @@ class KMeansInit(Objective):
         return report
 
 
-def from_config(config, model) -> list[Objective]:
-    """The anti-collapse controllers a ``TrainConfig`` asks for; a clear error when the model's vocabularies
-    cannot take them."""
+def controllers(model, kmeans_init: int, revive_after: int, seed: int) -> list[Objective]:
+    """The anti-collapse controllers a family's options ask for (``--kmeans-init``, ``--revive-after``:
+    ``concept.code_options``; 0: off); a clear error when the model's vocabularies cannot take them."""
     found, problems = [], []
-    for option, value in (("--kmeans-init", config.kmeans_init), ("--revive-after", config.revive_after)):
+    for option, value in (("--kmeans-init", kmeans_init), ("--revive-after", revive_after)):
         if value:
             problems += check(model, option)
     if problems:
         raise ConfigError(problems)
-    if config.kmeans_init:
-        found.append(KMeansInit(config.kmeans_init, config.seed))
-    if config.revive_after:
-        found.append(CodeRevival(config.revive_after, config.seed))
+    if kmeans_init:
+        found.append(KMeansInit(kmeans_init, seed))
+    if revive_after:
+        found.append(CodeRevival(revive_after, seed))
     return found
+
+
+def fsdp2_problems(kmeans_init: int, revive_after: int) -> list[str]:
+    """Under FSDP2 (``--distributed fsdp2``): the controllers rewrite code rows in place, which its sharded
+    parameters do not allow."""
+    return [f"{flag}: it rewrites code rows in place, which FSDP2's sharded parameters do not allow; use "
+            f"--distributed ddp" for flag, value in (("revive-after", revive_after), ("kmeans-init", kmeans_init))
+            if value]
 

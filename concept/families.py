@@ -30,6 +30,23 @@ def family_of(model):
     return family(name) if name is not None else None
 
 
+def of_run(folder) -> str | None:
+    """The name of the family a run folder was built with, read from its ``concept.json`` (an older format
+    through ``concept.migrate``) without importing any family; None for a folder whose record cannot be read
+    (its readers report why)."""
+    import json
+    from pathlib import Path
+
+    from .migrate import RecordFormatError, migrate_run
+
+    try:
+        record = migrate_run(json.loads((Path(folder) / "concept.json").read_text(encoding="utf-8")))
+        name = record["config"]["family"]
+    except (OSError, ValueError, KeyError, TypeError, RecordFormatError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def names() -> list[str]:
     return registry("family").names()
 
@@ -41,13 +58,14 @@ def shipped(name: str) -> bool:
     return bool(providers) and all(p.dist == BUILTIN_DIST for p in providers)
 
 
-def working(third_party: bool = True) -> dict:
+def working(third_party: bool = True, also: str | None = None) -> dict:
     """Name -> family, of every family that imports (a broken plugin only breaks the runs of its own family:
     looking it up by name says what is wrong with it; why it failed is kept in ``BROKEN``). Without
-    ``third_party``: only the library's own families, imported without importing any other (``--help``)."""
+    ``third_party``: only the library's own families and ``also`` (e.g. the one a command builds), imported
+    without importing any other (``--help``, a streaming build)."""
     found = {}
     for name in names():
-        if not third_party and not shipped(name):
+        if not third_party and not shipped(name) and name != also:
             continue
         try:
             found[name] = family(name)
@@ -67,14 +85,14 @@ def sections() -> dict[str, str]:
     return found
 
 
-def build_options(third_party: bool = True) -> dict[str, type]:
+def build_options(third_party: bool = True, also: str | None = None) -> dict[str, type]:
     """Family name -> the option dataclass of the ``concept build`` flags only it reads (``build_options``)."""
-    return {name: f.build_options for name, f in working(third_party).items() if f.build_options is not None}
+    return {name: f.build_options for name, f in working(third_party, also).items() if f.build_options is not None}
 
 
-def build_sections(third_party: bool = True) -> dict[str, type]:
+def build_sections(third_party: bool = True, also: str | None = None) -> dict[str, type]:
     """Family name -> the option dataclass of its build section (``Family.build_section``)."""
-    return {name: f.build_section for name, f in working(third_party).items() if f.build_section is not None}
+    return {name: f.build_section for name, f in working(third_party, also).items() if f.build_section is not None}
 
 
 def structure(fam, plan) -> dict:

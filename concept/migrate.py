@@ -20,13 +20,16 @@ explicit rewrite of the record (the formats are listed in docs/training.md, "Run
 - **``baseline: true / false``** (before the pruned baseline): ``"dense"`` / null;
 - **a relative ``data`` path** (before runs stored absolute paths): made absolute against the working folder,
   the folder it was always read from;
-- options added since are absent and take their ``TrainConfig`` defaults: nothing to rewrite.
+- **the options that moved to their families** (:data:`MOVED_OPTIONS`: core options before the training options
+  went by owner, so every run recorded them): dropped from the record of a run whose family does not read them
+  (e.g. ``target_ratio`` of a planner-executor run); a baseline's record held every family's options: those its
+  run's family does not read are dropped too (``unread``, given by the reader, which knows the family);
+- options added since are absent and take their defaults: nothing to rewrite.
 
 A record that is not an object is returned as it is: the reader reports it.
 """
 from __future__ import annotations
 
-from .data import stored_source
 from .errors import ConceptError
 
 FORMAT_VERSION = 3  # concept.json's format, written by concept.builder
@@ -36,6 +39,9 @@ FIRST_FAMILY = "streaming"
 FLAT_KEYS = ("split", "length_policy", "sampler", "eval_sampler", "position_scheme", "vocabulary", "attention",
              "tail_fusion", "concept_input", "max_ratio")
 FLAT_SECTION = "streaming"
+# train.json keys of the core's options until they moved to the families that read them (the streaming family; the
+# planner-executor reads the Gumbel temperature and anti-collapse ones)
+MOVED_OPTIONS = ("target_ratio", "tau_start", "tau_end", "usage_weight", "revive_after", "kmeans_init", "align_at")
 
 
 class RecordFormatError(ConceptError):
@@ -97,8 +103,13 @@ def flat(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != FLAT_SECTION} | config[FLAT_SECTION]
 
 
-def migrate_train(record: dict) -> dict:
-    """A ``train.json`` record (a copy) in today's format."""
+def migrate_train(record: dict, declared=None, unread=()) -> dict:
+    """A ``train.json`` record (a copy) in today's format. ``declared``: the training options of the run's
+    family and the core (None: unknown, the moved options stay); ``unread``: the options of the other families
+    (a baseline's record held them)."""
+    # lazy: the data module imports numpy and torch; reading a run's family (concept.families) needs neither
+    from .data import stored_source
+
     if not isinstance(record, dict):
         return record
     record = dict(record)
@@ -106,4 +117,8 @@ def migrate_train(record: dict) -> dict:
         record["baseline"] = "dense" if record["baseline"] else None
     if isinstance(record.get("data"), str) and record["data"].strip():
         record["data"] = stored_source(record["data"])
+    if declared is not None:
+        dropped = set(MOVED_OPTIONS) | (set(unread) if record.get("baseline") else set())
+        for key in dropped - set(declared):
+            record.pop(key, None)
     return record

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .contracts import Tempered
 from .mtp import mtp_pairs
 
 
@@ -209,14 +210,38 @@ class MTPObjective(Objective):
         return self.weight * total / heads.k
 
 
-def common(config, has_mtp: bool = False) -> list[Objective]:
-    """The objectives every model kind shares, in a fixed order: distillation, alignment, the MTP heads
-    (for a model that has them). A family adds its own around them (``Family.objectives``)."""
+@dataclass
+class TemperatureSchedule(Objective):
+    """A controller (no term): before each step, the training sampler's Gumbel temperature ``tau`` goes linearly
+    from ``start`` at step 0 to ``end`` at the last of ``steps`` (``step()``: the step about to run; a pure
+    function of it, so resume is exact). A family with a tempered sampler adds it (``--tau-start``,
+    ``--tau-end``: ``concept.code_options``)."""
+    sampler: object
+    start: float
+    end: float
+    steps: int
+    step: object  # () -> the (0-based) step about to run
+    name: str = "temperature"
+    adds_term = False
+
+    @classmethod
+    def of(cls, sampler, start: float, end: float, steps: int, step) -> list[Objective]:
+        """[the schedule] for a sampler with a temperature (``concept.contracts.Tempered``), else []."""
+        return [cls(sampler, start, end, steps, step)] if isinstance(sampler, Tempered) else []
+
+    def before_step(self, trainer) -> None:
+        self.sampler.tau = self.start + (self.end - self.start) * self.step() / max(1, self.steps - 1)
+
+
+def common(config, has_mtp: bool = False, align_at: str = "final") -> list[Objective]:
+    """The objectives every model kind shares, in a fixed order: distillation, alignment (``align_at``: where,
+    the family's choice; ``final`` needs no deep stack), the MTP heads (for a model that has them). A family adds
+    its own around them (``Family.objectives``)."""
     found: list[Objective] = []
     if config.distill:
         found.append(DistillObjective(config.distill, config.distill_temperature))
     if config.align:
-        found.append(AlignObjective(config.align, config.align_at, config.align_loss))
+        found.append(AlignObjective(config.align, align_at, config.align_loss))
     if has_mtp and config.mtp:
         found.append(MTPObjective(config.mtp, config.mtp_ce))
     return found

@@ -61,7 +61,10 @@ def curves_figure(rows: list[dict], target_ratio: float | None = None):
 
 
 def training_curves(rows: list[dict], path: Path, target_ratio: float | None = None) -> Path | None:
-    """Save :func:`curves_figure` as a PNG at ``path`` (nothing when there are no rows)."""
+    """Save :func:`curves_figure` as a PNG at ``path`` (nothing when there are no rows); the target line: the
+    last target the rows logged (``target_ratio``: a ratio curriculum ends at the run's target), if any."""
     if not rows:
         return None
+    if target_ratio is None:
+        target_ratio = next((r["target_ratio"] for r in reversed(rows) if r.get("target_ratio") is not None), None)
     return save_figure(curves_figure(rows, target_ratio), path)

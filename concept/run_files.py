@@ -27,11 +27,10 @@ from typing import Any
 from . import checkpoint
 from .config import BuildConfig, resolve
 from .errors import ConceptError, ConfigError, RunFolderError, UnknownComponentError, one_line
-from .families import family
+from .families import of_run
 from .migrate import RecordFormatError, migrate_run, migrate_train
 from .options import check
-from .train_config import LoraSettings, TrainConfig
-from .train_config import foreign_options as foreign_to
+from .train_config import LoraSettings, composed, for_family
 
 RUN_FILE = "concept.json"
 TRAIN_FILE = "train.json"
@@ -231,14 +230,28 @@ def read_train(folder: str | os.PathLike) -> dict | None:
     text = read_text(file, fix)
     if text.strip() == "null":
         raise damaged(file, "holds null, not a training record", fix)
-    record = migrate_train(read_json(file, fix))  # an older version's record in today's (concept.migrate)
-    problems = train_problems(record)
+    declared = train_config_of(folder)
+    shipped = composed(third_party=False).option_owners  # (the library's own families' options)
+    # an older version's record in today's (concept.migrate)
+    record = migrate_train(read_json(file, fix), [f.name for f in dataclasses.fields(declared)], shipped)
+    problems = train_problems(record, declared)
     if problems:
         raise damaged(file, f"is invalid ({'; '.join(problems)})", fix)
     return record
 
 
-def train_problems(record: dict) -> list[str]:
+def train_config_of(folder: str | os.PathLike) -> type:
+    """The training config class of the run in ``folder``: the core's options and its family's (named in its
+    concept.json; only that family is imported), or the library's own families' where that cannot be read or
+    the family does not import (the readers of concept.json and of the plan say why)."""
+    name = of_run(folder)
+    try:
+        return for_family(name) if name is not None else composed(third_party=False)
+    except ConceptError:
+        return composed(third_party=False)
+
+
+def train_problems(record: dict, declared: type | None = None) -> list[str]:
     """What is wrong with a training record: the keys every version wrote, the types and declared checks of
     ``TrainConfig``'s options, the derived keys' types. A baseline made in memory and saved without training
     (``save_pretrained`` of a dense or pruned model) records only what rebuilds it: ``baseline``, ``pruned``,
@@ -257,7 +270,7 @@ def train_problems(record: dict) -> list[str]:
     unknown = sorted(set(lora) - lora_fields)
     if unknown:
         return [f"lora: unknown key {unknown[0]!r} (known: {', '.join(sorted(lora_fields))})"]
-    config = _train_config(record)
+    config = _train_config(record, declared)
     problems = check(config) + check(config.lora, prefix="lora-")
     for key, expected in (("source", str), ("attention_resolved", str), ("distributed", dict), ("pruned", dict),
                           ("versions", dict), ("git_sha", str)):
@@ -290,11 +303,13 @@ def _baseline_problems(record: dict) -> list[str]:
     return problems
 
 
-def _train_config(record: dict):
-    """The ``TrainConfig`` of a training record (its known keys; derived and unknown ones left out)."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"lora"}
+def _train_config(record: dict, declared: type | None = None):
+    """The training config (of class ``declared``; default: the core's and the library's own families'
+    options) of a training record (its known keys; derived and unknown ones left out)."""
+    declared = declared or composed(third_party=False)
+    fields = {f.name for f in dataclasses.fields(declared)} - {"lora"}
     lora = {k: v for k, v in record["lora"].items() if k in {f.name for f in dataclasses.fields(LoraSettings)}}
-    return TrainConfig(**{k: v for k, v in record.items() if k in fields}, lora=LoraSettings(**lora))
+    return declared(**{k: v for k, v in record.items() if k in fields}, lora=LoraSettings(**lora))
 
 
 # -- metrics.jsonl, checkpoint/state.json -----------------------------------------------------
@@ -513,14 +528,18 @@ def check_peft_adapter(file: Path, config: dict, headers: dict, train: dict | No
 
 
 def foreign_options(record: dict, train: dict) -> str:
-    """The options of ``train`` that only another family than the record's reads, set away from their
-    defaults ("" for none), e.g. ``task 'reconstruct' (planner-executor)``."""
-    config = _train_config(train)
+    """The options of ``train`` that only another of the library's families than the record's reads, set away
+    from their defaults ("" for none), e.g. ``task 'reconstruct' (planner-executor)``. Imports the record's
+    family and the library's own."""
     try:
-        own = family(record["config"]["family"])
+        own = for_family(record["config"]["family"])
     except (UnknownComponentError, ConceptError):
         return ""  # (an unknown family is the plan's error)
-    return ", ".join(f"{flag} {value!r} ({owner})" for flag, value, owner in foreign_to(config, own))
+    shipped = composed(third_party=False)
+    defaults = {f.name: f.default for f in dataclasses.fields(shipped)}
+    return ", ".join(f"{name.replace('_', '-')} {train[name]!r} ({' or '.join(owners)})"
+                     for name, owners in shipped.option_owners.items()
+                     if name in train and name not in own.__dataclass_fields__ and train[name] != defaults[name])
 
 
 def _difference(a: dict, b: dict) -> str:

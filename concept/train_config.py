@@ -1,11 +1,13 @@
 """The options of ``concept train``, declared once (``concept.options``), and the pure rules they feed.
 
-``TrainConfig`` is made of the core's options (:class:`CoreTrainConfig`: data, schedule, shared objectives,
-baselines, LoRA, checkpoints, device) followed by each registered family's own (``Family.training``, an
-option dataclass such as ``concept.planner.options.PlannerTraining``), so that the trainer and the CLI see
-one flat set: ``--task continue`` on the command line, ``"task": "continue"`` in train.json,
-``TrainConfig(task="continue")`` in Python. A family option set on a run of another kind is refused by the
-trainer (``concept.training.foreign_options``).
+A training config is made of the core's options (:class:`CoreTrainConfig`: data, schedule, shared objectives,
+baselines, LoRA, checkpoints, device) followed by a family's own (``Family.training``, an option dataclass such
+as ``concept.streaming.options.StreamingTraining``), so that the trainer and the CLI see one flat set:
+``--task continue`` on the command line, ``"task": "continue"`` in train.json, ``TrainConfig(task="continue")``
+in Python. :func:`for_family` composes the core's and one family's (``concept train RUN``: only the run's
+family is imported), :func:`composed` the core's and every family's (``TrainConfig``, the Python API), or the
+library's own families' (``concept train --help``). A family option set on a run of another kind is refused by
+the trainer (:func:`foreign_options`).
 
 Standard library only (no torch): ``concept train --help`` builds its options from this module.
 """
@@ -16,14 +18,13 @@ import typing
 from dataclasses import dataclass
 
 from . import options
-from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_TARGET_RATIO, BuildConfig
-from .families import working
+from .config import COMPILE_CHOICES, COMPILE_HELP, BuildConfig
+from .families import family, working
 from .options import SEED_MAX, check, nested, option
 
 BASELINES = ("dense", "pruned")
 TRAIN_ONLY = ("all", "new")
 DTYPES = ("auto", "fp32", "bf16")
-ALIGN_AT = ("deep-input", "final")  # where --align compares hidden states (concept.objectives.AlignObjective)
 ALIGN_LOSSES = ("cosine", "mse")
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -59,11 +60,12 @@ class CoreTrainConfig:
     across fields."""
 
     options_title = "training"  # their --help sections (concept.options.group_of): these, the rest "training"
+    option_families = ()  # the families' option classes composed in (``_compose``)
+    option_owners = {}  # a family's option -> (the families that read it) (``_compose``)
     option_groups = {
         "baselines": ("baseline", "prune_layers", "mtp_heads"),
         "data": ("data", "text_field", "encoding_errors", "seq_len", "curriculum"),
-        "objectives": ("target_ratio", "usage_weight", "revive_after", "kmeans_init", "ce_weight", "distill",
-                       "distill_temperature", "mtp", "mtp_ce", "align", "align_at", "align_loss"),
+        "objectives": ("ce_weight", "distill", "distill_temperature", "mtp", "mtp_ce", "align", "align_loss"),
         "evaluation, checkpoints and logs": ("eval_every", "eval_batches", "checkpoint_every", "log_every"),
         "device and precision": ("device", "compile", "dtype", "grad_checkpointing"),
     }
@@ -104,17 +106,6 @@ class CoreTrainConfig:
         0.1, minimum=0, maximum=1,
         help="After the warmup the cosine schedule decays to this fraction of each peak learning rate (0..1).")
     clip: float = option(1.0, above=0, help="Clip the gradient norm to this value.")
-    target_ratio: float = option(DEFAULT_TARGET_RATIO, above=0, below=1, help="Concepts per token to aim for.")
-    usage_weight: float = option(
-        0.0, minimum=0, help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
-    revive_after: int = option(
-        0, minimum=0,
-        help="Anti-collapse: point every learned code that no concept used for this many steps at a query of the "
-             "step's concepts (dead-code revival, logged as `revived`; codebook and embedding vocabularies); 0: off.")
-    kmeans_init: int = option(
-        0, minimum=0,
-        help="Anti-collapse: before the first step, start the learned codes at the k-means centroids of the queries "
-             "of the concepts of this many training batches (codebook and embedding vocabularies); 0: off.")
     ce_weight: float = option(
         1.0, minimum=0, help="Weight of the next-token cross entropy (0 with --distill: KL-only distillation).")
     distill: float = option(
@@ -140,10 +131,6 @@ class CoreTrainConfig:
     align: float = option(
         0.0, minimum=0,
         help="Weight of the hidden-state alignment to the frozen backbone (see --align-at, --align-loss).")
-    align_at: str = option(
-        "deep-input", choices=ALIGN_AT,
-        help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; final: the last "
-             "layer's output (before the final norm) at every token.")
     align_loss: str = option(
         "cosine", choices=ALIGN_LOSSES,
         help="cosine: 1 - cos per token; mse: squared error / the teacher states' mean square (dominated by a few "
@@ -152,8 +139,6 @@ class CoreTrainConfig:
         "all", choices=TRAIN_ONLY,
         help="new: train only the new modules (the LoRA adapters stay frozen), e.g. a first stage that fits a tail "
              "bridge with --align.")
-    tau_start: float = option(1.0, above=0, help="Gumbel temperature at step 0.")
-    tau_end: float = option(0.5, above=0, help="Gumbel temperature at the last step.")
     lora: LoraSettings = nested(LoraSettings, prefix="lora")  # noqa: RUF009 (a default_factory field)
     seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed of the adapters' initialisation, the data order and each micro-batch's "
                                "randomness (Gumbel noise, dropout).")
@@ -205,16 +190,13 @@ class CoreTrainConfig:
                 parse_curriculum(self.curriculum, self.seq_len)
             except ValueError as exc:
                 p.append(f"curriculum {self.curriculum}: {exc}")
-        teachers = ("distill", "align", *(n for declared in family_options() for n in declared.teaches))
+        teachers = ("distill", "align", *(n for declared in self.option_families for n in declared.teaches))
         if self.ce_weight == 0 and not any(getattr(self, n) for n in teachers):
             flags = [f"--{n.replace('_', '-')}" for n in teachers]
             p.append(f"ce-weight 0 with neither {', '.join(flags[:-1])} nor {flags[-1]}: nothing to train on")
-        for declared in family_options():  # each family's checks across its options (and the shared ones)
+        for declared in self.option_families:  # each family's checks across its options (and the shared ones)
             p += declared.problems(self)
         if self.baseline:
-            if self.align and self.align_at == "deep-input":
-                p.append(f"align-at deep-input: a {self.baseline} baseline has no deep stack whose input could be "
-                         f"aligned; use --align-at final, or drop --align")
             if self.train_only == "new" and not self.mtp_heads:
                 p.append(f"train-only new: a {self.baseline} baseline has no new modules (only LoRA adapters) unless "
                          f"it has MTP heads (--mtp-heads K); drop --train-only or add heads")
@@ -284,88 +266,67 @@ def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
     return a, b
 
 
-def family_options(third_party: bool = True) -> list[type]:
-    """Each registered family's training options (``Family.training``): the default family's first, then the
-    others in registry order (without ``third_party``: only the library's own families')."""
+def family_options(third_party: bool = True) -> list[tuple[str, type]]:
+    """(name, training options) of each registered family that has some (``Family.training``): the default
+    family's first, then the others in registry order (without ``third_party``: only the library's own)."""
     default = BuildConfig.__dataclass_fields__["family"].default
-    found, loaded = [], working(third_party)  # (a family plugin that does not import adds no options)
-    for name in sorted(loaded, key=lambda n: n != default):
-        options_cls = getattr(loaded[name], "training", None)
-        if options_cls is not None and options_cls not in found:
-            found.append(options_cls)
-    return found
+    loaded = working(third_party)  # (a family plugin that does not import adds no options)
+    return [(name, loaded[name].training) for name in sorted(loaded, key=lambda n: n != default)
+            if loaded[name].training is not None]
 
 
-# Core options that only a family with concept components reads (issue 41, item 1 moves them to their owner): a
-# family without a build section of components (``Family.build_section`` None, e.g. a soft prompt) does not, so
-# its runs refuse them and its train.json leaves them out.
-CONCEPT_OPTIONS = ("target_ratio", "tau_start", "tau_end", "usage_weight", "revive_after", "kmeans_init", "align_at")
+def foreign_options(config, own=None) -> list[tuple[str, object, str]]:
+    """(flag, value, owners) of each option of ``config`` that only families other than ``own`` read (all
+    of them for a baseline, ``own`` None), set away from its default; ``owners``: those families, e.g.
+    ``streaming or planner-executor``. Imports no family."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return [(name.replace("_", "-"), getattr(config, name), " or ".join(owners))
+            for name, owners in type(config).option_owners.items()
+            if (own is None or own.name not in owners) and getattr(config, name) != defaults[name]]
 
 
-def unread_options(own) -> list[str]:
-    """The training options a run of the family ``own`` does not read: every other family's own
-    (``Family.training``) and, for a family without components (no ``build_section``), :data:`CONCEPT_OPTIONS`."""
-    found = [] if own.build_section is not None else list(CONCEPT_OPTIONS)
-    for other in working().values():
-        if other is not own and other.training is not None:
-            found += [f.name for f in dataclasses.fields(other.training)]
-    return found
+def recorded(config, own) -> dict:
+    """What train.json records of ``config`` for a run of the family ``own``: the core's options and
+    ``own``'s (the others are at their defaults, :func:`foreign_options` refuses them otherwise)."""
+    return {name: value for name, value in config.to_dict().items()
+            if own.name in type(config).option_owners.get(name, (own.name,))}
 
 
-def recorded(config: TrainConfig, own) -> dict:
-    """What train.json records of ``config`` for a run of the family ``own``: the options it reads (the others
-    are at their defaults, :func:`foreign_options` refuses them otherwise, and a resume reads them back as such)."""
-    data = config.to_dict()
-    for name in unread_options(own):
-        data.pop(name, None)
-    return data
+def missing_options(config, own) -> list[str]:
+    """The options of the family ``own`` that ``config`` lacks (composed for another family)."""
+    return [f.name for f in dataclasses.fields(own.training or CoreTrainConfig)
+            if f.name not in type(config).__dataclass_fields__]
 
 
-def foreign_options(config: TrainConfig, own=None) -> list[tuple[str, object, str]]:
-    """(flag, value, family) of each training option that only another family reads (``Family.training``; all
-    of them for a baseline, ``own`` None), set away from its default; for a family without components, also the
-    core's :data:`CONCEPT_OPTIONS` (owner: streaming)."""
-    found = []
-    if own is not None and own.build_section is None:
-        defaults = CoreTrainConfig()
-        found += [(name.replace("_", "-"), getattr(config, name), "streaming") for name in CONCEPT_OPTIONS
-                  if getattr(config, name) != getattr(defaults, name)]
-    for other in working().values():
-        if other is own or getattr(other, "training", None) is None:
-            continue
-        for f in dataclasses.fields(other.training):
-            value = getattr(config, f.name)
-            if value != f.default:
-                found.append((f.name.replace("_", "-"), value, other.name))
-    return found
-
-
-def _compose(third_party: bool = True) -> type:
-    """``TrainConfig``: :class:`CoreTrainConfig`'s fields, then each family's (a name declared twice is an error
-    naming both owners)."""
+def _compose(families: list[tuple[str, type]]) -> type:
+    """A training config class: :class:`CoreTrainConfig`'s fields, then each family's (``(name, options
+    class)``). A field two families inherit from one base (``concept.code_options``) is one option; a name
+    declared twice otherwise is an error naming both owners."""
     owner = {f.name: "the core" for f in dataclasses.fields(CoreTrainConfig)}
-    extra = []
-    for options_cls in family_options(third_party):
+    declared, owners, extra, classes = {}, {}, [], []
+    groups = dict(CoreTrainConfig.option_groups)  # each family's options: its own --help section(s)
+    for name, options_cls in families:
         hints = typing.get_type_hints(options_cls)
+        classes += [options_cls] if options_cls not in classes else []
         for f in dataclasses.fields(options_cls):
+            if declared.get(f.name) is f:  # (shared: one option, read by both)
+                owners[f.name] += (name,) if name not in owners[f.name] else ()
+                continue
             if f.name in owner:
                 raise TypeError(f"training option {f.name!r} of {options_cls.__qualname__} is declared by "
                                 f"{owner[f.name]} already; rename it")
-            owner[f.name] = options_cls.__qualname__
+            owner[f.name], declared[f.name], owners[f.name] = options_cls.__qualname__, f, (name,)
             extra.append((f.name, hints[f.name], f))
-    made = dataclasses.make_dataclass("TrainConfig", extra, bases=(CoreTrainConfig,))
-    made.__module__, made.__doc__ = __name__, CoreTrainConfig.__doc__  # (pickle and help() find it here)
-    groups = dict(CoreTrainConfig.option_groups)  # each family's options: its own --help section(s)
-    for options_cls in family_options(third_party):
-        for f in dataclasses.fields(options_cls):
             title = options.group_of(options_cls, f.name)
             title = options_cls.__name__ if title == "options" else title
             groups[title] = (*groups.get(title, ()), f.name)
-    made.option_groups = groups
+    made = dataclasses.make_dataclass("TrainConfig", extra, bases=(CoreTrainConfig,))
+    made.__module__, made.__doc__ = __name__, CoreTrainConfig.__doc__  # (pickle and help() find it here)
+    made.option_groups, made.option_owners, made.option_families = groups, owners, tuple(classes)
     return made
 
 
-_SHIPPED: list[type] = []
+_COMPOSED: dict = {}  # (third_party,) or a family's name -> its composed class
 
 
 def composed(third_party: bool = True) -> type:
@@ -374,14 +335,23 @@ def composed(third_party: bool = True) -> type:
     that imports torch or fails to import costs it nothing)."""
     if third_party:
         return globals().get("TrainConfig") or __getattr__("TrainConfig")
-    if not _SHIPPED:
-        _SHIPPED.append(_compose(third_party=False))
-    return _SHIPPED[0]
+    if (False,) not in _COMPOSED:
+        _COMPOSED[(False,)] = _compose(family_options(third_party=False))
+    return _COMPOSED[(False,)]
+
+
+def for_family(name: str) -> type:
+    """The training config of a run of the family ``name``: the core's options and that family's only
+    (``concept train RUN``). Imports that family alone: a broken one is its ``PluginImportError``."""
+    if name not in _COMPOSED:
+        own = family(name)
+        _COMPOSED[name] = _compose([(name, own.training)] if own.training is not None else [])
+    return _COMPOSED[name]
 
 
 def __getattr__(name: str):
     """``TrainConfig``, composed the first time it is asked for: importing this module imports no family."""
     if name == "TrainConfig":
-        made = globals()["TrainConfig"] = _compose()
+        made = globals()["TrainConfig"] = _compose(family_options())
         return made
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,6 +34,7 @@ import signal
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -51,7 +52,6 @@ from .builder import (
     read_run,
 )
 from .config import BuildConfig, resolve
-from .contracts import Tempered
 from .diagnostics import evaluate, grad_norms
 from .distributed import Dist, full_tensor, pick_device
 from .errors import ConceptError, ConfigError, RunFolderError
@@ -68,15 +68,28 @@ from .syncs import declared
 from .teacher import teacher_forward
 from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
-from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
-    TrainConfig,
+
+if TYPE_CHECKING:  # (composed when asked for: importing this module imports no family)
+    from .train_config import TrainConfig
+from .train_config import (  # noqa: F401 (parse_curriculum: also this module's API)
     curriculum_len,
     foreign_options,
+    missing_options,
     parse_curriculum,
     recorded,
 )
 
 STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
+
+
+def __getattr__(name: str):
+    """``TrainConfig`` (also this module's API), composed when asked for: importing this module imports no family
+    (``concept train RUN`` imports only the run's)."""
+    if name == "TrainConfig":
+        from .train_config import composed
+
+        return composed()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TrainingError(ConceptError):
@@ -126,9 +139,13 @@ class FamilyTraining:
         return []
 
     def check_training(self, config, plan, device, dist) -> list[str]:
+        missing = missing_options(config, self.family)
+        if missing:  # (the Python API: a config composed for another family)
+            return [f"the training config has no {', '.join(missing)}, options of the {self.name} family: make it "
+                    f"with concept.train_config.for_family({self.name!r})"]
         return self.family.check_training(config, plan, device, dist) + [
-            f"{flag} {value}: only for {owner} runs (`concept build --family {owner}`); {self.what} does not read it"
-            for flag, value, owner in foreign_options(config, self.family)]
+            f"{flag} {value}: only for {owner} runs (`concept build --family {owner.split(' or ')[0]}`); "
+            f"{self.what} does not read it" for flag, value, owner in foreign_options(config, self.family)]
 
     def training_model(self, plan, config, out: Path, resume: bool, notes: list):
         model = build(resolution=plan)
@@ -391,10 +408,6 @@ class Trainer:
         problems += kind.check_training(config, plan, device, dist)
         if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
             problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
-        if dist is not None and dist.mode == "fsdp2":
-            problems += [f"{flag}: it rewrites code rows in place, which FSDP2's sharded parameters do not allow; "
-                         f"use --distributed ddp" for flag, value in (("revive-after", config.revive_after),
-                                                                     ("kmeans-init", config.kmeans_init)) if value]
         problems += tracking.problems(config.report_to)
         if problems:
             raise ConfigError(problems)
@@ -614,11 +627,8 @@ class Trainer:
         cfg, model = self.config, self.model
         length = curriculum_len(cfg, self.step)
         model.train()
-        sampler = getattr(model, "sampler", None)
-        if isinstance(sampler, Tempered):
-            sampler.tau = cfg.tau_start + (cfg.tau_end - cfg.tau_start) * self.step / max(1, cfg.steps - 1)
         with self.autocast():
-            for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
+            for objective in self.objectives:  # e.g. the sampler's temperature, the ratio controller's target
                 objective.before_step(self)
         if not self.queued:
             self.window_start = time.perf_counter()
@@ -871,4 +881,4 @@ class Trainer:
         """curves.png (loss, held-out NLL and, where there is one, the concept ratio), then the kind's own."""
         rows = self.metrics()
         self.kind.plots(self.run.name, rows, self.out)
-        return training_curves(rows, self.out / "curves.png", self.config.target_ratio)
+        return training_curves(rows, self.out / "curves.png")

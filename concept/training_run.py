@@ -11,6 +11,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import checkpoint, data, fs, options, run_files
 from .builder import PEFT_ADAPTER_DIR, RUN_FILE, TRAIN_FILE, backbone_folder, read_run, read_train
@@ -18,7 +19,10 @@ from .config import BuildConfig
 from .distributed import Dist
 from .errors import ConfigError, RunFolderError
 from .lora import peft_adapter_state
-from .train_config import LoraSettings, TrainConfig
+from .train_config import LoraSettings
+
+if TYPE_CHECKING:  # (composed when asked for: importing this module imports no family)
+    from .train_config import TrainConfig
 
 METRICS = "metrics.jsonl"
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
@@ -205,6 +209,10 @@ def resumed_config(out: Path, world_size: int, overrides: dict) -> tuple[dict, T
         raise RunFolderError(f"{out} is an export (a published model), not a training run to continue; train on from "
                              f"it in a new run: `concept train {out} -o DIR`")
     source, before, config = saved_config(out, saved)
+    unknown = [k for k in overrides if k.split(".")[0] not in type(config).__dataclass_fields__]
+    if unknown:  # (the Python API: e.g. another family's option)
+        raise ConfigError([f"{k.replace('_', '-')}: a {record['config'].get('family')} run has no such training "
+                           f"option" for k in unknown])
     overrides = dict(overrides)
     if "data" in overrides:
         overrides["data"] = data.stored_source(overrides["data"])
@@ -237,7 +245,8 @@ def resumed_config(out: Path, world_size: int, overrides: dict) -> tuple[dict, T
 
 def saved_config(out: Path, saved) -> tuple[str | None, int, TrainConfig]:
     """train.json's (source run, number of processes, config), checked for what resume reads: an object
-    whose fields are TrainConfig's, each of its type (nothing is written before this)."""
+    whose fields are the run's training options (the core's and its family's: ``run_files.train_config_of``), each of
+    its type (nothing is written before this)."""
     file = out / TRAIN_FILE
     fix = "restore it from a copy of the run, or start a new run instead of --resume (`concept train SOURCE -o DIR`)"
     if not isinstance(saved, dict):
@@ -251,7 +260,7 @@ def saved_config(out: Path, saved) -> tuple[str | None, int, TrainConfig]:
     for key in DERIVED[1:]:  # not config fields
         saved.pop(key, None)
     try:
-        config = TrainConfig.from_dict(saved)
+        config = run_files.train_config_of(out).from_dict(saved)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise checkpoint.damaged(file, f"not a training config: {exc}", fix) from None
     wrong = options.mistyped(config) + [f"lora.{name}" for name in options.mistyped(config.lora)]

@@ -69,30 +69,43 @@ def test_importing_the_cli_imports_no_torch():
 
 def test_train_config_is_the_cores_options_then_each_familys():
     """A family's training options (``Family.training``) join TrainConfig after the core's, as flat flags; the
-    core declares none of them, and a name declared twice is an error naming both owners."""
+    core declares none of them (the concept ones moved to their families: issue 41), an option two families
+    inherit from one base (``concept.code_options``) is one option read by both, and a name declared twice
+    otherwise is an error naming both owners. A run's config has the core's options and its family's only."""
     import concept.train_config as tc
+    from concept.code_options import CodeTraining
     from concept.planner.options import PlannerTraining
     from concept.streaming.options import StreamingTraining
 
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     core = [f.name for f in dataclasses.fields(tc.CoreTrainConfig)]
     own = {cls: [f.name for f in dataclasses.fields(cls)] for cls in (StreamingTraining, PlannerTraining)}
-    assert names[:len(core)] == core and sorted(names[len(core):]) == sorted(own[StreamingTraining] + own[PlannerTraining])
-    assert not set(core) & (set(own[StreamingTraining]) | set(own[PlannerTraining]))
+    assert names[:len(core)] == core and sorted(names[len(core):]) == sorted(set(own[StreamingTraining] + own[PlannerTraining]))
+    assert len(names) == len(set(names))
+    moved = {"target_ratio", "tau_start", "tau_end", "usage_weight", "revive_after", "kmeans_init", "align_at"}
+    assert not set(core) & (set(own[StreamingTraining]) | set(own[PlannerTraining]) | moved)
+    shared = [f.name for f in dataclasses.fields(CodeTraining)]
+    assert all(TrainConfig.option_owners[n] == ("streaming", "planner-executor") for n in shared)
+    assert TrainConfig.option_owners["target_ratio"] == ("streaming",) == TrainConfig.option_owners["align_at"]
     assert {"task", "placement", "ratio_control"} <= {e.name for e in options.entries(TrainConfig)}
     assert TrainConfig(task="continue", context_len=4, seq_len=16).task == "continue"
+    for name, cls in (("streaming", StreamingTraining), ("planner-executor", PlannerTraining)):
+        assert [f.name for f in dataclasses.fields(tc.for_family(name))] == core + own[cls]
+    assert not hasattr(tc.for_family("planner-executor")(), "target_ratio")
 
     @dataclasses.dataclass
     class Clashing(options.FamilyOptions):
         seq_len: int = options.option(3, help="a name the core declares")
 
-    original = tc.family_options
-    tc.family_options = lambda *args: [*original(*args), Clashing]
-    try:
-        with pytest.raises(TypeError, match="'seq_len' of .*Clashing is declared by the core already"):
-            tc._compose()
-    finally:
-        tc.family_options = original
+    with pytest.raises(TypeError, match="'seq_len' of .*Clashing is declared by the core already"):
+        tc._compose([*tc.family_options(), ("clashing", Clashing)])
+
+    @dataclasses.dataclass
+    class Redeclaring(options.FamilyOptions):  # negative control: the same name, not inherited from the base
+        tau_start: float = options.option(1.0, help="a name a family declares")
+
+    with pytest.raises(TypeError, match="'tau_start' of .*Redeclaring is declared by .*StreamingTraining already"):
+        tc._compose([*tc.family_options(), ("redeclaring", Redeclaring)])
 
 
 def test_checks_report_every_problem_with_the_flag_name():

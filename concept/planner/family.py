@@ -93,7 +93,7 @@ class PlannerExecutor(Family):
             notes.append("--usage-weight with the total quota: a type can end itself early, and its usage term only "
                          "sees the concepts it emits; build with --set planner.quota=per-type to hold each type's "
                          "length (docs/planner_executor.md)")
-        return from_config(config, model)
+        return from_config(config, model, step)
 
     def plots(self, name: str, rows: list[dict], out) -> None:
         # lazy: torch (module docstring)

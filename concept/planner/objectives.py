@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import codes
-from ..objectives import Objective, usage_kl, zero
+from ..objectives import Objective, TemperatureSchedule, usage_kl, zero
 from ..train_config import curriculum_len
 from .hard_em import HardEMObjective
 
@@ -186,10 +186,13 @@ class ContextCurriculum(Objective):
         return {"context_len": used}
 
 
-def from_config(config, model) -> list:
-    """The planner-executor's objectives a ``TrainConfig`` asks for (the quota always: its controller
-    keeps the plan length near the budget even at weight 0)."""
-    objectives: list = [ContextCurriculum(config)] if config.task == "continue" and config.curriculum else []
+def from_config(config, model, step) -> list:
+    """The planner-executor's objectives a ``TrainConfig`` asks for (the sampler's temperature schedule first;
+    the quota always: its controller keeps the plan length near the budget even at weight 0). ``step()``: the
+    step about to run."""
+    objectives: list = TemperatureSchedule.of(model.sampler, config.tau_start, config.tau_end, config.steps, step)
+    if config.task == "continue" and config.curriculum:
+        objectives.append(ContextCurriculum(config))
     if config.commitment and config.plan_training == "gumbel":  # (Hard-EM feeds hard embeddings: no soft sample)
         objectives.append(CommitmentObjective(config.commitment))
     if config.usage_weight:
@@ -201,7 +204,7 @@ def from_config(config, model) -> list:
     if config.plan_training == "hard-em":
         objectives.append(HardEMObjective(config.plan_ce, beam=config.beam, every=config.estep_every,
                                           prior=config.estep_prior))
-    objectives += codes.from_config(config, model)  # dead-code revival, k-means initialisation
+    objectives += codes.controllers(model, config.kmeans_init, config.revive_after, config.seed)  # revival, k-means
     settings = model.settings
     budget = settings.type_targets if settings.quota == "per-type" else settings.target
     objectives.append(QuotaObjective(config.quota_weight, PlannerQuotaController(budget, settings.quota_ki)))

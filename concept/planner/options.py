@@ -1,18 +1,20 @@
 """The planner-executor's training options (``Family.training``): they join ``concept.train_config.TrainConfig``
-as ``--task``, ``--commitment``, ... and a run of another kind refuses them. Standard library only."""
+as ``--task``, ``--commitment``, ... (and the Gumbel temperature and anti-collapse options it shares with the
+streaming family, ``concept.code_options``); a run of another kind refuses them. Standard library only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..options import FamilyOptions, option
+from ..code_options import CodeTraining
+from ..options import option
 
 TASKS = ("reconstruct", "continue")  # what the executor writes: the row from the plan, or the row's continuation
 PLAN_TRAINING = ("gumbel", "hard-em")
 
 
 @dataclass
-class PlannerTraining(FamilyOptions):
-    """Options only a planner-executor run reads."""
+class PlannerTraining(CodeTraining):
+    """Options only a planner-executor run reads, after those it shares (:class:`concept.code_options.CodeTraining`)."""
 
     options_title = "planner-executor family"  # (their --help section: concept.options.group_of)
 

@@ -100,18 +100,23 @@ class Streaming(Family):
             problems.append(f"placement: length policy '{policy.name}' has no per-token keep score that --placement "
                             f"could train (it decides by its own rule); build with --length-policy null, or drop "
                             f"--placement")
+        if dist is not None and dist.mode == "fsdp2":
+            # lazy: torch (module docstring)
+            from ..codes import fsdp2_problems
+
+            problems += fsdp2_problems(config.kmeans_init, config.revive_after)
         return problems
 
     def prepare(self, model, train: dict) -> None:
         pass
 
     def objectives(self, config, model, step, notes: list) -> list:
-        """The ratio controller, then the loss terms in a fixed order: ratio loss, usage, the shared ones
-        (distillation, alignment, MTP heads), the anti-collapse controllers, placement. They aim at the ratio curriculum's target of the step
-        about to be trained (``step()``)."""
+        """The sampler's temperature schedule and the ratio controller, then the loss terms in a fixed order: ratio
+        loss, usage, the shared ones (distillation, alignment, MTP heads), the anti-collapse controllers,
+        placement. They aim at the ratio curriculum's target of the step about to be trained (``step()``)."""
         # lazy: torch (module docstring)
         from .. import codes
-        from ..objectives import common
+        from ..objectives import TemperatureSchedule, common
         from .objectives import (
             PlacementObjective,
             RatioControl,
@@ -132,14 +137,14 @@ class Streaming(Family):
             controls = "pi"
         # the controller calibrates the NULL bias at step 0 unless --ratio-control none; it tracks with pi / both
         pi = PIController(config.target_ratio, ki=config.pi_ki) if controls != "none" else None
-        found: list = [RatioControl(target, config.target_ratio, pi, controls in ("pi", "both"),
-                                    config.calibration_batches)]
+        found: list = TemperatureSchedule.of(model.sampler, config.tau_start, config.tau_end, config.steps, step)
+        found.append(RatioControl(target, config.target_ratio, pi, controls in ("pi", "both"), config.calibration_batches))
         if controls in ("loss", "both"):
             found.append(RatioObjective(config.ratio_loss_weight, target))
         if config.usage_weight:
             found.append(UsageObjective(config.usage_weight))
-        found += common(config, has_mtp=getattr(model, "mtp_heads", None) is not None)
-        found += codes.from_config(config, model)  # dead-code revival, k-means initialisation
+        found += common(config, has_mtp=getattr(model, "mtp_heads", None) is not None, align_at=config.align_at)
+        found += codes.controllers(model, config.kmeans_init, config.revive_after, config.seed)  # revival, k-means
         if config.placement:
             found.append(PlacementObjective(config.placement, target))
         return found

@@ -1,27 +1,37 @@
-"""The streaming family's own options. Training (``Family.training``): they join
-``concept.train_config.TrainConfig`` as ``--ratio-control``, ``--placement``, ... and a run of another kind
-refuses them (a baseline notes that they do nothing). Building (``Family.build_options``): the build-time
+"""The streaming family's own options. Training (``Family.training``): they join the core's
+(``concept.train_config``) as ``--target-ratio``, ``--ratio-control``, ``--align-at``, ``--placement``, ... (and
+the Gumbel temperature and anti-collapse options it shares with the planner-executor,
+``concept.code_options``); a run of another kind refuses them (a baseline notes that they do nothing, but
+``--target-ratio``, which a pruned baseline is FLOP-matched at, and ``--align-at``). Building (``Family.build_options``): the build-time
 calibration of the NULL bias, ``concept build --target-ratio`` ... (``concept.streaming.calibration``); a
 build of another family refuses them. Standard library only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..code_options import CodeTraining
 from ..config import DEFAULT_TARGET_RATIO
-from ..options import FamilyOptions, check, option
+from ..options import check, option
 
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
+ALIGN_AT = ("deep-input", "final")  # where --align compares hidden states (concept.objectives.AlignObjective)
 
 
 @dataclass
-class StreamingTraining(FamilyOptions):
-    """Options only a streaming run reads: the ratio control and its curriculum, learned placement, the
-    final calibration."""
+class StreamingTraining(CodeTraining):
+    """Options only a streaming run reads (and a baseline trained from one: ``--target-ratio``, ``--align-at``):
+    the target ratio, its control and curriculum, where --align compares, learned placement, the final
+    calibration; after those it shares (:class:`concept.code_options.CodeTraining`)."""
 
     options_title = "streaming family"  # (their --help section: concept.options.group_of)
 
     teaches = ("placement",)  # a router-only stage trains on it with --ce-weight 0
 
+    target_ratio: float = option(DEFAULT_TARGET_RATIO, above=0, below=1, help="Concepts per token to aim for.")
+    align_at: str = option(
+        "deep-input", choices=ALIGN_AT,
+        help="deep-input: the deep stack's input at tail tokens vs the backbone's input of that layer; final: the last "
+             "layer's output (before the final norm) at every token.")
     ratio_control: str = option(
         "both", choices=RATIO_CONTROLS,
         help="Streaming: what holds the concepts-per-token ratio at its target: pi (a controller on the NULL bias), "
@@ -49,10 +59,14 @@ class StreamingTraining(FamilyOptions):
 
     @staticmethod
     def problems(config) -> list[str]:
+        found = []
         if 0 < config.target_ratio < 1 and 0 < config.ratio_start <= 1 and config.ratio_start < config.target_ratio:
-            return [f"ratio-start: the curriculum anneals down to --target-ratio {config.target_ratio}; a start of "
-                    f"{config.ratio_start} is below it"]
-        return []
+            found.append(f"ratio-start: the curriculum anneals down to --target-ratio {config.target_ratio}; a start of "
+                         f"{config.ratio_start} is below it")
+        if config.baseline and config.align and config.align_at == "deep-input":
+            found.append(f"align-at deep-input: a {config.baseline} baseline has no deep stack whose input could be "
+                         f"aligned; use --align-at final, or drop --align")
+        return found
 
 
 CALIBRATION_BATCH, CALIBRATION_SEQ_LEN = 4, 128  # the rows of one calibration batch (concept.streaming.calibration)
