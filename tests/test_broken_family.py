@@ -118,6 +118,29 @@ def test_help_and_streaming_build_train_generate_still_work(installed, corpus, t
     r = invoke("generate", trained, "--prompt", "def f(x):", "--max-new-tokens", 4)
     assert r.exit_code == 0, r.output
     assert "heavy_family" not in sys.modules
+    its_familys_options_only(built)
+
+
+def its_familys_options_only(run):
+    """`concept train RUN` composes its options from the core and RUN's family (read from concept.json, no family
+    imported): `train RUN --help` lists that family's; another family's option is refused naming its owner
+    (before anything loads); a run of the torch-importing family imports it (the control: RUN is read)."""
+    helped = invoke("train", run, "--help")
+    assert helped.exit_code == 0 and "--target-ratio" in helped.stdout and "--tau-start" in helped.stdout
+    assert "--commitment" not in helped.stdout and "planner-executor family" not in helped.stdout, helped.stdout
+    assert "heavy_family" not in sys.modules
+    r = invoke("train", run, "--task", "continue", "--steps", 1)
+    assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+    assert "--task: only for planner-executor runs (`concept build --family planner-executor`); the run is a " \
+           "streaming run" in r.stderr and "Traceback" not in r.output, r.output
+    r = invoke("train", run, "--no-such-option", "1")  # no family's: click's own message
+    assert r.exit_code == 2 and "No such option '--no-such-option'" in r.output, r.output
+    record = json.loads((run / "concept.json").read_text())
+    record["config"] = {k: v for k, v in record["config"].items() if k != "streaming"} | {"family": "heavy"}
+    (run / "concept.json").write_text(json.dumps(record))
+    helped = invoke("train", run, "--help")
+    assert helped.exit_code == 0 and "--steps" in helped.stdout and "--ratio-control" not in helped.stdout
+    assert "heavy_family" in sys.modules  # (negative control: the run's family is what is read)
 
 
 @pytest.mark.parametrize("name, problem", [
@@ -166,32 +189,3 @@ def test_train_help_imports_neither_torch_nor_the_family(installed):
     assert done.returncode == 0 and "--steps" in done.stdout, done.stderr[-2000:]
     assert "IMPORTED False False" in done.stderr, done.stderr[-2000:]
 
-
-def test_train_run_has_its_familys_options_only(installed, tmp_path):
-    """`concept train RUN` composes its options from the core and RUN's family (read from concept.json, no family
-    imported): `train RUN --help` lists that family's; another family's option is refused naming its owner
-    (before anything loads); a run of the torch-importing family imports it (the control: RUN is read)."""
-    from concept import families, registry
-
-    run = tmp_path / "streaming"
-    assert invoke("build", *TINY, "--dry-run", "--json").exit_code == 0
-    assert invoke("build", *TINY, "-o", run).exit_code == 0
-    sys.modules.pop("heavy_family", None)
-    registry._REGISTRIES.clear()
-    families._INSTANCES.clear()
-    helped = invoke("train", run, "--help")
-    assert helped.exit_code == 0 and "--target-ratio" in helped.stdout and "--tau-start" in helped.stdout
-    assert "--commitment" not in helped.stdout and "planner-executor family" not in helped.stdout, helped.stdout
-    assert "heavy_family" not in sys.modules
-    r = invoke("train", run, "--task", "continue", "--steps", 1)
-    assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
-    assert "--task: only for planner-executor runs (`concept build --family planner-executor`); the run is a " \
-           "streaming run" in r.stderr and "Traceback" not in r.output, r.output
-    r = invoke("train", run, "--no-such-option", "1")  # no family's: click's own message
-    assert r.exit_code == 2 and "No such option '--no-such-option'" in r.output, r.output
-    record = json.loads((run / "concept.json").read_text())
-    record["config"] = {k: v for k, v in record["config"].items() if k != "streaming"} | {"family": "heavy"}
-    (run / "concept.json").write_text(json.dumps(record))
-    helped = invoke("train", run, "--help")
-    assert helped.exit_code == 0 and "--steps" in helped.stdout and "--ratio-control" not in helped.stdout
-    assert "heavy_family" in sys.modules  # (negative control: the run's family is what is read)
