@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from concept.config import has_budget
+from concept.streaming.operating_point import has_budget
 
 GPU_MODE = "reduce-overhead"
 BUDGET = 0.25  # the compiled streaming builds' max_ratio: twice the default 0.125 concepts per token

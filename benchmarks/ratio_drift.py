@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 
 PYDOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
 

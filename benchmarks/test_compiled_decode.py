@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from concept import ComponentRef
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.decoding import DenseDecoder
 from concept.dense import DenseModel
 from concept.flops import Shape, decode_flops, head_classes

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from concept import ComponentRef
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.decoding import DenseDecoder
 from concept.streaming.decoding import ConceptDecoder
 from concept.flops import Shape, decode_flops, evenly_spaced_keep, forward_flops, head_classes

@@ -26,7 +26,7 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.flops import Shape, evenly_spaced_keep, forward_flops, head_classes
 
 from . import compiled

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.decoding import select_rows
 from plugins.length_policies.null import NullPolicy, NullPolicyConfig
 

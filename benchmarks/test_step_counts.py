@@ -18,7 +18,7 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.dense import DenseModel
 from concept.flops import Shape, head_classes, matched_prune
 from concept.lora import LoraSettings, add_lora

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from concept.compiled import compile_model
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.dense import DenseModel
 from concept.flops import Shape, evenly_spaced_keep, forward_flops, head_classes
 from concept.lora import LoraSettings, add_lora

@@ -74,7 +74,8 @@ def make_config(config_file, values: dict, seed=None, overrides=(), family=None,
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import BuildConfig, ComponentRef
     from concept.builder import absolute_backbone_path
-    from concept.config import build_section_of, parse_max_ratio
+    from concept.config import build_section_of
+    from concept.streaming.operating_point import parse_max_ratio
     from concept.errors import UnknownComponentError
     from concept.families import family as family_named
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 
 from .output import (
     describe_backbone,

@@ -26,7 +26,7 @@ from torch import nn
 from . import packing
 from .attention import CausalPattern
 from .backbone import decoder, run_layers
-from .config import has_budget
+from .streaming.operating_point import has_budget
 from .generation import generate
 from .hub import HubMixin
 from .lazy import Deferred, LazyField

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import concept
 from concept import BuildConfig, ComponentRef
 from concept import data as data_
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.tokens import tokenizer_for
 from concept_cli.main import cli
 

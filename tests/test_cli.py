@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept_cli.main import cli
 
 TINY = ["--backbone", "tiny-llama", "--split", "2,4,2"]

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from concept import BuildConfig, ComponentRef, ConfigError, resolve
-from concept.config import parse_split
+from concept.streaming.operating_point import parse_split
 
 
 def test_json_round_trip():

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import concept
 from concept_cli.main import cli
 from concept import BuildConfig, ComponentRef, ConfigError, resolve
-from concept.config import has_budget, max_ratio_problem
+from concept.streaming.operating_point import has_budget, max_ratio_problem
 from concept import packing
 from concept.streaming import budget, gap
 from concept.streaming.model import ConceptModel

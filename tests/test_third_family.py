@@ -175,6 +175,6 @@ def test_the_streaming_keys_are_refused_for_it(installed, corpus):  # noqa: F811
         concept.resolve(dataclasses.replace(config(), split="1,1,1", length_policy=ComponentRef("fixed")))
     assert "split: the soft-prompt family does not read it" in str(err.value)
     assert "length_policy: the soft-prompt family does not read it" in str(err.value)
-    with pytest.raises(ConfigError, match="tau-start 2.0: only for streaming runs"):
+    with pytest.raises(ConfigError, match="tau-start 2.0: only for streaming or planner-executor runs"):
         Trainer.check(small(corpus, tau_start=2.0), config())
     Trainer.check(small(corpus), config())  # (the defaults: fine)

@@ -20,7 +20,6 @@ from click.testing import CliRunner
 import concept
 from concept.streaming.options import StreamingBuild, StreamingTraining
 from concept.streaming.section import StreamingSection
-from concept.train_config import CONCEPT_OPTIONS
 from concept.training import Trainer
 from concept_cli.main import cli
 from tests.test_third_family import TINY_FLAGS, small
@@ -46,9 +45,9 @@ packages = ["soft_prompt_family"]
 soft-prompt = "soft_prompt_family:SoftPrompt"
 """
 # every option name of the streaming family: its build section's (its section's name is not one: "streaming" is
-# also the core's option of streamed training data), its own build and training options, and the core
-# training options only a family with concept components reads
-STREAMING_NAMES = sorted({*StreamingSection.__dataclass_fields__, *CONCEPT_OPTIONS,
+# also the core's option of streamed training data), its own build and training options (those it shares with the
+# planner-executor included)
+STREAMING_NAMES = sorted({*StreamingSection.__dataclass_fields__,
                           *(f for f in StreamingBuild.__dataclass_fields__),
                           *(f for f in StreamingTraining.__dataclass_fields__)})
 
@@ -95,7 +94,7 @@ def test_installed_family_builds_trains_resumes_evaluates_generates_inspects_and
     assert Path(sys.modules["soft_prompt_family"].__file__).is_relative_to(site)
     refused = CliRunner().invoke(cli, ["build", "--family", "soft-prompt", *TINY_FLAGS, "--length-policy", "fixed",
                                        "--dry-run"])
-    assert refused.exit_code == 2 and "length_policy: the soft-prompt family does not read it" in refused.stderr
+    assert refused.exit_code == 2 and "length-policy: the soft-prompt family does not read it" in refused.stderr
 
     straight = tmp_path / "straight"
     invoke("train", built, "--out", straight, "--data", corpus, "--steps", 4, "--seq-len", 32, "--batch", 2,

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 
-from ..config import MAX_RATIO_AUTO, MAX_RATIO_NONE
 from . import gap
+from .operating_point import MAX_RATIO_AUTO, MAX_RATIO_NONE
 
 HEADROOM = 2.0  # auto: the budget in units of the policy's target ratio
 SLACK = 4  # auto: boundaries a row may have beyond ceil(max_ratio * n), for a burst at its start

@@ -29,11 +29,11 @@ import hashlib
 import torch
 
 from .. import data as data_
-from ..config import DEFAULT_TARGET_RATIO
 from ..contracts import TracksRatio
 from ..errors import ConfigError
 from ..packing import document_starts
 from ..tokens import tokenizer_for
+from .operating_point import DEFAULT_TARGET_RATIO
 from . import gap
 from .options import CALIBRATION_BATCH, CALIBRATION_SEQ_LEN, StreamingBuild
 from .ratio import PIController, ratio_controllable

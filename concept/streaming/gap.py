@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..config import DEFAULT_TARGET_RATIO
+from .operating_point import DEFAULT_TARGET_RATIO
 
 AUTO, NONE = "auto", "none"
 GAP_PER_SPACING = 2.0  # "auto": the bound in units of the mean spacing 1 / r at the target

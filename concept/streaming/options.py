@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..code_options import CodeTraining
-from ..config import DEFAULT_TARGET_RATIO
 from ..options import check, option
+from .operating_point import DEFAULT_TARGET_RATIO
 
 RATIO_CONTROLS = ("both", "pi", "loss", "none")
 ALIGN_AT = ("deep-input", "final")  # where --align compares hidden states (concept.objectives.AlignObjective)

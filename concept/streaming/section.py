@@ -11,17 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import (
-    MAX_RATIO_AUTO,
     ComponentRef,
     component_ref,
-    max_ratio_problem,
-    parse_max_ratio,
-    parse_split,
     parse_value,
     slot,
     _unknown_msg,
 )
 from ..options import option
+from .operating_point import MAX_RATIO_AUTO, max_ratio_problem, parse_max_ratio, parse_split
 
 CONCEPT_INPUTS = ("identity", "identity-scaled", "embedding")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, LengthPolicy, RatioControlled, ReadsPredictor, TracksRatio
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, DifferentiableBoundary, LengthPolicy, RatioControlled, TracksRatio
 from concept.packing import document_tokens, tokens_since_keep
 from concept.streaming import gap

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from concept.components import rms_normalize
-from concept.config import DEFAULT_TARGET_RATIO
+from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, DifferentiableBoundary, Gated, LengthPolicy, RatioControlled, TracksRatio
 from concept.streaming import gap
 from concept.streaming.host_scan import scan_rows, state_tensors
