@@ -168,3 +168,36 @@ def test_a_checkpoint_written_before_the_sections_still_resumes(today, tmp_path)
         else:
             with pytest.raises(RunFolderError, match="not written for this run's build"):
                 checkpoint.check_origin(tmp_path, config, None)
+
+
+def test_train_json_of_a_family_that_no_longer_has_the_moved_options_reads(tmp_path):
+    """Before the training options went by owner, ``target_ratio`` ... ``align_at`` were core options: a
+    planner-executor run recorded ``target_ratio`` and ``align_at`` (it reads neither), and a baseline recorded
+    every family's options. Read with the run's family's options (``run_files.train_config_of``), they are
+    dropped; resume reads the same record. Negative control: without the migration the planner-executor's
+    training options have no ``target_ratio``."""
+    from concept.migrate import migrate_train
+    from concept.train_config import for_family
+    from concept.training_run import saved_config
+
+    planner = for_family("planner-executor")
+    written = planner(steps=3).to_dict() | {"target_ratio": 0.25, "align_at": "deep-input"}  # (as it was written)
+    run = tmp_path / "pe"
+    run.mkdir()
+    (run / "concept.json").write_text(json.dumps({"format": FORMAT_VERSION, "config": {"family": "planner-executor"}}))
+    (run / "train.json").write_text(json.dumps(written))
+    read = run_files.read_train(run)
+    assert "target_ratio" not in read and "align_at" not in read and read["tau_start"] == 1.0
+    assert run_files.train_config_of(run) is planner
+    assert saved_config(run, read)[2] == planner(steps=3)
+    with pytest.raises(TypeError, match="target_ratio"):  # negative control: the record as it was written
+        planner.from_dict(migrate_train(written))
+    # a dense baseline of a streaming run recorded the planner-executor's options too
+    streaming = for_family("streaming")
+    baseline = TrainConfig(baseline="dense", steps=3, target_ratio=0.25).to_dict()
+    assert "task" in baseline and "commitment" in baseline
+    (run / "concept.json").write_text(json.dumps({"format": FORMAT_VERSION, "config": {"family": "streaming"}}))
+    (run / "train.json").write_text(json.dumps(baseline))
+    read = run_files.read_train(run)
+    assert "task" not in read and read["target_ratio"] == 0.25
+    assert saved_config(run, read)[2] == streaming(baseline="dense", steps=3, target_ratio=0.25)

@@ -193,12 +193,18 @@ def rows(run):
 
 def test_metrics_name_each_objective(built, corpus, tmp_path):  # noqa: F811
     cfg = small(data=str(corpus), steps=2, grad_accum=2, usage_weight=0.1, distill=0.5, distill_temperature=2.0,
-                align=0.3, eval_every=100, checkpoint_every=100)
+                align=0.3, eval_every=100, checkpoint_every=100, tau_start=2.0, tau_end=1.5)
     trainer = Trainer.start(built, tmp_path / "run", cfg)
-    # the ratio controller first: composed like the objectives, but it adds no term to the loss
-    assert [o.name for o in trainer.objectives] == ["ratio_control", "ratio_loss", "usage_kl", "distill_kl", "align"]
-    assert [o.adds_term for o in trainer.objectives] == [False, True, True, True, True]
+    # the sampler's temperature schedule and the ratio controller first: composed like the objectives, but they
+    # add no term to the loss
+    assert [o.name for o in trainer.objectives] == ["temperature", "ratio_control", "ratio_loss", "usage_kl",
+                                                    "distill_kl", "align"]
+    assert [o.adds_term for o in trainer.objectives] == [False, False, True, True, True, True]
+    built_tau = trainer.model.sampler.tau  # (the build's: not a value of the schedule, so a missing one fails)
     trainer.train()
+    # the temperature: linear from --tau-start at step 0 to --tau-end at the last step (the step-wise reference)
+    assert [r["tau"] for r in rows(tmp_path / "run")] == [2.0 + (1.5 - 2.0) * s / (2 - 1) for s in range(2)]
+    assert built_tau not in (2.0, 1.5)
     for r in rows(tmp_path / "run"):
         for key in ("loss", "total_loss", "ratio_loss", "usage_kl", "distill_kl", "align", "teacher_s",
                     "teacher_fraction", "target_ratio", "ratio"):
@@ -210,7 +216,7 @@ def test_metrics_name_each_objective(built, corpus, tmp_path):  # noqa: F811
     plain = Trainer.start(built, tmp_path / "plain", small(data=str(corpus), steps=1, ratio_control="pi",
                                                           eval_every=100))
     # nothing configured: the ratio controller alone, no term, no teacher
-    assert [o.name for o in plain.objectives] == ["ratio_control"] and not plain.teacher_needs
+    assert [o.name for o in plain.objectives] == ["temperature", "ratio_control"] and not plain.teacher_needs
     plain.train()
     assert not {"distill_kl", "align", "teacher_s", "ratio_loss", "usage_kl"} & set(rows(tmp_path / "plain")[0])
 
