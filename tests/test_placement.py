@@ -147,7 +147,7 @@ def test_trainer_logs_placement_and_resumes_exactly(built, corpus, tmp_path):  #
         return small(data=str(corpus), placement=1.0, eval_every=100, log_every=100)
 
     straight = Trainer.start(built, tmp_path / "straight", cfg())
-    assert [o.name for o in straight.objectives] == ["ratio_control", "ratio_loss", "placement"]
+    assert [o.name for o in straight.objectives] == ["temperature", "ratio_control", "ratio_loss", "placement"]
     assert straight.teacher_needs == {"logits"}
     straight.train()
     interrupted_at_three(built, tmp_path / "resumed", cfg()).train()
