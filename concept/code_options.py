@@ -15,6 +15,10 @@ from .options import FamilyOptions, option
 class CodeTraining(FamilyOptions):
     """``--tau-start``, ``--tau-end``, ``--usage-weight``, ``--revive-after``, ``--kmeans-init``."""
 
+    option_groups = {  # (their --help section, whichever family's they are: concept.options.group_of)
+        "concept codes: temperature and anti-collapse": ("tau_start", "tau_end", "usage_weight", "revive_after",
+                                                          "kmeans_init")}
+
     tau_start: float = option(1.0, above=0, help="Gumbel temperature at step 0.")
     tau_end: float = option(0.5, above=0, help="Gumbel temperature at the last step.")
     usage_weight: float = option(
