@@ -8,7 +8,11 @@ Negative control (without the fix, run on this file): a family whose ``__init__`
 end in its ``RuntimeError`` traceback (``concept.families.family`` instantiated it uncaught, and
 ``TrainConfig`` / ``--help`` instantiate every family); ``train --help`` imported the torch-importing family;
 ``build --family broken`` printed a two-line ``invalid config (1 problem)``. Reading and resolving a streaming run
-imports no other family (before the build sections, ``concept.migrate`` and ``resolve`` imported every one)."""
+imports no other family (before the build sections, ``concept.migrate`` and ``resolve`` imported every one).
+
+`concept train RUN` composes its options from the core and RUN's family only (read from concept.json; issue 41
+item 1) and a streaming `build` from the library's families: neither imports the torch-importing family (before,
+`build --dry-run` and `train RUN` imported every installed family); a run of that family does (the control)."""
 from __future__ import annotations
 
 import json

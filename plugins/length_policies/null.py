@@ -28,7 +28,7 @@ it, while *where* the concepts go is still decided by the head. ``track`` is in 
 per token of lag (``concept.streaming.ratio.tracker_ahead``): a domain whose keep logits are shifted by
 ``s`` settles at a lag of about ``-s / track`` tokens, a ratio error of about ``s / (track * N)``
 on an N-token document, the same relative error at every target. ``target_ratio`` is a buffer
-saved with the model (default ``concept.config.DEFAULT_TARGET_RATIO``); the trainer sets it to
+saved with the model (default ``concept.streaming.operating_point.DEFAULT_TARGET_RATIO``); the trainer sets it to
 the current (scheduled) target. ``keep_logit`` / ``boundary_prob`` (what the ratio controller
 and the ratio loss read) exclude the lag term. Weights saved before the tracker existed (no
 ``target_ratio``) load with the tracker off: they were trained and calibrated without it.
