@@ -68,9 +68,6 @@ from .syncs import declared
 from .teacher import teacher_forward
 from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
-
-if TYPE_CHECKING:  # (composed when asked for: importing this module imports no family)
-    from .train_config import TrainConfig
 from .train_config import (  # noqa: F401 (parse_curriculum: also this module's API)
     curriculum_len,
     foreign_options,
@@ -78,6 +75,9 @@ from .train_config import (  # noqa: F401 (parse_curriculum: also this module's 
     parse_curriculum,
     recorded,
 )
+
+if TYPE_CHECKING:  # (composed when asked for: importing this module imports no family)
+    from .train_config import TrainConfig
 
 STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
 
