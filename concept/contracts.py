@@ -130,7 +130,8 @@ class Sampler(Component):
 
 
 class Tempered:
-    """A sampler with a temperature ``tau`` the trainer anneals (``--tau-start`` / ``--tau-end``)."""
+    """A sampler with a temperature ``tau`` that its family's objectives anneal (``--tau-start`` / ``--tau-end``:
+    ``concept.objectives.TemperatureSchedule``)."""
 
     tau: float = 1.0
 
