@@ -340,6 +340,8 @@ def _write_records(model, tmp: Path, record: dict, train: dict | None, run, dtyp
                          or _saved_backbone(run) or config.get("backbone"))
     absolute = str((tmp / BACKBONE_DIR).resolve())
     config["backbone"] = {"name": "hf", "params": {"path": absolute, "dtype": dtype}}
+    if pruned and isinstance(config.get(config["family"]), dict) and "layers" in config[config["family"]]:
+        config[config["family"]] = {**config[config["family"]], "layers": None, "deleted": list(pruned)}  # (gone)
     build = BuildConfig.from_dict(config)
     if pruned:
         build.split = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)

@@ -311,7 +311,7 @@ def _streaming_runs(spec: FrontierSpec, builds: dict) -> tuple[list[ScheduledRun
         for ratio in spec.ratios:
             train = copy.deepcopy(spec.train)
             train.target_ratio, train.baseline, train.prune_layers = ratio, None, None
-            prune = prune_plan(train, p, hf)
+            prune, _ = prune_plan(train, p, hf)
             run = ScheduledRun(run_name(split, ratio), "streaming", bname, build, train, split=split,
                                target_ratio=ratio, planned_flop_ratio=prune.target_flop_ratio)
             runs.append(run)
