@@ -51,6 +51,7 @@ class Dense(Family):
     name = "dense"
     section = "dense"  # --set dense.mtp_heads=K
     borrows = ("align_at",)  # --align --align-at final (the last layer's output; it has no deep stack)
+    decodes = ("concepts", "mtp")  # `concept generate --mtp` with its heads; --show-concepts says it has none
 
     def settings(self, options: dict, components: dict):
         return parse_settings(DenseSettings, self.section, options)
