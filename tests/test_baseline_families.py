@@ -128,3 +128,29 @@ def test_an_older_baseline_run_loads_evaluates_generates_exports_and_resumes(bui
     except ConceptError:  # (its files do not fit the streaming model)
         loaded = None
     assert not isinstance(loaded, DenseModel)
+
+
+def test_the_pruned_block_matches_what_the_source_family_says_its_model_costs():
+    """``--baseline pruned``'s block comes from the source family's ``matched_flops`` (the streaming model's ideal
+    FLOPs): the same block and target as ``concept.flops.matched_prune`` of that split. Negative control: a family
+    without an operating point to match (the base's default) is refused with the fix."""
+    from concept.baselines import prune_plan
+    from concept.config import BuildConfig, ComponentRef
+    from concept.contracts import Family
+    from concept.flops import Shape, matched_prune
+    from concept.train_config import TrainConfig
+    from concept_plugins.backbones.tiny_llama import TinyConfig, TinyLlamaBackbone
+
+    tiny = {"layers": 8, "hidden": 32, "heads": 2, "kv_heads": 1, "intermediate": 64}
+    plan = concept.resolve(BuildConfig(backbone=ComponentRef("tiny-llama", tiny), split="2,4,2",
+                                       vocabulary=ComponentRef("embedding", {"size": 32})))
+    config = TrainConfig(baseline="pruned", target_ratio=0.25, seq_len=256)
+    prune, about = prune_plan(config, plan)
+    shape = Shape.from_hf_config(TinyLlamaBackbone.hf_config(TinyConfig(**tiny)))
+    expected = matched_prune(shape, (2, 4, 2), 33, 0.25, 256)  # 32 codes + NULL
+    assert (prune.removed, prune.target_flop_ratio) == (expected.removed, pytest.approx(expected.target_flop_ratio))
+    assert prune.removed[0] == 2 and "target ratio 0.25 (split 2,4,2)" in about
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(plan.family_object), "matched_flops", Family.matched_flops)
+        with pytest.raises(ConceptError, match="choose the block with --prune-layers"):
+            prune_plan(config, plan)
