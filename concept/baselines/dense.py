@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..contracts import Family
+from ..contracts import Family, FlopTarget
 
 
 @dataclass
@@ -78,6 +78,17 @@ class Dense(Family):
         removed = model.removed or model.deleted
         return {"baseline": {"kind": self.name, "removed_layers": list(removed) if removed else None},
                 "components": ["backbone"]}
+
+    def matched_flops(self, plan, config, shape) -> FlopTarget:
+        """Its own forward FLOPs at ``config.seq_len`` (``--baseline pruned`` of a baseline run: the same block)."""
+        # lazy: torch (module docstring)
+        from ..flops import pruned_flops
+
+        block = self.layers(plan.settings).get("removed") or (0, 0)
+        total, T = plan.backbone_info.num_layers, config.seq_len
+        kept = total - (block[1] - block[0])
+        return FlopTarget(pruned_flops(shape, kept, T) / pruned_flops(shape, total, T), block[0], T,
+                          f"the {self.name} model's own ({kept} of {total} layers)")
 
     # -- training ------------------------------------------------------------------------------
     def check_training(self, config, plan, device, dist) -> list[str]:
