@@ -15,10 +15,10 @@ ratio loss, usage KL, distillation from the frozen backbone, hidden-state alignm
 logged by name; the distillation teacher is ``concept.teacher``. The target ratio can follow a
 curriculum (``ratio_start`` -> ``target_ratio`` over ``ratio_warmup`` of the steps). Baselines:
 ``baseline="dense"`` (the backbone + LoRA) or ``"pruned"`` (minus a FLOP-matched block of
-layers) train a run of that family, its build derived from the source's (``concept.baselines``). AdamW, linear warmup then cosine
-decay, gradient clipping and accumulation, bf16 on GPU (the frozen base stored in bf16, LoRA, new
-modules and optimizer state fp32, under autocast: ``concept.precision``), optional gradient
-checkpointing. The data position is a pure function of the step and each micro-batch's
+layers) train a run of that family, its build derived from the source's (``concept.baselines``).
+AdamW, linear warmup then cosine decay, gradient clipping and accumulation, bf16 on GPU (the
+frozen base stored in bf16, LoRA, new modules and optimizer state fp32, under autocast:
+``concept.precision``), optional gradient checkpointing. The data position is a pure function of the step and each micro-batch's
 randomness is seeded from (seed, step, micro-batch), so a resumed run reproduces the
 uninterrupted loss curve exactly. Under ``torchrun`` the same loop runs with DDP or FSDP2
 (``concept.distributed``): the global batch is ``batch x world_size x grad_accum`` and the loss

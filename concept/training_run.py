@@ -23,7 +23,8 @@ from .train_config import LoraSettings, TrainConfig
 
 METRICS = "metrics.jsonl"
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
-DERIVED = ("source", "attention_resolved", "pruned", "distributed", "versions", "git_sha")  # ("pruned": before 0.2)
+# ("pruned": an older baseline run's block, which its build holds today: concept.migrate)
+DERIVED = ("source", "attention_resolved", "pruned", "distributed", "versions", "git_sha")
 DATA_FIELDS = {"data", "text_field", "encoding_errors", "data_split", "streaming"}  # --resume may point at other data (with a note)
 
 

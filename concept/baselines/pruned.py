@@ -58,9 +58,9 @@ class Pruned(Dense):
     def settings(self, options: dict, components: dict):
         settings, problems = parse_settings(PrunedSettings, self.section, options)
         if "layers" not in options and "deleted" not in options:
-            problems.append(f"{self.section}.layers: which layers to skip, START:STOP (0-based, STOP excluded), e.g. "
-                            f"--set {self.section}.layers=8:20; or let `concept train RUN --baseline pruned` choose the "
-                            f"block FLOP-matched to RUN's model")
+            problems.append(f"{self.section}.layers: which layers to skip, START:STOP (0-based, STOP excluded), "
+                            f"e.g. --set {self.section}.layers=8:20; or let `concept train RUN --baseline pruned` "
+                            f"choose the block FLOP-matched to RUN's model")
         num_layers = _num_layers(components.get("backbone"))
         for key in ("layers", "deleted"):
             value = getattr(settings, key)
