@@ -21,7 +21,6 @@ from .backbone import LoadedBackbone
 from .compiled import compile_model
 from .components import BuildContext
 from .config import BuildConfig, BuildResolution, resolve
-from .dense import DenseModel
 from .errors import ConceptError, RunFolderError
 from .families import family, family_of
 from .hub import local_folder
@@ -117,11 +116,8 @@ BUILT_FILES = {RUN_FILE, MODULES_FILE, BACKBONE_FILE}
 
 
 def run_kind(record: dict, train: dict | None) -> str:
-    """What a run folder holds, from its records (nothing loaded): its family's name, or ``dense`` /
-    ``pruned`` for a trained baseline."""
-    baseline = (train or {}).get("baseline")
-    if baseline:
-        return str(baseline)
+    """What a run folder holds, from its records (nothing loaded): its family's name (a baseline's too:
+    ``dense`` / ``pruned``)."""
     return record["config"]["family"]
 
 
@@ -186,7 +182,7 @@ def load_new_modules(model, state: dict, file: Path | None = None) -> None:
 
 def load(path: str | os.PathLike, compile: str = "off", **hub):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
-    LoRA adapters and the newest checkpoint's weights) or a trained dense (or pruned) baseline; also a
+    LoRA adapters and the newest checkpoint's weights), a dense or pruned baseline among them; also a
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
     folder ``adapter/`` or merged into the backbone), or a hub id ``org/name`` of one (downloaded with
     ``huggingface_hub.snapshot_download``; ``hub``: its ``revision``, ``cache_dir``, ``token``,
@@ -197,18 +193,7 @@ def load(path: str | os.PathLike, compile: str = "off", **hub):
     record, train = run_files.check_files(folder)
     checkpoint.check_origin(folder, record["config"], backbone_folder(record["config"]))  # another build's: refused
     plan = run_files.plan_of(record, folder)
-    if train and train.get("baseline"):  # "dense" / "pruned" (older runs: true)
-        loaded = build_backbone(plan)
-        # a pruned baseline skips the block of layers its train.json records (concept.training.prune_plan)
-        block = (train.get("pruned") or {}).get("removed") if train.get("baseline") == "pruned" else None
-        removed = tuple(block) if block and block[1] > block[0] else None
-        deleted = None
-        if removed and (record.get("export") or {}).get("backbone_pruned"):  # an export's backbone/ lacks them
-            removed, deleted = None, removed
-        model = DenseModel(loaded.model, resolution=plan, tokenizer=loaded.tokenizer, removed=removed,
-                           mtp_heads=train.get("mtp_heads", 0), deleted=deleted)
-    else:
-        model = build(resolution=plan)
+    model = build(resolution=plan)  # (a baseline: the dense or pruned family's; an older one's: concept.migrate)
     backbone_file = run_files.weights_file(folder, "backbone")
     if backbone_file is not None:
         run_files.load_weights(model.backbone, backbone_file, "backbone")

@@ -31,7 +31,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from . import fingerprint, fs
 from .errors import RunFolderError
-from .migrate import flat
+from .migrate import fingerprinted
 
 CHECKPOINT = "checkpoint"
 STATE_FILE = "state.json"
@@ -256,8 +256,9 @@ def check_origin(run: Path, config: dict, backbone_dir: Path | None) -> dict | N
     meta = read_meta(run)
     recorded = (meta or {}).get("fingerprints") or {}
     path = folder(run)
-    # (a checkpoint written before concept.json's format 3 fingerprinted the same build written flat)
-    if recorded.get("build") not in (None, fingerprint.of_config(config), fingerprint.of_config(flat(config))):
+    # (a checkpoint written before concept.json's format 3 fingerprinted the same build written flat; one of an
+    # older baseline run, the build it was trained from: concept.migrate.fingerprinted)
+    if recorded.get("build") not in (None, *(fingerprint.of_config(c) for c in fingerprinted(config))):
         raise RunFolderError(
             f"{path} was not written for this run's build: its build fingerprint ({recorded['build']}) differs from "
             f"that of {Path(run) / fs.RUN_MARKER} ({fingerprint.of_config(config)}), e.g. a checkpoint copied from a "

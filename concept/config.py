@@ -78,7 +78,8 @@ class BuildConfig:
                          help="Model family (`concept plugins list --kind family`): streaming (online concept "
                               "compression) or planner-executor (the LLM plans typed concepts, then writes text from "
                               "the plan alone; configure its types with --set planner.types='[{\"name\": ..., "
-                              "\"size\": K, \"max_len\": N}, ...]').")
+                              "\"size\": K, \"max_len\": N}, ...]'); or a baseline: dense, pruned (--set "
+                              "pruned.layers=START:STOP).")
     backbone: ComponentRef = slot("smollm2", help="Backbone plugin; smollm2 is the offline SmolLM2-135M")
     seed: int = option(0, minimum=0, maximum=SEED_MAX, help="Seed for the new modules.")
     # the families' own options by section name (``--set SECTION.KEY=VALUE``; in JSON ``"SECTION": {...}``)

@@ -10,6 +10,7 @@ so this module imports no torch. The bases define no ``__init__``; ``nn.Module``
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -237,6 +238,19 @@ class Backbone(Pluggable):
 
 # -- families ------------------------------------------------------------------------------------------
 
+@dataclass
+class FlopTarget:
+    """What a FLOP-matched pruned baseline must match (``Family.matched_flops``): forward FLOPs as a fraction of
+    the dense backbone's at ``seq_len`` tokens, the layer its removed block starts at, the concept ratio the
+    fraction stands for (if any), and a phrase naming the operating point for people."""
+
+    flop_ratio: float
+    first_layer: int
+    seq_len: int
+    about: str
+    target_ratio: float | None = None
+
+
 class Family:
     """A model family (``concept.families`` entry points; docs/plugins.md §8 "Write a family"). The registry
     makes it with no arguments. A minimal family sets ``name`` (its entry point's name) and defines ``build``;
@@ -335,6 +349,14 @@ class Family:
 
     def score(self, model, context, context_valid, continuation, continuation_valid):
         """Logits whose position k predicts continuation token k, or None: the core's causal forward."""
+        return None
+
+    # -- as the source of a FLOP-matched baseline ------------------------------------------------
+    def matched_flops(self, plan, config, shape) -> FlopTarget | None:
+        """What a pruned baseline FLOP-matched to a run of this build trained with ``config`` (a ``TrainConfig``)
+        must match (``concept train RUN --baseline pruned``): a :class:`FlopTarget` at ``config.seq_len`` tokens
+        (``shape``: the backbone's ``concept.flops.Shape``), or None: the family has no such operating point, and
+        the user chooses the block (``--prune-layers START:STOP``)."""
         return None
 
 

@@ -4,13 +4,13 @@ It runs the backbone's layers through the same attention routing and masks as th
 model's shallow stack (causal, padding, packed documents), so the two are compared on
 exactly the same inputs. Its logits equal the Hugging Face forward (tested).
 
-The **pruned** baseline is the same model with a contiguous block of decoder layers skipped
-(``removed=(start, stop)``): the FLOP-matched yardstick of the streaming model
-(``concept train --baseline pruned``; ``concept.flops.matched_prune`` picks the block). The
+The model of the ``dense`` and ``pruned`` families (``concept.baselines``). The **pruned** baseline is the same
+model with a contiguous block of decoder layers skipped (``removed=(start, stop)``): the FLOP-matched yardstick of
+the streaming model (``concept train --baseline pruned``; ``concept.baselines.prune_plan`` picks the block). The
 skipped layers stay in the backbone (the distillation teacher runs them), they are only left
 out of the list this model runs.
 
-With ``mtp_heads=K`` (``concept train --baseline dense --mtp-heads K``) the model carries K MTP heads
+With ``mtp_heads=K`` (``concept train --baseline dense --mtp-heads K``, or ``--set dense.mtp_heads=K``) the model carries K MTP heads
 (``concept.mtp``) on its final hidden state (before the norm: the state its own LM head reads), for
 multi-token decoding (``generate(..., mtp="verify")``), trained by the same self-distillation.
 """
@@ -44,15 +44,17 @@ class DenseOutput:
 
 class DenseModel(Resolved, HubMixin, nn.Module):
     def __init__(self, backbone, resolution=None, tokenizer=None, removed: tuple[int, int] | None = None,
-                 mtp_heads: int = 0, deleted: tuple[int, int] | None = None):
+                 mtp_heads: int = 0, deleted: tuple[int, int] | None = None, static: bool | None = None):
         super().__init__()
         self.backbone = backbone
         self.resolution = resolution  # the build resolution (concept.resolved)
         self.tokenizer = tokenizer
         self.gradient_checkpointing = False
         self.compiled_stacks = None  # --compile (concept.compiled): its layers compiled
-        # the baseline of a static build (max_ratio), or compiled: masks built without reading anything back
-        self.static = has_budget(getattr(getattr(resolution, "config", None), "max_ratio", 0.0))
+        # the baseline of a static build (its family's section says so; made by hand: the resolution's max_ratio),
+        # or compiled: masks built without reading anything back
+        self.static = static if static is not None else has_budget(
+            getattr(getattr(resolution, "config", None), "max_ratio", 0.0))
         n = len(decoder(backbone).layers)
         if removed is not None and not (0 <= removed[0] < removed[1] <= n):
             raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")

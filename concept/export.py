@@ -286,7 +286,7 @@ def _loaded_origin(model) -> tuple[dict, dict | None, Path | None, int | None]:
 
 def _check_exportable(model, out: Path, removed) -> None:
     """Refuse, before writing anything, a pruned baseline too small to export and an export the disk cannot hold."""
-    if removed and exported_layers(model) < 3:
+    if removed and exported_layers(model) < 3 and model.resolution.family_object.stacks:  # (a pruned build: none)
         raise ConceptError(f"the pruned baseline keeps {exported_layers(model)} of the backbone's "
                            f"{model.backbone.config.num_hidden_layers} layers; its export deletes the others, and a build "
                            f"plan needs at least 3 (one per stack): prune fewer layers to export it")
@@ -340,6 +340,8 @@ def _write_records(model, tmp: Path, record: dict, train: dict | None, run, dtyp
                          or _saved_backbone(run) or config.get("backbone"))
     absolute = str((tmp / BACKBONE_DIR).resolve())
     config["backbone"] = {"name": "hf", "params": {"path": absolute, "dtype": dtype}}
+    if pruned and isinstance(config.get(config["family"]), dict) and "layers" in config[config["family"]]:
+        config[config["family"]] = {**config[config["family"]], "layers": None, "deleted": list(pruned)}  # (gone)
     build = BuildConfig.from_dict(config)
     if pruned:
         build.split = "auto"  # (a baseline runs every layer of its backbone; the plan needs a valid split)

@@ -40,7 +40,11 @@ def of_run(folder) -> str | None:
     from .migrate import RecordFormatError, migrate_run
 
     try:
-        record = migrate_run(json.loads((Path(folder) / "concept.json").read_text(encoding="utf-8")))
+        try:  # (an older baseline run's build is derived from its train.json: concept.migrate.baseline_build)
+            train = json.loads((Path(folder) / "train.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            train = None
+        record = migrate_run(json.loads((Path(folder) / "concept.json").read_text(encoding="utf-8")), train)
         name = record["config"]["family"]
     except (OSError, ValueError, KeyError, TypeError, RecordFormatError):
         return None

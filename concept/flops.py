@@ -170,7 +170,7 @@ class PrunePlan:
     num_layers: int  # decoder layers of the backbone
     flop_ratio: float  # pruned / dense forward FLOPs at length T
     target_flop_ratio: float  # the streaming model's ideal / dense at the target ratio
-    target_ratio: float
+    target_ratio: float | None  # the concept ratio the target stands for (None: a FLOP ratio given as such)
     T: int
     layer_share: float = 0.0  # one decoder layer's FLOPs / dense: the granularity of whole-layer pruning
 
@@ -193,20 +193,31 @@ class PrunePlan:
 def matched_prune(shape: Shape, split: tuple[int, int, int], concept_classes: int, target_ratio: float, T: int,
                   emit: int = 1, removed: tuple[int, int] | None = None) -> PrunePlan:
     """The pruned baseline whose forward FLOPs match the streaming model's ideal FLOPs at ``target_ratio``
-    and length ``T`` (concepts evenly spaced): the whole number of kept layers (at least 1) closest to
-    that target, the removed block at the start of the middle stack (layers Ls .. Ls+n-1, so the
-    pruned model keeps the streaming model's shallow and deep stacks and the end of its middle
-    stack; clamped to the layer range). Measured untrained on SmolLM2 (docs/training.md), that
-    position beat a block centred in the middle stack or ending at its end.
-    ``removed`` = (start, stop) sets the block by hand instead (its FLOPs are still reported)."""
-    L = sum(split)
-    dense = pruned_flops(shape, L, T)
+    and length ``T`` (concepts evenly spaced): :func:`prune_block` from the start of the middle stack (layers
+    Ls .. Ls+n-1, so the pruned model keeps the streaming model's shallow and deep stacks and the end of its
+    middle stack). Measured untrained on SmolLM2 (docs/training.md), that position beat a block centred in the
+    middle stack or ending at its end. ``removed`` = (start, stop) sets the block by hand instead (its FLOPs are
+    still reported)."""
     streaming = forward_flops(shape, split, evenly_spaced_keep(T, target_ratio), concept_classes, emit).concept
+    L = sum(split)
+    return prune_block(shape, L, T, streaming / pruned_flops(shape, L, T), split[0], removed, target_ratio)
+
+
+def prune_block(shape: Shape, num_layers: int, T: int, target_flop_ratio: float, first: int,
+                removed: tuple[int, int] | None = None, target_ratio: float | None = None) -> PrunePlan:
+    """The contiguous block of layers whose removal brings the backbone's forward FLOPs at length ``T`` closest
+    to ``target_flop_ratio`` x dense: the whole number of kept layers (at least 1) closest to it, the block
+    starting at layer ``first`` (clamped to the layer range). ``removed`` = (start, stop) sets the block by hand
+    instead (its FLOPs are still reported). ``target_ratio``: the concept ratio the target stands for, if any."""
+    L = num_layers
+    dense = pruned_flops(shape, L, T)
     if removed is None:
-        kept = min(range(1, L + 1), key=lambda n: (abs(pruned_flops(shape, n, T) - streaming), n))
+        goal = target_flop_ratio * dense
+        kept = min(range(1, L + 1), key=lambda n: (abs(pruned_flops(shape, n, T) - goal), n))
         n_removed = L - kept
-        start = max(0, min(split[0], L - n_removed))
+        start = max(0, min(first, L - n_removed))
         removed = (start, start + n_removed)
     kept = L - (removed[1] - removed[0])
     share = (pruned_flops(shape, 1, T) - pruned_flops(shape, 0, T)) / dense
-    return PrunePlan(tuple(removed), L, pruned_flops(shape, kept, T) / dense, streaming / dense, target_ratio, T, share)
+    return PrunePlan(tuple(removed), L, pruned_flops(shape, kept, T) / dense, target_flop_ratio, target_ratio, T,
+                     share)

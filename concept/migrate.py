@@ -13,11 +13,20 @@ explicit rewrite of the record (the formats are listed in docs/training.md, "Run
 - **format 2** (flat): the streaming family's keys (its component slots, ``split``, ``concept_input``,
   ``max_ratio``: :data:`FLAT_KEYS`) sat beside ``family``, ``backbone`` and ``seed``; format 3 holds them in their
   section, ``"streaming": {...}`` (:func:`sectioned`; a recipe file written flat is read through it too);
+- **a baseline run of the source's build** (before the baselines were families: its train.json says
+  ``"baseline": "dense" / "pruned"``, its ``concept.json`` holds the build it was trained from): a build of the
+  ``dense`` / ``pruned`` family (:func:`baseline_build`) with the source's backbone and seed, the pruned block and
+  the MTP heads train.json recorded, and the source build as ``baseline_of`` (what its checkpoints fingerprinted:
+  :func:`fingerprinted`);
 - **a format above** :data:`FORMAT_VERSION` (a newer concept wrote it): refused, with the fix (upgrade).
 
 ``train.json`` (:func:`migrate_train`):
 
 - **``baseline: true / false``** (before the pruned baseline): ``"dense"`` / null;
+- **``baseline``, ``pruned``, ``mtp_heads``, ``prune_layers``** (before the baselines were families): moved into
+  the build (``concept.json``, above), and the options the baseline's family does not read dropped (they take
+  their defaults, as a new run's train.json leaves them out); a record of only those (a baseline saved untrained)
+  is no training record;
 - **a relative ``data`` path** (before runs stored absolute paths): made absolute against the working folder,
   the folder it was always read from;
 - **the options that moved to their families** (:data:`MOVED_OPTIONS`: core options before the training options
@@ -53,9 +62,10 @@ class RecordFormatError(ConceptError):
         self.problem, self.fix = problem, fix
 
 
-def migrate_run(record: dict) -> dict:
+def migrate_run(record: dict, train: dict | None = None) -> dict:
     """A ``concept.json`` record (a copy) in today's format; :class:`RecordFormatError` for a format that is
-    not a version number (``fix`` None: the reader's own) or one above :data:`FORMAT_VERSION`."""
+    not a version number (``fix`` None: the reader's own) or one above :data:`FORMAT_VERSION`. ``train``: the
+    run's train.json as read (unchecked), if it has one."""
     if not isinstance(record, dict):
         return record
     record = dict(record)
@@ -77,8 +87,58 @@ def migrate_run(record: dict) -> dict:
         for key in [k for k, v in config.items() if v == {}]:  # (only a section can be empty: a slot has a name)
             del config[key]
         record["config"] = sectioned(config) if version < 3 else config
+        baseline = _baseline_of(train)
+        if baseline is not None and record["config"].get("family") not in BASELINES:
+            record["config"] = baseline_build(record["config"], baseline, train, record.get("export"))
     record["format"] = FORMAT_VERSION
     return record
+
+
+BASELINES = ("dense", "pruned")  # the baseline families (concept.baselines)
+BASELINE_KEYS = ("baseline", "pruned", "mtp_heads", "prune_layers")  # what train.json recorded of a baseline before
+
+
+def _baseline_of(train) -> str | None:
+    """The baseline an older train.json says its run is (``true``: dense), or None."""
+    value = train.get("baseline") if isinstance(train, dict) else None
+    value = "dense" if value is True else value
+    return value if value in BASELINES else None
+
+
+def baseline_build(source: dict, name: str, train: dict, export: dict | None) -> dict:
+    """The build config of an older baseline run: the ``name`` family's, from the ``source`` build it was
+    trained from, with what its train.json recorded (the pruned block; in an export whose backbone lacks the
+    block already, ``deleted``)."""
+    heads = train.get("mtp_heads") or 0
+    section: dict = {"mtp_heads": heads} if isinstance(heads, int) and heads else {}
+    pruned = train.get("pruned") if isinstance(train.get("pruned"), dict) else {}
+    if name == "pruned":
+        block = pruned.get("removed")
+        block = block if isinstance(block, list) and len(block) == 2 and block[1] > block[0] else None
+        deleted = bool((export or {}).get("backbone_pruned")) and block is not None
+        section.update({"layers": None if deleted else block, **({"deleted": block} if deleted else {})})
+        if pruned:
+            section["matched"] = pruned
+    section["baseline_of"] = source
+    return {"family": name, "backbone": source.get("backbone"), "seed": source.get("seed", 0), name: section}
+
+
+def source_modules(config: dict) -> bool:
+    """Whether the top-level ``modules.safetensors`` of the run built by ``config`` may be another build's: an
+    older baseline run kept its source build's (its own MTP heads are in its checkpoint)."""
+    section = config.get(config.get("family")) if isinstance(config, dict) else None
+    return isinstance(section, dict) and isinstance(section.get("baseline_of"), dict)
+
+
+def fingerprinted(config: dict) -> list[dict]:
+    """The build configs a checkpoint of the run built by ``config`` may have fingerprinted: ``config``, as format
+    2 wrote it (:func:`flat`), and for an older baseline run, the build it was trained from (``baseline_of``)."""
+    found = [config, flat(config)]
+    section = config.get(config.get("family")) if isinstance(config, dict) else None
+    source = section.get("baseline_of") if isinstance(section, dict) else None
+    if isinstance(source, dict):
+        found += [source, flat(source)]
+    return found
 
 
 def sectioned(config: dict) -> dict:
@@ -115,10 +175,14 @@ def migrate_train(record: dict, declared=None, unread=()) -> dict:
     record = dict(record)
     if isinstance(record.get("baseline"), bool):
         record["baseline"] = "dense" if record["baseline"] else None
+    baseline = _baseline_of(record)
+    if baseline is not None:  # the build holds these now (migrate_run); the options it does not read (``unread``)
+        for key in BASELINE_KEYS:  # are dropped below, as train.json leaves them out today (train_config.recorded)
+            record.pop(key, None)
     if isinstance(record.get("data"), str) and record["data"].strip():
         record["data"] = stored_source(record["data"])
     if declared is not None:
-        dropped = set(MOVED_OPTIONS) | (set(unread) if record.get("baseline") else set())
+        dropped = set(MOVED_OPTIONS) | (set(unread) if baseline is not None else set())
         for key in dropped - set(declared):
             record.pop(key, None)
     return record

@@ -28,7 +28,7 @@ from . import checkpoint
 from .config import BuildConfig, resolve
 from .errors import ConceptError, ConfigError, RunFolderError, UnknownComponentError, one_line
 from .families import of_run
-from .migrate import RecordFormatError, migrate_run, migrate_train
+from .migrate import RecordFormatError, migrate_run, migrate_train, source_modules
 from .options import check
 from .train_config import LoraSettings, composed, for_family
 
@@ -168,8 +168,8 @@ def read_run(path: str | os.PathLike) -> dict:
         raise RunFolderError(f"{folder} is not a concept run folder (no {RUN_FILE}); create one with "
                              f"`concept build -o {folder}`")
     fix = run_fix(folder)
-    try:
-        record = migrate_run(read_json(file, fix))  # an older format's record in today's (concept.migrate)
+    try:  # an older format's record in today's (concept.migrate; an older baseline's reads its train.json)
+        record = migrate_run(read_json(file, fix), _unchecked_train(folder))
     except RecordFormatError as exc:
         raise damaged(file, exc.problem, exc.fix or fix) from None
     if "config" not in record:
@@ -185,6 +185,14 @@ def read_run(path: str | os.PathLike) -> dict:
         raise damaged(file, f"its config is invalid ({'; '.join(problems)})", fix)
     localise_backbone_path(config, folder)
     return record
+
+
+def _unchecked_train(folder: Path) -> dict | None:
+    """The run's train.json as it reads, or None (absent or unreadable: :func:`read_train` says why)."""
+    try:
+        return json.loads((folder / TRAIN_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
 def config_problems(config: dict) -> list[str]:
@@ -234,6 +242,8 @@ def read_train(folder: str | os.PathLike) -> dict | None:
     shipped = composed(third_party=False).option_owners  # (the library's own families' options)
     # an older version's record in today's (concept.migrate)
     record = migrate_train(read_json(file, fix), [f.name for f in dataclasses.fields(declared)], shipped)
+    if record == {}:  # an older baseline saved untrained: what it recorded is its build's now
+        return None
     problems = train_problems(record, declared)
     if problems:
         raise damaged(file, f"is invalid ({'; '.join(problems)})", fix)
@@ -253,11 +263,7 @@ def train_config_of(folder: str | os.PathLike) -> type:
 
 def train_problems(record: dict, declared: type | None = None) -> list[str]:
     """What is wrong with a training record: the keys every version wrote, the types and declared checks of
-    ``TrainConfig``'s options, the derived keys' types. A baseline made in memory and saved without training
-    (``save_pretrained`` of a dense or pruned model) records only what rebuilds it: ``baseline``, ``pruned``,
-    ``mtp_heads``."""
-    if set(record) <= BASELINE_ONLY and "baseline" in record:
-        return _baseline_problems(record)
+    ``TrainConfig``'s options, the derived keys' types."""
     missing = [k for k in TRAIN_REQUIRED if k not in record]
     if missing:
         return [f"no {', '.join(repr(k) for k in missing)}"]
@@ -279,26 +285,6 @@ def train_problems(record: dict, declared: type | None = None) -> list[str]:
     removed = (record.get("pruned") or {}).get("removed")
     if removed is not None and not (isinstance(removed, list) and len(removed) == 2
                                     and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in removed)):
-        problems.append(f"pruned.removed: expected [START, STOP], got {removed!r}")
-    return problems
-
-
-BASELINE_ONLY = {"baseline", "pruned", "mtp_heads"}
-
-
-def _baseline_problems(record: dict) -> list[str]:
-    problems = []
-    if record["baseline"] not in ("dense", "pruned"):
-        problems.append(f"baseline: expected 'dense' or 'pruned', got {record['baseline']!r}")
-    heads = record.get("mtp_heads", 0)
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
-        problems.append(f"mtp_heads: expected a count >= 0, got {heads!r}")
-    pruned = record.get("pruned")
-    removed = pruned.get("removed") if isinstance(pruned, dict) else None
-    if pruned is not None and not isinstance(pruned, dict):
-        problems.append(f"pruned: expected an object, got {_kind(pruned)}")
-    elif removed is not None and not (isinstance(removed, list) and len(removed) == 2
-                                      and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in removed)):
         problems.append(f"pruned.removed: expected [START, STOP], got {removed!r}")
     return problems
 
@@ -468,7 +454,7 @@ def check_files(folder: str | os.PathLike) -> tuple[dict, dict | None]:
     folder = Path(folder)
     record = read_run(folder)
     train = read_train(folder)
-    if train is not None and not train.get("baseline"):  # a training record of this run's family
+    if train is not None:  # a training record of this run's family
         foreign = foreign_options(record, train)
         if foreign:
             raise damaged(folder / TRAIN_FILE, f"sets {foreign}, which this {record['config']['family']} run "
@@ -477,7 +463,7 @@ def check_files(folder: str | os.PathLike) -> tuple[dict, dict | None]:
     headers = {}
     for file in sorted(folder.glob("*.safetensors")) + sorted((folder / CHECKPOINT_DIR).glob("*.safetensors")):
         headers[file.relative_to(folder).as_posix()] = weights_header(file)
-    for stem in ("modules", "adapter") if not (train or {}).get("baseline") else ():  # a run's two copies: the same
+    for stem in ("modules", "adapter") if not source_modules(record["config"]) else ("adapter",):  # two copies: the same
         top, saved = headers.get(f"{stem}.safetensors"), headers.get(f"{CHECKPOINT_DIR}/{stem}.safetensors")
         if top is not None and saved is not None and top != saved:
             raise damaged(folder / f"{stem}.safetensors", f"does not hold the tensors of the run's checkpoint "

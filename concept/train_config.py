@@ -7,7 +7,8 @@ as ``concept.streaming.options.StreamingTraining``), so that the trainer and the
 in Python. :func:`for_family` composes the core's and one family's (``concept train RUN``: only the run's
 family is imported), :func:`composed` the core's and every family's (``TrainConfig``, the Python API), or the
 library's own families' (``concept train --help``). A family option set on a run of another kind is refused by
-the trainer (:func:`foreign_options`).
+the trainer (:func:`foreign_options`). ``--baseline`` / ``--prune-layers`` / ``--mtp-heads`` ask for a baseline's
+build derived from the source run's (``concept.baselines.derive``); train.json leaves them out.
 
 Standard library only (no torch): ``concept train --help`` builds its options from this module.
 """
@@ -18,11 +19,11 @@ import typing
 from dataclasses import dataclass
 
 from . import options
+from .baselines import NAMES as BASELINES, REQUEST, parse_prune_layers  # noqa: F401 (parse_prune_layers: API)
 from .config import COMPILE_CHOICES, COMPILE_HELP, BuildConfig
 from .families import family, working
 from .options import SEED_MAX, check, nested, option
 
-BASELINES = ("dense", "pruned")
 TRAIN_ONLY = ("all", "new")
 DTYPES = ("auto", "fp32", "bf16")
 ALIGN_LOSSES = ("cosine", "mse")
@@ -72,12 +73,14 @@ class CoreTrainConfig:
 
     baseline: str | None = option(
         None, choices=BASELINES, is_flag=False, flag_value="dense",
-        help="Train a baseline instead of the streaming model: `dense` (the default of a bare --baseline: "
-             "backbone + LoRA, no compression) or `pruned` (the backbone minus a contiguous block of middle layers, "
-             "FLOP-matched to the streaming model at --target-ratio and --seq-len).")
+        help="Train a baseline derived from RUN's build instead of RUN's model (a run of the `dense` or `pruned` "
+             "family, same backbone and seed): `dense` (the default of a bare --baseline: backbone + LoRA, no "
+             "compression) or `pruned` (the backbone minus a contiguous block of middle layers, FLOP-matched to "
+             "RUN's model at --seq-len, e.g. the streaming model at --target-ratio).")
     prune_layers: str | None = option(
         None, metavar="START:STOP",
-        help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block.")
+        help="With --baseline pruned: skip layers START..STOP-1 (0-based) instead of the FLOP-matched block (the "
+             "derived build's pruned.layers).")
     data: str | None = option(
         None, help="Text file, folder, or JSONL; or Hugging Face datasets: a save_to_disk folder (DatasetDict: its "
                    "train split, or PATH:SPLIT), .parquet / .arrow files (default: the Python standard library).")
@@ -120,8 +123,8 @@ class CoreTrainConfig:
              "a model with MTP heads (--length-policy mtp). One extra no-grad forward per step.")
     mtp_heads: int = option(
         0, minimum=0,
-        help="Baselines: K MTP heads on the dense / pruned model's last hidden state, for multi-token decoding (the "
-             "streaming model's come with --length-policy mtp).")
+        help="With --baseline: K MTP heads on the dense / pruned model's last hidden state, for multi-token decoding "
+             "(the derived build's mtp_heads; the streaming model's come with --length-policy mtp).")
     mtp_ce: float = option(
         0.5, minimum=0, help="Weight of the CE on the real tokens inside the MTP objective, relative to its KL.")
     curriculum: str | None = option(
@@ -183,8 +186,9 @@ class CoreTrainConfig:
         """Baselines, objectives, the ratio curriculum and what trains."""
         p = []
         if self.mtp_heads > 0 and not self.baseline:
-            p.append("mtp-heads: only for --baseline dense / pruned; the streaming model's MTP heads come with its "
-                     "length policy (`concept build --length-policy mtp --set length_policy.heads=K`)")
+            p.append("mtp-heads: only for --baseline dense / pruned (a dense or pruned build has them in its section: "
+                     "--set dense.mtp_heads=K); the streaming model's MTP heads come with its length policy "
+                     "(`concept build --length-policy mtp --set length_policy.heads=K`)")
         if self.curriculum is not None:
             try:
                 parse_curriculum(self.curriculum, self.seq_len)
@@ -251,20 +255,6 @@ def curriculum_len(config, step: int) -> int:
     return int(round(start + (config.seq_len - start) * progress))
 
 
-def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
-    """``"A:B"`` -> (A, B): skip layers A..B-1 (0-based, like a Python slice); at least one layer stays."""
-    try:
-        a, b = (int(x) for x in str(text).split(":"))
-    except ValueError:
-        raise ValueError("write it as START:STOP (0-based, STOP excluded), e.g. 8:20") from None
-    if not 0 <= a < b:
-        raise ValueError("need 0 <= START < STOP")
-    if num_layers and b > num_layers:
-        raise ValueError(f"the backbone has {num_layers} layers (0..{num_layers - 1}); STOP must be <= {num_layers}")
-    if num_layers and b - a >= num_layers:
-        raise ValueError(f"that removes all {num_layers} layers; keep at least one")
-    return a, b
-
 
 def family_options(third_party: bool = True) -> list[tuple[str, type]]:
     """(name, training options) of each registered family that has some (``Family.training``): the default
@@ -287,9 +277,10 @@ def foreign_options(config, own=None) -> list[tuple[str, object, str]]:
 
 def recorded(config, own) -> dict:
     """What train.json records of ``config`` for a run of the family ``own``: the core's options and
-    ``own``'s (the others are at their defaults, :func:`foreign_options` refuses them otherwise)."""
+    ``own``'s (the others are at their defaults, :func:`foreign_options` refuses them otherwise), less the
+    request of a baseline's build (``concept.baselines.REQUEST``: its build records what they made)."""
     return {name: value for name, value in config.to_dict().items()
-            if own.name in type(config).option_owners.get(name, (own.name,))}
+            if own.name in type(config).option_owners.get(name, (own.name,)) and name not in REQUEST}
 
 
 def missing_options(config, own) -> list[str]:

@@ -15,10 +15,10 @@ ratio loss, usage KL, distillation from the frozen backbone, hidden-state alignm
 logged by name; the distillation teacher is ``concept.teacher``. The target ratio can follow a
 curriculum (``ratio_start`` -> ``target_ratio`` over ``ratio_warmup`` of the steps). Baselines:
 ``baseline="dense"`` (the backbone + LoRA) or ``"pruned"`` (minus a FLOP-matched block of
-layers, ``concept.flops.matched_prune``). AdamW, linear warmup then cosine
-decay, gradient clipping and accumulation, bf16 on GPU (the frozen base stored in bf16, LoRA, new
-modules and optimizer state fp32, under autocast: ``concept.precision``), optional gradient
-checkpointing. The data position is a pure function of the step and each micro-batch's
+layers) train a run of that family, its build derived from the source's (``concept.baselines``).
+AdamW, linear warmup then cosine decay, gradient clipping and accumulation, bf16 on GPU (the
+frozen base stored in bf16, LoRA, new modules and optimizer state fp32, under autocast:
+``concept.precision``), optional gradient checkpointing. The data position is a pure function of the step and each micro-batch's
 randomness is seeded from (seed, step, micro-batch), so a resumed run reproduces the
 uninterrupted loss curve exactly. Under ``torchrun`` the same loop runs with DDP or FSDP2
 (``concept.distributed``): the global batch is ``batch x world_size x grad_accum`` and the loss
@@ -43,7 +43,6 @@ from torch import nn
 from . import checkpoint, data, fingerprint, fs, memory, run_files, tracking, training_run
 from .backbone import decoder
 from .compiled import compile_model
-from .baselines import Baseline
 from .builder import (
     PEFT_ADAPTER_DIR,
     backbone_folder,
@@ -120,48 +119,27 @@ def resolved_attention(model, device) -> str | None:
     return choice(device) if callable(choice) else None
 
 
-class FamilyTraining:
-    """What trains without ``--baseline``: the build's family's model (``concept.builder.build``), asked
-    through its :class:`concept.components.Family` methods."""
-
-    def __init__(self, family):
-        self.family = family
-        self.name = family.name
-
-    def __getattr__(self, name):  # check_training, objectives, plots, step_diagnostics: the family's
-        return getattr(self.family, name)
-
-    @property
-    def what(self) -> str:
-        return f"a {self.name} model"
-
-    def notes(self, config) -> list[str]:
-        return []
-
-    def check_training(self, config, plan, device, dist) -> list[str]:
-        missing = missing_options(config, self.family)
-        if missing:  # (the Python API: a config composed for another family)
-            return [f"the training config has no {', '.join(missing)}, options of the {self.name} family: make it "
-                    f"with concept.train_config.for_family({self.name!r})"]
-        return self.family.check_training(config, plan, device, dist) + [
-            f"{flag} {value}: only for {owner} runs (`concept build --family {owner.split(' or ')[0]}`); "
-            f"{self.what} does not read it" for flag, value, owner in foreign_options(config, self.family)]
-
-    def training_model(self, plan, config, out: Path, resume: bool, notes: list):
-        model = build(resolution=plan)
-        self.family.prepare(model, config.to_dict())
-        if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
-            file = out / "modules.safetensors"
-            load_new_modules(model, run_files.read_weights(file), file)  # (resume: _restore loads)
-        return model
-
-    def derived(self, config, plan) -> dict:
-        return {}
+def training_model(family, plan, config: TrainConfig, out: Path, resume: bool):
+    """The model of the run's ``family`` (``concept.builder.build``), set up for what ``config`` trains it for
+    (``Family.prepare``), with the source run's new modules (resume: ``Trainer._restore_weights`` loads them)."""
+    model = build(resolution=plan)
+    family.prepare(model, config.to_dict())
+    if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
+        file = out / "modules.safetensors"
+        load_new_modules(model, run_files.read_weights(file), file)
+    return model
 
 
-def training_kind(config: TrainConfig, plan):
-    """What a run trains: a baseline (``--baseline``) or the build's family."""
-    return Baseline(config.baseline) if config.baseline else FamilyTraining(plan.family_object)
+def training_problems(family, config: TrainConfig, plan, device, dist) -> list[str]:
+    """Problems of ``config`` for a run of ``family``: a config composed for another family, its own checks, then
+    the options only another family reads."""
+    missing = missing_options(config, family)
+    if missing:  # (the Python API: a config composed for another family)
+        return [f"the training config has no {', '.join(missing)}, options of the {family.name} family: make it "
+                f"with concept.train_config.for_family({family.name!r})"]
+    return family.check_training(config, plan, device, dist) + [
+        f"{flag} {value}: only for {owner} runs (`concept build --family {owner.split(' or ')[0]}`); a {family.name} "
+        f"model does not read it" for flag, value, owner in foreign_options(config, family)]
 
 
 def micro_seed(seed: int, step: int, micro: int) -> int:
@@ -233,14 +211,13 @@ class Trainer:
         plan, self.device = self.check(config, build_config, self.dist)
         self.dtype = compute_dtype(config.dtype, self.device)  # the frozen base's storage and autocast dtype
         torch.manual_seed(config.seed)
-        self.kind = training_kind(config, plan)
+        self.family = plan.family_object  # what it trains (a baseline too: the dense and pruned families)
         self.model = self._training_model(plan, resume)
         self.train_data, self.eval_data = self._open_data()
         built = read_run(self.out)["config"]
         self.origin = checkpoint.fingerprints(built, backbone_folder(built), self.data_fingerprint)
-        self.notes += self.kind.notes(config)
         # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
-        self.objectives = self.kind.objectives(config, self.model, lambda: self.step, self.notes)
+        self.objectives = self.family.objectives(config, self.model, lambda: self.step, self.notes)
         self.preparing = [o for o in self.objectives if overrides(o, "prepare")]  # (costly under FSDP2: gathers)
         self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast, self._sync)
         self.teacher_needs = self.step_module.teacher_needs
@@ -260,16 +237,15 @@ class Trainer:
         derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
             derived["attention_resolved"] = self.attention
-        derived.update(self.kind.derived(config, plan))  # e.g. which layers the pruned baseline skips
         derived["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
                                   "global_batch": self.global_batch}
         self.derived = derived  # written to train.json by start / resume once everything is checked
 
     def _training_model(self, plan, resume: bool) -> nn.Module:
-        """The kind's model with the run's weights and LoRA adapters, on the device, with what does not train
+        """The family's model with the run's weights and LoRA adapters, on the device, with what does not train
         frozen (resume: the checkpoint's weights)."""
         config = self.config
-        model = self.kind.training_model(plan, config, self.out, resume, self.notes)
+        model = training_model(self.family, plan, config, self.out, resume)
         if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
             run_files.load_weights(model.backbone, self.out / "backbone.safetensors", "backbone")
         add_lora(model.backbone, config.lora)
@@ -350,8 +326,7 @@ class Trainer:
     def record(self, source: str | None) -> dict:
         """train.json's content: the config (only the options the run's family reads), the source run, what
         training derived and what the run was made with (library versions, the git commit of a checkout)."""
-        own = self.kind.family if isinstance(self.kind, FamilyTraining) else None
-        config = self.config.to_dict() if own is None else recorded(self.config, own)
+        config = recorded(self.config, self.family)
         return {**config, "source": source, **self.derived, "versions": versions(), "git_sha": git_sha()}
 
     @property
@@ -404,8 +379,7 @@ class Trainer:
             device = torch.device("cuda", dist.local_rank)
         plan = resolve(build_config)
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
-        kind = training_kind(config, plan)
-        problems += kind.check_training(config, plan, device, dist)
+        problems += training_problems(plan.family_object, config, plan, device, dist)
         if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
             problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
         problems += tracking.problems(config.report_to)
@@ -638,7 +612,7 @@ class Trainer:
             with declared("step diagnostics"):  # (every log_every steps)
                 diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
                 with torch.no_grad(), self.gathered(), self.autocast():  # (this rank's last micro-batch)
-                    diag.update(self.kind.step_diagnostics(model, out, b))
+                    diag.update(self.family.step_diagnostics(model, out, b))
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
         grad_norm = full_tensor(grad_norm).detach().to(self.device, torch.float64)
         on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]  # (teacher seconds: host numbers)
@@ -878,7 +852,7 @@ class Trainer:
         return self.run.metrics()
 
     def plot(self) -> Path | None:
-        """curves.png (loss, held-out NLL and, where there is one, the concept ratio), then the kind's own."""
+        """curves.png (loss, held-out NLL and, where there is one, the concept ratio), then the family's own."""
         rows = self.metrics()
-        self.kind.plots(self.run.name, rows, self.out)
+        self.family.plots(self.run.name, rows, self.out)
         return training_curves(rows, self.out / "curves.png")

@@ -13,9 +13,10 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import checkpoint, data, fs, options, run_files
+from . import baselines, checkpoint, data, fs, options, run_files
 from .builder import PEFT_ADAPTER_DIR, RUN_FILE, TRAIN_FILE, backbone_folder, read_run, read_train
-from .config import BuildConfig
+from .config import BuildConfig, resolve
+from .migrate import FORMAT_VERSION
 from .distributed import Dist
 from .errors import ConfigError, RunFolderError
 from .lora import peft_adapter_state
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # (composed when asked for: importing this module imports no 
 
 METRICS = "metrics.jsonl"
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
+# ("pruned": an older baseline run's block, which its build holds today: concept.migrate)
 DERIVED = ("source", "attention_resolved", "pruned", "distributed", "versions", "git_sha")
 DATA_FIELDS = {"data", "text_field", "encoding_errors", "data_split", "streaming"}  # --resume may point at other data (with a note)
 
@@ -93,11 +95,16 @@ def start(make, source: str | Path, out: str | Path, config: TrainConfig, force:
     """``Trainer.start``: ``make`` is the trainer class (``make(folder, config, build_config, resume, dist)``)."""
     source, out, dist = Path(source), Path(out), dist or Dist()
     record, trained = run_files.check_files(source)  # every file of the source, before anything is written
-    run_files.plan_of(record, source)  # (a source whose record cannot be built: one line naming it)
+    plan = run_files.plan_of(record, source)  # (a source whose record cannot be built: one line naming it)
     check_source_lora(source, trained, config)
-    build_config = BuildConfig.from_dict(record["config"])
+    build_config, notes = BuildConfig.from_dict(record["config"]), []
     config = dataclasses.replace(config, data=data.stored_source(config.data),  # resumable from any folder
                                  eval_data=data.stored_source(config.eval_data))
+    if config.baseline:  # a run of the baseline's family, its build derived from the source's
+        problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
+        if problems:
+            raise ConfigError(problems)
+        build_config, config, notes = baselines.derive(config, record["config"], plan)
     make.check(config, build_config, dist)  # bad options fail before anything is written
     if out.exists() and out.resolve() == source.resolve() and read_train(out) is not None:
         raise RunFolderError(f"{out} is already a training run; use --resume, or pass another -o/--output")
@@ -109,12 +116,13 @@ def start(make, source: str | Path, out: str | Path, config: TrainConfig, force:
     dist.on_main(staging.open)
     try:
         with fs.disk_errors(out, "; nothing was written" + (f" ({out} is unchanged)" if replace else "")):
-            dist.on_main(prepare, source, staging.path)
+            dist.on_main(prepare, source, staging.path, build_config if config.baseline else None)
             with run_files.copied_from(staging.path, source):  # a damaged weights file is named in the source
                 trainer = make(staging.path, config, build_config, resume=False, dist=dist)
             dist.on_main(fs.check_space, out, 2 * trainer.checkpoint_bytes(), "training (two checkpoints)")
             dist.on_main(trainer._record, str(source.resolve()))
         trainer.run.name = out.name
+        trainer.notes[:0] = notes
         if staging.swept:
             trainer.notes.append(f"removed {staging.path}, left by an earlier run into {out} that was killed")
         if swept:
@@ -134,7 +142,7 @@ def start(make, source: str | Path, out: str | Path, config: TrainConfig, force:
 
 def check_source_lora(source: Path, trained: dict | None, config: TrainConfig) -> None:
     """A run trained from a trained run continues its LoRA adapters: the same rank and targets."""
-    if not trained or trained.get("baseline") or config.baseline:
+    if not trained or config.baseline:
         return
     saved = LoraSettings(**trained["lora"])
     if (saved.rank, tuple(saved.targets)) != (config.lora.rank, tuple(config.lora.targets)):
@@ -143,16 +151,19 @@ def check_source_lora(source: Path, trained: dict | None, config: TrainConfig) -
                            f"(or train from its build, {trained.get('source') or 'the run it was trained from'})"])
 
 
-def prepare(source: Path, out: Path) -> None:
-    """Fill the empty staging folder ``out``: the source's record, weights, modules and adapters."""
+def prepare(source: Path, out: Path, derived: BuildConfig | None = None) -> None:
+    """Fill the empty staging folder ``out``: the source's record, weights, modules and adapters; with a
+    ``derived`` build (a baseline's), its record instead of the source's, and none of the source's modules."""
     for name in ("modules.safetensors", "backbone.safetensors"):
-        if (source / name).is_file():
+        if (source / name).is_file() and not (derived is not None and name == "modules.safetensors"):
             shutil.copy2(source / name, out / name)
     record = {k: v for k, v in read_run(source).items() if k != "export"}  # an export's ./backbone made absolute
+    if derived is not None:
+        record = {"format": FORMAT_VERSION, "config": derived.to_dict(), "plan": resolve(derived).describe()}
     (out / RUN_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     from safetensors.torch import save_file
 
-    for stem in ("modules", "adapter"):  # continue from a trained model's modules and adapters
+    for stem in ("modules", "adapter") if derived is None else ("adapter",):  # continue from a trained model's
         state = checkpoint.read_tensors(source, stem)
         if state is None and stem == "adapter":  # an export: its adapters as a peft folder
 

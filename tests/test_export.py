@@ -142,12 +142,12 @@ def test_baselines_export_and_reload(baselines, kind, merge, tmp_path):
     again = concept.load(tmp_path / "exp")
     assert again.kind == kind and model.removed == ((1, 2) if kind == "pruned" else None)
     assert again.removed is None and again.deleted == model.removed  # the export's backbone lacks the skipped layers
-    train = json.loads((tmp_path / "exp" / "train.json").read_text())
-    assert train["baseline"] == kind
+    built_as = json.loads((tmp_path / "exp" / "concept.json").read_text())["config"]
+    assert built_as["family"] == kind  # (a run of the baseline's family)
     layers = json.loads((tmp_path / "exp" / "backbone" / "config.json").read_text())["num_hidden_layers"]
     assert layers == (3 if kind == "pruned" else 4) == len(again.layers)
     if kind == "pruned":
-        assert train["pruned"]["removed"] == [1, 2]
+        assert built_as["pruned"]["deleted"] == [1, 2] and built_as["pruned"]["layers"] is None
         if not merge:  # the adapter is numbered for the kept layers, which are all the backbone has
             config = json.loads((tmp_path / "exp" / "adapter" / "adapter_config.json").read_text())
             assert config["layers_to_transform"] is None

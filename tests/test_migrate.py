@@ -129,7 +129,9 @@ def test_an_older_train_json_reads_as_today_s(tmp_path, monkeypatch):
         (tmp_path / name / "train.json").write_text(json.dumps(train))
     read = {name: run_files.read_train(tmp_path / name) for name in ("today", "older")}
     assert run_files._train_config(read["older"]) == run_files._train_config(read["today"])
-    assert run_kind({}, read["older"]) == "dense" and read["older"]["data"] == str(corpus.resolve())
+    assert "baseline" not in read["older"] and read["older"]["data"] == str(corpus.resolve())
+    # its concept.json held the build it was trained from: today, a build of the dense family
+    assert run_kind(migrate_run({"config": BuildConfig().to_dict()}, older), read["older"]) == "dense"
     # negative control: the record as it was written differs from today's
     assert older["baseline"] is True and older["data"] != current["data"]
     (tmp_path / "older" / "train.json").write_text(json.dumps(older | {"baseline": False}))

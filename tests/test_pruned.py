@@ -51,10 +51,10 @@ def test_a_target_whole_layers_cannot_reach_is_reported():
     # a concept head of 4097 classes on a 32-wide model costs more than the layers it saves
     plan = matched_prune(tiny, (1, 2, 1), 4097, 0.9, 32)
     assert plan.target_flop_ratio > 1 and plan.kept == 4 and plan.removed[0] == plan.removed[1] and not plan.met
-    text = describe_prune(plan, (1, 2, 1))
+    text = describe_prune(plan, "the streaming model's ideal")
     assert "cannot reach" in text and "4 kept" in text
     ok = matched_prune(tiny, (1, 2, 1), 33, 0.25, 32)
-    assert ok.met and "cannot reach" not in describe_prune(ok, (1, 2, 1))
+    assert ok.met and "cannot reach" not in describe_prune(ok, "the streaming model's ideal")
 
 
 def test_pruned_model_equals_the_backbone_without_those_layers():
@@ -96,9 +96,11 @@ def test_pruned_run_trains_loads_generates_and_evaluates(built, corpus, tmp_path
     trainer.train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["distill_kl"] > 0  # the teacher runs all 4 layers, the student 2: they differ from step 1
-    record = json.loads((out / "train.json").read_text())
-    assert record["baseline"] == "pruned" and record["pruned"]["removed"] == [1, 3]
-    assert record["pruned"]["kept_layers"] == 2 and 0 < record["pruned"]["flop_ratio"] < 1
+    built_as = json.loads((out / "concept.json").read_text())["config"]  # a run of the pruned family
+    assert built_as["family"] == "pruned" and built_as["pruned"]["layers"] == [1, 3]
+    assert built_as["pruned"]["matched"]["kept_layers"] == 2 and 0 < built_as["pruned"]["matched"]["flop_ratio"] < 1
+    assert built_as["pruned"]["baseline_of"] == concept.load(built).resolution.config.to_dict()
+    assert not {"baseline", "pruned", "prune_layers", "target_ratio"} & set(json.loads((out / "train.json").read_text()))
 
     model = concept.load(out)
     assert isinstance(model, DenseModel) and model.kind == "pruned" and model.removed == (1, 3)
@@ -130,10 +132,10 @@ def test_cli_pruned_baseline_options(built, corpus, tmp_path):  # noqa: F811
     r = run("train", built, "--baseline", "pruned", "--prune-layers", "2:3", *fast, "--out", tmp_path / "p")
     assert r.exit_code == 0, r.output
     assert "layers 2..2 removed" in r.stderr and "set by --prune-layers" in r.stderr
-    assert json.loads((tmp_path / "p" / "train.json").read_text())["pruned"]["removed"] == [2, 3]
+    assert json.loads((tmp_path / "p" / "concept.json").read_text())["config"]["pruned"]["layers"] == [2, 3]
     r = run("train", built, "--baseline", *fast, "--out", tmp_path / "d")  # a bare --baseline is still dense
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "d" / "train.json").read_text())["baseline"] == "dense"
+    assert json.loads((tmp_path / "d" / "concept.json").read_text())["config"]["family"] == "dense"
     r = run("train", built, "--prune-layers", "1:2", *fast, "--out", tmp_path / "x")
     assert r.exit_code == 2 and "only for --baseline pruned" in r.stderr and not (tmp_path / "x").exists()
     r = run("train", built, "--baseline", "pruned", "--align", 1, *fast, "--out", tmp_path / "y")

@@ -7,7 +7,7 @@ This module stays free of torch: the torch-free ``TrainConfig`` (``concept.train
 So each method imports the modules it needs (which import torch) when it runs (``# lazy: torch``)."""
 from __future__ import annotations
 
-from ..contracts import DifferentiableBoundary, Family, RatioControlled, TracksRatio
+from ..contracts import DifferentiableBoundary, Family, FlopTarget, RatioControlled, TracksRatio
 from .options import StreamingBuild, StreamingTraining
 from .section import StreamingSection
 
@@ -17,7 +17,7 @@ class Streaming(Family):
     build_section = StreamingSection  # its components, split, concept input and budget (--length-policy, ...)
     defaults: dict[str, str] = {}
     checks_components = True  # the components' compatibility vetoes describe this family's forward
-    stacks = True  # shallow / middle / deep stacks and a concept ratio (a FLOP-matched pruned baseline exists)
+    stacks = True  # shallow / middle / deep stacks and a concept ratio
     decodes = ("concepts", "mtp")  # what `concept generate` shows of its decoding
     training = StreamingTraining  # the training options only this family reads
     build_options = StreamingBuild  # the `concept build` options only this family reads (calibration)
@@ -180,6 +180,23 @@ class Streaming(Family):
 
     def score(self, model, context, context_valid, continuation, continuation_valid):
         return None  # the core's causal forward over context + continuation (one pass = its decoding)
+
+    # -- as the source of a FLOP-matched baseline ----------------------------------------------
+    def matched_flops(self, plan, config, shape) -> FlopTarget:
+        """The model's ideal forward FLOPs at ``config.target_ratio`` concepts per token (evenly spaced) over
+        ``config.seq_len`` tokens, as a fraction of the dense backbone's (``concept.flops``); the block starts at
+        the middle stack (the pruned model keeps the shallow and deep stacks: ``concept.flops.matched_prune``)."""
+        # lazy: torch (module docstring)
+        from ..flops import evenly_spaced_keep, forward_flops, pruned_flops
+
+        vocabulary, policy = plan.components["vocabulary"], plan.components["length_policy"]
+        classes = int(getattr(vocabulary.config, "size", 0)) + int(policy.cls.uses_null_class)
+        emit = int(getattr(policy.config, "emit", 1) or 1)
+        T, ratio, split = config.seq_len, config.target_ratio, tuple(plan.split)
+        flops = forward_flops(shape, split, evenly_spaced_keep(T, ratio), classes, emit).concept
+        return FlopTarget(flops / pruned_flops(shape, sum(split), T), split[0], T,
+                          f"the streaming model's ideal at target ratio {ratio} (split {','.join(map(str, split))})",
+                          ratio)
 
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import fs, run_files
-from ...baselines import prune_plan
+from ...baselines import REQUEST, prune_plan
 from ...builder import build_backbone
 from ...config import BuildConfig, _coerce, _unknown_msg, parse_value, resolve
 from ...data import CORPORA, builtin_corpus, local_path, stored_source
@@ -311,7 +311,7 @@ def _streaming_runs(spec: FrontierSpec, builds: dict) -> tuple[list[ScheduledRun
         for ratio in spec.ratios:
             train = copy.deepcopy(spec.train)
             train.target_ratio, train.baseline, train.prune_layers = ratio, None, None
-            prune = prune_plan(train, p, hf)
+            prune, _ = prune_plan(train, p, hf)
             run = ScheduledRun(run_name(split, ratio), "streaming", bname, build, train, split=split,
                                target_ratio=ratio, planned_flop_ratio=prune.target_flop_ratio)
             runs.append(run)
@@ -386,7 +386,7 @@ def recipe(train: dict, kind: str) -> dict:
     saved = {k: v for k, v in train.items() if k not in DERIVED}
     d = TrainConfig.from_dict(saved).to_dict()
     d["data"] = stored_source(d["data"])  # the same data however it is spelled (runs store it absolute)
-    drop = NOT_RECIPE | (STREAMING_ONLY if kind != "streaming" else set())
+    drop = NOT_RECIPE | set(REQUEST) | (STREAMING_ONLY if kind != "streaming" else set())  # (REQUEST: its build's)
     return {k: v for k, v in d.items() if k not in drop}
 
 
@@ -419,7 +419,7 @@ def run_state(folder: Path, run: ScheduledRun) -> dict:
         return {"status": "foreign", "detail": str(exc)}
     if saved is None:
         return {"status": "foreign", "detail": "no train.json"}
-    kind = saved.get("baseline") or "streaming"
+    kind = built["family"]  # (a baseline: the dense or pruned family)
     if kind != run.kind:
         return {"status": "differs", "differences": [f"kind: trained as {kind}, planned {run.kind}"]}
     try:
