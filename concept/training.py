@@ -238,7 +238,7 @@ class Trainer:
         self.trackers: list = []  # --report-to: opened by train()
         if resume:
             self._restore_state()
-        self._stop = False
+        self._stop = self._interrupted = False  # agreed by every rank / seen by this one (_on_sigint)
         self.attention = resolved_attention(self.model, self.device)
         derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
@@ -623,6 +623,8 @@ class Trainer:
         if not self.queued:
             self.window_start = time.perf_counter()
         sums, out, b = self._accumulate(length)
+        if self.dist.world_size > 1:  # a Ctrl-C one rank saw: summed over the ranks with the step's values
+            sums["_stop"] = torch.full((), float(self._interrupted), dtype=torch.float64, device=self.device)
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
             with declared("step diagnostics"):  # (every log_every steps)
@@ -679,6 +681,7 @@ class Trainer:
         rows = []
         for q, read in zip(ready, values):
             total = dict(zip(q.on_device, read))
+            self._stop = self._stop or total.get("_stop", 0) > 0  # every rank reads the same steps: they agree
             total.update({k: next(host) for k in q.host})
             mean = {k: v / self.micro_batches for k, v in total.items()}  # per micro-batch, over the global batch
             grad_norm = read[len(q.on_device)]
@@ -785,9 +788,10 @@ class Trainer:
                 tracker.log(row["step"], row)
 
     def _on_sigint(self, signum, frame):
-        if self._stop:  # second Ctrl-C: stop now
+        if self._interrupted:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
-        self._stop = True
+        self._interrupted = True
+        self._stop = self._stop or self.dist.world_size == 1  # several ranks agree on it with the step log
 
     def train(self, progress=None) -> dict:
         """Run until ``config.steps``; returns the final held-out evaluation. A run replacing an existing
@@ -826,8 +830,6 @@ class Trainer:
         try:
             while self.step < cfg.steps and not self._stop:
                 self.queue_step()
-                if self.dist.world_size > 1:  # a Ctrl-C seen by one rank stops them all at the same step
-                    self._stop = self.dist.any(self._stop)
                 last = self.step == cfg.steps
                 evaluate = self.eval_data is not None and (self.step % cfg.eval_every == 0 or last)
                 save = self.step % cfg.checkpoint_every == 0 or last or self._stop

@@ -1,0 +1,103 @@
+"""No host sync in a step of a run on several ranks or with a teacher (``concept.syncs``, issue 39).
+
+* Several ranks: the ranks agree on a Ctrl-C that one of them saw through the step's own sums (the flag summed
+  over the ranks on the device with the step's logged values, read with the step log): no per-step collective
+  read back. Counted in one process on torch's fake process group (a 2-rank world whose collectives do nothing;
+  ``Dist`` as under torchrun, without the DDP wrapper); the real 2-process runs are ``tests/test_distributed.py``.
+"""
+import pytest
+import torch
+import torch.distributed as td
+
+import concept
+from concept.distributed import Dist
+from concept.syncs import HostSyncs, declared
+from concept.training import TrainConfig, Trainer
+
+from .test_host_syncs import static_run  # noqa: F401  (a tiny default build and its corpus)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class FakeRanks(Dist):
+    """Rank 0 of a 2-rank world on torch's fake process group: every collective runs (and is counted), none
+    moves data."""
+
+    @property
+    def active(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def two_ranks():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    td.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield FakeRanks(mode="none", rank=0, world_size=2)
+    finally:
+        td.destroy_process_group()
+
+
+def loop_counted(trainer, monkeypatch) -> HostSyncs:
+    """``Trainer._loop`` to the end under the counter, its checkpoint a declared point (it reads everything)."""
+    save = trainer.save_checkpoint
+
+    def declared_save():
+        with declared("checkpoint"):
+            save()
+
+    monkeypatch.setattr(trainer, "save_checkpoint", declared_save)
+    with HostSyncs() as seen:
+        trainer._loop(None)
+    return seen
+
+
+def ranked_trainer(static_run, dist, name):  # noqa: F811
+    config = TrainConfig(steps=7, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=3, warmup=1,
+                         data=str(static_run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2), baseline="dense")
+    trainer = Trainer.start(static_run / "built", static_run / name, config, force=True, dist=dist)
+    trainer.train_step()  # (the first step calibrates the NULL bias, and the data's first epoch is shuffled)
+    return trainer
+
+
+def test_the_ranks_agree_on_stopping_without_a_sync_per_step(static_run, two_ranks, monkeypatch):  # noqa: F811
+    trainer = ranked_trainer(static_run, two_ranks, "ranks")
+    assert trainer.dist.world_size == 2 and td.get_world_size() == 2
+    seen = loop_counted(trainer, monkeypatch)
+    assert seen.hidden == 0, dict(seen.syncs)
+    # steps 2-7: the log read at step 4 (one step late, every --log-every 3) and at the end, before the checkpoint
+    assert dict(seen.declared) == {"step log": 2, "step diagnostics": 2, "checkpoint": 1} and trainer.step == 7
+
+
+def test_negative_control_a_collective_read_every_step_is_counted(static_run, two_ranks, monkeypatch):  # noqa: F811
+    """What the loop did before: ``Dist.any(flag)``, an all-reduce of a tensor made from the flag, read back."""
+    trainer = ranked_trainer(static_run, two_ranks, "ranks-read")
+    queue = Trainer.queue_step
+
+    def queue_and_agree(self):
+        queue(self)
+        self._stop = self.dist.sum([float(self._interrupted)])[0] > 0
+
+    monkeypatch.setattr(Trainer, "queue_step", queue_and_agree)
+    seen = loop_counted(trainer, monkeypatch)
+    assert dict(seen.syncs) == {"tensor from host data": 6, "tolist": 6}
+
+
+def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_next_log_read(static_run, two_ranks, monkeypatch):  # noqa: F811
+    """Alone, the trainer stops after the step a Ctrl-C came in (``tests/test_objectives.py``); on several ranks at
+    the next read of the log: step 4 for a Ctrl-C in step 2 (the flag, summed over the ranks with step 2's values,
+    is read there by every rank alike); the steps' logs are read and a checkpoint written on the way out."""
+    trainer = ranked_trainer(static_run, two_ranks, "ctrl-c")
+    queue = Trainer.queue_step
+
+    def ctrl_c_at_step_2(self):
+        queue(self)
+        if self.step == 2:
+            self._on_sigint(None, None)
+
+    monkeypatch.setattr(Trainer, "queue_step", ctrl_c_at_step_2)
+    seen = loop_counted(trainer, monkeypatch)
+    assert seen.hidden == 0 and trainer._stop and not trainer.queued
+    assert trainer.step == 4 and seen.declared["checkpoint"] == 1
+    assert concept.checkpoint.read_meta(trainer.out)["step"] == trainer.step
