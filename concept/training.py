@@ -65,7 +65,7 @@ from .objectives import overrides
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
 from .syncs import declared
-from .teacher import teacher_forward
+from .teacher import TeacherClock, teacher_forward
 from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
 from .train_config import (  # noqa: F401 (TrainConfig, parse_curriculum: also this module's API)
@@ -174,10 +174,10 @@ class StepModule(nn.Module):
     loss term. One module, so that DDP / FSDP2 see every parameter the loss touches inside its
     forward (the MTP heads and the objectives read the model outside the model's own forward)."""
 
-    def __init__(self, model: nn.Module, objectives: list, ce_weight: float, autocast, sync):
+    def __init__(self, model: nn.Module, objectives: list, ce_weight: float, autocast):
         super().__init__()
         self.model = model
-        self.objectives, self.ce_weight, self.autocast, self.sync = objectives, ce_weight, autocast, sync
+        self.objectives, self.ce_weight, self.autocast = objectives, ce_weight, autocast
         self.losses = [o for o in objectives if o.adds_term]  # (a controller adds no term)
         self.teacher_needs = frozenset().union(*(o.teacher_needs for o in objectives))
 
@@ -185,14 +185,10 @@ class StepModule(nn.Module):
         """Returns (model output, total loss, {objective name: term}, seconds spent in the teacher)."""
         teacher, teacher_s = None, 0.0
         if self.teacher_needs:  # before the student: its graph never sees the adapters switched off
-
-            self.sync()
-            t0 = time.perf_counter()
-            with self.autocast():
+            teacher_s = TeacherClock(b["input_ids"].device)  # (no sync: read with the step's log)
+            with teacher_s.timing(), self.autocast():
                 teacher = teacher_forward(self.model, b["input_ids"], b["attention_mask"], b["document_ids"],
                                           self.teacher_needs)
-            self.sync()
-            teacher_s = time.perf_counter() - t0
         extra = {k: v for k, v in b.items() if k not in ("input_ids", "attention_mask", "document_ids")}
         with self.autocast():  # (extra: what an objective's `prepare` adds, e.g. Hard-EM's plan)
             out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
@@ -225,7 +221,7 @@ class Trainer:
         # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
         self.objectives = self.kind.objectives(config, self.model, lambda: self.step, self.notes)
         self.preparing = [o for o in self.objectives if overrides(o, "prepare")]  # (costly under FSDP2: gathers)
-        self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast, self._sync)
+        self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast)
         self.teacher_needs = self.step_module.teacher_needs
         self.train_forward = self._wrap(self.step_module)  # DDP / FSDP2 under torchrun, else the module itself
         self.optimizer = self._optimizer()
@@ -584,10 +580,6 @@ class Trainer:
             return self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
                               document_ids=b["document_ids"])
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":  # honest timings of asynchronous kernels
-            torch.cuda.synchronize(self.device)
-
     @property
     def acting_on_host(self) -> list:
         """The objectives that act on a step's values read on the host (``after_step``): with any, every step's
@@ -656,7 +648,7 @@ class Trainer:
             values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        host = {k: float(v) for k, v in sums.items() if k not in total}
+        host = {k: v for k, v in sums.items() if k not in total}  # (teacher seconds: read with the log)
         self.queued.append(QueuedStep(self.step, lr, length, on_device, later, values, host, logged, diag, scheduler,
                                       ready))
 

@@ -5,6 +5,8 @@
   read back. Counted in one process on torch's fake process group (a 2-rank world whose collectives do nothing;
   ``Dist`` as under torchrun, without the DDP wrapper); the real 2-process runs are ``tests/test_distributed.py``.
 """
+import time
+
 import pytest
 import torch
 import torch.distributed as td
@@ -101,3 +103,87 @@ def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_next_log_read(static_run, 
     assert seen.hidden == 0 and trainer._stop and not trainer.queued
     assert trainer.step == 4 and seen.declared["checkpoint"] == 1
     assert concept.checkpoint.read_meta(trainer.out)["step"] == trainer.step
+
+
+# -- the teacher (--distill, --align, --mtp) -------------------------------------------------------------------
+def teacher_trainer(static_run, baseline, name, **objectives):  # noqa: F811
+    config = TrainConfig(steps=8, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100, warmup=1,
+                         data=str(static_run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2),
+                         **({"baseline": baseline} if baseline else {}), **objectives)
+    trainer = Trainer.start(static_run / "built", static_run / name, config, force=True)
+    trainer.train_step()  # (the first step calibrates the NULL bias, and the data's first epoch is shuffled)
+    return trainer
+
+
+TEACHER_RUNS = {"streaming": (None, dict(distill=1.0, align=0.5)),  # align at the deep input's tail positions
+                "dense": ("dense", dict(distill=1.0, align=0.5, align_at="final", mtp=0.5, mtp_heads=2))}
+
+
+@pytest.mark.parametrize("kind", list(TEACHER_RUNS))
+def test_a_step_with_the_teacher_reads_nothing(static_run, kind):  # noqa: F811
+    """The teacher's forward and the distillation, alignment and MTP terms (masked means, no boolean indexing)
+    make no host sync; the teacher's time (``TeacherClock``) is read with the step log."""
+    baseline, objectives = TEACHER_RUNS[kind]
+    trainer = teacher_trainer(static_run, baseline, f"teacher-{kind}", **objectives)
+    with HostSyncs() as seen:
+        trainer.queue_step()
+    assert seen.hidden == 0, dict(seen.syncs)
+    assert dict(seen.declared) == ({} if baseline else {"policy scan": 1})
+    row, = trainer.read_log()
+    assert row["distill_kl"] > 0 and row["align"] > 0 and row["teacher_s"] > 0 and 0 < row["teacher_fraction"] < 1
+    assert row.get("mtp", 1) > 0
+
+
+def test_negative_control_the_boolean_indexed_distillation_is_counted(static_run, monkeypatch):  # noqa: F811
+    """The distillation term as it was: ``bool(pair.any())`` and ``logits[pair]`` (a data-dependent shape)."""
+    from concept.objectives import DistillObjective, next_token_pairs, valid_mask
+
+    def indexed(self, model, batch, out, teacher=None):
+        pair = next_token_pairs(valid_mask(batch), batch.get("document_ids"))
+        if not bool(pair.any()):
+            return torch.zeros(())
+        student = torch.log_softmax(out.logits[:, :-1][pair].float(), -1)
+        target = torch.log_softmax(teacher.logits[:, :-1][pair].float(), -1)
+        return torch.nn.functional.kl_div(student, target, log_target=True, reduction="batchmean")
+
+    trainer = teacher_trainer(static_run, "dense", "teacher-indexed", distill=1.0)
+    monkeypatch.setattr(DistillObjective, "__call__", indexed)
+    with HostSyncs() as seen:
+        trainer.queue_step()
+    assert dict(seen.syncs) == {"_local_scalar_dense": 1, "index": 2, "index_put": 1}  # (index_put: its backward)
+
+
+class StandInEvent:
+    """``torch.cuda.Event`` on a CPU: records the host clock; its time can be read only after ``done``."""
+    done = False
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        assert StandInEvent.done, "read before the step's log: would have to wait for the device"
+        return (end.at - self.at) * 1000
+
+
+def test_the_teacher_clock_on_cuda_times_with_events_read_later(monkeypatch):
+    """No ``torch.cuda.synchronize`` (it raises here); the events' milliseconds are read by ``float`` only, and the
+    forwards of a step's micro-batches add up."""
+    from concept.teacher import TeacherClock
+
+    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("the teacher stopped the host"))
+    total = 0.0
+    for _ in range(2):
+        clock = TeacherClock("cuda")
+        with clock.timing():
+            time.sleep(0.01)
+        total = total + clock
+    assert len(total.spans) == 2
+    StandInEvent.done = True
+    try:
+        assert 0.02 <= float(total) < 1.0
+    finally:
+        StandInEvent.done = False
