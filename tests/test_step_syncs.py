@@ -1,9 +1,13 @@
-"""No host sync in a step of a run on several ranks or with a teacher (``concept.syncs``, issue 39).
+"""No host sync hidden in a training step of a run on several ranks or with a teacher, or in a decoded token
+(``concept.syncs``, issue 39).
 
 * Several ranks: the ranks agree on a Ctrl-C that one of them saw through the step's own sums (the flag summed
   over the ranks on the device with the step's logged values, read with the step log): no per-step collective
   read back. Counted in one process on torch's fake process group (a 2-rank world whose collectives do nothing;
   ``Dist`` as under torchrun, without the DDP wrapper); the real 2-process runs are ``tests/test_distributed.py``.
+* The teacher (``--distill``, ``--align``, ``--mtp``): timed with CUDA events read with the step log, its mask
+  built without looking at the data, the terms masked means.
+* The dynamic decoder: one declared read of the step's tokens per decoded token (the host ends the rows).
 """
 import time
 
@@ -13,9 +17,12 @@ import torch.distributed as td
 
 import concept
 from concept.distributed import Dist
+from concept.generation import generate
+from concept.streaming.decoding import ConceptDecoder
 from concept.syncs import HostSyncs, declared
 from concept.training import TrainConfig, Trainer
 
+from .conftest import mixed_model
 from .test_host_syncs import static_run  # noqa: F401  (a tiny default build and its corpus)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,3 +194,46 @@ def test_the_teacher_clock_on_cuda_times_with_events_read_later(monkeypatch):
         assert 0.02 <= float(total) < 1.0
     finally:
         StandInEvent.done = False
+
+
+# -- the dynamic decoder (concept.generation's eager loop, concept.streaming.decoding, concept.kv_cache) -----------
+def count_generate(model, new_tokens: int) -> HostSyncs:
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    with HostSyncs() as seen:
+        out = generate(model, ids, max_new_tokens=new_tokens, eos_token_id=None)
+    assert out.steps == new_tokens - 1
+    return seen
+
+
+def per_token(model) -> tuple[int, dict]:
+    """(hidden syncs, declared points) of 8 more decoded tokens: a prompt's prefill and the final statistics are
+    the same in both runs."""
+    short, long = count_generate(model, 4), count_generate(model, 12)
+    return long.hidden - short.hidden, dict(long.declared - short.declared)
+
+
+@pytest.fixture(scope="module")
+def streaming_model():
+    return mixed_model("null").eval()
+
+
+def test_the_dynamic_decoder_reads_the_tokens_once_per_step(streaming_model):
+    """Per decoded token one declared read (every row's token: the host decides when a row ends) and nothing
+    hidden: the streaming decoder's concept path runs for every row, its decisions and longest tail are read
+    when asked, its KV caches look whether to grow only when they cannot vouch for the next step."""
+    hidden, declared_points = per_token(streaming_model)
+    assert hidden == 0 and declared_points == {"decoded tokens": 8}
+
+
+def test_negative_control_a_read_in_the_decoder_step_is_counted(streaming_model, monkeypatch):
+    """The decisions read back as they are made (the step's ``keep.tolist()``, as it was)."""
+    step = ConceptDecoder.step
+
+    def step_and_read(self, tokens, active=None):
+        logits = step(self, tokens, active)
+        self._fed[-1][0].tolist()
+        return logits
+
+    monkeypatch.setattr(ConceptDecoder, "step", step_and_read)
+    hidden, _ = per_token(streaming_model)
+    assert hidden == 8
