@@ -218,11 +218,11 @@ def streaming_model():
 
 
 def test_the_dynamic_decoder_reads_the_tokens_once_per_step(streaming_model):
-    """Per decoded token one declared read (every row's token: the host decides when a row ends) and nothing
-    hidden: the streaming decoder's concept path runs for every row, its decisions and longest tail are read
-    when asked, its KV caches look whether to grow only when they cannot vouch for the next step."""
+    """Per decoded token two declared reads (every row's token: the host decides when a row ends; whether any row
+    emits a concept: the eager step skips the middle stack otherwise) and nothing hidden: the decisions and the
+    longest tail are read when asked, the KV caches look whether to grow only when they cannot vouch for the step."""
     hidden, declared_points = per_token(streaming_model)
-    assert hidden == 0 and declared_points == {"decoded tokens": 8}
+    assert hidden == 0 and declared_points == {"decoded tokens": 8, "decoder concept check": 8}
 
 
 def test_negative_control_a_read_in_the_decoder_step_is_counted(streaming_model, monkeypatch):

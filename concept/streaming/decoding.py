@@ -27,6 +27,7 @@ from ..contracts import DecidesWithState
 from ..decoding import last_real, select_rows
 from ..errors import ConceptError
 from ..kv_cache import ConceptCache, DecodePattern
+from ..syncs import declared
 
 
 class ConceptDecoder:
@@ -147,12 +148,14 @@ class ConceptDecoder:
 
         # a concept drops the row's tail; its slots go through the middle stack, then the deep one
         deep_in, deep_pos = model.fuse_step(h, self.last_update, self.has_update), text_pos
-        # (the concept path runs for every row, whether any emits one or not: nothing is read to choose)
-        c, c_in, concept_pos = concept_slots(model, self.recent, self.num_concepts, pos, keep, cache)
-        deep_in = torch.where(keep[:, None, None], c, deep_in)
-        deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
-        self.last_update = torch.where(keep[:, None, None], c - c_in, self.last_update)  # the last slot's
-        self.has_update = self.has_update | keep
+        with declared("decoder concept check"):  # the middle stack runs only when some row emits a concept
+            any_concept = bool(keep.any())  # (the static decoder runs it always, reading nothing)
+        if any_concept:
+            c, c_in, concept_pos = concept_slots(model, self.recent, self.num_concepts, pos, keep, cache)
+            deep_in = torch.where(keep[:, None, None], c, deep_in)
+            deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
+            self.last_update = torch.where(keep[:, None, None], c - c_in, self.last_update)  # the last slot's
+            self.has_update = self.has_update | keep
 
         # deep: the last concept slot, or the NULL token joining the tail
         z = model.run_stack(model.deep, deep_in, deep_pos, DecodePattern(cache.deep.begin(active, ~keep)), cache.deep)
