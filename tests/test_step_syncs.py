@@ -63,7 +63,7 @@ def loop_counted(trainer, monkeypatch) -> HostSyncs:
 
 
 def ranked_trainer(static_run, dist, name):  # noqa: F811
-    config = TrainConfig(steps=7, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=3, warmup=1,
+    config = TrainConfig(steps=5, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=2, warmup=1,
                          data=str(static_run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2), baseline="dense")
     trainer = Trainer.start(static_run / "built", static_run / name, config, force=True, dist=dist)
     trainer.train_step()  # (the first step calibrates the NULL bias, and the data's first epoch is shuffled)
@@ -75,8 +75,8 @@ def test_the_ranks_agree_on_stopping_without_a_sync_per_step(static_run, two_ran
     assert trainer.dist.world_size == 2 and td.get_world_size() == 2
     seen = loop_counted(trainer, monkeypatch)
     assert seen.hidden == 0, dict(seen.syncs)
-    # steps 2-7: the log read at step 4 (one step late, every --log-every 3) and at the end, before the checkpoint
-    assert dict(seen.declared) == {"step log": 2, "step diagnostics": 2, "checkpoint": 1} and trainer.step == 7
+    # steps 2-5: the log read at step 3 (one step late, every --log-every 2) and at the end, before the checkpoint
+    assert dict(seen.declared) == {"step log": 2, "step diagnostics": 2, "checkpoint": 1} and trainer.step == 5
 
 
 def test_negative_control_a_collective_read_every_step_is_counted(static_run, two_ranks, monkeypatch):  # noqa: F811
@@ -90,25 +90,25 @@ def test_negative_control_a_collective_read_every_step_is_counted(static_run, tw
 
     monkeypatch.setattr(Trainer, "queue_step", queue_and_agree)
     seen = loop_counted(trainer, monkeypatch)
-    assert dict(seen.syncs) == {"tensor from host data": 6, "tolist": 6}
+    assert dict(seen.syncs) == {"tensor from host data": 4, "tolist": 4}
 
 
 def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_next_log_read(static_run, two_ranks, monkeypatch):  # noqa: F811
     """Alone, the trainer stops after the step a Ctrl-C came in (``tests/test_objectives.py``); on several ranks at
-    the next read of the log: step 4 for a Ctrl-C in step 2 (the flag, summed over the ranks with step 2's values,
+    the next read of the log: step 3 for a Ctrl-C in step 2 (the flag, summed over the ranks with step 2's values,
     is read there by every rank alike); the steps' logs are read and a checkpoint written on the way out."""
     trainer = ranked_trainer(static_run, two_ranks, "ctrl-c")
     queue = Trainer.queue_step
 
     def ctrl_c_at_step_2(self):
-        queue(self)
-        if self.step == 2:
+        if self.step == 1:  # (while step 2 is queued)
             self._on_sigint(None, None)
+        queue(self)
 
     monkeypatch.setattr(Trainer, "queue_step", ctrl_c_at_step_2)
     seen = loop_counted(trainer, monkeypatch)
     assert seen.hidden == 0 and trainer._stop and not trainer.queued
-    assert trainer.step == 4 and seen.declared["checkpoint"] == 1
+    assert trainer.step == 3 and seen.declared["checkpoint"] == 1
     assert concept.checkpoint.read_meta(trainer.out)["step"] == trainer.step
 
 
@@ -206,9 +206,9 @@ def count_generate(model, new_tokens: int) -> HostSyncs:
 
 
 def per_token(model) -> tuple[int, dict]:
-    """(hidden syncs, declared points) of 8 more decoded tokens: a prompt's prefill and the final statistics are
+    """(hidden syncs, declared points) of 4 more decoded tokens: a prompt's prefill and the final statistics are
     the same in both runs."""
-    short, long = count_generate(model, 4), count_generate(model, 12)
+    short, long = count_generate(model, 2), count_generate(model, 6)
     return long.hidden - short.hidden, dict(long.declared - short.declared)
 
 
@@ -222,7 +222,8 @@ def test_the_dynamic_decoder_reads_the_tokens_once_per_step(streaming_model):
     emits a concept: the eager step skips the middle stack otherwise) and nothing hidden: the decisions and the
     longest tail are read when asked, the KV caches look whether to grow only when they cannot vouch for the step."""
     hidden, declared_points = per_token(streaming_model)
-    assert hidden == 0 and declared_points == {"decoded tokens": 8, "decoder concept check": 8}
+    assert declared_points.pop("cache growth check", 0) <= 1  # (the middle cache's first step may come later)
+    assert hidden == 0 and declared_points == {"decoded tokens": 4, "decoder concept check": 4}
 
 
 def test_negative_control_a_read_in_the_decoder_step_is_counted(streaming_model, monkeypatch):
@@ -236,4 +237,4 @@ def test_negative_control_a_read_in_the_decoder_step_is_counted(streaming_model,
 
     monkeypatch.setattr(ConceptDecoder, "step", step_and_read)
     hidden, _ = per_token(streaming_model)
-    assert hidden == 8
+    assert hidden == 4
