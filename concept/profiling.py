@@ -245,10 +245,10 @@ def sync_stacks(events, cuda: bool, frames: int = 8) -> list[dict]:
             chain.append(parent.name)
             parent = parent.cpu_parent
         python = [_frame_name(name) for name in chain if _is_python_frame(name)]
-        if any(f.startswith("concept/profiling.py") for f in python[:1]):  # profile_call's own wait
-            continue
         at = next((i for i, f in enumerate(python) if f.split("/", 1)[0] in _PACKAGES), len(python))
         ours = python[at] if at < len(python) else None
+        if ours is not None and ours.startswith("concept/profiling.py("):  # profile_call's own wait for the device
+            continue
         inside_torch = next((f for f in python[:at] if f.startswith("torch/")), None)  # (called from ours)
         ops = [name for name in chain if name.startswith("aten::")][:4]
         key = (event.name, ours, inside_torch, tuple(ops))

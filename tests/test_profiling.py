@@ -113,3 +113,26 @@ def test_profile_call_with_stacks_says_where_each_sync_came_from():
     assert unique["ours"].endswith(": through_torch") and unique["torch"].startswith("torch/functional.py(")
     assert profile_call(lambda: X.sum() * 2, stacks=True)["sync_stacks"] == []  # the sync-free twin
     assert "sync_stacks" not in profile_call(lambda: X.sum().item())  # (only when asked: with_stack is slower)
+
+
+def test_sync_stacks_leave_out_profile_calls_own_wait():
+    """On CUDA ``profile_call`` waits for the device itself (``torch.cuda.synchronize``, under torch's frame):
+    that wait is not the call's. Stand-in: the profiler's events of a CUDA run, as ``sync_stacks`` reads them."""
+    from types import SimpleNamespace as Event
+
+    from concept.profiling import sync_stacks
+
+    def chain(*names):
+        parent = None
+        for name in reversed(names):
+            parent = Event(name=name, cpu_parent=parent)
+        return parent
+
+    own = chain("cudaDeviceSynchronize", "torch/cuda/__init__.py(1080): synchronize",
+                "/x/concept/profiling.py(190): profile_call")
+    asked = chain("cudaStreamSynchronize", "aten::_local_scalar_dense", "aten::item",
+                  "/x/plugins/attention/flex.py(80): slot_ranges", "/x/concept/profiling.py(190): profile_call")
+    found = sync_stacks([own, asked], cuda=True)
+    assert [(r["call"], r["ours"], r["ops"]) for r in found] == [
+        ("cudaStreamSynchronize", "plugins/attention/flex.py(80): slot_ranges",
+         ["aten::_local_scalar_dense", "aten::item"])]
