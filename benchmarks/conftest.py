@@ -60,6 +60,27 @@ def planned() -> dict[str, float]:
     return {node: float(cap) for node, cap in json.loads(os.environ.get(PLAN_ENV) or "[]")}
 
 
+# The cases whose rows also say where each side's host syncs come from (JSON [node id, ...]; the speed stage's):
+# one more call of each side, profiled with Python's stacks (``concept.profiling.sync_stacks``), ``NAME_sync_stacks``
+SYNC_STACKS_ENV = "CONCEPT_BENCH_SYNC_STACKS"
+
+
+def sync_stacks_wanted() -> bool:
+    """Whether the running case is one of :data:`SYNC_STACKS_ENV`'s."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    return bool(current) and current in json.loads(os.environ.get(SYNC_STACKS_ENV) or "[]")
+
+
+def add_sync_stacks(out: dict, fns: dict, device) -> dict:
+    """``NAME_sync_stacks`` for each of ``fns`` where the running case wants them (after its timed calls)."""
+    if sync_stacks_wanted():
+        from concept.profiling import profile_call
+
+        for name, fn in fns.items():
+            out[f"{name}_sync_stacks"] = profile_call(fn, device, stacks=True)["sync_stacks"]
+    return out
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The planned cases first, in the plan's order; the others after them, in their own order."""
     plan = list(planned())
@@ -165,7 +186,7 @@ def cpu_side_by_side(fns: dict, rounds: int = 3) -> dict:
     out = {f"{name}_s": statistics.median(t) for name, t in times.items()}
     if "dense" in fns and "concept" in fns:
         out["speedup"] = out["dense_s"] / out["concept_s"]
-    return out
+    return add_sync_stacks(out, fns, "cpu")
 
 
 def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GPU_REPS) -> dict:
@@ -204,7 +225,7 @@ def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GP
                     f"{name}_host_syncs": prof["host_syncs"], f"{name}_aten_ops": prof["aten_ops"]})
     if "dense" in fns and "concept" in fns:
         out["speedup"] = out["dense_s"] / out["concept_s"]
-    return out
+    return add_sync_stacks(out, fns, device)
 
 
 def renamed_sides(timing: dict, names: dict[str, str]) -> dict:

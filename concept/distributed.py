@@ -97,10 +97,6 @@ class Dist:
         torch.distributed.all_gather_object(out, obj)
         return out
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any (e.g. a Ctrl-C seen by one rank)."""
-        return self.sum([1.0 if flag else 0.0])[0] > 0
-
     def device(self) -> torch.device:
         backend = torch.distributed.get_backend() if self.active else "gloo"
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -21,6 +21,7 @@ from .decoding import DenseDecoder
 from .errors import ConceptError, ConfigError
 from .families import family_of
 from .options import SEED_MAX, finite
+from .syncs import declared, upload
 from .tokens import encode_text, tokenizer_for
 
 
@@ -301,25 +302,31 @@ def _row_generators(s: GenerationSettings, rows: int, device) -> list:
 
 def _eager_loop(decoder, logits, ids, s: GenerationSettings, processors, penalty_view, generators, pad: int,
                 finished: _FinishedRows, streamer, output_logits: bool):
-    """One token per step for every row, read back each step (a finished row is fed ``pad``). Returns the
-    sequences, the logits that predicted each new token and the steps run."""
+    """One token per step for every row (a finished row is fed ``pad``), read back once per step for all rows:
+    the ``decoded tokens`` point (``concept.syncs``), the loop's one host sync per token (the host decides when a
+    row ends: EOS, a stop string, the budget; the streamer gets the same copy). Which rows are still running goes
+    back to the device with ``upload`` (no sync). Returns the sequences, the logits that predicted each new token
+    and the steps run."""
     kept_logits, steps, reasons, device = [], 0, finished.reasons, ids.device
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     for i in range(finished.budget):
         if output_logits:
             kept_logits.append(logits)
         token = _sample(processors(penalty_view, logits.float()), s, generators)
-        done = torch.tensor([r is not None for r in reasons], device=device)
         token = torch.where(done, torch.full_like(token, pad), token)
         penalty_view = torch.cat([penalty_view, torch.where(done, penalty_view[:, -1], token)[:, None]], dim=1)
         ids = torch.cat([ids, token[:, None]], dim=1)
-        if streamer is not None:
-            streamer.put(token.cpu())
-        for b, t in enumerate(token.tolist()):
-            if reasons[b] is None:
-                finished.record(b, t)
+        with declared("decoded tokens"):  # every row's new token, in one copy
+            host = token.cpu()
+            if streamer is not None:
+                streamer.put(host)
+            for b, t in enumerate(host.tolist()):
+                if reasons[b] is None:
+                    finished.record(b, t)
         if all(r is not None for r in reasons) or i == finished.budget - 1:
             break
-        logits = decoder.step(token, torch.tensor([r is None for r in reasons], device=device))
+        done = upload([r is not None for r in reasons], torch.bool, device)
+        logits = decoder.step(token, ~done)
         steps += 1
     return ids, kept_logits, steps
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionPattern, sdpa
+from .syncs import declared
 
 
 class DecodePattern(AttentionPattern):
@@ -74,6 +75,7 @@ class SlotCache(CacheSizes):
         self.tail = torch.zeros_like(self.valid)
         self.min_grow = min_grow
         self._step = None  # (slot, write, tail) between begin() and commit()
+        self._sure = 0  # steps of begin() known to find a free slot in every row without looking (each adds <= 1)
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -108,6 +110,7 @@ class SlotCache(CacheSizes):
         keep = int(valid.sum(1).max()) if valid.numel() else 0
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :keep]
         self.valid, self.tail = valid.gather(1, order), tail.gather(1, order)
+        self._sure = 0
         for store in (self.k, self.v):
             for i, t in store.items():
                 store[i] = t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])).contiguous()
@@ -120,13 +123,20 @@ class SlotCache(CacheSizes):
 
     def begin(self, write: torch.Tensor, tail: torch.Tensor | bool = False) -> torch.Tensor:
         """Start a step in which rows ``write`` [B] add one entry (a tail token where ``tail``).
-        Returns the step's attention mask [B, N]: the row's real entries and its new one."""
-        free = ~self.valid
-        if not bool(free.any(1).all()):
-            self.reserve(self.capacity + max(self.min_grow, self.capacity // 2))
-            free = ~self.valid
-        slot = free.to(torch.int8).argmax(1)  # first free slot of every row
-        tail = torch.as_tensor(tail, device=write.device).expand_as(write)
+        Returns the step's attention mask [B, N]: the row's real entries and its new one.
+
+        Whether every row has a free slot is read on the host only when it is not known (the ``cache growth
+        check``, ``concept.syncs``): a check that finds the fullest row using ``u`` of the ``N`` slots (growing
+        the cache when ``u = N``, as a check at every step would) vouches for the next ``N - u`` steps."""
+        if self._sure <= 0:
+            with declared("cache growth check"):
+                used = int(self.valid.sum(1).max()) if len(self.valid) else 0
+            if used >= self.capacity:
+                self.reserve(self.capacity + max(self.min_grow, self.capacity // 2))
+            self._sure = self.capacity - used
+        self._sure -= 1
+        slot = (~self.valid).to(torch.int8).argmax(1)  # first free slot of every row
+        tail = tail.expand_as(write) if isinstance(tail, torch.Tensor) else torch.full_like(write, tail)
         self._step = (slot, write, tail)
         rows = torch.arange(len(slot), device=slot.device)
         mask = self.valid.clone()
@@ -168,6 +178,7 @@ class SlotCache(CacheSizes):
             self.reserve(self.capacity + max(self.min_grow, self.capacity // 2, short))
             free = ~self.valid
         slots = torch.argsort((~free).to(torch.int8), dim=1, stable=True)[:, :n]  # the first n free slots
+        self._sure = 0  # (begin() looks again)
         B, N = self.valid.shape
         mask = self.valid[:, None, :].expand(B, n, N).clone()
         if old is not None:

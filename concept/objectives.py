@@ -110,6 +110,13 @@ def zero(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=like.device)
 
 
+def pair_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` over the positions of ``mask`` (0 where there are none), computed on every
+    position and masked: no boolean indexing, so no host sync (``concept.syncs``). Masked-out values must
+    be finite (``where`` keeps their NaN out of the sum, not out of the gradient)."""
+    return torch.where(mask, values, 0).sum() / mask.sum().clamp_min(1)
+
+
 def valid_mask(batch: dict) -> torch.Tensor:
     mask = batch.get("attention_mask")
     return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
@@ -135,13 +142,11 @@ class DistillObjective(Objective):
 
     def __call__(self, model, batch, out, teacher=None):
         pair = next_token_pairs(valid_mask(batch), batch.get("document_ids"))
-        if not bool(pair.any()):
-            return zero(batch["input_ids"])
         T = self.temperature
-        student = F.log_softmax(out.logits[:, :-1][pair].float() / T, dim=-1)
-        target = F.log_softmax(teacher.logits[:, :-1][pair].float() / T, dim=-1)
-        kl = F.kl_div(student, target, log_target=True, reduction="batchmean")
-        return self.weight * T * T * kl
+        student = F.log_softmax(out.logits[:, :-1].float() / T, dim=-1)
+        target = F.log_softmax(teacher.logits[:, :-1].float() / T, dim=-1)
+        kl = F.kl_div(student, target, log_target=True, reduction="none").sum(-1)  # [B, T-1]
+        return self.weight * T * T * pair_mean(kl, pair)
 
 
 @dataclass
@@ -172,13 +177,11 @@ class AlignObjective(Objective):
         if student is None:
             raise TypeError(f"{type(out).__name__} has no {'deep_input' if self.at == 'deep-input' else 'hidden'} "
                             f"states to align")
-        if not bool(mask.any()):
-            return zero(batch["input_ids"])
-        s, t = student[mask].float(), target[mask].float()
+        s, t = student.float(), target.float()
         if self.loss == "cosine":
-            distance = (1 - F.cosine_similarity(s, t, dim=-1)).mean()
-        else:
-            distance = (s - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12)
+            distance = pair_mean(1 - F.cosine_similarity(s, t, dim=-1), mask)
+        else:  # (means over the masked positions' elements: the d's cancel)
+            distance = pair_mean((s - t).pow(2).sum(-1), mask) / pair_mean(t.pow(2).sum(-1), mask).clamp_min(1e-12)
         return self.weight * distance
 
 
@@ -201,12 +204,11 @@ class MTPObjective(Objective):
         total = zero(batch["input_ids"])
         for i in range(heads.k):
             pair = mtp_pairs(valid, batch.get("document_ids"), i)  # t predicts t+1+i
-            if not bool(pair.any()):
-                continue
-            log_p = F.log_softmax(heads.logits(h[:, : T - 1 - i][pair], i).float(), dim=-1)
-            target = F.log_softmax(teacher.logits[:, i: T - 1][pair].float(), dim=-1)  # the backbone's at t+i
-            kl = F.kl_div(log_p, target, log_target=True, reduction="batchmean")
-            total = total + kl + self.ce * F.nll_loss(log_p, ids[:, 1 + i:][pair])
+            log_p = F.log_softmax(heads.logits(h[:, : T - 1 - i], i).float(), dim=-1)
+            target = F.log_softmax(teacher.logits[:, i: T - 1].float(), dim=-1)  # the backbone's at t+i
+            kl = F.kl_div(log_p, target, log_target=True, reduction="none").sum(-1)
+            nll = -log_p.gather(-1, ids[:, 1 + i:, None])[..., 0]
+            total = total + pair_mean(kl, pair) + self.ce * pair_mean(nll, pair)
         return self.weight * total / heads.k
 
 

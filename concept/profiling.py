@@ -185,7 +185,7 @@ _SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynch
 
 
 def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", top: int = 12,
-                 table_rows: int = 0) -> dict:
+                 table_rows: int = 0, stacks: bool = False) -> dict:
     """``fn()`` once under ``torch.profiler`` (run it once before, so that warm-up and compilation stay out).
 
     Returns ``wall_s`` (the call, waited for), ``device_busy_s`` (the sum of its kernels' own device time;
@@ -193,12 +193,14 @@ def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", t
     synchronisation calls made inside ``fn``: the one this function makes to wait for the device is not
     counted), ``sync_ops`` (aten ops that force a sync, by name), ``aten_ops`` (every aten op the profiler
     records, nested ones included), ``top_device`` / ``top_cpu`` (the ``top`` operators with the most
-    device / CPU time) and, with ``table_rows``, ``table``: the profiler's own table of that many rows."""
+    device / CPU time) and, with ``table_rows``, ``table``: the profiler's own table of that many rows. With
+    ``stacks`` the profiler records Python's calls too (``with_stack``: slower, so not the call to time) and
+    ``sync_stacks`` says where each host sync came from (:func:`sync_stacks`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=stacks) as prof:
         start = time.perf_counter()
         fn()
         if cuda:
@@ -217,7 +219,54 @@ def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", t
            "sync_ops": {e.key: e.count for e in events if e.key in sync_names},
            "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
            "top_device": rows(own), "top_cpu": rows(lambda e: e.self_cpu_time_total)}
+    if stacks:
+        out["sync_stacks"] = sync_stacks(prof.events(), cuda)
     if table_rows:
         out["table"] = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                     row_limit=table_rows)
     return out
+
+
+def sync_stacks(events, cuda: bool, frames: int = 8) -> list[dict]:
+    """Where the host syncs of a profile taken ``with_stack`` came from, most frequent first: per distinct
+    origin ``count``, ``call`` (on CUDA the runtime's synchronisation call, ``cudaStreamSynchronize``...; on a
+    CPU, which has none, the aten op that would sync on a GPU: ``aten::_local_scalar_dense``...), ``ops`` (the
+    aten ops it is nested in, innermost first), ``ours`` (the innermost frame in this project's code: what asked
+    for it), ``torch`` (the innermost frame in torch's Python inside that: how; None when ours asked directly) and ``stack`` (the ``frames`` innermost Python
+    frames, ``path(line of the function's definition): name``). The wait :func:`profile_call` itself makes for
+    the device is left out."""
+    sync_ops = {f"aten::{str(op).split('.')[-1]}" for op in _SYNC_OPS}
+    found: dict[tuple, dict] = {}
+    for event in events:
+        if event.name not in (_SYNC_CALLS if cuda else sync_ops):
+            continue
+        chain, parent = [], event.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        python = [_frame_name(name) for name in chain if _is_python_frame(name)]
+        at = next((i for i, f in enumerate(python) if f.split("/", 1)[0] in _PACKAGES), len(python))
+        ours = python[at] if at < len(python) else None
+        if ours is not None and ours.startswith("concept/profiling.py("):  # profile_call's own wait for the device
+            continue
+        inside_torch = next((f for f in python[:at] if f.startswith("torch/")), None)  # (called from ours)
+        ops = [name for name in chain if name.startswith("aten::")][:4]
+        key = (event.name, ours, inside_torch, tuple(ops))
+        if key not in found:
+            found[key] = {"call": event.name, "count": 0, "ops": ops, "ours": ours, "torch": inside_torch,
+                          "stack": python[:frames]}
+        found[key]["count"] += 1
+    return sorted(found.values(), key=lambda row: -row["count"])
+
+
+def _is_python_frame(name: str) -> bool:
+    """A Python function event of ``with_stack`` (``/path/file.py(12): name``), not an op or a built-in."""
+    return ".py(" in name and "): " in name
+
+
+def _frame_name(name: str) -> str:
+    """``path(LINE): name`` with the path from an installed package's root or this project's folder."""
+    path, rest = name.split("(", 1)
+    parts = path.replace("\\", "/").split("/")
+    starts = [i + 1 for i, p in enumerate(parts) if p in _INSTALLED] + [i for i, p in enumerate(parts) if p in _PACKAGES]
+    return "/".join(parts[max(starts, default=len(parts) - 1 if path.startswith("/") else 0):]) + "(" + rest

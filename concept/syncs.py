@@ -7,7 +7,8 @@ A GPU runs ahead of the Python that feeds it until something needs a device valu
 output size (their output shape is data). Each stops the host until the device catches up. The static,
 compiled forward (``docs/architecture.md``, "Static shapes, host syncs and compilation") has none of them,
 except the points declared with :func:`declared` (the length policy's host scan, ``cascade``'s tile plan, the
-trainer's read of its steps' logged values, outside the steps: ``Trainer.read_log``)::
+trainer's read of its steps' logged values, outside the steps: ``Trainer.read_log``; in the dynamic decoder the
+step's tokens, whether a row emits a concept, and its KV caches' growth check)::
 
     with declared("policy scan"):
         columns = x.cpu().tolist()

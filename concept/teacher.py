@@ -12,10 +12,12 @@ streaming model's deep stack should read: ``deep_input``) and the last layer's o
 final norm (``final``), the targets of the hidden-state alignment (``concept.objectives``).
 Its cost is one no-grad forward of the whole backbone per micro-batch (no backward; only the
 first ``Ls + Lm`` layers when the deep-stack input is all that is needed); the trainer logs it
-as ``teacher_s`` and ``teacher_fraction`` in metrics.jsonl.
+as ``teacher_s`` and ``teacher_fraction`` in metrics.jsonl, timed by :class:`TeacherClock` without
+stopping the host (CUDA events, read with the step's log).
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -33,6 +35,41 @@ class TeacherOutput:
     deep_input: torch.Tensor | None = None  # [B, T, d] hidden state at the input of layer ``at``
     final: torch.Tensor | None = None  # [B, T, d] last layer's output, before the final norm
     at: int | None = None  # the layer index whose input ``deep_input`` is
+
+
+class TeacherClock:
+    """The seconds the teacher's forwards take, measured without a host sync: on CUDA a pair of events around
+    each forward, read (``float``) only once the step's log is, when they are done; on a CPU, whose ops finish
+    as Python calls them, the host clock. Several forwards add up (``+``: a step's micro-batches)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.spans: list = []  # (start, end): CUDA events, or perf_counter() values
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextmanager
+    def timing(self):
+        start = self._now()
+        yield
+        self.spans.append((start, self._now()))
+
+    def __add__(self, other):
+        both = TeacherClock("cuda" if self.cuda else "cpu")
+        both.spans = self.spans + (other.spans if isinstance(other, TeacherClock) else [])
+        return both if isinstance(other, TeacherClock) or not other else NotImplemented
+
+    __radd__ = __add__
+
+    def __float__(self) -> float:
+        if self.cuda:
+            return sum(start.elapsed_time(end) for start, end in self.spans) / 1000
+        return sum(end - start for start, end in self.spans)
 
 
 def tuner_layers(module: nn.Module) -> list[nn.Module]:
@@ -80,7 +117,8 @@ def teacher_forward(model, input_ids, attention_mask=None, document_ids=None,
     inner = decoder(backbone)
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     pos = packing.time_positions(valid, document_ids)
-    plan = CausalPattern(valid, document_ids)
+    # the mask unless plain causal attention is known to be exact: nothing read back (finding out is a host sync)
+    plan = CausalPattern(valid, document_ids, causal=attention_mask is None and document_ids is None)
     layers = list(inner.layers)
     at = deep_input_layer(model) if "deep_input" in needs else None
     if "deep_input" in needs and at is None:

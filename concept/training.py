@@ -64,7 +64,7 @@ from .objectives import overrides
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
 from .syncs import declared
-from .teacher import teacher_forward
+from .teacher import TeacherClock, teacher_forward
 from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
 from .train_config import (  # noqa: F401 (parse_curriculum: also this module's API)
@@ -169,10 +169,10 @@ class StepModule(nn.Module):
     loss term. One module, so that DDP / FSDP2 see every parameter the loss touches inside its
     forward (the MTP heads and the objectives read the model outside the model's own forward)."""
 
-    def __init__(self, model: nn.Module, objectives: list, ce_weight: float, autocast, sync):
+    def __init__(self, model: nn.Module, objectives: list, ce_weight: float, autocast):
         super().__init__()
         self.model = model
-        self.objectives, self.ce_weight, self.autocast, self.sync = objectives, ce_weight, autocast, sync
+        self.objectives, self.ce_weight, self.autocast = objectives, ce_weight, autocast
         self.losses = [o for o in objectives if o.adds_term]  # (a controller adds no term)
         self.teacher_needs = frozenset().union(*(o.teacher_needs for o in objectives))
 
@@ -180,14 +180,10 @@ class StepModule(nn.Module):
         """Returns (model output, total loss, {objective name: term}, seconds spent in the teacher)."""
         teacher, teacher_s = None, 0.0
         if self.teacher_needs:  # before the student: its graph never sees the adapters switched off
-
-            self.sync()
-            t0 = time.perf_counter()
-            with self.autocast():
+            teacher_s = TeacherClock(b["input_ids"].device)  # (no sync: read with the step's log)
+            with teacher_s.timing(), self.autocast():
                 teacher = teacher_forward(self.model, b["input_ids"], b["attention_mask"], b["document_ids"],
                                           self.teacher_needs)
-            self.sync()
-            teacher_s = time.perf_counter() - t0
         extra = {k: v for k, v in b.items() if k not in ("input_ids", "attention_mask", "document_ids")}
         with self.autocast():  # (extra: what an objective's `prepare` adds, e.g. Hard-EM's plan)
             out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
@@ -219,7 +215,7 @@ class Trainer:
         # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
         self.objectives = self.family.objectives(config, self.model, lambda: self.step, self.notes)
         self.preparing = [o for o in self.objectives if overrides(o, "prepare")]  # (costly under FSDP2: gathers)
-        self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast, self._sync)
+        self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast)
         self.teacher_needs = self.step_module.teacher_needs
         self.train_forward = self._wrap(self.step_module)  # DDP / FSDP2 under torchrun, else the module itself
         self.optimizer = self._optimizer()
@@ -232,7 +228,7 @@ class Trainer:
         self.trackers: list = []  # --report-to: opened by train()
         if resume:
             self._restore_state()
-        self._stop = False
+        self._stop = self._interrupted = False  # agreed by every rank / seen by this one (_on_sigint)
         self.attention = resolved_attention(self.model, self.device)
         derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
@@ -571,10 +567,6 @@ class Trainer:
             return self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
                               document_ids=b["document_ids"])
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":  # honest timings of asynchronous kernels
-            torch.cuda.synchronize(self.device)
-
     @property
     def acting_on_host(self) -> list:
         """The objectives that act on a step's values read on the host (``after_step``): with any, every step's
@@ -607,6 +599,8 @@ class Trainer:
         if not self.queued:
             self.window_start = time.perf_counter()
         sums, out, b = self._accumulate(length)
+        if self.dist.world_size > 1:  # a Ctrl-C one rank saw: summed over the ranks with the step's values
+            sums["_stop"] = torch.full((), float(self._interrupted), dtype=torch.float64, device=self.device)
         diag = {}
         if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
             with declared("step diagnostics"):  # (every log_every steps)
@@ -638,7 +632,7 @@ class Trainer:
             values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        host = {k: float(v) for k, v in sums.items() if k not in total}
+        host = {k: v for k, v in sums.items() if k not in total}  # (teacher seconds: read with the log)
         self.queued.append(QueuedStep(self.step, lr, length, on_device, later, values, host, logged, diag, scheduler,
                                       ready))
 
@@ -663,6 +657,7 @@ class Trainer:
         rows = []
         for q, read in zip(ready, values):
             total = dict(zip(q.on_device, read))
+            self._stop = self._stop or total.get("_stop", 0) > 0  # every rank reads the same steps: they agree
             total.update({k: next(host) for k in q.host})
             mean = {k: v / self.micro_batches for k, v in total.items()}  # per micro-batch, over the global batch
             grad_norm = read[len(q.on_device)]
@@ -769,9 +764,10 @@ class Trainer:
                 tracker.log(row["step"], row)
 
     def _on_sigint(self, signum, frame):
-        if self._stop:  # second Ctrl-C: stop now
+        if self._interrupted:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
-        self._stop = True
+        self._interrupted = True
+        self._stop = self._stop or self.dist.world_size == 1  # several ranks agree on it with the step log
 
     def train(self, progress=None) -> dict:
         """Run until ``config.steps``; returns the final held-out evaluation. A run replacing an existing
@@ -810,8 +806,6 @@ class Trainer:
         try:
             while self.step < cfg.steps and not self._stop:
                 self.queue_step()
-                if self.dist.world_size > 1:  # a Ctrl-C seen by one rank stops them all at the same step
-                    self._stop = self.dist.any(self._stop)
                 last = self.step == cfg.steps
                 evaluate = self.eval_data is not None and (self.step % cfg.eval_every == 0 or last)
                 save = self.step % cfg.checkpoint_every == 0 or last or self._stop

@@ -90,6 +90,10 @@ def test_dry_speed_writes_rows_a_baseline_and_a_recommendation(dry):
     assert result["plan"] == plan and [c["id"] for c in result["cases"]][:len(plan)] == plan
     assert all(c["seconds"] >= 0 for c in result["cases"])
     assert any("xformers cases" in s["what"] for s in stage_skips(dry, "speed"))
+    # where each side's host syncs came from, for the forward's case (on the GPU: forced flex, decided, cascade at 8k)
+    stacks = result["sync_stacks"]["forward tiny-llama T=512 r=0.25 chunked"]
+    assert set(stacks) == {"dense", "concept"} and all(isinstance(found, list) for found in stacks.values())
+    assert all({"call", "count", "ops", "ours", "torch", "stack"} == set(r) for found in stacks.values() for r in found)
     # then the flex diagnosis, with what the suites left
     assert {r["variant"] for r in result["flex_diagnosis"]["variants"]} == set(flex_diagnosis.VARIANTS)
     log = (dry / "speed.log").read_text()
@@ -117,6 +121,16 @@ def test_the_speed_plan_names_existing_cases_most_decisive_first():
     assert [n.split("::")[1].split("[")[0] for n in plan] == SPEED_PLAN_KINDS
     assert plan[0].endswith("-flex]") and plan[2].endswith("-flex]")
     assert [cap for _, cap in speed_stage.GPU_PLAN][0] == 0 and sum(c for _, c in speed_stage.GPU_PLAN) < 150
+
+
+def test_the_sync_stacks_name_existing_forward_cases_in_the_selection():
+    import importlib
+
+    for node in speed_stage.GPU_SYNC_STACKS:
+        path, name = node.split("::")
+        fn = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name.split("[")[0])
+        ids = [i for m in fn.pytestmark if m.name == "parametrize" for i in m.kwargs["ids"]]
+        assert name.split("[")[1].rstrip("]") in ids and "T8192" in node and path == "benchmarks/test_forward.py", node
 
 
 @pytest.mark.slow  # two collections of the six suites: 10-20 s on an idle machine, minutes on a loaded one

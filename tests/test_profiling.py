@@ -88,3 +88,51 @@ def test_a_blocking_host_to_device_copy_is_a_sync():
     with OpCounter() as counter:
         host.to("meta", non_blocking=True), host.to(torch.float64)
     assert not counter.syncs
+
+
+def read_back(x):
+    return x.sum().item()
+
+
+def through_torch(x):
+    return torch.unique(x)  # (torch/functional.py's wrapper calls the aten op)
+
+
+def test_profile_call_with_stacks_says_where_each_sync_came_from():
+    """``stacks``: per origin of a host sync (on a CPU the aten op that would sync on a GPU) its count, the
+    innermost frame of this project's code, the torch frame inside it and the stack; a sync-free twin has none."""
+    def both():
+        read_back(X), read_back(X), through_torch(COUNTS)
+
+    found = profile_call(both, stacks=True)["sync_stacks"]
+    assert [(r["call"], r["count"]) for r in found] == [("aten::_local_scalar_dense", 2), ("aten::_unique2", 1)]
+    item, unique = found
+    assert item["ours"].startswith("tests/test_profiling.py(") and item["ours"].endswith(": read_back")
+    assert item["torch"] is None and item["ops"] == ["aten::item"] and item["stack"][0] == item["ours"]
+    assert item["stack"][1].endswith(": both")
+    assert unique["ours"].endswith(": through_torch") and unique["torch"].startswith("torch/functional.py(")
+    assert profile_call(lambda: X.sum() * 2, stacks=True)["sync_stacks"] == []  # the sync-free twin
+    assert "sync_stacks" not in profile_call(lambda: X.sum().item())  # (only when asked: with_stack is slower)
+
+
+def test_sync_stacks_leave_out_profile_calls_own_wait():
+    """On CUDA ``profile_call`` waits for the device itself (``torch.cuda.synchronize``, under torch's frame):
+    that wait is not the call's. Stand-in: the profiler's events of a CUDA run, as ``sync_stacks`` reads them."""
+    from types import SimpleNamespace as Event
+
+    from concept.profiling import sync_stacks
+
+    def chain(*names):
+        parent = None
+        for name in reversed(names):
+            parent = Event(name=name, cpu_parent=parent)
+        return parent
+
+    own = chain("cudaDeviceSynchronize", "torch/cuda/__init__.py(1080): synchronize",
+                "/x/concept/profiling.py(190): profile_call")
+    asked = chain("cudaStreamSynchronize", "aten::_local_scalar_dense", "aten::item",
+                  "/x/plugins/attention/flex.py(80): slot_ranges", "/x/concept/profiling.py(190): profile_call")
+    found = sync_stacks([own, asked], cuda=True)
+    assert [(r["call"], r["ours"], r["ops"]) for r in found] == [
+        ("cudaStreamSynchronize", "plugins/attention/flex.py(80): slot_ranges",
+         ["aten::_local_scalar_dense", "aten::item"])]

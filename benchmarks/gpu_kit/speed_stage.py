@@ -18,7 +18,9 @@ decoding and prefill, the policy's scan) until the suites' deadline, which leave
 budget to the flex diagnosis after them (issue 40; ``flex_diagnosis.py``, its decisive variants first). The
 xformers cases are deselected, with the reason, where its kernels do not run (the plugin's probe). Each
 row is timed by CUDA events (median of 20 after warm-up) and profiled once per side: device busy, kernel
-launches, host syncs, aten ops (``benchmarks/conftest.py``). Their per-row JSON (``--concept-results``)
+launches, host syncs, aten ops (``benchmarks/conftest.py``); the forward's rows at 8k (forced `flex`, the policy
+deciding, `cascade`) also where each host sync came from (``sync_stacks``: the Python stack of each, profiled
+once more ``with_stack``). Their per-row JSON (``--concept-results``)
 becomes ``speed.json``, with every case's outcome and seconds in the order run; the run is saved as a
 pytest-benchmark baseline under the GPU's name (``speed-baseline.json``; `report` files it under
 ``benchmarks/baselines/<gpu>/``). From the rows: which backend is fastest at each length, and what ``auto``
@@ -33,7 +35,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ..conftest import DEADLINE_ENV, PLAN_ENV
+from ..conftest import DEADLINE_ENV, PLAN_ENV, SYNC_STACKS_ENV
 from . import flex_diagnosis
 from .common import ROOT, Stage, kit_env, read_json
 from .pytest_run import run_pytest
@@ -65,6 +67,14 @@ DRY_PLAN = (
     ("benchmarks/test_train_step.py::test_train_step_compiled_vs_dense_compiled[tiny-llama-B2-T256-compiled]", 1),
     ("benchmarks/test_compiled_decode.py::test_compiled_decode_vs_dense[tiny-llama-T256-compiled-decode]", 1),
 )
+# the cases whose rows say where each side's host syncs come from (one more call per side, profiled with Python's
+# stacks; ``sync_stacks`` in speed.json): the 2026-11-27 lease counted 3 syncs in the forced `flex` forward at 8k
+# that no CPU counter finds (dense: 1), 7 with the policy deciding, 29 with `cascade`
+GPU_SYNC_STACKS = ("benchmarks/test_forward.py::test_forward_default_point_vs_dense[default-T8192-flex]",
+                   "benchmarks/test_forward.py::test_forward_default_point_decided_by_the_policy_vs_dense"
+                   "[default-T8192-decided]",
+                   "benchmarks/test_forward.py::test_forward_default_point_vs_dense[default-T8192-cascade]")
+DRY_SYNC_STACKS = ("benchmarks/test_forward.py::test_forward_vs_dense[tiny-llama-T512-chunked]",)
 DIAGNOSIS_SHARE = 0.2  # of the stage's budget, kept for the flex diagnosis after the suites (30 s of 150)
 NOT_BACKENDS = {"flex-time-ordered"}  # a comparison mask, not a backend `auto` could choose
 MODES = {"train": "training", "forward": "prefill / evaluation"}  # auto.py's columns, from these suites
@@ -107,6 +117,13 @@ def recommend(best: dict) -> dict:
     return out
 
 
+def sync_stacks(rows: list[dict]) -> dict:
+    """Case -> side -> where its host syncs came from (``concept.profiling.sync_stacks``), from the rows that
+    have them (``GPU_SYNC_STACKS``)."""
+    return {row["case"]: {k[: -len("_sync_stacks")]: v for k, v in row.items() if k.endswith("_sync_stacks")}
+            for row in rows if any(k.endswith("_sync_stacks") for k in row)}
+
+
 def baseline_file(storage: Path, name: str) -> Path | None:
     found = sorted(storage.glob(f"*/[0-9][0-9][0-9][0-9]_{name}.json"))
     return found[-1] if found else None
@@ -139,7 +156,8 @@ def run(stage: Stage, args) -> int:
                    f"--concept-results={rows_path}"] + ([] if stage.dry else ["--smollm2", "--long", "--compile=on"])
     plan = DRY_PLAN if stage.dry else GPU_PLAN
     suites_s = stage.remaining() - DIAGNOSIS_SHARE * stage.budget_s
-    env = {**kit_env(stage.work, stage.dry), PLAN_ENV: json.dumps(plan), DEADLINE_ENV: str(time.time() + suites_s)}
+    env = {**kit_env(stage.work, stage.dry), PLAN_ENV: json.dumps(plan), DEADLINE_ENV: str(time.time() + suites_s),
+           SYNC_STACKS_ENV: json.dumps(DRY_SYNC_STACKS if stage.dry else GPU_SYNC_STACKS)}
     report = run_pytest(stage, pytest_args, env, "speed", deadline=time.monotonic() + suites_s)
     rows = read_json(rows_path) or []
     cases = [{k: t[k] for k in ("id", "outcome", "seconds", "message")} for t in report["tests"]]
@@ -159,13 +177,17 @@ def run(stage: Stage, args) -> int:
     result = {"device": device, "machine_id": machine, "selection": selection, "plan": [node for node, _ in plan],
               "counts": report["counts"],
               "rows": rows, "cases": cases, "fastest": best, "auto_recommendation": recommend(best),
-              "flex_diagnosis": {},
+              "flex_diagnosis": {}, "sync_stacks": sync_stacks(rows),
               "baseline": {"file": "speed-baseline.json", "path": str(saved.relative_to(storage.parent)),
                            "name": machine} if saved else None,
               "command": "python -m pytest " + shlex.join(a for a in pytest_args if a != str(ROOT) and not a.startswith(
                   ("--rootdir", "--benchmark-storage", "--concept-results")))}
     stage.say(f"{len(rows)} rows; fastest: " + "; ".join(f"{s} " + ", ".join(f"{T}: {v['fastest']}" for T, v in by.items())
                                                        for s, by in best.items()))
+    for case, sides in result["sync_stacks"].items():
+        stage.say(f"host syncs of {case}: " + "; ".join(
+            f"{side} " + (", ".join(f"{r['count']}x {r['call']} from {r['ours']}" for r in found) or "none")
+            for side, found in sides.items()))
     stage.write("running", result)  # the suites' rows kept, should the call be cut during the diagnosis
     result["flex_diagnosis"] = flex_diagnosis.in_stage(stage)  # issue 40: what the suites left (flex_diagnosis.py)
     return stage.finish(result)

@@ -27,6 +27,7 @@ from ..contracts import DecidesWithState
 from ..decoding import last_real, select_rows
 from ..errors import ConceptError
 from ..kv_cache import ConceptCache, DecodePattern
+from ..syncs import declared
 
 
 class ConceptDecoder:
@@ -34,7 +35,28 @@ class ConceptDecoder:
 
     def __init__(self, model):
         self.model = model
-        self.max_tail = 0  # largest deep tail held so far (entries per layer)
+        self.tail_peak = None  # [] largest deep tail held so far (entries per layer), on the device
+        self._fed = []  # (keep, active) [B] of the steps since ``keep`` was last read, on the device
+
+    @property
+    def max_tail(self) -> int:
+        """The largest deep tail held so far (entries per layer), read when asked."""
+        return 0 if self.tail_peak is None else int(self.tail_peak)
+
+    @property
+    def keep(self) -> list[list[bool]]:
+        """Each row's decisions: the prompt's, then one per token it was fed; the steps' are read (in one copy)
+        when asked, not as they are made."""
+        if self._fed:
+            keeps, actives = (torch.stack(x, 1).tolist() for x in zip(*self._fed))
+            self._fed = []
+            for row, ks, fed in zip(self._keep, keeps, actives):
+                row.extend(k for k, a in zip(ks, fed) if a)
+        return self._keep
+
+    @keep.setter
+    def keep(self, value: list[list[bool]]) -> None:
+        self._keep, self._fed = value, []
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -66,7 +88,7 @@ class ConceptDecoder:
         if out.updates is not None:
             last = (self.num_concepts - 1).clamp(min=0)
             self.last_update = out.updates.gather(1, last[:, None, None].expand(-1, 1, d))
-        self.max_tail = int(self.cache.deep.tail_entries().max()) if B else 0
+        self.tail_peak = self.cache.deep.tail_entries().max() if B else None
         return out.logits[:, -1] if left_padded else out.logits[torch.arange(B, device=valid.device), last_real(valid)]
 
     def _replay(self, out, valid):
@@ -126,7 +148,9 @@ class ConceptDecoder:
 
         # a concept drops the row's tail; its slots go through the middle stack, then the deep one
         deep_in, deep_pos = model.fuse_step(h, self.last_update, self.has_update), text_pos
-        if bool(keep.any()):
+        with declared("decoder concept check"):  # the middle stack runs only when some row emits a concept
+            any_concept = bool(keep.any())  # (the static decoder runs it always, reading nothing)
+        if any_concept:
             c, c_in, concept_pos = concept_slots(model, self.recent, self.num_concepts, pos, keep, cache)
             deep_in = torch.where(keep[:, None, None], c, deep_in)
             deep_pos = torch.where(keep[:, None], concept_pos, text_pos)
@@ -139,10 +163,8 @@ class ConceptDecoder:
 
         self.pos = self.pos + active.long()
         self.num_concepts = self.num_concepts + keep.long() * model.emit
-        for b, (k, a) in enumerate(zip(keep.tolist(), active.tolist())):
-            if a:
-                self.keep[b].append(k)
-        self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))
+        self._fed.append((keep, active))
+        self.tail_peak = torch.maximum(self.tail_peak, cache.deep.tail_entries().max())
         return model.backbone.lm_head(model.inner.norm(z))[:, 0]
 
     def draft_state(self) -> torch.Tensor:
@@ -254,7 +276,7 @@ class ConceptDecoder:
         self.num_concepts = self.num_concepts + concepts.sum(1)
         for b, (k, c) in enumerate(zip(keep.tolist(), count.tolist())):
             self.keep[b].extend(k[:c])
-        self.max_tail = max(self.max_tail, int(cache.deep.tail_entries().max()))
+        self.tail_peak = torch.maximum(self.tail_peak, cache.deep.tail_entries().max())
 
     def kv_stats(self) -> list[dict]:
         """Per row: KV entries held by each stack (summed over its layers), bytes, and the dense
