@@ -117,17 +117,22 @@ def test_an_older_baseline_run_loads_evaluates_generates_exports_and_resumes(bui
     exported = concept.load(tmp_path / "exported")
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, today(ids).logits, rtol=1e-5, atol=1e-5)
+    with monkeypatch.context() as mp:  # negative control: read without the migration, it is the streaming build
+        mp.setattr("concept.migrate._baseline_of", lambda train: None)
+        try:
+            loaded = concept.load(old)
+        except ConceptError:  # (its files do not fit the streaming model)
+            loaded = None
+        assert not isinstance(loaded, DenseModel)
+
     for run in (new, old):
         Trainer.resume(run, steps=3).train()
     assert losses(old) == losses(new)
+    # its train.json no longer names the baseline: its concept.json was written in today's format with it
+    assert json.loads((old / "concept.json").read_text())["config"]["family"] == "pruned"
+    with torch.no_grad():
+        torch.testing.assert_close(concept.load(old)(ids).logits, concept.load(new)(ids).logits, rtol=0, atol=0)
 
-    # negative control: read without the migration, the older folder is the streaming build it came from
-    monkeypatch.setattr("concept.migrate._baseline_of", lambda train: None)
-    try:
-        loaded = concept.load(old)
-    except ConceptError:  # (its files do not fit the streaming model)
-        loaded = None
-    assert not isinstance(loaded, DenseModel)
 
 
 def test_the_pruned_block_matches_what_the_source_family_says_its_model_costs():
