@@ -48,7 +48,8 @@ class RunFolder:
         file = self.out / RUN_FILE
         written = json.loads(file.read_text())
         today = migrate_run(written, run_files.unchecked_train(self.out))
-        if today["config"].get("family") != written.get("config", {}).get("family"):
+        family = today["config"].get("family")
+        if family in baselines.NAMES and family != (written.get("config") or {}).get("family"):
             fs.write_atomic(file, json.dumps(today, indent=2, sort_keys=True))
         fs.write_atomic(self.out / TRAIN_FILE, json.dumps(record, indent=2))
 
