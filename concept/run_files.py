@@ -169,7 +169,7 @@ def read_run(path: str | os.PathLike) -> dict:
                              f"`concept build -o {folder}`")
     fix = run_fix(folder)
     try:  # an older format's record in today's (concept.migrate; an older baseline's reads its train.json)
-        record = migrate_run(read_json(file, fix), _unchecked_train(folder))
+        record = migrate_run(read_json(file, fix), unchecked_train(folder))
     except RecordFormatError as exc:
         raise damaged(file, exc.problem, exc.fix or fix) from None
     if "config" not in record:
@@ -187,7 +187,7 @@ def read_run(path: str | os.PathLike) -> dict:
     return record
 
 
-def _unchecked_train(folder: Path) -> dict | None:
+def unchecked_train(folder: Path) -> dict | None:
     """The run's train.json as it reads, or None (absent or unreadable: :func:`read_train` says why)."""
     try:
         return json.loads((folder / TRAIN_FILE).read_text())

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from . import baselines, checkpoint, data, fs, options, run_files
 from .builder import PEFT_ADAPTER_DIR, RUN_FILE, TRAIN_FILE, backbone_folder, read_run, read_train
 from .config import BuildConfig, resolve
-from .migrate import FORMAT_VERSION
+from .migrate import FORMAT_VERSION, migrate_run
 from .distributed import Dist
 from .errors import ConfigError, RunFolderError
 from .lora import peft_adapter_state
@@ -45,8 +45,16 @@ class RunFolder:
         self.source_run: str | None = None  # the run it trains from, as train.json records it
 
     def write_record(self, record: dict, source: str | None) -> None:
-        """train.json (``record``: its content), replaced atomically (a reader never sees it half-written)."""
+        """train.json (``record``: its content), replaced atomically (a reader never sees it half-written). An
+        older baseline run's concept.json is written in today's format first (``concept.migrate``): today's
+        train.json no longer says which baseline it was."""
         self.source_run = source
+        file = self.out / RUN_FILE
+        written = json.loads(file.read_text())
+        today = migrate_run(written, run_files.unchecked_train(self.out))
+        family = today["config"].get("family")
+        if family in baselines.NAMES and family != (written.get("config") or {}).get("family"):
+            fs.write_atomic(file, json.dumps(today, indent=2, sort_keys=True))
         fs.write_atomic(self.out / TRAIN_FILE, json.dumps(record, indent=2))
 
     def append_metrics(self, row: dict) -> None:

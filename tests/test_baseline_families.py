@@ -99,35 +99,52 @@ def older_layout(new, old, source):
     (old / "checkpoint" / "state.json").write_text(json.dumps(state))
 
 
-@pytest.mark.slow
-def test_an_older_baseline_run_loads_evaluates_generates_exports_and_resumes(built, corpus, tmp_path, monkeypatch):  # noqa: F811
-    new, old = tmp_path / "new", tmp_path / "old"
+@pytest.fixture(scope="module")
+def older(built, corpus, tmp_path_factory):  # noqa: F811
+    """(a pruned run derived today, the same run as an older version wrote it)."""
+    folder = tmp_path_factory.mktemp("older")
+    new, old = folder / "new", folder / "old"
     Trainer.start(built, new, small(data=str(corpus), steps=2, baseline="pruned", prune_layers="1:3")).train()
     older_layout(new, old, built)
     assert json.loads((old / "concept.json").read_text())["config"]["family"] == "streaming"
+    return new, old
 
-    model, today = concept.load(old), concept.load(new)
+
+IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_an_older_baseline_run_loads_as_today_s(older, monkeypatch):
+    new, old = older
+    model = concept.load(old)
     assert isinstance(model, DenseModel) and model.removed == (1, 3)
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, today(ids).logits, rtol=0, atol=0)
-    assert json.loads(invoke("eval", old, "--batches", 1, "--batch", 2, "--json").stdout)["model"] == "pruned"
-    invoke("generate", old, "--prompt", "def f(", "--max-new-tokens", 4)
-    invoke("export", old, "-o", tmp_path / "exported")
-    exported = concept.load(tmp_path / "exported")
-    with torch.no_grad():
-        torch.testing.assert_close(exported(ids).logits, today(ids).logits, rtol=1e-5, atol=1e-5)
-    for run in (new, old):
-        Trainer.resume(run, steps=3).train()
-    assert losses(old) == losses(new)
-
-    # negative control: read without the migration, the older folder is the streaming build it came from
+        torch.testing.assert_close(model(IDS).logits, concept.load(new)(IDS).logits, rtol=0, atol=0)
+    # negative control: read without the migration, it is the streaming build it was derived from
     monkeypatch.setattr("concept.migrate._baseline_of", lambda train: None)
     try:
         loaded = concept.load(old)
     except ConceptError:  # (its files do not fit the streaming model)
         loaded = None
     assert not isinstance(loaded, DenseModel)
+
+
+@pytest.mark.slow
+def test_an_older_baseline_run_evaluates_generates_exports_and_resumes(older, tmp_path):
+    new, old = older
+    today = concept.load(new)
+    assert json.loads(invoke("eval", old, "--batches", 1, "--batch", 2, "--json").stdout)["model"] == "pruned"
+    invoke("generate", old, "--prompt", "def f(", "--max-new-tokens", 4)
+    invoke("export", old, "-o", tmp_path / "exported")
+    with torch.no_grad():
+        torch.testing.assert_close(concept.load(tmp_path / "exported")(IDS).logits, today(IDS).logits, rtol=1e-5,
+                                   atol=1e-5)
+    for run in (new, old):
+        Trainer.resume(run, steps=3).train()
+    assert losses(old) == losses(new)
+    # its train.json no longer names the baseline: its concept.json was written in today's format with it
+    assert json.loads((old / "concept.json").read_text())["config"]["family"] == "pruned"
+    with torch.no_grad():
+        torch.testing.assert_close(concept.load(old)(IDS).logits, concept.load(new)(IDS).logits, rtol=0, atol=0)
 
 
 def test_the_pruned_block_matches_what_the_source_family_says_its_model_costs():
