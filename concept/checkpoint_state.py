@@ -117,12 +117,12 @@ class CheckpointState:
     def size(self) -> int:
         """About what one checkpoint writes, in bytes: the new modules, the LoRA adapters (twice: the
         checkpoint's copy and the peft folder) and AdamW's two moments of every trained parameter."""
-        def size(tensors) -> int:
+        def nbytes(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        trained = size(p for group in self.optimizer.param_groups for p in group["params"])
-        return 2 * size(lora_state_dict(self.model.backbone).values()) + size(self.model.new_state_dict().values()) \
-            + 2 * trained
+        trained = nbytes(p for group in self.optimizer.param_groups for p in group["params"])
+        return 2 * nbytes(lora_state_dict(self.model.backbone).values()) \
+            + nbytes(self.model.new_state_dict().values()) + 2 * trained
 
     # -- reading back ----------------------------------------------------------------------------------
     def restore(self, notes: list[str]) -> int:
