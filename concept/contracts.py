@@ -352,6 +352,11 @@ class Family:
         return None
 
     # -- as the source of a FLOP-matched baseline ------------------------------------------------
+    def static_shapes(self, plan) -> bool:
+        """Whether a model of this resolved build reads nothing back to the host to shape its tensors (a static
+        budget): its baselines (``--baseline``) then build their masks the same way. Default: no."""
+        return False
+
     def matched_flops(self, plan, config, shape) -> FlopTarget | None:
         """What a pruned baseline FLOP-matched to a run of this build trained with ``config`` (a ``TrainConfig``)
         must match (``concept train RUN --baseline pruned``): a :class:`FlopTarget` at ``config.seq_len`` tokens

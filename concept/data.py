@@ -59,6 +59,7 @@ import torch
 
 from .errors import ConceptError, one_line
 from . import shards
+from .fingerprint import of_digests
 from .shards import TokenSplit, listing, python_identity
 from .shards import is_heldout as _is_heldout
 from .tokens import ByteTokenizer, tokenize_documents, tokenizer_for
@@ -712,3 +713,38 @@ class PackedSequences:
     def __repr__(self) -> str:
         return (f"PackedSequences(documents={self.num_documents}, tokens={self.num_tokens}, rows={len(self)}, "
                 f"seq_len={self.seq_len}, seed={self.seed})")
+
+
+# -- a training run's data -----------------------------------------------------------------------
+@dataclass
+class TrainingData:
+    """What a training run reads: its training rows, the held-out rows of the periodic evaluation (None when
+    there are none: ``no_heldout`` says why) and the fingerprint of their documents (a checkpoint records it)."""
+
+    train: PackedSequences
+    heldout: PackedSequences | None
+    fingerprint: str
+    no_heldout: str | None = None
+
+
+def open_training(config, tokenizer) -> TrainingData:
+    """The training rows and the held-out ones of a training config (``concept.train_config.TrainConfig``), read
+    from token shards (tokenised once, memory-mapped). ``eval_data`` replaces the held-out split of the training
+    data for the periodic evaluation (all of it; a built-in corpus: its held-out split). Data too small for a
+    held-out split trains anyway (evaluate later with ``concept eval --data``)."""
+    read = dict(text_field=config.text_field, encoding_errors=config.encoding_errors,
+                data_split=config.data_split, streaming=config.streaming)
+    tokens = open_tokens(config.data, "train", tokenizer, **read)
+    # (the documents of the train and held-out splits)
+    fingerprint = of_digests(tokens.digest, *filter(None, [tokens.heldout_digest]))
+    train = PackedSequences(tokens, None, config.seq_len, seed=config.seed)
+    try:
+        if config.eval_data is not None:
+            split = "heldout" if builtin_corpus(config.eval_data) else "all"
+            heldout = open_tokens(config.eval_data, split, tokenizer, text_field=config.text_field,
+                                  encoding_errors=config.encoding_errors)
+        else:
+            heldout = open_tokens(config.data, "heldout", tokenizer, **read)
+        return TrainingData(train, PackedSequences(heldout, None, config.seq_len, seed=config.seed), fingerprint)
+    except ConceptError as exc:
+        return TrainingData(train, None, fingerprint, str(exc))

@@ -26,7 +26,6 @@ from torch import nn
 from . import packing
 from .attention import CausalPattern
 from .backbone import decoder, run_layers
-from .streaming.operating_point import has_budget
 from .generation import generate
 from .hub import HubMixin
 from .lazy import Deferred, LazyField
@@ -51,10 +50,9 @@ class DenseModel(Resolved, HubMixin, nn.Module):
         self.tokenizer = tokenizer
         self.gradient_checkpointing = False
         self.compiled_stacks = None  # --compile (concept.compiled): its layers compiled
-        # the baseline of a static build (its family's section says so; made by hand: the resolution's max_ratio),
-        # or compiled: masks built without reading anything back
-        self.static = static if static is not None else has_budget(
-            getattr(getattr(resolution, "config", None), "max_ratio", 0.0))
+        # the baseline of a static build (its family's section says so; made by hand from another family's
+        # resolution: that family's ``static_shapes``), or compiled: masks built without reading anything back
+        self.static = static if static is not None else _static_shapes(resolution)
         n = len(decoder(backbone).layers)
         if removed is not None and not (0 <= removed[0] < removed[1] <= n):
             raise ValueError(f"removed layers {removed} are not a block of the backbone's {n} layers")
@@ -133,3 +131,9 @@ class DenseModel(Resolved, HubMixin, nn.Module):
 
     def new_state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{k}": v for name, m in self.new_modules().items() for k, v in m.state_dict().items()}
+
+
+def _static_shapes(resolution) -> bool:
+    """Whether the family of ``resolution`` (a build resolution, or None) shapes its tensors statically."""
+    family = getattr(resolution, "family_object", None)
+    return bool(family is not None and family.static_shapes(resolution))

@@ -27,40 +27,28 @@ curve is that of one process running the same global batch.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import signal
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 
-from . import checkpoint, data, fingerprint, fs, memory, run_files, tracking, training_run
+from . import checkpoint, data, distributed_wrap, fs, memory, run_files, tracking, training_run
 from .backbone import decoder
 from .compiled import compile_model
-from .builder import (
-    PEFT_ADAPTER_DIR,
-    backbone_folder,
-    build,
-    load_new_modules,
-    read_run,
-)
+from .builder import build, load_new_modules
+from .checkpoint_state import CheckpointState, restore_weights
 from .config import BuildConfig, resolve
 from .diagnostics import evaluate, grad_norms
 from .distributed import Dist, full_tensor, pick_device
-from .errors import ConceptError, ConfigError, RunFolderError
-from .lora import (
-    add_lora,
-    load_lora_state_dict,
-    lora_state_dict,
-    save_peft_adapter,
-)
+from .errors import ConfigError, TrainingError
+from .lora import add_lora, load_lora_state_dict
 from .objectives import overrides
+from .optimizer import adamw
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
 from .syncs import declared
@@ -89,10 +77,6 @@ def __getattr__(name: str):
 
         return composed()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class TrainingError(ConceptError):
-    exit_code = 1
 
 
 def _finite(value):
@@ -209,17 +193,22 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.family = plan.family_object  # what it trains (a baseline too: the dense and pruned families)
         self.model = self._training_model(plan, resume)
-        self.train_data, self.eval_data = self._open_data()
-        built = read_run(self.out)["config"]
-        self.origin = checkpoint.fingerprints(built, backbone_folder(built), self.data_fingerprint)
+        with self.dist.main_first():  # rank 0 fills the shard cache, the others read it
+            read = data.open_training(config, data.tokenizer_for(self.model))
+        self.train_data, self.eval_data, self.data_fingerprint = read.train, read.heldout, read.fingerprint
+        if read.no_heldout:  # small data: train anyway, evaluate later with `concept eval --data`
+            self.notes.append(f"no held-out evaluation during training: {read.no_heldout}")
         # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
         self.objectives = self.family.objectives(config, self.model, lambda: self.step, self.notes)
         self.preparing = [o for o in self.objectives if overrides(o, "prepare")]  # (costly under FSDP2: gathers)
         self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast)
         self.teacher_needs = self.step_module.teacher_needs
-        self.train_forward = self._wrap(self.step_module)  # DDP / FSDP2 under torchrun, else the module itself
-        self.optimizer = self._optimizer()
+        self.train_forward = distributed_wrap.wrap(self.step_module, decoder(self.model.backbone).layers, self.dist,
+                                                   self.device)  # DDP / FSDP2 under torchrun, else the module itself
+        self.optimizer = adamw(self.model, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.checkpoint_state = CheckpointState(self.run, self.model, self.optimizer, self.scheduler, self.objectives,
+                                                self.dist, self.global_batch, self.data_fingerprint, self.record)
         self.step = 0
         self.queued: list[QueuedStep] = []  # steps run on the device whose logged values are not read yet
         self.skipping: torch.Tensor | None = None  # on the device: a step so far had a non-finite loss or gradient
@@ -227,7 +216,7 @@ class Trainer:
         self.last_row: dict = {}
         self.trackers: list = []  # --report-to: opened by train()
         if resume:
-            self._restore_state()
+            self.step = self.checkpoint_state.restore(self.notes)
         self._stop = self._interrupted = False  # agreed by every rank / seen by this one (_on_sigint)
         self.attention = resolved_attention(self.model, self.device)
         derived = {}
@@ -264,47 +253,8 @@ class Trainer:
         model.gradient_checkpointing = config.grad_checkpointing
         compile_model(model, config.compile)  # (off: eager)
         if resume:  # weights before any sharding; the optimizer state once the optimizer exists
-            self._restore_weights(model)
+            restore_weights(self.run, model)
         return model
-
-    def _open_data(self):
-        """The training batches and the held-out ones (None, with a note, when the data is too small): read from
-        token shards (concept.shards: tokenised once, memory-mapped). ``--eval-data`` replaces the held-out
-        split of the training data for the periodic evaluation (all of it; a built-in corpus: its held-out split)."""
-        config = self.config
-        tokenizer = data.tokenizer_for(self.model)
-        read = dict(text_field=config.text_field, encoding_errors=config.encoding_errors,
-                    data_split=config.data_split, streaming=config.streaming)
-        with self.dist.main_first():  # rank 0 fills the shard cache, the others read it
-            tokens = data.open_tokens(config.data, "train", tokenizer, **read)
-            # (a checkpoint records what it trained on: the documents of the train and held-out splits)
-            self.data_fingerprint = fingerprint.of_digests(tokens.digest, *filter(None, [tokens.heldout_digest]))
-            train = data.PackedSequences(tokens, None, config.seq_len, seed=config.seed)
-            try:
-                if config.eval_data is not None:
-                    split = "heldout" if data.builtin_corpus(config.eval_data) else "all"
-                    heldout = data.open_tokens(config.eval_data, split, tokenizer, text_field=config.text_field,
-                                               encoding_errors=config.encoding_errors)
-                else:
-                    heldout = data.open_tokens(config.data, "heldout", tokenizer, **read)
-                return train, data.PackedSequences(heldout, None, config.seq_len, seed=config.seed)
-            except ConceptError as exc:  # small data: train anyway, evaluate later with `concept eval --data`
-                self.notes.append(f"no held-out evaluation during training: {exc}")
-                return train, None
-
-    def _optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the trainable LoRA parameters and each new module (its own learning rate if it has one)."""
-        config = self.config
-        lora = [p for p in self.model.backbone.parameters() if p.requires_grad]
-        groups = [{"params": lora, "lr": config.lr, "name": "lora"}] if lora else []
-        for name, module in self.model.new_modules().items():
-            params = [p for p in module.parameters() if p.requires_grad]
-            if params:
-                groups.append({"params": params, "lr": getattr(module, "learning_rate", None) or config.lr_new,
-                               "name": name})
-        # fused: a step whose loss or gradients are not finite is skipped on the device (``found_inf``, set by
-        # queue_step), its step counters too, and the counters live on the device (no host read)
-        return torch.optim.AdamW(groups, weight_decay=config.weight_decay, fused=True)
 
     @property
     def out(self) -> Path:
@@ -334,37 +284,10 @@ class Trainer:
     def global_batch(self) -> int:
         return self.config.batch * self.micro_batches
 
-    def _wrap(self, module: nn.Module):
-        """The training forward under torchrun: DDP (gradients all-reduced in backward) or FSDP2
-        (each decoder layer and the rest sharded over the ranks, gathered for its forward)."""
-        if self.dist.mode == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=False)
-        if self.dist.mode == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in decoder(self.model.backbone).layers:
-                fully_shard(layer)
-            fully_shard(module)
-            # FSDP2 initialises lazily in the root's first forward; calibration and evaluation call the layers
-            # outside it, so initialise now (else each layer would take itself for a root)
-            module._get_fsdp_state()._lazy_init()
-        return module
-
-    @contextmanager
     def gathered(self):
-        """FSDP2: the root's parameters (embeddings, head, new modules) gathered whole, for a forward
-        outside the training step (calibration, evaluation); the decoder layers gather their own."""
-        if self.dist.mode != "fsdp2":
-            yield
-            return
-        self.step_module.unshard()
-        try:
-            yield
-        finally:
-            self.step_module.reshard()
+        """FSDP2: the root's parameters gathered whole for a forward outside the training step (calibration,
+        evaluation; ``concept.distributed_wrap``); else nothing."""
+        return distributed_wrap.gathered(self.step_module, self.dist)
 
     @staticmethod
     def check(config: TrainConfig, build_config: BuildConfig, dist: Dist | None = None):
@@ -411,141 +334,12 @@ class Trainer:
         again from step 0."""
         return training_run.resume(cls, out, dist, accept_data_change, **overrides)
 
-    def _note_data_change(self, meta: dict | None, changed: list[str], accepted: bool) -> None:
-        """Say how the data differs from what the checkpoint was trained on: another --data (a note), or the
-        same --data whose documents changed (a warning, unless ``accepted``)."""
-        recorded = ((meta or {}).get("fingerprints") or {}).get("data")
-        same = recorded is None or recorded == self.data_fingerprint
-        lost = f"training continues at step {self.step} on the new data, so it no longer reproduces an uninterrupted run"
-        if changed:
-            self.notes.append(f"the data changed ({'; '.join(changed)}): " + (
-                lost if not same or recorded is None else
-                "its documents are the same as before, so the run still reproduces an uninterrupted one"))
-        elif not same and accepted:
-            self.notes.append(f"the data {self.config.data or '(default corpus)'} changed since the checkpoint at step "
-                              f"{self.step} (accepted with --accept-data-change): {lost}")
-        elif not same:
-            self.notes.append(f"warning: the documents of --data {self.config.data or '(default corpus)'} changed since "
-                              f"the checkpoint at step {self.step} was written: {lost}; restore the data to continue "
-                              f"exactly, or pass --accept-data-change to accept the change")
-
     resumed_config = staticmethod(training_run.resumed_config)
     _fit_global_batch = staticmethod(training_run.fit_global_batch)  # (tests call it)
 
-    def _restore_weights(self, model) -> None:
-        load_lora_state_dict(model.backbone, checkpoint.read_tensors(self.out, "adapter") or {})
-        modules = checkpoint.read_tensors(self.out, "modules")
-        if modules:
-            load_new_modules(model, modules)
-
-    def _restore_state(self) -> None:
-        meta = checkpoint.read_meta(self.out)
-        objects = checkpoint.read_objects(self.out)
-        try:
-            if objects.get("optimizer_format") == "fqn":  # keyed by parameter name: any number of processes
-                from torch.distributed.checkpoint.state_dict import (
-                    StateDictOptions,
-                    set_optimizer_state_dict,
-                )
-
-                set_optimizer_state_dict(self.model, self.optimizer, objects["optimizer"],
-                                         options=StateDictOptions(full_state_dict=True))
-            else:  # older checkpoints: keyed by position
-                self.optimizer.load_state_dict(objects["optimizer"])
-            self.scheduler.load_state_dict(objects["scheduler"])
-            checkpoint.set_rng_state(objects["rng"])
-        except (KeyError, ValueError, TypeError, RuntimeError, IndexError, AttributeError) as exc:
-            file = checkpoint.folder(self.out) / checkpoint.OBJECTS_FILE
-            first = (str(exc).splitlines() or [""])[0][:200]
-            raise RunFolderError(f"{file} does not fit this run ({type(exc).__name__}: {first}); "
-                                 f"{checkpoint.FIX}") from None
-        self.step = meta["step"]
-        self._restore_objective_states(meta)
-
-    def _restore_objective_states(self, meta: dict) -> None:
-        """Objective states (e.g. the plan cache) from the checkpoint, checked against the SHA-256 in its
-        state.json: a missing, corrupted or unfitting one is dropped with a warning and rebuilt."""
-        for objective in self.objectives:
-            if not overrides(objective, "load_state_dict"):
-                continue
-            name = f"{objective.name}.json"
-            data = checkpoint.read_file(self.out, name)
-            expected = meta.get("files", {}).get(name)
-            if data is None and objective.legacy_key and meta.get(objective.legacy_key) is not None:
-                objective.load_state_dict(meta[objective.legacy_key], self.model)  # (an older checkpoint)
-                continue
-            problem = ("it is missing" if data is None or expected is None else
-                       "its checksum does not match the one saved with it" if hashlib.sha256(data).hexdigest() != expected
-                       else None)
-            if problem is None:
-                try:
-                    objective.load_state_dict(json.loads(data), self.model)
-                    continue
-                except (ValueError, TypeError, KeyError) as exc:
-                    problem = f"it does not fit this run ({exc})"
-            self.notes.append(f"warning: the checkpoint's {objective.name} state ({name}) is not used: {problem}; "
-                              f"it is rebuilt from scratch (Hard-EM: every example's plan is searched again)")
-
     def save_checkpoint(self) -> None:
-        """Every rank gathers (FSDP2: a collective), rank 0 writes; an error on rank 0 stops every rank."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        model = self.model
-        tensors = {"adapter": lora_state_dict(model.backbone),
-                   "modules": {k: full_tensor(v) for k, v in model.new_state_dict().items()}}
-        self.check_finite({**tensors["adapter"], **tensors["modules"]})
-        optimizer = get_optimizer_state_dict(model, self.optimizer,
-                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        objects = {"optimizer": optimizer, "optimizer_format": "fqn", "scheduler": self.scheduler.state_dict(),
-                   "rng": checkpoint.rng_state()}
-        meta = {"step": self.step, "world_size": self.dist.world_size, "global_batch": self.global_batch,
-                "fingerprints": self.origin}
-        files = {f"{name}.json": json.dumps(state).encode() for name, state in self.objective_states().items()}
-        meta["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-        self.dist.on_main(self._write_checkpoint, tensors, objects, meta, files)
-
-    def check_finite(self, tensors: dict) -> None:
-        """Refuse to save weights holding NaN or infinity (e.g. after a step with a huge learning rate): the run
-        keeps its last good checkpoint, and a run replacing another (``--force``) is never published."""
-        bad = run_files.nonfinite_weights(tensors)
-        if bad:
-            prev = checkpoint.read_meta(self.out) if self.staging is None else None
-            where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written"
-            raise TrainingError(f"the weights became NaN or infinite at step {self.step} ({len(bad)} tensors, e.g. "
-                                f"{bad[0]!r}); they were not saved and {where}. Try a lower --lr / --lr-new or a "
-                                f"larger --clip")
-
-    def _write_checkpoint(self, tensors, objects, meta, files=None) -> None:
-        try:
-            checkpoint.write(self.out, tensors, objects, meta, files)
-            # the adapters also as a standard peft folder (RUN/adapter/), loadable onto the plain HF backbone;
-            # concept.load reads the checkpoint's copy first, so a torn peft folder never wins
-
-            save_peft_adapter(self.model.backbone, self.out / PEFT_ADAPTER_DIR, state=tensors["adapter"],
-                              base_model_name_or_path=self.model.resolution.backbone_info.name,
-                              removed=getattr(self.model, "removed", None))
-            if self.run.record_pending:  # (resume) train.json describes the run from its first new checkpoint on
-                self._record(self.run.record_source)
-                self.run.record_pending = False
-        except (OSError, RuntimeError, SafetensorError) as exc:  # e.g. a full disk
-            prev = checkpoint.read_meta(self.out)
-            where = f"the previous checkpoint (step {prev['step']}) is intact" if prev else "no earlier checkpoint exists"
-            code = fs.disk_errno(exc)
-            reason = f": {fs.disk_message(code, self.out)}" if code else f" ({getattr(exc, 'strerror', None) or exc})"
-            raise TrainingError(f"could not write the checkpoint at step {self.step}{reason}; {where}") from exc
-
-    def checkpoint_bytes(self) -> int:
-        """About what one checkpoint writes: the new modules, the LoRA adapters (twice: the checkpoint's copy
-        and the peft folder) and AdamW's two moments of every trained parameter."""
-        def size(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        trained = size(p for group in self.optimizer.param_groups for p in group["params"])
-        return 2 * size(lora_state_dict(self.model.backbone).values()) + size(self.model.new_state_dict().values()) \
-            + 2 * trained
+        """The checkpoint of this step (``concept.checkpoint_state``): every rank gathers, rank 0 writes."""
+        self.checkpoint_state.save(self.step)
 
     def release(self) -> None:
         """Release the run's lock (``train`` does when it ends)."""

@@ -127,7 +127,7 @@ def start(make, source: str | Path, out: str | Path, config: TrainConfig, force:
             dist.on_main(prepare, source, staging.path, build_config if config.baseline else None)
             with run_files.copied_from(staging.path, source):  # a damaged weights file is named in the source
                 trainer = make(staging.path, config, build_config, resume=False, dist=dist)
-            dist.on_main(fs.check_space, out, 2 * trainer.checkpoint_bytes(), "training (two checkpoints)")
+            dist.on_main(fs.check_space, out, 2 * trainer.checkpoint_state.size(), "training (two checkpoints)")
             dist.on_main(trainer._record, str(source.resolve()))
         trainer.run.name = out.name
         trainer.notes[:0] = notes
@@ -203,8 +203,9 @@ def resume(make, out: str | Path, dist: Dist | None = None, accept_data_change: 
         if meta is None:
             trainer.notes.append(f"{out} has no checkpoint yet (stopped before its first one): training starts "
                                  f"again from step 0")
-        trainer._note_data_change(meta, changed, accept_data_change)
-        dist.on_main(fs.check_space, out, trainer.checkpoint_bytes(), "the next checkpoint", " and resume again")
+        trainer.notes += data_change_notes(meta, changed, accept_data_change, trainer.data_fingerprint,
+                                           trainer.step, trainer.config.data)
+        dist.on_main(fs.check_space, out, trainer.checkpoint_state.size(), "the next checkpoint", " and resume again")
         dist.on_main(trainer.run.commit_resume, rows, trainer.step)
         trainer.run.record_pending, trainer.run.record_source = True, source
         trainer.run.source_run = source
@@ -213,6 +214,27 @@ def resume(make, out: str | Path, dist: Dist | None = None, accept_data_change: 
         lock.release()
         raise
     return trainer
+
+
+def data_change_notes(meta: dict | None, changed: list[str], accepted: bool, data_fingerprint: str, step: int,
+                      data_source: str | None) -> list[str]:
+    """How the data differs from what the checkpoint (``meta``: its state.json) was trained on: another --data
+    (``changed``: a note), or the same --data whose documents changed (a warning, unless ``accepted``)."""
+    recorded = ((meta or {}).get("fingerprints") or {}).get("data")
+    same = recorded is None or recorded == data_fingerprint
+    lost = f"training continues at step {step} on the new data, so it no longer reproduces an uninterrupted run"
+    if changed:
+        return [f"the data changed ({'; '.join(changed)}): " + (
+            lost if not same or recorded is None else
+            "its documents are the same as before, so the run still reproduces an uninterrupted one")]
+    if not same and accepted:
+        return [f"the data {data_source or '(default corpus)'} changed since the checkpoint at step {step} "
+                f"(accepted with --accept-data-change): {lost}"]
+    if not same:
+        return [f"warning: the documents of --data {data_source or '(default corpus)'} changed since the checkpoint "
+                f"at step {step} was written: {lost}; restore the data to continue exactly, or pass "
+                f"--accept-data-change to accept the change"]
+    return []
 
 
 def resumed_config(out: Path, world_size: int, overrides: dict) -> tuple[dict, TrainConfig, str | None, list]:

@@ -112,10 +112,10 @@ MUTATIONS = [
              "self.valid &= ~(self.tail & rows[:, None])", "self.valid &= ~self.tail",
              ["tests/test_decoding.py", "-k", "batched_generation_equals_one_by_one"]),
     # checkpointing and resume
-    Mutation("resume: the scheduler is not restored", "concept/training.py",
+    Mutation("resume: the scheduler is not restored", "concept/checkpoint_state.py",
              'self.scheduler.load_state_dict(objects["scheduler"])', "pass",
              ["tests/test_training.py", "-k", "resume_reproduces"]),
-    Mutation("resume: the optimizer state is not restored", "concept/training.py",
+    Mutation("resume: the optimizer state is not restored", "concept/checkpoint_state.py",
              "set_optimizer_state_dict(self.model, self.optimizer, objects[\"optimizer\"],",
              "(lambda *a, **k: None)(self.model, self.optimizer, objects[\"optimizer\"],",
              ["tests/test_training.py", "-k", "resume_reproduces"]),

@@ -194,12 +194,14 @@ def test_train_json_of_a_family_that_no_longer_has_the_moved_options_reads(tmp_p
     assert saved_config(run, read)[2] == planner(steps=3)
     with pytest.raises(TypeError, match="target_ratio"):  # negative control: the record as it was written
         planner.from_dict(migrate_train(written))
-    # a dense baseline of a streaming run recorded the planner-executor's options too
-    streaming = for_family("streaming")
+    # a dense baseline of a streaming run recorded every family's options; it is a run of the dense family now
+    # (concept.migrate.baseline_build), whose options are the core's
     baseline = TrainConfig(baseline="dense", steps=3, target_ratio=0.25).to_dict()
     assert "task" in baseline and "commitment" in baseline
-    (run / "concept.json").write_text(json.dumps({"format": FORMAT_VERSION, "config": {"family": "streaming"}}))
+    (run / "concept.json").write_text(json.dumps({"format": FORMAT_VERSION, "config": {
+        "family": "streaming", "backbone": {"name": "tiny", "params": {}}}}))
     (run / "train.json").write_text(json.dumps(baseline))
     read = run_files.read_train(run)
-    assert "task" not in read and read["target_ratio"] == 0.25
-    assert saved_config(run, read)[2] == streaming(baseline="dense", steps=3, target_ratio=0.25)
+    assert "task" not in read and "target_ratio" not in read and "baseline" not in read
+    assert run_files.train_config_of(run) is for_family("dense")
+    assert saved_config(run, read)[2] == for_family("dense")(steps=3)

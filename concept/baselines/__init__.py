@@ -37,11 +37,11 @@ def derive(config, source: dict, plan) -> tuple[object, object, list[str]]:
     static concept budget builds its masks without reading anything back), and the source build
     (``baseline_of``). A pruned baseline of a family without an operating point to match
     (``Family.matched_flops`` None) and no ``--prune-layers``: a ``ConfigError`` naming the fix."""
-    from ..config import BuildConfig, has_budget
+    from ..config import BuildConfig
 
     name = config.baseline
     section: dict = {"mtp_heads": config.mtp_heads} if config.mtp_heads else {}
-    if has_budget(getattr(plan.config, "max_ratio", 0.0)):  # (a family without a budget has no max_ratio)
+    if plan.family_object.static_shapes(plan):
         section["static"] = True
     notes = []
     if name == "pruned":

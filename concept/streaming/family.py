@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..contracts import DifferentiableBoundary, Family, FlopTarget, RatioControlled, TracksRatio
 from .options import StreamingBuild, StreamingTraining
 from .section import StreamingSection
+from .operating_point import has_budget
 
 
 class Streaming(Family):
@@ -182,6 +183,10 @@ class Streaming(Family):
         return None  # the core's causal forward over context + continuation (one pass = its decoding)
 
     # -- as the source of a FLOP-matched baseline ----------------------------------------------
+    def static_shapes(self, plan) -> bool:
+        """A build with a static concept budget (``max_ratio``: ``concept.streaming.operating_point.has_budget``)."""
+        return has_budget(plan.config.max_ratio)
+
     def matched_flops(self, plan, config, shape) -> FlopTarget:
         """The model's ideal forward FLOPs at ``config.target_ratio`` concepts per token (evenly spaced) over
         ``config.seq_len`` tokens, as a fraction of the dense backbone's (``concept.flops``); the block starts at
