@@ -40,6 +40,11 @@ class RunFolderError(ConceptError):
     exit_code = 1
 
 
+class TrainingError(ConceptError):
+    """Training cannot go on (e.g. a step's loss became NaN); the run keeps its last good checkpoint."""
+    exit_code = 1
+
+
 def one_line(text: object, limit: int = 400) -> str:
     """``text`` (an exception's message, say) as one line for an ``error:`` message: its lines joined, runs of
     whitespace collapsed, cut at ``limit`` characters (a list of hundreds of keys stays readable)."""
