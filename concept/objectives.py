@@ -91,7 +91,7 @@ class Objective:
         micro-batches, and totals; nothing is read back): act on the device, leaving the state as it was where
         ``skipped`` (a 0-dim bool tensor: the step's loss or gradients were not finite, the optimizer did not
         step), and return what to log: numbers, or device scalars the trainer reads with the step's log, later
-        (``Trainer.read_log``). Prefer it to :meth:`after_step`."""
+        (``concept.train_step.StepRunner.read_log``). Prefer it to :meth:`after_step`."""
         return {}
 
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:

@@ -527,7 +527,7 @@ class Trainer:
         """The step machinery over this run's training forward, objectives, optimizer and data."""
         return StepRunner(self.config, self.model, self.train_forward, self.objectives, self.optimizer, self.scheduler,
                           self.dist, self.device, batch=self.batch, autocast=self.autocast, gathered=self.gathered,
-                          diagnostics=self.kind.step_diagnostics, note=self.notes.append)
+                          diagnostics=self.kind.step_diagnostics, note=lambda text: self.notes.append(text))
 
     @property
     def step(self) -> int:
