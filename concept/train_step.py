@@ -1,11 +1,11 @@
 """One training step at a time, queued on the device, and its log read back later (``Trainer``'s step machinery).
 
-    runner = StepRunner(config, model, forward, objectives, optimizer, scheduler, dist, device, batch=...,
+    runner = StepRunner(config, model, train_forward, objectives, optimizer, scheduler, dist, device, batch=...,
                         autocast=..., gathered=..., diagnostics=..., note=...)
     runner.queue_step(); runner.queue_step()      # two steps on the device, nothing read back
     rows = runner.read_log()                      # their logged values, read in one copy
 
-A step is ``grad_accum`` micro-batches through ``forward`` (the :class:`StepModule`, eager or compiled, wrapped in
+A step is ``grad_accum`` micro-batches through ``train_forward`` (the :class:`StepModule`, eager or compiled, wrapped in
 DDP / FSDP2 under torchrun), the gradients clipped, a fused-AdamW step guarded by ``found_inf`` (a step whose
 loss or gradients are not finite leaves the weights, the optimizer state and the controllers as they were) and
 the objectives' device-side hooks. Its logged values stay on the device (a :class:`QueuedStep`) until
@@ -113,14 +113,14 @@ def skip_error(row: dict, last_saved: int | None) -> TrainingError:
 class StepRunner:
     """The optimizer steps of a run: the step counter, the steps queued on the device and their log.
 
-    ``forward`` is the training forward (a :class:`StepModule`, compiled or eager, or its DDP / FSDP2 wrapper);
+    ``train_forward`` is the training forward (a :class:`StepModule`, compiled or eager, or its DDP / FSDP2 wrapper);
     ``batch(index)`` a training batch on the device; ``autocast()`` / ``gathered()`` the contexts of a use of the
-    model (``gathered``: FSDP2's root parameters, for a forward outside ``forward``); ``diagnostics(model, out,
+    model (``gathered``: FSDP2's root parameters, for a forward outside ``train_forward``); ``diagnostics(model, out,
     batch)`` the family's step diagnostics; ``note(text)`` a note for the user."""
 
-    def __init__(self, config, model: nn.Module, forward, objectives: list, optimizer: torch.optim.Optimizer,
+    def __init__(self, config, model: nn.Module, train_forward, objectives: list, optimizer: torch.optim.Optimizer,
                  scheduler, dist, device: torch.device, *, batch, autocast, gathered, diagnostics, note):
-        self.config, self.model, self.forward, self.objectives = config, model, forward, objectives
+        self.config, self.model, self.train_forward, self.objectives = config, model, train_forward, objectives
         self.optimizer, self.scheduler, self.dist, self.device = optimizer, scheduler, dist, device
         self.batch, self.autocast, self.gathered, self.diagnostics, self.note = batch, autocast, gathered, \
             diagnostics, note
@@ -239,9 +239,9 @@ class StepRunner:
                     b = objective.prepare(model, b, self.step)
             torch.manual_seed(micro_seed(cfg.seed, self.step, j))
             last = m == cfg.grad_accum - 1
-            no_sync = getattr(self.forward, "no_sync", None) if not last else None
+            no_sync = getattr(self.train_forward, "no_sync", None) if not last else None
             with no_sync() if no_sync else nullcontext():  # DDP: all-reduce once, in the last backward
-                out, loss, terms, teacher_s = self.forward(b)
+                out, loss, terms, teacher_s = self.train_forward(b)
                 (loss / cfg.grad_accum).backward()
             # summed on the device in float64 (as Python floats were): read once per step, in read_log
             for name, term in terms.items():

@@ -17,6 +17,7 @@ from concept.objectives import Objective, StepContext
 from concept.train_step import StepModule, StepRunner, micro_seed
 from concept.training import TrainConfig, lr_lambda
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 VOCAB = 16
 
 
