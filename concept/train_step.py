@@ -163,9 +163,10 @@ class StepRunner:
         length = curriculum_len(cfg, self.step)
         model.train()
         anneal_temperature(model, cfg, self.step)
+        context = self.context()
         with self.autocast():
             for objective in self.objectives:  # e.g. the ratio controller aims at this step's target
-                objective.before_step(self.context())
+                objective.before_step(context)
         if not self.queued:
             self.window_start = time.perf_counter()
         sums, out, b = self._accumulate(length)
