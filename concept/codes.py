@@ -131,8 +131,8 @@ class CodeRevival(Objective):
         self._queries: dict[str, list[torch.Tensor]] = {}
         self._targets: dict[str, CodeUse] = {}
 
-    def before_step(self, trainer) -> None:
-        self.dist, self.step = trainer.dist, trainer.step
+    def before_step(self, context) -> None:
+        self.dist, self.step = context.dist, context.step
         self._used, self._queries, self._targets = {}, {}, {}
 
     def stats(self, model, batch, out) -> dict[str, float]:
@@ -191,16 +191,16 @@ class KMeansInit(Objective):
         self.batches, self.seed = batches, seed
         self.report: dict[str, float] = {}  # what to log with the next step (once)
 
-    def before_step(self, trainer) -> None:
-        if trainer.step != 0:
+    def before_step(self, context) -> None:
+        if context.step != 0:
             return
-        model, queries, targets = trainer.model, {}, {}
+        model, queries, targets = context.model, {}, {}
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), trainer.gathered():
+            with torch.no_grad(), context.gathered():
                 for index in range(self.batches):
-                    out = trainer.forward(trainer.batch(index))
+                    out = context.forward(context.batch(index))
                     for use in model.code_uses(out):
                         queries.setdefault(use.name, []).append(use.queries())
                         targets[use.name] = use

@@ -41,7 +41,8 @@ class RunFolderError(ConceptError):
 
 
 class TrainingError(ConceptError):
-    """Training cannot go on: the weights or the loss became non-finite, a checkpoint could not be written."""
+    """Training cannot go on: the weights or the loss became non-finite (the run keeps its last good
+    checkpoint), a checkpoint could not be written."""
 
     exit_code = 1
 

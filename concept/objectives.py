@@ -11,8 +11,9 @@ frozen backbone's forward it reads (``logits`` / ``deep_input`` / ``final``; emp
 ``batch`` is the dict of ``input_ids`` / ``attention_mask`` / ``document_ids``, ``out`` the
 model's output, ``teacher`` a ``concept.teacher.TeacherOutput`` or None. A controller (``adds_term =
 False``) adds no term; it acts through the other hooks (``before_step``, ``stats``, ``after_step``,
-``finish``, ``state_dict``). The trainer's loss is ``ce_weight * CE + sum of the terms``; it never
-branches on which objectives there are: a family (``Family.objectives``) or a baseline chooses them.
+``finish``, ``state_dict``); ``before_step`` and ``finish`` see the run through a :class:`StepContext`.
+The trainer's loss is ``ce_weight * CE + sum of the terms``; it never branches on which objectives there
+are: a family (``Family.objectives``) or a baseline chooses them.
 
 The objectives every kind of model shares (:func:`common`):
 
@@ -27,13 +28,31 @@ usage, placement), the planner-executor's in ``concept.planner.objectives`` and 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .contracts import Tempered
 from .mtp import mtp_pairs
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What :meth:`Objective.before_step` and :meth:`Objective.finish` see of a training run (not the trainer):
+    the step, the model, and the few ways to run it outside the training step."""
+    step: int  # the steps trained so far (before_step: the 0-based number of the step about to run)
+    steps: int  # the run's last step (``--steps``)
+    model: torch.nn.Module
+    dist: Any  # concept.distributed.Dist: the processes (rank, world size, collectives)
+    micro_batches: int  # micro-batches per optimizer step, over all processes (``batch(step * micro_batches + j)``)
+    batch: Callable[[int], dict]  # training batch ``index`` on the device (the same rows on every rank)
+    forward: Callable[[dict], Any]  # the model alone on a batch, under autocast (no objectives, no teacher)
+    gathered: Callable[[], AbstractContextManager]  # FSDP2: the root's parameters gathered for such a forward
+    note: Callable[[str], None]  # a note for the user (the CLI prints it)
 
 
 class Objective:
@@ -57,7 +76,7 @@ class Objective:
         """Before a micro-batch's forward: the batch, with what the objective adds (e.g. Hard-EM's plans)."""
         return batch
 
-    def before_step(self, trainer) -> None:
+    def before_step(self, context: StepContext) -> None:
         """Before an optimizer step's micro-batches (e.g. point a controller at this step's target)."""
 
     def stats(self, model, batch: dict, out) -> dict[str, float]:
@@ -73,7 +92,7 @@ class Objective:
         micro-batches, and totals; nothing is read back): act on the device, leaving the state as it was where
         ``skipped`` (a 0-dim bool tensor: the step's loss or gradients were not finite, the optimizer did not
         step), and return what to log: numbers, or device scalars the trainer reads with the step's log, later
-        (``Trainer.read_log``). Prefer it to :meth:`after_step`."""
+        (``concept.train_step.StepRunner.read_log``). Prefer it to :meth:`after_step`."""
         return {}
 
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
@@ -83,7 +102,7 @@ class Objective:
         does not."""
         return {}
 
-    def finish(self, trainer) -> dict[str, float]:
+    def finish(self, context: StepContext) -> dict[str, float]:
         """After the last step (e.g. a final calibration); returns what to log with that step."""
         return {}
 
@@ -231,7 +250,7 @@ class TemperatureSchedule(Objective):
         """[the schedule] for a sampler with a temperature (``concept.contracts.Tempered``), else []."""
         return [cls(sampler, start, end, steps, step)] if isinstance(sampler, Tempered) else []
 
-    def before_step(self, trainer) -> None:
+    def before_step(self, context: StepContext) -> None:
         self.sampler.tau = self.start + (self.end - self.start) * self.step() / max(1, self.steps - 1)
 
 

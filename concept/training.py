@@ -26,11 +26,8 @@ curve is that of one process running the same global batch.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
-import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,19 +40,25 @@ from .compiled import compile_model
 from .builder import build, load_new_modules
 from .checkpoint_state import CheckpointState, restore_weights
 from .config import BuildConfig, resolve
-from .diagnostics import evaluate, grad_norms
-from .distributed import Dist, full_tensor, pick_device
-from .errors import ConfigError, TrainingError
+from .diagnostics import evaluate
+from .distributed import Dist, pick_device
+from .errors import ConfigError, TrainingError  # noqa: F401 (TrainingError: API)
 from .lora import add_lora, load_lora_state_dict
 from .objectives import overrides
 from .optimizer import adamw
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
-from .syncs import declared
-from .teacher import TeacherClock, teacher_forward
 from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
-from .train_config import (  # noqa: F401 (parse_curriculum: also this module's API)
+from .train_step import (  # noqa: F401 (STEP_SUMS, QueuedStep, micro_seed: also this module's API)
+    STEP_SUMS,
+    QueuedStep,
+    StepModule,
+    StepRunner,
+    micro_seed,
+    skip_error,
+)
+from .train_config import (  # noqa: F401 (curriculum_len, parse_curriculum: also this module's API)
     curriculum_len,
     foreign_options,
     missing_options,
@@ -65,8 +68,6 @@ from .train_config import (  # noqa: F401 (parse_curriculum: also this module's 
 
 if TYPE_CHECKING:  # (composed when asked for: importing this module imports no family)
     from .train_config import TrainConfig
-
-STEP_SUMS = ("loss", "total_loss", "tokens", "teacher_s", "bad")  # summed over a step's micro-batches and ranks
 
 
 def __getattr__(name: str):
@@ -126,59 +127,6 @@ def training_problems(family, config: TrainConfig, plan, device, dist) -> list[s
         f"model does not read it" for flag, value, owner in foreign_options(config, family)]
 
 
-def micro_seed(seed: int, step: int, micro: int) -> int:
-    """The seed of micro-batch ``micro`` of (0-based) ``step``: its Gumbel noise and dropout do not
-    depend on which process computes it, nor on what ran before (exact resume)."""
-    return (seed * 1_000_003 + step * 65_537 + micro) % 2 ** 63
-
-
-@dataclasses.dataclass
-class QueuedStep:
-    """A step run on the device whose logged values are not read yet (``Trainer.queue_step``, ``read_log``)."""
-    step: int  # its number (1-based)
-    lr: float  # the rate it used
-    length: int  # its rows' length (the curriculum's)
-    on_device: list[str]  # the sums in ``values``, in order (then the gradient norm, then ``later``)
-    later: list[str]  # the objectives' logged device scalars in ``values``
-    values: torch.Tensor  # float64: the sums (over the ranks), the gradient norm, ``later`` (a GPU: a pinned copy)
-    host: dict  # the sums made on the host (e.g. teacher seconds), this rank's
-    logged: dict  # what the objectives' ``device_step`` returned (its device scalars are read from ``values``)
-    diag: dict  # the step diagnostics (every --log-every steps), read when it ran
-    scheduler: dict  # the schedule's state before the step (a skipped step puts it back)
-    ready: object = None  # a CUDA event: ``values`` has arrived
-
-
-class StepModule(nn.Module):
-    """One training forward: the frozen teacher (when an objective reads it), the model and every
-    loss term. One module, so that DDP / FSDP2 see every parameter the loss touches inside its
-    forward (the MTP heads and the objectives read the model outside the model's own forward)."""
-
-    def __init__(self, model: nn.Module, objectives: list, ce_weight: float, autocast):
-        super().__init__()
-        self.model = model
-        self.objectives, self.ce_weight, self.autocast = objectives, ce_weight, autocast
-        self.losses = [o for o in objectives if o.adds_term]  # (a controller adds no term)
-        self.teacher_needs = frozenset().union(*(o.teacher_needs for o in objectives))
-
-    def forward(self, b: dict):
-        """Returns (model output, total loss, {objective name: term}, seconds spent in the teacher)."""
-        teacher, teacher_s = None, 0.0
-        if self.teacher_needs:  # before the student: its graph never sees the adapters switched off
-            teacher_s = TeacherClock(b["input_ids"].device)  # (no sync: read with the step's log)
-            with teacher_s.timing(), self.autocast():
-                teacher = teacher_forward(self.model, b["input_ids"], b["attention_mask"], b["document_ids"],
-                                          self.teacher_needs)
-        extra = {k: v for k, v in b.items() if k not in ("input_ids", "attention_mask", "document_ids")}
-        with self.autocast():  # (extra: what an objective's `prepare` adds, e.g. Hard-EM's plan)
-            out = self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
-                             document_ids=b["document_ids"], **extra)
-            loss, terms = self.ce_weight * out.loss, {}
-            for objective in self.losses:  # (under autocast too: they read bf16 states with fp32 modules)
-                terms[objective.name] = objective(self.model, b, out, teacher)
-                loss = loss + terms[objective.name]
-        return out, loss, terms, teacher_s
-
-
 class Trainer:
     """One training run in a run folder (``out``)."""
 
@@ -207,17 +155,14 @@ class Trainer:
                                                    self.device)  # DDP / FSDP2 under torchrun, else the module itself
         self.optimizer = adamw(self.model, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.runner = self._step_runner()  # the step counter, the queued steps and their log (concept.train_step)
         self.checkpoint_state = CheckpointState(self.run, self.model, self.optimizer, self.scheduler, self.objectives,
                                                 self.dist, self.global_batch, self.data_fingerprint, self.record)
-        self.step = 0
-        self.queued: list[QueuedStep] = []  # steps run on the device whose logged values are not read yet
-        self.skipping: torch.Tensor | None = None  # on the device: a step so far had a non-finite loss or gradient
-        self.window_start = time.perf_counter()  # when the first step not read yet was queued (tokens_per_s)
         self.last_row: dict = {}
         self.trackers: list = []  # --report-to: opened by train()
         if resume:
             self.step = self.checkpoint_state.restore(self.notes)
-        self._stop = self._interrupted = False  # agreed by every rank / seen by this one (_on_sigint)
+        self._stopping = False  # a Ctrl-C alone stops after the step (several ranks: ``_stop``, agreed)
         self.attention = resolved_attention(self.model, self.device)
         derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
@@ -345,7 +290,7 @@ class Trainer:
         """Release the run's lock (``train`` does when it ends)."""
         self.run.release()
 
-    # -- the loop ----------------------------------------------------------------------------------
+    # -- the steps (concept.train_step) ---------------------------------------------------------------
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         b = self.train_data.batch(index, self.config.batch)
         return {k: v.to(self.device) for k, v in b.items()}
@@ -357,15 +302,40 @@ class Trainer:
 
     def forward(self, b):
         """The model alone on a batch (no objectives, no teacher), e.g. to calibrate the NULL bias."""
-        with self.autocast():
-            return self.model(b["input_ids"], attention_mask=b["attention_mask"], labels=b["input_ids"],
-                              document_ids=b["document_ids"])
+        return self.runner.model_forward(b)
+
+    def _step_runner(self) -> StepRunner:
+        """The step machinery over this run's training forward, objectives, optimizer and data."""
+        return StepRunner(self.config, self.model, self.train_forward, self.objectives, self.optimizer, self.scheduler,
+                          self.dist, self.device, batch=self.batch, autocast=self.autocast, gathered=self.gathered,
+                          diagnostics=self.family.step_diagnostics, note=lambda text: self.notes.append(text))
+
+    @property
+    def step(self) -> int:
+        """The steps trained (``StepRunner.step``)."""
+        return self.runner.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.runner.step = value
+
+    @property
+    def queued(self) -> list[QueuedStep]:
+        return self.runner.queued
 
     @property
     def acting_on_host(self) -> list:
         """The objectives that act on a step's values read on the host (``after_step``): with any, every step's
         log is read before the next step runs."""
-        return [o for o in self.objectives if overrides(o, "after_step")]
+        return self.runner.acting_on_host
+
+    def queue_step(self) -> None:
+        """One optimizer step, queued on the device (:meth:`concept.train_step.StepRunner.queue_step`)."""
+        self.runner.queue_step()
+
+    def read_log(self, keep: int = 0) -> list[dict]:
+        """The queued steps' rows but the last ``keep`` (:meth:`concept.train_step.StepRunner.read_log`)."""
+        return self.runner.read_log(keep)
 
     def train_step(self) -> dict:
         """One optimizer step, its values read now (:meth:`queue_step`, then :meth:`read_log`): its row. A step
@@ -376,170 +346,12 @@ class Trainer:
             raise self.skip_error(rows[-1])
         return rows[-1]
 
-    def queue_step(self) -> None:
-        """One optimizer step over the global batch, queued on the device without reading anything back (the
-        length policy's declared scan excepted): this rank's ``grad_accum`` micro-batches (DDP / FSDP2 average
-        the gradients over the ranks in backward), every logged value summed on the device, the non-finite
-        guard (a step whose loss or gradients are not finite, or one after such a step, leaves the weights, the
-        optimizer state and the controllers as they were: fused AdamW's ``found_inf``) and the objectives'
-        ``device_step``. Its values wait in ``queued`` until :meth:`read_log`. Rows are ``curriculum_len``
-        tokens long (``--curriculum``)."""
-        cfg, model = self.config, self.model
-        length = curriculum_len(cfg, self.step)
-        model.train()
-        with self.autocast():
-            for objective in self.objectives:  # e.g. the sampler's temperature, the ratio controller's target
-                objective.before_step(self)
-        if not self.queued:
-            self.window_start = time.perf_counter()
-        sums, out, b = self._accumulate(length)
-        if self.dist.world_size > 1:  # a Ctrl-C one rank saw: summed over the ranks with the step's values
-            sums["_stop"] = torch.full((), float(self._interrupted), dtype=torch.float64, device=self.device)
-        diag = {}
-        if (self.step + 1) % cfg.log_every == 0:  # before clipping, so spikes show
-            with declared("step diagnostics"):  # (every log_every steps)
-                diag = {f"grad_norm/{k}": v for k, v in grad_norms(model).items()}
-                with torch.no_grad(), self.gathered(), self.autocast():  # (this rank's last micro-batch)
-                    diag.update(self.family.step_diagnostics(model, out, b))
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], cfg.clip)
-        grad_norm = full_tensor(grad_norm).detach().to(self.device, torch.float64)
-        on_device = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]  # (teacher seconds: host numbers)
-        summed = self.dist.sum_on_device(torch.stack([sums[k].double() for k in on_device]))
-        total = dict(zip(on_device, summed.unbind()))
-        skipped = (total["bad"] > 0) | ~torch.isfinite(grad_norm)
-        self.skipping = skipped = skipped if self.skipping is None else skipped | self.skipping
-        self.optimizer.found_inf = skipped.float()  # fused AdamW: no update, the step counters as they were
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-        scheduler = self.scheduler.state_dict()  # (a skipped step, once read, puts it back)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        means = {k: v / self.micro_batches for k, v in total.items()}
-        logged = {}
-        for objective in self.objectives:  # e.g. the ratio controller moves the NULL bias (on the device)
-            logged.update(objective.device_step(model, means, total, skipped))
-        later = [k for k, v in logged.items() if isinstance(v, torch.Tensor)]
-        values = torch.cat([summed, grad_norm[None], *(logged[k].detach().double().reshape(1) for k in later)])
-        ready = None
-        if values.device.type == "cuda":  # copied into pinned memory as the device gets there; read later
-            values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        host = {k: v for k, v in sums.items() if k not in total}  # (teacher seconds: read with the log)
-        self.queued.append(QueuedStep(self.step, lr, length, on_device, later, values, host, logged, diag, scheduler,
-                                      ready))
-
-    def read_log(self, keep: int = 0) -> list[dict]:
-        """The rows of the queued steps but the last ``keep``, in order, their values read in one copy (the
-        declared ``step log`` sync; on a GPU it waits for those steps only, not for the ``keep`` still
-        running). ``tokens_per_s``: over the steps read together. A step whose loss or gradients were not
-        finite (the device skipped it and every step after it) ends the list, marked ``skipped``: the steps
-        after it are dropped and the step counter and the schedule go back to before it (the weights, the
-        optimizer state and the controllers never moved); :meth:`skip_error` says what happened."""
-        cfg, dist = self.config, self.dist
-        ready, self.queued = self.queued[:len(self.queued) - keep], self.queued[len(self.queued) - keep:]
-        if not ready:
-            return []
-        with declared("step log"):  # the one read of these steps' device values
-            if ready[-1].ready is not None:
-                ready[-1].ready.synchronize()  # (in stream order: the earlier steps' copies are done too)
-            values = torch.stack([q.values for q in ready]).tolist()
-            host = iter(dist.sum([v for q in ready for v in q.host.values()], self.device))
-        now = time.perf_counter()
-        seconds, self.window_start = now - self.window_start, now
-        rows = []
-        for q, read in zip(ready, values):
-            total = dict(zip(q.on_device, read))
-            self._stop = self._stop or total.get("_stop", 0) > 0  # every rank reads the same steps: they agree
-            total.update({k: next(host) for k in q.host})
-            mean = {k: v / self.micro_batches for k, v in total.items()}  # per micro-batch, over the global batch
-            grad_norm = read[len(q.on_device)]
-            row = {"step": q.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": q.lr,
-                   "grad_norm": grad_norm, "tokens_per_s": 0.0}
-            row.update({o.name: mean[o.name] for o in self.objectives if o.adds_term})  # each objective's term
-            # the objectives' statistics (``_``-prefixed ones are inputs of their device_step, not logged)
-            row.update({k: mean[k] for k in mean if k not in row and k not in STEP_SUMS and not k.startswith("_")})
-            if cfg.curriculum:
-                row["seq_len"] = q.length
-            row.update({k: dict(zip(q.later, read[len(q.on_device) + 1:])).get(k, v) for k, v in q.logged.items()})
-            for objective in self.acting_on_host:  # e.g. the quota controller moves the <EOS> bias
-                row.update(objective.after_step(self.model, mean, total))
-            if self.teacher_needs:
-                teacher_s = total["teacher_s"] / dist.world_size  # per process
-                row.update(teacher_s=teacher_s, teacher_fraction=teacher_s / seconds * len(ready))
-            if dist.world_size > 1:
-                row["world_size"] = dist.world_size
-            row.update({k: v for k, v in q.diag.items() if k not in row})  # (the step's ratio is the global one)
-            rows.append((row, total["tokens"]))
-            if total["bad"] or not math.isfinite(grad_norm):
-                row["skipped"] = True
-                self.step, self.queued = q.step - 1, []
-                self.scheduler.load_state_dict(q.scheduler)
-                self.optimizer.zero_grad(set_to_none=True)
-                break
-        tokens_per_s = sum(tokens for _, tokens in rows) / seconds
-        for row, _ in rows:
-            row["tokens_per_s"] = tokens_per_s
-        return [row for row, _ in rows]
-
     def skip_error(self, row: dict) -> TrainingError:
         """The error of a step that was skipped (``read_log``): its loss or gradients were not finite."""
         prev = checkpoint.read_meta(self.out)
-        where = f"the last good checkpoint (step {prev['step']}) is intact" if prev else "no checkpoint was written yet"
-        total = row["total_loss"]
-        what = f"the loss became {total}" if not math.isfinite(total) else f"the gradients became {row['grad_norm']}"
-        return TrainingError(f"{what} at step {row['step']}; the step was skipped (the weights and the optimizer "
-                             f"state are those of step {row['step'] - 1}) and {where}. "
-                             f"Try a lower --lr / --lr-new or a larger --clip.")
+        return skip_error(row, prev["step"] if prev else None)
 
-    def _accumulate(self, length: int) -> tuple[dict, object, dict]:
-        """This rank's ``grad_accum`` micro-batches: forward, backward (gradients add up), and the sums the step
-        logs (``STEP_SUMS``, each loss term, each objective's statistics). Returns (sums, the last micro-batch's
-        output, that micro-batch)."""
-        cfg, model, dist = self.config, self.model, self.dist
-        sums = dict.fromkeys([*STEP_SUMS, *(o.name for o in self.objectives if o.adds_term)], 0.0)
-        micros = self.micro_batches
-        for m in range(cfg.grad_accum):
-            j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
-            b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
-            for objective in self.preparing:  # e.g. Hard-EM's E-step puts the batch's plans in it
-                with self.gathered(), self.autocast():  # (FSDP2: the search runs outside the wrapped forward)
-                    b = objective.prepare(model, b, self.step)
-            torch.manual_seed(micro_seed(cfg.seed, self.step, j))
-            last = m == cfg.grad_accum - 1
-            no_sync = getattr(self.train_forward, "no_sync", None) if not last else None
-            with no_sync() if no_sync else nullcontext():  # DDP: all-reduce once, in the last backward
-                out, loss, terms, teacher_s = self.train_forward(b)
-                (loss / cfg.grad_accum).backward()
-            # summed on the device in float64 (as Python floats were): read once per step, in train_step
-            for name, term in terms.items():
-                sums[name] = sums[name] + term.detach().double()
-            with self.autocast():
-                for objective in self.objectives:  # statistics an objective acts on after the step (e.g. the quota)
-                    for key, value in objective.stats(model, b, out).items():
-                        value = value.detach().double() if isinstance(value, torch.Tensor) else value
-                        sums[key] = sums.get(key, 0.0) + value
-            sums["bad"] = sums["bad"] + (~torch.isfinite(loss.detach())).double()
-            sums["loss"] = sums["loss"] + out.loss.detach().double()
-            sums["total_loss"] = sums["total_loss"] + loss.detach().double()
-            sums["teacher_s"] += teacher_s
-            sums["tokens"] = sums["tokens"] + b["attention_mask"].sum().double()
-        return sums, out, b
-
-    def objective_states(self) -> dict[str, dict]:
-        """The state of every objective that keeps one (e.g. Hard-EM's plan cache), by name; under torchrun
-        the union over the ranks (each caches the examples of its own micro-batches)."""
-        states = {}
-        for objective in self.objectives:
-            state = objective.state_dict()
-            if state is None:
-                continue
-            if self.dist.world_size > 1:
-                state = objective.merge_states(self.dist.gather_objects(state))
-            states[objective.name] = state
-        return states
-
+    # -- the loop ----------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Held-out evaluation. Under torchrun every rank evaluates the same batches (FSDP2 needs every
         rank in each forward; the results are identical) and rank 0 logs them."""
@@ -557,11 +369,21 @@ class Trainer:
             for tracker in self.trackers:
                 tracker.log(row["step"], row)
 
+    @property
+    def _interrupted(self) -> bool:
+        """A Ctrl-C this rank saw (``StepRunner.interrupted``)."""
+        return self.runner.interrupted
+
+    @property
+    def _stop(self) -> bool:
+        """Stop after this step: a Ctrl-C (alone), or one any rank saw, read back with the step log."""
+        return self._stopping or self.runner.stop_agreed
+
     def _on_sigint(self, signum, frame):
         if self._interrupted:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
-        self._interrupted = True
-        self._stop = self._stop or self.dist.world_size == 1  # several ranks agree on it with the step log
+        self.runner.interrupted = True
+        self._stopping = self._stopping or self.dist.world_size == 1  # several ranks agree on it with the step log
 
     def train(self, progress=None) -> dict:
         """Run until ``config.steps``; returns the final held-out evaluation. A run replacing an existing
@@ -628,7 +450,7 @@ class Trainer:
             if row["step"] == self.config.steps:
                 with self.autocast():
                     for objective in self.objectives:  # e.g. the ratio controller's final calibration
-                        row.update(objective.finish(self))
+                        row.update(objective.finish(self.runner.context()))
             if evaluate and row["step"] == self.step:
                 row["eval"] = self.evaluate()
             self.log(row)

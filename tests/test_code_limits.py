@@ -10,7 +10,7 @@ MAX_FUNCTION, MAX_CLASS = 60, 250
 ROOT = Path(__file__).resolve().parents[1] / "concept"
 # "path inside concept/::qualified name" -> its lines today (only concept/training.py and concept/config.py)
 ALLOWED = {
-    "training.py::Trainer": 478,
+    "training.py::Trainer": 339,
     "config.py::resolve": 70,
 }
 

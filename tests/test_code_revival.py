@@ -155,17 +155,17 @@ def test_kmeans_init_points_codes_at_the_centroids_of_the_first_batches_queries(
     batches = [SimpleNamespace(ids=torch.zeros(30, dtype=torch.long), states=torch.randn(30, 32, generator=g))
                for _ in range(2)]
     model.eval, model.train, model.training = (lambda: None), (lambda mode=True: None), True
-    trainer = SimpleNamespace(step=0, model=model, batch=lambda i: i, forward=lambda i: batches[i],
-                              gathered=lambda: __import__("contextlib").nullcontext())
+    context = SimpleNamespace(step=0, model=model, batch=lambda i: i, forward=lambda i: batches[i],
+                              gathered=lambda: __import__("contextlib").nullcontext())  # (a StepContext's parts)
     init = KMeansInit(batches=2, seed=7)
-    init.before_step(trainer)
+    init.before_step(context)
     queries = torch.cat([vocab.query(b.states) for b in batches]).detach()
     centroids = spherical_kmeans(queries, 24, torch.Generator().manual_seed(7 * 1_000_003))
     assert torch.allclose(F.normalize(vocab.codebook, dim=-1), centroids, atol=1e-6)
     assert init.after_step(model, {}, {}) == {"kmeans_codes": 24, "kmeans_states": 60}
     assert init.after_step(model, {}, {}) == {}  # logged once
     later = vocab.codebook.detach().clone()
-    KMeansInit(batches=2, seed=7).before_step(SimpleNamespace(**{**vars(trainer), "step": 3}))  # a resumed run
+    KMeansInit(batches=2, seed=7).before_step(SimpleNamespace(**{**vars(context), "step": 3}))  # a resumed run
     assert torch.equal(vocab.codebook, later)
 
 

@@ -43,8 +43,8 @@ ALLOWED = {
     ("concept/planner/diagnostics.py", "_PlannedTotals.__init__"): "host-side id histograms of .cpu() values",
     ("concept/syncs.py", "upload"): "Python data staged on the host on purpose (pinned on CUDA), then copied to "
                                     "the device without a wait",
-    ("concept/training.py", "Trainer.queue_step"): "pinned host memory that a step's logged values are copied into "
-                                                   "(non-blocking) on CUDA, read later",
+    ("concept/train_step.py", "StepRunner._on_its_way"): "pinned host memory that a step's logged values are "
+                                                         "copied into (non-blocking) on CUDA, read later",
     ("concept/export.py", "_compare"): "the export check runs both models on the CPU, where they are loaded",
     ("concept/flops.py", "evenly_spaced_keep"): "FLOP counting: host-side arithmetic, no model data",
     ("concept/flops.py", "deep_keys"): "FLOP counting: host-side arithmetic, no model data",

@@ -86,7 +86,7 @@ def test_negative_control_a_collective_read_every_step_is_counted(static_run, tw
 
     def queue_and_agree(self):
         queue(self)
-        self._stop = self.dist.sum([float(self._interrupted)])[0] > 0
+        self._stopping = self.dist.sum([float(self._interrupted)])[0] > 0
 
     monkeypatch.setattr(Trainer, "queue_step", queue_and_agree)
     seen = loop_counted(trainer, monkeypatch)

@@ -106,10 +106,10 @@ def _randomness_not_a_function_of_the_step(monkeypatch):
     """The micro-batch seed drawn from a counter of this process (so a resumed process starts it again)."""
     import itertools
 
-    import concept.training as training
+    import concept.train_step as train_step
 
     counter = itertools.count()
-    monkeypatch.setattr(training, "micro_seed", lambda seed, step, micro: seed + next(counter))
+    monkeypatch.setattr(train_step, "micro_seed", lambda seed, step, micro: seed + next(counter))
 
 
 @pytest.mark.parametrize("broken", [_optimizer_not_restored, _scheduler_not_restored,

@@ -177,9 +177,9 @@ class ContextCurriculum(Objective):
     def __init__(self, config):
         self.config = config
 
-    def before_step(self, trainer) -> None:
-        cfg, length = self.config, curriculum_len(self.config, trainer.step)
-        trainer.model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
+    def before_step(self, context) -> None:
+        cfg, length = self.config, curriculum_len(self.config, context.step)
+        context.model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
 
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
         used, model.context_len = model.context_len, self.config.context_len

@@ -280,21 +280,8 @@ class ConceptDecoder:
 
     def kv_stats(self) -> list[dict]:
         """Per row: KV entries held by each stack (summed over its layers), bytes, and the dense
-        backbone's bytes for the same tokens."""
-        model, cache = self.model, self.cache
-        n_layers = dict(zip(("shallow", "middle", "deep"), model.split))
-        entry = max(c.entry_bytes() for c in cache.stacks().values())
-        counts = {name: (c.entries() * n_layers[name]).tolist() for name, c in cache.stacks().items()}
-        tails = cache.deep.tail_entries().tolist()
-        rows = []
-        for b, tokens in enumerate(self.pos.tolist()):
-            entries = {name: counts[name][b] for name in counts}
-            total = sum(entries.values())
-            rows.append({"tokens": tokens, "concepts": int(self.num_concepts[b]), "tail": tails[b],
-                         "max_tail": self.max_tail, "entries": entries, "bytes": total * entry,
-                         "dense_bytes": sum(model.split) * tokens * entry,
-                         "allocated_bytes": sum(c.allocated_bytes() for c in cache.stacks().values())})
-        return rows
+        backbone's bytes for the same tokens (:func:`kv_stats`)."""
+        return kv_stats(self)
 
 
 def concept_slots(model, recent, num_concepts, pos, keep, cache):
@@ -317,3 +304,22 @@ def concept_slots(model, recent, num_concepts, pos, keep, cache):
             model.run_stack(model.deep, c, concept_pos, DecodePattern(cache.deep.begin(keep)), cache.deep)
             cache.deep.commit()
     return c, c_in, concept_pos
+
+
+def kv_stats(decoder) -> list[dict]:
+    """Per row of ``decoder`` (a :class:`ConceptDecoder`): KV entries held by each stack (summed over its
+    layers), bytes, and the dense backbone's bytes for the same tokens."""
+    model, cache = decoder.model, decoder.cache
+    n_layers = dict(zip(("shallow", "middle", "deep"), model.split))
+    entry = max(c.entry_bytes() for c in cache.stacks().values())
+    counts = {name: (c.entries() * n_layers[name]).tolist() for name, c in cache.stacks().items()}
+    tails = cache.deep.tail_entries().tolist()
+    rows = []
+    for b, tokens in enumerate(decoder.pos.tolist()):
+        entries = {name: counts[name][b] for name in counts}
+        total = sum(entries.values())
+        rows.append({"tokens": tokens, "concepts": int(decoder.num_concepts[b]), "tail": tails[b],
+                     "max_tail": decoder.max_tail, "entries": entries, "bytes": total * entry,
+                     "dense_bytes": sum(model.split) * tokens * entry,
+                     "allocated_bytes": sum(c.allocated_bytes() for c in cache.stacks().values())})
+    return rows

@@ -138,14 +138,14 @@ class RatioControl(Objective):
         if isinstance(policy, TracksRatio):
             gap.set_target(policy, target)  # (no device read at the next decision)
 
-    def before_step(self, trainer) -> None:
-        model = trainer.model
+    def before_step(self, context) -> None:
+        model = context.model
         self.step_target = self.target()
         self.set_target(model, self.step_target)
         if self.pi is not None and self.pi.base is None:  # first step: calibrate the NULL bias on this batch
-            with torch.no_grad(), trainer.gathered():
-                b = trainer.batch(0)  # the same rows on every rank: the same bias
-                out = trainer.forward(b)
+            with torch.no_grad(), context.gathered():
+                b = context.batch(0)  # the same rows on every rank: the same bias
+                out = context.forward(b)
             self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
 
     def stats(self, model, batch, out) -> dict[str, torch.Tensor]:
@@ -175,8 +175,8 @@ class RatioControl(Objective):
             self.pi.apply_on_device(model.length_policy, means["_quantile"], means["_spread"], ratio, skipped)
         return row
 
-    def finish(self, trainer) -> dict[str, float]:
-        model = trainer.model
+    def finish(self, context) -> dict[str, float]:
+        model = context.model
         self.set_target(model, self.final_target)  # the curriculum's end: the model is saved with the final target
         if self.pi is None:
             return {}
@@ -184,18 +184,17 @@ class RatioControl(Objective):
             was_training = model.training
             model.eval()  # the decisions the evaluated model will make (e.g. no LoRA dropout)
             try:
-                with torch.no_grad(), trainer.gathered():  # only the shallow stack and the head are needed
+                with torch.no_grad(), context.gathered():  # only the shallow stack and the head are needed
                     # the same rows on every rank
-                    batches = (trainer.batch(trainer.step * trainer.micro_batches + i)
+                    batches = (context.batch(context.step * context.micro_batches + i)
                                for i in range(self.calibration_batches))
                     logits, valid, reset, h = decision_inputs(model, batches)
                     reached = self.pi.calibrate_exact(model.length_policy, logits, valid, reset, h=h)
             finally:
                 model.train(was_training)
             if abs(reached - self.final_target) > 0.05 * self.final_target:
-                trainer.notes.append(f"the final calibration reached {reached:.4f} concepts per token, not the "
-                                     f"target {self.final_target}: the length policy cannot reach it with these "
-                                     f"settings")
+                context.note(f"the final calibration reached {reached:.4f} concepts per token, not the "
+                             f"target {self.final_target}: the length policy cannot reach it with these settings")
         return {"null_bias_calibrated": float(model.length_policy.null_bias)}
 
     def state_dict(self) -> dict | None:
