@@ -45,8 +45,7 @@ class ConceptDecoder:
 
     @property
     def keep(self) -> list[list[bool]]:
-        """Each row's decisions: the prompt's, then one per token it was fed; the steps' are read (in one copy)
-        when asked, not as they are made."""
+        """Each row's decisions: the prompt's, then one per token fed (read in one copy when asked)."""
         if self._fed:
             keeps, actives = (torch.stack(x, 1).tolist() for x in zip(*self._fed))
             self._fed = []
@@ -61,8 +60,7 @@ class ConceptDecoder:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """One-pass forward over the prompts (left-padded) -> next-token logits [B, V]."""
-        model = self.model
-        B = input_ids.shape[0]
+        model, B = self.model, input_ids.shape[0]
         if model.compiled_stacks is not None:  # compiled: a few prompt widths (more left padding), a few graphs
             pad = -input_ids.shape[1] % PREFILL_BUCKET
             input_ids, valid = F.pad(input_ids, (pad, 0)), F.pad(valid, (pad, 0))
