@@ -65,7 +65,7 @@ def parts(cfg):
 def runner(cfg, objectives=(), batch=data) -> StepRunner:
     """A runner over the eager step module, one process, fp32."""
     model, optimizer, scheduler = parts(cfg)
-    forward = StepModule(model, list(objectives), 1.0, nullcontext, lambda: None)
+    forward = StepModule(model, list(objectives), 1.0, nullcontext)
     return StepRunner(cfg, model, forward, list(objectives), optimizer, scheduler, Dist(), torch.device("cpu"),
                       batch=batch, autocast=nullcontext, gathered=nullcontext,
                       diagnostics=lambda model, out, b: {"diagnosed": 1.0}, note=lambda text: None)
