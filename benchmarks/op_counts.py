@@ -49,6 +49,37 @@ def dispatched(run) -> dict:
     return {"dispatched": seen.ops, "hidden_syncs": seen.hidden, "declared": dict(seen.declared)}
 
 
+def built_folder(max_ratio: str = "auto", folder: pathlib.Path | None = None) -> pathlib.Path:
+    """A folder holding the recipe's corpus (``code.jsonl``) and its build (``built``)."""
+    folder = folder or pathlib.Path(tempfile.mkdtemp())
+    docs = [c for name in ("textwrap.py", "shlex.py", "heapq.py", "bisect.py", "difflib.py")
+            for c in (STDLIB / name).read_text().split("\ndef ") if len(c) > 200]
+    (folder / "code.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    given = 0.0 if max_ratio == "none" else max_ratio
+    extra = {} if given == "auto" else {"max_ratio": float(given)}  # (auto: the default, at any commit)
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2,
+                                                          "vocab": 256}),
+                      split="2,2,2", vocabulary=ComponentRef("embedding", {"size": 32}),
+                      attention=ComponentRef("chunked", {}), **extra)
+    concept.save(concept.build(cfg), folder / "built")
+    return folder
+
+
+def started(folder: pathlib.Path, kind: str, seq_len: int = 128, compile: str = "off") -> Trainer:
+    """The trainer of ``kind`` (streaming, pruned, dense) on :func:`built_folder`'s build, its first two steps
+    taken (the first calibrates the NULL bias; the optimizer's state exists from the first on)."""
+    options = dict(steps=4, seq_len=seq_len, batch=2, eval_every=100, checkpoint_every=100, log_every=100,
+                   warmup=1, data=str(folder / "code.jsonl"), lora=concept.lora.LoraSettings(rank=8))
+    if compile != "off":
+        options["compile"] = compile
+    if kind != "streaming":
+        options["baseline"] = kind
+    trainer = Trainer.start(folder / "built", folder / kind, TrainConfig(**options))
+    trainer.train_step()
+    trainer.train_step()  # (a compiled run: every graph of a step is compiled by now)
+    return trainer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-ratio", default="auto", help="the build's (auto: its default, whatever the commit)")
@@ -57,28 +88,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    folder = pathlib.Path(tempfile.mkdtemp())
-    docs = [c for name in ("textwrap.py", "shlex.py", "heapq.py", "bisect.py", "difflib.py")
-            for c in (STDLIB / name).read_text().split("\ndef ") if len(c) > 200]
-    (folder / "code.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    given = 0.0 if args.max_ratio == "none" else args.max_ratio
-    extra = {} if given == "auto" else {"max_ratio": float(given)}  # (auto: the default, at any commit)
-    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2,
-                                                          "vocab": 256}),
-                      split="2,2,2", vocabulary=ComponentRef("embedding", {"size": 32}),
-                      attention=ComponentRef("chunked", {}), **extra)
-    concept.save(concept.build(cfg), folder / "built")
+    folder = built_folder(args.max_ratio)
     rows = []
     for kind in ("streaming", "pruned", "dense"):
-        options = dict(steps=4, seq_len=args.seq_len, batch=2, eval_every=100, checkpoint_every=100, log_every=100,
-                       warmup=1, data=str(folder / "code.jsonl"), lora=concept.lora.LoraSettings(rank=8))
-        if args.compile != "off":
-            options["compile"] = args.compile
-        if kind != "streaming":
-            options["baseline"] = kind
-        trainer = Trainer.start(folder / "built", folder / kind, TrainConfig(**options))
-        trainer.train_step()
-        trainer.train_step()  # (a compiled run: every graph of a step is compiled by now)
+        trainer = started(folder, kind, args.seq_len, args.compile)
         batch = trainer.batch(0)
         model = trainer.model
 

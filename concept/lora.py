@@ -2,6 +2,7 @@
 views of the decoder layers stay valid)."""
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -30,7 +31,147 @@ def add_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
     inject_adapter_in_model(config, backbone)
     for name, p in backbone.named_parameters():
         p.requires_grad_("lora_" in name)
+    use_fused_lora(backbone)
     return backbone
+
+
+# -- one op per matmul: the adapted linear layers' forward and backward ------------------------
+# peft's ``lora.Linear`` computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` through three
+# ``nn.Linear`` calls, a scalar multiply and the autograd of each: about 100 aten ops per adapted layer
+# and step, most of them views, transposes, scalar wrappers and casts (docs/benchmarks.md, "Fewer aten ops
+# in a streaming step"). ``FusedLoraLinear`` computes the same products in the same order with
+# ``torch.mm`` on 2-D views, forward and backward written out (``LoraMatmuls``): about half the ops, the
+# same values. Anything else (dropout, several or no active adapters, merged weights, a bias, DoRA and the
+# other variants, a trained base weight, mixed dtypes outside autocast) runs peft's own forward.
+
+
+def _exact_power_of_two(value: float) -> bool:
+    mantissa, _ = math.frexp(value)
+    return value > 0 and mantissa == 0.5
+
+
+class LoraMatmuls(torch.autograd.Function):
+    """``y = x W^T + s (x A^T) B^T`` on 2-D ``x`` [N, in] in ``dtype`` (autocast's or the tensors' own), with
+    the frozen ``W`` [out, in] and the adapters ``A`` [r, in], ``B`` [out, r] cast to it once, as autocast casts
+    them; the gradients of ``x``, ``A`` and ``B`` in the order autograd computes peft's (the scaled output
+    gradient ``g s`` first), cast back to each input's dtype as autocast's cast would. ``s`` folds into the
+    final add only when it is a power of two (then ``t s`` is exact and ``y + s t`` rounds once, as
+    ``y + (t s)`` does)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x if x.dtype == dtype else x.to(dtype)
+            w = weight if weight.dtype == dtype else weight.to(dtype)
+            a = lora_a if lora_a.dtype == dtype else lora_a.to(dtype)
+            b = lora_b if lora_b.dtype == dtype else lora_b.to(dtype)
+            y = torch.mm(xc, w.t())
+            h = torch.mm(xc, a.t())
+            t = torch.mm(h, b.t())
+            if scaling == 1.0 or _exact_power_of_two(scaling):
+                y = torch.add(y, t, alpha=scaling)
+            else:
+                y = y + t * scaling
+        ctx.save_for_backward(xc, w, a, b, h)
+        ctx.scaling = scaling
+        ctx.dtypes = (x.dtype, lora_a.dtype, lora_b.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xc, w, a, b, h = ctx.saved_tensors
+        x_dtype, a_dtype, b_dtype = ctx.dtypes
+        need_x, _, need_a, need_b = ctx.needs_input_grad[:4]
+        grad_x = grad_a = grad_b = None
+        with torch.autocast(grad.device.type, enabled=False):
+            grad = grad if grad.dtype == xc.dtype else grad.to(xc.dtype)
+            scaled = grad if ctx.scaling == 1.0 else grad * ctx.scaling
+            if need_b:
+                grad_b = torch.mm(scaled.t(), h)
+                grad_b = grad_b if grad_b.dtype == b_dtype else grad_b.to(b_dtype)
+            grad_h = torch.mm(scaled, b)
+            if need_a:
+                grad_a = torch.mm(grad_h.t(), xc)
+                grad_a = grad_a if grad_a.dtype == a_dtype else grad_a.to(a_dtype)
+            if need_x:
+                grad_x = torch.mm(grad, w).add_(torch.mm(grad_h, a))
+                grad_x = grad_x if grad_x.dtype == x_dtype else grad_x.to(x_dtype)
+        return grad_x, None, grad_a, grad_b, None, None
+
+
+def _compute_dtype(x: torch.Tensor, tensors) -> torch.dtype | None:
+    """The dtype the LoRA products run in, as peft + autocast would run them; None where the fused path
+    does not apply (mixed dtypes outside autocast, or autocast over something other than fp32)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return dtype if all(t.dtype in (dtype, torch.float32) for t in (x, *tensors)) else None
+    return x.dtype if all(t.dtype == x.dtype for t in tensors) else None
+
+
+def _lora_linear_class():
+    from peft.tuners.lora import Linear
+
+    return Linear
+
+
+class _FusedLoraForward:
+    """The forward of :class:`FusedLoraLinear` (a mixin: the class itself is made with peft's ``lora.Linear``
+    as its base the first time it is needed, so that importing ``concept.lora`` does not import peft)."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        fused = self._fused_inputs(x, args, kwargs)
+        if fused is None:
+            return super().forward(x, *args, **kwargs)
+        base, lora_a, lora_b, scaling, dtype = fused
+        flat = LoraMatmuls.apply(x.reshape(-1, x.shape[-1]), base.weight, lora_a, lora_b, scaling, dtype)
+        return flat.view(*x.shape[:-1], flat.shape[-1])
+
+    def _fused_inputs(self, x, args, kwargs):
+        if args or kwargs or self.disable_adapters or self.merged:
+            return None
+        active = [name for name in self.active_adapters if name in self.lora_A]
+        if len(active) != 1 or active[0] in self.lora_variant:
+            return None
+        name = active[0]
+        base = self.get_base_layer()
+        if type(base) is not nn.Linear or base.bias is not None or base.weight.requires_grad:
+            return None
+        if not isinstance(self.lora_dropout[name], nn.Identity):
+            return None
+        lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
+        dtype = _compute_dtype(x, (base.weight, lora_a, lora_b))
+        if dtype is None:
+            return None
+        return base, lora_a, lora_b, float(self.scaling[name]), dtype
+
+
+_FUSED_CLASS = None
+
+
+def fused_lora_class():
+    """``FusedLoraLinear``: peft's ``lora.Linear`` with :class:`_FusedLoraForward`'s forward."""
+    global _FUSED_CLASS
+    if _FUSED_CLASS is None:
+        _FUSED_CLASS = type("FusedLoraLinear", (_FusedLoraForward, _lora_linear_class()), {"__module__": __name__})
+    return _FUSED_CLASS
+
+
+def __getattr__(name: str):
+    if name == "FusedLoraLinear":  # (pickle and copy find the class by this name)
+        return fused_lora_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def use_fused_lora(backbone: nn.Module) -> int:
+    """Give every peft ``lora.Linear`` of ``backbone`` the fused forward (in place: the module, its
+    parameters and its state dict stay as they are); returns how many."""
+    plain, fused = _lora_linear_class(), fused_lora_class()
+    count = 0
+    for module in backbone.modules():
+        if type(module) is plain:
+            module.__class__ = fused
+            count += 1
+    return count
 
 
 def lora_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:
@@ -188,6 +329,7 @@ def load_peft_adapter(backbone: nn.Module, folder) -> LoraSettings:
         raise RunFolderError(f"the adapter in {folder} does not fit this backbone ({exc})") from None
     for name, p in backbone.named_parameters():
         p.requires_grad_("lora_" in name)
+    use_fused_lora(backbone)
     expected = set(get_lora_keys(backbone))
     try:
         result = set_peft_model_state_dict(backbone, state)

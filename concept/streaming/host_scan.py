@@ -83,13 +83,21 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
         margin = score - price * c.to(score.dtype)
         return margin > 0 if strict else margin >= 0
 
+    def passing_around(estimate: torch.Tensor) -> torch.Tensor:
+        """How many of the five counts ``estimate - 2 .. estimate + 2`` pass, tested all at once (a last
+        dimension of 5: the same elementwise ops as five calls of ``passes``)."""
+        counts = (estimate[..., None] + offsets).to(score.dtype)
+        margin = score[..., None] - price[..., None] * counts
+        return (margin > 0 if strict else margin >= 0).sum(-1)
+
+    offsets = torch.arange(-2, 3, device=score.device)
     quotient = score.double() / price.double()
     # a positive price: passes for c <= hi
     estimate = torch.nan_to_num(torch.floor(quotient), nan=-2.0).clamp(-2, limit + 1).long()
-    falling = (estimate - 3 + sum(passes(estimate + offset).long() for offset in range(-2, 3))).clamp(-1, limit)
+    falling = (estimate - 3 + passing_around(estimate)).clamp(-1, limit)
     # a negative price: passes for c >= lo
     estimate = torch.nan_to_num(torch.ceil(quotient), nan=float(limit + 3)).clamp(-1, limit + 2).long()
-    rising = (estimate - 2 + sum((~passes(estimate + offset)).long() for offset in range(-2, 3))).clamp(0, limit + 1)
+    rising = (estimate + 3 - passing_around(estimate)).clamp(0, limit + 1)
     # 0 (or NaN): every count passes or none does
     every = passes(torch.zeros_like(score, dtype=torch.long))
     none_lo, none_hi = torch.full_like(falling, limit + 1), torch.full_like(falling, -1)

@@ -83,8 +83,12 @@ class ChunkedPattern(AttentionPattern):
             outs.append(sdpa(query[:, :, :C], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
                              is_causal=self.concept_mask is None))
         for qa, qb, hc, ka, mask in self.chunks:
-            k = torch.cat([key[:, :, :hc], key[:, :, ka:qb]], dim=2)
-            v = torch.cat([value[:, :, :hc], value[:, :, ka:qb]], dim=2)
+            if hc == 0 or ka == hc:  # one range of keys (every chunk of a static layout): a view, no copy
+                first = ka if hc == 0 else 0
+                k, v = key[:, :, first:qb], value[:, :, first:qb]
+            else:
+                k = torch.cat([key[:, :, :hc], key[:, :, ka:qb]], dim=2)
+                v = torch.cat([value[:, :, :hc], value[:, :, ka:qb]], dim=2)
             outs.append(sdpa(query[:, :, qa:qb], k, v, scaling, mask))
         return rearrange(torch.cat(outs, dim=2), "b h l d -> b l h d")
 
