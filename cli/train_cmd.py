@@ -56,6 +56,7 @@ def named_run(words: list[str]) -> Path | None:
                    if w.split("=", 1)[0] == "--config" and ("=" in w or i + 1 < len(words))), None)
     if recipe is None or Path(recipe).is_dir():
         return None
+    # lazy: a recipe file's reader, only for --config
     from .recipes import read_recipe, section
 
     try:

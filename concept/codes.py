@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .contracts import Revivable
+from .contracts import Revivable, Tempered
 from .errors import ConfigError
-from .objectives import Objective
+from .objectives import Objective, TemperatureSchedule
 
 QUERIES_PER_STEP = 512  # at most this many queries of each (vocabulary, level) kept per micro-batch for revival
 KMEANS_ITERATIONS = 20
@@ -247,3 +247,10 @@ def fsdp2_problems(kmeans_init: int, revive_after: int) -> list[str]:
             f"--distributed ddp" for flag, value in (("revive-after", revive_after), ("kmeans-init", kmeans_init))
             if value]
 
+
+def temperature_schedule(sampler, config, step) -> list[Objective]:
+    """[the sampler's temperature schedule] (``--tau-start`` -> ``--tau-end`` over ``config.steps``; ``step()``: the
+    step about to run) for a sampler with a temperature (``concept.contracts.Tempered``), else []."""
+    if not isinstance(sampler, Tempered):
+        return []
+    return [TemperatureSchedule(sampler, config.tau_start, config.tau_end, config.steps, step)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from .errors import ConfigError
 
 
 class Pluggable:
@@ -350,6 +351,14 @@ class Family:
     def score(self, model, context, context_valid, continuation, continuation_valid):
         """Logits whose position k predicts continuation token k, or None: the core's causal forward."""
         return None
+
+    # -- derived from another run (``concept train RUN --baseline NAME``) --------------------------
+    def derive(self, config, source: dict, plan) -> tuple[Any, Any, list[str]]:
+        """A run of this family derived from the run whose build config is ``source`` (resolved as ``plan``),
+        trained with ``config``: (its ``BuildConfig``, the training config it trains with, notes for the user).
+        Default: this family is not a baseline another run can derive (``concept.baselines`` are)."""
+        raise ConfigError([f"baseline: the {self.name} family is not derived from another run; choose one of "
+                           f"the baselines (dense, pruned)"])
 
     # -- as the source of a FLOP-matched baseline ------------------------------------------------
     def static_shapes(self, plan) -> bool:

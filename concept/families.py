@@ -6,7 +6,11 @@ which needs no family.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from .errors import PluginConflictError, PluginImportError
+from .migrate import RecordFormatError, migrate_run
 from .registry import BUILTIN_DIST, registry
 
 _INSTANCES: dict = {}
@@ -34,11 +38,6 @@ def of_run(folder) -> str | None:
     """The name of the family a run folder was built with, read from its ``concept.json`` (an older format
     through ``concept.migrate``) without importing any family; None for a folder whose record cannot be read
     (its readers report why)."""
-    import json
-    from pathlib import Path
-
-    from .migrate import RecordFormatError, migrate_run
-
     try:
         try:  # (an older baseline run's build is derived from its train.json: concept.migrate.baseline_build)
             train = json.loads((Path(folder) / "train.json").read_text(encoding="utf-8"))

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .contracts import Tempered
 from .mtp import mtp_pairs
 
 
@@ -244,11 +243,6 @@ class TemperatureSchedule(Objective):
     step: object  # () -> the (0-based) step about to run
     name: str = "temperature"
     adds_term = False
-
-    @classmethod
-    def of(cls, sampler, start: float, end: float, steps: int, step) -> list[Objective]:
-        """[the schedule] for a sampler with a temperature (``concept.contracts.Tempered``), else []."""
-        return [cls(sampler, start, end, steps, step)] if isinstance(sampler, Tempered) else []
 
     def before_step(self, context: StepContext) -> None:
         self.sampler.tau = self.start + (self.end - self.start) * self.step() / max(1, self.steps - 1)

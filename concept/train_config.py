@@ -19,11 +19,14 @@ import typing
 from dataclasses import dataclass
 
 from . import options
-from .baselines import NAMES as BASELINES, REQUEST, parse_prune_layers  # noqa: F401 (parse_prune_layers: API)
 from .config import COMPILE_CHOICES, COMPILE_HELP, BuildConfig
 from .families import family, working
 from .options import SEED_MAX, check, nested, option
 
+BASELINES = ("dense", "pruned")  # the families `--baseline` derives a run of (concept.baselines)
+# the training options that only ask for a baseline's build (``--baseline``, ``--prune-layers``, ``--mtp-heads``):
+# the build records their effect (its section), train.json does not
+REQUEST = ("baseline", "prune_layers", "mtp_heads")
 TRAIN_ONLY = ("all", "new")
 DTYPES = ("auto", "fp32", "bf16")
 ALIGN_LOSSES = ("cosine", "mse")
@@ -254,6 +257,26 @@ def curriculum_len(config, step: int) -> int:
     progress = min(1.0, step / max(1.0, fraction * config.steps))
     return int(round(start + (config.seq_len - start) * progress))
 
+
+
+def parse_prune_layers(text, num_layers: int = 0) -> tuple[int, int]:
+    """``"A:B"`` (or ``[A, B]``) -> (A, B): skip layers A..B-1 (0-based, like a Python slice); at least one layer
+    stays. A ValueError says what is wrong and the fix."""
+    if isinstance(text, (list, tuple)) and len(text) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                   for i in text):
+        a, b = text
+    else:
+        try:
+            a, b = (int(x) for x in str(text).split(":"))
+        except ValueError:
+            raise ValueError("write it as START:STOP (0-based, STOP excluded), e.g. 8:20") from None
+    if not 0 <= a < b:
+        raise ValueError("need 0 <= START < STOP")
+    if num_layers and b > num_layers:
+        raise ValueError(f"the backbone has {num_layers} layers (0..{num_layers - 1}); STOP must be <= {num_layers}")
+    if num_layers and b - a >= num_layers:
+        raise ValueError(f"that removes all {num_layers} layers; keep at least one")
+    return a, b
 
 
 def family_options(third_party: bool = True) -> list[tuple[str, type]]:

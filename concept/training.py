@@ -74,6 +74,7 @@ def __getattr__(name: str):
     """``TrainConfig`` (also this module's API), composed when asked for: importing this module imports no family
     (``concept train RUN`` imports only the run's)."""
     if name == "TrainConfig":
+        # lazy: composing every family's options imports them all (``concept train RUN`` needs only its own)
         from .train_config import composed
 
         return composed()

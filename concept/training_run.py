@@ -13,14 +13,14 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import baselines, checkpoint, data, fs, options, run_files
+from . import checkpoint, data, families, fs, options, run_files
 from .builder import PEFT_ADAPTER_DIR, RUN_FILE, TRAIN_FILE, backbone_folder, read_run, read_train
 from .config import BuildConfig, resolve
 from .migrate import FORMAT_VERSION, migrate_run
 from .distributed import Dist
 from .errors import ConfigError, RunFolderError
 from .lora import peft_adapter_state
-from .train_config import LoraSettings
+from .train_config import BASELINES, LoraSettings
 
 if TYPE_CHECKING:  # (composed when asked for: importing this module imports no family)
     from .train_config import TrainConfig
@@ -53,7 +53,7 @@ class RunFolder:
         written = json.loads(file.read_text())
         today = migrate_run(written, run_files.unchecked_train(self.out))
         family = today["config"].get("family")
-        if family in baselines.NAMES and family != (written.get("config") or {}).get("family"):
+        if family in BASELINES and family != (written.get("config") or {}).get("family"):
             fs.write_atomic(file, json.dumps(today, indent=2, sort_keys=True))
         fs.write_atomic(self.out / TRAIN_FILE, json.dumps(record, indent=2))
 
@@ -112,7 +112,7 @@ def start(make, source: str | Path, out: str | Path, config: TrainConfig, force:
         problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
         if problems:
             raise ConfigError(problems)
-        build_config, config, notes = baselines.derive(config, record["config"], plan)
+        build_config, config, notes = families.family(config.baseline).derive(config, record["config"], plan)
     make.check(config, build_config, dist)  # bad options fail before anything is written
     if out.exists() and out.resolve() == source.resolve() and read_train(out) is not None:
         raise RunFolderError(f"{out} is already a training run; use --resume, or pass another -o/--output")

@@ -10,23 +10,13 @@ forward FLOPs match RUN's model at ``--seq-len`` (:func:`prune_plan`: what to ma
 Standard library only at import (its family modules are imported by ``concept train --help``)."""
 from __future__ import annotations
 
+import dataclasses
+
+from ..config import BuildConfig
 from ..errors import ConfigError
+from ..families import family
 
-NAMES = ("dense", "pruned")
-# the training options that only ask for a baseline's build (``--baseline``, ``--prune-layers``, ``--mtp-heads``):
-# the build records their effect (its section), train.json does not
-REQUEST = ("baseline", "prune_layers", "mtp_heads")
-
-
-def parse_prune_layers(text: str, num_layers: int = 0) -> tuple[int, int]:
-    """``"A:B"`` -> (A, B): skip layers A..B-1 (0-based, like a Python slice); at least one layer stays."""
-    from .pruned import block_problem, parse_block
-
-    block = parse_block(text)
-    problem = block_problem(block, num_layers)
-    if problem:
-        raise ValueError(problem)
-    return block
+from ..train_config import BASELINES as NAMES, REQUEST, for_family, foreign_options, parse_prune_layers  # noqa: F401
 
 
 def derive(config, source: dict, plan) -> tuple[object, object, list[str]]:
@@ -37,7 +27,6 @@ def derive(config, source: dict, plan) -> tuple[object, object, list[str]]:
     static concept budget builds its masks without reading anything back), and the source build
     (``baseline_of``). A pruned baseline of a family without an operating point to match
     (``Family.matched_flops`` None) and no ``--prune-layers``: a ``ConfigError`` naming the fix."""
-    from ..config import BuildConfig
 
     name = config.baseline
     section: dict = {"mtp_heads": config.mtp_heads} if config.mtp_heads else {}
@@ -67,11 +56,6 @@ def without_foreign(config, name: str) -> tuple[object, list[str]]:
     the core's options and that family's), and a note naming the options only another family reads that were
     set (``concept.train_config.foreign_options``: a baseline has no concepts, they do nothing; the source
     family's ratio only chose the match)."""
-    import dataclasses
-
-    from ..families import family
-    from ..train_config import for_family, foreign_options
-
     found = foreign_options(config, family(name))
     own = for_family(name)
     config = own(**{f.name: getattr(config, f.name) for f in dataclasses.fields(own) if hasattr(config, f.name)})
@@ -112,7 +96,8 @@ def _hf_config(plan):
     make = getattr(bb.cls, "hf_config", None)
     if callable(make):
         return make(bb.config)
-    from ..builder import build_backbone  # lazy: torch
+    # lazy: torch
+    from ..builder import build_backbone
 
     return build_backbone(plan).model.config
 

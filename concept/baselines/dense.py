@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..contracts import Family, FlopTarget
+from . import derive as derive_run
 
 
 @dataclass
@@ -77,6 +78,11 @@ class Dense(Family):
         removed = model.removed or model.deleted
         return {"baseline": {"kind": self.name, "removed_layers": list(removed) if removed else None},
                 "components": ["backbone"]}
+
+    def derive(self, config, source: dict, plan):
+        """The baseline of the run whose build is ``source`` (``concept train RUN --baseline``:
+        ``concept.baselines.derive``)."""
+        return derive_run(config, source, plan)
 
     def matched_flops(self, plan, config, shape) -> FlopTarget:
         """Its own forward FLOPs at ``config.seq_len`` (``--baseline pruned`` of a baseline run: the same block)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConceptError
+from ..train_config import parse_prune_layers
 from .dense import Dense, DenseSettings, parse_settings
 
 
@@ -24,31 +25,6 @@ class PrunedSettings(DenseSettings):
     layers: list | None = None
     deleted: list | None = None
     matched: dict | None = None
-
-
-def parse_block(text) -> tuple[int, int]:
-    """``"A:B"`` or ``[A, B]`` -> (A, B): skip layers A..B-1 (0-based, like a Python slice); ValueError with the
-    fix."""
-    if isinstance(text, (list, tuple)) and len(text) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
-                                                                   for i in text):
-        a, b = text
-    else:
-        try:
-            a, b = (int(x) for x in str(text).split(":"))
-        except ValueError:
-            raise ValueError("write it as START:STOP (0-based, STOP excluded), e.g. 8:20") from None
-    if not 0 <= a < b:
-        raise ValueError("need 0 <= START < STOP")
-    return a, b
-
-
-def block_problem(block: tuple[int, int], num_layers: int) -> str | None:
-    """What is wrong with skipping ``block`` of a backbone of ``num_layers`` layers, or None."""
-    if num_layers and block[1] > num_layers:
-        return f"the backbone has {num_layers} layers (0..{num_layers - 1}); STOP must be <= {num_layers}"
-    if num_layers and block[1] - block[0] >= num_layers:
-        return f"that removes all {num_layers} layers; keep at least one"
-    return None
 
 
 class Pruned(Dense):
@@ -66,14 +42,11 @@ class Pruned(Dense):
             value = getattr(settings, key)
             if value is None:
                 continue
-            try:
-                block = parse_block(value)
+            try:  # (a deleted block is checked against the backbone it was deleted from, not this one)
+                block = parse_prune_layers(value, num_layers if key == "layers" else 0)
             except ValueError as exc:
                 problems.append(f"{self.section}.{key} {value}: {exc}")
                 continue
-            problem = block_problem(block, num_layers) if key == "layers" else None
-            if problem:
-                problems.append(f"{self.section}.{key} {value}: {problem}")
             setattr(settings, key, list(block))
         if settings.matched is not None and not isinstance(settings.matched, dict):
             problems.append(f"{self.section}.matched: the FLOP match it was derived for (an object), got "

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import codes
-from ..objectives import Objective, TemperatureSchedule, usage_kl, zero
+from ..objectives import Objective, usage_kl, zero
 from ..train_config import curriculum_len
 from .hard_em import HardEMObjective
 
@@ -190,7 +190,7 @@ def from_config(config, model, step) -> list:
     """The planner-executor's objectives a ``TrainConfig`` asks for (the sampler's temperature schedule first;
     the quota always: its controller keeps the plan length near the budget even at weight 0). ``step()``: the
     step about to run."""
-    objectives: list = TemperatureSchedule.of(model.sampler, config.tau_start, config.tau_end, config.steps, step)
+    objectives: list = codes.temperature_schedule(model.sampler, config, step)
     if config.task == "continue" and config.curriculum:
         objectives.append(ContextCurriculum(config))
     if config.commitment and config.plan_training == "gumbel":  # (Hard-EM feeds hard embeddings: no soft sample)

@@ -117,7 +117,7 @@ class Streaming(Family):
         placement. They aim at the ratio curriculum's target of the step about to be trained (``step()``)."""
         # lazy: torch (module docstring)
         from .. import codes
-        from ..objectives import TemperatureSchedule, common
+        from ..objectives import common
         from .objectives import (
             PlacementObjective,
             RatioControl,
@@ -138,7 +138,7 @@ class Streaming(Family):
             controls = "pi"
         # the controller calibrates the NULL bias at step 0 unless --ratio-control none; it tracks with pi / both
         pi = PIController(config.target_ratio, ki=config.pi_ki) if controls != "none" else None
-        found: list = TemperatureSchedule.of(model.sampler, config.tau_start, config.tau_end, config.steps, step)
+        found: list = codes.temperature_schedule(model.sampler, config, step)
         found.append(RatioControl(target, config.target_ratio, pi, controls in ("pi", "both"), config.calibration_batches))
         if controls in ("loss", "both"):
             found.append(RatioObjective(config.ratio_loss_weight, target))
