@@ -50,9 +50,9 @@ class RunFolder:
         train.json no longer says which baseline it was."""
         self.source_run = source
         file = self.out / RUN_FILE
-        written = json.loads(file.read_text())
-        today = migrate_run(written, run_files.unchecked_train(self.out))
-        family = today["config"].get("family")
+        written = json.loads(file.read_text()) if file.is_file() else None  # (a run folder has one)
+        today = migrate_run(written, run_files.unchecked_train(self.out)) if written is not None else None
+        family = today["config"].get("family") if today is not None else None
         if family in BASELINES and family != (written.get("config") or {}).get("family"):
             fs.write_atomic(file, json.dumps(today, indent=2, sort_keys=True))
         fs.write_atomic(self.out / TRAIN_FILE, json.dumps(record, indent=2))

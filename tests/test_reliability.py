@@ -56,7 +56,7 @@ def test_an_interrupted_force_keeps_the_old_run(trained, corpus, monkeypatch):  
     before = snapshot(p)
 
     def interrupted(self, progress=None):
-        self._stop = True  # as the SIGINT handler does
+        self._stopping = True  # as the SIGINT handler does
         return real(self, progress)
 
     real = Trainer.train
@@ -227,7 +227,7 @@ def test_export_names_the_planner_executor_family(planner_run, tmp_path):
 
 
 def test_pruned_baseline_needs_a_block_on_a_planner_executor_run(planner_run, corpus, tmp_path):  # noqa: F811
-    r = run("train", planner_run / "pe", "--baseline", "pruned", "--data", corpus, *STEPS, *FAST, "--out", tmp_path / "x")
+    r = run("train", planner_run / "pe", "--baseline", "pruned", "--data", corpus, *PE_STEPS, *FAST, "--out", tmp_path / "x")
     assert r.exit_code == 2 and "--prune-layers" in r.stderr and not (tmp_path / "x").exists()
 
 
