@@ -407,23 +407,12 @@ class BuildResolution:
 
 
 
-def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolution:
-    """Validate the whole config; raise one ConfigError listing every problem (``earlier``: the caller's
-    own, e.g. ``--set`` items that did not apply, listed first)."""
-    problems: list[str] = list(earlier)
-    environment_problem = False
-    settings, fam = None, None
-    try:
-        fam = family(config.family)
-    except UnknownComponentError as exc:
-        problems.append(f"family: {exc}")
-    except ConceptError as exc:  # a broken or conflicting installed family: the environment, not the input
-        problems.append(f"family: {exc}")
-        environment_problem = True
-    own = fam.build_section if fam is not None else None
-    section = config.section if own is not None else None
-    slots = {"backbone": "backbone", **(own.slots() if own is not None else {})}
+def _resolve_components(config: BuildConfig, section, slots: dict, problems: list[str]) -> tuple[dict, bool]:
+    """Each slot's component (``slots``: slot -> kind) from the registry, with its validated config; the problems
+    go into ``problems``. Returns (slot -> ``ResolvedComponent``, whether a problem was the environment's: a broken
+    or conflicting installed plugin)."""
     components: dict[str, ResolvedComponent] = {}
+    environment_problem = False
     for slot, kind in slots.items():
         ref: ComponentRef = config.backbone if slot == "backbone" else getattr(section, slot)
         reg = registry(kind)
@@ -441,13 +430,13 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolu
         problems.extend(errs)
         if cfg is not None:
             components[slot] = ResolvedComponent(slot, ref.name, cls, cfg, provider, dict(ref.params))
+    return components, environment_problem
 
-    if not isinstance(config.seed, int) or isinstance(config.seed, bool):
-        problems.append(f"seed: expected an integer, got {config.seed!r}")
-    elif not 0 <= config.seed <= SEED_MAX:
-        problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {config.seed}")
-    if section is not None:
-        problems.extend(section.problems())
+
+def _foreign_sections(config: BuildConfig, fam) -> list[str]:
+    """A problem per section of ``config`` that the build's family ``fam`` (None: unknown) does not read."""
+    own = fam.build_section if fam is not None else None
+    problems = []
     for name, options in config.sections.items():
         if fam is not None and name in (fam.section, own.name if own is not None else None):
             continue
@@ -455,6 +444,34 @@ def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolu
         keys = options.to_dict() if hasattr(options, "to_dict") else options
         problems.append(f"{name}: {', '.join(sorted(keys))} configure the {owner} family; this build is "
                         f"{config.family!r} (pass --family {owner}, or drop the {name} options)")
+    return problems
+
+
+def resolve(config: BuildConfig, earlier: list[str] | tuple = ()) -> BuildResolution:
+    """Validate the whole config; raise one ConfigError listing every problem (``earlier``: the caller's
+    own, e.g. ``--set`` items that did not apply, listed first)."""
+    problems: list[str] = list(earlier)
+    environment_problem = False
+    settings, fam = None, None
+    try:
+        fam = family(config.family)
+    except UnknownComponentError as exc:
+        problems.append(f"family: {exc}")
+    except ConceptError as exc:  # a broken or conflicting installed family: the environment, not the input
+        problems.append(f"family: {exc}")
+        environment_problem = True
+    own = fam.build_section if fam is not None else None
+    section = config.section if own is not None else None
+    slots = {"backbone": "backbone", **(own.slots() if own is not None else {})}
+    components, environment = _resolve_components(config, section, slots, problems)
+    environment_problem = environment_problem or environment
+    if not isinstance(config.seed, int) or isinstance(config.seed, bool):
+        problems.append(f"seed: expected an integer, got {config.seed!r}")
+    elif not 0 <= config.seed <= SEED_MAX:
+        problems.append(f"seed: must be in [0, {SEED_MAX}] (a 64-bit seed), got {config.seed}")
+    if section is not None:
+        problems.extend(section.problems())
+    problems.extend(_foreign_sections(config, fam))
     if fam is not None:
         settings, errs = fam.settings(config.sections.get(fam.section, {}) if fam.section else {}, components)
         problems.extend(errs)
