@@ -98,7 +98,7 @@ def resolved_attention(model, device) -> str | None:
 
 def training_model(family, plan, config: TrainConfig, out: Path, resume: bool):
     """The model of the run's ``family`` (``concept.builder.build``), set up for what ``config`` trains it for
-    (``Family.prepare``), with the source run's new modules (resume: ``Trainer._restore_weights`` loads them)."""
+    (``Family.prepare``), with the source run's new modules (resume: ``trained_model`` restores them)."""
     model = build(resolution=plan)
     family.prepare(model, config.to_dict())
     if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
@@ -352,7 +352,7 @@ class Trainer:
         prev = checkpoint.read_meta(self.out)
         return skip_error(row, prev["step"] if prev else None)
 
-    # -- the loop ----------------------------------------------------------------------------------
+    # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Held-out evaluation. Under torchrun every rank evaluates the same batches (FSDP2 needs every
         rank in each forward; the results are identical) and rank 0 logs them."""
