@@ -27,7 +27,6 @@ curve is that of one process running the same global batch.
 from __future__ import annotations
 
 import math
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +47,7 @@ from .objectives import overrides
 from .optimizer import adamw
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
+from .training_loop import TrainingLoop
 from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
 from .train_step import (  # noqa: F401 (STEP_SUMS, QueuedStep, micro_seed: also this module's API)
@@ -81,15 +81,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _finite(value):
-    """Strict JSON: NaN / inf (e.g. a diagnostic with no concept in the batch) become null."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def lr_lambda(config: TrainConfig):
     def f(step: int) -> float:
         if step < config.warmup:
@@ -107,12 +98,44 @@ def resolved_attention(model, device) -> str | None:
 
 def training_model(family, plan, config: TrainConfig, out: Path, resume: bool):
     """The model of the run's ``family`` (``concept.builder.build``), set up for what ``config`` trains it for
-    (``Family.prepare``), with the source run's new modules (resume: ``Trainer._restore_weights`` loads them)."""
+    (``Family.prepare``), with the source run's new modules (resume: ``trained_model`` restores them)."""
     model = build(resolution=plan)
     family.prepare(model, config.to_dict())
     if not resume and (out / "modules.safetensors").is_file():  # the source run's weights
         file = out / "modules.safetensors"
         load_new_modules(model, run_files.read_weights(file), file)
+    return model
+
+
+def trained_model(family, plan, config: TrainConfig, run: training_run.RunFolder, resume: bool, dtype,
+                  device) -> nn.Module:
+    """The family's model with the run's weights and LoRA adapters, on the device, with what does not train
+    frozen (resume: the checkpoint's weights)."""
+    out = run.out
+    model = training_model(family, plan, config, out, resume)
+    if (out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
+        run_files.load_weights(model.backbone, out / "backbone.safetensors", "backbone")
+    add_lora(model.backbone, config.lora)
+    if (out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
+        file = out / "adapter.safetensors"
+        adapter = run_files.read_weights(file)
+        expected = {k: v for k, v in model.backbone.state_dict().items() if "lora_" in k}
+        run_files.check_weights(adapter, expected, file, "LoRA adapters")
+        load_lora_state_dict(model.backbone, adapter)
+    if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
+        for p in model.backbone.parameters():
+            p.requires_grad_(False)
+    if getattr(model, "removed", None):  # the skipped layers' adapters never see a gradient
+        start, stop = model.removed
+        for layer in list(decoder(model.backbone).layers)[start:stop]:
+            for p in layer.parameters():
+                p.requires_grad_(False)
+    store_frozen_base(model, dtype)  # bf16: cast once here, never inside a step
+    model.to(device)
+    model.gradient_checkpointing = config.grad_checkpointing
+    compile_model(model, config.compile)  # (off: eager)
+    if resume:  # weights before any sharding; the optimizer state once the optimizer exists
+        restore_weights(run, model)
     return model
 
 
@@ -128,6 +151,23 @@ def training_problems(family, config: TrainConfig, plan, device, dist) -> list[s
         f"model does not read it" for flag, value, owner in foreign_options(config, family)]
 
 
+def check_training(config: TrainConfig, build_config: BuildConfig, dist: Dist | None = None):
+    """Validate a training config against the build (all problems at once, ``ConfigError``) before
+    anything is loaded or written. Returns the resolved build plan and the device."""
+    device = pick_device(config.device)
+    if device.type == "cuda" and dist is not None and dist.active:
+        device = torch.device("cuda", dist.local_rank)
+    plan = resolve(build_config)
+    problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
+    problems += training_problems(plan.family_object, config, plan, device, dist)
+    if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
+        problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
+    problems += tracking.problems(config.report_to)
+    if problems:
+        raise ConfigError(problems)
+    return plan, device
+
+
 class Trainer:
     """One training run in a run folder (``out``)."""
 
@@ -141,7 +181,7 @@ class Trainer:
         self.dtype = compute_dtype(config.dtype, self.device)  # the frozen base's storage and autocast dtype
         torch.manual_seed(config.seed)
         self.family = plan.family_object  # what it trains (a baseline too: the dense and pruned families)
-        self.model = self._training_model(plan, resume)
+        self.model = trained_model(self.family, plan, config, self.run, resume, self.dtype, self.device)
         with self.dist.main_first():  # rank 0 fills the shard cache, the others read it
             read = data.open_training(config, data.tokenizer_for(self.model))
         self.train_data, self.eval_data, self.data_fingerprint = read.train, read.heldout, read.fingerprint
@@ -159,11 +199,9 @@ class Trainer:
         self.runner = self._step_runner()  # the step counter, the queued steps and their log (concept.train_step)
         self.checkpoint_state = CheckpointState(self.run, self.model, self.optimizer, self.scheduler, self.objectives,
                                                 self.dist, self.global_batch, self.data_fingerprint, self.record)
-        self.last_row: dict = {}
-        self.trackers: list = []  # --report-to: opened by train()
         if resume:
             self.step = self.checkpoint_state.restore(self.notes)
-        self._stopping = False  # a Ctrl-C alone stops after the step (several ranks: ``_stop``, agreed)
+        self.loop = self._training_loop()  # the cadence, Ctrl-C, the metrics and trackers (concept.training_loop)
         self.attention = resolved_attention(self.model, self.device)
         derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
@@ -171,36 +209,6 @@ class Trainer:
         derived["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
                                   "global_batch": self.global_batch}
         self.derived = derived  # written to train.json by start / resume once everything is checked
-
-    def _training_model(self, plan, resume: bool) -> nn.Module:
-        """The family's model with the run's weights and LoRA adapters, on the device, with what does not train
-        frozen (resume: the checkpoint's weights)."""
-        config = self.config
-        model = training_model(self.family, plan, config, self.out, resume)
-        if (self.out / "backbone.safetensors").is_file():  # randomly initialised backbones travel with the run
-            run_files.load_weights(model.backbone, self.out / "backbone.safetensors", "backbone")
-        add_lora(model.backbone, config.lora)
-        if (self.out / "adapter.safetensors").is_file():  # the source run was trained: start from its adapters
-            file = self.out / "adapter.safetensors"
-            adapter = run_files.read_weights(file)
-            expected = {k: v for k, v in model.backbone.state_dict().items() if "lora_" in k}
-            run_files.check_weights(adapter, expected, file, "LoRA adapters")
-            load_lora_state_dict(model.backbone, adapter)
-        if config.train_only == "new":  # the adapters stay injected (and saved) but frozen
-            for p in model.backbone.parameters():
-                p.requires_grad_(False)
-        if getattr(model, "removed", None):  # the skipped layers' adapters never see a gradient
-            start, stop = model.removed
-            for layer in list(decoder(model.backbone).layers)[start:stop]:
-                for p in layer.parameters():
-                    p.requires_grad_(False)
-        store_frozen_base(model, self.dtype)  # bf16: cast once here, never inside a step
-        model.to(self.device)
-        model.gradient_checkpointing = config.grad_checkpointing
-        compile_model(model, config.compile)  # (off: eager)
-        if resume:  # weights before any sharding; the optimizer state once the optimizer exists
-            restore_weights(self.run, model)
-        return model
 
     @property
     def out(self) -> Path:
@@ -235,22 +243,7 @@ class Trainer:
         evaluation; ``concept.distributed_wrap``); else nothing."""
         return distributed_wrap.gathered(self.step_module, self.dist)
 
-    @staticmethod
-    def check(config: TrainConfig, build_config: BuildConfig, dist: Dist | None = None):
-        """Validate a training config against the build (all problems at once, ``ConfigError``) before
-        anything is loaded or written. Returns the resolved build plan and the device."""
-        device = pick_device(config.device)
-        if device.type == "cuda" and dist is not None and dist.active:
-            device = torch.device("cuda", dist.local_rank)
-        plan = resolve(build_config)
-        problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
-        problems += training_problems(plan.family_object, config, plan, device, dist)
-        if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
-            problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
-        problems += tracking.problems(config.report_to)
-        if problems:
-            raise ConfigError(problems)
-        return plan, device
+    check = staticmethod(check_training)  # (before anything is loaded or written: ``start``, tests, recipes)
 
     # -- starting and resuming -----------------------------------------------------------------
     @classmethod
@@ -305,6 +298,13 @@ class Trainer:
         """The model alone on a batch (no objectives, no teacher), e.g. to calibrate the NULL bias."""
         return self.runner.model_forward(b)
 
+    def _training_loop(self) -> TrainingLoop:
+        """The loop over this run's steps; the step and the checkpoint through the trainer (tests replace them)."""
+        return TrainingLoop(self.config, self.runner, self.run, self.dist, self.objectives,
+                            queue_step=lambda: self.queue_step(), save=lambda: self.save_checkpoint(),
+                            evaluate=self.evaluate if self.eval_data is not None else None,
+                            skip_error=self.skip_error, autocast=self.autocast, record=self.record, plot=self.plot)
+
     def _step_runner(self) -> StepRunner:
         """The step machinery over this run's training forward, objectives, optimizer and data."""
         return StepRunner(self.config, self.model, self.train_forward, self.objectives, self.optimizer, self.scheduler,
@@ -352,7 +352,7 @@ class Trainer:
         prev = checkpoint.read_meta(self.out)
         return skip_error(row, prev["step"] if prev else None)
 
-    # -- the loop ----------------------------------------------------------------------------------
+    # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Held-out evaluation. Under torchrun every rank evaluates the same batches (FSDP2 needs every
         rank in each forward; the results are identical) and rank 0 logs them."""
@@ -364,11 +364,17 @@ class Trainer:
             return evaluate(self.model, ({k: v.to(self.device) for k, v in b.items()} for b in batches),
                             controls=False)
 
-    def log(self, row: dict) -> None:
-        if self.dist.is_main:
-            self.run.append_metrics(_finite(row))
-            for tracker in self.trackers:
-                tracker.log(row["step"], row)
+    # -- the loop (concept.training_loop) -----------------------------------------------------------------
+    def train(self, progress=None) -> dict:
+        """Run until ``config.steps`` (:meth:`concept.training_loop.TrainingLoop.train`): publishes a replacing
+        run once every step is trained, else discards it; returns the final held-out evaluation."""
+        return self.loop.train(progress)
+
+    def _loop(self, progress) -> None:
+        self.loop.loop(progress)
+
+    def _on_sigint(self, signum, frame):
+        self.loop.on_sigint(signum, frame)
 
     @property
     def _interrupted(self) -> bool:
@@ -376,88 +382,21 @@ class Trainer:
         return self.runner.interrupted
 
     @property
+    def _stopping(self) -> bool:
+        return self.loop.stopping
+
+    @_stopping.setter
+    def _stopping(self, value: bool) -> None:
+        self.loop.stopping = value
+
+    @property
     def _stop(self) -> bool:
-        """Stop after this step: a Ctrl-C (alone), or one any rank saw, read back with the step log."""
-        return self._stopping or self.runner.stop_agreed
+        """Stop after this step (``TrainingLoop.stop``); set: as a Ctrl-C alone does."""
+        return self.loop.stop
 
-    def _on_sigint(self, signum, frame):
-        if self._interrupted:  # second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.runner.interrupted = True
-        self._stopping = self._stopping or self.dist.world_size == 1  # several ranks agree on it with the step log
-
-    def train(self, progress=None) -> dict:
-        """Run until ``config.steps``; returns the final held-out evaluation. A run replacing an existing
-        folder (``start(force=True)``) publishes only here, once every step is trained; anything that stops
-        it before (an error, Ctrl-C) discards it and leaves the old folder as it was."""
-        try:
-            if self.dist.is_main and tracking.names(self.config.report_to):
-                self.trackers = tracking.open_trackers(self.config.report_to, self.out, self.record(self.run.source_run),
-                                                       self.run.name, self.step + 1)
-            try:
-                self._loop(progress)
-            finally:
-                for tracker in self.trackers:
-                    tracker.close()
-                self.trackers = []
-            if self.dist.is_main:
-                self.plot()
-            if self._stop:
-                raise self.run.interrupted(self.step)
-            self.run.publish(self.dist)  # every step trained: a new run replacing a folder replaces it now
-        except BaseException:
-            self.run.discard(self.dist)  # an unfinished replacement: the old folder stays
-            raise
-        finally:
-            self.release()
-        if self.last_row:
-            return self.last_row.get("eval", {})
-        return self.metrics()[-1].get("eval", {}) if self.dist.is_main and self.metrics() else {}
-
-    def _loop(self, progress) -> None:
-        """Queue the steps; read their logs one step late (at step k + 1 the values of the steps up to k, every
-        ``log_every`` steps, so the device always has the next step queued while the host waits), and all of
-        them before an evaluation, a checkpoint and the end (a skipped step is never saved over)."""
-        cfg = self.config
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        try:
-            while self.step < cfg.steps and not self._stop:
-                self.queue_step()
-                last = self.step == cfg.steps
-                evaluate = self.eval_data is not None and (self.step % cfg.eval_every == 0 or last)
-                save = self.step % cfg.checkpoint_every == 0 or last or self._stop
-                if evaluate or save or self.acting_on_host:
-                    rows = self.read_log()
-                elif (self.step - 1) % cfg.log_every == 0:
-                    rows = self.read_log(keep=1)
-                else:
-                    continue
-                self._handle_rows(rows, evaluate, progress)
-                if self._stop and not save:  # a Ctrl-C while the rows were handled: the rest, then a checkpoint
-                    self._handle_rows(self.read_log(), False, progress)
-                    save = True
-                if save:
-                    self.save_checkpoint()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    def _handle_rows(self, rows: list[dict], evaluate: bool, progress) -> None:
-        """The steps' rows read back: a skipped step stops the run; the last step's final objectives, the
-        evaluation, the log line and the progress callback."""
-        for row in rows:
-            if row.get("skipped"):
-                self.log(row)
-                raise self.skip_error(row)
-            if row["step"] == self.config.steps:
-                with self.autocast():
-                    for objective in self.objectives:  # e.g. the ratio controller's final calibration
-                        row.update(objective.finish(self.runner.context()))
-            if evaluate and row["step"] == self.step:
-                row["eval"] = self.evaluate()
-            self.log(row)
-            self.last_row = row
-            if progress is not None:
-                progress(row)
+    @_stop.setter
+    def _stop(self, value: bool) -> None:
+        self.loop.stopping = value
 
     def metrics(self) -> list[dict]:
         return self.run.metrics()
