@@ -43,7 +43,6 @@ from .diagnostics import evaluate
 from .distributed import Dist, pick_device
 from .errors import ConfigError, TrainingError  # noqa: F401 (TrainingError: API)
 from .lora import add_lora, load_lora_state_dict
-from .objectives import overrides
 from .optimizer import adamw
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
@@ -189,7 +188,6 @@ class Trainer:
             self.notes.append(f"no held-out evaluation during training: {read.no_heldout}")
         # the loss terms beyond the CE and the controllers, each named in metrics.jsonl (concept.objectives)
         self.objectives = self.family.objectives(config, self.model, lambda: self.step, self.notes)
-        self.preparing = [o for o in self.objectives if overrides(o, "prepare")]  # (costly under FSDP2: gathers)
         self.step_module = StepModule(self.model, self.objectives, config.ce_weight, self.autocast)
         self.teacher_needs = self.step_module.teacher_needs
         self.train_forward = distributed_wrap.wrap(self.step_module, decoder(self.model.backbone).layers, self.dist,
