@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .contracts import Revivable, Tempered
 from .errors import ConfigError
 from .objectives import Objective, TemperatureSchedule
+from .syncs import declared
 
 QUERIES_PER_STEP = 512  # at most this many queries of each (vocabulary, level) kept per micro-batch for revival
 KMEANS_ITERATIONS = 20
@@ -44,7 +45,9 @@ KMEANS_ITERATIONS = 20
 @dataclass
 class CodeUse:
     """The concepts one (vocabulary, level) emitted in a forward: their ids [n] and the states [n, d] its head
-    read (``before`` [n, l]: the codes of the levels below, for a vocabulary whose query depends on them)."""
+    read (``before`` [n, l]: the codes of the levels below, for a vocabulary whose query depends on them).
+    With ``mask`` [n], the tensors are every position's (fixed shapes: no boolean indexing, no host sync) and
+    the emitted concepts are the positions of ``mask`` (:meth:`chosen` indexes them: a host sync)."""
 
     name: str  # e.g. "concept", or a planner type's name (with ``@level`` for levels > 0)
     vocabulary: torch.nn.Module
@@ -52,11 +55,31 @@ class CodeUse:
     ids: torch.Tensor
     states: torch.Tensor
     before: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def chosen(self) -> CodeUse:
+        """The emitted concepts alone (boolean indexing: a host sync, for a declared point)."""
+        if self.mask is None:
+            return self
+        m = self.mask
+        return CodeUse(self.name, self.vocabulary, self.level, self.ids[m], self.states[m],
+                       None if self.before is None else self.before[m])
+
+    def counts(self) -> torch.Tensor:
+        """[K] float64 on the ids' device: how many emitted concepts chose each code (ids outside [0, K) are not
+        counted, as ``bincount(ids, minlength=K)[:K]``); fixed shapes, no host sync."""
+        K, ids = self.vocabulary.size, self.ids.detach().long()
+        counted = (ids >= 0) & (ids < K)
+        if self.mask is not None:
+            counted = counted & self.mask
+        return torch.zeros(K, dtype=torch.float64, device=ids.device).index_add_(0, ids.clamp(0, K - 1),
+                                                                                  counted.double())
 
     def queries(self, limit: int | None = None) -> torch.Tensor:
-        """[n, c] the vocabulary's queries of the states (the first ``limit`` of them)."""
-        before = None if self.before is None else self.before[:limit]
-        return self.vocabulary.query(self.states[:limit], before).detach().float()
+        """[n, c] the vocabulary's queries of the emitted concepts' states (the first ``limit`` of them)."""
+        use = self.chosen()
+        before = None if use.before is None else use.before[:limit]
+        return use.vocabulary.query(use.states[:limit], before).detach().float()
 
 
 def other_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -115,59 +138,83 @@ def spherical_kmeans(x: torch.Tensor, k: int, generator: torch.Generator,
 
 
 class CodeRevival(Objective):
-    """``--revive-after N``: codes no emitted concept used for N steps are pointed at this step's queries (see the
-    module's docstring). Logs ``revived`` (codes re-pointed this step, every vocabulary) and ``idle_share``
-    (the share of codes unused for N steps, before reviving them)."""
+    """``--revive-after N``: codes no emitted concept used for N steps are pointed at the step's queries (see the
+    module's docstring). Every step counts, on the device, each code's idle steps (nothing read back); every N-th
+    step (steps N, 2N, ...) revives, on the host, the codes idle for N steps or more: one declared host sync
+    (``code revival``), at most once per N steps. Logs ``revived`` (codes re-pointed this step, every vocabulary;
+    0 between revival steps) and ``idle_share`` (the share of codes unused for N steps or more, before reviving
+    them; a device value, read with the step's log)."""
 
     name = "code_revival"
     adds_term = False
 
     def __init__(self, after: int, seed: int):
         self.after, self.seed = after, seed
-        self.idle: dict[str, torch.Tensor] = {}  # name -> [K] steps since the code was last emitted
+        self.idle: dict[str, torch.Tensor] = {}  # name -> [K] steps since the code was last emitted (its device)
         self.dist = None
         self.step = 0
         self._used: dict[str, torch.Tensor] = {}
-        self._queries: dict[str, list[torch.Tensor]] = {}
+        self._uses: dict[str, list[CodeUse]] = {}
         self._targets: dict[str, CodeUse] = {}
+
+    def revives(self, step: int) -> bool:
+        """Whether the step after ``step`` steps (0-based: the step ``step + 1``) is a revival step."""
+        return (step + 1) % self.after == 0
 
     def before_step(self, context) -> None:
         self.dist, self.step = context.dist, context.step
-        self._used, self._queries, self._targets = {}, {}, {}
+        self._used, self._uses, self._targets = {}, {}, {}
 
     def stats(self, model, batch, out) -> dict[str, float]:
         for use in model.code_uses(out):
-            K = use.vocabulary.size
-            used = self._used.setdefault(use.name, torch.zeros(K, dtype=torch.float64))
-            used += torch.bincount(use.ids.detach().cpu().long(), minlength=K)[:K].double()
-            if use.ids.numel():
-                self._queries.setdefault(use.name, []).append(use.queries(QUERIES_PER_STEP).cpu())
-            self._targets[use.name] = use
+            counts = use.counts()
+            self._used[use.name] = counts + self._used[use.name] if use.name in self._used else counts
+            kept = CodeUse(use.name, use.vocabulary, use.level, use.ids.detach(), use.states.detach(),
+                           None if use.before is None else use.before.detach(), use.mask)
+            if self.revives(self.step):  # (their queries are computed at the revival, in its declared point)
+                self._uses.setdefault(use.name, []).append(kept)
+            self._targets[use.name] = kept
         return {}
 
-    def after_step(self, model, means, totals) -> dict[str, float]:
-        dist, revived, idle_codes, codes = self.dist, 0, 0, 0
-        for i, (name, use) in enumerate(sorted(self._targets.items())):
-            K = use.vocabulary.size
-            used = torch.tensor(dist.sum(self._used[name].tolist()) if dist else self._used[name].tolist())
-            idle = self.idle.get(name, torch.zeros(K, dtype=torch.long))
-            idle = torch.where(used > 0, torch.zeros_like(idle), idle + 1)
-            dead = (idle >= self.after).nonzero().flatten()
-            idle_codes, codes = idle_codes + len(dead), codes + K
-            if len(dead):  # (the same on every process: ``used`` and ``idle`` are)
-                local = self._queries.get(name, [])
-                gathered = dist.gather_objects(local) if dist else [local]  # every rank's, in rank order
-                queries = torch.cat([q for qs in gathered for q in qs]) if any(gathered) else None
-            if len(dead) and queries is not None:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step * 101 + i)
-                order = dead[torch.randperm(len(dead), generator=g)]  # ties in idleness: a random order
-                order = order[idle[order].argsort(descending=True, stable=True)][: queries.shape[0]]
-                pick = torch.randperm(queries.shape[0], generator=g)[: len(order)]
-                use.vocabulary.set_codes(use.level, order.to(use.ids.device), queries[pick].to(use.states.device))
-                idle[order] = 0
-                revived += len(order)
+    def device_step(self, model, means, totals, skipped) -> dict:
+        dist, idle_codes, codes = self.dist, 0, 0
+        for name, use in sorted(self._targets.items()):  # the idle steps, on the device
+            used = dist.sum_on_device(self._used[name]) if dist else self._used[name]
+            idle = self.idle.get(name)
+            idle = torch.zeros_like(used, dtype=torch.long) if idle is None else idle.to(used.device)
+            idle = torch.where(skipped, idle, torch.where(used > 0, torch.zeros_like(idle), idle + 1))
+            idle_codes, codes = idle_codes + (idle >= self.after).sum(), codes + use.vocabulary.size
             self.idle[name] = idle
-        return {"revived": revived, "idle_share": idle_codes / codes} if codes else {}
+        if not codes:
+            return {}
+        revived = 0
+        if self.revives(self.step):
+            with declared("code revival"):  # every N steps: the host picks the codes and the queries
+                for i, (name, use) in enumerate(sorted(self._targets.items())):
+                    self.idle[name], n = self._revive(i, name, use, self.idle[name], skipped)
+                    revived += n
+        return {"revived": revived, "idle_share": idle_codes.double() / codes}
+
+    def _revive(self, i: int, name: str, use: CodeUse, idle: torch.Tensor, skipped: torch.Tensor):
+        """Point the codes of ``name`` idle for N steps or more at this step's queries (the longest idle first,
+        one code per query, ties in a seeded random order); returns (the idle counts, codes revived)."""
+        device, idle = idle.device, idle.cpu()
+        dead = (idle >= self.after).nonzero().flatten()
+        if not len(dead) or bool(skipped):  # (the same on every process: ``used`` and ``idle`` are)
+            return idle.to(device), 0
+        local = [q for u in self._uses.get(name, []) if (q := u.queries(QUERIES_PER_STEP).cpu()).shape[0]]
+        dist = self.dist
+        gathered = dist.gather_objects(local) if dist else [local]  # every rank's, in rank order
+        if not any(gathered):
+            return idle.to(device), 0
+        queries = torch.cat([q for qs in gathered for q in qs])
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step * 101 + i)
+        order = dead[torch.randperm(len(dead), generator=g)]  # ties in idleness: a random order
+        order = order[idle[order].argsort(descending=True, stable=True)][: queries.shape[0]]
+        pick = torch.randperm(queries.shape[0], generator=g)[: len(order)]
+        use.vocabulary.set_codes(use.level, order.to(use.ids.device), queries[pick].to(use.states.device))
+        idle[order] = 0
+        return idle.to(device), len(order)
 
     def state_dict(self) -> dict:
         return {"idle": {name: idle.tolist() for name, idle in self.idle.items()}}
@@ -194,6 +241,10 @@ class KMeansInit(Objective):
     def before_step(self, context) -> None:
         if context.step != 0:
             return
+        with declared("k-means init"):  # once per fresh run, before its first step: clustering on the host
+            self._initialise(context)
+
+    def _initialise(self, context) -> None:
         model, queries, targets = context.model, {}, {}
         was_training = model.training
         model.eval()
@@ -202,6 +253,7 @@ class KMeansInit(Objective):
                 for index in range(self.batches):
                     out = context.forward(context.batch(index))
                     for use in model.code_uses(out):
+                        use = use.chosen()
                         queries.setdefault(use.name, []).append(use.queries())
                         targets[use.name] = use
         finally:

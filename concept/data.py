@@ -63,6 +63,7 @@ from .fingerprint import of_digests
 from .shards import TokenSplit, listing, python_identity
 from .shards import is_heldout as _is_heldout
 from .tokens import ByteTokenizer, tokenize_documents, tokenizer_for
+from .syncs import host_values
 
 __all__ = ["Document", "DEFAULT_CORPUS", "PROSE_CORPUS", "CORPORA", "builtin_corpus", "read_documents", "ByteTokenizer", "tokenizer_for", "PackedSequences"]
 
@@ -672,7 +673,8 @@ class PackedSequences:
             g = torch.Generator().manual_seed((self.seed * 1000003 + epoch) % 2 ** 64)
             if len(self._perms) >= 4:
                 self._perms.pop(next(iter(self._perms)))
-            self._perms[epoch] = torch.randperm(self._rows, generator=g).numpy()
+            with host_values("data order"):  # (a host generator's permutation: no device involved)
+                self._perms[epoch] = torch.randperm(self._rows, generator=g).numpy()
         return self._perms[epoch]
 
     def rows(self, indices) -> dict[str, torch.Tensor]:

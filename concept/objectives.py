@@ -265,6 +265,9 @@ def common(config, has_mtp: bool = False, align_at: str = "final") -> list[Objec
 def usage_kl(concept_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Anti-collapse regulariser (docs/policies.md): KL(p_bar || uniform) = log K - H(p_bar), where p_bar
     is the mean concept distribution over the tokens that emitted a concept. Zero when the batch
-    uses every concept equally; log K when it always picks the same one."""
-    p_bar = torch.softmax(concept_logits[keep].float(), dim=-1).mean(0)
+    uses every concept equally; log K when it always picks the same one; 0, with no gradient, when no token
+    emitted. Every position's distribution is computed and masked (no boolean indexing: no host sync)."""
+    p = torch.softmax(concept_logits.float(), dim=-1).flatten(0, -2)
+    mask = keep.flatten()
+    p_bar = torch.where(mask[:, None], p, 0).sum(0) / mask.sum().clamp_min(1)
     return (p_bar * torch.log(p_bar.clamp_min(1e-12) * p_bar.shape[-1])).sum()

@@ -91,18 +91,22 @@ class Stream:
 
 
 def drive(objective, model, steps, start=0, ids=(0, 1), n=6, seed=0):
-    """``steps`` training steps of one micro-batch each; returns what after_step logged."""
+    """``steps`` training steps of one micro-batch each; returns what device_step logged (its device values
+    read)."""
     logged = []
     for step in range(start, start + steps):
         objective.before_step(SimpleNamespace(dist=Dist(), step=step))
         g = torch.Generator().manual_seed(seed * 100 + step)
         out = SimpleNamespace(ids=torch.tensor(list(ids) * (n // len(ids))), states=torch.randn(n, 32, generator=g))
         objective.stats(model, {}, out)
-        logged.append(objective.after_step(model, {}, {}))
+        row = objective.device_step(model, {}, {}, torch.tensor(False))
+        logged.append({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in row.items()})
     return logged
 
 
-def test_codes_unused_for_n_steps_are_revived_from_the_steps_queries():
+def test_codes_unused_for_n_steps_are_revived_every_n_steps_from_the_steps_queries():
+    """Every step counts each code's idle steps (on the device); the steps N, 2N, ... revive the codes idle for
+    N steps or more (one declared host sync per N steps)."""
     vocab = vocabularies()["codebook"]
     model, start = Stream(vocab), vocab.codebook.detach().clone()
     revival = CodeRevival(after=3, seed=0)
@@ -117,14 +121,16 @@ def test_codes_unused_for_n_steps_are_revived_from_the_steps_queries():
     assert int(changed.sum()) == 6 and not bool(changed[:2].any())  # the used codes 0 and 1 are never touched
     idle = revival.idle["concept"]
     assert int((idle == 0).sum()) == 8 and int((idle == 3).sum()) == 16  # revived and used: 0; the rest still dead
-    logged = drive(revival, model, 2, start=3)
-    assert [r["revived"] for r in logged] == [6, 6]  # the longest idle first, one code per query
-    assert int((revival.idle["concept"] == 5).sum()) == 4  # 4 codes never revived yet
     third = vocab.codebook.detach().clone()
+    logged = drive(revival, model, 2, start=3)
+    assert [r["revived"] for r in logged] == [0, 0] and torch.equal(vocab.codebook, third)  # steps 4, 5: counted only
+    assert [r["idle_share"] for r in logged] == pytest.approx([16 / 24, 16 / 24])
     logged = drive(revival, model, 1, start=5)
-    # the 4 idle for 6 steps first, then 2 of the 6 revived at step 3 and unused since (idle 3 again)
-    assert logged[0]["revived"] == 6 and int((vocab.codebook != start).any(-1).sum()) == 22
-    assert int((revival.idle["concept"] == 3).sum()) == 4 and int(((vocab.codebook != third).any(-1)).sum()) == 6
+    # step 6: the 16 idle for 6 steps first (the longest idle), then the 6 revived at step 3 and unused since
+    assert logged[0]["revived"] == 6 and logged[0]["idle_share"] == pytest.approx(22 / 24)
+    assert int((vocab.codebook != start).any(-1).sum()) == 12 and int(((vocab.codebook != third).any(-1)).sum()) == 6
+    idle = revival.idle["concept"]
+    assert [int((idle == k).sum()) for k in (0, 3, 6)] == [8, 6, 10]
 
 
 def test_revival_is_deterministic_and_resumes_exactly_from_its_state():

@@ -53,11 +53,10 @@ ALLOWED = {
     ("concept/planner/model.py", "Plan.from_rows"): "filled element by element on the host, moved once with .to()",
     ("concept/planner/model.py", "PlannerExecutorModel.__init__"): "registered as buffers (moved with the module)",
     ("concept/codes.py", "spherical_kmeans"): "k-means of queries brought to the host (.cpu()), a CPU generator",
-    ("concept/codes.py", "CodeRevival.stats"): "host-side usage counts of .cpu() ids",
-    ("concept/codes.py", "CodeRevival.after_step"): "host-side idle counters and CPU-generator draws (the same on "
-                                                    "every device and process); the chosen queries move with .to()",
+    ("concept/codes.py", "CodeRevival._revive"): "CPU-generator draws at a revival step, in its declared host "
+                                                 "sync (the same on every device and process); moved with .to()",
     ("concept/codes.py", "CodeRevival.load_state_dict"): "host-side idle counters from the checkpoint's JSON",
-    ("concept/codes.py", "KMeansInit.before_step"): "a CPU generator's choice of ids, moved with .to()",
+    ("concept/codes.py", "KMeansInit._initialise"): "a CPU generator's choice of ids, moved with .to()",
 }
 
 

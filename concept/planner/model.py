@@ -555,9 +555,10 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         x = self.inner.norm(plan.hidden)
         level = self.level(plan.types, plan.before(self.num_types))
         for i, (t, vocab) in enumerate(zip(self.settings.types, self.vocabularies)):
-            for l in range(int(self.levels[i])):
+            for l in range(vocab.levels):  # (a Python int: the ``levels`` buffer would be read back)
                 mask = plan.concepts & (plan.types == i) & (level == l)
-                uses.append(CodeUse(t.name if l == 0 else f"{t.name}@{l}", vocab, l, plan.classes[mask], x[mask]))
+                uses.append(CodeUse(t.name if l == 0 else f"{t.name}@{l}", vocab, l, plan.classes.flatten(),
+                                    x.flatten(0, -2), mask=mask.flatten()))  # (fixed shapes: no host sync)
         return uses
 
     # -- parameters ----------------------------------------------------------------------------

@@ -294,9 +294,10 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         or the packing; the placement objective reads it to see where the middle stack is needed."""
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         pos = packing.time_positions(valid, document_ids)
-        h = self.shallow_states(input_ids, valid, document_ids, pos)
+        causal = False if self.max_ratio else None  # static shapes: the mask built without looking (no host sync)
+        h = self.shallow_states(input_ids, valid, document_ids, pos, causal=causal)
         x = self.fuse_step(h, torch.zeros_like(h[:, :1]), torch.zeros_like(valid))
-        z = self.run_stack(self.deep, x, self.positions.text_positions(pos), CausalPattern(valid, document_ids))
+        z = self.run_stack(self.deep, x, self.positions.text_positions(pos), CausalPattern(valid, document_ids, causal))
         return self.backbone.lm_head(self.inner.norm(z))
 
     # -- anti-collapse (concept.codes) ----------------------------------------------------------
@@ -304,13 +305,14 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         return [("", self.vocabulary)]
 
     def code_uses(self, out: ConceptOutput) -> list[CodeUse]:
-        """The codes of the tokens that emitted a concept, per level, with the shallow states the head read."""
-        keep = out.keep
+        """The codes of the tokens that emitted a concept, per level, with the shallow states the head read: every
+        token's, masked by ``keep`` (fixed shapes, no host sync)."""
+        keep, states = out.keep.flatten(), out.shallow.flatten(0, 1)
         if self.levels == 1:
-            return [CodeUse("concept", self.vocabulary, 0, out.concept_ids[keep], out.shallow[keep])]
-        codes, states = out.codes[keep], out.shallow[keep]
+            return [CodeUse("concept", self.vocabulary, 0, out.concept_ids.flatten(), states, mask=keep)]
+        codes = out.codes.flatten(0, 1)
         return [CodeUse("concept" if level == 0 else f"concept@{level}", self.vocabulary, level, codes[:, level],
-                        states, codes[:, :level] if level else None) for level in range(self.levels)]
+                        states, codes[:, :level] if level else None, keep) for level in range(self.levels)]
 
     # -- parameters ----------------------------------------------------------------------
     def new_modules(self) -> dict[str, nn.Module]:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..contracts import RatioControlled, Tempered, TracksRatio
-from ..objectives import Objective, next_token_pairs, usage_kl, valid_mask, zero
+from ..objectives import Objective, next_token_pairs, pair_mean, usage_kl, valid_mask, zero
+from ..syncs import declared
 from . import gap
 from .calibration import decision_inputs
 from .ratio import PIController, RatioLoss
@@ -45,9 +46,7 @@ class UsageObjective(Objective):
     weight: float
     name: str = "usage_kl"
 
-    def __call__(self, model, batch, out, teacher=None):
-        if not bool(out.keep.any()):
-            return zero(batch["input_ids"])
+    def __call__(self, model, batch, out, teacher=None):  # (0, and no gradient, where no token emitted)
         return self.weight * usage_kl(out.head_logits[..., : model.vocabulary.size], out.keep)
 
 
@@ -93,7 +92,7 @@ class PlacementObjective(Objective):
         valid, doc = valid_mask(batch), batch.get("document_ids")
         pair = next_token_pairs(valid, doc)  # [B, T-1]: position t predicts the real token t+1
         ratio = float(self.target())
-        if ratio >= 1.0 or not bool(pair.any()):  # every token a concept: nothing to place
+        if ratio >= 1.0:  # every token a concept: nothing to place (no pair: the masked mean is 0, no gradient)
             return zero(batch["input_ids"])
         with torch.no_grad():
             skip = model.skip_middle(batch["input_ids"], batch.get("attention_mask"), doc)
@@ -101,7 +100,8 @@ class PlacementObjective(Objective):
             label = top_fraction(gain, pair, ratio)
         h = out.shallow.detach()  # a router term: it trains the head, never the states it reads (as MoD's predictor)
         logit = model.length_policy.keep_logit(model.vocabulary.logits(h), h)[:, :-1]
-        return self.weight * F.binary_cross_entropy_with_logits(logit[pair].float(), label[pair].float())
+        bce = F.binary_cross_entropy_with_logits(logit.float(), label.float(), reduction="none")
+        return self.weight * pair_mean(bce, pair)  # (the mean over the pairs, without indexing them: no host sync)
 
 
 class RatioControl(Objective):
@@ -143,10 +143,11 @@ class RatioControl(Objective):
         self.step_target = self.target()
         self.set_target(model, self.step_target)
         if self.pi is not None and self.pi.base is None:  # first step: calibrate the NULL bias on this batch
-            with torch.no_grad(), context.gathered():
-                b = context.batch(0)  # the same rows on every rank: the same bias
-                out = context.forward(b)
-            self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
+            with declared("NULL bias calibration"):  # (once per run: the quantile is read to the host)
+                with torch.no_grad(), context.gathered():
+                    b = context.batch(0)  # the same rows on every rank: the same bias
+                    out = context.forward(b)
+                self.pi.calibrate(model.length_policy, out.head_logits, b["attention_mask"].bool(), out.shallow)
 
     def stats(self, model, batch, out) -> dict[str, torch.Tensor]:
         """Device scalars (the trainer reads a step's values once, after its micro-batches): the emitted concept

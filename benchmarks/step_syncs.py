@@ -1,0 +1,140 @@
+"""Host syncs per training step of every recipe and objective option (``concept.syncs.HostSyncs``, CPU, tiny
+backbones): the streaming family with its options on (``--usage-weight``, ``--placement``, ``--revive-after``,
+``--kmeans-init``, ``--distill``, ``--align``, ``--mtp``), the pruned and dense baselines, and the
+planner-executor family. Each recipe runs ``--steps`` queued steps (the first included: its calibration and
+k-means initialisation) with the step log read outside the counter; the table gives the hidden syncs per step
+(by op and by the line of ``concept/`` or ``plugins/`` code that made them) and the declared points.
+
+    python benchmarks/step_syncs.py                 # the table (markdown)
+    python benchmarks/step_syncs.py --json          # the counts as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import traceback
+import warnings
+from collections import Counter
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import concept  # noqa: E402
+from concept import BuildConfig, ComponentRef  # noqa: E402
+from concept.syncs import HostSyncs  # noqa: E402
+from concept.training import TrainConfig, Trainer  # noqa: E402
+
+TINY = {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1, "intermediate": 64}
+STDLIB = pathlib.Path(warnings.__file__).parent
+PLANNER_TYPES = [{"name": "topic", "size": 8, "max_len": 2}, {"name": "gist", "size": 16, "max_len": 4}]
+
+
+def builds() -> dict[str, BuildConfig]:
+    """The tiny builds the recipes start from (the streaming one with a codebook, whose codes can be revived)."""
+    streaming = dict(backbone=ComponentRef("tiny-llama", TINY), split="1,2,1",
+                     attention=ComponentRef("chunked", {"chunk": 16}))
+    return {"streaming": BuildConfig(**streaming, vocabulary=ComponentRef("embedding", {"size": 32})),
+            "codebook": BuildConfig(**streaming, vocabulary=ComponentRef("codebook", {"size": 64, "code_dim": 8})),
+            "planner": BuildConfig(backbone=ComponentRef("tiny-llama", {**TINY, "layers": 3}), family="planner-executor",
+                                   position_scheme=ComponentRef("per-type"), vocabulary=ComponentRef("codebook", {"code_dim": 8}),
+                                   sections={"planner": {"types": PLANNER_TYPES}})}
+
+
+# recipe -> (build, TrainConfig overrides); revive_after 2: steps 2 and 4 are revival steps
+RECIPES = {
+    "streaming (default: null policy, PI + ratio loss)": ("streaming", {}),
+    "streaming --usage-weight 0.1": ("streaming", dict(usage_weight=0.1)),
+    "streaming --placement 0.5": ("streaming", dict(placement=0.5)),
+    "streaming --distill 1 --align 0.5": ("streaming", dict(distill=1.0, align=0.5)),
+    "streaming codebook --revive-after 2": ("codebook", dict(revive_after=2)),
+    "streaming codebook --kmeans-init 1": ("codebook", dict(kmeans_init=1)),
+    "pruned": ("streaming", dict(baseline="pruned")),
+    "dense --distill 1 --align 0.5 --mtp 0.5 --mtp-heads 2": (
+        "streaming", dict(baseline="dense", distill=1.0, align=0.5, align_at="final", mtp=0.5, mtp_heads=2)),
+    "planner-executor (continue)": ("planner", dict(task="continue", context_len=12, seq_len=24)),
+    "planner-executor --usage-weight 0.1": ("planner", dict(task="continue", context_len=12, seq_len=24,
+                                                             usage_weight=0.1)),
+    "planner-executor --revive-after 2 --kmeans-init 1": ("planner", dict(task="continue", context_len=12, seq_len=24,
+                                                                           revive_after=2, kmeans_init=1)),
+}
+
+
+def corpus(folder: pathlib.Path) -> pathlib.Path:
+    docs = [c for name in ("textwrap.py", "shlex.py", "heapq.py", "bisect.py")
+            for c in (STDLIB / name).read_text().split("\ndef ") if len(c) > 200]
+    path = folder / "code.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+class Where(HostSyncs):
+    """``HostSyncs`` that also notes the innermost line of ``concept/`` or ``plugins/`` code of each hidden sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: Counter = Counter()
+
+    def _sync(self, name: str) -> None:
+        before = self.hidden
+        super()._sync(name)
+        if self.hidden > before:
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/concept/syncs.py" not in f.filename and ("/concept/" in f.filename or "/plugins/" in f.filename)]
+            at = frames[-1] if frames else None
+            self.where[f"{name} @ {pathlib.Path(at.filename).relative_to(ROOT)}:{at.lineno}" if at else name] += 1
+
+
+def count(recipe: str, folder: pathlib.Path, data: pathlib.Path, steps: int) -> dict:
+    build, overrides = RECIPES[recipe]
+    base = dict(steps=steps + 2, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100,
+                warmup=1, data=str(data), lora=concept.lora.LoraSettings(rank=2))
+    config = TrainConfig(**{**base, **overrides})
+    torch.manual_seed(0)
+    trainer = Trainer.start(folder / "builds" / build, folder / "runs" / recipe.replace(" ", "_"), config, force=True)
+    per_step = []
+    for _ in range(steps):
+        with Where() as seen:
+            trainer.queue_step()
+        per_step.append(seen)
+        trainer.read_log()  # (outside the counter: the declared step log)
+    return {"recipe": recipe, "hidden": [s.hidden for s in per_step],
+            "where": dict(sum((s.where for s in per_step), Counter())),
+            "declared": [dict(s.declared) for s in per_step]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="queued steps counted per recipe (the first included)")
+    parser.add_argument("--only", default=None, help="the recipes whose name contains this")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp)
+        data = corpus(folder)
+        for name, cfg in builds().items():
+            torch.manual_seed(0)
+            concept.save(concept.build(cfg), folder / "builds" / name)
+        for recipe in RECIPES:
+            if args.only is None or args.only in recipe:
+                results.append(count(recipe, folder, data, args.steps))
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    print("| recipe | hidden syncs per step (steps 1..n) | where (op @ line: count over the steps) | declared per step |")
+    print("|---|---|---|---|")
+    for r in results:
+        where = "; ".join(f"{k}: {v}" for k, v in sorted(r["where"].items())) or "-"
+        declared = " / ".join(", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-" for d in r["declared"])
+        print(f"| {r['recipe']} | {' / '.join(map(str, r['hidden']))} | {where} | {declared} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
