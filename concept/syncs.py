@@ -130,6 +130,12 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _empty(data) -> bool:
+    """Empty Python data (``torch.tensor([], device=...)``, e.g. transformers' ``DynamicCache`` before its first
+    update): nothing to copy, and ``copy_`` of no element returns before any transfer, so no sync."""
+    return isinstance(data, (list, tuple)) and len(data) == 0
+
+
 class _Reads(TorchFunctionMode):
     def __init__(self, owner: "HostSyncs"):
         super().__init__()
@@ -139,7 +145,7 @@ class _Reads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in HOST_READS and args and isinstance(args[0], torch.Tensor):
             self.owner._sync(name)
-        elif name in HOST_DATA and args and not isinstance(args[0], torch.Tensor):
+        elif name in HOST_DATA and args and not isinstance(args[0], torch.Tensor) and not _empty(args[0]):
             self.owner._sync("tensor from host data")
         return func(*args, **(kwargs or {}))
 

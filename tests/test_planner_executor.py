@@ -205,9 +205,12 @@ def test_objectives_and_quota_controller(model):
     try:
         stats = quota.stats(model, None, out)
         assert stats["plan_len"] == pytest.approx(float(plan.lengths(2).sum(1).float().mean()))
-        quota.after_step(model, {"plan_len": 4.0}, {})  # over budget: <EOS> more likely
+        steady, go = torch.tensor(True), torch.tensor(False)
+        quota.device_step(model, {"plan_len": torch.tensor(4.0, dtype=torch.float64)}, {}, go)  # over budget: <EOS> more likely
         assert float(model.eos_bias.value) == pytest.approx(before + 0.5 * (4.0 - 2.0) / 2.0)
-        quota.after_step(model, {"plan_len": 0.0}, {})
+        quota.device_step(model, {"plan_len": torch.tensor(9.0, dtype=torch.float64)}, {}, steady)  # a skipped step
+        assert float(model.eos_bias.value) == pytest.approx(before + 0.5 * (4.0 - 2.0) / 2.0)
+        quota.device_step(model, {"plan_len": torch.tensor(0.0, dtype=torch.float64)}, {}, go)
         assert float(model.eos_bias.value) == pytest.approx(before + 0.5 - 0.5)
     finally:
         model.eos_bias.value.fill_(before)
@@ -236,7 +239,8 @@ def test_per_type_quota_holds_each_types_share_and_the_usage_term_cannot_be_esca
     going = (1 - eos_probs(model, plan)) * plan.active
     want = sum(((going * (plan.types == i)).sum(1).mean() - b) ** 2 / b ** 2 for i, b in enumerate(budget)) / 2
     assert torch.allclose(quota(model, {}, out), want)
-    logged = quota.after_step(model, {"plan_len/topic": 2.0, "plan_len/gist": 1.0}, {})
+    lengths = {"plan_len/topic": torch.tensor(2.0, dtype=torch.float64), "plan_len/gist": torch.tensor(1.0, dtype=torch.float64)}
+    logged = {k: float(v) for k, v in quota.device_step(model, lengths, {}, torch.tensor(False)).items()}
     # topic over its share (2 vs 1): <EOS_topic> more likely; gist under (1 vs 2): less likely
     assert model.eos_bias.value.tolist() == pytest.approx([0.5 * (2 - 1) / 1, 0.5 * (1 - 2) / 2])
     assert logged == pytest.approx({"eos_bias": 0.125, "eos_bias/topic": 0.5, "eos_bias/gist": -0.25})

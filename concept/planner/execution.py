@@ -46,6 +46,6 @@ class Execution:
         valid = torch.cat([bvalid, y_valid], dim=1)
         ypos = torch.cumsum(y_valid.long(), 1) * y_valid  # y_k at k + 1 (padding: 0)
         pos = torch.cat([bpos, ypos], dim=1)
-        h = self.run(x, pos, CausalPattern(valid), cache)
+        h = self.run(x, pos, CausalPattern(valid, causal=False), cache)  # (the mask built without looking: no sync)
         S = bx.shape[1]
         return h[:, S - 1: -1] if logits_to_keep == 0 else h[:, -logits_to_keep:]

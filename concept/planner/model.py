@@ -54,6 +54,7 @@ from ..lazy import Deferred, LazyField
 from ..losses import IGNORE, head_cross_entropy
 from ..mtp import MTPHeads
 from ..resolved import Resolved
+from ..syncs import declared
 from .execution import Execution
 from .steps import PlanSteps
 
@@ -208,8 +209,9 @@ class Plan:
 
     def lengths(self, num_types: int) -> torch.Tensor:
         """[B, n] concepts per type."""
-        onehot = F.one_hot(self.types.clamp(min=0), num_types) * self.concepts[..., None]
-        return onehot.sum(1)
+        types = torch.arange(num_types, device=self.types.device)  # (F.one_hot reads its input's range back)
+        onehot = (self.types.clamp(min=0)[..., None] == types) & self.concepts[..., None]
+        return onehot.long().sum(1)
 
     def before(self, num_types: int) -> torch.Tensor:
         """[B, S] concepts of the step's type written before the step."""
@@ -249,8 +251,9 @@ class Plan:
         B = Bn // n
         lengths = self.active.sum(1).view(B, n)
         offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
-        width = int(lengths.sum(1).max())
-        rows, steps = self.active.nonzero(as_tuple=True)
+        with declared("plan join"):  # the joined plan's width and its steps' places are data (once per forward)
+            width = int(lengths.sum(1).max())
+            rows, steps = self.active.nonzero(as_tuple=True)
         target = (rows // n, offset[rows] + steps)
         out = {}
         for f in dataclasses.fields(self):
@@ -414,7 +417,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype)], 1)
         keys = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
         pos = packing.time_positions(keys)
-        h = self.run(x, pos, CausalPattern(keys), cache)[:, -1]
+        h = self.run(x, pos, CausalPattern(keys, causal=False), cache)[:, -1]  # (the mask built without looking)
         next_pos = pos[:, -1] + 1
         first = torch.zeros(B, dtype=torch.long, device=dev)
         last = torch.full_like(first, self.num_types - 1)  # a row is done once it ends this type
@@ -444,7 +447,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         while step < max_steps:
             group, fed = [], []
             for j in range(heads):  # head j writes step `step` (j = 0: the plain next-step head)
-                if j and (bool(done.all()) or step >= max_steps):
+                if j and (step >= max_steps or self.plan_ended(done)):
                     break
                 state = h if j == 0 else self.mtp_heads.state(h, j - 1)
                 active = ~done
@@ -471,11 +474,18 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
                 group.append(e)
                 fed.append(active)
                 step += 1
-            if bool(done.all()):
+            if self.plan_ended(done):
                 break
             h, keys, next_pos = self.feed(group, fed, keys, next_pos, cache)
         stacked = {k: (torch.stack(v, 1) if v and v[0] is not None else None) for k, v in rec.items()}
         return Plan(**stacked)
+
+    @staticmethod
+    def plan_ended(done: torch.Tensor) -> bool:
+        """Whether every row's plan has ended: the host ends the step loop (a declared host sync per planner
+        forward; the plans' lengths are data)."""
+        with declared("plan end check"):
+            return bool(done.all())
 
     def feed(self, group, fed, keys, next_pos, cache):
         """Run a group of planner steps (``group``: step embeddings [B, d] each, ``fed``: which rows took
@@ -509,7 +519,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
                        self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype),
                        e[:, :-1].to(self.inner.embed_tokens.weight.dtype)], 1)
         valid = torch.cat([u_valid, u_valid.new_ones(B, 1), plan.active[:, :-1]], dim=1)
-        h = self.run(x, packing.time_positions(valid), CausalPattern(valid))[:, Lu:]  # [B, S, d]: state before step j
+        h = self.run(x, packing.time_positions(valid), CausalPattern(valid, causal=False))[:, Lu:]  # [B, S, d]: state before step j
         types = plan.types.clamp(min=0)
         before = plan.before(self.num_types)
         logits = self.plan_logits(h.flatten(0, 1), types.flatten(), before.flatten()).view(B, S, -1)

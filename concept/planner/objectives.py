@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import codes
-from ..objectives import Objective, usage_kl, zero
+from ..objectives import Objective, pair_mean, usage_kl, zero
+from ..syncs import upload
 from ..train_config import curriculum_len
 from .hard_em import HardEMObjective
 
@@ -49,10 +50,11 @@ class CommitmentObjective(Objective):
     def __call__(self, model, batch, out, teacher=None):
         plan = out.plan
         mask = plan.concepts
-        if plan.soft is None or not bool(mask.any()):
+        if plan.soft is None:
             return zero(out.plan.classes)
-        soft, hard = plan.soft[mask].float(), plan.hard[mask].float().detach()
-        return self.weight * (soft - hard).pow(2).sum(-1).mean() / hard.pow(2).sum(-1).mean().clamp_min(1e-12)
+        soft, hard = plan.soft.float(), plan.hard.float().detach()  # (masked means: no concept gives 0, no gradient)
+        return self.weight * pair_mean((soft - hard).pow(2).sum(-1), mask) / pair_mean(hard.pow(2).sum(-1),
+                                                                                       mask).clamp_min(1e-12)
 
 
 @dataclass
@@ -65,10 +67,10 @@ class PlanUsageObjective(Objective):
 
     def __call__(self, model, batch, out, teacher=None):
         plan, total = out.plan, zero(out.plan.classes)
-        sizes = model.sizes.tolist()
-        for i, size in enumerate(sizes):
+        sizes = [t.size for t in model.settings.types]
+        for i, size in enumerate(sizes):  # (chosen on the device: a type with no concept gets log K, no gradient)
             mask = plan.concepts & (plan.types == i)
-            total = total + (usage_kl(plan.logits[..., :size], mask) if bool(mask.any()) else math.log(size))
+            total = total + torch.where(mask.any(), usage_kl(plan.logits[..., :size], mask), math.log(size))
         return self.weight * total / len(sizes)
 
 
@@ -80,9 +82,9 @@ class EOSObjective(Objective):
     def __call__(self, model, batch, out, teacher=None):
         plan = out.plan
         mask = plan.forced
-        if mask is None or not bool(mask.any()):
+        if mask is None:
             return zero(out.plan.classes)
-        return self.weight * -torch.log(eos_probs(model, plan)[mask].clamp_min(1e-12)).mean()
+        return self.weight * pair_mean(-torch.log(eos_probs(model, plan).clamp_min(1e-12)), mask)  # (0 if none)
 
 
 @dataclass
@@ -96,18 +98,19 @@ class PlanMTPObjective(Objective):
 
     def __call__(self, model, batch, out, teacher=None):
         plan = out.plan
-        if plan.head is not None and bool((plan.head > 0).any()):  # written by the MTP heads: force it
-            with torch.no_grad():
+        if plan.head is not None and model.settings.mtp > 1:  # written k steps per forward: force it (without
+            with torch.no_grad():  # looking whether the MTP heads wrote a step: the same states if they did not)
                 u, u_valid, _, _ = model.split_example(batch["input_ids"], batch.get("attention_mask"))
                 plan = model.planner_forced(u, u_valid, plan)
         hidden, total, heads = plan.hidden.detach(), zero(out.plan.classes), model.settings.mtp
-        for j in range(1, min(heads, plan.classes.shape[1])):
+        before = plan.before(model.num_types)
+        for j in range(1, min(heads, plan.classes.shape[1])):  # every step, masked (no boolean indexing)
             mask = plan.active[:, j:] & ~plan.forced[:, j:]
-            if not bool(mask.any()):
-                continue
-            state = model.mtp_heads.state(hidden[:, :-j][mask], j - 1)
-            logits = model.plan_logits(state, plan.types[:, j:][mask], plan.before(model.num_types)[:, j:][mask])
-            total = total + F.cross_entropy(logits.float(), plan.classes[:, j:][mask])
+            state = model.mtp_heads.state(hidden[:, :-j].flatten(0, 1), j - 1)
+            types = plan.types[:, j:].flatten().clamp(min=0)  # (a step no row took: any finite row, masked out)
+            logits = model.plan_logits(state, types, before[:, j:].flatten())
+            ce = F.cross_entropy(logits.float(), plan.classes[:, j:].flatten().clamp(min=0), reduction="none")
+            total = total + pair_mean(ce, mask.flatten())  # (0, no gradient, where no step)
         return self.weight * total / max(1, heads - 1)
 
 
@@ -125,12 +128,14 @@ class PlannerQuotaController:
     def per_type(self) -> bool:
         return isinstance(self.budget, list)
 
-    def apply(self, model, length: float | list[float]) -> None:
+    def apply(self, model, length: torch.Tensor, skipped: torch.Tensor) -> None:
+        """On the device, nothing read back: ``length`` the step's mean plan length (a device scalar, or one per
+        type); where ``skipped`` (a 0-dim bool tensor) the bias stays as it was."""
         with torch.no_grad():
             bias = model.eos_bias.value
-            budget = torch.tensor(self.budget, dtype=bias.dtype, device=bias.device)
-            length = torch.tensor(length, dtype=bias.dtype, device=bias.device)
-            bias.add_(self.ki * (length - budget) / budget).clamp_(-self.limit, self.limit)
+            budget = upload(self.budget, bias.dtype, bias.device)  # (pinned, non-blocking: no sync)
+            moved = (bias + self.ki * (length.to(bias.dtype) - budget) / budget).clamp(-self.limit, self.limit)
+            bias.copy_(torch.where(skipped, bias, moved))
 
 
 @dataclass
@@ -150,20 +155,24 @@ class QuotaObjective(Objective):
         return self.weight * (going.sum(1).mean() - budget).pow(2) / budget ** 2
 
     def stats(self, model, batch, out) -> dict[str, float]:
-        """Summed by the trainer over micro-batches and processes, then averaged (``after_step``)."""
+        """Summed by the trainer over micro-batches and processes, then averaged (``device_step``)."""
         lengths = out.plan.lengths(model.num_types).float()
         u = out.u_valid.sum(1).clamp(min=1).float()
-        row = {"plan_len": float(lengths.sum(1).mean()), "plan_per_token": float((lengths.sum(1) / u).mean())}
-        row.update({f"plan_len/{t.name}": float(lengths[:, i].mean()) for i, t in enumerate(model.settings.types)})
+        row = {"plan_len": lengths.sum(1).mean(), "plan_per_token": (lengths.sum(1) / u).mean()}  # (device scalars)
+        row.update({f"plan_len/{t.name}": lengths[:, i].mean() for i, t in enumerate(model.settings.types)})
         return row
 
-    def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
+    def device_step(self, model, means: dict[str, torch.Tensor], totals: dict[str, torch.Tensor],
+                    skipped: torch.Tensor) -> dict:
+        """The controller moves the <EOS> bias on the device (its values logged as device scalars, read with the
+        step's log)."""
         types, per_type = model.settings.types, self.controller.per_type
-        self.controller.apply(model, [means[f"plan_len/{t.name}"] for t in types] if per_type else means["plan_len"])
-        bias = model.eos_bias.value
+        length = torch.stack([means[f"plan_len/{t.name}"] for t in types]) if per_type else means["plan_len"]
+        self.controller.apply(model, length, skipped)
+        bias = model.eos_bias.value.detach()
         if not per_type:
-            return {"eos_bias": float(bias)}
-        return {"eos_bias": float(bias.mean()), **{f"eos_bias/{t.name}": float(b) for t, b in zip(types, bias)}}
+            return {"eos_bias": bias.clone()}
+        return {"eos_bias": bias.mean(), **{f"eos_bias/{t.name}": bias[i].clone() for i, t in enumerate(types)}}
 
 
 class ContextCurriculum(Objective):
@@ -181,7 +190,7 @@ class ContextCurriculum(Objective):
         cfg, length = self.config, curriculum_len(self.config, context.step)
         context.model.context_len = min(length - 1, max(1, round(cfg.context_len * length / cfg.seq_len)))
 
-    def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
+    def device_step(self, model, means, totals, skipped) -> dict:  # (host values only: no log read needed)
         used, model.context_len = model.context_len, self.config.context_len
         return {"context_len": used}
 

@@ -25,14 +25,15 @@ class PlanSteps:
         beyond). h: [B, d] the backbone's last hidden state (pre-norm). ``count``: concepts of the type
         already written (multi-level codes: the step's level, and <EOS> only after a complete concept)."""
         x = self.inner.norm(h)
-        width = int(self.sizes.max()) + 1
+        sizes = [t.size for t in self.settings.types]  # (Python ints: the ``sizes`` buffer would be read back)
+        width = max(sizes) + 1
         out = x.new_full((x.shape[0], width), float("-inf"))
         level = None if count is None or not self.multilevel else self.level(types, count)
         for i in range(self.num_types):
             logits = self.type_logits(x, i, 0 if level is None else level)
             if level is not None:  # inside a concept: its next level, never <EOS>
                 logits = torch.cat([logits[:, :-1], logits[:, -1:].masked_fill((level > 0)[:, None], float("-inf"))], -1)
-            logits = F.pad(logits, (0, width - int(self.sizes[i]) - 1), value=float("-inf"))
+            logits = F.pad(logits, (0, width - sizes[i] - 1), value=float("-inf"))
             out = torch.where((types == i)[:, None], logits, out)
         return out
 

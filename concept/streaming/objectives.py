@@ -153,9 +153,10 @@ class RatioControl(Objective):
         """Device scalars (the trainer reads a step's values once, after its micro-batches): the emitted concept
         slots (and with a static budget the slots it dropped: ``capped`` per token in the log), the NULL bias the
         step ran with and, when it tracks, the controller's statistics."""
-        bias = model.length_policy.null_bias if isinstance(model.length_policy, RatioControlled) else 0.0
-        found = {"_kept": out.keep.sum() * getattr(model, "emit", 1),
-                 "_null_bias": torch.as_tensor(bias, device=out.keep.device).detach()}
+        policy = model.length_policy
+        bias = (policy.null_bias.detach() if isinstance(policy, RatioControlled)
+                else out.keep.new_zeros((), dtype=torch.float32))
+        found = {"_kept": out.keep.sum() * getattr(model, "emit", 1), "_null_bias": bias}  # (no tensor from host data)
         if getattr(out, "capped", None) is not None:  # a static budget: the policy's boundaries it dropped
             found["_capped"] = out.capped * getattr(model, "emit", 1)
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
