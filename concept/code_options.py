@@ -25,8 +25,9 @@ class CodeTraining(FamilyOptions):
         0.0, minimum=0, help="Anti-collapse: weight of KL(mean concept distribution || uniform) in the loss.")
     revive_after: int = option(
         0, minimum=0,
-        help="Anti-collapse: point every learned code that no concept used for this many steps at a query of the "
-             "step's concepts (dead-code revival, logged as `revived`; codebook and embedding vocabularies); 0: off.")
+        help="Anti-collapse: every this many steps, point every learned code that no concept used for this many "
+             "steps at a query of the step's concepts (dead-code revival, logged as `revived`; codebook and "
+             "embedding vocabularies); 0: off.")
     kmeans_init: int = option(
         0, minimum=0,
         help="Anti-collapse: before the first step, start the learned codes at the k-means centroids of the queries "

@@ -6,7 +6,7 @@ never receive a gradient and stay where they started (VQ-VAE's dead codes). Two 
 
 | name | what | option |
 |---|---|---|
-| ``code_revival`` | after every step, each code no emitted concept has used for N steps is pointed at a query of this step's emitted concepts (one code per query, the longest idle first), logged as ``revived`` and ``idle_share`` | ``--revive-after N`` |
+| ``code_revival`` | every N steps (the idle steps counted on the device at every step), each code no emitted concept has used for N steps or more is pointed at a query of this step's emitted concepts (one code per query, the longest idle first), logged as ``revived`` and ``idle_share`` | ``--revive-after N`` |
 | ``kmeans_init`` | before the first step of a fresh run, the codes start at the spherical k-means centroids of the queries of the first B training batches' emitted concepts, logged as ``kmeans_codes`` | ``--kmeans-init B`` |
 
 Where the states come from: a model with learned codes has ``code_uses(out) -> list[CodeUse]``, one entry per
