@@ -147,7 +147,7 @@ MUTATIONS = [
              ["tests/test_code_revival.py", "-k", "resumes_exactly"]),
     Mutation("revival: a used code revived too", "concept/codes.py",
              "torch.where(used > 0, torch.zeros_like(idle), idle + 1)", "idle + 1",
-             ["tests/test_code_revival.py", "-k", "revived_from"]),
+             ["tests/test_code_revival.py", "-k", "revived_every"]),
     Mutation("per-type quota: every type's <EOS> moved by the first type's bias", "concept/planner/model.py",
              "return self.value if self.value.dim() == 0 else self.value[i]",
              "return self.value if self.value.dim() == 0 else self.value[0]",
