@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.codes import CodeRevival, CodeUse, KMeansInit, spherical_kmeans
+from concept.codes import QUERIES_PER_STEP, CodeRevival, CodeUse, KMeansInit, spherical_kmeans
 from concept.distributed import Dist
 from concept.errors import ConfigError
+from concept.syncs import HostSyncs
 from concept.training import TrainConfig, Trainer
 from plugins.vocabularies.codebook import CodebookVocabConfig, CodebookVocabulary
 from plugins.vocabularies.embedding import EmbeddingVocabConfig, EmbeddingVocabulary
@@ -131,6 +132,96 @@ def test_codes_unused_for_n_steps_are_revived_every_n_steps_from_the_steps_queri
     assert int((vocab.codebook != start).any(-1).sum()) == 12 and int(((vocab.codebook != third).any(-1)).sum()) == 6
     idle = revival.idle["concept"]
     assert [int((idle == k).sum()) for k in (0, 3, 6)] == [8, 6, 10]
+
+
+class PerStepRevival(CodeRevival):
+    """The revival as it was before 2026-11-27 (the slow reference): usage counted on the host (``.cpu()``) per
+    micro-batch, and after every step (``after_step``, which made the trainer read every step's log) the codes
+    idle for N steps revived."""
+
+    def before_step(self, context) -> None:
+        super().before_step(context)
+        self._queries = {}
+
+    def stats(self, model, batch, out):
+        for use in model.code_uses(out):
+            use = use.chosen()
+            K = use.vocabulary.size
+            used = self._used.setdefault(use.name, torch.zeros(K, dtype=torch.float64))
+            used += torch.bincount(use.ids.detach().cpu().long(), minlength=K)[:K].double()
+            if use.ids.numel():
+                self._queries.setdefault(use.name, []).append(use.queries(QUERIES_PER_STEP).cpu())
+            self._targets[use.name] = use
+        return {}
+
+    def device_step(self, model, means, totals, skipped):
+        return {}
+
+    def after_step(self, model, means, totals):
+        dist, revived, idle_codes, codes = self.dist, 0, 0, 0
+        for i, (name, use) in enumerate(sorted(self._targets.items())):
+            K = use.vocabulary.size
+            used = torch.tensor(dist.sum(self._used[name].tolist()) if dist else self._used[name].tolist())
+            idle = self.idle.get(name, torch.zeros(K, dtype=torch.long))
+            idle = torch.where(used > 0, torch.zeros_like(idle), idle + 1)
+            dead = (idle >= self.after).nonzero().flatten()
+            idle_codes, codes = idle_codes + len(dead), codes + K
+            if len(dead):
+                local = self._queries.get(name, [])
+                gathered = dist.gather_objects(local) if dist else [local]
+                queries = torch.cat([q for qs in gathered for q in qs]) if any(gathered) else None
+            if len(dead) and queries is not None:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step * 101 + i)
+                order = dead[torch.randperm(len(dead), generator=g)]
+                order = order[idle[order].argsort(descending=True, stable=True)][: queries.shape[0]]
+                pick = torch.randperm(queries.shape[0], generator=g)[: len(order)]
+                use.vocabulary.set_codes(use.level, order.to(use.ids.device), queries[pick].to(use.states.device))
+                idle[order] = 0
+                revived += len(order)
+            self.idle[name] = idle
+        return {"revived": revived, "idle_share": idle_codes / codes} if codes else {}
+
+
+def drive_both(after, steps, ids=(0, 1, 2), n=6):
+    """The revival and its per-step reference on twin codebooks, ``steps`` steps of one micro-batch (masked
+    uses, as the models give them: every position's ids and states, half of them emitted); returns (the
+    codebooks, what each logged, the revival's counts per step)."""
+    twins, logged, counted = [vocabularies()["codebook"], vocabularies()["codebook"]], ([], []), []
+    revivals = [CodeRevival(after, seed=2), PerStepRevival(after, seed=2)]
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        out = SimpleNamespace(ids=torch.tensor(list(ids) * (2 * n // len(ids))), states=torch.randn(2 * n, 32, generator=g),
+                              mask=torch.arange(2 * n) % 2 == 0)
+        for k, (revival, vocab) in enumerate(zip(revivals, twins)):
+            model = SimpleNamespace(code_uses=lambda o, v=vocab: [CodeUse("concept", v, 0, o.ids, o.states, mask=o.mask)])
+            revival.before_step(SimpleNamespace(dist=Dist(), step=step))
+            skipped = torch.tensor(False)
+            with HostSyncs() as seen:
+                revival.stats(model, {}, out)
+                row = revival.device_step(model, {}, {}, skipped)
+            row.update(revival.after_step(model, {}, {}))
+            logged[k].append({key: float(v) for key, v in row.items()})
+            if k == 0:
+                counted.append(seen)
+    return twins, logged, counted
+
+
+@pytest.mark.parametrize("after, steps", [(1, 4), (3, 3)])
+def test_revival_equals_the_per_step_one_at_its_steps(after, steps):
+    """Every N-th step revives what the per-step revival revived there: with N = 1 at every step, with N = 3
+    through the first revival step (before it nothing is idle for N steps); bit for bit. Between revival
+    steps nothing is read: no hidden sync, and no declared one. Negative control: one step after the first
+    revival with N = 3 the per-step revival moves codes that the new one leaves for step 6."""
+    (new, old), (a, b), counted = drive_both(after, steps)
+    start = vocabularies()["codebook"].codebook
+    assert torch.equal(new.codebook, old.codebook) and not torch.equal(new.codebook, start)
+    assert a == b and a[-1]["revived"] > 0
+    assert all(c.hidden == 0 for c in counted), [dict(c.syncs) for c in counted]
+    assert [dict(c.declared) for c in counted] == [{"code revival": 1} if (i + 1) % after == 0 else {}
+                                                   for i in range(steps)]
+    if after == 3:
+        (new, old), (a, b), _ = drive_both(after, steps + 1)
+        assert a[-1]["revived"] == 0 < b[-1]["revived"] and not torch.equal(new.codebook, old.codebook)
 
 
 def test_revival_is_deterministic_and_resumes_exactly_from_its_state():
