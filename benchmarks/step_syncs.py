@@ -44,15 +44,16 @@ def builds() -> dict[str, BuildConfig]:
                    position_scheme=ComponentRef("per-type"), vocabulary=ComponentRef("codebook", {"code_dim": 8}))
     return {"streaming": BuildConfig(**streaming, vocabulary=ComponentRef("embedding", {"size": 32})),
             "codebook": BuildConfig(**streaming, vocabulary=codebook),
-            "codebook-2-levels": BuildConfig(**streaming, vocabulary=ComponentRef("codebook", {"size": 16, "code_dim": 8,
-                                                                                               "levels": 2})),
+            "codebook-2-levels": BuildConfig(**streaming, vocabulary=ComponentRef(
+                "codebook", {"size": 16, "code_dim": 8, "levels": 2})),
             "fixed": BuildConfig(**streaming, vocabulary=ComponentRef("embedding", {"size": 32}),
                                  length_policy=ComponentRef("fixed", {"every": 4})),
             "threshold": BuildConfig(**streaming, vocabulary=ComponentRef("embedding", {"size": 32}),
                                      length_policy=ComponentRef("threshold")),
             "planner": BuildConfig(**planner, sections={"planner": {"types": PLANNER_TYPES}}),
             "planner-mtp": BuildConfig(**planner, sections={"planner": {"types": PLANNER_TYPES, "mtp": 2}}),
-            "planner-parallel": BuildConfig(**planner, sections={"planner": {"types": PLANNER_TYPES, "parallel": True}})}
+            "planner-parallel": BuildConfig(**planner, sections={"planner": {"types": PLANNER_TYPES,
+                                                                             "parallel": True}})}
 
 
 CONTINUE = dict(task="continue", context_len=12, seq_len=24)
@@ -102,8 +103,9 @@ class Where(HostSyncs):
         before = self.hidden
         super()._sync(name)
         if self.hidden > before:
+            ours = ("/concept/", "/plugins/")
             frames = [f for f in traceback.extract_stack()[:-1]
-                      if "/concept/syncs.py" not in f.filename and ("/concept/" in f.filename or "/plugins/" in f.filename)]
+                      if "/concept/syncs.py" not in f.filename and any(part in f.filename for part in ours)]
             at = frames[-1] if frames else None
             self.where[f"{name} @ {pathlib.Path(at.filename).relative_to(ROOT)}:{at.lineno}" if at else name] += 1
 

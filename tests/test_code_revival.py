@@ -190,10 +190,11 @@ def drive_both(after, steps, ids=(0, 1, 2), n=6):
     revivals = [CodeRevival(after, seed=2), PerStepRevival(after, seed=2)]
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        out = SimpleNamespace(ids=torch.tensor(list(ids) * (2 * n // len(ids))), states=torch.randn(2 * n, 32, generator=g),
-                              mask=torch.arange(2 * n) % 2 == 0)
+        out = SimpleNamespace(ids=torch.tensor(list(ids) * (2 * n // len(ids))),
+                              states=torch.randn(2 * n, 32, generator=g), mask=torch.arange(2 * n) % 2 == 0)
         for k, (revival, vocab) in enumerate(zip(revivals, twins)):
-            model = SimpleNamespace(code_uses=lambda o, v=vocab: [CodeUse("concept", v, 0, o.ids, o.states, mask=o.mask)])
+            model = SimpleNamespace(code_uses=lambda o, v=vocab: [CodeUse("concept", v, 0, o.ids, o.states,
+                                                                          mask=o.mask)])
             revival.before_step(SimpleNamespace(dist=Dist(), step=step))
             skipped = torch.tensor(False)
             with HostSyncs() as seen:

@@ -206,11 +206,12 @@ def test_objectives_and_quota_controller(model):
         stats = quota.stats(model, None, out)
         assert stats["plan_len"] == pytest.approx(float(plan.lengths(2).sum(1).float().mean()))
         steady, go = torch.tensor(True), torch.tensor(False)
-        quota.device_step(model, {"plan_len": torch.tensor(4.0, dtype=torch.float64)}, {}, go)  # over budget: <EOS> more likely
+        length = lambda value: {"plan_len": torch.tensor(value, dtype=torch.float64)}  # noqa: E731
+        quota.device_step(model, length(4.0), {}, go)  # over budget: <EOS> more likely
         assert float(model.eos_bias.value) == pytest.approx(before + 0.5 * (4.0 - 2.0) / 2.0)
-        quota.device_step(model, {"plan_len": torch.tensor(9.0, dtype=torch.float64)}, {}, steady)  # a skipped step
+        quota.device_step(model, length(9.0), {}, steady)  # a skipped step
         assert float(model.eos_bias.value) == pytest.approx(before + 0.5 * (4.0 - 2.0) / 2.0)
-        quota.device_step(model, {"plan_len": torch.tensor(0.0, dtype=torch.float64)}, {}, go)
+        quota.device_step(model, length(0.0), {}, go)
         assert float(model.eos_bias.value) == pytest.approx(before + 0.5 - 0.5)
     finally:
         model.eos_bias.value.fill_(before)
@@ -239,7 +240,8 @@ def test_per_type_quota_holds_each_types_share_and_the_usage_term_cannot_be_esca
     going = (1 - eos_probs(model, plan)) * plan.active
     want = sum(((going * (plan.types == i)).sum(1).mean() - b) ** 2 / b ** 2 for i, b in enumerate(budget)) / 2
     assert torch.allclose(quota(model, {}, out), want)
-    lengths = {"plan_len/topic": torch.tensor(2.0, dtype=torch.float64), "plan_len/gist": torch.tensor(1.0, dtype=torch.float64)}
+    lengths = {f"plan_len/{name}": torch.tensor(value, dtype=torch.float64) for name, value in (("topic", 2.0),
+                                                                                              ("gist", 1.0))}
     logged = {k: float(v) for k, v in quota.device_step(model, lengths, {}, torch.tensor(False)).items()}
     # topic over its share (2 vs 1): <EOS_topic> more likely; gist under (1 vs 2): less likely
     assert model.eos_bias.value.tolist() == pytest.approx([0.5 * (2 - 1) / 1, 0.5 * (1 - 2) / 2])

@@ -519,7 +519,8 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
                        self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype),
                        e[:, :-1].to(self.inner.embed_tokens.weight.dtype)], 1)
         valid = torch.cat([u_valid, u_valid.new_ones(B, 1), plan.active[:, :-1]], dim=1)
-        h = self.run(x, packing.time_positions(valid), CausalPattern(valid, causal=False))[:, Lu:]  # [B, S, d]: state before step j
+        plan_mask = CausalPattern(valid, causal=False)  # (built without looking: no host sync)
+        h = self.run(x, packing.time_positions(valid), plan_mask)[:, Lu:]  # [B, S, d]: state before step j
         types = plan.types.clamp(min=0)
         before = plan.before(self.num_types)
         logits = self.plan_logits(h.flatten(0, 1), types.flatten(), before.flatten()).view(B, S, -1)
