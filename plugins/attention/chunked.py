@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from einops import rearrange
 
-from concept.attention import AttentionPattern, sdpa
+from concept.attention import AttentionPattern, additive, sdpa
 from concept.contracts import AttentionBackend
 from concept.packing import PackedLayout, allowed
 
@@ -45,7 +44,7 @@ class ChunkedPattern(AttentionPattern):
         # Concepts attend causally to concepts; with several packed documents, only their own.
         concepts = layout.concept_meta
         several_docs = bool((concepts.doc != concepts.doc[:, :1]).any()) if C else False
-        self.concept_mask = allowed(concepts, concepts) if several_docs else None
+        self.concept_mask = additive(allowed(concepts, concepts)) if several_docs else None
         num_tail = tail.time.shape[1]
         device = meta.time.device
         # Tail slot -> first tail slot of its segment (tail segments are sorted per row).
@@ -64,33 +63,35 @@ class ChunkedPattern(AttentionPattern):
             b = min(a + chunk, num_tail)
             first = min(first, a)
             keys = torch.cat([torch.arange(hc, device=device), torch.arange(C + first, C + b, device=device)])
-            mask = allowed(meta[:, C + a: C + b], meta[:, keys])
+            mask = additive(allowed(meta[:, C + a: C + b], meta[:, keys]))
             self.chunks.append((C + a, C + b, hc, C + first, mask))
 
     def _static(self, layout: PackedLayout, chunk: int) -> None:
         """Ranges from the shapes alone: chunk [a, b) of the tail sees slots [0, C + b)."""
         C, meta, concepts = self.num_concepts, layout.meta, layout.concept_meta
-        self.concept_mask = allowed(concepts, concepts)
+        self.concept_mask = additive(allowed(concepts, concepts))
         self.chunks = []
         for a in range(0, layout.length - C, chunk):
             b = min(a + chunk, layout.length - C)
-            self.chunks.append((C + a, C + b, 0, 0, allowed(meta[:, C + a: C + b], meta[:, : C + b])))
+            self.chunks.append((C + a, C + b, 0, 0, additive(allowed(meta[:, C + a: C + b], meta[:, : C + b]))))
 
     def __call__(self, query, key, value, scaling):
         C = self.num_concepts
+        # the query blocks partition the slots: one split (its backward one cat, not a zero-filled copy per block)
+        blocks = query.split(([C] if C else []) + [qb - qa for qa, qb, *_ in self.chunks], dim=2)
         outs = []
         if C:
-            outs.append(sdpa(query[:, :, :C], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
+            outs.append(sdpa(blocks[0], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
                              is_causal=self.concept_mask is None))
-        for qa, qb, hc, ka, mask in self.chunks:
+        for q, (qa, qb, hc, ka, mask) in zip(blocks[1:] if C else blocks, self.chunks):
             if hc == 0 or ka == hc:  # one range of keys (every chunk of a static layout): a view, no copy
                 first = ka if hc == 0 else 0
                 k, v = key[:, :, first:qb], value[:, :, first:qb]
             else:
                 k = torch.cat([key[:, :, :hc], key[:, :, ka:qb]], dim=2)
                 v = torch.cat([value[:, :, :hc], value[:, :, ka:qb]], dim=2)
-            outs.append(sdpa(query[:, :, qa:qb], k, v, scaling, mask))
-        return rearrange(torch.cat(outs, dim=2), "b h l d -> b l h d")
+            outs.append(sdpa(q, k, v, scaling, mask))
+        return torch.cat([out.transpose(1, 2) for out in outs], dim=1)  # [B, L, H, hd], contiguous: one copy
 
 
 class ChunkedBackend(AttentionBackend):
