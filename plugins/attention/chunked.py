@@ -10,8 +10,9 @@ reference while skipping most of the T x T tiles: the deep attention cost falls 
 ~T^2/2 to ~C^2/2 + (T - C) * (C/2 + chunk + segment length).
 
 A static layout (``PackedLayout.static``, the build's ``max_ratio``) is planned without reading anything
-back to the host: the concept block always takes the one-pass mask, and a chunk of tail queries
-``[a, b)`` attends to every concept slot and the tail slots ``[0, b)`` (the rule masks the rest). The
+back to the host: a chunk of tail queries ``[a, b)`` attends to every concept slot and the tail slots
+``[0, b)`` (the rule masks the rest), and the concept block's queries join the first chunk's call (their
+keys are a prefix of its keys; the rule masks the tail ones): one SDPA call per chunk. The
 ranges are then functions of the shapes alone (one compiled graph, no sync), at the cost of the tail
 segment windows: ~T^2/2 tail-to-tail pairs instead of ~T * segment.
 """
@@ -35,6 +36,8 @@ class ChunkedConfig:
 
 
 class ChunkedPattern(AttentionPattern):
+    merged = False  # whether the concept block's queries are in the first chunk's call (a static layout)
+
     def __init__(self, layout: PackedLayout, chunk: int):
         C = self.num_concepts = layout.num_concepts
         meta, tail = layout.meta, layout.tail_meta
@@ -67,16 +70,22 @@ class ChunkedPattern(AttentionPattern):
             self.chunks.append((C + a, C + b, hc, C + first, mask))
 
     def _static(self, layout: PackedLayout, chunk: int) -> None:
-        """Ranges from the shapes alone: chunk [a, b) of the tail sees slots [0, C + b)."""
+        """Ranges from the shapes alone: chunk [a, b) of the tail sees slots [0, C + b). The concept block's
+        keys [0, C) lie inside the first chunk's, so its queries join that chunk's call (slots [0, C + b0)
+        with the rule's mask: a concept never sees a tail slot): one SDPA call less per layer."""
         C, meta, concepts = self.num_concepts, layout.meta, layout.concept_meta
-        self.concept_mask = additive(allowed(concepts, concepts))
+        self.concept_mask = None
         self.chunks = []
         for a in range(0, layout.length - C, chunk):
             b = min(a + chunk, layout.length - C)
-            self.chunks.append((C + a, C + b, 0, 0, additive(allowed(meta[:, C + a: C + b], meta[:, : C + b]))))
+            qa = C + a if a else 0  # (the first chunk's queries start with the concept block's)
+            self.chunks.append((qa, C + b, 0, 0, additive(allowed(meta[:, qa: C + b], meta[:, : C + b]))))
+        if C and not self.chunks:  # (no tail slots: the concept block alone)
+            self.chunks.append((0, C, 0, 0, additive(allowed(concepts, concepts))))
+        self.merged = True
 
     def __call__(self, query, key, value, scaling):
-        C = self.num_concepts
+        C = 0 if self.merged else self.num_concepts  # (a static plan's chunks hold the concept block)
         # the query blocks partition the slots: one split (its backward one cat, not a zero-filled copy per block)
         blocks = query.split(([C] if C else []) + [qb - qa for qa, qb, *_ in self.chunks], dim=2)
         outs = []
