@@ -48,7 +48,8 @@ def additive(mask: torch.Tensor | None) -> torch.Tensor | None:
     ``where(mask, 0, -inf)`` in the query's dtype: the same values, bit for bit)."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.where(mask, torch.zeros((), dtype=compute_dtype(mask.device), device=mask.device), float("-inf"))
+    return torch.full(mask.shape, float("-inf"), dtype=compute_dtype(mask.device), device=mask.device).masked_fill_(
+        mask, 0.0)
 
 
 def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor:

@@ -27,6 +27,7 @@ padding queries may look anywhere (their outputs are never used).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -87,20 +88,23 @@ class PackedLayout:
     def length(self) -> int:
         return self.meta.time.shape[1]
 
-    @property
-    def concept_meta(self) -> SlotMeta:
+    @functools.cached_property
+    def concept_meta(self) -> SlotMeta:  # (sliced once per layout: each read was six slices)
         return self.meta[:, : self.num_concepts]
 
-    @property
+    @functools.cached_property
     def tail_meta(self) -> SlotMeta:
         return self.meta[:, self.num_concepts:]
 
 
-def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Time indices of the True entries of ``mask`` [B, T], in order, left-aligned, width k."""
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :k]
-    present = torch.arange(k, device=mask.device)[None, :] < mask.sum(1, keepdim=True)
-    return order, present
+def _first_k(mask: torch.Tensor, k):
+    """Time indices of the True entries of ``mask`` [B, T], in order, left-aligned, width k, and which of them
+    exist. ``mask`` [n, B, T] with ``k`` n widths: the n masks' in one sort, as two tuples of n tensors."""
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+    if mask.dim() == 2:
+        return order[:, :k], torch.arange(k, device=mask.device)[None, :] < mask.sum(1, keepdim=True)
+    present = torch.arange(max(k), device=mask.device) < mask.sum(-1, keepdim=True)
+    return tuple(order[i, :, :w] for i, w in enumerate(k)), tuple(present[i, :, :w] for i, w in enumerate(k))
 
 
 def budget(tokens, max_ratio: float, slack: int = 0):
@@ -159,14 +163,14 @@ def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = Non
         num_c = int(keep.sum(1).max()) * emit if keep.numel() else 0
         num_tail = int(tail.sum(1).max()) if tail.numel() else 0
 
-    if emit == 1:
-        concept_src, concept_valid = _first_k(keep, num_c)
+    if emit == 1:  # the concepts' and the tail's time indices from one sort of both masks
+        (concept_src, tail_src), (concept_valid, tail_valid) = _first_k(torch.stack([keep, tail]), (num_c, num_tail))
         sub = None
     else:  # every emitting token repeated emit times, in (time, sub) order
         flat, concept_valid = _first_k(keep[:, :, None].expand(-1, -1, emit).reshape(keep.shape[0], -1), num_c)
         concept_src, concept_sub = flat // emit, flat % emit
         sub = torch.cat([concept_sub, concept_sub.new_zeros(keep.shape[0], num_tail)], dim=1)
-    tail_src, tail_valid = _first_k(tail, num_tail)
+        tail_src, tail_valid = _first_k(tail, num_tail)
     time = torch.cat([concept_src, tail_src], dim=1)
     slot_keep = torch.cat([concept_valid, torch.zeros_like(tail_valid)], dim=1)
     slot_valid = torch.cat([concept_valid, tail_valid], dim=1)
