@@ -87,7 +87,8 @@ class ChunkedPattern(AttentionPattern):
     def __call__(self, query, key, value, scaling):
         C = 0 if self.merged else self.num_concepts  # (a static plan's chunks hold the concept block)
         # the query blocks partition the slots: one split (its backward one cat, not a zero-filled copy per block)
-        blocks = query.split(([C] if C else []) + [qb - qa for qa, qb, *_ in self.chunks], dim=2)
+        sizes = ([C] if C else []) + [qb - qa for qa, qb, *_ in self.chunks]
+        blocks = query.split(sizes, dim=2) if len(sizes) > 1 else (query,)
         outs = []
         if C:
             outs.append(sdpa(blocks[0], key[:, :, :C], value[:, :, :C], scaling, self.concept_mask,
@@ -95,11 +96,14 @@ class ChunkedPattern(AttentionPattern):
         for q, (qa, qb, hc, ka, mask) in zip(blocks[1:] if C else blocks, self.chunks):
             if hc == 0 or ka == hc:  # one range of keys (every chunk of a static layout): a view, no copy
                 first = ka if hc == 0 else 0
-                k, v = key[:, :, first:qb], value[:, :, first:qb]
+                whole = first == 0 and qb == key.shape[2]  # (all of them: the tensors themselves)
+                k, v = (key, value) if whole else (key[:, :, first:qb], value[:, :, first:qb])
             else:
                 k = torch.cat([key[:, :, :hc], key[:, :, ka:qb]], dim=2)
                 v = torch.cat([value[:, :, :hc], value[:, :, ka:qb]], dim=2)
             outs.append(sdpa(q, k, v, scaling, mask))
+        if len(outs) == 1:  # (one call: e.g. a static layout of at most one chunk of tail slots)
+            return outs[0].transpose(1, 2)
         return torch.cat([out.transpose(1, 2) for out in outs], dim=1)  # [B, L, H, hd], contiguous: one copy
 
 
