@@ -95,7 +95,8 @@ def module_of(phase: str, ours: str, library: str) -> str:
         return EXCLUDED["optimizer"]
     if "AccumulateGrad" in ours:
         return EXCLUDED["accumulate"]
-    if library.startswith("transformers/") and not path.startswith(("concept/attention", "plugins/attention")):
+    if path == "concept/backbone.py" or (library.startswith("transformers/")
+                                         and not path.startswith(("concept/attention", "plugins/attention"))):
         return EXCLUDED["layers"]  # (HF's own ops: RMSNorm, rotary, MLP; SDPA's are charged to concept.attention)
     return path
 

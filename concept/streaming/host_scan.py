@@ -102,11 +102,8 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
     rising = (estimate[1] + 3 - passing[1]).clamp(0, limit + 1)
     # 0 (or NaN): every count passes or none does
     every = passes(torch.zeros_like(score, dtype=torch.long))
-    none_lo, none_hi = torch.full_like(falling, limit + 1), torch.full_like(falling, -1)
-    lo = torch.where(price > 0, torch.zeros_like(falling),
-                     torch.where(price < 0, rising, torch.where(every, torch.zeros_like(falling), none_lo)))
-    hi = torch.where(price > 0, falling,
-                     torch.where(price < 0, torch.full_like(falling, limit), torch.where(every, limit, none_hi)))
+    lo = torch.where(price > 0, 0, torch.where(price < 0, rising, torch.where(every, 0, limit + 1)))
+    hi = torch.where(price > 0, falling, torch.where(price < 0, limit, torch.where(every, limit, -1)))
     width = limit + 3
 
     def admits(c, bound):
