@@ -68,10 +68,8 @@ def chunked_loss(x, weight, bias, target, rows: int, grads: tuple[bool, bool, bo
     Returns (loss, grad_x, grad_weight, grad_bias), the gradients None where not asked for."""
     valid = target != IGNORE
     count = valid.sum()
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x = torch.empty_like(x) if grads[0] else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if grads[1] else None
-    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if grads[2] else None
+    total = grad_w = grad_b = None  # (the first chunk's terms start the sums: no zeros to add them to)
+    grad_x = []  # (each chunk's rows, concatenated once at the end: a single chunk is the gradient itself)
     for start in range(0, x.shape[0], rows):
         xc, tc, vc = x[start:start + rows], target[start:start + rows], valid[start:start + rows]
         logits = F.linear(xc, weight, bias)
@@ -79,7 +77,8 @@ def chunked_loss(x, weight, bias, target, rows: int, grads: tuple[bool, bool, bo
         logits = upcast(logits)
         lse = logits.logsumexp(-1)
         index = tc.clamp(min=0)[:, None]
-        total = total + torch.where(vc, lse - logits.gather(1, index)[:, 0], 0.0).sum()
+        part = torch.where(vc, lse - logits.gather(1, index)[:, 0], 0.0).sum()
+        total = part if total is None else total + part
         if not any(grads):
             continue
         # d(mean CE)/d logits = (softmax - one-hot) / count on the counted rows, 0 elsewhere
@@ -87,12 +86,20 @@ def chunked_loss(x, weight, bias, target, rows: int, grads: tuple[bool, bool, bo
         g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))
         g.mul_((vc / count)[:, None].to(g.dtype))
         g = g.to(compute)
-        if grad_x is not None:
-            grad_x[start:start + rows] = (g @ weight.to(compute)).to(x.dtype)
-        if grad_w is not None:
-            grad_w += (g.t() @ xc.to(compute)).float()
-        if grad_b is not None:
-            grad_b += g.sum(0).float()
+        if grads[0]:
+            grad_x.append((g @ weight.to(compute)).to(x.dtype))
+        if grads[1]:
+            part_w = (g.t() @ xc.to(compute)).float()
+            grad_w = part_w if grad_w is None else grad_w.add_(part_w)
+        if grads[2]:
+            part_b = g.sum(0).float()
+            grad_b = part_b if grad_b is None else grad_b.add_(part_b)
+    if total is None:  # (no rows)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if grads[1] else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if grads[2] else None
+    grad_x = None if not grads[0] else (grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x) if grad_x
+                                        else torch.empty_like(x))
     return total / count, grad_x, grad_w, grad_b
 
 

@@ -27,6 +27,7 @@ padding queries may look anywhere (their outputs are never used).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -87,20 +88,23 @@ class PackedLayout:
     def length(self) -> int:
         return self.meta.time.shape[1]
 
-    @property
-    def concept_meta(self) -> SlotMeta:
+    @functools.cached_property
+    def concept_meta(self) -> SlotMeta:  # (sliced once per layout: each read was six slices)
         return self.meta[:, : self.num_concepts]
 
-    @property
+    @functools.cached_property
     def tail_meta(self) -> SlotMeta:
         return self.meta[:, self.num_concepts:]
 
 
-def _first_k(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Time indices of the True entries of ``mask`` [B, T], in order, left-aligned, width k."""
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :k]
-    present = torch.arange(k, device=mask.device)[None, :] < mask.sum(1, keepdim=True)
-    return order, present
+def _first_k(mask: torch.Tensor, k):
+    """Time indices of the True entries of ``mask`` [B, T], in order, left-aligned, width k, and which of them
+    exist. ``mask`` [n, B, T] with ``k`` n widths: the n masks' in one sort, as two tuples of n tensors."""
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+    if mask.dim() == 2:
+        return order[:, :k], torch.arange(k, device=mask.device)[None, :] < mask.sum(1, keepdim=True)
+    present = torch.arange(max(k), device=mask.device) < mask.sum(-1, keepdim=True)
+    return tuple(order[i, :, :w] for i, w in enumerate(k)), tuple(present[i, :, :w] for i, w in enumerate(k))
 
 
 def budget(tokens, max_ratio: float, slack: int = 0):
@@ -128,8 +132,8 @@ def cap_boundaries(keep: torch.Tensor, valid: torch.Tensor, max_ratio: float,
     budget, the kept count obeys ``c_t = min(c_{t-1} + keep_t, K_t)`` (K never falls), whose solution is
     ``c_t = R_t + min(c_0, min_{s <= t} (K_s - R_s))``."""
     keep = keep & valid
-    counted = torch.cumsum(keep.long(), dim=1)
-    seen = torch.cumsum(valid.long(), dim=1)
+    counted = keep.cumsum(1, dtype=torch.long)
+    seen = valid.cumsum(1, dtype=torch.long)
     if tokens_before is not None:
         seen = seen + tokens_before[:, None]
     start = torch.zeros_like(counted[:, :1]) if boundaries_before is None else boundaries_before[:, None]
@@ -152,30 +156,30 @@ def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = Non
     keep = keep & valid
     doc = torch.zeros_like(keep, dtype=torch.long) if doc is None else doc
     tail = valid & ~keep
-    seg = torch.cumsum(keep.long(), dim=1)
+    seg = keep.cumsum(1, dtype=torch.long)
     if concepts is not None:
         num_c, num_tail = concepts, keep.shape[1]
     else:
         num_c = int(keep.sum(1).max()) * emit if keep.numel() else 0
         num_tail = int(tail.sum(1).max()) if tail.numel() else 0
 
-    if emit == 1:
-        concept_src, concept_valid = _first_k(keep, num_c)
+    if emit == 1:  # the concepts' and the tail's time indices from one sort of both masks
+        (concept_src, tail_src), (concept_valid, tail_valid) = _first_k(torch.stack([keep, tail]), (num_c, num_tail))
         sub = None
     else:  # every emitting token repeated emit times, in (time, sub) order
         flat, concept_valid = _first_k(keep[:, :, None].expand(-1, -1, emit).reshape(keep.shape[0], -1), num_c)
         concept_src, concept_sub = flat // emit, flat % emit
         sub = torch.cat([concept_sub, concept_sub.new_zeros(keep.shape[0], num_tail)], dim=1)
-    tail_src, tail_valid = _first_k(tail, num_tail)
+        tail_src, tail_valid = _first_k(tail, num_tail)
     time = torch.cat([concept_src, tail_src], dim=1)
     slot_keep = torch.cat([concept_valid, torch.zeros_like(tail_valid)], dim=1)
     slot_valid = torch.cat([concept_valid, tail_valid], dim=1)
     # padding slots get a segment after every real one, so tail segments stay sorted
     slot_seg = torch.where(slot_valid, seg.gather(1, time), torch.full_like(time, PAD_SEG))
 
-    tail_rank = torch.cumsum(tail.long(), dim=1) - 1
+    tail_rank = tail.cumsum(1, dtype=torch.long) - 1
     slot_of_time = torch.where(keep, seg * emit - 1, num_c + tail_rank)  # a concept's last slot
-    slot_of_time = torch.where(valid, slot_of_time, torch.zeros_like(slot_of_time))
+    slot_of_time = torch.where(valid, slot_of_time, 0)
     # rank of each concept among its document's concepts (documents are contiguous in a row)
     index = torch.arange(num_c, device=keep.device).expand(keep.shape[0], num_c)
     concept_doc = doc.gather(1, concept_src)
@@ -201,7 +205,7 @@ def document_starts(valid: torch.Tensor, doc: torch.Tensor | None) -> torch.Tens
     if doc is None:
         return None
     prev = torch.cat([torch.full_like(doc[:, :1], -1), doc[:, :-1]], dim=1)
-    first_real = torch.cumsum(valid.long(), dim=1) == 1
+    first_real = valid.cumsum(1, dtype=torch.long) == 1
     return valid & ((doc != prev) | first_real)
 
 
@@ -212,7 +216,7 @@ def document_tokens(valid: torch.Tensor, reset: torch.Tensor | None = None) -> t
     seen = torch.cumsum(real, dim=1)  # real tokens up to and including t
     base = torch.zeros_like(seen[:, :1])
     if reset is not None:  # counts restart at each document start
-        base = torch.cummax(torch.where(reset, seen - real, torch.zeros_like(seen)), dim=1).values
+        base = torch.cummax(torch.where(reset, seen - real, 0), dim=1).values
     total = (seen - base)[:, -1] if valid.shape[1] else real.new_zeros(valid.shape[0])
     return seen - real - base, total
 
@@ -221,12 +225,12 @@ def tokens_since_keep(keep: torch.Tensor, valid: torch.Tensor, reset: torch.Tens
     """Real tokens after each row's last kept token (or its last document start, ``reset``) [B]: the
     step state of a policy that counts the tokens of its open chunk, after the last token, computed
     for all t at once (padding does not count)."""
-    seen = torch.cumsum(valid.long(), dim=1)  # real tokens up to and including t
+    seen = valid.cumsum(1, dtype=torch.long)  # real tokens up to and including t
     if not valid.shape[1]:
         return seen.new_zeros(valid.shape[0])
-    marks = torch.where(keep & valid, seen, torch.zeros_like(seen))
+    marks = torch.where(keep & valid, seen, 0)
     if reset is not None:  # a document start reopens the count before its first token
-        marks = torch.maximum(marks, torch.where(reset & valid, seen - 1, torch.zeros_like(seen)))
+        marks = torch.maximum(marks, torch.where(reset & valid, seen - 1, 0))
     return seen[:, -1] - marks.max(dim=1).values
 
 
@@ -234,8 +238,8 @@ def time_positions(valid: torch.Tensor, doc: torch.Tensor | None = None,
                    starts: torch.Tensor | None = None) -> torch.Tensor:
     """Position ids of real tokens (0, 1, ... restarting at each document), whatever the padding
     side, as Hugging Face does. ``starts``: ``document_starts(valid, doc)`` if already computed."""
-    index = torch.cumsum(valid.long(), dim=1) - 1
+    index = valid.cumsum(1, dtype=torch.long) - 1
     if doc is not None:
         starts = document_starts(valid, doc) if starts is None else starts
-        index = index - torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+        index = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
     return index.clamp_(min=0)

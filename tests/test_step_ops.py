@@ -1,5 +1,7 @@
 """The aten ops of a streaming training step, the CPU proxy of its kernel launches (issue 39): at most 0.8x the
-11,628 the step cost before (docs/benchmarks.md, "Fewer aten ops in a streaming step").
+11,628 the step cost before (docs/benchmarks.md, "Fewer aten ops in a streaming step"), and since the streaming
+model's own glue was cut (docs/benchmarks.md, "The streaming step's own glue"), at most 7,650: 7,534 measured,
+with a margin of 1.5% for the other work on the step (a bar only ever lowered).
 
 The recipe is ``benchmarks/op_counts.py``'s (the tiny backbone, split 2,2,2, 2 rows x 256 packed tokens,
 LoRA rank 8, the trainer's ``queue_step`` after its first two steps), counted as it counts them: every
@@ -15,7 +17,9 @@ from benchmarks.op_counts import built_folder, profiled_ops, started
 from concept.lora import LoraMatmuls, fused_lora_class
 
 BEFORE = 11_628  # the streaming step's aten ops before issue 39's op work (commit 3c3c1c7)
-BAR = int(0.8 * BEFORE)
+GLUE = 7_534  # after the streaming glue's cut (7,930 before it, commit f340589)
+BAR = 7_650  # GLUE and a margin of 1.5%; was int(0.8 * BEFORE) = 9,302
+assert BAR < int(0.8 * BEFORE)
 
 
 def test_a_streaming_step_costs_at_most_0_8x_the_aten_ops_it_did(tmp_path, monkeypatch):

@@ -92,19 +92,18 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
 
     offsets = torch.arange(-2, 3, device=score.device)
     quotient = score.double() / price.double()
-    # a positive price: passes for c <= hi
-    estimate = torch.nan_to_num(torch.floor(quotient), nan=-2.0).clamp(-2, limit + 1).long()
-    falling = (estimate - 3 + passing_around(estimate)).clamp(-1, limit)
-    # a negative price: passes for c >= lo
-    estimate = torch.nan_to_num(torch.ceil(quotient), nan=float(limit + 3)).clamp(-1, limit + 2).long()
-    rising = (estimate + 3 - passing_around(estimate)).clamp(0, limit + 1)
+    # both ends' estimates tested in one call (a leading dimension of 2: the same elementwise ops)
+    estimate = torch.stack([
+        torch.nan_to_num(torch.floor(quotient), nan=-2.0).clamp(-2, limit + 1),  # a positive price: c <= hi
+        torch.nan_to_num(torch.ceil(quotient), nan=float(limit + 3)).clamp(-1, limit + 2),  # a negative one: c >= lo
+    ]).long()
+    passing = passing_around(estimate)
+    falling = (estimate[0] - 3 + passing[0]).clamp(-1, limit)
+    rising = (estimate[1] + 3 - passing[1]).clamp(0, limit + 1)
     # 0 (or NaN): every count passes or none does
     every = passes(torch.zeros_like(score, dtype=torch.long))
-    none_lo, none_hi = torch.full_like(falling, limit + 1), torch.full_like(falling, -1)
-    lo = torch.where(price > 0, torch.zeros_like(falling),
-                     torch.where(price < 0, rising, torch.where(every, torch.zeros_like(falling), none_lo)))
-    hi = torch.where(price > 0, falling,
-                     torch.where(price < 0, torch.full_like(falling, limit), torch.where(every, limit, none_hi)))
+    lo = torch.where(price > 0, 0, torch.where(price < 0, rising, torch.where(every, 0, limit + 1)))
+    hi = torch.where(price > 0, falling, torch.where(price < 0, limit, torch.where(every, limit, -1)))
     width = limit + 3
 
     def admits(c, bound):

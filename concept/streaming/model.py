@@ -179,7 +179,7 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         meta = layout.tail_meta
         if layout.num_concepts == 0:
             return self.tail_fusion(tail, torch.zeros_like(tail), torch.zeros_like(meta.valid))
-        seg = torch.where(meta.valid, meta.seg, torch.zeros_like(meta.seg))
+        seg = torch.where(meta.valid, meta.seg, 0)
         last = (seg * layout.emit - 1).clamp(min=0)  # the segment's latest concept: the last slot of its boundary
         has = meta.valid & (seg >= 1) & (layout.concept_meta.doc.gather(1, last) == meta.doc)
         update = updates.gather(1, last[..., None].expand(-1, -1, updates.shape[-1]))

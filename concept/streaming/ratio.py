@@ -38,7 +38,7 @@ class RatioLoss:
         n = 1.0 / self.target
         real = valid.sum()  # (masked means: no boolean indexing, nothing read back to the host)
         F = ((keep & valid).sum() / real).float().detach()
-        G = torch.where(valid, boundary_prob, torch.zeros_like(boundary_prob)).sum() / real
+        G = torch.where(valid, boundary_prob, 0.0).sum() / real
         return self.weight * n / (n - 1.0) * ((n - 1.0) * F * G + (1.0 - F) * (1.0 - G))
 
 
@@ -142,9 +142,9 @@ def masked_std(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``x[valid].std()`` without the boolean index (no host sync): two passes in float64, as torch's CPU
     kernel accumulates float32 too, rounded to ``x``'s dtype."""
     n = valid.sum().double()
-    xd = torch.where(valid, x.double(), torch.zeros_like(x, dtype=torch.float64))
+    xd = torch.where(valid, x.double(), 0.0)
     mean = xd.sum() / n
-    var = torch.where(valid, (xd - mean) ** 2, torch.zeros_like(xd)).sum() / (n - 1)
+    var = torch.where(valid, (xd - mean) ** 2, 0.0).sum() / (n - 1)
     return var.sqrt().to(x.dtype)
 
 
