@@ -129,7 +129,7 @@ MUTATIONS = [
              ["tests/test_training.py", "-k", "resume_reproduces"]),
     # precision and the chunked CE
     Mutation("bf16: the frozen base left in fp32 (autocast casts it at every use)", "concept/training.py",
-             "        store_frozen_base(model, self.dtype)  # bf16: cast once here, never inside a step\n", "",
+             "    store_frozen_base(model, dtype)  # bf16: cast once here, never inside a step\n", "",
              ["tests/test_bf16.py", "-k", "no_frozen_weight and dense"]),
     Mutation("chunked CE: the ignored targets counted", "concept/losses.py",
              "valid = target != IGNORE", "valid = target == target",
