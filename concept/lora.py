@@ -258,6 +258,9 @@ class _Cast:
         return self.views[2 * i], self.views[2 * i + 1]
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 class AdapterCasts:
     """The adapter weights of one backbone's fused LoRA layers (``use_fused_lora``), cast to a compute dtype
     together: at the first adapted layer a forward reaches, every member's ``A`` and ``B`` are cast at once
@@ -306,7 +309,7 @@ class AdapterCasts:
             if len(active) != 1:
                 continue
             a, b = module.lora_A[active[0]].weight, module.lora_B[active[0]].weight
-            if type(a.data) is not torch.Tensor or type(b.data) is not torch.Tensor:  # e.g. FSDP2's DTensors
+            if type(a) not in _PLAIN or type(b) not in _PLAIN:  # e.g. FSDP2's DTensors (a subclass: not plain)
                 self.disabled = True
                 self.casts.clear()
                 return None
