@@ -266,7 +266,7 @@ class AdapterCasts:
     together: at the first adapted layer a forward reaches, every member's ``A`` and ``B`` are cast at once
     (:class:`CastTogether`) and each layer then takes its views. A cast is kept per (dtype, device, source
     dtype, whether it records gradients, inference mode) and made again when a layer used its views once
-    already (the next forward, a decoding step, a second use in the same graph, a checkpointed layer's
+    already (the next forward, a second use in the same graph, a checkpointed layer's
     recomputation in backward) or finds its weights replaced or changed (their versions): so once per
     forward, whatever changed the weights in between. Not used: under ``torch.compile`` (the compiled graph
     casts), with sharded (FSDP2) adapters, or for a layer whose adapters are not the members' dtype (each
