@@ -222,7 +222,7 @@ def _cast_together(tensors, dtype: torch.dtype) -> list[torch.Tensor]:
         groups.setdefault(tuple(t.shape[1:]), []).append(i)
     blocks = [torch.cat([tensors[i] for i in members]) if len(members) > 1 else tensors[members[0]]
               for members in groups.values()]
-    flat = torch.cat([b.view(-1) for b in blocks]) if len(blocks) > 1 else blocks[0].view(-1)
+    flat = torch.cat([b.reshape(-1) for b in blocks]) if len(blocks) > 1 else blocks[0].reshape(-1)
     cast = flat.to(dtype)
     parts = cast.split([b.numel() for b in blocks]) if len(blocks) > 1 else (cast,)
     out: list = [None] * len(tensors)
@@ -295,6 +295,8 @@ class AdapterCasts:
         grad = torch.is_grad_enabled() and (lora_a.requires_grad or lora_b.requires_grad)
         key = (dtype, lora_a.device, lora_a.dtype, grad, torch.is_inference_mode_enabled())
         cast = self.casts.get(key)
+        if cast is not None and id(module) not in cast.slot:
+            return None  # (a layer the cast left out: its own dtype, device or adapters)
         views = cast.views_of(module, lora_a, lora_b) if cast is not None else None
         if views is None:
             cast = self._cast(key)
