@@ -10,6 +10,7 @@ bf16, 2 x 16 tokens; its first step). Negative control: the per-use casts (the p
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -68,26 +69,36 @@ class AdapterCastCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def counted_step(kind: str, per_use: bool) -> tuple[AdapterCastCounter, int]:
-    model = model_of(kind, split=(1, 2, 1))
+@pytest.fixture(scope="module")
+def step():
+    """``test_step_counts.py``'s streaming model (4 layers, the base in bf16) and a function that runs one
+    training step under the counter, the adapters cast together or (``per_use``) each at its use."""
+    model = model_of("streaming", split=(1, 2, 1))
     store_frozen_base(model, torch.bfloat16)
     fused = [m for m in model.modules() if hasattr(m, "adapter_casts")]
-    fused[0].adapter_casts.disabled = per_use
     adapters = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    with AdapterCastCounter(adapters) as counter:
-        training_step(model, batch, "new", optimizer)
-    return counter, len(fused)
+
+    def counted(per_use: bool) -> tuple[AdapterCastCounter, int]:
+        fused[0].adapter_casts.disabled = per_use
+        try:
+            with AdapterCastCounter(adapters) as counter:
+                training_step(model, batch, "new", optimizer)
+        finally:
+            fused[0].adapter_casts.disabled = False
+        return counter, len(fused)
+
+    return counted
 
 
-def test_a_bf16_training_step_casts_the_adapters_once_each_way():
-    counter, layers = counted_step("streaming", per_use=False)
+def test_a_bf16_training_step_casts_the_adapters_once_each_way(step):
+    counter, layers = step(per_use=False)
     assert layers == 4 * 7
     assert (counter.forward, len(counter.backward)) == (1, 1)
 
 
-def test_negative_control_the_per_use_casts_are_counted():
-    counter, layers = counted_step("streaming", per_use=True)
+def test_negative_control_the_per_use_casts_are_counted(step):
+    counter, layers = step(per_use=True)
     assert (counter.forward, len(counter.backward)) == (2 * layers, 2 * layers)  # A and B, each way, each layer

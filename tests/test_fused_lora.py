@@ -225,3 +225,26 @@ def test_negative_control_a_wrong_batched_cast_is_caught(monkeypatch, fault):
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
     got, want = outputs_and_grads(fused, x, True), outputs_and_grads(plain, x, True)
     assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.slow  # (5 s: a compilation)
+def test_compiled_the_layers_cast_in_the_graph_with_no_graph_break(monkeypatch):
+    """Under torch.compile (fullgraph, bf16 autocast) the cast together is left to the graph: no graph break,
+    and the compiled forward and gradients equal eager's (which casts together) bit for bit."""
+    torch._dynamo.reset()
+    fused = adapted_layers()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    def run(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fused(x)
+
+    assert torch._dynamo.explain(run)(x).graph_break_count == 0
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    calls = cast_calls(monkeypatch)
+    got = outputs_and_grads(compiled, x, True)
+    assert not calls  # (traced: the graph casts)
+    for p in fused.parameters():
+        p.grad = None
+    assert_same(got, outputs_and_grads(fused, x, True))
+    assert len(calls) == 1
+    torch._dynamo.reset()
