@@ -113,22 +113,25 @@ class _CastSources(TorchDispatchMode):
         self.counts, self.names = Counter(), defaultdict(Counter)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if name in CASTS:
-            source = args[1] if name == "copy_" else args[0]
-            what = ("a trainable parameter" if isinstance(source, nn.Parameter) and source.requires_grad else
-                    "a frozen parameter" if isinstance(source, nn.Parameter) else
-                    f"{str(source.dtype).removeprefix('torch.')} -> {str((args[0] if name == 'copy_' else func(*args, **(kwargs or {}))).dtype).removeprefix('torch.')}")
-            node = torch._C._current_autograd_node()
-            if node is None:
-                ours, library = _source(_stack_frames(traceback.extract_stack()[:-1]))  # (less this frame)
-                key = ("forward", f"{ours} ({what})", library)
-            else:
-                made = _stack_frames(_parse_traceback(node.metadata.get("traceback_", "")))
-                key = ("backward", f"{node.name()} of {_source(made)[0]} ({what})", _source(made)[1])
-            self.counts[key] += 1
-            self.names[key][f"aten::{name}"] += 1
-        return func(*args, **(kwargs or {}))
+            self._charge(name, args[1] if name == "copy_" else args[0], args[0] if name == "copy_" else out)
+        return out
+
+    def _charge(self, name: str, source: torch.Tensor, result: torch.Tensor) -> None:
+        dtypes = f"{str(source.dtype).removeprefix('torch.')} -> {str(result.dtype).removeprefix('torch.')}"
+        what = ("a trainable parameter" if isinstance(source, nn.Parameter) and source.requires_grad else
+                "a frozen parameter" if isinstance(source, nn.Parameter) else dtypes)
+        node = torch._C._current_autograd_node()
+        if node is None:
+            ours, library = _source(_stack_frames(traceback.extract_stack()[:-2]))  # (less this class's frames)
+            key = ("forward", f"{ours} ({what})", library)
+        else:
+            made = _stack_frames(_parse_traceback(node.metadata.get("traceback_", "")))
+            key = ("backward", f"{node.name()} of {_source(made)[0]} ({what})", _source(made)[1])
+        self.counts[key] += 1
+        self.names[key][f"aten::{name}"] += 1
 
 
 def _short(path: str) -> str:
@@ -175,7 +178,8 @@ def main() -> None:
             names[key] = Counter({k: v for k, v in names[key].items() if k in wanted})
             counts[key] = sum(names[key].values())
         counts = +counts
-    print(f"{sum(counts.values())} aten ops{' (' + args.ops + ')' if args.ops else ''} in one {args.model} step")
+    what = "casts" if args.casts else f"aten ops{' (' + args.ops + ')' if args.ops else ''}"
+    print(f"{sum(counts.values())} {what} in one {args.model} step")
     for (phase, ours, library), n in counts.most_common(args.top):
         top = ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in names[phase, ours, library].most_common(6))
         print(f"{n:6d}  {phase:8s}  {ours}  <- {library or '-'}  [{top}]")
