@@ -1,37 +1,44 @@
 """Where a training step's aten ops come from: ``op_counts.py``'s step, each ``aten::`` event charged to a source.
 
     OMP_NUM_THREADS=1 python benchmarks/op_sources.py [--model streaming|pruned|dense] [--seq-len 256] [--top 40]
-    OMP_NUM_THREADS=1 python benchmarks/op_sources.py --smollm2-shaped [--by-module]
+                      [--shape tiny|smollm2-bf16] [--ops _to_copy,copy_] [--casts] [--by-module]
 
 ``torch.profiler`` with ``with_stack``: a forward op is charged to the innermost ``concept/`` or ``plugins/``
 frame above it and the first library frame under that (e.g. ``peft/tuners/lora/layer.py``); an op of the
 backward to the forward op that made its autograd node (the profiler's sequence numbers), a custom
 ``autograd.Function``'s backward and ``AccumulateGrad`` by their node's name. The counts add up to
 ``op_counts.py``'s ``step_aten_ops`` (every event, nested ones included). docs/benchmarks.md, "Fewer aten ops
-in a streaming step", has the table this gave.
-
-``--smollm2-shaped``: ``test_step_counts.py``'s step instead (30 layers at width 64, split 4,18,8, the base stored
-in bf16, bf16 autocast, 2 x 128 tokens, ``step_counts.training_step``'s ``new`` version). ``--by-module``: the
-counts summed per source module, forward and backward, the backbone's decoder layers (transformers' code), LoRA,
-the optimizer and AccumulateGrad set apart from the model's own glue (docs/benchmarks.md, "The streaming
-step's own glue").
+in a streaming step", has the table this gave. ``--shape smollm2-bf16``: ``test_step_counts.py``'s step instead
+(SmolLM2's 30 layers at width 64, the base stored in bf16, bf16 autocast, 2 x 128 tokens, its second step);
+``--ops``: only those ops counted (e.g. the casts, ``_to_copy,copy_``). ``--by-module``: the counts summed per
+source module, forward and backward, the backbone's decoder layers (transformers' code), LoRA, the optimizer and
+AccumulateGrad set apart from the model's own glue (docs/benchmarks.md, "The streaming step's own glue").
 """
 from __future__ import annotations
 
 import argparse
+import pathlib
 import re
+import sys
 from collections import Counter, defaultdict
 
+import traceback
+
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     from benchmarks.op_counts import built_folder, started
+    from benchmarks.step_counts import CASTS
 except ModuleNotFoundError:  # (run as a script: benchmarks/ is the first path)
     from op_counts import built_folder, started
+    from step_counts import CASTS
 
 PROJECT = ("concept/", "plugins/")
-SKIPPED = PROJECT + ("torch/profiler", "torch/utils/_contextlib", "torch/nn/modules/module.py", "torch/autograd/")
+SKIPPED = PROJECT + ("torch/profiler", "torch/utils/_contextlib", "torch/nn/modules/module.py", "torch/autograd/",
+                     "torch/_dynamo/eval_frame.py", "torch/_compile.py")
 
 
 def _frames(event) -> list[str]:
@@ -101,26 +108,73 @@ def module_of(phase: str, ours: str, library: str) -> str:
     return path
 
 
-def smollm2_shaped_step():
-    """``test_step_counts.py``'s streaming step (``new``), its first step taken: a callable for one more."""
-    try:
-        from benchmarks.test_step_counts import B, T, VOCAB, model_of
-        from benchmarks.step_counts import training_step
-    except ModuleNotFoundError:  # (run as a script: the repository root is not on the path)
-        import pathlib
-        import sys
-        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-        from benchmarks.test_step_counts import B, T, VOCAB, model_of
-        from benchmarks.step_counts import training_step
+def smollm2_bf16_step(kind: str):
+    """``test_step_counts.py``'s ``new`` step of ``kind`` (its first step taken): a function running one more."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks.step_counts import training_step
+    from benchmarks.test_step_counts import VOCAB, B, T, model_of
     from concept.precision import store_frozen_base
 
-    model = model_of("streaming")
+    model = model_of(kind)
+    store_frozen_base(model, torch.bfloat16)
     ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    store_frozen_base(model, torch.bfloat16)
     training_step(model, batch, "new", optimizer)
     return lambda: training_step(model, batch, "new", optimizer)
+
+
+class _CastSources(TorchDispatchMode):
+    """The casts Python's dispatch sees (``StepCounter``'s: autocast's, ``.to``, ``copy_``), each charged as
+    :func:`sources` charges an op: the innermost project frame and the library frame under it; a backward
+    cast to its autograd node's name and the forward frame that made the node (anomaly mode's traceback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.names = Counter(), defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in CASTS:
+            self._charge(name, args[1] if name == "copy_" else args[0], args[0] if name == "copy_" else out)
+        return out
+
+    def _charge(self, name: str, source: torch.Tensor, result: torch.Tensor) -> None:
+        dtypes = f"{str(source.dtype).removeprefix('torch.')} -> {str(result.dtype).removeprefix('torch.')}"
+        what = ("a trainable parameter" if isinstance(source, nn.Parameter) and source.requires_grad else
+                "a frozen parameter" if isinstance(source, nn.Parameter) else dtypes)
+        node = torch._C._current_autograd_node()
+        if node is None:
+            ours, library = _source(_stack_frames(traceback.extract_stack()[:-2]))  # (less this class's frames)
+            key = ("forward", f"{ours} ({what})", library)
+        else:
+            made = _stack_frames(_parse_traceback(node.metadata.get("traceback_", "")))
+            key = ("backward", f"{node.name()} of {_source(made)[0]} ({what})", _source(made)[1])
+        self.counts[key] += 1
+        self.names[key][f"aten::{name}"] += 1
+
+
+def _short(path: str) -> str:
+    return path.split("site-packages/")[-1] if "site-packages/" in path else re.sub(
+        r"^/.*?/(?=(concept|plugins|benchmarks)/)", "", path)
+
+
+def _stack_frames(stack) -> list[str]:
+    """``traceback`` frames as ``path: name``, innermost first."""
+    return [f"{_short(f.filename)}: {f.name}" for f in reversed(stack)]
+
+
+def _parse_traceback(text: str):
+    return [traceback.FrameSummary(m.group(1), int(m.group(2)), m.group(3))
+            for m in re.finditer(r'File "(.+?)", line (\d+), in (\S+)', text if isinstance(text, str) else "".join(text))]
+
+
+def cast_sources(run) -> tuple[Counter, dict]:
+    """Run ``run`` counting the dispatched casts by source (as :func:`sources`' keys)."""
+    with torch.autograd.set_detect_anomaly(True, check_nan=False), _CastSources() as seen:
+        run()
+    return seen.counts, seen.names
 
 
 def main() -> None:
@@ -128,16 +182,26 @@ def main() -> None:
     parser.add_argument("--model", default="streaming", choices=["streaming", "pruned", "dense"])
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--top", type=int, default=40)
-    parser.add_argument("--smollm2-shaped", action="store_true", help="test_step_counts.py's bf16 streaming step")
+    parser.add_argument("--shape", default="tiny", choices=["tiny", "smollm2-bf16"])
+    parser.add_argument("--ops", default="", help="count only these aten ops (comma-separated, no aten:: prefix)")
+    parser.add_argument("--casts", action="store_true",
+                        help="the casts Python's dispatch sees (as step_counts.StepCounter), not the profiler's ops")
     parser.add_argument("--by-module", action="store_true", help="sums per source module (forward, backward)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.smollm2_shaped:
-        step, name = smollm2_shaped_step(), "SmolLM2-shaped bf16 streaming"
+    if args.shape == "tiny":
+        run = started(built_folder(), args.model, args.seq_len).queue_step
     else:
-        step, name = started(built_folder(), args.model, args.seq_len).queue_step, args.model
-    counts, names = sources(step)
-    print(f"{sum(counts.values())} aten ops in one {name} step")
+        run = smollm2_bf16_step(args.model)
+    counts, names = cast_sources(run) if args.casts else sources(run)
+    if args.ops:
+        wanted = {f"aten::{op.strip()}" for op in args.ops.split(",")}
+        for key in list(names):
+            names[key] = Counter({k: v for k, v in names[key].items() if k in wanted})
+            counts[key] = sum(names[key].values())
+        counts = +counts
+    what = "casts" if args.casts else f"aten ops{' (' + args.ops + ')' if args.ops else ''}"
+    print(f"{sum(counts.values())} {what} in one {args.model} step")
     if args.by_module:
         rows = defaultdict(Counter)
         for (phase, ours, library), n in counts.items():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from concept.lora import LoraMatmuls, LoraSettings, add_lora, fused_lora_class
+from concept.lora import CastTogether, LoraMatmuls, LoraSettings, add_lora, fused_lora_class
 from concept.precision import store_frozen_base
 
 
@@ -112,3 +112,139 @@ def test_negative_control_a_wrongly_scaled_backward_is_caught(monkeypatch):
     got, want = outputs_and_grads(fused, x, False), outputs_and_grads(plain, x, False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not torch.equal(got[-1], want[-1])  # lora_B of v_proj
+
+
+# -- the adapters cast together (concept.lora.AdapterCasts), once per forward ----------------------------------
+
+class Layers(nn.Module):
+    """Three adapted layers whose weights fall in three groups of trailing dims (A: 16 and 12 columns, B: 4);
+    ``q_proj`` used ``uses`` times in one forward; ``checkpointed``: each layer run under a non-reentrant
+    ``torch.utils.checkpoint``, as ``concept.backbone.run_layers`` runs them with --grad-checkpointing."""
+
+    def __init__(self, uses: int = 1, checkpointed: bool = False):
+        super().__init__()
+        self.q_proj = nn.Linear(16, 16, bias=False)
+        self.k_proj = nn.Linear(16, 12, bias=False)
+        self.v_proj = nn.Linear(12, 16, bias=False)
+        self.uses, self.checkpointed = uses, checkpointed
+
+    def forward(self, x):
+        call = (lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=False)) if self.checkpointed \
+            else (lambda f, h: f(h))
+        for _ in range(self.uses):
+            x = torch.tanh(call(self.q_proj, x))
+        return call(self.v_proj, torch.tanh(call(self.k_proj, x)))
+
+
+def adapted_layers(**kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    model = add_lora(Layers(**kwargs), LoraSettings(rank=4, alpha=16.0, targets="q_proj,k_proj,v_proj"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p)
+    return model
+
+
+def per_use(model: nn.Module) -> nn.Module:
+    """A copy whose adapted layers cast their own adapters at each use (the path before AdapterCasts)."""
+    copied = copy.deepcopy(model)
+    copied.q_proj.adapter_casts.disabled = True
+    return copied
+
+
+def cast_calls(monkeypatch) -> list:
+    calls = []
+    apply = CastTogether.apply
+    monkeypatch.setattr(CastTogether, "apply", lambda *a: calls.append(len(a) - 1) or apply(*a))
+    return calls
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"uses": 2}, {"checkpointed": True}], ids=["once", "q twice", "checkpointed"])
+@pytest.mark.parametrize("bf16_base", [False, True], ids=["fp32 base", "bf16 base"])
+def test_adapters_cast_together_equal_peft_and_per_use_casts_bit_for_bit(monkeypatch, kwargs, bf16_base):
+    """Logits and every gradient under bf16 autocast: the batched cast equals the per-use casts bit for bit, and
+    peft's forward, over two micro-batches accumulated (the second forward casts again). An adapter used twice
+    in one graph takes a second cast: its gradients add up in fp32, as the per-use casts add them (peft's
+    differs there: autocast's cast cache gives both uses one cast, their gradients add up in bf16)."""
+    fused = adapted_layers(**kwargs)
+    plain, separate = as_peft(fused), per_use(fused)
+    if bf16_base:
+        for m in (fused, plain, separate):
+            store_frozen_base(Holder(m), torch.bfloat16)
+    xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    calls = cast_calls(monkeypatch)
+    got = [t for x in xs for t in outputs_and_grads(fused, x, True)]
+    uses = kwargs.get("uses", 1)
+    casts = uses + kwargs.get("checkpointed", False)  # (the recomputation in backward casts once more)
+    assert calls == [6] * casts * 2  # one cast of all 6 weights a forward (and one more per second use)
+    del calls[:]
+    assert_same(got, [t for x in xs for t in outputs_and_grads(separate, x, True)])
+    assert not calls  # (the per-use path ran)
+    if uses == 1:
+        assert_same(got, [t for x in xs for t in outputs_and_grads(plain, x, True)])
+
+
+def test_without_gradients_each_forward_casts_once(monkeypatch):
+    """Evaluation, decoding: one cast a forward, which sees the weights as they are then (also when changed
+    through ``.data``, which no version counter sees)."""
+    fused = adapted_layers()
+    plain = as_peft(fused)
+    x = torch.randn(2, 5, 16)
+    calls = cast_calls(monkeypatch)
+    for step in range(3):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast caches its casts while on)
+            assert torch.equal(fused(x), plain(x))
+        assert len(calls) == step + 1
+        for m in (fused, plain):
+            m.k_proj.lora_B.default.weight.data.add_(0.5)
+
+
+@pytest.mark.parametrize("fault", ["wrong split", "perturbed view"])
+def test_negative_control_a_wrong_batched_cast_is_caught(monkeypatch, fault):
+    """A split one row off, or one view off by a bf16 step, makes the comparison above fail."""
+    import concept.lora as lora
+
+    fused = adapted_layers()
+    plain = as_peft(fused)
+    together = lora._cast_together
+
+    def wrong(tensors, dtype):
+        out = together(tensors, dtype)
+        if dtype == torch.bfloat16:  # (the forward's cast)
+            first = out[0]
+            out[0] = torch.roll(first, 1, 0) if fault == "wrong split" else first * (1 + 2 ** -7)
+        return out
+
+    monkeypatch.setattr(lora, "_cast_together", wrong)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    got, want = outputs_and_grads(fused, x, True), outputs_and_grads(plain, x, True)
+    assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.slow  # (5 s: a compilation)
+def test_compiled_the_layers_cast_in_the_graph_with_no_graph_break(monkeypatch):
+    """Under torch.compile (fullgraph, bf16 autocast) the cast together is left to the graph: no graph break,
+    and the compiled forward and gradients equal eager's (which casts together) bit for bit."""
+    torch._dynamo.reset()
+    fused = adapted_layers()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    def run(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fused(x)
+
+    assert torch._dynamo.explain(run)(x).graph_break_count == 0
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    calls = cast_calls(monkeypatch)
+    got = outputs_and_grads(compiled, x, True)
+    assert not calls  # (traced: the graph casts)
+    for p in fused.parameters():
+        p.grad = None
+    assert_same(got, outputs_and_grads(fused, x, True))
+    assert len(calls) == 1
+    torch._dynamo.reset()

@@ -1,0 +1,104 @@
+"""The casts of the trainable LoRA weights in a bf16-autocast training step (issue 39): one each way per forward +
+backward (``concept.lora.AdapterCasts``), where each adapted layer cast its ``A`` and ``B`` to bf16 at every use
+and their gradients back to fp32 (4 casts per layer).
+
+``AdapterCastCounter`` (a ``TorchDispatchMode``) counts a cast as an adapter's when it reads an adapter weight
+or a tensor made from them by views, ``cat``s and casts (forward), or when its output is, or is a view of, the
+gradient an adapter receives (backward: a hook on each adapter sees it before it is accumulated). The step is
+``benchmarks/step_counts.training_step``'s on ``test_step_counts.py``'s model (4 layers, the base stored in
+bf16, 2 x 16 tokens; its first step). Negative control: the per-use casts (the path before) are counted, 4 per adapted layer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from benchmarks.step_counts import CASTS, training_step
+from benchmarks.test_step_counts import VOCAB, model_of
+from concept.precision import store_frozen_base
+
+MOVES = {"cat", "clone", "contiguous", "split", "split_with_sizes", "unbind", "_unsafe_view"}
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class AdapterCastCounter(TorchDispatchMode):
+    def __init__(self, adapters):
+        super().__init__()
+        self.made_from = {_ptr(p) for p in adapters}  # storages holding adapter values (kept alive: no reuse)
+        self.kept: list = []
+        self.forward = 0
+        self.cast_by_output: dict[int, int] = {}  # a cast's output storage -> the cast's number
+        self.backward: set[int] = set()
+        self.count = 0
+        self.hooks = [p.register_hook(self._gradient) for p in adapters]
+
+    def _gradient(self, grad):
+        cast = self.cast_by_output.get(_ptr(grad))
+        if cast is not None:
+            self.backward.add(cast)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        reads_adapters = any(_ptr(t) in self.made_from for t in inputs)
+        if name in CASTS:
+            self.count += 1
+            source = args[1] if name == "copy_" else args[0]
+            if _ptr(source) in self.made_from:
+                self.forward += 1
+            for t in outputs:
+                self.cast_by_output[_ptr(t)] = self.count
+                self.kept.append(t)
+        if reads_adapters and (func.is_view or name in MOVES or name in CASTS):
+            for t in outputs:
+                self.made_from.add(_ptr(t))
+                self.kept.append(t)
+        return out
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+
+@pytest.fixture(scope="module")
+def step():
+    """``test_step_counts.py``'s streaming model (4 layers, the base in bf16) and a function that runs one
+    training step under the counter, the adapters cast together or (``per_use``) each at its use."""
+    model = model_of("streaming", split=(1, 2, 1))
+    store_frozen_base(model, torch.bfloat16)
+    fused = [m for m in model.modules() if hasattr(m, "adapter_casts")]
+    adapters = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def counted(per_use: bool) -> tuple[AdapterCastCounter, int]:
+        fused[0].adapter_casts.disabled = per_use
+        try:
+            with AdapterCastCounter(adapters) as counter:
+                training_step(model, batch, "new", optimizer)
+        finally:
+            fused[0].adapter_casts.disabled = False
+        return counter, len(fused)
+
+    return counted
+
+
+def test_a_bf16_training_step_casts_the_adapters_once_each_way(step):
+    counter, layers = step(per_use=False)
+    assert layers == 4 * 7
+    assert (counter.forward, len(counter.backward)) == (1, 1)
+
+
+def test_negative_control_the_per_use_casts_are_counted(step):
+    counter, layers = step(per_use=True)
+    assert (counter.forward, len(counter.backward)) == (2 * layers, 2 * layers)  # A and B, each way, each layer
