@@ -35,10 +35,10 @@ import types
 
 import torch
 
-from .backbone import run_layers
-from .config import COMPILE_CHOICES, device_mode, uses_cuda_graphs
-from .dense import DenseModel
+from .backbone import run_layer, run_layers
+from .config import COMPILE_CHOICES, REGIONAL_CHOICES, device_mode, uses_cuda_graphs
 from .errors import ConceptError
+from .families import family_of
 
 
 
@@ -56,26 +56,36 @@ class CompiledStacks:
     """``run_layers`` compiled with ``fullgraph=True`` and static shapes, once per stack (its ``name``) and
     device type (the mode may differ): call it as ``run_layers``, with the stack's name first (a KV cache
     only while it records a prefill: a decoding step's cache grows). Where the graphs are CUDA graphs, what
-    a call returns (and records in the cache) is a copy of their output (the module's docstring says why)."""
+    a call returns (and records in the cache) is a copy of their output (the module's docstring says why).
+
+    ``layers`` (regional compilation, :data:`concept.config.REGIONAL_CHOICES`): one decoder layer
+    (``run_layer``) is compiled per stack instead of the stack's whole loop, and its graph serves each layer
+    of the stack (the layers' weights are the graph's inputs: dynamo inlines the modules); the stack's loop
+    and RoPE table run eagerly around it. A prefill (a cache recording) still compiles the stack whole: a
+    layer with a cache reads its own ``layer_idx``, so each layer would be a graph of its own."""
 
     def __init__(self, choice: str):
         self.choice = choice
-        self.compiled: dict[tuple[str, str], tuple[object, bool]] = {}
+        self.compiled: dict[tuple[str, str, bool], tuple[object, bool]] = {}
 
-    def compile(self, name: str, device_type: str) -> tuple[object, bool]:
-        """(``run_layers`` compiled for the stack ``name`` on a device type, whether its outputs live in the
-        memory of CUDA graphs)."""
-        fn = _own_copy(run_layers, name)
+    def compile(self, name: str, device_type: str, regional: bool = False) -> tuple[object, bool]:
+        """(``run_layers``, or with ``regional`` ``run_layer``, compiled for the stack ``name`` on a device type,
+        whether its outputs live in the memory of CUDA graphs)."""
+        fn = _own_copy(run_layer if regional else run_layers, name)
         if self.choice == "aot-eager":
             return torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager"), False
         mode = device_mode(self.choice, device_type)
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode), uses_cuda_graphs(mode, device_type)
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
-        key = (name, x.device.type)
+        regional = self.choice in REGIONAL_CHOICES and cache is None
+        key = (name, x.device.type, regional)
         if key not in self.compiled:
-            self.compiled[key] = self.compile(name, x.device.type)
+            self.compiled[key] = self.compile(name, x.device.type, regional)
         run, in_graph_memory = self.compiled[key]
+        if regional:  # each layer's output copied out of the graphs' memory as it returns, where they are CUDA graphs
+            layer = (lambda *args: run(*args).clone()) if in_graph_memory else run
+            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, run=layer)
         out = run(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         if not in_graph_memory:
             return out
@@ -94,21 +104,26 @@ def copy_recorded(cache) -> None:
 
 def compile_model(model, choice: str = "on"):
     """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager).
-    A streaming model needs a static concept budget; a family without stacks to compile is refused."""
+    Its family says whether it can (``Family.compile_refusal``: a streaming model needs a static concept
+    budget); a baseline (a model without a family) compiles the layers it runs through ``compiled_stacks``."""
     if choice not in COMPILE_CHOICES:
         raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
     if choice == "off":
         model.compiled_stacks = None
         return model
-    family = getattr(model, "family", None)
-    if family == "streaming":
-        if not model.max_ratio:
-            raise ConceptError("--compile needs static shapes: build the model with a static concept budget, "
-                               "e.g. `concept build --max-ratio 0.25` (BuildConfig.max_ratio; the default `auto` "
-                               "finds none for a length policy with neither a target ratio nor a rate bound; the "
-                               "shapes then do not depend on the decisions and one graph serves every step)")
-    elif not isinstance(model, DenseModel):
-        raise ConceptError(f"--compile: the streaming family and the dense / pruned baselines compile their stacks; "
-                           f"the {family} family does not (leave --compile off)")
+    why = compile_refusal(model)
+    if why:
+        raise ConceptError(f"--compile: {why}")
     model.compiled_stacks = CompiledStacks(choice)
     return model
+
+
+def compile_refusal(model) -> str | None:
+    """Why ``model`` cannot run compiled, or None: its family's answer (``Family.compile_refusal``); a model
+    without a family (a dense or pruned baseline) compiles if it runs its layers through ``compiled_stacks``."""
+    fam = family_of(model)
+    if fam is not None:
+        return fam.compile_refusal(model)
+    if hasattr(model, "compiled_stacks"):
+        return None
+    return f"{type(model).__name__} runs no layers through compiled stacks (leave --compile off)"

@@ -25,7 +25,8 @@ SLOTS = ("backbone",)  # the core's component slots; a family's build section ho
 CORE_KEYS = ("family", "backbone", "seed")  # a build config's own keys; the rest are the families' sections
 
 # --compile (concept.compiled): off until a GPU measurement says otherwise; "on": the device's mode
-COMPILE_CHOICES = ("off", "on", "default", "reduce-overhead", "max-autotune", "aot-eager")
+COMPILE_CHOICES = ("off", "on", "layers", "default", "reduce-overhead", "max-autotune", "aot-eager")
+REGIONAL_CHOICES = ("layers",)  # one graph per decoder layer, shared by a stack's layers (concept.compiled)
 COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --compile alone is `on` (CUDA graphs on "
                 "CUDA, torch's default mode elsewhere); a streaming model needs a static budget (concept build "
                 "--max-ratio). aot-eager: captured but not code-generated (debugging).")
@@ -33,7 +34,7 @@ COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --com
 
 def device_mode(choice: str, device_type: str) -> str:
     """The torch.compile mode of a ``compile`` choice (:data:`COMPILE_CHOICES`) on a device type."""
-    if choice == "on":
+    if choice in ("on", *REGIONAL_CHOICES):
         return "reduce-overhead" if device_type == "cuda" else "default"
     return choice
 
