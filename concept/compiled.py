@@ -83,8 +83,8 @@ class CompiledStacks:
         if key not in self.compiled:
             self.compiled[key] = self.compile(name, x.device.type, regional)
         run, in_graph_memory = self.compiled[key]
-        if regional:  # each layer's output copied out of the graphs' memory as it returns, where they are CUDA graphs
-            layer = (lambda *args: run(*args).clone()) if in_graph_memory else run
+        if regional:
+            layer = _copied_out(run, layers[-1]) if in_graph_memory else run
             return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, run=layer)
         out = run(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         if not in_graph_memory:
@@ -92,6 +92,17 @@ class CompiledStacks:
         if cache is not None:
             copy_recorded(cache)
         return out.clone()  # (its backward passes the gradient through: nothing is kept for it)
+
+
+def _copied_out(run, last):
+    """A compiled layer under CUDA graphs (``layers``): the stack's output (its ``last`` layer's) is copied out of
+    the graphs' memory, as a whole stack's is; a layer's output that the next layer reads is copied only where no
+    backward is pending (no gradient: each call then starts a new generation, which reuses that memory)."""
+    def layer(module, *args):
+        out = run(module, *args)
+        return out if out.requires_grad and module is not last else out.clone()
+
+    return layer
 
 
 def copy_recorded(cache) -> None:
