@@ -156,13 +156,14 @@ def test_layers_training_shares_one_graph_per_stack_without_break_or_recompile(l
 
 
 @pytest.mark.slow
-def test_inductor_forward_equals_eager(fresh_dynamo):
+@pytest.mark.parametrize("choice", ["default", "layers"], ids=["stacks", "layers"])
+def test_inductor_forward_equals_eager(fresh_dynamo, choice):
     """torch's default mode (inductor's generated C++ on a CPU): minutes of compilation for a tiny model."""
     import copy
 
     model = copy.deepcopy(mixed_model("null"))
     model.max_ratio = 0.25
-    compiled = concept.compiled.compile_model(copy.deepcopy(model), "on")
+    compiled = concept.compiled.compile_model(copy.deepcopy(model), choice)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(3):

@@ -122,7 +122,7 @@ def batch(seed=0, B=2, T=24):
     return torch.randint(0, 97, (B, T), generator=g)
 
 
-def compiled_in_graph_memory(model, memory, monkeypatch, copies=True, choice="on"):
+def compiled_in_graph_memory(model, memory, monkeypatch, copies=True, choice="reduce-overhead"):
     memory.install(monkeypatch, copies)
     return compile_model(copy.deepcopy(model), choice)
 
@@ -137,7 +137,7 @@ def streaming():
     return streaming_model()
 
 
-@pytest.mark.parametrize("choice", ["on", "layers"])
+@pytest.mark.parametrize("choice", ["reduce-overhead", "layers"], ids=["stacks", "layers"])
 def test_streaming_no_grad_forward_equals_eager(streaming, monkeypatch, choice):
     """(``layers``: each layer's call a generation of its own, its input the previous layer's copied output.)"""
     memory = GraphMemory()
@@ -153,7 +153,7 @@ def test_streaming_no_grad_forward_equals_eager(streaming, monkeypatch, choice):
             torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("choice", ["on", "layers"])
+@pytest.mark.parametrize("choice", ["reduce-overhead", "layers"], ids=["stacks", "layers"])
 def test_streaming_forward_without_the_copies_reads_overwritten_memory(streaming, monkeypatch, choice):
     """Negative control: the stacks' outputs used as they come (before the fix): the deep stack's tail reads
     the shallow states the middle stack's run overwrote (the error of the H100, 2026-11-27); ``layers``: the
@@ -230,7 +230,7 @@ def rows(trainer) -> list[dict]:
     return [trainer.train_step() for _ in range(STEPS)]
 
 
-@pytest.mark.parametrize("baseline,choice", [(None, "on"), ("dense", "on"), (None, "layers")],
+@pytest.mark.parametrize("baseline,choice", [(None, "reduce-overhead"), ("dense", "reduce-overhead"), (None, "layers")],
                          ids=["streaming", "dense", "streaming-layers"])
 def test_training_steps_equal_eager(run, monkeypatch, baseline, choice):
     """Three steps (LoRA in every stack: gradients through the copies); the streaming run's first step
@@ -251,7 +251,7 @@ def test_training_without_the_copies_reads_overwritten_memory(run, monkeypatch):
     """Negative control: the first step's calibration forward (no gradients) reads the shallow states the
     middle stack's run overwrote, as on the H100 (2026-11-27)."""
     GraphMemory().install(monkeypatch, copies=False)
-    compiled = trainer(run, "without-copies", "on")
+    compiled = trainer(run, "without-copies", "reduce-overhead")
     with pytest.raises(RuntimeError, match=OVERWRITTEN) as caught:
         compiled.train_step()
     assert "before_step" in {entry.name for entry in caught.traceback}  # (the calibration forward)
