@@ -13,11 +13,15 @@ the graph would be recompiled at every step: a streaming model compiles only wit
 (``BuildConfig.max_ratio``, ``docs/architecture.md``, "Static shapes, host syncs and compilation"), and
 then one graph per stack serves every step of a (batch, length).
 
-Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``on``
-picks the device's mode when a stack first runs (``reduce-overhead``, CUDA graphs, on CUDA; torch's default
-elsewhere); one of torch's modes by name; or ``aot-eager``: the same graphs captured (dynamo, AOT autograd)
-but run by torch's eager kernels, no code generated (debugging, and the default test suite, where
-inductor's C++ compilation of a tiny model's stacks takes minutes on a CPU).
+Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``layers``,
+and ``on`` (the same), compile one decoder layer (``concept.backbone.run_layer``) per stack, its graph
+serving each layer of the stack (regional compilation: a SmolLM2 forward traces 3 graphs, not 30 layers;
+``docs/architecture.md`` says why ``on`` is this on CUDA), in the device's mode when a stack first runs
+(``reduce-overhead``, CUDA graphs, on CUDA; torch's default elsewhere); one of torch's modes by name
+compiles each stack whole; ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
+eager kernels, no code generated (debugging, and the default test suite, where inductor's C++
+compilation of a tiny model's stacks takes minutes on a CPU). Whether a model compiles at all is its
+family's answer (``Family.compile_refusal``).
 
 CUDA graphs (``reduce-overhead`` and ``max-autotune`` on CUDA) return their outputs in a memory pool that a
 later compiled call reuses: torch's cudagraph trees start a new *generation* at every call of a compiled
@@ -26,7 +30,8 @@ the shallow stack's output would be overwritten by the middle stack's run while 
 (the deep stack's tail reads it), and any output kept past the next call (a logged state, ``out.shallow``,
 ``out.hidden``) would be too. So a compiled stack's output is copied out of that memory as it returns, and
 so are the keys / values a prefill's cache recorded in it (:func:`copy_recorded`): one copy per stack
-output (the hidden state, and at a prefill each layer's keys and values), nothing in training's backward.
+output (the hidden state, and at a prefill each layer's keys and values), nothing in training's backward;
+one graph per layer: also each layer's output where no backward is pending (:func:`_copied_out`).
 On a CPU, and with ``aot-eager``, no copy is made.
 """
 from __future__ import annotations
