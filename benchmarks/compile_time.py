@@ -1,6 +1,7 @@
 """How long ``--compile`` takes before it pays: the first compiled forward and the first compiled training step,
-whole stacks (``on``) against regional compilation (``layers``: one decoder layer's graph shared by a stack's
-layers), side by side in one run, on this CPU (inductor: torch's default mode, not ``aot-eager``)::
+whole stacks (``default``: inductor's default mode, a stack's whole loop in one graph) against regional
+compilation (``layers``, what ``on`` means: one decoder layer's graph shared by a stack's layers), side by
+side in one run, on this CPU (inductor, not ``aot-eager``)::
 
     .venv/bin/python -m benchmarks.compile_time                      # tiny and SmolLM2-shaped, both models
     .venv/bin/python -m benchmarks.compile_time --shape tiny --kind dense --json out.json
@@ -36,7 +37,7 @@ SHAPES = {
                              "vocab": 512}, "split": "4,18,8", "B": 2, "T": 64},
 }
 KINDS = ("streaming", "dense")
-CHOICES = ("off", "on", "layers")
+CHOICES = ("off", "default", "layers")  # eager; whole stacks (inductor's default mode); one graph per layer
 STEADY = 5
 
 
