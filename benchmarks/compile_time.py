@@ -5,6 +5,7 @@ side in one run, on this CPU (inductor, not ``aot-eager``)::
 
     .venv/bin/python -m benchmarks.compile_time                      # tiny and SmolLM2-shaped, both models
     .venv/bin/python -m benchmarks.compile_time --shape tiny --kind dense --json out.json
+    .venv/bin/python -m benchmarks.compile_time --shape smollm2 --kind streaming --backend aot-eager  # tracing only
 
 Each (shape, model, choice) runs in a process of its own (``--one``), with inductor's on-disk caches off and a
 fresh cache folder, so every compilation is cold, as on a fresh GPU machine; one thread (``torch`` and
@@ -58,11 +59,17 @@ def model_of(shape: str, kind: str):
     return model
 
 
-def measure(shape: str, kind: str, choice: str) -> dict:
-    """One row, in this process (``--one``)."""
+def measure(shape: str, kind: str, choice: str, backend: str = "inductor") -> dict:
+    """One row, in this process (``--one``). ``backend`` ``aot-eager``: the same graphs captured (dynamo, AOT
+    autograd) and run by eager kernels: the tracing's share of the compile time, and the calls' own overhead."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
+
+    if backend == "aot-eager":
+        real = torch.compile
+        torch.compile = lambda fn, fullgraph, dynamic, mode=None, backend=None: real(
+            fn, fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager")
 
     from concept.compiled import compile_model
     from concept.profiling import profile_call
@@ -98,21 +105,22 @@ def measure(shape: str, kind: str, choice: str) -> dict:
         step(i)
     steady = [timed(lambda i=i: step(i)) for i in range(3, 3 + STEADY)]
     prof = profile_call(lambda: step(0))
-    return {"shape": shape, "kind": kind, "choice": choice, "layers": s["backbone"]["layers"], "split": s["split"],
+    return {"shape": shape, "kind": kind, "choice": choice, "backend": backend, "layers": s["backbone"]["layers"], "split": s["split"],
             "B": s["B"], "T": s["T"], "first_forward_s": forward_s, "second_forward_s": again_s,
             "forward_graphs": forward_graphs, "first_step_s": first_step_s, "step_graphs": graphs - forward_graphs,
             "graphs_after": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
             "steady_step_s": statistics.median(steady), "step_aten_ops": prof["aten_ops"]}
 
 
-def run_one(shape: str, kind: str, choice: str, timeout: float) -> dict:
+def run_one(shape: str, kind: str, choice: str, timeout: float, backend: str = "inductor") -> dict:
     """:func:`measure` in a fresh process with cold inductor caches."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
         start = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--one", shape, kind, choice],
+            done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--one", shape, kind, choice,
+                                   "--backend", backend],
                                   env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"shape": shape, "kind": kind, "choice": choice, "error": f"over {timeout:.0f} s"}
@@ -131,7 +139,8 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['kind']} | {r['choice']} | {r['error']} |||||||")
             continue
-        lines.append(f"| {r['shape']} ({r['layers']} layers, {r['split']}) | {r['kind']} | {r['choice']} | "
+        lines.append(f"| {r['shape']} ({r['layers']} layers, {r['split']}) | {r['kind']} | {r['choice']} "
+                     f"({r['backend']}) | "
                      f"{r['first_forward_s']:.1f} | {r['forward_graphs']} | {r['first_step_s']:.1f} | "
                      f"{r['step_graphs']} | {r['graph_breaks']} | {r['steady_step_s']:.4f} | {r['step_aten_ops']:,} |")
     return "\n".join(lines)
@@ -144,16 +153,17 @@ def main(argv=None) -> int:
     parser.add_argument("--kind", choices=KINDS, action="append")
     parser.add_argument("--choice", choices=CHOICES, action="append")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per row")
+    parser.add_argument("--backend", choices=("inductor", "aot-eager"), default="inductor")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(*args.one)))
+        print(json.dumps(measure(*args.one, backend=args.backend)))
         return 0
     rows = []
     for shape in args.shape or SHAPES:
         for kind in args.kind or KINDS:
             for choice in args.choice or CHOICES:
-                rows.append(run_one(shape, kind, choice, args.timeout))
+                rows.append(run_one(shape, kind, choice, args.timeout, args.backend))
                 print(json.dumps(rows[-1]), flush=True)
                 if args.json:
                     with open(args.json, "w") as f:
