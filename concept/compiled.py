@@ -89,7 +89,7 @@ class CompiledStacks:
             self.compiled[key] = self.compile(name, x.device.type, regional)
         run, in_graph_memory = self.compiled[key]
         if regional:
-            layer = _copied_out(run, layers[-1]) if in_graph_memory else run
+            layer = _copied_out(run, layers[-1] if len(layers) else None) if in_graph_memory else run
             return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, run=layer)
         out = run(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         if not in_graph_memory:
