@@ -12,6 +12,7 @@ builds get :data:`BUDGET` unless they set one (:func:`budgeted`).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -44,3 +45,16 @@ def build_option(choice: str = "on") -> dict:
 def train_option(choice: str = "on") -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`)."""
     return {"compile": choice}
+
+
+def first_calls(fns: dict, device) -> dict:
+    """Each of ``fns`` (name -> call) once, timed to the device's end: ``NAME_first_s``, the first call's seconds,
+    compilation included (the compiled rows report it next to their steady times)."""
+    out = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        out[f"{name}_first_s"] = time.perf_counter() - start
+    return out

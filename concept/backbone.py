@@ -89,19 +89,25 @@ def layers(model: nn.Module) -> nn.ModuleList:
     return decoder(model).layers
 
 
-def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None, run=None):
     """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table
-    (and a KV cache the layers update, when decoding)."""
+    (and a KV cache the layers update, when decoding). ``run``: what calls each layer (default
+    :func:`run_layer`; ``--compile layers``: it compiled, one graph for the stack's layers)."""
     cos_sin = rotary_emb(x, position_ids)
+    run = run or run_layer
     for layer in layers:
-        kwargs = dict(attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
-        if cache is not None:
-            kwargs[cache_keyword(type(layer))] = cache
-        if checkpointing:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
-        else:
-            x = layer(x, **kwargs)
+        x = run(layer, x, position_ids, attention_plan, cos_sin, checkpointing, cache)
     return x
+
+
+def run_layer(layer, x, position_ids, attention_plan, cos_sin, checkpointing=False, cache=None):
+    """One decoder layer of :func:`run_layers`."""
+    kwargs = dict(attention_mask=attention_plan, position_ids=position_ids, position_embeddings=cos_sin)
+    if cache is not None:
+        kwargs[cache_keyword(type(layer))] = cache
+    if checkpointing:
+        return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kwargs)
+    return layer(x, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)

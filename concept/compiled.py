@@ -13,11 +13,15 @@ the graph would be recompiled at every step: a streaming model compiles only wit
 (``BuildConfig.max_ratio``, ``docs/architecture.md``, "Static shapes, host syncs and compilation"), and
 then one graph per stack serves every step of a (batch, length).
 
-Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``on``
-picks the device's mode when a stack first runs (``reduce-overhead``, CUDA graphs, on CUDA; torch's default
-elsewhere); one of torch's modes by name; or ``aot-eager``: the same graphs captured (dynamo, AOT autograd)
-but run by torch's eager kernels, no code generated (debugging, and the default test suite, where
-inductor's C++ compilation of a tiny model's stacks takes minutes on a CPU).
+Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``layers``,
+and ``on`` (the same), compile one decoder layer (``concept.backbone.run_layer``) per stack, its graph
+serving each layer of the stack (regional compilation: a SmolLM2 forward traces 3 graphs, not 30 layers;
+``docs/architecture.md`` says why ``on`` is this on CUDA), in the device's mode when a stack first runs
+(``reduce-overhead``, CUDA graphs, on CUDA; torch's default elsewhere); one of torch's modes by name
+compiles each stack whole; ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
+eager kernels, no code generated (debugging, and the default test suite, where inductor's C++
+compilation of a tiny model's stacks takes minutes on a CPU). Whether a model compiles at all is its
+family's answer (``Family.compile_refusal``).
 
 CUDA graphs (``reduce-overhead`` and ``max-autotune`` on CUDA) return their outputs in a memory pool that a
 later compiled call reuses: torch's cudagraph trees start a new *generation* at every call of a compiled
@@ -26,7 +30,8 @@ the shallow stack's output would be overwritten by the middle stack's run while 
 (the deep stack's tail reads it), and any output kept past the next call (a logged state, ``out.shallow``,
 ``out.hidden``) would be too. So a compiled stack's output is copied out of that memory as it returns, and
 so are the keys / values a prefill's cache recorded in it (:func:`copy_recorded`): one copy per stack
-output (the hidden state, and at a prefill each layer's keys and values), nothing in training's backward.
+output (the hidden state, and at a prefill each layer's keys and values), nothing in training's backward;
+one graph per layer: also each layer's output where no backward is pending (:func:`_copied_out`).
 On a CPU, and with ``aot-eager``, no copy is made.
 """
 from __future__ import annotations
@@ -35,10 +40,10 @@ import types
 
 import torch
 
-from .backbone import run_layers
-from .config import COMPILE_CHOICES, device_mode, uses_cuda_graphs
-from .dense import DenseModel
+from .backbone import run_layer, run_layers
+from .config import COMPILE_CHOICES, REGIONAL_CHOICES, device_mode, uses_cuda_graphs
 from .errors import ConceptError
+from .families import family_of
 
 
 
@@ -56,32 +61,53 @@ class CompiledStacks:
     """``run_layers`` compiled with ``fullgraph=True`` and static shapes, once per stack (its ``name``) and
     device type (the mode may differ): call it as ``run_layers``, with the stack's name first (a KV cache
     only while it records a prefill: a decoding step's cache grows). Where the graphs are CUDA graphs, what
-    a call returns (and records in the cache) is a copy of their output (the module's docstring says why)."""
+    a call returns (and records in the cache) is a copy of their output (the module's docstring says why).
+
+    ``layers`` (regional compilation, :data:`concept.config.REGIONAL_CHOICES`): one decoder layer
+    (``run_layer``) is compiled per stack instead of the stack's whole loop, and its graph serves each layer
+    of the stack (the layers' weights are the graph's inputs: dynamo inlines the modules); the stack's loop
+    and RoPE table run eagerly around it. A prefill (a cache recording) still compiles the stack whole: a
+    layer with a cache reads its own ``layer_idx``, so each layer would be a graph of its own."""
 
     def __init__(self, choice: str):
         self.choice = choice
-        self.compiled: dict[tuple[str, str], tuple[object, bool]] = {}
+        self.compiled: dict[tuple[str, str, bool], tuple[object, bool]] = {}
 
-    def compile(self, name: str, device_type: str) -> tuple[object, bool]:
-        """(``run_layers`` compiled for the stack ``name`` on a device type, whether its outputs live in the
-        memory of CUDA graphs)."""
-        fn = _own_copy(run_layers, name)
+    def compile(self, name: str, device_type: str, regional: bool = False) -> tuple[object, bool]:
+        """(``run_layers``, or with ``regional`` ``run_layer``, compiled for the stack ``name`` on a device type,
+        whether its outputs live in the memory of CUDA graphs)."""
+        fn = _own_copy(run_layer if regional else run_layers, name)
         if self.choice == "aot-eager":
             return torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager"), False
         mode = device_mode(self.choice, device_type)
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode), uses_cuda_graphs(mode, device_type)
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
-        key = (name, x.device.type)
+        regional = self.choice in REGIONAL_CHOICES and cache is None
+        key = (name, x.device.type, regional)
         if key not in self.compiled:
-            self.compiled[key] = self.compile(name, x.device.type)
+            self.compiled[key] = self.compile(name, x.device.type, regional)
         run, in_graph_memory = self.compiled[key]
+        if regional:
+            layer = _copied_out(run, layers[-1] if len(layers) else None) if in_graph_memory else run
+            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, run=layer)
         out = run(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         if not in_graph_memory:
             return out
         if cache is not None:
             copy_recorded(cache)
         return out.clone()  # (its backward passes the gradient through: nothing is kept for it)
+
+
+def _copied_out(run, last):
+    """A compiled layer under CUDA graphs (``layers``): the stack's output (its ``last`` layer's) is copied out of
+    the graphs' memory, as a whole stack's is; a layer's output that the next layer reads is copied only where no
+    backward is pending (no gradient: each call then starts a new generation, which reuses that memory)."""
+    def layer(module, *args):
+        out = run(module, *args)
+        return out if out.requires_grad and module is not last else out.clone()
+
+    return layer
 
 
 def copy_recorded(cache) -> None:
@@ -94,21 +120,26 @@ def copy_recorded(cache) -> None:
 
 def compile_model(model, choice: str = "on"):
     """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager).
-    A streaming model needs a static concept budget; a family without stacks to compile is refused."""
+    Its family says whether it can (``Family.compile_refusal``: a streaming model needs a static concept
+    budget); a baseline (a model without a family) compiles the layers it runs through ``compiled_stacks``."""
     if choice not in COMPILE_CHOICES:
         raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
     if choice == "off":
         model.compiled_stacks = None
         return model
-    family = getattr(model, "family", None)
-    if family == "streaming":
-        if not model.max_ratio:
-            raise ConceptError("--compile needs static shapes: build the model with a static concept budget, "
-                               "e.g. `concept build --max-ratio 0.25` (BuildConfig.max_ratio; the default `auto` "
-                               "finds none for a length policy with neither a target ratio nor a rate bound; the "
-                               "shapes then do not depend on the decisions and one graph serves every step)")
-    elif not isinstance(model, DenseModel):
-        raise ConceptError(f"--compile: the streaming family and the dense / pruned baselines compile their stacks; "
-                           f"the {family} family does not (leave --compile off)")
+    why = compile_refusal(model)
+    if why:
+        raise ConceptError(f"--compile: {why}")
     model.compiled_stacks = CompiledStacks(choice)
     return model
+
+
+def compile_refusal(model) -> str | None:
+    """Why ``model`` cannot run compiled, or None: its family's answer (``Family.compile_refusal``); a model
+    without a family (a dense or pruned baseline) compiles if it runs its layers through ``compiled_stacks``."""
+    fam = family_of(model)
+    if fam is not None:
+        return fam.compile_refusal(model)
+    if hasattr(model, "compiled_stacks"):
+        return None
+    return f"{type(model).__name__} runs no layers through compiled stacks (leave --compile off)"

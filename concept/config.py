@@ -25,15 +25,18 @@ SLOTS = ("backbone",)  # the core's component slots; a family's build section ho
 CORE_KEYS = ("family", "backbone", "seed")  # a build config's own keys; the rest are the families' sections
 
 # --compile (concept.compiled): off until a GPU measurement says otherwise; "on": the device's mode
-COMPILE_CHOICES = ("off", "on", "default", "reduce-overhead", "max-autotune", "aot-eager")
-COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --compile alone is `on` (CUDA graphs on "
-                "CUDA, torch's default mode elsewhere); a streaming model needs a static budget (concept build "
-                "--max-ratio). aot-eager: captured but not code-generated (debugging).")
+COMPILE_CHOICES = ("off", "on", "layers", "default", "reduce-overhead", "max-autotune", "aot-eager")
+# one graph per decoder layer, shared by a stack's layers (concept.compiled; `on` too: docs/architecture.md §8b)
+REGIONAL_CHOICES = ("on", "layers")
+COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --compile alone is `on`, the same as "
+                "`layers`: one decoder layer compiled and its graph shared by a stack's layers (CUDA graphs on CUDA, "
+                "torch's default mode elsewhere); a torch mode by name compiles each stack whole. A streaming model "
+                "needs a static budget (concept build --max-ratio). aot-eager: captured, not code-generated.")
 
 
 def device_mode(choice: str, device_type: str) -> str:
     """The torch.compile mode of a ``compile`` choice (:data:`COMPILE_CHOICES`) on a device type."""
-    if choice == "on":
+    if choice in REGIONAL_CHOICES:  # (`on` among them)
         return "reduce-overhead" if device_type == "cuda" else "default"
     return choice
 

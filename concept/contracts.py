@@ -352,6 +352,13 @@ class Family:
         """Logits whose position k predicts continuation token k, or None: the core's causal forward."""
         return None
 
+    def compile_refusal(self, model) -> str | None:
+        """Why ``--compile`` cannot run ``model`` (one line naming the problem and the fix), or None: it runs its
+        layer stacks through ``model.compiled_stacks`` when that is set (``concept.compiled``), with shapes that do
+        not depend on the data. Default: a refusal naming the family."""
+        return (f"the {self.name} family does not compile its model (it does not implement "
+                f"Family.compile_refusal); leave --compile off")
+
     # -- derived from another run (``concept train RUN --baseline NAME``) --------------------------
     def derive(self, config, source: dict, plan) -> tuple[Any, Any, list[str]]:
         """A run of this family derived from the run whose build config is ``source`` (resolved as ``plan``),

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 import concept
 from concept import BuildConfig, ComponentRef
+from concept.contracts import Family
 from concept.errors import ConceptError
 from concept.training import TrainConfig, Trainer
 from tests.conftest import mixed_model
@@ -74,14 +75,95 @@ def test_compile_needs_a_static_budget():
     assert model.compiled_stacks is None
 
 
+class Fake(Family):
+    """A third-party family: ``compile_refusal`` left to the base (a refusal naming it) or given."""
+
+    name = "fake"
+
+    def __init__(self, refusal=Family.compile_refusal):
+        self.compile_refusal = refusal.__get__(self)
+
+
+class FakeModel(torch.nn.Module):
+    family = "fake"
+    compiled_stacks = None
+
+
+@pytest.mark.parametrize("refusal,error", [(Family.compile_refusal, "the fake family does not compile"),
+                                           (lambda self, model: "fake needs X: do Y", "fake needs X: do Y"),
+                                           (lambda self, model: None, None)],
+                         ids=["not-implemented", "refused", "compiles"])
+def test_a_family_says_whether_its_model_compiles(monkeypatch, refusal, error):
+    """The core names no family: it asks the model's family (``Family.compile_refusal``)."""
+    monkeypatch.setitem(concept.families._INSTANCES, "fake", Fake(refusal))
+    model = FakeModel()
+    if error is None:
+        assert concept.compiled.compile_model(model, "layers").compiled_stacks.choice == "layers"
+        return
+    with pytest.raises(ConceptError, match=f"^--compile: {error}"):
+        concept.compiled.compile_model(model, "on")
+    assert model.compiled_stacks is None
+    # a family that implements nothing is refused by name (the default) whatever its model has
+    assert "fake" in Family.compile_refusal(Fake(), model)
+
+
+@pytest.fixture(scope="module")
+def layered(run):
+    """The compile test's model with two layers per stack: each stack's layer graph serves both."""
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 6, "hidden": 32, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64}),
+                      split="2,2,2", vocabulary=ComponentRef("embedding", {"size": 32}),
+                      attention=ComponentRef("chunked", {"chunk": 16}))
+    concept.save(concept.build(cfg), run / "layered")
+    return run
+
+
+def captured(monkeypatch):
+    """``torch.compile`` as ``concept.compiled`` calls it, but captured by ``aot-eager`` (its mode dropped):
+    inductor's C++ compilation of the layers' graphs takes minutes on this CPU (the slow test runs it)."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, dynamic, mode=None, backend=None: real(
+        fn, fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager"))
+
+
+def test_layers_training_shares_one_graph_per_stack_without_break_or_recompile(layered, fresh_dynamo, one_thread,
+                                                                             monkeypatch):
+    """``--compile layers``: one graph per stack (for its two layers); 20 varied steps equal eager with no
+    recompile. Negative control: the dynamic layout recompiles."""
+    captured(monkeypatch)
+    layered_trainer = lambda name, choice: Trainer.start(layered / "layered", layered / name, TrainConfig(  # noqa: E731
+        steps=STEPS, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100, warmup=2,
+        data=str(layered / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2), compile=choice))
+    eager, compiled = layered_trainer("l-eager", "off"), layered_trainer("l-compiled", "layers")
+    rows = [(eager.train_step(), compiled.train_step())]
+    # one graph per stack for the ratio controller's no-grad calibration forward and one per stack for the training
+    # forward, each shared by the stack's two layers (a graph per layer: 12), but for the shallow stack's first layer
+    # in training: its input (the frozen embeddings) needs no gradient, the second layer's does (a guard of dynamo's)
+    assert counters["stats"]["unique_graphs"] == 7 and not counters["graph_break"]
+    assert {key[2] for key in compiled.model.compiled_stacks.compiled} == {True}  # (regional: per layer)
+    torch._dynamo.config.error_on_recompile = True
+    rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
+    assert counters["stats"]["unique_graphs"] == 7 and not counters["graph_break"]
+    assert len({a["ratio"] for a, _ in rows}) > 3
+    for a, b in rows:
+        assert a["ratio"] == b["ratio"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+    compiled.model.max_ratio = 0.0  # negative control: the widths follow the decisions
+    with pytest.raises(Exception, match="[Rr]ecompil"):
+        for _ in range(3):
+            compiled.train_step()
+
+
 @pytest.mark.slow
-def test_inductor_forward_equals_eager(fresh_dynamo):
+@pytest.mark.parametrize("choice", ["default", "layers"], ids=["stacks", "layers"])
+def test_inductor_forward_equals_eager(fresh_dynamo, choice):
     """torch's default mode (inductor's generated C++ on a CPU): minutes of compilation for a tiny model."""
     import copy
 
     model = copy.deepcopy(mixed_model("null"))
     model.max_ratio = 0.25
-    compiled = concept.compiled.compile_model(copy.deepcopy(model), "on")
+    compiled = concept.compiled.compile_model(copy.deepcopy(model), choice)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(3):

@@ -137,3 +137,32 @@ def test_a_call_cut_off_in_the_throughput_keeps_what_came_before(lease, monkeypa
     assert data["status"] == "running" and data["result"]["smollm2"]["state"] == "ready"
     assert set(data["result"]["throughput"]["models"]) == {"streaming", "pruned", "dense"}
     assert setup_stage.smollm2_ready(lease.work) and setup_stage.machine_ok(lease.work)
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["within", "negative-control"])
+def test_a_compiled_row_past_the_stage_budget_is_stopped_and_the_others_kept(lease, monkeypatch, guarded):
+    """A compilation that would run past the stage's budget (here: 1 s left for the row, a 3 s "compilation")
+    is stopped (``within``): a problem naming the row, every other row kept. Negative control: unguarded, the
+    row runs its 3 s (on the GPU: as long as the compilation takes, the lease's minutes)."""
+    import time
+
+    from benchmarks.gpu_kit import __main__ as main
+
+    def slow(stage, source, run, kind, baseline, device, steps, extra):
+        if extra and kind == "streaming":
+            time.sleep(3)
+        return {"tokens_per_s": 60_000.0, "step_s": 0.27, "warmup_s": 1.0}
+
+    monkeypatch.setattr(setup_stage, "train_and_time", slow)
+    monkeypatch.setattr(setup_stage, "COMPILED_MARGIN_S", 60 * main.BUDGET_MIN["setup"] - 1.0)  # a row's cap: ~1 s
+    if not guarded:
+        monkeypatch.setattr(setup_stage, "within", lambda seconds, measure: measure())
+    start = time.monotonic()
+    kit.main(["setup", "speed", "--out", str(lease.out)])
+    tp = setup_json(lease)["result"]["throughput"]
+    assert set(tp["models"]) == {"streaming", "pruned", "dense"} and {"dense", "pruned"} <= set(tp["compiled"]["models"])
+    if guarded:
+        assert "stopped after" in tp["failed"]["streaming compiled"] and "streaming" not in tp["compiled"]["models"]
+        assert time.monotonic() - start < 3
+    else:
+        assert "streaming" in tp["compiled"]["models"] and time.monotonic() - start >= 3

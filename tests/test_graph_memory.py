@@ -22,7 +22,7 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.backbone import run_layers
+from concept.backbone import run_layer, run_layers
 from concept.compiled import CompiledStacks, compile_model
 from concept.dense import DenseModel
 from concept.streaming.decoding import ConceptDecoder
@@ -67,16 +67,24 @@ class GraphMemory:
     def install(self, monkeypatch, copies: bool = True) -> None:
         """Every ``CompiledStacks`` runs its stacks here, in graph memory (``copies`` False: as if they were
         not CUDA graphs, so nothing is copied out: the code before the fix)."""
-        monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type: (self.run, copies))
+        monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type, regional=False: (
+            self.run_layer if regional else self.run, copies))
 
     def run(self, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+        return self.call(run_layers, layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
+
+    def run_layer(self, layer, x, position_ids, attention_plan, cos_sin, checkpointing=False, cache=None):
+        """``--compile layers``: one compiled call per layer (its input the previous layer's output)."""
+        return self.call(run_layer, layer, x, position_ids, attention_plan, cos_sin, checkpointing, cache)
+
+    def call(self, fn, layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache):
         if not self.pending_backward:  # a new generation: the earlier outputs' memory is reused
             for t in self.outputs:
                 t.data.fill_(float("nan"))
                 t.overwritten = True
             self.overwritten += len(self.outputs)
             self.outputs = []
-        out = run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
+        out = fn(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # (its own memory)
         if out.requires_grad:
             self.pending_backward = True
@@ -114,9 +122,9 @@ def batch(seed=0, B=2, T=24):
     return torch.randint(0, 97, (B, T), generator=g)
 
 
-def compiled_in_graph_memory(model, memory, monkeypatch, copies=True):
+def compiled_in_graph_memory(model, memory, monkeypatch, copies=True, choice="reduce-overhead"):
     memory.install(monkeypatch, copies)
-    return compile_model(copy.deepcopy(model), "on")
+    return compile_model(copy.deepcopy(model), choice)
 
 
 def streaming_forward(model, ids):
@@ -129,13 +137,15 @@ def streaming():
     return streaming_model()
 
 
-def test_streaming_no_grad_forward_equals_eager(streaming, monkeypatch):
+@pytest.mark.parametrize("choice", ["reduce-overhead", "layers"], ids=["stacks", "layers"])
+def test_streaming_no_grad_forward_equals_eager(streaming, monkeypatch, choice):
+    """(``layers``: each layer's call a generation of its own, its input the previous layer's copied output.)"""
     memory = GraphMemory()
     ids = batch()
     with torch.no_grad():
         eager = [streaming_forward(streaming, batch(seed)) for seed in (0, 1)]
         assert 0 < int(streaming(ids).keep.sum()) < ids.numel()  # concepts and tail tokens both
-        compiled = compiled_in_graph_memory(streaming, memory, monkeypatch)
+        compiled = compiled_in_graph_memory(streaming, memory, monkeypatch, choice=choice)
         fast = [streaming_forward(compiled, batch(seed)) for seed in (0, 1)]  # the first kept past the second
     assert memory.overwritten > 0
     for a, b in zip(eager, fast):
@@ -143,10 +153,12 @@ def test_streaming_no_grad_forward_equals_eager(streaming, monkeypatch):
             torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
-def test_streaming_forward_without_the_copies_reads_overwritten_memory(streaming, monkeypatch):
+@pytest.mark.parametrize("choice", ["reduce-overhead", "layers"], ids=["stacks", "layers"])
+def test_streaming_forward_without_the_copies_reads_overwritten_memory(streaming, monkeypatch, choice):
     """Negative control: the stacks' outputs used as they come (before the fix): the deep stack's tail reads
-    the shallow states the middle stack's run overwrote (the error of the H100, 2026-11-27)."""
-    compiled = compiled_in_graph_memory(streaming, GraphMemory(), monkeypatch, copies=False)
+    the shallow states the middle stack's run overwrote (the error of the H100, 2026-11-27); ``layers``: the
+    next layer reads its input overwritten by its own call."""
+    compiled = compiled_in_graph_memory(streaming, GraphMemory(), monkeypatch, copies=False, choice=choice)
     with torch.no_grad(), pytest.raises(RuntimeError, match=OVERWRITTEN):
         compiled(batch())
 
@@ -218,16 +230,17 @@ def rows(trainer) -> list[dict]:
     return [trainer.train_step() for _ in range(STEPS)]
 
 
-@pytest.mark.parametrize("baseline", [None, "dense"], ids=["streaming", "dense"])
-def test_training_steps_equal_eager(run, monkeypatch, baseline):
+@pytest.mark.parametrize("baseline,choice", [(None, "reduce-overhead"), ("dense", "reduce-overhead"), (None, "layers")],
+                         ids=["streaming", "dense", "streaming-layers"])
+def test_training_steps_equal_eager(run, monkeypatch, baseline, choice):
     """Three steps (LoRA in every stack: gradients through the copies); the streaming run's first step
     calibrates the NULL bias with a no-grad forward (the crash of 2026-11-27); log_every=1: the step
     diagnostics read the step's output after its backward."""
     name = baseline or "streaming"
-    eager = rows(trainer(run, f"{name}-eager", "off", baseline=baseline))
+    eager = rows(trainer(run, f"{name}-eager-{choice}", "off", baseline=baseline))
     memory = GraphMemory()
     memory.install(monkeypatch)
-    fast = rows(trainer(run, f"{name}-graphs", "on", baseline=baseline))
+    fast = rows(trainer(run, f"{name}-graphs-{choice}", choice, baseline=baseline))
     assert memory.overwritten > 0
     for a, b in zip(eager, fast):
         assert a.get("ratio") == b.get("ratio") and a.get("null_bias") == pytest.approx(b.get("null_bias"))
@@ -238,7 +251,7 @@ def test_training_without_the_copies_reads_overwritten_memory(run, monkeypatch):
     """Negative control: the first step's calibration forward (no gradients) reads the shallow states the
     middle stack's run overwrote, as on the H100 (2026-11-27)."""
     GraphMemory().install(monkeypatch, copies=False)
-    compiled = trainer(run, "without-copies", "on")
+    compiled = trainer(run, "without-copies", "reduce-overhead")
     with pytest.raises(RuntimeError, match=OVERWRITTEN) as caught:
         compiled.train_step()
     assert "before_step" in {entry.name for entry in caught.traceback}  # (the calibration forward)

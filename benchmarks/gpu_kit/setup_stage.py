@@ -52,6 +52,7 @@ DRY_THROUGHPUT_STEPS = {"warm-up": 1, "timed": 1}
 MODELS = (("streaming", None), ("pruned", "pruned"), ("dense", "dense"))
 COMPILED_ORDER = ("streaming", "dense", "pruned")  # the training target's two first
 EAGER_NEED_S, COMPILED_NEED_S = 20, 75  # seconds of budget a model's measurement needs to start
+COMPILED_MARGIN_S = 10  # a compiled row is stopped this many seconds before the stage's budget ends (``within``)
 
 
 # -- the pack ---------------------------------------------------------------------------------------
@@ -344,8 +345,9 @@ def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict
             stage.skip(f"compiled throughput of {kind}", f"less than {COMPILED_NEED_S} s of the stage's budget left "
                                                          f"(a compilation takes about a minute)")
             continue
-        row = measured_row(stage, f"{kind} compiled", out["failed"], lambda: train_and_time(
-            stage, static, folder / f"{kind}-compiled", kind, dict(MODELS)[kind], device, steps, option))
+        cap = stage.remaining() - COMPILED_MARGIN_S  # a compilation that runs past it is stopped: the row fails
+        row = measured_row(stage, f"{kind} compiled", out["failed"], lambda: within(cap, lambda: train_and_time(
+            stage, static, folder / f"{kind}-compiled", kind, dict(MODELS)[kind], device, steps, option)))
         eager = out["models"].get(kind)
         if row is not None and eager:  # the warm-up steps' extra seconds: compilation
             row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
@@ -354,6 +356,28 @@ def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict
             out["compiled"]["models"][kind] = row
         keep(out)
     return out
+
+
+class RowTimeout(Exception):
+    """A measurement ran past its seconds (``within``)."""
+
+
+def within(seconds: float, measure: Callable[[], dict]) -> dict:
+    """``measure()``, stopped by ``RowTimeout`` after ``seconds`` (SIGALRM: Python stops at its next bytecode,
+    which a compilation reaches often; the stage's other rows and its JSON are kept, ``measured_row``)."""
+    import signal
+
+    def stop(signum, frame):
+        raise RowTimeout(f"stopped after {seconds:.0f} s (the stage's time budget; a compilation that long "
+                         f"does not fit the lease)")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, max(1.0, seconds))
+    try:
+        return measure()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def build_static(folder: Path, dry: bool) -> float:
@@ -411,17 +435,19 @@ def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: s
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for _ in range(steps["warm-up"]):
+    trainer.train_step()
+    first_step_s = time.perf_counter() - start  # compiled: the first step's compilation included
+    for _ in range(steps["warm-up"] - 1):
         trainer.train_step()
     warmup_s = time.perf_counter() - start
     timed = [trainer.train_step() for _ in range(steps["timed"])]
     tps = statistics.median(r["tokens_per_s"] for r in timed)
-    row = {"tokens_per_s": tps, "step_s": batch * seq / tps, "warmup_s": warmup_s, "loss": timed[-1]["loss"],
-           "ratio": timed[-1].get("ratio")}
+    row = {"tokens_per_s": tps, "step_s": batch * seq / tps, "warmup_s": warmup_s, "first_step_s": first_step_s,
+           "loss": timed[-1]["loss"], "ratio": timed[-1].get("ratio")}
     if device == "cuda":
         row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     label = kind + (" compiled" if extra else "")
-    stage.say(f"throughput {label}: {tps:,.0f} tokens/s (warm-up {warmup_s:.1f} s)")
+    stage.say(f"throughput {label}: {tps:,.0f} tokens/s (warm-up {warmup_s:.1f} s, its first step {first_step_s:.1f} s)")
     if stage.remaining() > 10:
         prof = profile_call(trainer.train_step, device, table_rows=60)
         name = f"setup-profile-{kind}{'-compiled' if extra else ''}.txt"

@@ -95,6 +95,10 @@ class Dense(Family):
         return FlopTarget(pruned_flops(shape, kept, T) / pruned_flops(shape, total, T), block[0], T,
                           f"the {self.name} model's own ({kept} of {total} layers)")
 
+    def compile_refusal(self, model) -> str | None:
+        """Its layers compile (``DenseModel`` runs them through ``compiled_stacks``; its masks static then)."""
+        return None
+
     # -- training ------------------------------------------------------------------------------
     def check_training(self, config, plan, device, dist) -> list[str]:
         """What a run of it cannot do (a run derived with ``--baseline`` was checked as such already)."""

@@ -167,6 +167,15 @@ class Streaming(Family):
 
         return StaticConceptDecoder(model, new_tokens, compile_choice)
 
+    def compile_refusal(self, model) -> str | None:
+        """Its stacks compile with a static concept budget only (the shapes then do not follow the decisions)."""
+        if model.max_ratio:
+            return None
+        return ("a streaming model compiles with static shapes only: build it with a static concept budget, "
+                "e.g. `concept build --max-ratio 0.25` (BuildConfig.max_ratio; the default `auto` finds none for a "
+                "length policy with neither a target ratio nor a rate bound; the shapes then do not depend on the "
+                "decisions and one graph serves every step)")
+
     def step_diagnostics(self, model, out, batch) -> dict[str, float]:
         # lazy: torch (module docstring)
         from .diagnostics import step_diagnostics
