@@ -8,11 +8,16 @@ promoted the middle and deep stacks' stream (and the deep input's ``cat`` promot
 Checked with a forward pre-hook on every decoder layer, in a training forward and backward with concepts in
 every stack, over builds that exercise each module that makes a concept input. Negative control: the fp32
 join (the concept inputs left in their modules' dtype, the code before) is caught in the middle and deep
-layers. That fp32 runs are unchanged (the cast is a no-op there) is the exactness suite's part
-(``tests/test_equivalence.py`` and the others); the values in bf16 against the fp32 reference are
-``tests/test_bf16.py``'s.
+layers. What the change does to the values, bf16 only (fp32 runs are unchanged: the cast is a no-op there, the
+exactness suite's part, ``tests/test_equivalence.py`` and the others): the middle and deep stacks' residual
+stream rounds to bf16 at every layer, as a dense bf16 model's does. With the base stored in bf16 the one-pass
+forward stays within ``tests/test_bf16.py``'s tolerance (3% of the logits' range) of the fp32 per-step
+reference and of the per-step reference run in bf16, and step-wise decoding of teacher forcing; their
+negative controls (another decision pattern, an off-by-one position) fall outside it.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -22,7 +27,10 @@ from concept import ComponentRef
 from concept.backbone import decoder
 from concept.precision import store_frozen_base
 from concept.streaming.emission import ConceptEmission
-from tests.conftest import POLICIES, randomize_new_modules, tiny_config
+from tests.conftest import POLICIES, mixed_model, randomize_new_modules, tiny_config
+from tests.reference import reference_logits
+from tests.test_bf16 import TOLERANCE, within
+from tests.test_equivalence import padded_batch, pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,16 +44,37 @@ BUILDS = {
 }
 
 
+def bf16_base(model):
+    """A copy of ``model`` with its frozen base stored in bf16 (what ``--dtype bf16`` trains)."""
+    model = copy.deepcopy(model)
+    store_frozen_base(model, torch.bfloat16)
+    return model
+
+
+def bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
 @pytest.fixture(scope="module")
-def models():
+def fp32_models():
     cache = {}
 
     def get(name):
         if name not in cache:
             torch.manual_seed(0)
-            model = randomize_new_modules(concept.build(tiny_config(**BUILDS[name])))
-            store_frozen_base(model, torch.bfloat16)
-            cache[name] = model.train()
+            cache[name] = randomize_new_modules(concept.build(tiny_config(**BUILDS[name])))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def models(fp32_models):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = bf16_base(fp32_models(name)).train()
         return cache[name]
 
     return get
@@ -88,3 +117,36 @@ def test_negative_control_the_fp32_join_is_caught(models, monkeypatch):
     dtypes = layer_input_dtypes(models("default"))
     assert dtypes[:2] == [torch.bfloat16] * 2  # the shallow stack: the embedding's dtype
     assert dtypes[2:] == [torch.float32] * 4  # middle and deep: promoted by the fp32 concept inputs
+
+
+@pytest.mark.parametrize("build", ["default", "every-module"])
+def test_a_bf16_base_forward_matches_the_per_step_reference_within_bf16(fp32_models, build):
+    model = fp32_models(build).eval()
+    stored = bf16_base(model).eval()
+    ids, mask, keep = padded_batch()
+    real = mask.bool()
+    with torch.no_grad():
+        ref, _ = reference_logits(model, ids, attention_mask=mask, keep=keep)  # fp32
+        with bf16():
+            out = stored(ids, attention_mask=mask, keep=keep)
+            step_wise, _ = reference_logits(stored, ids, attention_mask=mask, keep=keep)  # the oracle, in bf16
+            wrong = stored(ids, attention_mask=mask, keep=keep ^ pattern("rate-0.5")[None])
+    assert out.logits.dtype == torch.bfloat16
+    assert within(out.logits[real], ref[real]) < TOLERANCE
+    assert within(out.logits[real], step_wise[real].float()) < TOLERANCE
+    assert within(wrong.logits[real], ref[real]) > 2 * TOLERANCE  # the tolerance tells a real error apart
+
+
+def test_bf16_base_decoding_equals_teacher_forcing_within_bf16():
+    model = bf16_base(mixed_model("fixed"))  # decisions by position: bf16 cannot flip them
+    prompts = [[5, 17, 3, 44, 9], [8, 2, 61]]
+    with torch.no_grad(), bf16():
+        gen = model.generate(prompts, max_new_tokens=7, output_logits=True)
+        for b, p in enumerate(prompts):
+            assert any(gen.keep[b])  # concepts in the decoded part: the middle stack ran step by step
+            seq = torch.tensor([p + gen.tokens[b]])
+            forced = model(seq, keep=torch.tensor([gen.keep[b] + [False]])).logits[0].float()
+            n = len(gen.tokens[b])
+            step = gen.logits[b, :n].float()
+            assert within(step, forced[len(p) - 1:len(p) - 1 + n]) < TOLERANCE
+            assert within(step, forced[len(p) - 2:len(p) - 2 + n]) > 2 * TOLERANCE  # an off-by-one position
