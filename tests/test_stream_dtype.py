@@ -13,7 +13,9 @@ exactness suite's part, ``tests/test_equivalence.py`` and the others): the middl
 stream rounds to bf16 at every layer, as a dense bf16 model's does. With the base stored in bf16 the one-pass
 forward stays within ``tests/test_bf16.py``'s tolerance (3% of the logits' range) of the fp32 per-step
 reference and of the per-step reference run in bf16, and step-wise decoding of teacher forcing; their
-negative controls (another decision pattern, an off-by-one position) fall outside it.
+negative controls (another decision pattern, an off-by-one position) fall outside it. With every token a
+concept the bf16 model is now the dense bf16 backbone bit for bit (the identity start's invariant, which
+held in fp32 only); the fp32 join is not.
 """
 from __future__ import annotations
 
@@ -150,3 +152,19 @@ def test_bf16_base_decoding_equals_teacher_forcing_within_bf16():
             step = gen.logits[b, :n].float()
             assert within(step, forced[len(p) - 1:len(p) - 1 + n]) < TOLERANCE
             assert within(step, forced[len(p) - 2:len(p) - 2 + n]) > 2 * TOLERANCE  # an off-by-one position
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "chunked"])
+def test_keep_all_in_bf16_is_the_dense_bf16_backbone_bit_for_bit(backend, monkeypatch):
+    """The identity start's invariant (every token a concept: the backbone; §7a) now holds in bf16 exactly, as
+    in fp32: the stacks see the dense model's bf16 states. Negative control: the fp32 join is off by bf16's
+    rounding (the middle and deep layers computed on fp32 states)."""
+    model = bf16_base(concept.build(tiny_config(attention=backend))).eval()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    every = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad(), bf16():
+        dense = model.backbone(ids).logits
+        assert torch.equal(model(ids, keep=every).logits, dense)
+        joined = ConceptEmission.concept_inputs
+        monkeypatch.setattr(ConceptEmission, "concept_inputs", lambda self, *a, **kw: joined(self, *a, **kw).float())
+        assert not torch.equal(model(ids, keep=every).logits, dense)
