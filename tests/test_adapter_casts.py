@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 from benchmarks.step_counts import CASTS, training_step
 from benchmarks.test_step_counts import VOCAB, model_of
 from concept.precision import store_frozen_base
+from concept.streaming.emission import ConceptEmission
 
 MOVES = {"cat", "clone", "contiguous", "split", "split_with_sizes", "unbind", "_unsafe_view"}
 
@@ -102,3 +103,19 @@ def test_a_bf16_training_step_casts_the_adapters_once_each_way(step):
 def test_negative_control_the_per_use_casts_are_counted(step):
     counter, layers = step(per_use=True)
     assert (counter.forward, len(counter.backward)) == (2 * layers, 2 * layers)  # A and B, each way, each layer
+
+
+
+STEP_CASTS = 90  # every cast of the step: 123 before the concept inputs joined the stream in its dtype (issue 39)
+
+
+def test_a_bf16_streaming_step_casts_at_most_its_bar(step, monkeypatch):
+    """All the step's casts (not only the adapters'): the middle and deep stacks run a bf16 stream, so their
+    projections' inputs, RoPE's and SDPA's q and k and the residual adds' gradients are not cast (11 per layer
+    in this step). The bar only goes down. Negative control: the fp32 join (the concept inputs left in their
+    modules' dtype, as before) is over it."""
+    counter, _ = step(per_use=False)
+    joined = ConceptEmission.concept_inputs
+    monkeypatch.setattr(ConceptEmission, "concept_inputs", lambda self, *a, **kw: joined(self, *a, **kw).float())
+    fp32_join, _ = step(per_use=False)
+    assert counter.count <= STEP_CASTS < fp32_join.count

@@ -77,7 +77,12 @@ class ConceptEmission:
         sampler without a hard step; a latent-feedback sampler then mixes in the shallow state.
         Multi-level codes: ``probs`` [B, T, L, K], ``concept_ids`` [B, T, L] and ``level`` [B, C], the
         code level of each slot. ``perturb_codes``: ``f(e [B, C, d], level) -> e`` replaces the discrete
-        embeddings before the continuous part joins them (diagnostics: the code-only controls)."""
+        embeddings before the continuous part joins them (diagnostics: the code-only controls).
+
+        The inputs join the residual stream in its dtype, ``h``'s (the embedding's: bf16 with a bf16 base),
+        cast once here: the trainable modules that make them compute in their own (fp32) dtype, and the
+        middle and deep stacks then run in the backbone's compute dtype, as a dense model's layers do (a
+        no-op in fp32)."""
         sampler = self.sampler if self.training else self.eval_sampler
         at = lambda x, index: x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
         pick, by_level = src, {}
@@ -97,4 +102,4 @@ class ConceptEmission:
             e = self.sampler.mix(e, at(h, src))
         if self.concept_gate is not None:  # identity start: the shallow state + the gated embedding
             e = self.concept_gate(at(h, src), e)
-        return e
+        return e.to(h.dtype)

@@ -47,7 +47,7 @@ class PerTypePositions(PositionScheme, nn.Module):
         return rank + self.config.offset
 
     def _add(self, x: torch.Tensor, kind: int) -> torch.Tensor:
-        return x if self.type_embedding is None else x + self.type_embedding.weight[kind]
+        return x if self.type_embedding is None else x + self.type_embedding.weight[kind].to(x.dtype)
 
     def add_text_type(self, x: torch.Tensor) -> torch.Tensor:
         return self._add(x, self.TEXT)
