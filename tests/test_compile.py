@@ -4,6 +4,7 @@ the first (dynamo's recompile guard is armed after it: a recompile raises), with
 decisions. The default suite captures with the ``aot-eager`` choice (dynamo + AOT autograd: the graphs
 inductor would receive; inductor's C++ compilation of them takes minutes on a CPU); the inductor run is the
 slow test. Negative control: a layout whose shapes follow the decisions recompiles, and the guard says so."""
+import collections
 import json
 import pathlib
 import warnings
@@ -172,16 +173,52 @@ def test_inductor_forward_equals_eager(fresh_dynamo, choice):
     assert not counters["graph_break"]
 
 
+def graphs_by_function(monkeypatch) -> collections.Counter:
+    """The graphs dynamo compiles, counted by the compiled function's name (``run_layers_shallow``...,
+    ``step_eager``): ``torch.compile``'s backend wrapped in one that counts, its choice (``aot_eager``) kept;
+    one wrapper per name and backend (dynamo recompiles a function for a backend it did not compile it with)."""
+    real, seen, backends = torch.compile, collections.Counter(), {}
+
+    def counting_backend(name, backend):
+        inner = torch._dynamo.lookup_backend(backend)
+
+        def count(gm, example_inputs):
+            seen[name] += 1
+            return inner(gm, example_inputs)
+        return count
+
+    def counting(fn, backend="inductor", **options):
+        key = (fn.__name__, backend)
+        backends.setdefault(key, counting_backend(*key))
+        return real(fn, backend=backends[key], **options)
+    monkeypatch.setattr(torch, "compile", counting)
+    return seen
+
+
 @pytest.mark.slow
-def test_compiled_prefill_generates_what_eager_does(fresh_dynamo):
-    """The decoder's prefill runs the compiled stacks (its cache recording), prompts left-padded to a bucket."""
+def test_compiled_prefill_generates_what_eager_does(fresh_dynamo, monkeypatch):
+    """The decoder's prefill runs the compiled stacks (its cache recording), prompts left-padded to a bucket;
+    its steps run the compiled static step (``concept.static_decoding``). Other prompt widths and token budgets
+    in the same buckets reuse the graphs. Negative control: without the bucket, another width recompiles."""
     import copy
 
     model = copy.deepcopy(mixed_model("null"))
     model.max_ratio = 0.25
+    graphs = graphs_by_function(monkeypatch)
     compiled = concept.compiled.compile_model(copy.deepcopy(model), "aot-eager")
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
-    eager, fast = (m.generate(prompts, max_new_tokens=6, output_logits=True) for m in (model, compiled))
-    assert fast.tokens == eager.tokens and fast.keep == eager.keep
-    torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+    for prompts, new_tokens in (([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]], 6),
+                                ([[5, 4, 3, 2, 1], list(range(9, 21))], 9)):  # (same buckets: prompt, cache)
+        eager, fast = (m.generate(prompts, max_new_tokens=new_tokens, output_logits=True) for m in (model, compiled))
+        assert fast.tokens == eager.tokens and fast.keep == eager.keep
+        torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
+        # 4 graphs: one per stack for the prefill (a cache recording compiles the stack whole) and the decoding
+        # step's, compiled whole over static KV caches since 4d44d93 (2026-11-26 23:14, "Compiled decoding over
+        # static KV caches"; this test, from f639a40 at 18:19, counted 3 when the steps still ran eagerly)
+        assert graphs == {"run_layers_shallow": 1, "run_layers_middle": 1, "run_layers_deep": 1, "step_eager": 1}
+        assert counters["stats"]["unique_graphs"] == 4 and not counters["graph_break"]
+        torch._dynamo.config.error_on_recompile = True  # the second generation: a recompile raises
+
+    # negative control: prompts not padded to the bucket, another width (3, not 64) recompiles the stacks
+    monkeypatch.setattr("concept.streaming.decoding.PREFILL_BUCKET", 1)
+    with pytest.raises(Exception, match="Recompiling function run_layers_shallow"):
+        compiled.generate([[1, 2, 3], [4, 5]], max_new_tokens=6)
