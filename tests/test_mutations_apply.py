@@ -1,12 +1,14 @@
 """The mutation suite (``tests/mutate.py``) can only catch what it can still apply: each mutation's text must
 occur exactly once in its file, or the mutation silently stops testing anything once the code moves."""
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mutate  # noqa: E402
+_spec = importlib.util.spec_from_file_location("concept_mutations", Path(__file__).resolve().parent / "mutate.py")
+mutate = sys.modules["concept_mutations"] = importlib.util.module_from_spec(_spec)  # (dataclasses look it up)
+_spec.loader.exec_module(mutate)
 
 
 @pytest.mark.parametrize("mutation", mutate.MUTATIONS, ids=lambda m: m.name[:60])
