@@ -29,34 +29,32 @@ class AttentionPattern:
 AttentionPlan = AttentionPattern  # its name before 0.1.1, kept for third-party attention plugins (docs/plugins.md)
 
 
-def compute_dtype(device: torch.device) -> torch.dtype:
-    """The dtype SDPA will see its queries in: autocast's where it is on (SDPA is on its lower-precision
-    list, CPU and CUDA), else the default dtype. A guess made once per plan; a wrong one costs one cast."""
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.get_default_dtype()
-
-
-def _sdpa_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype SDPA's kernel sees ``query`` in: autocast casts an fp32 (fp16, bf16) query to its dtype."""
-    autocast = torch.is_autocast_enabled(query.device.type) and query.dtype in (torch.float32, torch.float16,
-                                                                                 torch.bfloat16)
-    return torch.get_autocast_dtype(query.device.type) if autocast else query.dtype
+def sdpa_dtype(device: torch.device, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype SDPA's kernel sees a query of ``dtype`` (None: the default dtype) in: autocast's where it is on
+    (SDPA is on its lower-precision list, CPU and CUDA), else its own. Made once per plan for a mask (a wrong
+    guess costs one cast in :func:`sdpa`)."""
+    dtype = dtype or torch.get_default_dtype()
+    if torch.is_autocast_enabled(device.type) and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
 
 
 def additive(mask: torch.Tensor | None) -> torch.Tensor | None:
     """A boolean mask (True: allowed) as SDPA applies it, once per plan instead of once per layer and call:
-    0 where allowed, -inf elsewhere, in :func:`compute_dtype` (SDPA's own conversion of a boolean mask,
+    0 where allowed, -inf elsewhere, in :func:`sdpa_dtype` (SDPA's own conversion of a boolean mask,
     ``where(mask, 0, -inf)`` in the query's dtype: the same values, bit for bit)."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.full(mask.shape, float("-inf"), dtype=compute_dtype(mask.device), device=mask.device).masked_fill_(
+    return torch.full(mask.shape, float("-inf"), dtype=sdpa_dtype(mask.device), device=mask.device).masked_fill_(
         mask, 0.0)
 
 
 def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor:
     """SDPA with grouped-query heads, returning [B, H, Lq, hd]. ``mask`` [B, Lq, Lk]: boolean (True: allowed)
     or additive (:func:`additive`; cast to the query's dtype if it was made in another, the same values)."""
-    if mask is not None and mask.dtype != torch.bool and mask.dtype != _sdpa_dtype(query):
-        mask = mask.to(_sdpa_dtype(query))  # (0 and -inf are exact in every float dtype)
+    if mask is not None and mask.dtype != torch.bool:
+        dtype = sdpa_dtype(query.device, query.dtype)
+        mask = mask if mask.dtype == dtype else mask.to(dtype)  # (0 and -inf are exact in every float dtype)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=None if mask is None else mask[:, None], is_causal=is_causal,
         scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
