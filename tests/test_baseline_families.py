@@ -40,7 +40,7 @@ def interrupted_then_resumed(built, out, config):
     """A run stopped by Ctrl-C at step 2 (its checkpoint written on the way out), then resumed to the end."""
     first = Trainer.start(built, out, config)
     with pytest.raises(KeyboardInterrupt):
-        first.train(progress=lambda row: row["step"] == 2 and first._on_sigint(None, None))
+        first.train(progress=lambda row: row["step"] == 2 and first.loop.on_sigint(None, None))
     Trainer.resume(out).train()
 
 
