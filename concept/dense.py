@@ -66,8 +66,9 @@ class DenseModel(Resolved, HubMixin, nn.Module):
             self.mtp_heads.bind(lambda h: self.backbone.lm_head(decoder(self.backbone).norm(h)))
 
     @property
-    def kind(self) -> str:
-        """``dense``, or ``pruned`` when a block of layers is skipped."""
+    def family(self) -> str:
+        """Its family's name (``concept.families``), as every built model carries it: ``pruned`` when a block of
+        layers is skipped (or already deleted from its backbone), else ``dense``."""
         return "pruned" if self.removed or self.deleted else "dense"
 
     @property
