@@ -246,6 +246,37 @@ def test_revival_is_deterministic_and_resumes_exactly_from_its_state():
     assert not torch.equal(straight_vocab.codebook, lost_vocab.codebook)
 
 
+def test_a_resumed_revival_uploads_its_counters_in_its_first_step_without_a_sync(monkeypatch):
+    """Resumed, the idle counters (a checkpoint's ints) reach the step's device in its first step through one
+    pinned, non-blocking copy (``concept.syncs.upload``; a ``.to()`` from pageable memory would wait on CUDA), and
+    revive what the run without a break does. Negative control: the same counters made in the step with
+    ``torch.tensor(..., device=)`` are counted as the sync they are on CUDA."""
+    def resumed_first_step():
+        straight, again = vocabularies()["codebook"], vocabularies()["codebook"]
+        reference = CodeRevival(after=2, seed=5)
+        drive(reference, Stream(straight), 4, ids=(0, 1, 2))
+        first = CodeRevival(after=2, seed=5)
+        drive(first, Stream(again), 3, ids=(0, 1, 2))
+        resumed = CodeRevival(after=2, seed=5)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())), None)
+        resumed.before_step(SimpleNamespace(dist=Dist(), step=3))  # (step 4: a revival step)
+        out = SimpleNamespace(ids=torch.tensor([0, 1, 2] * 2), states=torch.randn(6, 32, generator=torch.Generator()
+                                                                                  .manual_seed(3)))
+        skipped = torch.tensor(False)
+        with HostSyncs() as seen:
+            resumed.stats(Stream(again), {}, out)
+            resumed.device_step(Stream(again), {}, {}, skipped)
+        assert torch.equal(straight.codebook, again.codebook) and torch.equal(reference.idle["concept"],
+                                                                              resumed.idle["concept"])
+        return seen
+
+    seen = resumed_first_step()
+    assert seen.hidden == 0 and dict(seen.declared) == {"code revival": 1}, dict(seen.syncs)
+    monkeypatch.setattr("concept.codes.upload", lambda data, dtype, device: torch.tensor(data, dtype=dtype,
+                                                                                         device=device))
+    assert dict(resumed_first_step().syncs) == {"tensor from host data": 1}
+
+
 def test_kmeans_init_points_codes_at_the_centroids_of_the_first_batches_queries():
     vocab = vocabularies()["codebook"]
     model = Stream(vocab)
@@ -298,7 +329,11 @@ def test_streaming_training_revives_and_resumes_exactly(codebook_run, corpus, tm
     a = rows(tmp_path / "straight")
     assert a[0]["kmeans_codes"] > 0 and "kmeans_codes" not in a[1]
     assert all("revived" in r and 0 <= r["idle_share"] <= 1 for r in a) and sum(r["revived"] for r in a) > 0
-    interrupted_at_three(codebook_run, tmp_path / "resumed", small(data=str(corpus))).train()
+    resumed = interrupted_at_three(codebook_run, tmp_path / "resumed", small(data=str(corpus)))
+    with HostSyncs() as seen:  # the resumed run's first step: its restored counters uploaded without a sync
+        resumed.queue_step()
+    assert seen.hidden == 0 and dict(seen.declared) == {"policy scan": 1, "code revival": 1}, dict(seen.syncs)
+    resumed.train()
     b = rows(tmp_path / "resumed")
     for key in ("loss", "revived", "idle_share"):
         assert [r[key] for r in a] == [r[key] for r in b], key  # bit for bit
