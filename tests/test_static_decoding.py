@@ -167,18 +167,13 @@ def test_generate_compile_decodes_what_eager_does(fresh_dynamo, monkeypatch):
     other prompt lengths and budgets in the same buckets compiles nothing (dynamo's recompile guard armed).
     Negative control: caches sized to the exact length (no capacity bucket) recompile the step for another
     budget, and the guard says so."""
-    from tests.test_compile import graphs_by_function
+    from tests.test_compile import generates_as_eager_on_four_graphs, graphs_by_function
 
     model = three_layers()
     graphs = graphs_by_function(monkeypatch)
     compiled = concept.compiled.compile_model(copy.deepcopy(model), "aot-eager")
-    for prompts, new_tokens in ((PROMPTS, 40), ([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [4, 6]], 30)):
-        eager, fast = (m.generate(prompts, max_new_tokens=new_tokens, output_logits=True) for m in (model, compiled))
-        assert fast.tokens == eager.tokens and fast.keep == eager.keep
-        torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
-        assert graphs == {"run_layers_shallow": 1, "run_layers_middle": 1, "run_layers_deep": 1, "step_eager": 1}
-        assert counters["stats"]["unique_graphs"] == 4 and not counters["graph_break"]
-        torch._dynamo.config.error_on_recompile = True  # the second generation: a recompile raises
+    generates_as_eager_on_four_graphs(model, compiled, graphs, (
+        (PROMPTS, 40), ([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [4, 6]], 30)))
 
     # negative control: a cache of exactly the slots asked for (another budget: other shapes) recompiles the step
     monkeypatch.setattr("concept.streaming.static_decoding.capacity", lambda entries: entries + 1)
