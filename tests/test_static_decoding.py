@@ -123,8 +123,11 @@ def test_device_loop_stops_rows_as_the_eager_loop_does(static_decoding):
     assert eager[1].finish_reasons[0] == "stop"
 
 
-def test_static_dense_decoder_equals_transformers_dynamic_cache(static_decoding):
-    dense = copy.deepcopy(DenseModel(three_layers().backbone)).double().eval()
+@pytest.mark.parametrize("removed", [None, (1, 2)], ids=["dense", "pruned"])
+def test_static_dense_decoder_equals_transformers_dynamic_cache(static_decoding, removed):
+    """The dense baseline, and the pruned one (its static decoder runs inside ``DenseModel.generate``'s
+    ``pruned_backbone``, where ``layers`` must not skip the block a second time: it ran one layer of three)."""
+    dense = copy.deepcopy(DenseModel(three_layers().backbone, removed=removed)).double().eval()
     eager = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
     static_decoding(dense)
     gen = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
