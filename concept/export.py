@@ -51,9 +51,9 @@ from .builder import (
 from .config import BuildConfig, resolve
 from .errors import ConceptError
 from .families import family_of
-from .train_config import BASELINES
 from .hub import card, exported_layers, write_hf_files
 from .lora import save_peft_adapter, settings_from_peft
+from .train_config import BASELINES
 
 BACKBONE_DIR = "backbone"
 BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)

@@ -26,6 +26,7 @@ from dataclasses import astuple, dataclass
 import torch
 
 from .builder import load
+from .contracts import Family
 from .data import tokenizer_for
 from .distributed import pick_device
 from .errors import ConceptError, ConfigError
@@ -118,11 +119,13 @@ class Scorer:
 
     def _continuation_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
         """Log-probabilities [n_i, V] at each continuation token of each (context, continuation) row."""
-        context, context_valid = right_pad([c for c, _ in rows], self.eos, self.device)
-        continuation, continuation_valid = right_pad([x for _, x in rows], self.eos, self.device)
-        logits = family_of(self.model).score(self.model, context, context_valid, continuation, continuation_valid)
-        if logits is not None:  # [B, Tx, V]: logits[:, k] predicts continuation token k
-            return [logits[b, :len(x)].float().log_softmax(-1) for b, (_, x) in enumerate(rows)]
+        family = family_of(self.model)
+        if type(family).score is not Family.score:  # (the default scores nothing: no padding made for it)
+            context, context_valid = right_pad([c for c, _ in rows], self.eos, self.device)
+            continuation, continuation_valid = right_pad([x for _, x in rows], self.eos, self.device)
+            logits = family.score(self.model, context, context_valid, continuation, continuation_valid)
+            if logits is not None:  # [B, Tx, V]: logits[:, k] predicts continuation token k
+                return [logits[b, :len(x)].float().log_softmax(-1) for b, (_, x) in enumerate(rows)]
         ids, valid = right_pad([c + x for c, x in rows], self.eos, self.device)
         logits = self.model(ids, attention_mask=valid.long()).logits
         out = []
