@@ -87,7 +87,7 @@ def main() -> None:
     modes = modes_for("concept", model, args.taus)
     if args.dense:
         dense = concept.load(args.dense).eval()
-        modes += modes_for(dense.kind, dense, args.taus)
+        modes += modes_for(dense.family, dense, args.taus)
     run_mode(prompts[:1], 4, modes[0])  # warm-up
     seconds = {m[0]: [] for m in modes}
     outputs = {}

@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP
 
+from .help_groups import GroupedHelp
 from .output import html_report, print_concepts, print_json, quiet_progress_bars, status, stdout, table
 from .recipes import command_values, config_option, dump, print_config_option
 from .renamed import renamed
@@ -121,7 +122,8 @@ def batch_progress(name: str, log_every: int):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-@click.command(name="eval")
+# --help: the options it shares with `concept train` in train's sections (their declaration's groups), its own first
+@click.command(name="eval", cls=GroupedHelp, like="concept.train_config:CoreTrainConfig")
 @click.argument("runs", metavar="RUN_DIR...", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--data", multiple=True, metavar="SOURCE",
               help="Held-out text: a file, folder or JSONL, a Hugging Face datasets save_to_disk folder "
@@ -239,6 +241,12 @@ def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compa
             stdout.print(t)
         for d, results in by_domain.items():
             print_tables(results, f": {d}" if len(domains) > 1 else "")
+
+
+TASKS_GROUP = "downstream tasks (--tasks, lm-eval)"  # the --help section of the options that go with --tasks
+for _param in eval_.params:
+    if _param.name in ("tasks", "include_path", "limit", "num_fewshot"):
+        _param.help_group = TASKS_GROUP
 
 
 def print_tables(results: dict, suffix: str = "") -> None:

@@ -51,7 +51,7 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     family: stacks, NULL-bias calibration and the ideal FLOP ratio; the planner-executor: plan types, task)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     import concept
-    from concept.builder import read_run, read_train, run_kind
+    from concept.builder import read_run, read_train
     from concept.components import InspectRequest
 
     record = read_run(run_dir)  # clear error for a missing or corrupt folder, before loading anything
@@ -62,16 +62,8 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
     plan = model.resolution.describe()
     family = model.resolution.family_object
     train = read_train(run_dir)
-    kind = run_kind(record, train)
-    if kind == plan["family"]:
-        description = family.describe(model)
-        sections = family.inspect(model, InspectRequest(record, train, ratio, seq_len))
-    else:  # a dense / pruned baseline: the backbone (minus a block of layers) with LoRA adapters
-        removed = getattr(model, "removed", None)
-        description = (f"a {kind} baseline: the backbone"
-                       f"{f' without layers {removed[0]}..{removed[1] - 1}' if removed else ''}, with LoRA adapters")
-        sections = {"baseline": {"kind": kind, "removed_layers": list(removed) if removed else None},
-                    "components": ["backbone"]}
+    description = family.describe(model)  # (a baseline's too: the dense and pruned families)
+    sections = family.inspect(model, InspectRequest(record, train, ratio, seq_len))
     used = sections.pop("components", None)
     per_slot = module_params(model)
     components = {slot: {**c, "parameters": per_slot.get(slot)} for slot, c in plan["components"].items()
@@ -82,7 +74,7 @@ def inspect(run_dir: str, ratio: float, seq_len: int, as_json: bool) -> None:
                     "description": description, "backbone": plan["backbone"], "params": counts,
                     "components": components, **sections})
         return
-    stdout.print(f"[bold]run[/] {escape(run_dir)} ({escape(plan['family'] if kind == plan['family'] else kind)}): {escape(description)}")
+    stdout.print(f"[bold]run[/] {escape(run_dir)} ({escape(plan['family'])}): {escape(description)}")
     stdout.print(f"backbone: {escape(describe_backbone(plan['backbone']))}")
     for name, data in sections.items():
         for drawn in render_section(name, data, plan["backbone"]):

@@ -51,14 +51,13 @@ def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, 
     status("indexing", f"tasks {', '.join(names)} ...")
     manager = h.resolve_tasks(names, include_path)
     # lazy: the library (torch) loads only when the command runs; --help stays instant
-    from concept.diagnostics import model_kind
     from concept.scoring import Scorer
 
     results = {}
     for run in runs:
         status("evaluating", f"{run} on {', '.join(names)} (lm-eval{f', at most {limit} per task' if limit else ''}) ...")
         scorer = Scorer.from_run(run, device, batch, max_length)
-        results[str(run)] = {"model": model_kind(scorer.model),
+        results[str(run)] = {"model": scorer.model.family,
                              "tasks": h.evaluate_tasks(scorer, names, manager, limit, num_fewshot)}
         del scorer
     if as_json:

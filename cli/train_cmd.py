@@ -181,7 +181,7 @@ def _train(ctx, source: Path, out, resume, force, accept_data_change, as_json, d
                        f"device {trainer.device}"
                        f"{f', attention auto -> {trainer.attention}' if trainer.attention else ''}"
                        f"{f', {dist.describe()}, global batch {trainer.global_batch}' if dist.active else ''}")
-    replacing = trainer.staging is not None
+    replacing = trainer.run.staging is not None
     try:
         final = run_with_progress(trainer) if dist.is_main else trainer.train()
     except KeyboardInterrupt:

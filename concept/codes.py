@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from .contracts import Revivable, Tempered
 from .errors import ConfigError
 from .objectives import Objective, TemperatureSchedule
-from .syncs import declared
+from .syncs import declared, upload
 
 QUERIES_PER_STEP = 512  # at most this many queries of each (vocabulary, level) kept per micro-batch for revival
 KMEANS_ITERATIONS = 20
@@ -150,7 +150,9 @@ class CodeRevival(Objective):
 
     def __init__(self, after: int, seed: int):
         self.after, self.seed = after, seed
-        self.idle: dict[str, torch.Tensor] = {}  # name -> [K] steps since the code was last emitted (its device)
+        # name -> [K] steps since the code was last emitted: on the device; restored (``load_state_dict``), the
+        # checkpoint's ints until the first step uploads them
+        self.idle: dict[str, torch.Tensor | list[int]] = {}
         self.dist = None
         self.step = 0
         self._used: dict[str, torch.Tensor] = {}
@@ -181,7 +183,10 @@ class CodeRevival(Objective):
         for name, use in sorted(self._targets.items()):  # the idle steps, on the device
             used = dist.sum_on_device(self._used[name]) if dist else self._used[name]
             idle = self.idle.get(name)
-            idle = torch.zeros_like(used, dtype=torch.long) if idle is None else idle.to(used.device)
+            if idle is None:
+                idle = torch.zeros_like(used, dtype=torch.long)
+            elif not isinstance(idle, torch.Tensor):  # restored: one pinned, non-blocking copy (a .to() would sync)
+                idle = upload(idle, torch.long, used.device)
             idle = torch.where(skipped, idle, torch.where(used > 0, torch.zeros_like(idle), idle + 1))
             idle_codes, codes = idle_codes + (idle >= self.after).sum(), codes + use.vocabulary.size
             self.idle[name] = idle
@@ -217,10 +222,12 @@ class CodeRevival(Objective):
         return idle.to(device), len(order)
 
     def state_dict(self) -> dict:
-        return {"idle": {name: idle.tolist() for name, idle in self.idle.items()}}
+        return {"idle": {name: idle.tolist() if isinstance(idle, torch.Tensor) else list(idle)
+                         for name, idle in self.idle.items()}}
 
     def load_state_dict(self, state: dict, model) -> None:
-        self.idle = {name: torch.tensor(idle, dtype=torch.long) for name, idle in state["idle"].items()}
+        """The checkpoint's counters, kept as ints: the first step uploads them to its device (``device_step``)."""
+        self.idle = {name: [int(v) for v in idle] for name, idle in state["idle"].items()}
 
 
 class KMeansInit(Objective):

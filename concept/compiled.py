@@ -121,7 +121,7 @@ def copy_recorded(cache) -> None:
 def compile_model(model, choice: str = "on"):
     """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager).
     Its family says whether it can (``Family.compile_refusal``: a streaming model needs a static concept
-    budget); a baseline (a model without a family) compiles the layers it runs through ``compiled_stacks``."""
+    budget; the dense and pruned baselines compile the layers they run through ``compiled_stacks``)."""
     if choice not in COMPILE_CHOICES:
         raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
     if choice == "off":
@@ -135,11 +135,5 @@ def compile_model(model, choice: str = "on"):
 
 
 def compile_refusal(model) -> str | None:
-    """Why ``model`` cannot run compiled, or None: its family's answer (``Family.compile_refusal``); a model
-    without a family (a dense or pruned baseline) compiles if it runs its layers through ``compiled_stacks``."""
-    fam = family_of(model)
-    if fam is not None:
-        return fam.compile_refusal(model)
-    if hasattr(model, "compiled_stacks"):
-        return None
-    return f"{type(model).__name__} runs no layers through compiled stacks (leave --compile off)"
+    """Why ``model`` cannot run compiled, or None: its family's answer (``Family.compile_refusal``)."""
+    return family_of(model).compile_refusal(model)

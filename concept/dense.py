@@ -60,21 +60,23 @@ class DenseModel(Resolved, HubMixin, nn.Module):
         # a pruned baseline whose skipped block is already deleted from its backbone (a `concept export` of one):
         # it runs every layer the backbone has
         self.deleted = tuple(deleted) if deleted is not None else None
+        self.backbone_pruned = False  # inside ``pruned_backbone``: the backbone holds the kept layers alone
         self.mtp_heads = None
         if mtp_heads:
             self.mtp_heads = MTPHeads(backbone.config.hidden_size, mtp_heads)
             self.mtp_heads.bind(lambda h: self.backbone.lm_head(decoder(self.backbone).norm(h)))
 
     @property
-    def kind(self) -> str:
-        """``dense``, or ``pruned`` when a block of layers is skipped."""
+    def family(self) -> str:
+        """Its family's name (``concept.families``), as every built model carries it: ``pruned`` when a block of
+        layers is skipped (or already deleted from its backbone), else ``dense``."""
         return "pruned" if self.removed or self.deleted else "dense"
 
     @property
     def layers(self) -> list[nn.Module]:
         """The decoder layers this model runs (all of them, or all but the removed block)."""
         layers = list(decoder(self.backbone).layers)
-        if self.removed:
+        if self.removed and not self.backbone_pruned:
             start, stop = self.removed
             return layers[:start] + layers[stop:]
         return layers
@@ -106,11 +108,12 @@ class DenseModel(Resolved, HubMixin, nn.Module):
             yield self.backbone
             return
         inner, config = decoder(self.backbone), self.backbone.config
-        layers, n = inner.layers, config.num_hidden_layers
-        numbered = [(m, m.layer_idx, i) for i, layer in enumerate(self.layers) for m in layer.modules()
+        layers, n, kept = inner.layers, config.num_hidden_layers, self.layers
+        numbered = [(m, m.layer_idx, i) for i, layer in enumerate(kept) for m in layer.modules()
                     if isinstance(getattr(m, "layer_idx", None), int)]
-        inner.layers = nn.ModuleList(self.layers)
+        inner.layers = nn.ModuleList(kept)
         config.num_hidden_layers = len(inner.layers)
+        self.backbone_pruned = True  # (``layers``: the block is out of the backbone's list already)
         try:
             for m, _, i in numbered:
                 m.layer_idx = i
@@ -120,6 +123,7 @@ class DenseModel(Resolved, HubMixin, nn.Module):
                 m.layer_idx = old
             inner.layers = layers
             config.num_hidden_layers = n
+            self.backbone_pruned = False
 
     @staticmethod
     def mtp_state(out: DenseOutput) -> torch.Tensor:

@@ -83,8 +83,7 @@ def step_diagnostics(model, out, batch) -> dict[str, float]:
     Values that are undefined for the batch (no kept position) are ``nan``. These are the streaming family's
     (``concept.streaming.diagnostics``); another family reports its own, a baseline none.
     """
-    family = family_of(unwrap(model))
-    return family.step_diagnostics(unwrap(model), out, batch) if family is not None else {}
+    return family_of(unwrap(model)).step_diagnostics(unwrap(model), out, batch)
 
 
 def grad_norms(model) -> dict[str, float]:
@@ -188,8 +187,7 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     otherwise attention may cross packed documents (the loss never does).
     """
     base = unwrap(model)
-    family = family_of(base)
-    own = family.evaluate(base, batches, bucket, controls, seed) if family is not None else None
+    own = family_of(base).evaluate(base, batches, bucket, controls, seed)
     return own if own is not None else evaluate_tokens(model, batches, bucket)
 
 
@@ -339,7 +337,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     n = min(batches, max(1, len(packed) // batch))
     result = evaluate(model, counted((packed.batch(i, batch) for i in range(n)), n, progress), controls=controls)
     # streaming | dense | pruned | planner-executor
-    result["model"] = model_kind(model)
+    result["model"] = model.family
     return model, tokenizer, docs, result
 
 
@@ -429,8 +427,3 @@ def render_concepts(tokenizer, ids: list[int], flags: list[bool] | None):
     result.append(f" = token emitted a concept; ratio {n_concepts / max(n, 1):.3f} "
                   f"({n_concepts} concepts / {n} tokens)", style=legend_style)
     return result
-
-
-def model_kind(model) -> str:
-    """What a loaded model is: its family's name, or ``dense`` / ``pruned`` for a baseline."""
-    return getattr(model, "kind", None) or model.family

@@ -49,11 +49,11 @@ from .builder import (
     read_run,
 )
 from .config import BuildConfig, resolve
-from .diagnostics import model_kind
 from .errors import ConceptError
 from .families import family_of
 from .hub import card, exported_layers, write_hf_files
 from .lora import save_peft_adapter, settings_from_peft
+from .train_config import BASELINES
 
 BACKBONE_DIR = "backbone"
 BACKBONE_PATH = f"./{BACKBONE_DIR}"  # the hf backbone's path in the exported concept.json (relative to the folder)
@@ -227,11 +227,11 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
     if record is None:
         record, train, run, step = _loaded_origin(model)
     check_target(run, out, force, record["config"])
-    kind = model_kind(model)  # the family, or dense / pruned
+    kind = model.family  # (a baseline's: dense, or pruned)
     removed = getattr(model, "removed", None)  # layers the model skips: deleted from the exported backbone
     pruned = removed or getattr(model, "deleted", None)
     has_lora = "default" in (getattr(model.backbone, "peft_config", None) or {})
-    if train is None and family_of(model) is None:  # a baseline made in memory: what concept.load reads to rebuild it
+    if train is None and kind in BASELINES:  # a baseline made in memory: what concept.load reads to rebuild it
         heads = getattr(model, "mtp_heads", None)
         train = {"baseline": kind, "pruned": {"removed": list(pruned)} if pruned else None,
                  "mtp_heads": heads.k if heads is not None else 0}
@@ -373,15 +373,12 @@ def _saved_backbone(run) -> dict | None:
 
 # -- the model card --------------------------------------------------------------------------------
 def _describe_model(model, kind: str, removed) -> str:
-    family = family_of(model)
-    if family is not None:
-        return family.describe(model)
-    if kind == "pruned":
+    if kind == "pruned":  # (what the export did to it)
         a, b = removed
         total = exported_layers(model) + b - a
         return (f"the pruned baseline: the backbone with layers {a}..{b - 1} skipped ({b - a} of {total}; they are "
                 f"deleted from `backbone/`, which keeps {total - (b - a)}; `train.json` records which)")
-    return "the dense baseline: the backbone with LoRA adapters, plain next-token prediction"
+    return family_of(model).describe(model)
 
 
 def _fmt(value) -> str:
@@ -503,7 +500,7 @@ def _card_loading(name: str, model, kind: str, lora: str | None, removed, export
         lines += ["The backbone with the adapters merged in, with transformers alone:", "", "```python",
                   "from transformers import AutoModelForCausalLM", "",
                   f'model = AutoModelForCausalLM.from_pretrained("{name}/backbone")', "```", ""]
-    if lora and family_of(model) is not None:
+    if lora and kind not in BASELINES:
         lines += [f"That is the backbone's ordinary forward with this run's adapters; the {kind} model (with its "
                   f"concept modules) needs `concept.load`.", ""]
     if kind == "pruned":

@@ -1,8 +1,8 @@
 """The model families (``concept.families`` entry points, :class:`concept.components.Family`).
 
 The core looks a family up by name (``family("streaming")``) or by model (``family_of(model)``) and
-asks it; it never names one. A model without a ``family`` attribute is a baseline (dense or pruned),
-which needs no family.
+asks it; it never names one. Every model the library builds names its family (``model.family``), the
+baselines too (``dense`` / ``pruned``: ``concept.dense.DenseModel``).
 """
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ def family(name: str):
 
 
 def family_of(model):
-    """The family of a built model, or None for a baseline (it has no ``family``)."""
-    name = getattr(model, "family", None)
-    return family(name) if name is not None else None
+    """The family of a built model: the one its ``family`` names."""
+    return family(model.family)
 
 
 def of_run(folder) -> str | None:

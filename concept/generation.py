@@ -17,7 +17,6 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import multitoken
-from .decoding import DenseDecoder
 from .errors import ConceptError, ConfigError
 from .families import family_of
 from .options import SEED_MAX, finite
@@ -148,16 +147,8 @@ def _decoder(model, s: GenerationSettings, budget: int):
     compiled = getattr(model, "compiled_stacks", None)
     family = family_of(model)
     if compiled is not None and not s.mtp:  # --compile: static KV caches and a compiled step
-        if family is not None:
-            return family.static_decoder(model, budget, compiled.choice)
-        # lazy: concept.static_decoding imports concept.dense, which imports this module (a circle at the top)
-        from .static_decoding import StaticDenseDecoder
-
-        return StaticDenseDecoder(model, budget, compiled.choice)
-    if family is not None:
-        return family.decoder(model)
-    heads = getattr(model, "mtp_heads", None)  # a baseline with MTP heads: keep the state they read
-    return DenseDecoder(model.backbone, model.layers[-1] if heads is not None else None)
+        return family.static_decoder(model, budget, compiled.choice)
+    return family.decoder(model)
 
 
 def _stopped_text(text: str, stops: tuple[str, ...]) -> str | None:

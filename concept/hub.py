@@ -74,8 +74,8 @@ def local_folder(path, revision: str | None = None, cache_dir=None, token=None, 
 
 # -- the transformers side of a model -----------------------------------------------------------
 def model_kind(model) -> str:
-    """The model's family, or ``dense`` / ``pruned`` for a baseline."""
-    return getattr(model, "kind", None) or model.family
+    """The model's family (a baseline's: ``dense`` / ``pruned``), as the export's ``modeling_concept.py`` asks it."""
+    return model.family
 
 
 def exported_layers(model) -> int:

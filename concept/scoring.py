@@ -26,6 +26,7 @@ from dataclasses import astuple, dataclass
 import torch
 
 from .builder import load
+from .contracts import Family
 from .data import tokenizer_for
 from .distributed import pick_device
 from .errors import ConceptError, ConfigError
@@ -119,7 +120,7 @@ class Scorer:
     def _continuation_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
         """Log-probabilities [n_i, V] at each continuation token of each (context, continuation) row."""
         family = family_of(self.model)
-        if family is not None:
+        if type(family).score is not Family.score:  # (the default scores nothing: no padding made for it)
             context, context_valid = right_pad([c for c, _ in rows], self.eos, self.device)
             continuation, continuation_valid = right_pad([x for _, x in rows], self.eos, self.device)
             logits = family.score(self.model, context, context_valid, continuation, continuation_valid)

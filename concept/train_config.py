@@ -68,7 +68,8 @@ class CoreTrainConfig:
     option_owners = {}  # a family's option -> (the families that read it) (``_compose``)
     option_groups = {
         "baselines": ("baseline", "prune_layers", "mtp_heads"),
-        "data": ("data", "text_field", "encoding_errors", "seq_len", "curriculum"),
+        "data": ("data", "data_split", "streaming", "eval_data", "text_field", "encoding_errors", "seq_len",
+                 "curriculum"),
         "objectives": ("ce_weight", "distill", "distill_temperature", "mtp", "mtp_ce", "align", "align_loss"),
         "evaluation, checkpoints and logs": ("eval_every", "eval_batches", "checkpoint_every", "log_every"),
         "device and precision": ("device", "compile", "dtype", "grad_checkpointing"),

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import checkpoint, data, distributed_wrap, fs, memory, run_files, tracking, training_run
+from . import checkpoint, data, distributed_wrap, memory, run_files, tracking, training_run
 from .backbone import decoder
 from .compiled import compile_model
 from .builder import build, load_new_modules
@@ -168,7 +168,12 @@ def check_training(config: TrainConfig, build_config: BuildConfig, dist: Dist | 
 
 
 class Trainer:
-    """One training run in a run folder (``out``)."""
+    """One training run in a run folder (``out``).
+
+    Its parts are asked directly: ``run`` (the folder, its lock and records: ``concept.training_run.RunFolder``),
+    ``runner`` (the step counter, the queued steps and their log: ``concept.train_step.StepRunner``) and ``loop``
+    (the cadence, Ctrl-C, the metrics: ``concept.training_loop.TrainingLoop``); ``out`` and ``step`` stand for
+    ``run.out`` and ``runner.step`` (what the CLI, the recipes and the tests read most)."""
 
     def __init__(self, out: Path, config: TrainConfig, build_config: BuildConfig, resume: bool,
                  dist: Dist | None = None):
@@ -211,10 +216,6 @@ class Trainer:
     @property
     def out(self) -> Path:
         return self.run.out
-
-    @property
-    def staging(self) -> fs.Staging | None:  # (the CLI asks whether the run replaces a folder)
-        return self.run.staging
 
     def _record(self, source: str | None) -> None:
         """train.json: the config, the source run and what training derived (resolved attention, pruned
@@ -318,16 +319,6 @@ class Trainer:
     def step(self, value: int) -> None:
         self.runner.step = value
 
-    @property
-    def queued(self) -> list[QueuedStep]:
-        return self.runner.queued
-
-    @property
-    def acting_on_host(self) -> list:
-        """The objectives that act on a step's values read on the host (``after_step``): with any, every step's
-        log is read before the next step runs."""
-        return self.runner.acting_on_host
-
     def queue_step(self) -> None:
         """One optimizer step, queued on the device (:meth:`concept.train_step.StepRunner.queue_step`)."""
         self.runner.queue_step()
@@ -367,34 +358,6 @@ class Trainer:
         """Run until ``config.steps`` (:meth:`concept.training_loop.TrainingLoop.train`): publishes a replacing
         run once every step is trained, else discards it; returns the final held-out evaluation."""
         return self.loop.train(progress)
-
-    def _loop(self, progress) -> None:
-        self.loop.loop(progress)
-
-    def _on_sigint(self, signum, frame):
-        self.loop.on_sigint(signum, frame)
-
-    @property
-    def _interrupted(self) -> bool:
-        """A Ctrl-C this rank saw (``StepRunner.interrupted``)."""
-        return self.runner.interrupted
-
-    @property
-    def _stopping(self) -> bool:
-        return self.loop.stopping
-
-    @_stopping.setter
-    def _stopping(self, value: bool) -> None:
-        self.loop.stopping = value
-
-    @property
-    def _stop(self) -> bool:
-        """Stop after this step (``TrainingLoop.stop``); set: as a Ctrl-C alone does."""
-        return self.loop.stop
-
-    @_stop.setter
-    def _stop(self, value: bool) -> None:
-        self.loop.stopping = value
 
     def metrics(self) -> list[dict]:
         return self.run.metrics()

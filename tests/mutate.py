@@ -142,7 +142,7 @@ MUTATIONS = [
              ["tests/test_code_controls.py"]),
     # anti-collapse
     Mutation("revival: the idle counters are not restored on resume", "concept/codes.py",
-             "self.idle = {name: torch.tensor(idle, dtype=torch.long) for name, idle in state[\"idle\"].items()}",
+             "self.idle = {name: [int(v) for v in idle] for name, idle in state[\"idle\"].items()}",
              "pass",
              ["tests/test_code_revival.py", "-k", "resumes_exactly"]),
     Mutation("revival: a used code revived too", "concept/codes.py",

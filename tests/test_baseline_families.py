@@ -40,7 +40,7 @@ def interrupted_then_resumed(built, out, config):
     """A run stopped by Ctrl-C at step 2 (its checkpoint written on the way out), then resumed to the end."""
     first = Trainer.start(built, out, config)
     with pytest.raises(KeyboardInterrupt):
-        first.train(progress=lambda row: row["step"] == 2 and first._on_sigint(None, None))
+        first.train(progress=lambda row: row["step"] == 2 and first.loop.on_sigint(None, None))
     Trainer.resume(out).train()
 
 
@@ -171,3 +171,33 @@ def test_the_pruned_block_matches_what_the_source_family_says_its_model_costs():
         mp.setattr(type(plan.family_object), "matched_flops", Family.matched_flops)
         with pytest.raises(ConceptError, match="choose the block with --prune-layers"):
             prune_plan(config, plan)
+
+
+def test_every_built_model_names_its_family_the_baselines_too():
+    """Every family's model carries ``family`` (``Family.build``'s contract), the dense and pruned baselines' too:
+    ``family_of`` answers for each with no special case, and the core's decoding and compile check go through the
+    family (``Dense.decoder``, ``Dense.compile_refusal``). A ``DenseModel`` made by hand names its family by the
+    layers it runs. Negative control: a ``DenseModel`` without ``family`` (as before) is no family's."""
+    from concept.compiled import compile_refusal
+    from concept.config import BuildConfig, ComponentRef
+    from concept.decoding import DenseDecoder
+    from concept.families import family_of
+    from concept.generation import GenerationSettings, _decoder
+
+    from .test_planner_executor import pe_config
+
+    backbone = ComponentRef("tiny-llama", {"layers": 4, "hidden": 32, "heads": 2, "kv_heads": 1, "intermediate": 64})
+    configs = {"streaming": BuildConfig(backbone=backbone, split="1,2,1"), "planner-executor": pe_config(),
+               "dense": BuildConfig(backbone=backbone, family="dense"),
+               "pruned": BuildConfig(backbone=backbone, family="pruned", sections={"pruned": {"layers": [1, 3]}})}
+    for name, config in configs.items():
+        model = concept.build(config)
+        assert model.family == name and family_of(model).name == name
+    by_hand = {DenseModel(model.backbone): "dense", DenseModel(model.backbone, removed=(1, 3)): "pruned"}
+    for dense, name in by_hand.items():
+        assert family_of(dense).name == name and compile_refusal(dense) is None
+        assert isinstance(_decoder(dense, GenerationSettings(), 4), DenseDecoder)
+    with pytest.MonkeyPatch.context() as mp:  # negative control: a DenseModel without it, as before
+        mp.delattr(DenseModel, "family")
+        with pytest.raises(AttributeError, match="family"):
+            family_of(DenseModel(model.backbone))

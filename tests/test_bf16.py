@@ -95,7 +95,7 @@ def test_bf16_training_is_finite_and_resumes_exactly(built, corpus, tmp_path):  
 
     def interrupt_at_two(row):
         if row["step"] == 2:
-            first._on_sigint(None, None)
+            first.loop.on_sigint(None, None)
 
     with pytest.raises(KeyboardInterrupt):
         first.train(progress=interrupt_at_two)

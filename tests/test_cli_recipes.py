@@ -127,7 +127,9 @@ def test_help_is_grouped_by_owner():
                                       "Device and precision", "Streaming family", "Planner-executor family")),
                            ("build", ("Options", "Model", "Streaming family", "Streaming family: components",
                                       "Streaming family: calibration")),
-                           ("frontier", ("Options", "Data", "LoRA adapters", "Streaming family"))):
+                           ("frontier", ("Options", "Data", "LoRA adapters", "Streaming family")),
+                           ("eval", ("Options", "Data", "Evaluation, checkpoints and logs", "Device and precision",
+                                     "Downstream tasks (--tasks, lm-eval)"))):
         text = run(name, "--help").stdout
         found = re.findall(r"^(\S[^\n]*):$", text, flags=re.M)
         assert all(s in found for s in sections), (name, found)
@@ -137,3 +139,20 @@ def test_help_is_grouped_by_owner():
     lora = text.split("LoRA adapters:")[1].split("\n\n")[0]
     assert "--lora-rank" in lora and "--lora-targets" in lora and "--steps" not in lora
     assert "--task " in text.split("Planner-executor family:")[1]
+    # eval's options shared with train are in train's sections, from the same declarations (CoreTrainConfig's groups)
+    train, evals = (sections_of(run(name, "--help").stdout) for name in ("train", "eval"))
+    shared = ["--data", "--data-split", "--seq-len", "--text-field", "--eval-batches", "--log-every", "--device",
+              "--compile"]
+    assert [evals[f] for f in shared] == [train[f] for f in shared]
+    assert evals["--batch"] == evals["--json"] == "Options" != train["--batch"]  # (train's catch-all: not eval's)
+
+
+def sections_of(text: str) -> dict[str, str]:
+    """Flag -> the --help section it is listed in."""
+    found, section = {}, None
+    for line in text.splitlines():
+        if re.match(r"^\S[^\n]*:$", line):
+            section = line[:-1]
+        elif (flag := re.match(r"^  (?:-\w, )?(--[\w-]+)", line)) and section:
+            found[flag.group(1)] = section
+    return found

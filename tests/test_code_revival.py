@@ -1,5 +1,6 @@
 """Anti-collapse for learned codes (concept.codes): spherical k-means, pointing codes at queries, dead-code
 revival (deterministic, logged, exact on resume) and k-means initialisation, in both families; bad input."""
+import copy
 import json
 from types import SimpleNamespace
 
@@ -91,16 +92,20 @@ class Stream:
         return [CodeUse("concept", self.vocab, 0, out.ids, out.states)]
 
 
-def drive(objective, model, steps, start=0, ids=(0, 1), n=6, seed=0):
+def drive(objective, model, steps, start=0, ids=(0, 1), n=6, seed=0, counted=None):
     """``steps`` training steps of one micro-batch each; returns what device_step logged (its device values
-    read)."""
+    read). ``counted``: a list that gets each step's :class:`HostSyncs` (the step alone, not the read)."""
     logged = []
     for step in range(start, start + steps):
         objective.before_step(SimpleNamespace(dist=Dist(), step=step))
         g = torch.Generator().manual_seed(seed * 100 + step)
         out = SimpleNamespace(ids=torch.tensor(list(ids) * (n // len(ids))), states=torch.randn(n, 32, generator=g))
-        objective.stats(model, {}, out)
-        row = objective.device_step(model, {}, {}, torch.tensor(False))
+        skipped = torch.tensor(False)
+        with HostSyncs() as seen:
+            objective.stats(model, {}, out)
+            row = objective.device_step(model, {}, {}, skipped)
+        if counted is not None:
+            counted.append(seen)
         logged.append({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in row.items()})
     return logged
 
@@ -225,18 +230,35 @@ def test_revival_equals_the_per_step_one_at_its_steps(after, steps):
         assert a[-1]["revived"] == 0 < b[-1]["revived"] and not torch.equal(new.codebook, old.codebook)
 
 
-def test_revival_is_deterministic_and_resumes_exactly_from_its_state():
+def test_revival_is_deterministic_and_resumes_exactly_from_its_state(monkeypatch):
+    """A resumed revival revives what the run without a break does. Its idle counters (a checkpoint's ints)
+    reach the step's device in its first step through one pinned, non-blocking copy (``concept.syncs.upload``;
+    a ``.to()`` from pageable memory would wait on CUDA): no hidden sync. Negative controls: resumed without the
+    counters, other codes are revived; the counters made in the step with ``torch.tensor(..., device=)`` are
+    counted as the sync they are on CUDA."""
+    def resumed(state, vocab, counted):
+        again = CodeRevival(after=2, seed=5)
+        again.load_state_dict(state, None)
+        drive(again, Stream(vocab), 2, start=3, ids=(0, 1, 2), counted=counted)  # (step 4: a revival step)
+        return again
+
     straight_vocab, again_vocab = vocabularies()["codebook"], vocabularies()["codebook"]
     straight = CodeRevival(after=2, seed=5)
     drive(straight, Stream(straight_vocab), 5, ids=(0, 1, 2))
     first = CodeRevival(after=2, seed=5)
     drive(first, Stream(again_vocab), 3, ids=(0, 1, 2))
     state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps
-    resumed = CodeRevival(after=2, seed=5)
-    resumed.load_state_dict(state, None)
-    drive(resumed, Stream(again_vocab), 2, start=3, ids=(0, 1, 2))
+    counted = []
+    resumed(state, copy.deepcopy(again_vocab), counted)
+    assert [(c.hidden, dict(c.declared)) for c in counted] == [(0, {"code revival": 1}), (0, {})]
+    with monkeypatch.context() as m:
+        m.setattr("concept.codes.upload", lambda data, dtype, device: torch.tensor(data, dtype=dtype, device=device))
+        counted = []
+        resumed(state, copy.deepcopy(again_vocab), counted)
+        assert dict(counted[0].syncs) == {"tensor from host data": 1}
+    again = resumed(state, again_vocab, [])
     assert torch.equal(straight_vocab.codebook, again_vocab.codebook)
-    assert torch.equal(straight.idle["concept"], resumed.idle["concept"])
+    assert torch.equal(straight.idle["concept"], again.idle["concept"])
     # negative control: resuming without the idle counters revives other codes
     lost_vocab = vocabularies()["codebook"]
     lost = CodeRevival(after=2, seed=5)
@@ -298,7 +320,11 @@ def test_streaming_training_revives_and_resumes_exactly(codebook_run, corpus, tm
     a = rows(tmp_path / "straight")
     assert a[0]["kmeans_codes"] > 0 and "kmeans_codes" not in a[1]
     assert all("revived" in r and 0 <= r["idle_share"] <= 1 for r in a) and sum(r["revived"] for r in a) > 0
-    interrupted_at_three(codebook_run, tmp_path / "resumed", small(data=str(corpus))).train()
+    resumed = interrupted_at_three(codebook_run, tmp_path / "resumed", small(data=str(corpus)))
+    with HostSyncs() as seen:  # the resumed run's first step: its restored counters uploaded without a sync
+        resumed.queue_step()
+    assert seen.hidden == 0 and dict(seen.declared) == {"policy scan": 1, "code revival": 1}, dict(seen.syncs)
+    resumed.train()
     b = rows(tmp_path / "resumed")
     for key in ("loss", "revived", "idle_share"):
         assert [r[key] for r in a] == [r[key] for r in b], key  # bit for bit

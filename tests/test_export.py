@@ -140,7 +140,7 @@ def test_baselines_export_and_reload(baselines, kind, merge, tmp_path):
     result = export(source, tmp_path / "exp", merge_lora=merge)
     assert result.kind == kind and result.lora == ("merged" if merge else "adapter") and not result.warnings
     again = concept.load(tmp_path / "exp")
-    assert again.kind == kind and model.removed == ((1, 2) if kind == "pruned" else None)
+    assert again.family == kind and model.removed == ((1, 2) if kind == "pruned" else None)
     assert again.removed is None and again.deleted == model.removed  # the export's backbone lacks the skipped layers
     built_as = json.loads((tmp_path / "exp" / "concept.json").read_text())["config"]
     assert built_as["family"] == kind  # (a run of the baseline's family)

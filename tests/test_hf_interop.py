@@ -145,7 +145,7 @@ def test_pruned_export_deletes_its_layers_and_loads_with_plain_transformers(prun
         assert config["num_hidden_layers"] == 3
         assert len(load_file(folder / name / "backbone" / "model.safetensors")) < len(model.backbone.state_dict())
         again = concept.load(folder / name)
-        assert again.kind == "pruned" and again.deleted == (1, 3) and len(again.layers) == 3
+        assert again.family == "pruned" and again.deleted == (1, 3) and len(again.layers) == 3
         hf = AutoModelForCausalLM.from_pretrained(folder / name, trust_remote_code=True)
         assert type(hf).__name__ == "ConceptBaselineForCausalLM"
         torch.testing.assert_close(logits(hf), expected, atol=1e-5, rtol=1e-5)

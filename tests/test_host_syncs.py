@@ -107,7 +107,7 @@ def test_a_training_step_reads_nothing_and_its_log_is_read_once_for_several(stat
         rows = trainer.read_log()
     assert read.hidden == 0 and dict(read.declared) == {"step log": 1}
     assert [r["step"] for r in rows] == [2, 3, 4] and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
-    assert not trainer.queued and trainer.read_log() == []
+    assert not trainer.runner.queued and trainer.read_log() == []
 
 
 def test_negative_control_an_item_in_the_step_is_counted(static_run, one_thread, monkeypatch):

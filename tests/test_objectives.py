@@ -180,7 +180,7 @@ def interrupted_at_three(source, out, config):
 
     def interrupt_at_three(row):
         if row["step"] == 3:
-            first._on_sigint(None, None)
+            first.loop.on_sigint(None, None)
 
     with pytest.raises(KeyboardInterrupt):
         first.train(progress=interrupt_at_three)

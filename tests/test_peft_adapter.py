@@ -43,7 +43,7 @@ def dense_run(built, corpus, tmp_path_factory):  # noqa: F811
 
 def test_trained_dense_baseline_equals_peft_on_the_plain_backbone(dense_run, tmp_path):
     dense = concept.load(dense_run)
-    assert dense.kind == "dense" and lora_b_is_nonzero(dense.backbone)  # training moved the adapters off zero
+    assert dense.family == "dense" and lora_b_is_nonzero(dense.backbone)  # training moved the adapters off zero
     folder = save_peft_adapter(dense.backbone, tmp_path / "adapter", base_model_name_or_path="tiny")
     assert {p.name for p in folder.iterdir()} >= {PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE}
     keys = list(load_file(folder / PEFT_WEIGHTS_FILE))

@@ -60,7 +60,7 @@ def test_a_target_whole_layers_cannot_reach_is_reported():
 def test_pruned_model_equals_the_backbone_without_those_layers():
     model = concept.build(tiny_config())
     pruned = DenseModel(model.backbone, removed=(2, 4))
-    assert pruned.kind == "pruned" and len(pruned.layers) == 4 and DenseModel(model.backbone).kind == "dense"
+    assert pruned.family == "pruned" and len(pruned.layers) == 4 and DenseModel(model.backbone).family == "dense"
     reference = copy.deepcopy(model.backbone)
     del reference.model.layers[2:4]
     reference.config.num_hidden_layers = 4
@@ -103,7 +103,7 @@ def test_pruned_run_trains_loads_generates_and_evaluates(built, corpus, tmp_path
     assert not {"baseline", "pruned", "prune_layers", "target_ratio"} & set(json.loads((out / "train.json").read_text()))
 
     model = concept.load(out)
-    assert isinstance(model, DenseModel) and model.kind == "pruned" and model.removed == (1, 3)
+    assert isinstance(model, DenseModel) and model.family == "pruned" and model.removed == (1, 3)
     ids = torch.randint(0, 256, (1, 12))
     trainer.model.eval()
     with torch.no_grad():

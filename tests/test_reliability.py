@@ -56,7 +56,7 @@ def test_an_interrupted_force_keeps_the_old_run(trained, corpus, monkeypatch):  
     before = snapshot(p)
 
     def interrupted(self, progress=None):
-        self._stopping = True  # as the SIGINT handler does
+        self.loop.stopping = True  # as the SIGINT handler does
         return real(self, progress)
 
     real = Trainer.train

@@ -123,8 +123,11 @@ def test_device_loop_stops_rows_as_the_eager_loop_does(static_decoding):
     assert eager[1].finish_reasons[0] == "stop"
 
 
-def test_static_dense_decoder_equals_transformers_dynamic_cache(static_decoding):
-    dense = copy.deepcopy(DenseModel(three_layers().backbone)).double().eval()
+@pytest.mark.parametrize("removed", [None, (1, 2)], ids=["dense", "pruned"])
+def test_static_dense_decoder_equals_transformers_dynamic_cache(static_decoding, removed):
+    """The dense baseline, and the pruned one (its static decoder runs inside ``DenseModel.generate``'s
+    ``pruned_backbone``, where ``layers`` must not skip the block a second time: it ran one layer of three)."""
+    dense = copy.deepcopy(DenseModel(three_layers().backbone, removed=removed)).double().eval()
     eager = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
     static_decoding(dense)
     gen = dense.generate(PROMPTS, max_new_tokens=12, output_logits=True)
@@ -161,14 +164,24 @@ def test_compiled_step_is_one_graph_without_break_recompile_or_host_sync(family,
 
 
 @pytest.mark.slow
-def test_generate_compile_decodes_what_eager_does(fresh_dynamo):
-    """``generate`` on a model loaded with ``compile=``: compiled prefill and step, the eager model's tokens."""
+def test_generate_compile_decodes_what_eager_does(fresh_dynamo, monkeypatch):
+    """``generate`` on a model loaded with ``compile=``: compiled prefill and step, the eager model's tokens, in
+    four graphs (the prefill's, one per stack, and the step's) without a graph break; a second generation of
+    other prompt lengths and budgets in the same buckets compiles nothing (dynamo's recompile guard armed).
+    Negative control: caches sized to the exact length (no capacity bucket) recompile the step for another
+    budget, and the guard says so."""
+    from tests.test_compile import generates_as_eager_on_four_graphs, graphs_by_function
+
     model = three_layers()
+    graphs = graphs_by_function(monkeypatch)
     compiled = concept.compiled.compile_model(copy.deepcopy(model), "aot-eager")
-    eager, fast = (m.generate(PROMPTS, max_new_tokens=40, output_logits=True) for m in (model, compiled))
-    assert fast.tokens == eager.tokens and fast.keep == eager.keep
-    torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
-    assert not counters["graph_break"]
+    generates_as_eager_on_four_graphs(model, compiled, graphs, (
+        (PROMPTS, 40), ([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [4, 6]], 30)))
+
+    # negative control: a cache of exactly the slots asked for (another budget: other shapes) recompiles the step
+    monkeypatch.setattr("concept.streaming.static_decoding.capacity", lambda entries: entries + 1)
+    with pytest.raises(Exception, match="Recompiling function step_eager"):
+        compiled.generate(PROMPTS, max_new_tokens=20)
 
 
 @pytest.mark.slow

@@ -49,7 +49,7 @@ def two_ranks():
 
 
 def loop_counted(trainer, monkeypatch) -> HostSyncs:
-    """``Trainer._loop`` to the end under the counter, its checkpoint a declared point (it reads everything)."""
+    """``TrainingLoop.loop`` to the end under the counter, its checkpoint a declared point (it reads everything)."""
     save = trainer.save_checkpoint
 
     def declared_save():
@@ -58,7 +58,7 @@ def loop_counted(trainer, monkeypatch) -> HostSyncs:
 
     monkeypatch.setattr(trainer, "save_checkpoint", declared_save)
     with HostSyncs() as seen:
-        trainer._loop(None)
+        trainer.loop.loop(None)
     return seen
 
 
@@ -86,7 +86,7 @@ def test_negative_control_a_collective_read_every_step_is_counted(static_run, tw
 
     def queue_and_agree(self):
         queue(self)
-        self._stopping = self.dist.sum([float(self._interrupted)])[0] > 0
+        self.loop.stopping = self.dist.sum([float(self.runner.interrupted)])[0] > 0
 
     monkeypatch.setattr(Trainer, "queue_step", queue_and_agree)
     seen = loop_counted(trainer, monkeypatch)
@@ -102,12 +102,12 @@ def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_next_log_read(static_run, 
 
     def ctrl_c_at_step_2(self):
         if self.step == 1:  # (while step 2 is queued)
-            self._on_sigint(None, None)
+            self.loop.on_sigint(None, None)
         queue(self)
 
     monkeypatch.setattr(Trainer, "queue_step", ctrl_c_at_step_2)
     seen = loop_counted(trainer, monkeypatch)
-    assert seen.hidden == 0 and trainer._stop and not trainer.queued
+    assert seen.hidden == 0 and trainer.loop.stop and not trainer.runner.queued
     assert trainer.step == 3 and seen.declared["checkpoint"] == 1
     assert concept.checkpoint.read_meta(trainer.out)["step"] == trainer.step
 

@@ -111,7 +111,7 @@ def test_it_trains_resumes_exactly_evaluates_and_generates(built, corpus, tmp_pa
 
     first = Trainer.start(built, tmp_path / "resumed", small(corpus))
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C at step 2's row: the checkpoint is written on the way out
-        first.train(progress=lambda row: row["step"] == 2 and first._on_sigint(None, None))
+        first.train(progress=lambda row: row["step"] == 2 and first.loop.on_sigint(None, None))
     assert first.step in (2, 3)  # the log is read one step late: the step seen, or the one queued after it
     assert json.loads((tmp_path / "resumed" / "checkpoint" / "state.json").read_text())["step"] == first.step
     Trainer.resume(tmp_path / "resumed").train()

@@ -102,7 +102,7 @@ def test_installed_family_builds_trains_resumes_evaluates_generates_inspects_and
            "--warmup", 1, "--lr", 1e-2, "--lr-new", 1e-2)
     first = Trainer.start(built, tmp_path / "resumed", small(corpus))
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C after step 3: the checkpoint is written on the way out
-        first.train(progress=lambda row: row["step"] == 3 and first._on_sigint(None, None))
+        first.train(progress=lambda row: row["step"] == 3 and first.loop.on_sigint(None, None))
     invoke("train", tmp_path / "resumed", "--resume")
     assert losses(tmp_path / "resumed") == losses(straight)  # bit for bit
 

@@ -56,7 +56,7 @@ def train_interrupted_and_resumed(built, out, config) -> None:
 
     def interrupt_at_three(row):
         if row["step"] == 3:
-            first._on_sigint(None, None)
+            first.loop.on_sigint(None, None)
 
     with pytest.raises(KeyboardInterrupt):
         first.train(progress=interrupt_at_three)
@@ -196,7 +196,7 @@ def test_interrupt_saves_a_checkpoint(built, corpus, tmp_path):
 
     def stop_after_two(row):
         if row["step"] == 2:
-            trainer._on_sigint(None, None)  # what Ctrl-C does
+            trainer.loop.on_sigint(None, None)  # what Ctrl-C does
 
     with pytest.raises(KeyboardInterrupt):
         trainer.train(progress=stop_after_two)

@@ -1,8 +1,8 @@
 """The dense family (``concept build --family dense``; ``concept train RUN --baseline dense`` derives one from
 RUN's build): the backbone itself with LoRA adapters, plain next-token prediction, the yardstick every concept
-model is measured against. Its model is ``concept.dense.DenseModel``, which
-carries no ``family`` attribute: decoding, evaluation, scoring and export treat it as the plain backbone they know
-(``concept.generation``: transformers' cache; ``concept.export``: the pruned backbone written whole).
+model is measured against. Its model is ``concept.dense.DenseModel`` (``family``: ``dense``, or ``pruned`` when it
+skips a block of layers); it decodes as the plain backbone with transformers' cache (:meth:`Dense.decoder`), and is
+evaluated and scored by the core's causal forward (the ``Family`` defaults).
 
 Its section, ``dense`` (``--set dense.KEY=VALUE``; :class:`DenseSettings`): ``mtp_heads`` (K MTP heads on the
 last hidden state, for multi-token decoding), ``static`` (masks built without reading anything back to the host,
@@ -98,6 +98,23 @@ class Dense(Family):
     def compile_refusal(self, model) -> str | None:
         """Its layers compile (``DenseModel`` runs them through ``compiled_stacks``; its masks static then)."""
         return None
+
+    # -- decoding ------------------------------------------------------------------------------
+    def decoder(self, model):
+        """The backbone (its kept layers: ``DenseModel.generate``) over transformers' cache
+        (``concept.decoding.DenseDecoder``); with MTP heads, keeping the last layer's state they draft from."""
+        # lazy: torch (module docstring)
+        from ..decoding import DenseDecoder
+
+        return DenseDecoder(model.backbone, model.layers[-1] if model.mtp_heads is not None else None)
+
+    def static_decoder(self, model, new_tokens: int, compile_choice: str | None):
+        """``--compile``: its layers over one static KV cache, one compiled step
+        (``concept.static_decoding.StaticDenseDecoder``)."""
+        # lazy: torch (module docstring)
+        from ..static_decoding import StaticDenseDecoder
+
+        return StaticDenseDecoder(model, new_tokens, compile_choice)
 
     # -- training ------------------------------------------------------------------------------
     def check_training(self, config, plan, device, dist) -> list[str]:

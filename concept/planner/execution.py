@@ -42,7 +42,7 @@ class Execution:
     def executor_states(self, plan, y_ids, y_valid, embeds=None, cache=None, logits_to_keep: int = 0):
         """The executor's last-layer states [B, Ty, d] whose LM-head logits are :meth:`executor`'s."""
         bx, bvalid, bpos = self.plan_block(plan, embeds)
-        x = torch.cat([bx, self.embed_text(y_ids).to(bx.dtype)], dim=1)
+        x = torch.cat([bx, self.embed_text(y_ids)], dim=1)  # (joined in ``run``: the stream's dtype)
         valid = torch.cat([bvalid, y_valid], dim=1)
         ypos = torch.cumsum(y_valid.long(), 1) * y_valid  # y_k at k + 1 (padding: 0)
         pos = torch.cat([bpos, ypos], dim=1)

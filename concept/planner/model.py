@@ -382,9 +382,19 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         return 1 + (max(steps) if self.settings.parallel else sum(steps))
 
     # -- pieces ------------------------------------------------------------------------------
+    @property
+    def stream_dtype(self) -> torch.dtype:
+        """The residual stream's dtype: the backbone's token embeddings' (bf16 with a bf16-stored base), in which
+        a dense model's layers run."""
+        return self.inner.embed_tokens.weight.dtype
+
     def run(self, x, position_ids, attention_plan, cache=None):
-        return run_layers(self.inner.layers, x, position_ids, attention_plan, self.inner.rotary_emb,
-                          self.gradient_checkpointing and self.training and cache is None, cache)
+        """The backbone's layers on ``x``, which joins the residual stream here, cast to :attr:`stream_dtype`:
+        the one join point of the inputs that trainable fp32 modules make (the step embeddings, ``<PLAN>`` /
+        ``<SEP_i>``, the type rows) in every part the backbone plays (a no-op in fp32)."""
+        return run_layers(self.inner.layers, x.to(self.stream_dtype), position_ids, attention_plan,
+                          self.inner.rotary_emb, self.gradient_checkpointing and self.training and cache is None,
+                          cache)
 
     def embed_text(self, ids):
         return self.positions.add_types(self.inner.embed_tokens(ids), torch.zeros_like(ids))
@@ -414,7 +424,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         then becomes ``chains`` rows (row-major, the cache repeated), row ``b * chains + i`` planning type i
         alone (parallel types). Returns (h [B', d], keys [B', L], next_pos [B'], first [B'], last [B'])."""
         B, dev = u_ids.shape[0], u_ids.device
-        x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype)], 1)
+        x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1)], 1)  # (joined in ``run``)
         keys = torch.cat([u_valid, u_valid.new_ones(B, 1)], dim=1)
         pos = packing.time_positions(keys)
         h = self.run(x, pos, CausalPattern(keys, causal=False), cache)[:, -1]  # (the mask built without looking)
@@ -515,9 +525,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         B, S = plan.classes.shape
         Lu = u_ids.shape[1]
         e, _, _ = self.step_embedding(plan.classes, plan.types, rank=plan.rank)
-        x = torch.cat([self.embed_text(u_ids),
-                       self.specials.plan().expand(B, 1, -1).to(self.inner.embed_tokens.weight.dtype),
-                       e[:, :-1].to(self.inner.embed_tokens.weight.dtype)], 1)
+        x = torch.cat([self.embed_text(u_ids), self.specials.plan().expand(B, 1, -1), e[:, :-1]], 1)  # (``run``)
         valid = torch.cat([u_valid, u_valid.new_ones(B, 1), plan.active[:, :-1]], dim=1)
         plan_mask = CausalPattern(valid, causal=False)  # (built without looking: no host sync)
         h = self.run(x, packing.time_positions(valid), plan_mask)[:, Lu:]  # [B, S, d]: state before step j
