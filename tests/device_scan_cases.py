@@ -140,7 +140,7 @@ def negative_controls(device) -> dict:
     more, with the document starts dropped, and `threshold`'s sums in float64 against the host's float32."""
     valid, reset = layout(device, 0)
     bound = torch.randint(0, (T + 3) ** 2, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
-    ops = torch.ops.concept
+    ops = device_scan.ops()
     with device_scan.choose(True):
         right = ops.null_tracker_scan(valid, reset, bound, T + 3, 3)
         off_by_one = ops.null_tracker_scan(valid, reset, bound, T + 3, 4)

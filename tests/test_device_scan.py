@@ -9,8 +9,9 @@ power of 2, one row or 16 rows per program; perturbed rules (``max_run`` off by 
 float64 sums) are told apart; a decided forward with the device scan makes no host sync, declared ones included
 (the control, the host scan, declares its one), and gives the same logits. In this process (Triton compiled, no
 GPU): each op's body, traced on fake tensors, is allocations and one kernel launch, nothing read back (the
-control: an ``.item()`` added to a body is seen). Marked ``cuda``: the same checks with the compiled kernels, and
-``torch.compile(fullgraph=True)`` of a decision (the GPU kit's ``exact`` stage runs them).
+control: an ``.item()`` added to a body is seen). Marked ``cuda`` (the GPU kit's ``exact`` stage runs them): the
+same checks with the compiled kernels, ``torch.compile(fullgraph=True)`` of the ops and of a decision, and a
+streaming training step with no host sync.
 """
 from __future__ import annotations
 
@@ -72,16 +73,21 @@ def traced_calls(body, *args) -> list[str]:
     return [str(node.target) for node in graph.nodes if node.op == "call_function"]
 
 
+def scan_kernels():
+    from concept.streaming import scan_kernels  # Triton compiled (no interpreter in this process), no launch
+    return scan_kernels
+
+
 def op_bodies():
     """Each op's Python body (what ``torch.compile`` traces, and what runs on CUDA) with small inputs."""
     valid = torch.ones(3, 7, dtype=torch.bool)
     reset = torch.zeros(3, 7, dtype=torch.bool)
     bound = torch.zeros(3, 7, dtype=torch.long)
     return {
-        "null_tracker_scan": (lambda v, r, b: device_scan.null_tracker_scan._abstract_fn(v, r, b, 10, 3),
+        "null_tracker_scan": (lambda v, r, b: scan_kernels().null_tracker_scan._abstract_fn(v, r, b, 10, 3),
                               (valid, reset, bound)),
-        "chunk_scan": (lambda v, r, b: device_scan.chunk_scan._abstract_fn(v, r, b, 10, 2, 4, True), (valid, reset, bound)),
-        "threshold_scan": (lambda v, r, p: device_scan.threshold_scan._abstract_fn(v, r, p, 0.7, 3),
+        "chunk_scan": (lambda v, r, b: scan_kernels().chunk_scan._abstract_fn(v, r, b, 10, 2, 4, True), (valid, reset, bound)),
+        "threshold_scan": (lambda v, r, p: scan_kernels().threshold_scan._abstract_fn(v, r, p, 0.7, 3),
                            (valid, reset, torch.rand(3, 7))),
     }
 
@@ -145,7 +151,7 @@ def test_the_ops_and_a_decision_compile_fullgraph_on_cuda():
     g = torch.Generator().manual_seed(0)
     bound = torch.randint(0, (cases.T + 3) ** 2, valid.shape, generator=g).to("cuda")
     p = torch.rand(valid.shape, generator=g).to("cuda")
-    ops = torch.ops.concept
+    ops = device_scan.ops()
     calls = [lambda: ops.null_tracker_scan(valid, reset, bound, cases.T + 3, 3),
              lambda: ops.chunk_scan(valid, reset, bound, cases.T + 3, 2, 4, True),
              lambda: ops.chunk_scan(valid, None, p > 0.5, 0, 1, 3, False),
@@ -158,3 +164,17 @@ def test_the_ops_and_a_decision_compile_fullgraph_on_cuda():
         eager = decide(valid, reset)
         compiled = torch.compile(decide, fullgraph=True)(valid, reset)
     assert cases.same(eager, compiled)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_streaming_training_step_on_cuda_has_no_host_sync(tmp_path_factory):
+    """The streaming training step of ``tests/test_host_syncs.py`` (the default `null` policy with its tracker,
+    the ratio controller and loss), on CUDA: with the scan on the device, no sync in the step, declared or not."""
+    from concept.syncs import HostSyncs
+    from tests.test_host_syncs import static_run, static_trainer
+    trainer = static_trainer(static_run.__wrapped__(tmp_path_factory), None)
+    assert torch.device(trainer.device).type == "cuda"
+    with HostSyncs() as seen:
+        trainer.queue_step()
+    assert seen.hidden == 0 and dict(seen.declared) == {}, (dict(seen.syncs), dict(seen.declared))

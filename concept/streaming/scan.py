@@ -35,7 +35,7 @@ def scan_rule(rule: Rule, init: State, inputs: Sequence[torch.Tensor], valid: to
     kernel decides, with no host sync; otherwise ``rule`` runs along each row on the host
     (``host_scan.scan_rows``: one declared sync)."""
     if device is not None and device_scan.runs_on(valid.device):
-        op: Callable = getattr(torch.ops.concept, device.op)
+        op: Callable = getattr(device_scan.ops(), device.op)
         inputs = [x.detach() for x in inputs]
         keep, *states = op(valid, reset, *inputs, *device.params)
         return keep, tuple(states[:len(dtypes)])
