@@ -127,7 +127,7 @@ def compare(device) -> dict:
         result = {"equal": same(outputs(decide, valid, reset, True), host),
                   "kept": int(host[0].sum()), "real": int(valid.sum()),
                   "all_keep_row": bool(torch.equal(host[0][1], valid[1]))}
-        if seed < 3:  # one program per row, as on a GPU (the interpreter's default takes 16 rows a program)
+        if seed in (0, 3, 6, 8):  # each kernel with one program per row, as on a GPU (the interpreter: 16 rows)
             result["equal_one_row_per_program"] = same(outputs(decide, valid, reset, True, rows=1), host)
         # a batch without document starts (reset None)
         result["equal_without_reset"] = same(outputs(decide, valid, None, True), outputs(decide, valid, None, False))
