@@ -55,7 +55,8 @@ def null_case(device, max_run, track, seed):
 
 
 def threshold_case(device, max_run, threshold, seed, dtype=torch.float32):
-    policy = ThresholdPolicy(ThresholdPolicyConfig(threshold=threshold, max_run=max_run), SimpleNamespace(hidden_size=D))
+    config = ThresholdPolicyConfig(threshold=threshold, max_run=max_run)
+    policy = ThresholdPolicy(config, SimpleNamespace(hidden_size=D))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         policy.score.weight.mul_(20)
@@ -130,7 +131,8 @@ def compare(device) -> dict:
         if seed in (0, 3, 6, 8):  # each kernel with one program per row, as on a GPU (the interpreter: 16 rows)
             result["equal_one_row_per_program"] = same(outputs(decide, valid, reset, True, rows=1), host)
         if seed in (1, 4, 7, 9):  # each kernel on a batch without document starts (reset None)
-            result["equal_without_reset"] = same(outputs(decide, valid, None, True), outputs(decide, valid, None, False))
+            result["equal_without_reset"] = same(outputs(decide, valid, None, True),
+                                                 outputs(decide, valid, None, False))
         report[name] = result
     return report
 

@@ -93,7 +93,8 @@ def op_bodies():
     return {
         "null_tracker_scan": (lambda v, r, b: scan_kernels().null_tracker_scan._abstract_fn(v, r, b, 10, 3),
                               (valid, reset, bound)),
-        "chunk_scan": (lambda v, r, b: scan_kernels().chunk_scan._abstract_fn(v, r, b, 10, 2, 4, True), (valid, reset, bound)),
+        "chunk_scan": (lambda v, r, b: scan_kernels().chunk_scan._abstract_fn(v, r, b, 10, 2, 4, True),
+                       (valid, reset, bound)),
         "threshold_scan": (lambda v, r, p: scan_kernels().threshold_scan._abstract_fn(v, r, p, 0.7, 3),
                            (valid, reset, torch.rand(3, 7))),
     }

@@ -66,5 +66,6 @@ def rows_per_program(device) -> int:
 
 def ops():
     """The ops ``torch.ops.concept.*_scan`` (importing ``concept.streaming.scan_kernels`` registers them)."""
-    from . import scan_kernels  # noqa: F401  (on first use: Triton's import takes seconds)
+    # lazy: Triton and torch's Triton support take seconds to import, which the host scan never needs
+    from . import scan_kernels  # noqa: F401  (registers the ops)
     return torch.ops.concept

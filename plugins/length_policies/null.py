@@ -49,8 +49,8 @@ document may have emitted before t for t to pass the test, in the step rule's ow
 the scan then runs over integers: on CUDA as a Triton kernel, one program per row looping over t
 (``concept.streaming.device_scan``: no host synchronisation), elsewhere on the host
 (``concept.streaming.host_scan``: one device synchronisation per forward, well under a microsecond
-per token), where a loop of tensor ops cost a dozen kernel launches per token. The state is the NULL run and the integer counts behind the
-lag, so the scan and ``step`` decide the same thing and
+per token), where a loop of tensor ops cost a dozen kernel launches per token. The state is the
+NULL run and the integer counts behind the lag, so the scan and ``step`` decide the same thing and
 agree exactly. Padding does not advance a row's state; a document start resets it. With
 ``track == 0`` the step state is the NULL run alone, as before. ``decide_with_state``
 (decisions + final state, what the decoder's prefill reads) exists for both: the scan's state,

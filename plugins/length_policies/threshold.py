@@ -124,8 +124,9 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
     def decide_with_state(self, h, head_logits, valid, reset=None):
         """Batched: a scan of the step rule over t in the tensor rule's own float arithmetic, so both
         agree exactly: on CUDA a Triton kernel adding in p's dtype in order (no host sync), elsewhere on
-        the host (``numpy.float32`` for float32 sums; ``concept.streaming.scan``). Padding does not advance a row's state; a document start
-        resets it. Returns keep [B, T] and the state after the last token."""
+        the host (``numpy.float32`` for float32 sums; ``concept.streaming.scan``). Padding does not
+        advance a row's state; a document start resets it. Returns keep [B, T] and the state after the
+        last token."""
         p = self.boundary_prob(head_logits, h).detach()
         dtype = torch.promote_types(torch.get_default_dtype(), p.dtype)  # what init_state's sum + p_t is in
         number = np.float64 if dtype == torch.float64 else np.float32
