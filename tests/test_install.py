@@ -33,10 +33,11 @@ TORCH_APIS = {
     "torch.get_autocast_dtype": "2.4",
     "torch.distributed.checkpoint.state_dict": "2.2",  # get_optimizer_state_dict, StateDictOptions
     "torch._inductor": "2.1",  # list_mode_options: which compile modes run as CUDA graphs
+    "torch.library.triton_op": "2.6",  # the length policies' device scan (with wrap_triton)
 }
 OLDER = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.parallel", "torch.overrides", "torch.profiler",
          "torch.utils._python_dispatch", "torch.utils._pytree", "torch.utils.checkpoint", "torch.distributed",
-         "torch.distributed.fsdp", "torch.utils.tensorboard"}  # (1.x; fsdp's fully_shard is in TORCH_APIS)
+         "torch.distributed.fsdp", "torch.utils.tensorboard", "torch.library"}  # (1.x; fsdp's fully_shard is in TORCH_APIS)
 
 
 def version(text: str) -> tuple[int, ...]:

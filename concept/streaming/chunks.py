@@ -7,15 +7,16 @@ token that is not, with at least ``min_chunk`` and at most ``max_chunk`` tokens 
     keep_t = (length >= min_chunk and unsure_t)  or  length == max_chunk
 
 The state is the open chunk's length per row. The batched decision is a scan of the same rule
-over t, on the host (``concept.streaming.host_scan``; padding does not advance a row's state; a
-document start resets it), so both agree exactly.
+over t, on the device on CUDA (a Triton kernel, ``concept.streaming.device_scan``) and on the host
+elsewhere (``concept.streaming.host_scan``; padding does not advance a row's state; a document start
+resets it), so both agree exactly.
 """
 from __future__ import annotations
 
 import torch
 
 from concept.streaming import gap
-from concept.streaming.host_scan import scan_rows, state_tensors
+from concept.streaming.scan import DeviceRule, scan_rule
 
 
 def validate(config) -> list[str]:
@@ -54,6 +55,8 @@ def rule(min_chunk: int, max_chunk: int):
 
 def scan(unsure: torch.Tensor, valid: torch.Tensor, min_chunk: int, max_chunk: int, reset=None):
     """Batched over [B, T]: (keep [B, T], the final open-chunk lengths [B]), the step rule run along
-    each row on the host (one copy of ``unsure`` there, not a dozen kernel launches per token)."""
-    keep, finals = scan_rows(rule(min_chunk, max_chunk), (0,), [unsure], valid, reset)
-    return keep, state_tensors(finals, valid.device, (torch.long,))[0]
+    each row: on CUDA its Triton kernel (no host sync), elsewhere on the host (one copy of ``unsure`` there,
+    not a dozen kernel launches per token); ``concept.streaming.scan``."""
+    keep, (count,) = scan_rule(rule(min_chunk, max_chunk), (0,), [unsure], valid, reset, (torch.long,),
+                               DeviceRule("chunk_scan", (0, min_chunk, max_chunk, False)))
+    return keep, count

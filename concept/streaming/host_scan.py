@@ -60,6 +60,11 @@ def state_tensors(finals: list[State], device, dtypes: Sequence[torch.dtype]) ->
     return tuple(upload([state[i] for state in finals], dtype, device) for i, dtype in enumerate(dtypes))
 
 
+def interval_width(limit: int) -> int:
+    """The base of :func:`allowance`'s one-integer interval, ``bound = lo * width + hi + 1``."""
+    return limit + 3
+
+
 def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
               strict: bool = False) -> tuple[torch.Tensor, Callable[[int, int], bool]]:
     """Which concept counts ``c`` in ``0..limit`` pass the tensor test
@@ -104,7 +109,7 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
     every = passes(torch.zeros_like(score, dtype=torch.long))
     lo = torch.where(price > 0, 0, torch.where(price < 0, rising, torch.where(every, 0, limit + 1)))
     hi = torch.where(price > 0, falling, torch.where(price < 0, limit, torch.where(every, limit, -1)))
-    width = limit + 3
+    width = interval_width(limit)
 
     def admits(c, bound):
         return (c >= bound // width) & (c <= bound % width - 1)

@@ -40,7 +40,8 @@ from concept.contracts import DecidesWithState, LengthPolicy, RatioControlled, R
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
 from concept.streaming import chunks, gap
-from concept.streaming.host_scan import allowance, scan_rows, state_tensors
+from concept.streaming.host_scan import allowance, interval_width
+from concept.streaming.scan import DeviceRule, scan_rule
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
@@ -148,8 +149,9 @@ class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, Re
             keep, (count,) = chunk((count,), admits(concepts, bound_t))
             return keep, (count, concepts + keep)
 
-        keep, finals = scan_rows(rule, (0, 0), [bound], valid, reset)
-        count, concepts = state_tensors(finals, valid.device, (torch.long, torch.long))
+        keep, (count, concepts) = scan_rule(
+            rule, (0, 0), [bound], valid, reset, (torch.long, torch.long),
+            DeviceRule("chunk_scan", (interval_width(T), cfg.min_chunk, self.max_chunk, True)))
         return keep, (count, total, concepts)
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:

@@ -46,10 +46,11 @@ start), a NULL at offset ``d = t - last - 1`` in its run is forced exactly when
 ones, so the batched decision is a scan over t of the step rule itself (``_advance``). The
 score is computed for all t at once and turned into an integer per token (how many concepts the
 document may have emitted before t for t to pass the test, in the step rule's own float ops);
-the scan then runs on the host over integers (``concept.streaming.host_scan``: one device
-synchronisation per forward, well under a microsecond per token, where a loop of tensor ops cost
-a dozen kernel launches per token). The state is the NULL run and the integer counts behind the
-lag, so the scan and ``step`` decide the same thing and
+the scan then runs over integers: on CUDA as a Triton kernel, one program per row looping over t
+(``concept.streaming.device_scan``: no host synchronisation), elsewhere on the host
+(``concept.streaming.host_scan``: one device synchronisation per forward, well under a microsecond
+per token), where a loop of tensor ops cost a dozen kernel launches per token. The state is the
+NULL run and the integer counts behind the lag, so the scan and ``step`` decide the same thing and
 agree exactly. Padding does not advance a row's state; a document start resets it. With
 ``track == 0`` the step state is the NULL run alone, as before. ``decide_with_state``
 (decisions + final state, what the decoder's prefill reads) exists for both: the scan's state,
@@ -66,7 +67,8 @@ from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, DifferentiableBoundary, LengthPolicy, RatioControlled, TracksRatio
 from concept.packing import document_tokens, tokens_since_keep
 from concept.streaming import gap
-from concept.streaming.host_scan import allowance, scan_rows, state_tensors
+from concept.streaming.host_scan import allowance, interval_width
+from concept.streaming.scan import DeviceRule, scan_rule
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
@@ -157,7 +159,7 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         concepts a document may have emitted before t for t to pass the tracker's test
         (``allowance``: the step rule's own float ops, turned into an integer): the scan carries the
         NULL run and the concept count as integers. Returns keep [B, T] and the step state after
-        the last token."""
+        the last token. On CUDA the scan is a Triton kernel (no host sync; ``concept.streaming.scan``)."""
         B, T = valid.shape
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(self.keep_logit(head_logits).detach(), before, self.track)
@@ -170,8 +172,8 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
                 return True, (0, concepts + 1)
             return False, (run + 1, concepts)
 
-        keep, finals = scan_rows(rule, (0, 0), [bound], valid, reset)
-        run, concepts = state_tensors(finals, valid.device, (torch.long, torch.long))
+        keep, (run, concepts) = scan_rule(rule, (0, 0), [bound], valid, reset, (torch.long, torch.long),
+                                          DeviceRule("null_tracker_scan", (interval_width(T), max_run)))
         return keep, (run, total, concepts)
 
     def decide_with_state(self, h, head_logits, valid, reset=None):

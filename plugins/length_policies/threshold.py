@@ -21,8 +21,8 @@ later would have helped (H-Net's confidence-weighted straight-through, applied t
 The head has no NULL class under this policy (``uses_null_class = False``).
 
 The rule is sequential (the sum resets at boundaries), so the batched decision is a scan of
-the step-wise rule over t: they agree by construction. The scan is O(T) small tensor ops;
-the network itself still runs in one pass.
+the step-wise rule over t: they agree by construction. The scan is one Triton kernel on CUDA and a
+host loop elsewhere (``concept.streaming.scan``); the network itself still runs in one pass.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from concept.components import rms_normalize
 from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, DifferentiableBoundary, Gated, LengthPolicy, RatioControlled, TracksRatio
 from concept.streaming import gap
-from concept.streaming.host_scan import scan_rows, state_tensors
+from concept.streaming.scan import DeviceRule, scan_rule
 
 
 @dataclass
@@ -122,10 +122,11 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
         return self._advance(self.boundary_prob(head_logits_t, h_t).detach(), state)
 
     def decide_with_state(self, h, head_logits, valid, reset=None):
-        """Batched: a scan of the step rule over t, run on the host in the tensor rule's own float
-        arithmetic (``numpy.float32`` for float32 sums), so both agree exactly
-        (``concept.streaming.host_scan``). Padding does not advance a row's state; a document start
-        resets it. Returns keep [B, T] and the state after the last token."""
+        """Batched: a scan of the step rule over t in the tensor rule's own float arithmetic, so both
+        agree exactly: on CUDA a Triton kernel adding in p's dtype in order (no host sync), elsewhere on
+        the host (``numpy.float32`` for float32 sums; ``concept.streaming.scan``). Padding does not
+        advance a row's state; a document start resets it. Returns keep [B, T] and the state after the
+        last token."""
         p = self.boundary_prob(head_logits, h).detach()
         dtype = torch.promote_types(torch.get_default_dtype(), p.dtype)  # what init_state's sum + p_t is in
         number = np.float64 if dtype == torch.float64 else np.float32
@@ -138,8 +139,8 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
                 return True, (zero, 0)
             return False, (total, run + 1)
 
-        keep, finals = scan_rows(rule, (zero, 0), [p], valid, reset)
-        return keep, state_tensors(finals, valid.device, (dtype, torch.long))
+        return scan_rule(rule, (zero, 0), [p.to(dtype)], valid, reset, (dtype, torch.long),
+                         DeviceRule("threshold_scan", (float(self.threshold), max_run)))
 
     def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset)[0]

@@ -1,0 +1,155 @@
+"""The Triton kernels of the length policies' device scan and their ops (``concept.streaming.device_scan``).
+
+Imported on first use only (``device_scan.ops()``): Triton and torch's Triton support take seconds to import,
+which a CPU run (the host scan) never needs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from .device_scan import rows_per_program
+
+
+@triton.jit
+def _load_flag(ptr, offsets, inside):
+    return tl.load(ptr + offsets, mask=inside, other=0) != 0
+
+
+@triton.jit
+def null_tracker_kernel(valid_ptr, reset_ptr, bound_ptr, keep_ptr, run_ptr, concepts_ptr, B, T, width, max_run,
+                        HAS_RESET: tl.constexpr, ROWS: tl.constexpr):
+    """`null` with its ratio tracker: keep when the concept count is in the token's allowance interval
+    (``bound``: ``lo * width + hi + 1``) or after ``max_run`` NULLs; state (NULL run, concepts)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = rows < B
+    start = rows.to(tl.int64) * T
+    run = tl.zeros([ROWS], dtype=tl.int64)
+    concepts = tl.zeros([ROWS], dtype=tl.int64)
+    for t in range(T):
+        if HAS_RESET:
+            fresh = _load_flag(reset_ptr, start + t, inside)
+            run = tl.where(fresh, 0, run)
+            concepts = tl.where(fresh, 0, concepts)
+        live = _load_flag(valid_ptr, start + t, inside)
+        bound = tl.load(bound_ptr + start + t, mask=inside, other=0).to(tl.int64)
+        admitted = (concepts >= bound // width) & (concepts <= bound % width - 1)
+        keep = live & (admitted | (run >= max_run))
+        tl.store(keep_ptr + start + t, keep, mask=inside)
+        run = tl.where(live, tl.where(keep, 0, run + 1), run)
+        concepts = tl.where(keep, concepts + 1, concepts)
+    tl.store(run_ptr + rows, run, mask=inside)
+    tl.store(concepts_ptr + rows, concepts, mask=inside)
+
+
+@triton.jit
+def chunk_kernel(valid_ptr, reset_ptr, score_ptr, keep_ptr, count_ptr, concepts_ptr, B, T, width, min_chunk,
+                 max_chunk, HAS_RESET: tl.constexpr, TRACKED: tl.constexpr, ROWS: tl.constexpr):
+    """The chunk rule (``concept.streaming.chunks``): keep when the open chunk (t included) has at least
+    ``min_chunk`` tokens and t is unsure, or ``max_chunk``. Untracked, ``score`` is ``unsure`` (bool); tracked
+    (`mtp` with its tracker), ``score`` is the allowance ``bound`` and t is unsure when the concept count is in
+    its interval, with the count in the state: (count, concepts)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = rows < B
+    start = rows.to(tl.int64) * T
+    count = tl.zeros([ROWS], dtype=tl.int64)
+    concepts = tl.zeros([ROWS], dtype=tl.int64)
+    for t in range(T):
+        if HAS_RESET:
+            fresh = _load_flag(reset_ptr, start + t, inside)
+            count = tl.where(fresh, 0, count)
+            concepts = tl.where(fresh, 0, concepts)
+        live = _load_flag(valid_ptr, start + t, inside)
+        if TRACKED:
+            bound = tl.load(score_ptr + start + t, mask=inside, other=0).to(tl.int64)
+            unsure = (concepts >= bound // width) & (concepts <= bound % width - 1)
+        else:
+            unsure = _load_flag(score_ptr, start + t, inside)
+        length = count + 1
+        keep = live & (((length >= min_chunk) & unsure) | (length >= max_chunk))
+        tl.store(keep_ptr + start + t, keep, mask=inside)
+        count = tl.where(live, tl.where(keep, 0, length), count)
+        concepts = tl.where(keep, concepts + 1, concepts)
+    tl.store(count_ptr + rows, count, mask=inside)
+    if TRACKED:
+        tl.store(concepts_ptr + rows, concepts, mask=inside)
+
+
+@triton.jit
+def threshold_kernel(valid_ptr, reset_ptr, p_ptr, threshold_ptr, keep_ptr, total_ptr, run_ptr, B, T, max_run,
+                     HAS_RESET: tl.constexpr, ROWS: tl.constexpr):
+    """`threshold`: add p_t to the running sum (in p's dtype, in order) and keep when it reaches the
+    threshold or after ``max_run`` NULLs; state (sum, NULL run)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = rows < B
+    start = rows.to(tl.int64) * T
+    threshold = tl.load(threshold_ptr)
+    total = tl.zeros([ROWS], dtype=threshold.dtype)
+    run = tl.zeros([ROWS], dtype=tl.int64)
+    for t in range(T):
+        if HAS_RESET:
+            fresh = _load_flag(reset_ptr, start + t, inside)
+            total = tl.where(fresh, 0.0, total)
+            run = tl.where(fresh, 0, run)
+        live = _load_flag(valid_ptr, start + t, inside)
+        summed = total + tl.load(p_ptr + start + t, mask=inside, other=0.0)
+        keep = live & ((summed >= threshold) | (run >= max_run))
+        tl.store(keep_ptr + start + t, keep, mask=inside)
+        total = tl.where(live, tl.where(keep, 0.0, summed), total)
+        run = tl.where(live, tl.where(keep, 0, run + 1), run)
+    tl.store(total_ptr + rows, total, mask=inside)
+    tl.store(run_ptr + rows, run, mask=inside)
+
+
+def _launch(kernel, B: int, device, *args, **constants) -> None:
+    rows = rows_per_program(device)
+    if B:
+        wrap_triton(kernel)[(triton.cdiv(B, rows),)](*args, ROWS=rows, **constants)
+
+
+def _outputs(valid: torch.Tensor, *dtypes: torch.dtype):
+    B, T = valid.shape
+    return (torch.empty((B, T), dtype=torch.bool, device=valid.device),
+            *(torch.zeros((B,), dtype=d, device=valid.device) for d in dtypes))
+
+
+@triton_op("concept::null_tracker_scan", mutates_args=())
+def null_tracker_scan(valid: torch.Tensor, reset: torch.Tensor | None, bound: torch.Tensor, width: int,
+                      max_run: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keep [B, T], NULL run [B], concepts [B]."""
+    B, T = valid.shape
+    keep, run, concepts = _outputs(valid, torch.long, torch.long)
+    valid, bound = valid.contiguous(), bound.contiguous()
+    reset_ = valid if reset is None else reset.contiguous()
+    _launch(null_tracker_kernel, B, valid.device, valid, reset_, bound, keep, run, concepts, B, T, width, max_run,
+            HAS_RESET=reset is not None)
+    return keep, run, concepts
+
+
+@triton_op("concept::chunk_scan", mutates_args=())
+def chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, score: torch.Tensor, width: int, min_chunk: int,
+               max_chunk: int, tracked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keep [B, T], open-chunk length [B], concepts [B] (zeros untracked)."""
+    B, T = valid.shape
+    keep, count, concepts = _outputs(valid, torch.long, torch.long)
+    valid, score = valid.contiguous(), score.contiguous()
+    reset_ = valid if reset is None else reset.contiguous()
+    _launch(chunk_kernel, B, valid.device, valid, reset_, score, keep, count, concepts, B, T, width, min_chunk,
+            max_chunk, HAS_RESET=reset is not None, TRACKED=tracked)
+    return keep, count, concepts
+
+
+@triton_op("concept::threshold_scan", mutates_args=())
+def threshold_scan(valid: torch.Tensor, reset: torch.Tensor | None, p: torch.Tensor, threshold: float,
+                   max_run: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keep [B, T], running sum [B] (p's dtype), NULL run [B]."""
+    B, T = valid.shape
+    keep, total, run = _outputs(valid, p.dtype, torch.long)
+    valid, p = valid.contiguous(), p.contiguous()
+    reset_ = valid if reset is None else reset.contiguous()
+    limit = torch.full((1,), threshold, dtype=p.dtype, device=p.device)  # rounded as the host rounds it
+    _launch(threshold_kernel, B, valid.device, valid, reset_, p, limit, keep, total, run, B, T, max_run,
+            HAS_RESET=reset is not None)
+    return keep, total, run
