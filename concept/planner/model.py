@@ -265,18 +265,35 @@ class Plan:
             out[f.name] = t.new_full((B, width, *t.shape[2:]), fill).index_put(target, t[rows, steps])
         return Plan(**out)
 
+    @staticmethod
+    def steps_of(row: list[tuple[int, int]], sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """One plan's steps (type, class, rank) from its (type, concept id) list in type order (<EOS> steps added):
+        host values, e.g. for :meth:`from_rows` or an upload."""
+        n = len(sizes)
+        if any(b[0] < a[0] for a, b in zip(row, row[1:])) or any(not 0 <= t < n or not 0 <= c < sizes[t] for t, c in row):
+            raise ValueError(f"a plan lists its concepts type by type, with ids inside each type's vocabulary: {row}")
+        seq = []
+        for t in range(n):
+            mine = [c for tt, c in row if tt == t]
+            seq += [(t, c, r + 1) for r, c in enumerate(mine)] + [(t, sizes[t], 0)]
+        return seq
+
+    @classmethod
+    def from_steps(cls, classes: torch.Tensor, types: torch.Tensor, rank: torch.Tensor, sizes: torch.Tensor) -> "Plan":
+        """Plans from their steps' classes, types and ranks (-1, -1, 0 after the end), ``sizes`` the types'
+        vocabulary sizes on their device (the model's ``sizes`` buffer): nothing read back."""
+        active = classes >= 0
+        return cls(classes, types, active, rank, active & (classes == sizes[types.clamp(min=0)]))
+
+    def padded(self, width: int) -> "Plan":
+        """The steps' fields (classes .. is_eos) padded after the end to ``width`` steps (a fixed shape)."""
+        fill = {"classes": -1, "types": -1, "active": False, "rank": 0, "is_eos": False}
+        return Plan(**{k: F.pad(getattr(self, k), (0, width - self.classes.shape[1]), value=v) for k, v in fill.items()})
+
     @classmethod
     def from_rows(cls, rows: list[list[tuple[int, int]]], sizes: tuple[int, ...], device=None) -> "Plan":
         """Plans from per-row (type, concept id) lists in type order (<EOS> steps added)."""
-        n, steps = len(sizes), []
-        for row in rows:
-            if any(b[0] < a[0] for a, b in zip(row, row[1:])) or any(not 0 <= t < n or not 0 <= c < sizes[t] for t, c in row):
-                raise ValueError(f"a plan lists its concepts type by type, with ids inside each type's vocabulary: {row}")
-            seq = []
-            for t in range(n):
-                mine = [c for tt, c in row if tt == t]
-                seq += [(t, c, r + 1) for r, c in enumerate(mine)] + [(t, sizes[t], 0)]
-            steps.append(seq)
+        steps = [cls.steps_of(row, sizes) for row in rows]
         S = max(len(s) for s in steps)
         classes = torch.full((len(rows), S), -1, dtype=torch.long)
         types, rank = classes.clone(), torch.zeros_like(classes)
