@@ -274,11 +274,12 @@ def test_negative_control_an_mstep_that_trains_the_forced_eos(sequential, monkey
     assert any("loss" in p for p in problems) and not any("plans" in p for p in problems), problems
 
 
-def test_the_estep_reads_back_once(sequential):
-    """The E-step's one declared read and the M-step's forward: nothing hidden; the E-step's plans join the cache at
-    the next read (MTP concepts: ``tests/test_recipe_syncs.py``; parallel types split and join their chains in the
-    teacher-forced planner, ``plan join``, and ``Plan.split_types`` reads its widths back: not done)."""
-    model, beam, prior, _ = sequential
+@pytest.mark.parametrize("name", ["sequential", "parallel"])
+def test_the_estep_reads_back_once(name):
+    """The E-step's one declared read and the M-step's forward: nothing hidden (parallel types: the teacher-forced
+    planner splits and joins its chains at fixed widths); the E-step's plans join the cache at the next read (MTP
+    concepts: ``tests/test_recipe_syncs.py``)."""
+    model, beam, prior, _ = planner_setup(name)
     objective = HardEMObjective(1.0, beam=beam, every=1, prior=prior)
     first, again = batches()
     for step, batch in enumerate((first, again)):

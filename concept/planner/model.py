@@ -228,27 +228,48 @@ class Plan:
         return Plan(**{f.name: (v[rows] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
                        for f in dataclasses.fields(self)})
 
-    def split_types(self, n: int) -> "Plan":
+    def split_types(self, n: int, width: int | None = None) -> "Plan":
         """One chain per type: row ``b * n + i`` holds row b's type-i steps (its concepts and <EOS_i>), from
-        step 0 (step indices only). The inverse of :meth:`join_types`."""
+        step 0 (step indices only), ``width`` steps (default the plan's own: no chain is longer). The inverse of
+        :meth:`join_types`. Fixed shapes: each type's steps moved to the front by a stable sort, nothing read."""
         B, S = self.classes.shape
-        dev = self.classes.device
+        width = S if width is None else width
+        if width > S:
+            return self.padded(width).split_types(n, width)
         types = self.types.clamp(min=0)
-        chain = (torch.arange(B, device=dev)[:, None] * n + types)[self.active]  # the chain of every active step
-        onehot = F.one_hot(types, n) * self.active[..., None]
-        index = ((onehot.cumsum(1) - 1) * onehot).sum(-1)[self.active]  # the step's place in its chain
-        width = int(onehot.sum(1).max()) if self.active.any() else 1
+        mine = self.active[:, None, :] & (types[:, None, :] == torch.arange(n, device=types.device)[None, :, None])
+        order = torch.sort((~mine).to(torch.uint8), dim=2, stable=True).indices[..., :width]  # [B, n, width]
+        kept = mine.gather(2, order)
         out = {}
         for k, fill in (("classes", -1), ("types", -1), ("active", False), ("rank", 0), ("is_eos", False)):
-            t = getattr(self, k)
-            out[k] = t.new_full((B * n, width), fill).index_put((chain, index), t[self.active])
+            t = getattr(self, k)[:, None, :].expand(B, n, S).gather(2, order)
+            out[k] = torch.where(kept, t, torch.full_like(t, fill)).view(B * n, width)
         return Plan(**out)
 
-    def join_types(self, n: int) -> "Plan":
+    def join_types(self, n: int, width: int | None = None) -> "Plan":
         """Rows of ``n`` chains (row ``b * n + i``: type i's steps of row b) joined type by type into one
-        plan per row, every tensor field carried (differentiably: the straight-through embeddings)."""
+        plan per row, every tensor field carried (differentiably: the straight-through embeddings). ``width``:
+        the joined plans' (at least the longest's; e.g. a teacher-forced plan's own), their steps moved to the
+        front by a stable sort, nothing read; None: the longest joined plan's, read back (declared ``plan join``)."""
         Bn, S = self.classes.shape
         B = Bn // n
+        if width is not None:
+            active = self.active.view(B, n * S)
+            order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+            kept, extra = active.gather(1, order), width - order.shape[1]
+            out = {}
+            for f in dataclasses.fields(self):
+                t = getattr(self, f.name)
+                if t is None:
+                    out[f.name] = None
+                    continue
+                fill = {"classes": -1, "types": -1}.get(f.name, 0)  # (logits after the end: 0, as below)
+                t = t.reshape(B, n * S, *t.shape[2:])
+                index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
+                mask = kept.view(*kept.shape, *[1] * (t.dim() - 2))
+                t = torch.where(mask, t.gather(1, index), torch.full_like(t[:, :1], fill))
+                out[f.name] = torch.cat([t, t.new_full((B, extra, *t.shape[2:]), fill)], 1) if extra > 0 else t
+            return Plan(**out)
         lengths = self.active.sum(1).view(B, n)
         offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
         with declared("plan join"):  # the joined plan's width and its steps' places are data (once per forward)
@@ -523,9 +544,9 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         plan is split into one chain per type (``Plan.split_types``), forced the same way, and joined."""
         if self.settings.parallel:
             n = self.num_types
-            chains = plan.split_types(n)
+            chains = plan.split_types(n, max(t.max_len for t in self.settings.types) + 1)  # (a fixed width)
             forced = self._forced(u_ids.repeat_interleave(n, 0), u_valid.repeat_interleave(n, 0), chains)
-            return forced.join_types(n)
+            return forced.join_types(n, plan.classes.shape[1])  # (the plan's own width: nothing read)
         return self._forced(u_ids, u_valid, plan)
 
     def _forced(self, u_ids, u_valid, plan: Plan) -> Plan:
