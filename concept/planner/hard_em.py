@@ -10,6 +10,11 @@ Instead of sampling a plan with Gumbel-ST in every step, each example gets a bes
   planner), so while the executor has not learned to read plans the empty plan wins (measured:
   docs/results.md); β = 0 picks the beam's plan that best explains y. The cached plan competes, so a refresh never
   picks a plan the current model scores lower than the one it had.
+* **One host sync per micro-batch** (declared ``hard-EM E-step``, ``concept.syncs``): the batch's tokens (the
+  cache's keys) and the last E-step's chosen plans (into the cache) are read back in one copy; the host picks
+  the rows to search and uploads their cached plans; the search (a fixed number of steps), the scores, the
+  choice of ``z*`` and its statistics stay on the device, and the batch's plans are ``plan_width`` steps wide
+  (a step that searches no row: as wide as its longest cached plan).
 * **Cache**: ``z*`` is kept per example, keyed by a hash of the example's tokens (u and y), and refreshed
   only when it is ``--estep-every M`` steps old (or missing). The cache is saved with every checkpoint
   (``checkpoint/plan_ce.json``, its SHA-256 in ``state.json``); a cache that fails its checksum or
@@ -21,7 +26,8 @@ Instead of sampling a plan with Gumbel-ST in every step, each example gets a bes
 Statistics of the E-step (averaged over the refreshed examples of the step, logged in metrics.jsonl):
 ``estep_share`` (share of the step's examples refreshed), ``estep_margin`` (top-1 minus runner-up score, nats per example),
 ``flip_rate`` (share of refreshed cached plans whose ``z*`` changed), ``staleness_gap``
-(``S(z_new) − S(z_old)`` under the current model, >= 0) and ``estep_s`` (seconds in the E-step per micro-batch).
+(``S(z_new) − S(z_old)`` under the current model, >= 0) and ``estep_s`` (seconds in the E-step per micro-batch:
+CUDA events on a GPU, read with the step log).
 """
 from __future__ import annotations
 
@@ -107,7 +113,8 @@ class HardEMObjective(Objective):
         The one host sync (declared, ``hard-EM E-step``): the batch's tokens (the cache's keys) and the last
         E-step's new plans (into the cache) read back in one copy. The host then picks the rows to search and
         uploads their cached plans (no sync); the search, the scores and the choice of ``z*`` stay on the
-        device, and the batch's plans are put together there (``plan_width`` steps each)."""
+        device, and the batch's plans are put together there (``plan_width`` steps each; as wide as the longest cached
+        plan where no row is searched)."""
         u, u_valid, y, y_valid = model.split_example(batch["input_ids"], batch.get("attention_mask"))
         with declared(ESTEP):
             tokens = self._read_back([u, u_valid, y, y_valid])
@@ -118,10 +125,12 @@ class HardEMObjective(Objective):
         zero = torch.zeros((), dtype=torch.float64, device=u.device)  # (device scalars, whether or not it searches)
         self._stats = {"examples": float(len(keys)), "rows": float(len(stale)), "old": 0.0, "seconds": 0.0,
                        "margin": zero, "flips": zero, "gap": zero}
-        sizes, width = tuple(t.size for t in model.settings.types), plan_width(model)
+        sizes = tuple(t.size for t in model.settings.types)
         # the host's part: every row's cached plan (none: an empty one), the rows to search, whether each has a
         # plan already, and where each row's z* comes from (a searched row: the last searched row of its key)
         steps = [Plan.steps_of(cache[key].rows if key in cache else [], sizes) for key in keys]
+        # the plans' width: the longest there can be where some are searched, else the longest cached (host values)
+        width = plan_width(model) if stale else max(len(s) for s in steps)
         fields = [[s[j][f] if j < len(s) else pad for j in range(width)]  # classes, types, ranks: [3, B, width]
                   for f, pad in ((1, -1), (0, -1), (2, 0)) for s in steps]
         has_old = [keys[b] in cache for b in stale]
