@@ -292,3 +292,25 @@ def test_the_estep_reads_back_once(name):
     with HostSyncs() as seen:
         assert len(objective.cache) == 4  # read back when asked (a checkpoint)
     assert dict(seen.declared) == {"hard-EM E-step": 1} and not objective._new
+
+
+def test_fixed_width_split_and_join_are_the_declared_ones():
+    """``Plan.split_types(n, width)`` / ``join_types(n, width)`` (a stable sort, nothing read) against the chains
+    of each row's own steps and the declared join (the reference): the same steps and fields, padding after."""
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: int(torch.randint(0, n, (), generator=g))  # noqa: E731
+    for _ in range(20):
+        rows = [[(0, pick(8)) for _ in range(pick(3))] + [(1, pick(16)) for _ in range(pick(5))] for _ in range(3)]
+        chains = Plan.from_rows(rows, (8, 16)).split_types(2, 5)
+        assert chains.classes.shape[1] == 5
+        assert chains.rows() == [[x for x in row if x[0] == i] for row in rows for i in range(2)]
+        chains.logits, chains.embeds = torch.randn(6, 5, 17, generator=g), torch.randn(6, 5, 4, generator=g)
+        with HostSyncs() as seen:
+            fixed = chains.join_types(2, 9)
+        declared = chains.join_types(2)
+        assert seen.hidden == 0 and not seen.declared and fixed.rows() == rows
+        width = declared.classes.shape[1]
+        for name in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds"):
+            a, b = getattr(declared, name), getattr(fixed, name)
+            assert torch.equal(a, b[:, :width]), name
+            assert (b[:, width:] == (-1 if name in ("classes", "types") else 0)).all(), name
