@@ -81,6 +81,10 @@ RECIPES = {
     "planner-executor, MTP concepts (planner.mtp 2)": ("planner-mtp", CONTINUE),
     "planner-executor, parallel types": ("planner-parallel", CONTINUE),
     "planner-executor --plan-training hard-em": ("planner", dict(CONTINUE, plan_training="hard-em", estep_every=2)),
+    "planner-executor --plan-training hard-em, MTP concepts": (
+        "planner-mtp", dict(CONTINUE, plan_training="hard-em", estep_every=2)),
+    "planner-executor --plan-training hard-em, parallel types": (
+        "planner-parallel", dict(CONTINUE, plan_training="hard-em", estep_every=2)),
 }
 
 

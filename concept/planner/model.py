@@ -228,27 +228,48 @@ class Plan:
         return Plan(**{f.name: (v[rows] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
                        for f in dataclasses.fields(self)})
 
-    def split_types(self, n: int) -> "Plan":
+    def split_types(self, n: int, width: int | None = None) -> "Plan":
         """One chain per type: row ``b * n + i`` holds row b's type-i steps (its concepts and <EOS_i>), from
-        step 0 (step indices only). The inverse of :meth:`join_types`."""
+        step 0 (step indices only), ``width`` steps (default the plan's own: no chain is longer). The inverse of
+        :meth:`join_types`. Fixed shapes: each type's steps moved to the front by a stable sort, nothing read."""
         B, S = self.classes.shape
-        dev = self.classes.device
+        width = S if width is None else width
+        if width > S:
+            return self.padded(width).split_types(n, width)
         types = self.types.clamp(min=0)
-        chain = (torch.arange(B, device=dev)[:, None] * n + types)[self.active]  # the chain of every active step
-        onehot = F.one_hot(types, n) * self.active[..., None]
-        index = ((onehot.cumsum(1) - 1) * onehot).sum(-1)[self.active]  # the step's place in its chain
-        width = int(onehot.sum(1).max()) if self.active.any() else 1
+        mine = self.active[:, None, :] & (types[:, None, :] == torch.arange(n, device=types.device)[None, :, None])
+        order = torch.sort((~mine).to(torch.uint8), dim=2, stable=True).indices[..., :width]  # [B, n, width]
+        kept = mine.gather(2, order)
         out = {}
         for k, fill in (("classes", -1), ("types", -1), ("active", False), ("rank", 0), ("is_eos", False)):
-            t = getattr(self, k)
-            out[k] = t.new_full((B * n, width), fill).index_put((chain, index), t[self.active])
+            t = getattr(self, k)[:, None, :].expand(B, n, S).gather(2, order)
+            out[k] = torch.where(kept, t, torch.full_like(t, fill)).view(B * n, width)
         return Plan(**out)
 
-    def join_types(self, n: int) -> "Plan":
+    def join_types(self, n: int, width: int | None = None) -> "Plan":
         """Rows of ``n`` chains (row ``b * n + i``: type i's steps of row b) joined type by type into one
-        plan per row, every tensor field carried (differentiably: the straight-through embeddings)."""
+        plan per row, every tensor field carried (differentiably: the straight-through embeddings). ``width``:
+        the joined plans' (at least the longest's; e.g. a teacher-forced plan's own), their steps moved to the
+        front by a stable sort, nothing read; None: the longest joined plan's, read back (declared ``plan join``)."""
         Bn, S = self.classes.shape
         B = Bn // n
+        if width is not None:
+            active = self.active.view(B, n * S)
+            order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+            kept, extra = active.gather(1, order), width - order.shape[1]
+            out = {}
+            for f in dataclasses.fields(self):
+                t = getattr(self, f.name)
+                if t is None:
+                    out[f.name] = None
+                    continue
+                fill = {"classes": -1, "types": -1}.get(f.name, 0)  # (logits after the end: 0, as below)
+                t = t.reshape(B, n * S, *t.shape[2:])
+                index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
+                mask = kept.view(*kept.shape, *[1] * (t.dim() - 2))
+                t = torch.where(mask, t.gather(1, index), torch.full_like(t[:, :1], fill))
+                out[f.name] = torch.cat([t, t.new_full((B, extra, *t.shape[2:]), fill)], 1) if extra > 0 else t
+            return Plan(**out)
         lengths = self.active.sum(1).view(B, n)
         offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
         with declared("plan join"):  # the joined plan's width and its steps' places are data (once per forward)
@@ -265,18 +286,35 @@ class Plan:
             out[f.name] = t.new_full((B, width, *t.shape[2:]), fill).index_put(target, t[rows, steps])
         return Plan(**out)
 
+    @staticmethod
+    def steps_of(row: list[tuple[int, int]], sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """One plan's steps (type, class, rank) from its (type, concept id) list in type order (<EOS> steps added):
+        host values, e.g. for :meth:`from_rows` or an upload."""
+        n = len(sizes)
+        if any(b[0] < a[0] for a, b in zip(row, row[1:])) or any(not 0 <= t < n or not 0 <= c < sizes[t] for t, c in row):
+            raise ValueError(f"a plan lists its concepts type by type, with ids inside each type's vocabulary: {row}")
+        seq = []
+        for t in range(n):
+            mine = [c for tt, c in row if tt == t]
+            seq += [(t, c, r + 1) for r, c in enumerate(mine)] + [(t, sizes[t], 0)]
+        return seq
+
+    @classmethod
+    def from_steps(cls, classes: torch.Tensor, types: torch.Tensor, rank: torch.Tensor, sizes: torch.Tensor) -> "Plan":
+        """Plans from their steps' classes, types and ranks (-1, -1, 0 after the end), ``sizes`` the types'
+        vocabulary sizes on their device (the model's ``sizes`` buffer): nothing read back."""
+        active = classes >= 0
+        return cls(classes, types, active, rank, active & (classes == sizes[types.clamp(min=0)]))
+
+    def padded(self, width: int) -> "Plan":
+        """The steps' fields (classes .. is_eos) padded after the end to ``width`` steps (a fixed shape)."""
+        fill = {"classes": -1, "types": -1, "active": False, "rank": 0, "is_eos": False}
+        return Plan(**{k: F.pad(getattr(self, k), (0, width - self.classes.shape[1]), value=v) for k, v in fill.items()})
+
     @classmethod
     def from_rows(cls, rows: list[list[tuple[int, int]]], sizes: tuple[int, ...], device=None) -> "Plan":
         """Plans from per-row (type, concept id) lists in type order (<EOS> steps added)."""
-        n, steps = len(sizes), []
-        for row in rows:
-            if any(b[0] < a[0] for a, b in zip(row, row[1:])) or any(not 0 <= t < n or not 0 <= c < sizes[t] for t, c in row):
-                raise ValueError(f"a plan lists its concepts type by type, with ids inside each type's vocabulary: {row}")
-            seq = []
-            for t in range(n):
-                mine = [c for tt, c in row if tt == t]
-                seq += [(t, c, r + 1) for r, c in enumerate(mine)] + [(t, sizes[t], 0)]
-            steps.append(seq)
+        steps = [cls.steps_of(row, sizes) for row in rows]
         S = max(len(s) for s in steps)
         classes = torch.full((len(rows), S), -1, dtype=torch.long)
         types, rank = classes.clone(), torch.zeros_like(classes)
@@ -516,9 +554,9 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         plan is split into one chain per type (``Plan.split_types``), forced the same way, and joined."""
         if self.settings.parallel:
             n = self.num_types
-            chains = plan.split_types(n)
+            chains = plan.split_types(n, max(t.max_len for t in self.settings.types) + 1)  # (a fixed width)
             forced = self._forced(u_ids.repeat_interleave(n, 0), u_valid.repeat_interleave(n, 0), chains)
-            return forced.join_types(n)
+            return forced.join_types(n, plan.classes.shape[1])  # (the plan's own width: nothing read)
         return self._forced(u_ids, u_valid, plan)
 
     def _forced(self, u_ids, u_valid, plan: Plan) -> Plan:

@@ -9,6 +9,11 @@ prefix ``[u, <PLAN>]`` runs once per row; its KV cache is repeated for the beams
 them at every step. With MTP concepts the beam scores each step with the head that writes it (so its
 log p(z | u) is the MTP planner's); the E-step's ``score_plans`` re-scores the candidates with the
 next-step head in one teacher-forced forward.
+
+Nothing is read back (``concept.syncs``): the search runs a fixed number of steps (every beam has ended by the
+last, forced, ``<EOS>``; a finished beam carries on unchanged, so the plans are those an early stop would give),
+its widths are Python ints, and the parallel types' joint plans are put together on the device. Its plans are
+``plan_width`` steps wide (inactive after their end).
 """
 from __future__ import annotations
 
@@ -20,27 +25,43 @@ import torch.nn.functional as F
 from .model import Plan, text_loss
 
 
+def plan_width(model) -> int:
+    """Steps of the longest plan (every type's ``max_len`` concepts and its ``<EOS>``): the width of the searched
+    plans."""
+    return sum(t.max_len + 1 for t in model.settings.types)
+
+
 @torch.no_grad()
 def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
     """The ``k`` most probable plans of every row of ``u`` under the planner: (plans of ``B * k`` rows,
-    row-major: row b's beams at ``b * k .. b * k + k - 1``, best first; their log p(z | u) [B, k]).
-    Fewer than ``k`` distinct plans (tiny vocabularies) leave beams at ``-inf``. With parallel types each
+    row-major: row b's beams at ``b * k .. b * k + k - 1``, best first, ``plan_width`` steps; their log p(z | u)
+    [B, k]). Fewer than ``k`` distinct plans (tiny vocabularies) leave beams at ``-inf``. With parallel types each
     type is searched alone (one chain per type, all in the same forwards) and the ``k`` best joint plans
     are the best sums of one beam per type (the types are independent given u)."""
     if k < 1:
         raise ValueError(f"beam width k must be >= 1, got {k}")
     if not model.settings.parallel:
         return _beam(model, u_ids, u_valid, k)
-    n, B = model.num_types, u_ids.shape[0]
+    n, B, dev = model.num_types, u_ids.shape[0], u_ids.device
     chains, logp = _beam(model, u_ids, u_valid, k, chains=n)  # rows (b, type i, beam j), row-major
-    rows, logp = chains.rows(), logp.view(B, n, k)
-    score, picks = logp[:, 0], [[[j] for j in range(k)] for _ in range(B)]
+    logp = logp.view(B, n, k)
+    score, picks = logp[:, 0], torch.arange(k, device=dev)[None, :, None].expand(B, k, 1)  # picks: a beam per type
     for i in range(1, n):  # the k best sums so far x the k beams of type i
         total = (score[:, :, None] + logp[:, i, None, :]).flatten(1)
         score, flat = total.topk(k, dim=-1)
-        picks = [[picks[b][f // k] + [f % k] for f in flat[b].tolist()] for b in range(B)]
-    joint = [sum((rows[(b * n + i) * k + j] for i, j in enumerate(pick)), []) for b in range(B) for pick in picks[b]]
-    return Plan.from_rows(joint, tuple(model.sizes.tolist()), u_ids.device), score
+        kept = picks.gather(1, torch.div(flat, k, rounding_mode="floor")[..., None].expand(-1, -1, i))
+        picks = torch.cat([kept, (flat % k)[..., None]], dim=-1)
+    first = (torch.arange(B, device=dev)[:, None, None] * n + torch.arange(n, device=dev)) * k  # chain (b, i)'s beam 0
+    return _joined(chains, (first + picks).flatten(), n, plan_width(model)), score
+
+
+def _joined(chains: Plan, rows: torch.Tensor, n: int, width: int) -> Plan:
+    """The plans made of ``n`` chains each (``rows``: the chains of plan p at ``p * n .. p * n + n - 1``, type by
+    type): every chain's steps moved to the front in order (a stable sort on the device), ``width`` steps."""
+    fields = {k: getattr(chains, k).index_select(0, rows).view(rows.shape[0] // n, -1)
+              for k in ("classes", "types", "active", "rank", "is_eos")}
+    order = torch.sort((~fields["active"]).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+    return Plan(**{k: v.gather(1, order) for k, v in fields.items()})
 
 
 def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.Tensor]:
@@ -61,13 +82,15 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
     score = score.flatten()
     count, done = torch.zeros_like(cur), torch.zeros(B * k, dtype=torch.bool, device=dev)
     hist_c, hist_t, hist_a = [], [], []
-    width = int(model.sizes.max()) + 1
+    width = max(t.size for t in model.settings.types) + 1  # (Python ints: the ``sizes`` buffer would be read back)
     cols = torch.arange(width, device=dev)[None, :]
-    max_steps, heads, step = sum(t.max_len + 1 for t in model.settings.types), model.settings.mtp, 0
+    # every beam has ended by then (each type's max_len forces its <EOS>): a fixed number of steps, nothing read
+    max_steps = max(t.max_len + 1 for t in model.settings.types) if chains else plan_width(model)
+    heads, step = model.settings.mtp, 0
     while step < max_steps:
         group, fed = [], []  # the group's step embeddings and which beams took each step
         for j in range(heads):
-            if j and (bool(done.all()) or step >= max_steps):
+            if j and step >= max_steps:
                 break
             state = h if j == 0 else model.mtp_heads.state(h, j - 1)
             t = cur.clamp(max=n - 1)
@@ -96,18 +119,19 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
             group.append(model.step_embedding(classes, types, rank=rank)[0])
             fed.append(active)
             step += 1
-        if bool(done.all()):
+        if step >= max_steps:  # (every beam has ended)
             break
         h, keys, next_pos = model.feed(group, fed, keys, next_pos, cache)  # the group in one forward
     classes, types, active = torch.stack(hist_c, 1), torch.stack(hist_t, 1), torch.stack(hist_a, 1)
     is_eos = active & (classes == model.sizes[types.clamp(min=0)])
-    rank = torch.where(active & ~is_eos, _rank(types, active & ~is_eos), torch.zeros_like(classes))
+    rank = torch.where(active & ~is_eos, _rank(types, active & ~is_eos, n), torch.zeros_like(classes))
     return Plan(classes, types, active, rank, is_eos), score.view(B, k)
 
 
-def _rank(types, concepts) -> torch.Tensor:
-    """1-based place of each concept inside its type's block."""
-    onehot = F.one_hot(types.clamp(min=0), int(types.max().clamp(min=0)) + 1) * concepts[..., None]
+def _rank(types, concepts, n: int) -> torch.Tensor:
+    """1-based place of each concept inside its type's block (``n`` types; ``F.one_hot`` would read the range)."""
+    onehot = (types.clamp(min=0)[..., None] == torch.arange(n, device=types.device)) & concepts[..., None]
+    onehot = onehot.long()
     return (onehot.cumsum(1) * onehot).sum(-1)
 
 
