@@ -52,6 +52,7 @@ class ConceptOutput:
     updates: torch.Tensor | None = None  # [B, C, d] each concept slot's middle-stack update (tail fusion)
     codes: torch.Tensor | None = None  # [B, T, L] every level's code where keep, else -1 (multi-level codes)
     capped: torch.Tensor | None = None  # [] the policy's boundaries the static budget dropped (None: no budget)
+    keep_logit: torch.Tensor | None = None  # [B, T] the length policy's keep score, computed once (``keep_score``)
 
 
 class ConceptGate(nn.Module):
@@ -258,7 +259,8 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
 
         # concept decisions (every token's would-be concept: with emit > 1 ids also come from earlier tokens)
         head_logits = self.vocabulary.logits(h)
-        chosen, keep = self.boundaries(h, head_logits, valid, keep, starts)  # (decide, with what the cap dropped)
+        keep_logit = self.keep_score(h, head_logits) if keep is None else None  # (the decision, ratio loss, PI read it)
+        chosen, keep = self.boundaries(h, head_logits, valid, keep, starts, keep_logit)  # (with what the cap dropped)
         probs, token_ids = self.codes(h, head_logits)
         capped = (chosen.sum() - keep.sum()) if static else None
         if concept_ids is not None:
@@ -285,7 +287,7 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc)
         multi = self.levels > 1
         return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
-                             in_time_order(z_in), z, updates, emitted if multi else None, capped)
+                             in_time_order(z_in), z, updates, emitted if multi else None, capped, keep_logit)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
         """Logits [B, T, V] of every position as a tail token with no concept before it: the backbone
