@@ -234,7 +234,8 @@ def main() -> None:
             names[key] = Counter({k: v for k, v in names[key].items() if k in wanted})
             counts[key] = sum(names[key].values())
         counts = +counts
-    what = "casts" if args.casts else f"{'dispatched ' if args.lines else ''}aten ops{' (' + args.ops + ')' if args.ops else ''}"
+    ops = f"{'dispatched ' if args.lines else ''}aten ops{' (' + args.ops + ')' if args.ops else ''}"
+    what = "casts" if args.casts else ops
     print(f"{sum(counts.values())} {what} in one {args.model} step")
     if args.lines:
         apart = Counter()

@@ -85,8 +85,9 @@ class RatioControlled:
     """A length policy whose concepts-per-token ratio a bias sets: a ``null_bias`` buffer and
     ``keep_logit(head_logits, h)`` (log-odds the bias shifts). The ratio controller and the build's calibration
     move the bias (``concept.streaming.ratio``). Optional: ``bias_for_ratio(head_logits, h, valid, target)``, where
-    the ratio is not P(keep logit >= bias), given ``keep_logit=`` too. Its ``decide`` (and ``decide_with_state``) take ``keep_logit=``: that
-    score already computed (the model computes it once per forward), the same decision as without it."""
+    the ratio is not P(keep logit >= bias). Its ``decide`` and ``decide_with_state`` (and ``bias_for_ratio``) take
+    ``keep_logit=``: that score already computed (the model computes it once per forward), the same answer as
+    without it."""
 
     bias_for_ratio = None  # (a method where the policy has one)
 

@@ -36,7 +36,8 @@ class RatioObjective(Objective):
         target = float(self.target())
         if target >= 1.0:
             return zero(batch["input_ids"])
-        boundary = model.length_policy.boundary_prob(out.head_logits, out.shallow, keep_logit=getattr(out, "keep_logit", None))
+        boundary = model.length_policy.boundary_prob(out.head_logits, out.shallow,
+                                                     keep_logit=getattr(out, "keep_logit", None))  # (the forward's)
         return RatioLoss(target, self.weight)(out.keep, boundary, valid_mask(batch))
 
 
