@@ -1,7 +1,7 @@
 """Where a training step's aten ops come from: ``op_counts.py``'s step, each ``aten::`` event charged to a source.
 
     OMP_NUM_THREADS=1 python benchmarks/op_sources.py [--model streaming|pruned|dense] [--seq-len 256] [--top 40]
-                      [--shape tiny|smollm2-bf16] [--ops _to_copy,copy_] [--casts] [--by-module]
+                      [--shape tiny|smollm2-bf16] [--ops _to_copy,copy_] [--casts] [--by-module] [--lines]
 
 ``torch.profiler`` with ``with_stack``: a forward op is charged to the innermost ``concept/`` or ``plugins/``
 frame above it and the first library frame under that (e.g. ``peft/tuners/lora/layer.py``); an op of the
@@ -13,6 +13,10 @@ in a streaming step", has the table this gave. ``--shape smollm2-bf16``: ``test_
 ``--ops``: only those ops counted (e.g. the casts, ``_to_copy,copy_``). ``--by-module``: the counts summed per
 source module, forward and backward, the backbone's decoder layers (transformers' code), LoRA, the optimizer and
 AccumulateGrad set apart from the model's own glue (docs/benchmarks.md, "The streaming step's own glue").
+``--lines``: every op Python's dispatch sees (``StepCounter``'s ops, not the profiler's nested events) charged to
+the source LINE of the innermost project frame (a backward op: the line that made its autograd node), the
+decoder layers, LoRA and the optimizer set apart: the model's own glue, line by line (docs/benchmarks.md, "One keep
+score per forward").
 """
 from __future__ import annotations
 
@@ -160,9 +164,37 @@ def _short(path: str) -> str:
         r"^/.*?/(?=(concept|plugins|benchmarks)/)", "", path)
 
 
-def _stack_frames(stack) -> list[str]:
-    """``traceback`` frames as ``path: name``, innermost first."""
-    return [f"{_short(f.filename)}: {f.name}" for f in reversed(stack)]
+def _stack_frames(stack, lines: bool = False) -> list[str]:
+    """``traceback`` frames as ``path: name`` (``path:line: name`` with ``lines``), innermost first."""
+    return [f"{_short(f.filename)}{f':{f.lineno}' if lines else ''}: {f.name}" for f in reversed(stack)]
+
+
+class _LineSources(TorchDispatchMode):
+    """Every dispatched op charged to the line of the innermost project frame above it (forward), or to the
+    line that made its autograd node (backward: anomaly mode's traceback), with the library frame under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.names = Counter(), defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        node = torch._C._current_autograd_node()
+        if node is None:
+            key = ("forward", *_source(_stack_frames(traceback.extract_stack()[:-1], lines=True)))
+        else:
+            made = _stack_frames(_parse_traceback(node.metadata.get("traceback_", "")), lines=True)
+            key = ("backward", *(_source(made) if made else (node.name(), "")))
+        self.counts[key] += 1
+        self.names[key][f"aten::{func.overloadpacket.__name__}"] += 1
+        return out
+
+
+def line_sources(run) -> tuple[Counter, dict]:
+    """Run ``run`` counting every dispatched op by source line (as :func:`sources`' keys)."""
+    with torch.autograd.set_detect_anomaly(True, check_nan=False), _LineSources() as seen:
+        run()
+    return seen.counts, seen.names
 
 
 def _parse_traceback(text: str):
@@ -187,21 +219,34 @@ def main() -> None:
     parser.add_argument("--casts", action="store_true",
                         help="the casts Python's dispatch sees (as step_counts.StepCounter), not the profiler's ops")
     parser.add_argument("--by-module", action="store_true", help="sums per source module (forward, backward)")
+    parser.add_argument("--lines", action="store_true",
+                        help="dispatched ops by source line; the decoder layers, LoRA and the optimizer summed apart")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.shape == "tiny":
         run = started(built_folder(), args.model, args.seq_len).queue_step
     else:
         run = smollm2_bf16_step(args.model)
-    counts, names = cast_sources(run) if args.casts else sources(run)
+    counts, names = cast_sources(run) if args.casts else line_sources(run) if args.lines else sources(run)
     if args.ops:
         wanted = {f"aten::{op.strip()}" for op in args.ops.split(",")}
         for key in list(names):
             names[key] = Counter({k: v for k, v in names[key].items() if k in wanted})
             counts[key] = sum(names[key].values())
         counts = +counts
-    what = "casts" if args.casts else f"aten ops{' (' + args.ops + ')' if args.ops else ''}"
+    ops = f"{'dispatched ' if args.lines else ''}aten ops{' (' + args.ops + ')' if args.ops else ''}"
+    what = "casts" if args.casts else ops
     print(f"{sum(counts.values())} {what} in one {args.model} step")
+    if args.lines:
+        apart = Counter()
+        for (phase, ours, library), n in list(counts.items()):
+            module = module_of(phase, re.sub(r":\d+:", ":", ours), library)
+            if module in EXCLUDED.values():
+                apart[module, phase] += n
+                del counts[phase, ours, library]
+        for (module, phase), n in sorted(apart.items()):
+            print(f"{n:6d}  {phase:8s}  {module}")
+        print(f"{sum(counts.values()):6d}  the model's own glue, by line:")
     if args.by_module:
         rows = defaultdict(Counter)
         for (phase, ours, library), n in counts.items():

@@ -40,24 +40,26 @@ def sdpa_dtype(device: torch.device, dtype: torch.dtype | None = None) -> torch.
 
 
 def additive(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A boolean mask (True: allowed) as SDPA applies it, once per plan instead of once per layer and call:
-    0 where allowed, -inf elsewhere, in :func:`sdpa_dtype` (SDPA's own conversion of a boolean mask,
-    ``where(mask, 0, -inf)`` in the query's dtype: the same values, bit for bit)."""
+    """A boolean mask [B, Lq, Lk] (True: allowed) as SDPA applies it, once per plan instead of once per layer and
+    call: 0 where allowed, -inf elsewhere, in :func:`sdpa_dtype` (SDPA's own conversion of a boolean mask,
+    ``where(mask, 0, -inf)`` in the query's dtype: the same values, bit for bit), [B, 1, Lq, Lk]: with the heads'
+    dimension SDPA broadcasts over (added once, not in each call)."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.full(mask.shape, float("-inf"), dtype=sdpa_dtype(mask.device), device=mask.device).masked_fill_(
-        mask, 0.0)
+    return torch.full((mask.shape[0], 1, *mask.shape[1:]), float("-inf"), dtype=sdpa_dtype(mask.device),
+                      device=mask.device).masked_fill_(mask[:, None], 0.0)
 
 
 def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor:
-    """SDPA with grouped-query heads, returning [B, H, Lq, hd]. ``mask`` [B, Lq, Lk]: boolean (True: allowed)
-    or additive (:func:`additive`; cast to the query's dtype if it was made in another, the same values)."""
+    """SDPA with grouped-query heads, returning [B, H, Lq, hd]. ``mask`` [B, Lq, Lk]: boolean (True: allowed),
+    or additive [B, 1, Lq, Lk] (:func:`additive`; cast to the query's dtype if it was made in another, the same
+    values)."""
     if mask is not None and mask.dtype != torch.bool:
         dtype = sdpa_dtype(query.device, query.dtype)
         mask = mask if mask.dtype == dtype else mask.to(dtype)  # (0 and -inf are exact in every float dtype)
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=None if mask is None else mask[:, None], is_causal=is_causal,
-        scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        query, key, value, attn_mask=None if mask is None else mask if mask.dim() == 4 else mask[:, None],
+        is_causal=is_causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
     )
 
 

@@ -4,7 +4,9 @@ reference where its kind has one. A component that imports but breaks its kind's
 ``decide`` with the wrong signature, a step rule that disagrees with the batched decision) is reported here, with
 the call that failed, instead of at the first forward of a build.
 
-- length policy: the batched ``decide(h, head_logits, valid, reset)`` equals ``step`` run token by token;
+- length policy: the batched ``decide(h, head_logits, valid, reset)`` equals ``step`` run token by token; a
+  ratio-controlled one decides the same given its ``keep_logit`` (the model hands it over) and, with a
+  ``boundary_prob``, gives the same probability from it;
 - sampler: ``forward(logits)`` gives probabilities (finite, non-negative, summing to 1) of the logits' shape;
 - vocabulary: ``logits(h)`` has K (+1 with a NULL class) columns; ``embed_soft`` of a one-hot row is ``embed_hard``;
 - position scheme: positions shaped like their input; the type embeddings keep the input's shape;
@@ -19,7 +21,7 @@ import torch
 from .attention import AttentionPattern, sdpa
 from .components import BuildContext
 from .config import NoOptions
-from .contracts import LengthPolicy, ReadsPredictor
+from .contracts import DifferentiableBoundary, LengthPolicy, RatioControlled, ReadsPredictor
 from .packing import allowed, pack
 
 B, T, D, K, V = 2, 12, 16, 8, 32  # rows, tokens, width, concept ids, token vocabulary
@@ -63,6 +65,9 @@ def length_policy(cls: type) -> str | None:
         return f"decide(h, head_logits, valid, reset) failed: {type(exc).__name__}: {exc}"
     if not isinstance(keep, torch.Tensor) or keep.shape != (B, T):
         return f"decide(h, head_logits, valid, reset) must return keep [B, T] = {[B, T]}, got {_shape(keep)}"
+    given = _given_keep_logit(policy, h, head_logits, valid, reset, keep)
+    if given:
+        return given
     state, steps = policy.init_state(B, h.device), []
     for t in range(T):
         try:
@@ -75,6 +80,24 @@ def length_policy(cls: type) -> str | None:
         t = int((stepped != keep.bool()).any(0).nonzero()[0])
         return (f"decide() and step() disagree (first at token {t}: decide {keep.bool()[:, t].tolist()}, step "
                 f"{stepped[:, t].tolist()}); decoding needs the step rule to equal the batched decision")
+    return None
+
+
+def _given_keep_logit(policy, h, head_logits, valid, reset, keep) -> str | None:
+    """A ratio-controlled policy reads the keep score the model computed once per forward (``keep_logit=``):
+    the same decision, and the same ``boundary_prob``, as when it computes the score itself."""
+    if not isinstance(policy, RatioControlled):
+        return None
+    score = policy.keep_logit(head_logits, h)
+    try:
+        given = policy.decide(h, head_logits, valid, reset, keep_logit=score)
+    except Exception as exc:
+        return f"decide(h, head_logits, valid, reset, keep_logit=...) failed: {type(exc).__name__}: {exc}"
+    if not torch.equal(torch.as_tensor(given).bool(), keep.bool()):
+        return "decide(..., keep_logit=keep_logit(head_logits, h)) must equal decide(...) (the same score)"
+    if isinstance(policy, DifferentiableBoundary) and not torch.equal(
+            policy.boundary_prob(head_logits, h, keep_logit=score), policy.boundary_prob(head_logits, h)):
+        return "boundary_prob(..., keep_logit=keep_logit(head_logits, h)) must equal boundary_prob(...)"
     return None
 
 

@@ -85,7 +85,9 @@ class RatioControlled:
     """A length policy whose concepts-per-token ratio a bias sets: a ``null_bias`` buffer and
     ``keep_logit(head_logits, h)`` (log-odds the bias shifts). The ratio controller and the build's calibration
     move the bias (``concept.streaming.ratio``). Optional: ``bias_for_ratio(head_logits, h, valid, target)``, where
-    the ratio is not P(keep logit >= bias)."""
+    the ratio is not P(keep logit >= bias). Its ``decide`` and ``decide_with_state`` (and ``bias_for_ratio``) take
+    ``keep_logit=``: that score already computed (the model computes it once per forward), the same answer as
+    without it."""
 
     bias_for_ratio = None  # (a method where the policy has one)
 
@@ -94,10 +96,11 @@ class RatioControlled:
 
 
 class DifferentiableBoundary:
-    """A length policy with ``boundary_prob(head_logits, h)``: the differentiable keep probability the ratio loss
-    reads (``--ratio-control loss``)."""
+    """A length policy with ``boundary_prob(head_logits, h, keep_logit=None)``: the differentiable keep probability
+    the ratio loss reads (``--ratio-control loss``); ``keep_logit``: the policy's keep score (``RatioControlled``)
+    already computed, which the probability is then read from."""
 
-    def boundary_prob(self, head_logits, h=None):
+    def boundary_prob(self, head_logits, h=None, keep_logit=None):
         raise NotImplementedError
 
 

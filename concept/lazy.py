@@ -46,15 +46,20 @@ def _state(p: torch.Tensor) -> tuple:
 
 
 class LazyField:
-    """A dataclass field (``name: T = LazyField()``, still a required argument) whose value may be given as a
-    :class:`Deferred`: computed on first read, then kept."""
+    """A dataclass field (``name: T = LazyField()``, still a required argument; ``LazyField(None)``: with that
+    default) whose value may be given as a :class:`Deferred`: computed on first read, then kept."""
+
+    def __init__(self, *default):
+        self.default = default  # () : a required argument; (value,): that default (``LazyField(None)``)
 
     def __set_name__(self, owner, name):
         self.slot = f"_{name}_value"
 
     def __get__(self, obj, owner=None):
-        if obj is None:  # dataclass asks for a default: there is none
-            raise AttributeError(self.slot)
+        if obj is None:  # dataclass asks for a default
+            if not self.default:
+                raise AttributeError(self.slot)
+            return self.default[0]
         value = obj.__dict__[self.slot]
         if isinstance(value, Deferred):
             value = obj.__dict__[self.slot] = value()

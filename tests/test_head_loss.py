@@ -225,3 +225,29 @@ def test_bf16_chunked_ce_stays_close_to_fp32():
     assert new.dtype == torch.float32
     assert relative(new, old) <= 1e-5
     assert relative(new, fp32) <= 0.02 and new != fp32
+
+
+def test_the_deep_input_is_gathered_to_time_order_only_when_read():
+    """``out.deep_input`` (what the alignment objective reads) is deferred like the logits: a forward does not
+    gather it; read, it is the deep stack's input in time order, bit for bit (captured at the first deep layer),
+    with its gradient path. Negative control: another slot map gives other values."""
+    from tests.conftest import mixed_model
+
+    model = mixed_model("null").train()
+    try:
+        seen = []
+        hook = model.deep[0].register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]),
+                                                       with_kwargs=True)
+        try:
+            ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(3))
+            out = model(ids)
+        finally:
+            hook.remove()
+        assert not LazyField.computed(out, "deep_input")
+        slots = out.layout.slot_of_time
+        want = seen[0].gather(1, slots[..., None].expand(-1, -1, seen[0].shape[-1]))
+        assert torch.equal(out.deep_input, want) and out.deep_input.requires_grad
+        wrong = seen[0].gather(1, slots.roll(1, dims=1)[..., None].expand(-1, -1, seen[0].shape[-1]))
+        assert not torch.equal(out.deep_input, wrong)
+    finally:
+        model.eval()

@@ -45,7 +45,8 @@ def _concept_stats(m, out, valid: torch.Tensor) -> dict:
                                                  for level in range(codes.shape[-1])])
     policy = m.length_policy
     if isinstance(policy, DifferentiableBoundary):
-        p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None)).float()
+        p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None),
+                                 keep_logit=getattr(out, "keep_logit", None)).float()  # (the forward's score)
         stats["boundary_sum"] = float(p[valid].sum())
     if stats["kept"]:
         logits = out.head_logits[keep][:, :K].float()

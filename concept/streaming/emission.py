@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import packing
 from ..components import upcast
-from ..contracts import Mixes
+from ..contracts import Mixes, RatioControlled
 
 
 class ConceptEmission:
@@ -24,10 +24,21 @@ class ConceptEmission:
         probs, ids = self.codes(h, head_logits)
         return head_logits, probs, keep, ids
 
-    def boundaries(self, h, head_logits, valid, keep=None, reset=None):
+    def keep_score(self, h, head_logits):
+        """The length policy's keep logit [B, T] (``RatioControlled.keep_logit``: its bias included, differentiable
+        in the head), None for a policy without one. A forward computes it once and hands it to the decision, the
+        ratio loss and the ratio controller's statistics (``ConceptOutput.keep_logit``), which each computed it."""
+        policy = self.length_policy
+        return policy.keep_logit(head_logits, h) if isinstance(policy, RatioControlled) else None
+
+    def boundaries(self, h, head_logits, valid, keep=None, reset=None, keep_logit=None):
         """(the length policy's boundaries on real tokens, or the forced ``keep``; those the static budget
-        keeps of them), both [B, T] bool: the same tensor without a budget."""
-        chosen = (self.length_policy.decide(h, head_logits, valid, reset) if keep is None else keep).bool() & valid
+        keeps of them), both [B, T] bool: the same tensor without a budget. ``keep_logit``: the policy's keep
+        score, already computed (``keep_score``)."""
+        if keep is None:
+            given = {} if keep_logit is None else {"keep_logit": keep_logit}
+            keep = self.length_policy.decide(h, head_logits, valid, reset, **given)
+        chosen = keep.bool() & valid
         max_ratio = self.max_ratio
         if not max_ratio:
             return chosen, chosen

@@ -47,11 +47,13 @@ class ConceptOutput:
     loss: torch.Tensor | None = None  # mean next-token CE over real positions, when labels are given
     layout: packing.PackedLayout | None = None
     shallow: torch.Tensor | None = None  # [B, T, d] shallow states h (what the head read)
-    deep_input: torch.Tensor | None = None  # [B, T, d] the deep stack's input element of each position t
+    deep_input: torch.Tensor | None = LazyField(None)  # [B, T, d] the deep stack's input element of each position t
+    # (gathered to time order when first read: the alignment objective reads it, a training step need not)
     hidden: torch.Tensor | None = None  # [B, T, d] the deep stack's output at t (before the final norm)
     updates: torch.Tensor | None = None  # [B, C, d] each concept slot's middle-stack update (tail fusion)
     codes: torch.Tensor | None = None  # [B, T, L] every level's code where keep, else -1 (multi-level codes)
     capped: torch.Tensor | None = None  # [] the policy's boundaries the static budget dropped (None: no budget)
+    keep_logit: torch.Tensor | None = None  # [B, T] the length policy's keep score, computed once (``keep_score``)
 
 
 class ConceptGate(nn.Module):
@@ -258,7 +260,8 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
 
         # concept decisions (every token's would-be concept: with emit > 1 ids also come from earlier tokens)
         head_logits = self.vocabulary.logits(h)
-        chosen, keep = self.boundaries(h, head_logits, valid, keep, starts)  # (decide, with what the cap dropped)
+        keep_logit = self.keep_score(h, head_logits) if keep is None else None  # (the decision, ratio loss, PI read it)
+        chosen, keep = self.boundaries(h, head_logits, valid, keep, starts, keep_logit)  # (with what the cap dropped)
         probs, token_ids = self.codes(h, head_logits)
         capped = (chosen.sum() - keep.sum()) if static else None
         if concept_ids is not None:
@@ -285,7 +288,8 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc)
         multi = self.levels > 1
         return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
-                             in_time_order(z_in), z, updates, emitted if multi else None, capped)
+                             Deferred(lambda: in_time_order(z_in), like=z_in), z, updates, emitted if multi else None,
+                             capped, keep_logit)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
         """Logits [B, T, V] of every position as a tail token with no concept before it: the backbone

@@ -36,7 +36,8 @@ class RatioObjective(Objective):
         target = float(self.target())
         if target >= 1.0:
             return zero(batch["input_ids"])
-        boundary = model.length_policy.boundary_prob(out.head_logits, out.shallow)
+        boundary = model.length_policy.boundary_prob(out.head_logits, out.shallow,
+                                                     keep_logit=getattr(out, "keep_logit", None))  # (the forward's)
         return RatioLoss(target, self.weight)(out.keep, boundary, valid_mask(batch))
 
 
@@ -161,8 +162,10 @@ class RatioControl(Objective):
             found["_capped"] = out.capped * getattr(model, "emit", 1)
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
             valid = batch["attention_mask"].bool()
-            found["_quantile"], found["_spread"] = self.pi.statistics(model.length_policy, out.head_logits.detach(),
-                                                                      valid, out.shallow.detach())
+            keep_logit = getattr(out, "keep_logit", None)  # (the forward's: computed once)
+            found["_quantile"], found["_spread"] = self.pi.statistics(
+                model.length_policy, out.head_logits.detach(), valid, out.shallow.detach(),
+                None if keep_logit is None else keep_logit.detach())
         return found
 
     def device_step(self, model, means: dict[str, torch.Tensor], totals: dict[str, torch.Tensor],

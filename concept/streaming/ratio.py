@@ -92,15 +92,18 @@ class PIController:
         return self.apply(policy, *self.statistics(policy, head_logits, valid, h), ratio)
 
     def statistics(self, policy, head_logits: torch.Tensor, valid: torch.Tensor,
-                   h=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   h=None, keep_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the bias that would give exactly ``target`` on this batch, the keep log-odds spread): what
         :meth:`apply` needs, averaged by the trainer over micro-batches and processes. Device scalars (the
-        values :meth:`_quantile` computes, masked instead of indexed): nothing is read back during the step."""
+        values :meth:`_quantile` computes, masked instead of indexed): nothing is read back during the step.
+        ``keep_logit``: ``policy.keep_logit(head_logits, h)`` already computed (the forward's)."""
         with torch.no_grad():
-            keep_logit = policy.keep_logit(head_logits, h).float() + policy.null_bias  # without the bias
+            score = policy.keep_logit(head_logits, h) if keep_logit is None else keep_logit
+            keep_logit = score.float() + policy.null_bias  # without the bias
             spread = masked_std(keep_logit, valid)
             if policy.bias_for_ratio is not None:  # a policy whose ratio is not P(keep logit >= bias)
-                return torch.as_tensor(policy.bias_for_ratio(head_logits, h, valid, self.target), device=head_logits.device), spread
+                bias = policy.bias_for_ratio(head_logits, h, valid, self.target, keep_logit=score)
+                return torch.as_tensor(bias, device=head_logits.device), spread
             hidden = torch.where(valid, keep_logit, torch.full_like(keep_logit, float("nan")))
             return torch.nanquantile(hidden.flatten(), 1.0 - self.target), spread
 

@@ -79,7 +79,8 @@ class ChunkedPattern(AttentionPattern):
         for a in range(0, layout.length - C, chunk):
             b = min(a + chunk, layout.length - C)
             qa = C + a if a else 0  # (the first chunk's queries start with the concept block's)
-            self.chunks.append((qa, C + b, 0, 0, additive(allowed(meta[:, qa: C + b], meta[:, : C + b]))))
+            queries, keys = _slots(meta, qa, C + b, layout.length), _slots(meta, 0, C + b, layout.length)
+            self.chunks.append((qa, C + b, 0, 0, additive(allowed(queries, keys))))
         if C and not self.chunks:  # (no tail slots: the concept block alone)
             self.chunks.append((0, C, 0, 0, additive(allowed(concepts, concepts))))
         self.merged = True
@@ -105,6 +106,11 @@ class ChunkedPattern(AttentionPattern):
         if len(outs) == 1:  # (one call: e.g. a static layout of at most one chunk of tail slots)
             return outs[0].transpose(1, 2)
         return torch.cat([out.transpose(1, 2) for out in outs], dim=1)  # [B, L, H, hd], contiguous: one copy
+
+
+def _slots(meta, a: int, b: int, length: int):
+    """``meta[:, a:b]``; the metadata itself where that is all of its ``length`` slots (no view of each field)."""
+    return meta if a == 0 and b == length else meta[:, a:b]
 
 
 class ChunkedBackend(AttentionBackend):

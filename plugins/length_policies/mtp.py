@@ -132,10 +132,10 @@ class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, Re
         keep, count = chunks.advance(unsure, count, cfg.min_chunk, self.max_chunk)
         return keep, (count, tokens + 1, concepts + keep.long())
 
-    def decide_with_state(self, h, head_logits, valid, reset=None):
+    def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):
         """Batched: confidences in one go, then a scan of the step rule over t (``concept.streaming.chunks``; with
         the tracker, the per-document lag joins the score as in the `null` policy)."""
-        cfg, logit = self.config, self.keep_logit(head_logits, h)
+        cfg, logit = self.config, self.keep_logit(head_logits, h) if keep_logit is None else keep_logit
         if not self.track:
             return chunks.scan(logit > 0, valid, cfg.min_chunk, self.max_chunk, reset)
         T = valid.shape[1]
@@ -154,5 +154,5 @@ class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, Re
             DeviceRule("chunk_scan", (interval_width(T), cfg.min_chunk, self.max_chunk, True)))
         return keep, (count, total, concepts)
 
-    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
-        return self.decide_with_state(h, head_logits, valid, reset)[0]
+    def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:
+        return self.decide_with_state(h, head_logits, valid, reset, keep_logit)[0]

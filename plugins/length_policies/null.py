@@ -115,8 +115,9 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         concepts = torch.logsumexp(logits[..., : self.null_index], dim=-1)
         return concepts - (logits[..., self.null_index] + self.null_bias)
 
-    def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.sigmoid(self.keep_logit(head_logits))
+    def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor | None = None,
+                      keep_logit: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.keep_logit(head_logits) if keep_logit is None else keep_logit)
 
     # -- decisions ------------------------------------------------------------------------
     def init_state(self, batch_size: int, device):
@@ -139,8 +140,8 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         keep = (logit >= 0) | (state >= self.max_run)
         return keep, torch.where(keep, torch.zeros_like(state), state + 1)
 
-    def _vectorised(self, head_logits, valid, reset):
-        natural = (self.keep_logit(head_logits) >= 0) & valid
+    def _vectorised(self, keep_logit, valid, reset):
+        natural = (keep_logit >= 0) & valid
         boundary = natural | ~valid  # padding acts as a boundary, so runs start at the first real token
         t = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
         marks = torch.where(boundary, t, torch.full_like(t, -1))
@@ -151,7 +152,7 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         forced = ~boundary & (offset % (self.max_run + 1) == self.max_run)
         return natural | forced
 
-    def _scan(self, h, head_logits, valid, reset=None):
+    def _scan(self, h, keep_logit, valid, reset=None):
         """Batched tracker decisions: a scan over t of the step rule ``_advance`` (padding does not
         advance a row's state; a document start resets it), run on the host
         (``concept.streaming.host_scan``). The real tokens before t (the state's ``tokens``) do not
@@ -162,7 +163,7 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         the last token. On CUDA the scan is a Triton kernel (no host sync; ``concept.streaming.scan``)."""
         B, T = valid.shape
         before, total = document_tokens(valid, reset)
-        ahead = tracker_ahead(self.keep_logit(head_logits).detach(), before, self.track)
+        ahead = tracker_ahead(keep_logit.detach(), before, self.track)
         bound, admits = allowance(ahead, concept_price(self.track, self.target_ratio), T)
         max_run = self.max_run
 
@@ -176,16 +177,19 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
                                           DeviceRule("null_tracker_scan", (interval_width(T), max_run)))
         return keep, (run, total, concepts)
 
-    def decide_with_state(self, h, head_logits, valid, reset=None):
+    def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):
         """``decide`` and the step state after the last token, both for all t at once (what a
         decoder's prefill needs: no step-by-step replay of the prompt)."""
+        keep_logit = self.keep_logit(head_logits) if keep_logit is None else keep_logit
         if self.track:
-            return self._scan(h, head_logits, valid, reset)
-        keep = self._vectorised(head_logits, valid, reset)
+            return self._scan(h, keep_logit, valid, reset)
+        keep = self._vectorised(keep_logit, valid, reset)
         return keep, tokens_since_keep(keep, valid, reset)
 
-    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
-        """Batched: head_logits [B, T, K+1], valid [B, T], reset [B, T] (document starts) -> keep [B, T]."""
+    def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:
+        """Batched: head_logits [B, T, K+1], valid [B, T], reset [B, T] (document starts) -> keep [B, T];
+        ``keep_logit`` [B, T]: ``keep_logit(head_logits)`` already computed."""
+        keep_logit = self.keep_logit(head_logits) if keep_logit is None else keep_logit
         if self.track:
-            return self._scan(h, head_logits, valid, reset)[0]
-        return self._vectorised(head_logits, valid, reset)
+            return self._scan(h, keep_logit, valid, reset)[0]
+        return self._vectorised(keep_logit, valid, reset)

@@ -88,15 +88,16 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
         """Log-odds of the per-token score p_t."""
         return self.score(rms_normalize(h).to(self.score.weight.dtype))[..., 0].float() - self.null_bias
 
-    def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.keep_logit(head_logits, h))
+    def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor,
+                      keep_logit: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.keep_logit(head_logits, h) if keep_logit is None else keep_logit)
 
-    def bias_for_ratio(self, head_logits, h, valid, target: float) -> torch.Tensor:
+    def bias_for_ratio(self, head_logits, h, valid, target: float, keep_logit=None) -> torch.Tensor:
         """The ratio controller's feed-forward bias: a chunk closes after about threshold / mean(p)
         tokens, so aim at mean(p) = target * threshold (bisection on this batch's scores, on the device:
-        a float64 scalar, nothing read back)."""
+        a float64 scalar, nothing read back). ``keep_logit``: the score already computed."""
         with torch.no_grad():
-            s = (self.keep_logit(head_logits, h) + self.null_bias).float()
+            s = ((self.keep_logit(head_logits, h) if keep_logit is None else keep_logit) + self.null_bias).float()
             goal = min(target * self.threshold, 0.999)
             real, far = valid.sum(), torch.full_like(s, float("inf"))
             lo = torch.where(valid, s, far).min().double() - 30.0
@@ -121,13 +122,13 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
     def step(self, h_t, head_logits_t, state):
         return self._advance(self.boundary_prob(head_logits_t, h_t).detach(), state)
 
-    def decide_with_state(self, h, head_logits, valid, reset=None):
+    def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):
         """Batched: a scan of the step rule over t in the tensor rule's own float arithmetic, so both
         agree exactly: on CUDA a Triton kernel adding in p's dtype in order (no host sync), elsewhere on
         the host (``numpy.float32`` for float32 sums; ``concept.streaming.scan``). Padding does not
         advance a row's state; a document start resets it. Returns keep [B, T] and the state after the
-        last token."""
-        p = self.boundary_prob(head_logits, h).detach()
+        last token (``keep_logit``: the score already computed)."""
+        p = self.boundary_prob(head_logits, h, keep_logit).detach()
         dtype = torch.promote_types(torch.get_default_dtype(), p.dtype)  # what init_state's sum + p_t is in
         number = np.float64 if dtype == torch.float64 else np.float32
         threshold, max_run, zero = number(self.threshold), self.max_run, number(0.0)
@@ -142,8 +143,8 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
         return scan_rule(rule, (zero, 0), [p.to(dtype)], valid, reset, (dtype, torch.long),
                          DeviceRule("threshold_scan", (float(self.threshold), max_run)))
 
-    def decide(self, h, head_logits, valid, reset=None) -> torch.Tensor:
-        return self.decide_with_state(h, head_logits, valid, reset)[0]
+    def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:
+        return self.decide_with_state(h, head_logits, valid, reset, keep_logit)[0]
 
     def gate(self, h, head_logits, keep, valid, reset=None) -> torch.Tensor:
         """[B, T] soft boundary value at each token, differentiable in the score: the
