@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,39 @@ def test_a_streaming_training_step_on_cuda_has_no_host_sync(tmp_path_factory):
     with HostSyncs() as seen:
         trainer.queue_step()
     assert seen.hidden == 0 and dict(seen.declared) == {}, (dict(seen.syncs), dict(seen.declared))
+
+
+def test_a_kernel_failing_on_its_first_call_falls_back_to_the_host_scan_with_a_warning(monkeypatch):
+    """A device kernel that cannot run here (Triton refuses this GPU) warns once and the rule decides on the host,
+    the same decisions; a kernel that has run once and then fails raises (the control: no silent fallback)."""
+    from concept.streaming import scan
+    from concept.streaming.chunks import rule
+
+    class Broken:
+        calls = 0
+
+        def chunk_scan(self, *args):
+            Broken.calls += 1
+            raise RuntimeError("PTX for this GPU could not be compiled")
+
+    monkeypatch.setattr(device_scan, "runs_on", lambda device: True)
+    monkeypatch.setattr(device_scan, "ops", lambda: Broken())
+    monkeypatch.setattr(scan, "_failed", set())
+    monkeypatch.setattr(scan, "_proven", set())
+    g = torch.Generator().manual_seed(0)
+    unsure = torch.rand(3, 17, generator=g) > 0.6
+    valid = torch.ones(3, 17, dtype=torch.bool)
+    device = scan.DeviceRule("chunk_scan", (0, 2, 5, False))
+    with pytest.warns(RuntimeWarning, match=r"concept::chunk_scan\) failed on its first call on cpu.*PTX"):
+        keep, (count,) = scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,), device)
+    host_keep, (host_count,) = scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,))
+    assert torch.equal(keep, host_keep) and torch.equal(count, host_count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the failed kernel is not tried again
+        scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,), device)
+    assert Broken.calls == 1
+    # the control: a kernel that has run raises when it fails later
+    scan._failed.clear()
+    scan._proven.add(("chunk_scan", "cpu", True, (torch.bool,), (False,)))
+    with pytest.raises(RuntimeError, match="PTX"):
+        scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,), device)
