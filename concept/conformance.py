@@ -93,7 +93,7 @@ def _given_keep_logit(policy, h, head_logits, valid, reset, keep) -> str | None:
         given = policy.decide(h, head_logits, valid, reset, keep_logit=score)
     except Exception as exc:
         return f"decide(h, head_logits, valid, reset, keep_logit=...) failed: {type(exc).__name__}: {exc}"
-    if not torch.equal(torch.as_tensor(given).bool(), keep.bool()):
+    if not torch.equal(torch.as_tensor(given, device=keep.device).bool(), keep.bool()):
         return "decide(..., keep_logit=keep_logit(head_logits, h)) must equal decide(...) (the same score)"
     if isinstance(policy, DifferentiableBoundary) and not torch.equal(
             policy.boundary_prob(head_logits, h, keep_logit=score), policy.boundary_prob(head_logits, h)):

@@ -187,7 +187,9 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     otherwise attention may cross packed documents (the loss never does).
     """
     base = unwrap(model)
-    own = family_of(base).evaluate(base, batches, bucket, controls, seed)
+    # a model built here names its family; anything else with a forward returning logits (a Hugging Face model,
+    # a stand-in) is evaluated as a dense model
+    own = family_of(base).evaluate(base, batches, bucket, controls, seed) if hasattr(base, "family") else None
     return own if own is not None else evaluate_tokens(model, batches, bucket)
 
 

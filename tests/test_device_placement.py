@@ -55,7 +55,6 @@ ALLOWED = {
     ("concept/codes.py", "spherical_kmeans"): "k-means of queries brought to the host (.cpu()), a CPU generator",
     ("concept/codes.py", "CodeRevival._revive"): "CPU-generator draws at a revival step, in its declared host "
                                                  "sync (the same on every device and process); moved with .to()",
-    ("concept/codes.py", "CodeRevival.load_state_dict"): "host-side idle counters from the checkpoint's JSON",
     ("concept/codes.py", "KMeansInit._initialise"): "a CPU generator's choice of ids, moved with .to()",
 }
 

@@ -422,8 +422,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
     # -- pieces ------------------------------------------------------------------------------
     @property
     def stream_dtype(self) -> torch.dtype:
-        """The residual stream's dtype: the backbone's token embeddings' (bf16 with a bf16-stored base), in which
-        a dense model's layers run."""
+        """The residual stream's dtype, the token embeddings' (bf16 with a bf16-stored base), as a dense model's."""
         return self.inner.embed_tokens.weight.dtype
 
     def run(self, x, position_ids, attention_plan, cache=None):

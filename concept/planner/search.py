@@ -93,13 +93,7 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
             if j and step >= max_steps:
                 break
             state = h if j == 0 else model.mtp_heads.state(h, j - 1)
-            t = cur.clamp(max=n - 1)
-            K = model.sizes[t]
-            forced = count >= model.max_lens[t]
-            logp = F.log_softmax(model.plan_logits(state, t, count).float().masked_fill(
-                forced[:, None] & (cols < K[:, None]), float("-inf")), dim=-1)
-            logp = torch.where(done[:, None], torch.where(cols == 0, 0.0, float("-inf")), logp)  # finished: carry on
-            total = (score[:, None] + logp).view(B, k * width)
+            total = (score[:, None] + _step_logp(model, state, cur, count, done, cols)).view(B, k * width)
             score, flat = total.topk(k, dim=-1)
             beam = torch.div(flat, width, rounding_mode="floor") + torch.arange(B, device=dev)[:, None] * k
             beam, classes, score = beam.flatten(), (flat % width).flatten(), score.flatten()
@@ -126,6 +120,16 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
     is_eos = active & (classes == model.sizes[types.clamp(min=0)])
     rank = torch.where(active & ~is_eos, _rank(types, active & ~is_eos, n), torch.zeros_like(classes))
     return Plan(classes, types, active, rank, is_eos), score.view(B, k)
+
+
+def _step_logp(model, state, cur, count, done, cols) -> torch.Tensor:
+    """Each beam's log-probabilities of its next class [beams, width]: a type at its ``max_len`` may only end
+    (``<EOS>``); a finished beam carries on unchanged (class 0 at no cost, every other class impossible)."""
+    t = cur.clamp(max=model.num_types - 1)
+    forced = count >= model.max_lens[t]
+    logp = F.log_softmax(model.plan_logits(state, t, count).float().masked_fill(
+        forced[:, None] & (cols < model.sizes[t][:, None]), float("-inf")), dim=-1)
+    return torch.where(done[:, None], torch.where(cols == 0, 0.0, float("-inf")), logp)
 
 
 def _rank(types, concepts, n: int) -> torch.Tensor:

@@ -30,6 +30,11 @@ from ..kv_cache import ConceptCache, DecodePattern
 from ..syncs import declared
 
 
+def _scored(out) -> dict:
+    """The keep score a forward computed, as ``decide_with_state``'s keyword (none if it computed none)."""
+    return {} if getattr(out, "keep_logit", None) is None else {"keep_logit": out.keep_logit}
+
+
 class ConceptDecoder:
     """Online decoding of a :class:`concept.streaming.model.ConceptModel` with its three KV caches."""
 
@@ -94,8 +99,7 @@ class ConceptDecoder:
         prefill's head outputs; its decisions must be the batched ones."""
         policy = self.model.length_policy
         if isinstance(policy, DecidesWithState):  # a scan of the step rule: the same computation as decide()
-            given = {} if getattr(out, "keep_logit", None) is None else {"keep_logit": out.keep_logit}  # (forward's)
-            keep, state = policy.decide_with_state(out.shallow, out.head_logits, valid, **given)
+            keep, state = policy.decide_with_state(out.shallow, out.head_logits, valid, **_scored(out))
             if self.model.max_ratio:  # the static budget drops what the policy's state still counts as emitted
                 keep = packing.cap_boundaries(keep.bool(), valid, self.model.max_ratio, slack=self.model.budget_slack)
             if not torch.equal(keep, out.keep):
