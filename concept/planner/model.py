@@ -257,18 +257,13 @@ class Plan:
             active = self.active.view(B, n * S)
             order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :width]
             kept, extra = active.gather(1, order), width - order.shape[1]
-            out = {}
-            for f in dataclasses.fields(self):
-                t = getattr(self, f.name)
-                if t is None:
-                    out[f.name] = None
-                    continue
-                fill = {"classes": -1, "types": -1}.get(f.name, 0)  # (logits after the end: 0, as below)
+            out = dict.fromkeys(f.name for f in dataclasses.fields(self))
+            for name, t, fill in self._set_fields():
                 t = t.reshape(B, n * S, *t.shape[2:])
                 index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
                 mask = kept.view(*kept.shape, *[1] * (t.dim() - 2))
                 t = torch.where(mask, t.gather(1, index), torch.full_like(t[:, :1], fill))
-                out[f.name] = torch.cat([t, t.new_full((B, extra, *t.shape[2:]), fill)], 1) if extra > 0 else t
+                out[name] = torch.cat([t, t.new_full((B, extra, *t.shape[2:]), fill)], 1) if extra > 0 else t
             return Plan(**out)
         lengths = self.active.sum(1).view(B, n)
         offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
@@ -276,15 +271,17 @@ class Plan:
             width = int(lengths.sum(1).max())
             rows, steps = self.active.nonzero(as_tuple=True)
         target = (rows // n, offset[rows] + steps)
-        out = {}
-        for f in dataclasses.fields(self):
-            t = getattr(self, f.name)
-            if t is None:
-                out[f.name] = None
-                continue
-            fill = {"classes": -1, "types": -1}.get(f.name, 0)  # (logits after the end: 0, finite like the planner's)
-            out[f.name] = t.new_full((B, width, *t.shape[2:]), fill).index_put(target, t[rows, steps])
+        out = dict.fromkeys(f.name for f in dataclasses.fields(self))
+        for name, t, fill in self._set_fields():
+            out[name] = t.new_full((B, width, *t.shape[2:]), fill).index_put(target, t[rows, steps])
         return Plan(**out)
+
+    def _set_fields(self):
+        """(name, tensor, fill after the plan's end) of each field that is set: -1 for classes and types, 0 for the
+        rest (logits after the end: 0, finite like the planner's)."""
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                yield f.name, getattr(self, f.name), {"classes": -1, "types": -1}.get(f.name, 0)
 
     @staticmethod
     def steps_of(row: list[tuple[int, int]], sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
