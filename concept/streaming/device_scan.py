@@ -26,8 +26,9 @@ import os
 
 import torch
 
+from .scan_choice import CHOICE as _choice
+
 AVAILABLE = importlib.util.find_spec("triton") is not None
-_choice = {"device": None, "rows": 16}  # None: CUDA only; True: CPU too (the interpreter); False: never
 
 
 def interpreted() -> bool:
@@ -56,12 +57,6 @@ def choose(device: bool, rows: int = 16):
         yield
     finally:
         _choice.update(before)
-
-
-def rows_per_program(device) -> int:
-    """One row per program on a GPU (the rows spread over the SMs); a block of rows in the interpreter, whose
-    cost is per program step (``choose``'s ``rows``)."""
-    return 1 if torch.device(device).type == "cuda" else _choice["rows"]
 
 
 def ops():

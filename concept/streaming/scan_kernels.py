@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .device_scan import rows_per_program
+from .scan_choice import rows_per_program
 
 
 @triton.jit
