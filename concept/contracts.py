@@ -94,6 +94,10 @@ class RatioControlled:
     def keep_logit(self, head_logits, h=None):
         raise NotImplementedError
 
+    def keep_logit_given(self, keep_logit, head_logits, h=None):
+        """``keep_logit`` where the forward already computed it, else ``keep_logit(head_logits, h)`` computed here."""
+        return self.keep_logit(head_logits, h) if keep_logit is None else keep_logit
+
 
 class DifferentiableBoundary:
     """A length policy with ``boundary_prob(head_logits, h, keep_logit=None)``: the differentiable keep probability

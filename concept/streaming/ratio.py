@@ -98,7 +98,7 @@ class PIController:
         values :meth:`_quantile` computes, masked instead of indexed): nothing is read back during the step.
         ``keep_logit``: ``policy.keep_logit(head_logits, h)`` already computed (the forward's)."""
         with torch.no_grad():
-            score = policy.keep_logit(head_logits, h) if keep_logit is None else keep_logit
+            score = policy.keep_logit_given(keep_logit, head_logits, h)
             keep_logit = score.float() + policy.null_bias  # without the bias
             spread = masked_std(keep_logit, valid)
             if policy.bias_for_ratio is not None:  # a policy whose ratio is not P(keep logit >= bias)

@@ -135,7 +135,7 @@ class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, Re
     def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):
         """Batched: confidences in one go, then a scan of the step rule over t (``concept.streaming.chunks``; with
         the tracker, the per-document lag joins the score as in the `null` policy)."""
-        cfg, logit = self.config, self.keep_logit(head_logits, h) if keep_logit is None else keep_logit
+        cfg, logit = self.config, self.keep_logit_given(keep_logit, head_logits, h)
         if not self.track:
             return chunks.scan(logit > 0, valid, cfg.min_chunk, self.max_chunk, reset)
         T = valid.shape[1]

@@ -117,7 +117,7 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
 
     def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor | None = None,
                       keep_logit: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.sigmoid(self.keep_logit(head_logits) if keep_logit is None else keep_logit)
+        return torch.sigmoid(self.keep_logit_given(keep_logit, head_logits))
 
     # -- decisions ------------------------------------------------------------------------
     def init_state(self, batch_size: int, device):
@@ -180,7 +180,7 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
     def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):
         """``decide`` and the step state after the last token, both for all t at once (what a
         decoder's prefill needs: no step-by-step replay of the prompt)."""
-        keep_logit = self.keep_logit(head_logits) if keep_logit is None else keep_logit
+        keep_logit = self.keep_logit_given(keep_logit, head_logits)
         if self.track:
             return self._scan(h, keep_logit, valid, reset)
         keep = self._vectorised(keep_logit, valid, reset)
@@ -189,7 +189,7 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
     def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:
         """Batched: head_logits [B, T, K+1], valid [B, T], reset [B, T] (document starts) -> keep [B, T];
         ``keep_logit`` [B, T]: ``keep_logit(head_logits)`` already computed."""
-        keep_logit = self.keep_logit(head_logits) if keep_logit is None else keep_logit
+        keep_logit = self.keep_logit_given(keep_logit, head_logits)
         if self.track:
             return self._scan(h, keep_logit, valid, reset)[0]
         return self._vectorised(keep_logit, valid, reset)

@@ -90,14 +90,14 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
 
     def boundary_prob(self, head_logits: torch.Tensor, h: torch.Tensor,
                       keep_logit: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.sigmoid(self.keep_logit(head_logits, h) if keep_logit is None else keep_logit)
+        return torch.sigmoid(self.keep_logit_given(keep_logit, head_logits, h))
 
     def bias_for_ratio(self, head_logits, h, valid, target: float, keep_logit=None) -> torch.Tensor:
         """The ratio controller's feed-forward bias: a chunk closes after about threshold / mean(p)
         tokens, so aim at mean(p) = target * threshold (bisection on this batch's scores, on the device:
         a float64 scalar, nothing read back). ``keep_logit``: the score already computed."""
         with torch.no_grad():
-            s = ((self.keep_logit(head_logits, h) if keep_logit is None else keep_logit) + self.null_bias).float()
+            s = (self.keep_logit_given(keep_logit, head_logits, h) + self.null_bias).float()
             goal = min(target * self.threshold, 0.999)
             real, far = valid.sum(), torch.full_like(s, float("inf"))
             lo = torch.where(valid, s, far).min().double() - 30.0
