@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..objectives import Objective, pair_mean
 from ..syncs import declared, upload
 from ..teacher import TeacherClock
-from .model import Plan
+from .model import STEP_FIELDS, Plan
 from .search import beam_search, plan_width, score_plans
 
 STATS = ("examples", "rows", "margin", "old", "flips", "gap", "seconds")
@@ -145,7 +145,7 @@ class HardEMObjective(Objective):
             found = self.estep(model, (u, u_valid, y, y_valid), rows, plan.select(rows), has_old.bool(), step,
                                [keys[b] for b in stale])
             plan = Plan(**{k: torch.cat([getattr(plan, k), getattr(found, k)]).index_select(0, pick)
-                           for k in ("classes", "types", "active", "rank", "is_eos")})
+                           for k in STEP_FIELDS})
         return {**batch, "plan": plan}
 
     def estep(self, model, example, rows, old: Plan, has_old, step: int, keys: list[str]) -> Plan:
@@ -164,7 +164,7 @@ class HardEMObjective(Objective):
                     beams = beams.padded(old.classes.shape[1])
                     # per example: its k beams, then its cached plan (none: the top beam again, never preferred)
                     candidates = {}
-                    for name in ("classes", "types", "active", "rank", "is_eos"):
+                    for name in STEP_FIELDS:
                         mine = getattr(beams, name).view(R, k, -1)
                         last = torch.where(has_old[:, None], getattr(old, name), mine[:, 0])
                         candidates[name] = torch.cat([mine, last[:, None]], dim=1)

@@ -185,6 +185,15 @@ class TokenLayout:
 
 
 # -- outputs -------------------------------------------------------------------------------------
+STEP_FIELDS = ("classes", "types", "active", "rank", "is_eos")  # a plan's per-step fields (logits aside)
+
+
+def after_end(field: str) -> int:
+    """What a plan's ``field`` holds after its end: -1 for classes and types, 0 (False) for the rest (logits: 0,
+    finite like the planner's)."""
+    return -1 if field in ("classes", "types") else 0
+
+
 @dataclass
 class Plan:
     """A batch of plans, step by step as the planner wrote them (a step is a concept or an <EOS_i>)."""
@@ -241,9 +250,9 @@ class Plan:
         order = torch.sort((~mine).to(torch.uint8), dim=2, stable=True).indices[..., :width]  # [B, n, width]
         kept = mine.gather(2, order)
         out = {}
-        for k, fill in (("classes", -1), ("types", -1), ("active", False), ("rank", 0), ("is_eos", False)):
+        for k in STEP_FIELDS:
             t = getattr(self, k)[:, None, :].expand(B, n, S).gather(2, order)
-            out[k] = torch.where(kept, t, torch.full_like(t, fill)).view(B * n, width)
+            out[k] = torch.where(kept, t, torch.full_like(t, after_end(k))).view(B * n, width)
         return Plan(**out)
 
     def join_types(self, n: int, width: int | None = None) -> "Plan":
@@ -277,11 +286,10 @@ class Plan:
         return Plan(**out)
 
     def _set_fields(self):
-        """(name, tensor, fill after the plan's end) of each field that is set: -1 for classes and types, 0 for the
-        rest (logits after the end: 0, finite like the planner's)."""
+        """(name, tensor, :func:`after_end` fill) of each field that is set."""
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is not None:
-                yield f.name, getattr(self, f.name), {"classes": -1, "types": -1}.get(f.name, 0)
+                yield f.name, getattr(self, f.name), after_end(f.name)
 
     @staticmethod
     def steps_of(row: list[tuple[int, int]], sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -305,8 +313,8 @@ class Plan:
 
     def padded(self, width: int) -> "Plan":
         """The steps' fields (classes .. is_eos) padded after the end to ``width`` steps (a fixed shape)."""
-        fill = {"classes": -1, "types": -1, "active": False, "rank": 0, "is_eos": False}
-        return Plan(**{k: F.pad(getattr(self, k), (0, width - self.classes.shape[1]), value=v) for k, v in fill.items()})
+        return Plan(**{k: F.pad(getattr(self, k), (0, width - self.classes.shape[1]), value=after_end(k))
+                       for k in STEP_FIELDS})
 
     @classmethod
     def from_rows(cls, rows: list[list[tuple[int, int]]], sizes: tuple[int, ...], device=None) -> "Plan":

@@ -52,16 +52,8 @@ def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
         kept = picks.gather(1, torch.div(flat, k, rounding_mode="floor")[..., None].expand(-1, -1, i))
         picks = torch.cat([kept, (flat % k)[..., None]], dim=-1)
     first = (torch.arange(B, device=dev)[:, None, None] * n + torch.arange(n, device=dev)) * k  # chain (b, i)'s beam 0
-    return _joined(chains, (first + picks).flatten(), n, plan_width(model)), score
-
-
-def _joined(chains: Plan, rows: torch.Tensor, n: int, width: int) -> Plan:
-    """The plans made of ``n`` chains each (``rows``: the chains of plan p at ``p * n .. p * n + n - 1``, type by
-    type): every chain's steps moved to the front in order (a stable sort on the device), ``width`` steps."""
-    fields = {k: getattr(chains, k).index_select(0, rows).view(rows.shape[0] // n, -1)
-              for k in ("classes", "types", "active", "rank", "is_eos")}
-    order = torch.sort((~fields["active"]).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-    return Plan(**{k: v.gather(1, order) for k, v in fields.items()})
+    # each plan's n chains joined type by type at a fixed width (a stable sort on the device: nothing read)
+    return chains.select((first + picks).flatten()).join_types(n, plan_width(model)), score
 
 
 def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.Tensor]:
