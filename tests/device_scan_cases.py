@@ -155,6 +155,21 @@ def negative_controls(device) -> dict:
             "threshold sums in float64": bool(torch.equal(sums32[1].double(), sums64[1]))}
 
 
+def interpreter_runs_the_broken_kernel(device="cpu") -> bool:
+    """The negative control of ``tests/test_scan_kernel_builds.py``: its broken `threshold` kernel (the running
+    sum starts as float32), which the compiler refuses for float64 p, runs here and decides exactly as the op
+    (keep, sums, NULL runs): the interpreter cannot see the error."""
+    from tests.scan_kernel_builds import broken_threshold_launch
+    valid, reset = layout(device, 0)
+    p = torch.rand(B, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device) * 0.4
+    kernel, args, constants = broken_threshold_launch(valid, reset, p, 1.0, 3)
+    kernel[(B,)](*args, **constants)
+    with device_scan.choose(True):
+        right = device_scan.ops().threshold_scan(valid, reset, p, 1.0, 3)
+    keep, total, run = args[4], args[5], args[6]
+    return same((keep, (total, run)), (right[0], right[1:])) and 0 < int(keep.sum()) < int(valid.sum())
+
+
 FORWARD_POLICIES = ("null", "threshold", "mtp")  # each kernel: the tracker, the sums, the chunks
 
 
@@ -213,7 +228,8 @@ def main() -> int:
         print("run with TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    print(json.dumps({"compare": compare("cpu"), "negative": negative_controls("cpu"), "forward": forward_syncs(),
+    print(json.dumps({"compare": compare("cpu"), "negative": negative_controls("cpu"),
+                      "interpreter_runs_the_broken_kernel": interpreter_runs_the_broken_kernel(), "forward": forward_syncs(),
                       "step": training_step_syncs()}))
     return 0
 

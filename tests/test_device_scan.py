@@ -61,6 +61,11 @@ def test_negative_controls_perturbed_rules_are_told_apart(interpreted):
                                        "threshold sums in float64": False}
 
 
+def test_the_interpreter_runs_a_kernel_the_compiler_refuses(interpreted):
+    """Why ``tests/test_scan_kernel_builds.py`` compiles the kernels: its broken kernel decides right here."""
+    assert interpreted["interpreter_runs_the_broken_kernel"] is True
+
+
 def test_a_decided_forward_with_the_device_scan_has_no_host_sync(interpreted):
     forward = interpreted["forward"]
     assert set(forward) == {"null", "threshold", "mtp"}

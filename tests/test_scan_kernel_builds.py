@@ -1,0 +1,82 @@
+"""The device scan's Triton kernels compile for the H100 (sm_90) and the A100 (sm_80) on this CPU machine.
+
+``tests/test_device_scan.py`` runs the kernels in Triton's interpreter (numpy), which never compiles them.
+Here every kernel variant the ops launch on CUDA (``tests/scan_kernel_builds.py``: recorded from the ops
+themselves, bound by Triton's own binder: each switch, pointer dtype, integer class and ``ROWS`` as
+``rows_per_program`` chooses) is compiled to a cubin with Triton's bundled ``ptxas``: it compiles, spills
+nothing (no local memory) and keeps within a register bound. The negative control: a kernel with a running
+sum that changes type in its loop, which the interpreter runs and decides right
+(``tests/device_scan_cases.py``, checked in ``tests/test_device_scan.py``), is refused here.
+"""
+from __future__ import annotations
+
+import pytest
+
+from concept.streaming import device_scan
+
+pytestmark = [
+    pytest.mark.skipif(not device_scan.AVAILABLE, reason="triton is not installed"),
+    pytest.mark.skipif(device_scan.interpreted(), reason="TRITON_INTERPRET=1: Triton's kernels are interpreted here, "
+                                                         "not compiled (unset it to compile them ahead of time)"),
+]
+
+REGISTERS = 64  # per thread: a loop of a few int64 states needs about 30; far more means the loop grew
+
+
+@pytest.fixture(scope="module")
+def builds():
+    from tests import scan_kernel_builds
+    return scan_kernel_builds
+
+
+@pytest.fixture(scope="module")
+def launched(builds):
+    return builds.launches()
+
+
+def test_the_variants_cover_every_switch_dtype_and_integer_class(builds, launched):
+    """What the ops launch over the shapes: each kernel with and without document starts, the chunk rule tracked
+    and not, threshold's float32 and float64 sums, one program per row, and each integer class Triton
+    specialises on (a 1 made a constant, an int64, an int32)."""
+    seen = {builds.specialisation(*launch) for launch in launched.values()}
+    assert len(seen) == len(launched) >= 20
+    kinds = {(kernel.__name__, constants["HAS_RESET"], constants.get("TRACKED"))
+             for kernel, _, constants in launched.values()}
+    assert kinds == {(name, reset, tracked) for reset in (True, False) for name, tracked in
+                     [("null_tracker_kernel", None), ("chunk_kernel", True), ("chunk_kernel", False),
+                      ("threshold_kernel", None)]}
+    assert all(constants["ROWS"] == 1 for _, _, constants in launched.values())
+    types = {(name, arg, kind) for name, signature, _, _ in seen for arg, kind in signature}
+    assert {("threshold_kernel", "p_ptr", "*fp32"), ("threshold_kernel", "p_ptr", "*fp64"),
+            ("chunk_kernel", "score_ptr", "*u1"), ("chunk_kernel", "score_ptr", "*i64"),
+            ("null_tracker_kernel", "bound_ptr", "*i64"), ("null_tracker_kernel", "B", "constexpr"),
+            ("null_tracker_kernel", "max_run", "i64"), ("null_tracker_kernel", "max_run", "i32"),
+            ("null_tracker_kernel", "max_run", "constexpr"), ("chunk_kernel", "min_chunk", "constexpr"),
+            ("chunk_kernel", "max_chunk", "i64"), ("threshold_kernel", "max_run", "constexpr")} <= types
+
+
+def check_builds(builds, launches, arch):
+    for name, launch in launches.items():
+        usage = builds.resources(builds.build(*launch, arch=arch))
+        assert usage["local_bytes"] == 0, (name, usage)  # a spill would be stored in local memory
+        assert 0 < usage["registers"] <= REGISTERS, (name, usage)
+
+
+def test_every_launched_variant_compiles_for_the_h100_without_spills(builds, launched):
+    check_builds(builds, launched, 90)
+
+
+def test_each_kernel_switch_compiles_for_the_a100(builds, launched):
+    check_builds(builds, {name: launch for name, launch in launched.items() if "demo batch" in name}, 80)
+
+
+def test_negative_control_a_type_error_the_interpreter_runs_is_refused(builds):
+    """The kernel whose running sum starts as float32: compiled for float32 p (no type change) it builds; for
+    float64 p the compiler refuses it, where the interpreter decides as the right kernel
+    (``tests/test_device_scan.py``'s report: ``interpreter_runs_the_broken_kernel``)."""
+    import torch
+    from triton.compiler.errors import CompilationError
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    builds.build(*builds.broken_threshold_launch(valid, valid, torch.rand(3, 7), 0.7, 3))
+    with pytest.raises(CompilationError, match="Loop-carried variable total"):
+        builds.build(*builds.broken_threshold_launch(valid, valid, torch.rand(3, 7, dtype=torch.float64), 0.7, 3))
