@@ -53,19 +53,23 @@ def kernels():
 
 @contextlib.contextmanager
 def recorded(into: list):
-    """Inside, the ops record their launch (kernel, arguments, constants with CUDA's ``ROWS``) in ``into``
-    instead of launching."""
+    """Inside, the ops' launches are recorded in ``into`` (kernel, arguments, keyword arguments: the constants
+    as ``_launch`` passes them, ``ROWS`` as ``rows_per_program`` chooses on CUDA) instead of run."""
     module = kernels()
-    launch = module._launch
+    saved = module.wrap_triton, module.rows_per_program
 
-    def record(kernel, B, device, *args, **constants):
-        into.append((kernel, args, {**constants, "ROWS": rows_per_program("cuda")}))
+    class Launch:
+        def __init__(self, kernel):
+            self.kernel = kernel
 
-    module._launch = record
+        def __getitem__(self, grid):
+            return lambda *args, **constants: into.append((self.kernel, args, constants))
+
+    module.wrap_triton, module.rows_per_program = Launch, lambda device: rows_per_program("cuda")
     try:
         yield
     finally:
-        module._launch = launch
+        module.wrap_triton, module.rows_per_program = saved
 
 
 def op_calls(B, T, max_run, min_chunk, max_chunk, threshold) -> dict:
@@ -165,24 +169,26 @@ def resources(compiled) -> dict:
 
 
 def loop_shape(lines: list[str]) -> dict:
-    """The loop over T: the instructions between the one backward branch's target and itself; its global
-    loads and stores, where the loads sit (instructions from the loop's top), and the first instruction that
-    reads a loaded register (from the top), calls (64-bit division's slow path)."""
+    """The loop over T (the instructions from the one backward branch's target to it): its instructions, global
+    loads and stores, calls (a 64-bit division's slow path), where the loads sit (instructions from the top),
+    and per load the instructions until the first one that reads its value (the fewer, the more of the load's
+    latency a warp waits out)."""
     at = {int(line.split()[0], 16): i for i, line in enumerate(lines)}
     loops = [(at[int(m.group(1), 16)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"\bBRA (?:`?\(?\.L_x_\d+\)?)?\s*0x([0-9a-f]+)", line))
+             if (m := re.search(r"\bBRA\s+0x([0-9a-f]+)", line))
              and int(m.group(1), 16) in at and at[int(m.group(1), 16)] < i]
     if len(loops) != 1:
         return {"loops": len(loops)}
     top, end = loops[0]
     body = [line.split(None, 1)[1] for line in lines[top:end + 1]]
     loads = [i for i, ins in enumerate(body) if re.search(r"\bLDG\b", ins)]
-    targets = {m.group(1) for i in loads if (m := re.search(r"LDG\S*\s+(R\d+)", body[i]))}
-    uses = [i for i, ins in enumerate(body) if i > min(loads, default=0)
-            and any(re.search(rf"[ ,\[]{r}\b", ins.split(None, 2)[-1]) for r in targets)
-            and not re.search(r"\bLDG\b", ins)] if loads else []
-    return {"instructions": len(body), "loads": len(loads), "load_at": loads,
-            "first_use_of_a_load_at": min(uses, default=None),
+    waits = []
+    for i in loads:
+        target = re.search(r"LDG\S*\s+(R\d+)", body[i]).group(1)
+        reads = [j for j in range(i + 1, len(body))
+                 if re.search(rf"[ ,\[-]{target}\b", body[j].split(",", 1)[-1] if "," in body[j] else "")]
+        waits.append(reads[0] - i if reads else None)
+    return {"instructions": len(body), "loads": len(loads), "load_at": loads, "to_first_read": waits,
             "stores": sum(bool(re.search(r"\bSTG\b", ins)) for ins in body),
             "calls": sum("CALL" in ins for ins in body)}
 
@@ -248,6 +254,7 @@ def broken_threshold_launch(valid, reset, p, threshold: float, max_run: int) -> 
     with recorded(record):
         kernels().threshold_scan(valid, reset, p, threshold, max_run)
     (_, args, constants), = record
+    constants = {name: value for name, value in constants.items() if name != "UNROLL"}  # its loop: one token a step
     return threshold_kernel_float32_sum, args, constants
 
 

@@ -13,65 +13,119 @@ from torch.library import triton_op, wrap_triton
 from .scan_choice import rows_per_program
 
 
+UNROLL = 8  # tokens per iteration of a kernel's loop over t: their loads issued together, ahead of the updates
+
+
 @triton.jit
-def _load_flag(ptr, offsets, inside):
-    return tl.load(ptr + offsets, mask=inside, other=0) != 0
+def _load_values(ptr, start, t0, end, inside, UNROLL: tl.constexpr):
+    """The UNROLL tokens from t0 of each row (its elements ``start`` to ``end``; 0 past its end and outside the
+    batch), all loaded before any is used."""
+    values = ()
+    for u in tl.static_range(UNROLL):
+        at = start + t0 + u
+        values = values + (tl.load(ptr + at, mask=inside & (at < end), other=0),)
+    return values
+
+
+@triton.jit
+def _load_flags(ptr, start, t0, end, inside, UNROLL: tl.constexpr):
+    """:func:`_load_values` of a bool tensor, as flags (False past the row's end)."""
+    values = _load_values(ptr, start, t0, end, inside, UNROLL)
+    flags = ()
+    for u in tl.static_range(UNROLL):
+        flags = flags + (values[u] != 0,)
+    return flags
+
+
+@triton.jit
+def _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL: tl.constexpr):
+    for u in tl.static_range(UNROLL):
+        at = start + t0 + u
+        tl.store(keep_ptr + at, keeps[u], mask=inside & (at < end))
+
+
+@triton.jit
+def _intervals(bounds, width, UNROLL: tl.constexpr):
+    """Each allowance ``bound = lo * width + hi + 1`` as (lo, hi), after all the loads (a 64-bit division
+    branches, which would otherwise hold each next load back until the division before it is done)."""
+    lo, hi = (), ()
+    for u in tl.static_range(UNROLL):
+        lo = lo + (bounds[u].to(tl.int64) // width,)
+        hi = hi + (bounds[u].to(tl.int64) % width - 1,)
+    return lo, hi
 
 
 @triton.jit
 def null_tracker_kernel(valid_ptr, reset_ptr, bound_ptr, keep_ptr, run_ptr, concepts_ptr, B, T, width, max_run,
-                        HAS_RESET: tl.constexpr, ROWS: tl.constexpr):
+                        HAS_RESET: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr):
     """`null` with its ratio tracker: keep when the concept count is in the token's allowance interval
-    (``bound``: ``lo * width + hi + 1``) or after ``max_run`` NULLs; state (NULL run, concepts)."""
+    (``bound``: ``lo * width + hi + 1``) or after ``max_run`` NULLs; state (NULL run, concepts). The loop
+    takes UNROLL tokens an iteration: their inputs loaded first, then the serial updates, then the stores
+    (past T: not live, no reset, so the state stays and nothing is stored)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = rows < B
     start = rows.to(tl.int64) * T
+    end = start + T
     run = tl.zeros([ROWS], dtype=tl.int64)
     concepts = tl.zeros([ROWS], dtype=tl.int64)
-    for t in range(T):
+    for t0 in range(0, T, UNROLL):
         if HAS_RESET:
-            fresh = _load_flag(reset_ptr, start + t, inside)
-            run = tl.where(fresh, 0, run)
-            concepts = tl.where(fresh, 0, concepts)
-        live = _load_flag(valid_ptr, start + t, inside)
-        bound = tl.load(bound_ptr + start + t, mask=inside, other=0).to(tl.int64)
-        admitted = (concepts >= bound // width) & (concepts <= bound % width - 1)
-        keep = live & (admitted | (run >= max_run))
-        tl.store(keep_ptr + start + t, keep, mask=inside)
-        run = tl.where(live, tl.where(keep, 0, run + 1), run)
-        concepts = tl.where(keep, concepts + 1, concepts)
+            fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
+        live = _load_flags(valid_ptr, start, t0, end, inside, UNROLL)
+        lo, hi = _intervals(_load_values(bound_ptr, start, t0, end, inside, UNROLL), width, UNROLL)
+        keeps = ()
+        for u in tl.static_range(UNROLL):
+            if HAS_RESET:
+                run = tl.where(fresh[u], 0, run)
+                concepts = tl.where(fresh[u], 0, concepts)
+            admitted = (concepts >= lo[u]) & (concepts <= hi[u])
+            keep = live[u] & (admitted | (run >= max_run))
+            keeps = keeps + (keep,)
+            run = tl.where(live[u], tl.where(keep, 0, run + 1), run)
+            concepts = tl.where(keep, concepts + 1, concepts)
+        _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL)
     tl.store(run_ptr + rows, run, mask=inside)
     tl.store(concepts_ptr + rows, concepts, mask=inside)
 
 
 @triton.jit
 def chunk_kernel(valid_ptr, reset_ptr, score_ptr, keep_ptr, count_ptr, concepts_ptr, B, T, width, min_chunk,
-                 max_chunk, HAS_RESET: tl.constexpr, TRACKED: tl.constexpr, ROWS: tl.constexpr):
+                 max_chunk, HAS_RESET: tl.constexpr, TRACKED: tl.constexpr, ROWS: tl.constexpr,
+                 UNROLL: tl.constexpr):
     """The chunk rule (``concept.streaming.chunks``): keep when the open chunk (t included) has at least
     ``min_chunk`` tokens and t is unsure, or ``max_chunk``. Untracked, ``score`` is ``unsure`` (bool); tracked
     (`mtp` with its tracker), ``score`` is the allowance ``bound`` and t is unsure when the concept count is in
-    its interval, with the count in the state: (count, concepts)."""
+    its interval, with the count in the state: (count, concepts). UNROLL tokens an iteration, as
+    :func:`null_tracker_kernel`."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = rows < B
     start = rows.to(tl.int64) * T
+    end = start + T
     count = tl.zeros([ROWS], dtype=tl.int64)
     concepts = tl.zeros([ROWS], dtype=tl.int64)
-    for t in range(T):
+    for t0 in range(0, T, UNROLL):
         if HAS_RESET:
-            fresh = _load_flag(reset_ptr, start + t, inside)
-            count = tl.where(fresh, 0, count)
-            concepts = tl.where(fresh, 0, concepts)
-        live = _load_flag(valid_ptr, start + t, inside)
+            fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
+        live = _load_flags(valid_ptr, start, t0, end, inside, UNROLL)
         if TRACKED:
-            bound = tl.load(score_ptr + start + t, mask=inside, other=0).to(tl.int64)
-            unsure = (concepts >= bound // width) & (concepts <= bound % width - 1)
+            lo, hi = _intervals(_load_values(score_ptr, start, t0, end, inside, UNROLL), width, UNROLL)
         else:
-            unsure = _load_flag(score_ptr, start + t, inside)
-        length = count + 1
-        keep = live & (((length >= min_chunk) & unsure) | (length >= max_chunk))
-        tl.store(keep_ptr + start + t, keep, mask=inside)
-        count = tl.where(live, tl.where(keep, 0, length), count)
-        concepts = tl.where(keep, concepts + 1, concepts)
+            unsure = _load_flags(score_ptr, start, t0, end, inside, UNROLL)
+        keeps = ()
+        for u in tl.static_range(UNROLL):
+            if HAS_RESET:
+                count = tl.where(fresh[u], 0, count)
+                concepts = tl.where(fresh[u], 0, concepts)
+            if TRACKED:
+                unsure_t = (concepts >= lo[u]) & (concepts <= hi[u])
+            else:
+                unsure_t = unsure[u]
+            length = count + 1
+            keep = live[u] & (((length >= min_chunk) & unsure_t) | (length >= max_chunk))
+            keeps = keeps + (keep,)
+            count = tl.where(live[u], tl.where(keep, 0, length), count)
+            concepts = tl.where(keep, concepts + 1, concepts)
+        _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL)
     tl.store(count_ptr + rows, count, mask=inside)
     if TRACKED:
         tl.store(concepts_ptr + rows, concepts, mask=inside)
@@ -79,26 +133,33 @@ def chunk_kernel(valid_ptr, reset_ptr, score_ptr, keep_ptr, count_ptr, concepts_
 
 @triton.jit
 def threshold_kernel(valid_ptr, reset_ptr, p_ptr, threshold_ptr, keep_ptr, total_ptr, run_ptr, B, T, max_run,
-                     HAS_RESET: tl.constexpr, ROWS: tl.constexpr):
+                     HAS_RESET: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr):
     """`threshold`: add p_t to the running sum (in p's dtype, in order) and keep when it reaches the
-    threshold or after ``max_run`` NULLs; state (sum, NULL run)."""
+    threshold or after ``max_run`` NULLs; state (sum, NULL run). UNROLL tokens an iteration, as
+    :func:`null_tracker_kernel`."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = rows < B
     start = rows.to(tl.int64) * T
+    end = start + T
     threshold = tl.load(threshold_ptr)
     total = tl.zeros([ROWS], dtype=threshold.dtype)
     run = tl.zeros([ROWS], dtype=tl.int64)
-    for t in range(T):
+    for t0 in range(0, T, UNROLL):
         if HAS_RESET:
-            fresh = _load_flag(reset_ptr, start + t, inside)
-            total = tl.where(fresh, 0.0, total)
-            run = tl.where(fresh, 0, run)
-        live = _load_flag(valid_ptr, start + t, inside)
-        summed = total + tl.load(p_ptr + start + t, mask=inside, other=0.0)
-        keep = live & ((summed >= threshold) | (run >= max_run))
-        tl.store(keep_ptr + start + t, keep, mask=inside)
-        total = tl.where(live, tl.where(keep, 0.0, summed), total)
-        run = tl.where(live, tl.where(keep, 0, run + 1), run)
+            fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
+        live = _load_flags(valid_ptr, start, t0, end, inside, UNROLL)
+        p = _load_values(p_ptr, start, t0, end, inside, UNROLL)
+        keeps = ()
+        for u in tl.static_range(UNROLL):
+            if HAS_RESET:
+                total = tl.where(fresh[u], 0.0, total)
+                run = tl.where(fresh[u], 0, run)
+            summed = total + p[u]
+            keep = live[u] & ((summed >= threshold) | (run >= max_run))
+            keeps = keeps + (keep,)
+            total = tl.where(live[u], tl.where(keep, 0.0, summed), total)
+            run = tl.where(live[u], tl.where(keep, 0, run + 1), run)
+        _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL)
     tl.store(total_ptr + rows, total, mask=inside)
     tl.store(run_ptr + rows, run, mask=inside)
 
@@ -106,7 +167,7 @@ def threshold_kernel(valid_ptr, reset_ptr, p_ptr, threshold_ptr, keep_ptr, total
 def _launch(kernel, B: int, device, *args, **constants) -> None:
     rows = rows_per_program(device)
     if B:
-        wrap_triton(kernel)[(triton.cdiv(B, rows),)](*args, ROWS=rows, **constants)
+        wrap_triton(kernel)[(triton.cdiv(B, rows),)](*args, ROWS=rows, UNROLL=UNROLL, **constants)
 
 
 def _outputs(valid: torch.Tensor, *dtypes: torch.dtype):
