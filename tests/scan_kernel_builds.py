@@ -169,17 +169,18 @@ def resources(compiled) -> dict:
 
 
 def loop_shape(lines: list[str]) -> dict:
-    """The loop over T (the instructions from the one backward branch's target to it): its instructions, global
-    loads and stores, calls (a 64-bit division's slow path), where the loads sit (instructions from the top),
+    """The loop over T (the instructions from a backward branch's target to it; the longest, where the compiler
+    split it into an unrolled loop and a remainder loop): its instructions, global loads and stores, spill
+    instructions, calls (a 64-bit division's slow path), where the loads sit (instructions from the top),
     and per load the instructions until the first one that reads its value (the fewer, the more of the load's
     latency a warp waits out)."""
     at = {int(line.split()[0], 16): i for i, line in enumerate(lines)}
     loops = [(at[int(m.group(1), 16)], i) for i, line in enumerate(lines)
              if (m := re.search(r"\bBRA\s+0x([0-9a-f]+)", line))
              and int(m.group(1), 16) in at and at[int(m.group(1), 16)] < i]
-    if len(loops) != 1:
-        return {"loops": len(loops)}
-    top, end = loops[0]
+    if not loops:
+        return {"loops": 0}
+    top, end = max(loops, key=lambda loop: loop[1] - loop[0])
     body = [line.split(None, 1)[1] for line in lines[top:end + 1]]
     loads = [i for i, ins in enumerate(body) if re.search(r"\bLDG\b", ins)]
     waits = []
@@ -188,8 +189,9 @@ def loop_shape(lines: list[str]) -> dict:
         reads = [j for j in range(i + 1, len(body))
                  if re.search(rf"[ ,\[-]{target}\b", body[j].split(",", 1)[-1] if "," in body[j] else "")]
         waits.append(reads[0] - i if reads else None)
-    return {"instructions": len(body), "loads": len(loads), "load_at": loads, "to_first_read": waits,
+    return {"loops": len(loops), "instructions": len(body), "loads": len(loads), "load_at": loads, "to_first_read": waits,
             "stores": sum(bool(re.search(r"\bSTG\b", ins)) for ins in body),
+            "spills": sum(bool(re.search(r"\b(LDL|STL)\b", ins)) for ins in body),
             "calls": sum("CALL" in ins for ins in body)}
 
 
@@ -262,7 +264,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90], help="compute capabilities (90: H100)")
     parser.add_argument("--sass", metavar="VARIANT", help="print this variant's SASS for sm_<first arch> instead")
+    parser.add_argument("--unroll", type=int, help="tokens per loop iteration instead of the ops' UNROLL "
+                        "(1: the loop as it was before the unrolling, one token an iteration)")
     args = parser.parse_args(argv)
+    if args.unroll:
+        kernels().UNROLL = args.unroll
     if args.sass:
         print("\n".join(sass(build(*launches()[args.sass], arch=args.arch[0]))))
         return 0
