@@ -229,7 +229,8 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     print(json.dumps({"compare": compare("cpu"), "negative": negative_controls("cpu"),
-                      "interpreter_runs_the_broken_kernel": interpreter_runs_the_broken_kernel(), "forward": forward_syncs(),
+                      "interpreter_runs_the_broken_kernel": interpreter_runs_the_broken_kernel(),
+                      "forward": forward_syncs(),
                       "step": training_step_syncs()}))
     return 0
 

@@ -103,12 +103,12 @@ MUTATIONS = [
              ["tests/test_null_policy.py", "-k", "tracker"]),
     # the same rules as Triton kernels (run in the interpreter on CPU)
     Mutation("device scan: padding advances the open chunk", "concept/streaming/scan_kernels.py",
-             "count = tl.where(live, tl.where(keep, 0, length), count)", "count = tl.where(keep, 0, length)",
+             "count = tl.where(live[u], tl.where(keep, 0, length), count)", "count = tl.where(keep, 0, length)",
              ["tests/test_device_scan.py", "-k", "host_scan"]),
     Mutation("device scan: the tracker's concept count is not reset at a document start",
              "concept/streaming/scan_kernels.py",
-             "            run = tl.where(fresh, 0, run)\n            concepts = tl.where(fresh, 0, concepts)\n",
-             "            run = tl.where(fresh, 0, run)\n", ["tests/test_device_scan.py", "-k", "host_scan"]),
+             "                run = tl.where(fresh[u], 0, run)\n                concepts = tl.where(fresh[u], 0, concepts)\n",
+             "                run = tl.where(fresh[u], 0, run)\n", ["tests/test_device_scan.py", "-k", "host_scan"]),
     # decoding
     Mutation("decoding: the tail is kept when a concept is emitted", "concept/streaming/decoding.py",
              "    cache.deep.drop_tail(keep)\n", "",

@@ -189,7 +189,8 @@ def loop_shape(lines: list[str]) -> dict:
         reads = [j for j in range(i + 1, len(body))
                  if re.search(rf"[ ,\[-]{target}\b", body[j].split(",", 1)[-1] if "," in body[j] else "")]
         waits.append(reads[0] - i if reads else None)
-    return {"loops": len(loops), "instructions": len(body), "loads": len(loads), "load_at": loads, "to_first_read": waits,
+    return {"loops": len(loops), "instructions": len(body), "loads": len(loads), "load_at": loads,
+            "to_first_read": waits,
             "stores": sum(bool(re.search(r"\bSTG\b", ins)) for ins in body),
             "spills": sum(bool(re.search(r"\b(LDL|STL)\b", ins)) for ins in body),
             "calls": sum("CALL" in ins for ins in body)}
