@@ -5,8 +5,9 @@ Here the kernel variants the ops launch on CUDA (``tests/scan_kernel_builds.py``
 themselves, bound by Triton's own binder: each switch, pointer dtype, integer class, ``ROWS`` as
 ``rows_per_program`` chooses, ``UNROLL``) are compiled to cubins with Triton's bundled ``ptxas``: each
 compiles, spills nothing in its loop over T and keeps within a register bound. The default suite compiles each
-switch combination for the H100 (10) and one per kernel form for the A100 (4): about 15 s cold, a few seconds
-from Triton's cache; the ``slow`` test compiles every variant (30: each integer class too) for both.
+switch combination for the H100 (10) and two for the A100 (the largest loop, the float64 sums): about 17 s
+cold on the 2-core machine, 7 s from Triton's cache; the ``slow`` test compiles every variant (30: each
+integer class too) for both.
 
 The negative controls: a kernel whose running sum changes type in its loop, which the interpreter runs and
 decides right (``tests/device_scan_cases.py``, checked in ``tests/test_device_scan.py``), is refused here; a
@@ -89,9 +90,8 @@ def test_every_switch_compiles_for_the_h100_without_spills(builds, launched):
 
 def test_each_kernel_compiles_for_the_a100(builds, launched):
     chosen = {name: launch for name, launch in first_shape(builds, launched).items()
-              if name.startswith(("null tracker, reset", "chunk, reset", "chunk tracked, no reset",
-                                  "threshold float64, no reset"))}
-    assert len(chosen) == 4
+              if name.startswith(("null tracker, reset", "threshold float64, no reset"))}
+    assert len(chosen) == 2
     check_builds(builds, chosen, 80)
 
 
