@@ -187,3 +187,54 @@ def test_a_norm_is_one_op_where_hf_s_is_eight():
     hf = collections.Counter({op: n * norms for op, n in collections.Counter(HF_OPS).items()})
     assert plain - fused == hf  # every other op the same
     assert fused - plain == collections.Counter({"aten.rms_norm.default": norms})
+
+
+# -- on a CUDA device (the GPU kit's `exact` stage runs every `cuda`-marked test; skipped here) -----------------
+
+def dispatched(run) -> collections.Counter:
+    from concept.profiling import OpCounter
+
+    with OpCounter() as counter:
+        run()
+    return counter.by_op
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_bf16_norm_is_the_fused_kernel_forward_and_backward():
+    """Under bf16 autocast: ONE ``_fused_rms_norm`` forward and ONE ``_fused_rms_norm_backward``, no cast, a bf16
+    output within one bf16 rounding of the fp32 result. Negative controls: HF's norm casts (2 forward, 2
+    backward), and ``F.rms_norm`` called under autocast as it is (without the fused forward's autocast-off)
+    returns float32, ``rms_norm`` being on CUDA autocast's float32 list."""
+    plain, fused = (m.cuda() for m in pair("LlamaRMSNorm", torch.bfloat16))
+    reference = copy.deepcopy(plain).float()
+    x, grad = (t.cuda() for t in inputs(torch.bfloat16))
+    found = {}
+    for name, norm in (("fused", fused), ("hf", plain)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            found[name] = dispatched(lambda: found.__setitem__(f"{name} out", run(norm, x, grad)))
+    assert found["fused"]["aten._fused_rms_norm"] == found["fused"]["aten._fused_rms_norm_backward"] == 1
+    assert found["fused"]["aten._to_copy"] == 0 and found["hf"]["aten._to_copy"] == 4
+    assert found["hf"]["aten._fused_rms_norm"] == 0
+    y = found["fused out"][0]
+    exact = run(reference, x.float(), grad.float())[0]
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-6).all()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert F.rms_norm(x, fused.weight.shape, fused.weight, fused.variance_epsilon).dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_dense_model_s_bf16_forward_runs_one_fused_kernel_per_norm():
+    model = concept.build(BuildConfig(backbone=TINY, family="dense")).eval()
+    store_frozen_base(model, torch.bfloat16)
+    model, plain = model.cuda(), unfused(model).cuda()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    counts = {}
+    for name, m in (("fused", model), ("hf", plain)):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            counts[name] = dispatched(lambda: m(ids).logits)
+    norms = 2 * 3 + 1
+    assert counts["fused"]["aten._fused_rms_norm"] == norms and counts["hf"]["aten._fused_rms_norm"] == 0
+    assert counts["hf"]["aten._to_copy"] - counts["fused"]["aten._to_copy"] == 2 * norms
