@@ -43,7 +43,7 @@ HF_RMS_NORMS = {
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class _FusedRMSNormForward:
+class FusedRMSNormForward:
     """A transformers RMSNorm's forward as ``F.rms_norm`` (mixed in before the HF class)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -61,9 +61,9 @@ _FUSED: dict[type, type] = {}
 
 
 def fused_class(hf_class: type) -> type:
-    """``Fused<HF class>``: ``hf_class`` with :class:`_FusedRMSNormForward`'s forward (made once)."""
+    """``Fused<HF class>``: ``hf_class`` with :class:`FusedRMSNormForward`'s forward (made once)."""
     if hf_class not in _FUSED:
-        _FUSED[hf_class] = type(f"Fused{hf_class.__name__}", (_FusedRMSNormForward, hf_class),
+        _FUSED[hf_class] = type(f"Fused{hf_class.__name__}", (FusedRMSNormForward, hf_class),
                                 {"__module__": __name__})
     return _FUSED[hf_class]
 

@@ -23,7 +23,7 @@ import concept
 from concept import BuildConfig, ComponentRef
 from concept.backbone import decoder
 from concept.precision import store_frozen_base
-from concept.rms_norm import HF_RMS_NORMS, _FusedRMSNormForward, fuse_rms_norms, fused_class, hf_class
+from concept.rms_norm import HF_RMS_NORMS, FusedRMSNormForward, fuse_rms_norms, fused_class, hf_class
 
 from .conftest import mix_decisions, randomize_new_modules, tiny_config
 from .test_planner_executor import pe_config
@@ -35,7 +35,7 @@ HF_OPS = ["aten.to.dtype", "aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.
           "aten.mul.Tensor", "aten.to.dtype", "aten.mul.Tensor"]  # one HF norm's forward, traced
 
 
-class _NoEps(_FusedRMSNormForward):
+class _NoEps(FusedRMSNormForward):
     """A broken fused forward (the negative control): F.rms_norm without the module's eps."""
 
     def forward(self, hidden_states):
@@ -143,7 +143,7 @@ def unfused(model):
     """``model`` with HF's own norms (a copy)."""
     model = copy.deepcopy(model)
     for m in model.modules():
-        if isinstance(m, _FusedRMSNormForward):
+        if isinstance(m, FusedRMSNormForward):
             m.__class__ = type(m).__mro__[2]
     return model
 
