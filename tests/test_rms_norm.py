@@ -1,7 +1,7 @@
 """The backbone's RMSNorm as one op (``concept.rms_norm``, issue 39): ``F.rms_norm`` with the module's weight and
 eps in place of transformers' eight-op forward, in every family's model.
 
-Against HF's own module: float32 outputs and gradients (input and weight) bit for bit; bf16 the float32 result
+Against HF's own module: float32 outputs and gradients (input and weight) bit for bit; bf16 and fp16 the float32 result
 rounded once (HF rounds twice), its gradients within bf16's rounding of the float32 ones; float64 and a weight in
 another dtype than its input: HF's forward itself. A whole tiny model's fp32 logits and gradients are those of
 the same model with HF's norms. Traced at the dispatcher's first level (``make_fx(pre_dispatch=True)``, where the
@@ -84,19 +84,21 @@ def test_fp32_outputs_and_gradients_are_hf_bit_for_bit(name):
     assert not torch.equal(run(broken, x, grad)[0], run(plain, x, grad)[0])
 
 
-def test_bf16_is_the_fp32_result_rounded_once_and_its_gradients_within_bf16():
-    plain, fused = pair("LlamaRMSNorm", torch.bfloat16)
-    reference = copy.deepcopy(plain).float()  # the same (bf16-exact) weight in fp32
-    x, grad = inputs(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_the_fp32_result_rounded_once_and_its_gradients_within_its_rounding(dtype):
+    plain, fused = pair("LlamaRMSNorm", dtype)
+    reference = copy.deepcopy(plain).float()  # the same (dtype-exact) weight in fp32
+    x, grad = inputs(dtype)
     exact = run(reference, x.float(), grad.float())
     got = run(fused, x, grad)
-    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], exact[0].to(torch.bfloat16))
-    hf = run(plain, x, grad)  # negative control: HF's bf16 rounds the normalised state, then the product
-    assert not torch.equal(hf[0], exact[0].to(torch.bfloat16))
+    assert got[0].dtype == dtype and torch.equal(got[0], exact[0].to(dtype))
+    hf = run(plain, x, grad)  # negative control: HF rounds the normalised state, then the product
+    assert not torch.equal(hf[0], exact[0].to(dtype))
     assert (got[0].float() - exact[0]).abs().max() <= (hf[0].float() - exact[0]).abs().max()
-    for g, e in zip(got[1:], exact[1:]):  # the gradients: bf16 outputs of fp32 math
-        assert g.dtype == torch.bfloat16
-        torch.testing.assert_close(g.float(), e, rtol=2 ** -7, atol=2 ** -7 * float(e.abs().max()))
+    ulp = torch.finfo(dtype).eps  # (2^-7 for bf16, 2^-10 for fp16)
+    for g, e in zip(got[1:], exact[1:]):  # the gradients: half-precision outputs of fp32 math
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), e, rtol=ulp, atol=ulp * float(e.abs().max()))
 
 
 def test_float64_and_a_mixed_pair_run_hf_s_own_forward():
