@@ -2,7 +2,7 @@
 eps in place of transformers' eight-op forward, in every family's model.
 
 Against HF's own module: float32 outputs and gradients (input and weight) bit for bit; bf16 and fp16 the float32 result
-rounded once (HF rounds twice), its gradients within bf16's rounding of the float32 ones; float64 and a weight in
+rounded once (HF rounds twice), the gradients within a rounding of the float32 ones; float64 and a weight in
 another dtype than its input: HF's forward itself. A whole tiny model's fp32 logits and gradients are those of
 the same model with HF's norms. Traced at the dispatcher's first level (``make_fx(pre_dispatch=True)``, where the
 CPU still sees ``aten.rms_norm`` before it decomposes; on CUDA it is the fused kernel), a norm is ONE op where HF's
