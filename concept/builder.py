@@ -2,7 +2,8 @@
 
 ``build(config)`` validates everything first (one error listing every problem), loads the
 backbone, freezes it, routes its attention through concept's AttentionInterface function,
-builds each component from its registry entry and ``Config``, and wires the model.
+runs its RMSNorms as one op (``concept.rms_norm``), builds each component from its registry
+entry and ``Config``, and wires the model.
 ``save`` / ``load`` write and read a run folder: ``concept.json`` (the config and its
 resolved plan), ``modules.safetensors`` (the new modules) and, for randomly initialised
 backbones only, ``backbone.safetensors``.
@@ -31,6 +32,7 @@ from .lora import (
     load_lora_state_dict,
     load_peft_adapter,
 )
+from .rms_norm import fuse_rms_norms
 
 from .migrate import FORMAT_VERSION  # noqa: F401 (this module's API too)
 from .run_files import BACKBONE_FILE, MODULES_FILE, RUN_FILE  # noqa: F401 (this module's API too)
@@ -43,6 +45,7 @@ def build_backbone(plan: BuildResolution) -> LoadedBackbone:
     for p in loaded.model.parameters():
         p.requires_grad_(False)
     attention.route(loaded.model)
+    fuse_rms_norms(loaded.model)  # every family's model, the dense and pruned baselines too (concept.rms_norm)
     return loaded
 
 
