@@ -148,6 +148,13 @@ def valid_mask(batch: dict) -> torch.Tensor:
     return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
 
 
+def real_tokens(batch: dict, out) -> torch.Tensor:
+    """[B, T] bool: the batch's real tokens, the forward's own mask where its output carries one (``out.valid``,
+    nothing recomputed), else :func:`valid_mask`."""
+    valid = getattr(out, "valid", None)
+    return valid_mask(batch) if valid is None else valid
+
+
 def next_token_pairs(valid: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T-1] bool: position t predicts token t+1 (both real, same document); the pairs
     ``concept.streaming.model.next_token_loss`` averages its CE over."""
