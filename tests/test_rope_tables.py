@@ -6,12 +6,15 @@ bit for bit equal to the per-stack tables (each stack building its own in ``run_
 position scheme whose middle and deep positions differ (``compact``: ranks in the middle; every scheme's forward
 against the slow oracle: tests/test_equivalence.py). Negative control: a table of positions one off is caught. The aten-op counts:
 ``tests/test_step_ops.py`` and docs/benchmarks.md."""
+import pytest
 import torch
 
 import concept.streaming.model as streaming_model
 from concept.objectives import real_tokens
 
 from .conftest import PACKED_DOC, mixed_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def forward_and_grads(model, ids, mask, doc):
