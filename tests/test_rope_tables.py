@@ -4,8 +4,8 @@ decisions, so it keeps its own) instead of one per stack, and the ratio objectiv
 real tokens (``out.valid``) instead of casting the attention mask again. Same math: logits, loss and gradients
 bit for bit equal to the per-stack tables (each stack building its own in ``run_layers``, as before), with a
 position scheme whose middle and deep positions differ (``compact``: ranks in the middle; every scheme's forward
-against the slow oracle: tests/test_equivalence.py). Negative control: a table of positions one off is caught. The aten-op counts:
-``tests/test_step_ops.py`` and docs/benchmarks.md."""
+against the slow oracle: tests/test_equivalence.py). Negative control: a table of positions one off is caught.
+The aten-op counts: ``tests/test_step_ops.py`` and docs/benchmarks.md."""
 import pytest
 import torch
 

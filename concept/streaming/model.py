@@ -295,8 +295,8 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
         tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
         z_in = torch.cat([c, self.fuse_tail(tail, updates, layout)], dim=1)
-        z = self.run_stack(self.deep, z_in, deep_pos, self.attention.plan(layout), None if cache is None else cache.deep,
-                           deep_rope)
+        z = self.run_stack(self.deep, z_in, deep_pos, self.attention.plan(layout),
+                           None if cache is None else cache.deep, deep_rope)
 
         # back to time order; element t predicts token t + 1
         slots = layout.slot_of_time[:, -logits_to_keep:] if logits_to_keep else layout.slot_of_time
