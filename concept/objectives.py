@@ -11,7 +11,8 @@ frozen backbone's forward it reads (``logits`` / ``deep_input`` / ``final``; emp
 ``batch`` is the dict of ``input_ids`` / ``attention_mask`` / ``document_ids``, ``out`` the
 model's output, ``teacher`` a ``concept.teacher.TeacherOutput`` or None. A controller (``adds_term =
 False``) adds no term; it acts through the other hooks (``before_step``, ``stats``, ``device_step``,
-``log_stats``, ``after_step``, ``finish``, ``state_dict``); ``before_step`` and ``finish`` see the run through a :class:`StepContext`.
+``log_stats``, ``after_step``, ``finish``, ``state_dict``); ``before_step`` and ``finish`` see the run
+through a :class:`StepContext`.
 The trainer's loss is ``ce_weight * CE + sum of the terms``; it never branches on which objectives there
 are: a family (``Family.objectives``) or a baseline chooses them.
 
@@ -81,9 +82,8 @@ class Objective:
     def stats(self, model, batch: dict, out) -> dict[str, float]:
         """Statistics of a micro-batch, summed over the step's micro-batches and processes; keys starting
         with ``_`` are inputs of the other hooks only (:meth:`device_step`, :meth:`log_stats`), the others are
-        logged (as means). Numbers or device
-        scalars: the trainer sums the latter on the device and reads a step's values once (no host sync
-        inside the step, ``concept.syncs``)."""
+        logged (as means). Numbers or device scalars: the trainer sums the latter on the device and reads a
+        step's values once (no host sync inside the step, ``concept.syncs``)."""
         return {}
 
     def device_step(self, model, means: dict[str, torch.Tensor], totals: dict[str, torch.Tensor],
