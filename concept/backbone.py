@@ -89,15 +89,31 @@ def layers(model: nn.Module) -> nn.ModuleList:
     return decoder(model).layers
 
 
-def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None, run=None):
+def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None, run=None,
+               cos_sin=None):
     """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table
     (and a KV cache the layers update, when decoding). ``run``: what calls each layer (default
-    :func:`run_layer`; ``--compile layers``: it compiled, one graph for the stack's layers)."""
-    cos_sin = rotary_emb(x, position_ids)
+    :func:`run_layer`; ``--compile layers``: it compiled, one graph for the stack's layers). ``cos_sin``: the
+    RoPE table of ``position_ids`` for ``x``'s dtype when the caller built it already (:func:`rope_tables`);
+    None: built here."""
+    cos_sin = rotary_emb(x, position_ids) if cos_sin is None else cos_sin
     run = run or run_layer
     for layer in layers:
         x = run(layer, x, position_ids, attention_plan, cos_sin, checkpointing, cache)
     return x
+
+
+def rope_tables(rotary_emb, x, position_ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The RoPE tables (cos, sin) of several position id tensors ([B, n_i] each) for inputs like ``x``, built in one
+    call of the backbone's ``rotary_emb`` over their concatenation and split after: the same values as one call
+    each (a table is elementwise in the positions). A rotary embedding whose frequencies follow the longest
+    position (transformers' ``dynamic`` / ``longrope`` types) is called once for each."""
+    kind = str(getattr(rotary_emb, "rope_type", "default"))
+    if "dynamic" in kind or "longrope" in kind:
+        return [rotary_emb(x, p) for p in position_ids]
+    cos, sin = rotary_emb(x, torch.cat(position_ids, dim=1))
+    sizes = [p.shape[1] for p in position_ids]
+    return list(zip(cos.split(sizes, 1), sin.split(sizes, 1)))
 
 
 def run_layer(layer, x, position_ids, attention_plan, cos_sin, checkpointing=False, cache=None):

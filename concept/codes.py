@@ -278,7 +278,7 @@ class KMeansInit(Objective):
             codes, states = codes + k, states + x.shape[0]
         self.report = {"kmeans_codes": codes, "kmeans_states": states}
 
-    def after_step(self, model, means, totals) -> dict[str, float]:
+    def device_step(self, model, means, totals, skipped) -> dict:  # (host values: no log read needed)
         report, self.report = self.report, {}
         return report
 

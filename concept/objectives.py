@@ -10,8 +10,9 @@ micro-batches: the term it added to the loss); ``objective.teacher_needs`` names
 frozen backbone's forward it reads (``logits`` / ``deep_input`` / ``final``; empty: no teacher).
 ``batch`` is the dict of ``input_ids`` / ``attention_mask`` / ``document_ids``, ``out`` the
 model's output, ``teacher`` a ``concept.teacher.TeacherOutput`` or None. A controller (``adds_term =
-False``) adds no term; it acts through the other hooks (``before_step``, ``stats``, ``after_step``,
-``finish``, ``state_dict``); ``before_step`` and ``finish`` see the run through a :class:`StepContext`.
+False``) adds no term; it acts through the other hooks (``before_step``, ``stats``, ``device_step``,
+``log_stats``, ``after_step``, ``finish``, ``state_dict``); ``before_step`` and ``finish`` see the run
+through a :class:`StepContext`.
 The trainer's loss is ``ce_weight * CE + sum of the terms``; it never branches on which objectives there
 are: a family (``Family.objectives``) or a baseline chooses them.
 
@@ -80,9 +81,9 @@ class Objective:
 
     def stats(self, model, batch: dict, out) -> dict[str, float]:
         """Statistics of a micro-batch, summed over the step's micro-batches and processes; keys starting
-        with ``_`` are inputs of :meth:`after_step` only, the others are logged (as means). Numbers or device
-        scalars: the trainer sums the latter on the device and reads a step's values once (no host sync
-        inside the step, ``concept.syncs``)."""
+        with ``_`` are inputs of the other hooks only (:meth:`device_step`, :meth:`log_stats`), the others are
+        logged (as means). Numbers or device scalars: the trainer sums the latter on the device and reads a
+        step's values once (no host sync inside the step, ``concept.syncs``)."""
         return {}
 
     def device_step(self, model, means: dict[str, torch.Tensor], totals: dict[str, torch.Tensor],
@@ -94,11 +95,18 @@ class Objective:
         (``concept.train_step.StepRunner.read_log``). Prefer it to :meth:`after_step`."""
         return {}
 
+    def log_stats(self, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
+        """What to log that is worked out from the step's statistics read on the host (means over micro-batches,
+        and totals; e.g. a ratio of two of them, absent where its denominator is 0), called when the step's log
+        is read (every ``--log-every`` steps). It does not act on anything, so it never makes the trainer read a
+        step's log sooner: :meth:`after_step` does."""
+        return {}
+
     def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
         """After the optimizer step, with the step's statistics read on the host (means over micro-batches, and
         totals): act (e.g. move a controller's bias) and return what to log. An objective that overrides it makes
         the trainer read every step's log before the next step (a host sync per step): :meth:`device_step`
-        does not."""
+        (to act) and :meth:`log_stats` (to log what the statistics give) do not."""
         return {}
 
     def finish(self, context: StepContext) -> dict[str, float]:
@@ -138,6 +146,13 @@ def pair_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def valid_mask(batch: dict) -> torch.Tensor:
     mask = batch.get("attention_mask")
     return torch.ones_like(batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
+
+
+def real_tokens(batch: dict, out) -> torch.Tensor:
+    """[B, T] bool: the batch's real tokens, the forward's own mask where its output carries one (``out.valid``,
+    nothing recomputed), else :func:`valid_mask`."""
+    valid = getattr(out, "valid", None)
+    return valid_mask(batch) if valid is None else valid
 
 
 def next_token_pairs(valid: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:

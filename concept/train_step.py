@@ -117,6 +117,7 @@ class StepRunner:
         # the objectives that act on a step's values read on the host (``after_step``): with any, every step's
         # log is read before the next step runs
         self.acting_on_host = [o for o in objectives if overrides(o, "after_step")]
+        self.logging_stats = [o for o in objectives if overrides(o, "log_stats")]  # (never forces a read)
         self.step = 0  # the steps trained (a skipped step, once read, takes it back)
         self.queued: list[QueuedStep] = []  # steps run on the device whose logged values are not read yet
         self.skipping: torch.Tensor | None = None  # on the device: a step so far had a non-finite loss or gradient
@@ -294,11 +295,13 @@ class StepRunner:
         row = {"step": q.step, "loss": mean["loss"], "total_loss": mean["total_loss"], "lr": q.lr,
                "grad_norm": read[len(q.on_device)], "tokens_per_s": 0.0}
         row.update({o.name: mean[o.name] for o in self.objectives if o.adds_term})  # each objective's term
-        # the objectives' statistics (``_``-prefixed ones are inputs of their device_step, not logged)
+        # the objectives' statistics (``_``-prefixed ones are inputs of their hooks, not logged)
         row.update({k: mean[k] for k in mean if k not in row and k not in STEP_SUMS and not k.startswith("_")})
         if self.config.curriculum:
             row["seq_len"] = q.length
         row.update({k: dict(zip(q.later, read[len(q.on_device) + 1:])).get(k, v) for k, v in q.logged.items()})
+        for objective in self.logging_stats:  # e.g. Hard-EM's E-step ratios (read when the log is: no sync)
+            row.update(objective.log_stats(mean, total))
         for objective in self.acting_on_host:  # e.g. the quota controller moves the <EOS> bias
             row.update(objective.after_step(self.model, mean, total))
         if self.teacher_needs:

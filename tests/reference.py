@@ -14,12 +14,15 @@ tests/test_policies.py and tests/test_null_policy.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
 import torch.nn.functional as F
 
 from concept.backbone import decoder
+from concept.planner.model import after_end
+from concept.syncs import declared
 
 
 def component(model, slot: str) -> str:
@@ -190,3 +193,24 @@ def reference_logits(model, input_ids, attention_mask=None, keep=None, deep_posi
             out = _run(model, model.deep, z, z_pos)
             logits[b, t] = model.backbone.lm_head(inner.norm(out[0, -1]))
     return logits, keep
+
+
+# -- the planner's parallel types: chains joined as the sampling planner did before 2026-11-27 --------------------
+def join_types_read(chains, n: int):
+    """Rows of ``n`` chains (row ``b * n + i``: type i's steps of row b) joined type by type, as wide as the longest
+    joined plan: its width and its steps' places read back (the declared ``plan join`` this replaced), every step
+    copied to its place with ``index_put``. The reference of ``concept.planner.model.Plan.join_types``."""
+    Bn, _ = chains.classes.shape
+    B = Bn // n
+    lengths = chains.active.sum(1).view(B, n)
+    offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
+    with declared("plan join"):
+        width = int(lengths.sum(1).max())
+        rows, steps = chains.active.nonzero(as_tuple=True)
+    target = (rows // n, offset[rows] + steps)
+    out = {}
+    for f in dataclasses.fields(chains):
+        t = getattr(chains, f.name)
+        if t is not None:
+            out[f.name] = t.new_full((B, width, *t.shape[2:]), after_end(f.name)).index_put(target, t[rows, steps])
+    return dataclasses.replace(chains, **out)

@@ -282,8 +282,9 @@ def test_kmeans_init_points_codes_at_the_centroids_of_the_first_batches_queries(
     queries = torch.cat([vocab.query(b.states) for b in batches]).detach()
     centroids = spherical_kmeans(queries, 24, torch.Generator().manual_seed(7 * 1_000_003))
     assert torch.allclose(F.normalize(vocab.codebook, dim=-1), centroids, atol=1e-6)
-    assert init.after_step(model, {}, {}) == {"kmeans_codes": 24, "kmeans_states": 60}
-    assert init.after_step(model, {}, {}) == {}  # logged once
+    skipped = torch.tensor(False)
+    assert init.device_step(model, {}, {}, skipped) == {"kmeans_codes": 24, "kmeans_states": 60}
+    assert init.device_step(model, {}, {}, skipped) == {}  # logged once
     later = vocab.codebook.detach().clone()
     KMeansInit(batches=2, seed=7).before_step(SimpleNamespace(**{**vars(context), "step": 3}))  # a resumed run
     assert torch.equal(vocab.codebook, later)

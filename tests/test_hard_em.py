@@ -89,7 +89,7 @@ def test_estep_cache_refresh_and_statistics(model):
     objective.prepare(model, batch, step=2)  # two steps old: searched again; the same model finds the same plans
     assert objective._stats["rows"] == 3 and objective._stats["old"] == 3 and objective._stats["flips"] == 0
     assert objective._stats["gap"] == pytest.approx(0.0, abs=1e-4)
-    stats = objective.after_step(model, objective.stats(model, None, None), {})
+    stats = objective.log_stats(objective.stats(model, None, None), {})
     assert stats["flip_rate"] == 0 and stats["estep_share"] == 1  # estep_margin: the test below
 
 
@@ -99,7 +99,7 @@ def test_estep_margin_is_the_mean_gap_between_the_best_and_the_runner_up_plan(mo
     objective = HardEMObjective(1.0, beam=3, every=1)
     u, valid = plan_inputs()
     objective.prepare(model, {"input_ids": u, "attention_mask": valid}, step=0)
-    stats = objective.after_step(model, objective.stats(model, None, None), {})
+    stats = objective.log_stats(objective.stats(model, None, None), {})
     with torch.no_grad():
         beams, logp = beam_search(model, u, valid, 3)
         total = score_plans(model, u, valid, u, valid, beams, 3).total.masked_fill(~torch.isfinite(logp), float("-inf"))

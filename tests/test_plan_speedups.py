@@ -10,7 +10,9 @@ import concept
 from concept.errors import ConfigError
 from concept.planner.search import beam_search
 from concept.planner.model import Plan, PlannerSettings
+from concept.syncs import HostSyncs
 
+from .reference import join_types_read
 from .test_planner_executor import TYPES, built, check_beam_search, pe_config
 from .test_planner_executor import plan_inputs as inputs
 
@@ -87,7 +89,7 @@ def test_parallel_types_plan_in_fewer_forwards_and_force_exactly():
     assert torch.equal(plan.forced & plan.active, forced.forced & plan.active)
     rows = [[(0, 1), (0, 2), (1, 3)], [], [(1, 1)] * 4]
     p = Plan.from_rows(rows, (8, 16))
-    assert p.split_types(2).join_types(2).rows() == rows
+    assert p.split_types(2).join_types(2, p.classes.shape[1]).rows() == rows
 
 
 def test_parallel_beam_search_is_the_best_joint_plans():
@@ -104,6 +106,43 @@ def test_parallel_trains_with_gradients_to_every_type():
         grad = model.vocabularies[i].table.weight.grad if hasattr(model.vocabularies[i], "table") else None
         assert grad is not None and grad.abs().sum() > 0, i
     model.zero_grad()
+
+
+def sampled_forward(model, u, valid):
+    """The training forward (the Gumbel sampler seeded) counted, its loss's gradients: (output, counter, grads)."""
+    model.zero_grad()
+    torch.manual_seed(3)
+    with HostSyncs() as seen:
+        out = model(u, attention_mask=valid, labels=u)
+    out.loss.backward()
+    return out, seen, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_parallel_sampling_joins_its_chains_without_a_read(monkeypatch):
+    """The sampling planner with parallel types joins its chains at a fixed width (``Plan.join_types``: nothing
+    read) instead of the declared ``plan join`` (its width and steps' places read back: the reference, kept in
+    tests/reference.py): the same plans (padded after), logits, loss and gradients. Negative control: a join at the
+    chains' own width (too narrow: it drops steps) is caught."""
+    model = built(parallel=True).train()
+    u, valid = inputs()
+    out, seen, grads = sampled_forward(model, u, valid)
+    join = Plan.join_types
+    with monkeypatch.context() as m:
+        m.setattr(Plan, "join_types", lambda self, n, width: join_types_read(self, n))
+        ref, ref_seen, ref_grads = sampled_forward(model, u, valid)
+    assert "plan join" not in seen.declared and ref_seen.declared["plan join"] == 1
+    assert seen.hidden == ref_seen.hidden == 0 and seen.declared["plan end check"] >= 1
+    width = ref.plan.classes.shape[1]
+    assert out.plan.classes.shape[1] >= width and not out.plan.active[:, width:].any()
+    for name in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds"):
+        assert torch.allclose(getattr(out.plan, name)[:, :width], getattr(ref.plan, name)), name
+    assert torch.allclose(out.logits, ref.logits, atol=1e-5) and torch.allclose(out.loss, ref.loss, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 2
+    assert all(torch.allclose(grads[k], ref_grads[k], atol=1e-6) for k in grads)
+    with monkeypatch.context() as m:  # negative control
+        m.setattr(Plan, "join_types", lambda self, n, width: join(self, n, self.classes.shape[1]))
+        narrow, _, _ = sampled_forward(model, u, valid)
+    assert width > narrow.plan.classes.shape[1] and not torch.allclose(narrow.logits, ref.logits, atol=1e-3)
 
 
 @pytest.mark.parametrize("planner, message", [

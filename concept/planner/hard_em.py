@@ -218,8 +218,9 @@ class HardEMObjective(Objective):
     def stats(self, model, batch, out) -> dict[str, float]:
         return {f"_estep/{k}": self._stats.get(k, 0.0) for k in STATS}
 
-    def after_step(self, model, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
-        """From the statistics' means over the micro-batches (ratios of means are exact ratios)."""
+    def log_stats(self, means: dict[str, float], totals: dict[str, float]) -> dict[str, float]:
+        """From the statistics' means over the micro-batches (ratios of means are exact ratios), when the step's
+        log is read (no read per step)."""
         get = lambda k: means.get(f"_estep/{k}", 0.0)  # noqa: E731
         rows, old = get("rows"), get("old")
         row = {"estep_share": rows / max(get("examples"), 1.0), "estep_s": get("seconds")}

@@ -255,34 +255,24 @@ class Plan:
             out[k] = torch.where(kept, t, torch.full_like(t, after_end(k))).view(B * n, width)
         return Plan(**out)
 
-    def join_types(self, n: int, width: int | None = None) -> "Plan":
+    def join_types(self, n: int, width: int) -> "Plan":
         """Rows of ``n`` chains (row ``b * n + i``: type i's steps of row b) joined type by type into one
-        plan per row, every tensor field carried (differentiably: the straight-through embeddings). ``width``:
-        the joined plans' (at least the longest's; e.g. a teacher-forced plan's own), their steps moved to the
-        front by a stable sort, nothing read; None: the longest joined plan's, read back (declared ``plan join``)."""
+        plan per row, every tensor field carried (differentiably: the straight-through embeddings), ``width``
+        steps wide (at least the longest joined plan's: e.g. a teacher-forced plan's own, or ``n`` times the
+        chains' width), their steps moved to the front by a stable sort, padding after: fixed shapes, nothing
+        read."""
         Bn, S = self.classes.shape
         B = Bn // n
-        if width is not None:
-            active = self.active.view(B, n * S)
-            order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-            kept, extra = active.gather(1, order), width - order.shape[1]
-            out = dict.fromkeys(f.name for f in dataclasses.fields(self))
-            for name, t, fill in self._set_fields():
-                t = t.reshape(B, n * S, *t.shape[2:])
-                index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
-                mask = kept.view(*kept.shape, *[1] * (t.dim() - 2))
-                t = torch.where(mask, t.gather(1, index), torch.full_like(t[:, :1], fill))
-                out[name] = torch.cat([t, t.new_full((B, extra, *t.shape[2:]), fill)], 1) if extra > 0 else t
-            return Plan(**out)
-        lengths = self.active.sum(1).view(B, n)
-        offset = (lengths.cumsum(1) - lengths).flatten()  # where each chain starts in its row's plan
-        with declared("plan join"):  # the joined plan's width and its steps' places are data (once per forward)
-            width = int(lengths.sum(1).max())
-            rows, steps = self.active.nonzero(as_tuple=True)
-        target = (rows // n, offset[rows] + steps)
+        active = self.active.view(B, n * S)
+        order = torch.sort((~active).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        kept, extra = active.gather(1, order), width - order.shape[1]
         out = dict.fromkeys(f.name for f in dataclasses.fields(self))
         for name, t, fill in self._set_fields():
-            out[name] = t.new_full((B, width, *t.shape[2:]), fill).index_put(target, t[rows, steps])
+            t = t.reshape(B, n * S, *t.shape[2:])
+            index = order.view(*order.shape, *[1] * (t.dim() - 2)).expand(*order.shape, *t.shape[2:])
+            mask = kept.view(*kept.shape, *[1] * (t.dim() - 2))
+            t = torch.where(mask, t.gather(1, index), torch.full_like(t[:, :1], fill))
+            out[name] = torch.cat([t, t.new_full((B, extra, *t.shape[2:]), fill)], 1) if extra > 0 else t
         return Plan(**out)
 
     def _set_fields(self):
@@ -418,6 +408,11 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         return decoder(self.backbone)
 
     @property
+    def max_plan_steps(self) -> int:
+        """Steps of the longest plan there can be: every type's ``max_len`` concepts and its ``<EOS>``."""
+        return sum(t.max_len + 1 for t in self.settings.types)
+
+    @property
     def plan_positions(self) -> int:
         """Positions the planner fills after the context: ``<PLAN>``, then at most ``max_len`` concepts and
         an ``<EOS>`` a type (with parallel types, each chain holds one type's steps)."""
@@ -457,7 +452,10 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         if self.settings.parallel:
             if teacher is not None:
                 return self.planner_forced(u_ids, u_valid, teacher)
-            return self._steps(u_ids, u_valid, None, cache, sample, chains=self.num_types).join_types(self.num_types)
+            chains = self._steps(u_ids, u_valid, None, cache, sample, chains=self.num_types)
+            # as wide as the joined plans can be: every chain full, or every type's max_len + <EOS> (nothing read)
+            width = min(self.num_types * chains.classes.shape[1], self.max_plan_steps)
+            return chains.join_types(self.num_types, width)
         return self._steps(u_ids, u_valid, teacher, cache, sample)
 
     def prefix(self, u_ids, u_valid, cache, chains: int = 0):
@@ -493,7 +491,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         rec = {k: [] for k in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds", "soft", "hard",
                                "forced", "hidden", "head")}
-        max_steps = sum(t.max_len + 1 for t in self.settings.types) if teacher is None else teacher.classes.shape[1]
+        max_steps = self.max_plan_steps if teacher is None else teacher.classes.shape[1]
         heads = self.settings.mtp if teacher is None else 1  # steps written per forward (MTP concepts)
         step = 0
         while step < max_steps:

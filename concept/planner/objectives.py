@@ -18,7 +18,8 @@ micro-batch and process. With ``--set planner.quota=per-type`` each type has its
 share of the budget (in proportion to its ``max_len``), so a type cannot end itself early: with
 ``--usage-weight`` (whose term only sees the concepts a type emits) the planner can then not lower the
 term by writing fewer concepts. Objectives with statistics (``stats``) report them to the trainer, which sums
-them like the loss terms and hands the means back through ``after_step``.
+them like the loss terms and hands the means back through ``device_step`` (as device scalars) and ``log_stats``
+(read with the step's log).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from .model import Plan, text_loss
 def plan_width(model) -> int:
     """Steps of the longest plan (every type's ``max_len`` concepts and its ``<EOS>``): the width of the searched
     plans."""
-    return sum(t.max_len + 1 for t in model.settings.types)
+    return model.max_plan_steps
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import packing
 from ..attention import CausalPattern
-from ..backbone import decoder, run_layers
+from ..backbone import decoder, rope_tables, run_layers
 from ..codes import CodeUse
 from ..contracts import Gated, ReadsPredictor
 from ..generation import GenerationMixin
@@ -54,6 +54,7 @@ class ConceptOutput:
     codes: torch.Tensor | None = None  # [B, T, L] every level's code where keep, else -1 (multi-level codes)
     capped: torch.Tensor | None = None  # [] the policy's boundaries the static budget dropped (None: no budget)
     keep_logit: torch.Tensor | None = None  # [B, T] the length policy's keep score, computed once (``keep_score``)
+    valid: torch.Tensor | None = None  # [B, T] bool: the real tokens (the attention mask the forward read)
 
 
 class ConceptGate(nn.Module):
@@ -152,14 +153,27 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         """The states the MTP heads read: the shallow states (see plugins/length_policies/mtp.py)."""
         return out.shallow
 
-    def run_stack(self, stack, x, position_ids, attention_plan, cache=None):
+    def run_stack(self, stack, x, position_ids, attention_plan, cache=None, cos_sin=None):
+        """``stack``'s layers on ``x``; ``cos_sin``: the RoPE table of ``position_ids`` if built already
+        (:meth:`rope_tables`; a compiled stack builds its own inside its graph)."""
         checkpointing = self.gradient_checkpointing and self.training
         if self.compiled_stacks is not None and (cache is None or cache.recording):  # (decoding steps: eager)
             name = next(n for n, s in (("shallow", self.shallow), ("middle", self.middle), ("deep", self.deep))
                         if s is stack)
             return self.compiled_stacks(name, stack, x, position_ids, attention_plan, self.inner.rotary_emb,
                                         checkpointing, cache)
-        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb, checkpointing, cache)
+        if cos_sin is not None and cos_sin[0].dtype != x.dtype:  # (a table for another dtype: its own)
+            cos_sin = None
+        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb, checkpointing, cache,
+                          cos_sin=cos_sin)
+
+    def rope_tables(self, x, *position_ids) -> list:
+        """The RoPE tables of several stacks' position ids for inputs like ``x``, built in one call of the
+        backbone's rotary embedding (``concept.backbone.rope_tables``); Nones where the stacks are compiled
+        (each graph builds its own)."""
+        if self.compiled_stacks is not None:
+            return [None] * len(position_ids)
+        return rope_tables(self.inner.rotary_emb, x, list(position_ids))
 
     def concept_slots(self, T: int) -> int | None:
         """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
@@ -210,17 +224,17 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
             c = perturb(c, layout.concept_meta.valid)
         return self.positions.add_concept_type(c)
 
-    def run_middle(self, c, layout, concept_pos, doc, static: bool, cache=None):
-        """The middle stack over the packed concepts, causal among them: (its output [B, C, d], what it added to
-        each concept when the tail fusion reads it, else None). No concepts: ``c`` unchanged."""
+    def run_middle(self, c, layout, middle_pos, doc, static: bool, cache=None, cos_sin=None):
+        """The middle stack over the packed concepts (at ``middle_pos``; ``cos_sin``: their RoPE table, if built),
+        causal among them: (its output [B, C, d], what it added to each concept when the tail fusion reads it,
+        else None). No concepts: ``c`` unchanged."""
         if not layout.num_concepts:
             return c, None
-        middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
         meta = layout.concept_meta
         # the concept block is left-aligned: causal attention is exact for its real slots with one document
         middle_plan = CausalPattern(meta.valid, None if doc is None else meta.doc,
                                     True if doc is None else (False if static else None))
-        out = self.run_stack(self.middle, c, middle_pos, middle_plan, cache)
+        out = self.run_stack(self.middle, c, middle_pos, middle_plan, cache, cos_sin)
         updates = out - c if self.tail_fusion is not None and self.tail_fusion.needs_update else None
         return out, updates
 
@@ -272,13 +286,17 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
 
         # middle: concepts only, causal among concepts
         c = self.middle_inputs(probs, token_ids, h, head_logits, keep, valid, starts, layout, perturb, perturb_codes)
-        c, updates = self.run_middle(c, layout, concept_pos, doc, static, None if cache is None else cache.middle)
+        middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
+        deep_pos = self.deep_positions(pos, concept_pos, layout)
+        middle_rope, deep_rope = self.rope_tables(c, middle_pos, deep_pos)  # (one RoPE table for both stacks)
+        c, updates = self.run_middle(c, layout, middle_pos, doc, static, None if cache is None else cache.middle,
+                                     middle_rope)
 
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
         tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
         z_in = torch.cat([c, self.fuse_tail(tail, updates, layout)], dim=1)
-        z = self.run_stack(self.deep, z_in, self.deep_positions(pos, concept_pos, layout), self.attention.plan(layout),
-                           None if cache is None else cache.deep)
+        z = self.run_stack(self.deep, z_in, deep_pos, self.attention.plan(layout),
+                           None if cache is None else cache.deep, deep_rope)
 
         # back to time order; element t predicts token t + 1
         slots = layout.slot_of_time[:, -logits_to_keep:] if logits_to_keep else layout.slot_of_time
@@ -289,7 +307,7 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         multi = self.levels > 1
         return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
                              Deferred(lambda: in_time_order(z_in), like=z_in), z, updates, emitted if multi else None,
-                             capped, keep_logit)
+                             capped, keep_logit, valid)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
         """Logits [B, T, V] of every position as a tail token with no concept before it: the backbone

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..contracts import RatioControlled, Tempered, TracksRatio
-from ..objectives import Objective, next_token_pairs, pair_mean, usage_kl, valid_mask, zero
+from ..objectives import Objective, next_token_pairs, pair_mean, real_tokens, usage_kl, valid_mask, zero
 from ..syncs import declared
 from . import gap
 from .calibration import decision_inputs
@@ -38,7 +38,7 @@ class RatioObjective(Objective):
             return zero(batch["input_ids"])
         boundary = model.length_policy.boundary_prob(out.head_logits, out.shallow,
                                                      keep_logit=getattr(out, "keep_logit", None))  # (the forward's)
-        return RatioLoss(target, self.weight)(out.keep, boundary, valid_mask(batch))
+        return RatioLoss(target, self.weight)(out.keep, boundary, real_tokens(batch, out))
 
 
 @dataclass
@@ -161,7 +161,7 @@ class RatioControl(Objective):
         if getattr(out, "capped", None) is not None:  # a static budget: the policy's boundaries it dropped
             found["_capped"] = out.capped * getattr(model, "emit", 1)
         if self.pi is not None and self.tracking:  # the controller's statistics, from every micro-batch
-            valid = batch["attention_mask"].bool()
+            valid = real_tokens(batch, out)
             keep_logit = getattr(out, "keep_logit", None)  # (the forward's: computed once)
             found["_quantile"], found["_spread"] = self.pi.statistics(
                 model.length_policy, out.head_logits.detach(), valid, out.shallow.detach(),
