@@ -110,3 +110,33 @@ def test_host_scan_vs_device_scan_on_the_gpu(benchmark, record, request, device,
         benchmark.pedantic(lambda: policy.decide(None, head_logits, valid), rounds=3, iterations=1)
     record(benchmark, f"null tracker default B={B} T={T}: host scan vs device scan", timing, None, B=B, T=T,
            ratio=float(on_device.float().mean()), suite="policy-scan", sides=["host scan", "device scan"])
+
+
+@pytest.mark.parametrize("B,T", DEVICE_CASES, ids=[f"default-B{b}-T{t}-unroll" for b, t in DEVICE_CASES])
+def test_device_scan_loop_unrolled_on_the_gpu(benchmark, record, request, device, B, T, monkeypatch):
+    """The device scan's two loop shapes on CUDA: one token per iteration of the loop over t (each token's
+    loads after the last one's store) against ``scan_kernels.UNROLL`` tokens per iteration (their loads issued
+    together, ahead of the updates); the same decisions. The unrolled loop's gain is an estimate read from its
+    SASS (``docs/benchmarks.md``) until this row measures it."""
+    gpu_case(request, device, T, real_backbone=False)
+    if not device_scan.runs_on(device):
+        pytest.skip("the device scan needs triton")
+    from concept.streaming import scan_kernels
+    unroll = scan_kernels.UNROLL
+    policy, head_logits, valid = default_policy(device, B, T)
+
+    def one_token_per_iteration():
+        with monkeypatch.context() as patch:
+            patch.setattr(scan_kernels, "UNROLL", 1)
+            return policy.decide(None, head_logits, valid)
+
+    with torch.no_grad():
+        unrolled = policy.decide(None, head_logits, valid)
+        assert torch.equal(unrolled, one_token_per_iteration())  # the same decisions
+        if benchmark.disabled:
+            return
+        timing = side_by_side(one_token_per_iteration, lambda: policy.decide(None, head_logits, valid), device=device)
+        benchmark.pedantic(lambda: policy.decide(None, head_logits, valid), rounds=3, iterations=1)
+    record(benchmark, f"null tracker default B={B} T={T}: device scan, loop by 1 vs by {unroll} tokens", timing,
+           None, B=B, T=T, ratio=float(unrolled.float().mean()), suite="policy-scan",
+           sides=["loop by 1", f"loop by {unroll}"])
