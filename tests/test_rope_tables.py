@@ -9,7 +9,7 @@ The aten-op counts: ``tests/test_step_ops.py`` and docs/benchmarks.md."""
 import pytest
 import torch
 
-import concept.streaming.model as streaming_model
+import concept.streaming.stacks as streaming_stacks
 from concept.objectives import real_tokens
 
 from .conftest import PACKED_DOC, mixed_model
@@ -40,7 +40,7 @@ def test_one_rope_table_for_the_middle_and_deep_stacks_is_bit_identical(monkeypa
     doc = torch.tensor(PACKED_DOC * 2)
     out, grads, calls = forward_and_grads(model, ids, mask, doc)
     with monkeypatch.context() as m:  # the reference: every stack builds its own table (run_layers), as before
-        m.setattr(streaming_model, "rope_tables", lambda rotary, x, position_ids: [None] * len(position_ids))
+        m.setattr(streaming_stacks, "rope_tables", lambda rotary, x, position_ids: [None] * len(position_ids))
         ref, ref_grads, ref_calls = forward_and_grads(model, ids, mask, doc)
     assert out.keep.any() and (calls, ref_calls) == (2, 3)
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
@@ -50,7 +50,7 @@ def test_one_rope_table_for_the_middle_and_deep_stacks_is_bit_identical(monkeypa
     assert real_tokens({"input_ids": ids, "attention_mask": mask}, out) is out.valid
     assert torch.equal(out.valid, mask.bool())
     with monkeypatch.context() as m:  # negative control: a table of positions one off
-        m.setattr(streaming_model, "rope_tables",
+        m.setattr(streaming_stacks, "rope_tables",
                   lambda rotary, x, position_ids: [rotary(x, p + 1) for p in position_ids])
         off, _, _ = forward_and_grads(model, ids, mask, doc)
     assert not torch.equal(off.logits, ref.logits)

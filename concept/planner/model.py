@@ -87,6 +87,11 @@ class PlannerSettings:
     QUOTAS = ("total", "per-type")
 
     @property
+    def max_plan_steps(self) -> int:
+        """Steps of the longest plan there can be: every type's ``max_len`` concepts and its ``<EOS>``."""
+        return sum(t.max_len + 1 for t in self.types)
+
+    @property
     def target(self) -> float:
         return float(self.budget) if self.budget is not None else sum(t.max_len for t in self.types) / 2
 
@@ -371,6 +376,13 @@ class EOSBias(nn.Module):
         return float(self.value) if self.value.dim() == 0 else [float(v) for v in self.value]
 
 
+def plan_ended(done: torch.Tensor) -> bool:
+    """Whether every row's plan has ended: the host ends the planner's step loop (a declared host sync per
+    planner forward; the plans' lengths are data)."""
+    with declared("plan end check"):
+        return bool(done.all())
+
+
 class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubMixin, nn.Module):
     family = "planner-executor"
 
@@ -406,11 +418,6 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
     @property
     def inner(self) -> nn.Module:
         return decoder(self.backbone)
-
-    @property
-    def max_plan_steps(self) -> int:
-        """Steps of the longest plan there can be: every type's ``max_len`` concepts and its ``<EOS>``."""
-        return sum(t.max_len + 1 for t in self.settings.types)
 
     @property
     def plan_positions(self) -> int:
@@ -454,7 +461,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
                 return self.planner_forced(u_ids, u_valid, teacher)
             chains = self._steps(u_ids, u_valid, None, cache, sample, chains=self.num_types)
             # as wide as the joined plans can be: every chain full, or every type's max_len + <EOS> (nothing read)
-            width = min(self.num_types * chains.classes.shape[1], self.max_plan_steps)
+            width = min(self.num_types * chains.classes.shape[1], self.settings.max_plan_steps)
             return chains.join_types(self.num_types, width)
         return self._steps(u_ids, u_valid, teacher, cache, sample)
 
@@ -491,13 +498,13 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         rec = {k: [] for k in ("classes", "types", "active", "rank", "is_eos", "logits", "embeds", "soft", "hard",
                                "forced", "hidden", "head")}
-        max_steps = self.max_plan_steps if teacher is None else teacher.classes.shape[1]
+        max_steps = self.settings.max_plan_steps if teacher is None else teacher.classes.shape[1]
         heads = self.settings.mtp if teacher is None else 1  # steps written per forward (MTP concepts)
         step = 0
         while step < max_steps:
             group, fed = [], []
             for j in range(heads):  # head j writes step `step` (j = 0: the plain next-step head)
-                if j and (step >= max_steps or self.plan_ended(done)):
+                if j and (step >= max_steps or plan_ended(done)):
                     break
                 state = h if j == 0 else self.mtp_heads.state(h, j - 1)
                 active = ~done
@@ -524,18 +531,11 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
                 group.append(e)
                 fed.append(active)
                 step += 1
-            if self.plan_ended(done):
+            if plan_ended(done):
                 break
             h, keys, next_pos = self.feed(group, fed, keys, next_pos, cache)
         stacked = {k: (torch.stack(v, 1) if v and v[0] is not None else None) for k, v in rec.items()}
         return Plan(**stacked)
-
-    @staticmethod
-    def plan_ended(done: torch.Tensor) -> bool:
-        """Whether every row's plan has ended: the host ends the step loop (a declared host sync per planner
-        forward; the plans' lengths are data)."""
-        with declared("plan end check"):
-            return bool(done.all())
 
     def feed(self, group, fed, keys, next_pos, cache):
         """Run a group of planner steps (``group``: step embeddings [B, d] each, ``fed``: which rows took

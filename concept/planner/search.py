@@ -28,7 +28,7 @@ from .model import Plan, text_loss
 def plan_width(model) -> int:
     """Steps of the longest plan (every type's ``max_len`` concepts and its ``<EOS>``): the width of the searched
     plans."""
-    return model.max_plan_steps
+    return model.settings.max_plan_steps
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import packing
 from ..attention import CausalPattern
-from ..backbone import decoder, rope_tables, run_layers
+from ..backbone import decoder
 from ..codes import CodeUse
 from ..contracts import Gated, ReadsPredictor
 from ..generation import GenerationMixin
@@ -36,6 +36,7 @@ from ..losses import head_next_token_loss
 from ..resolved import Resolved
 from . import budget
 from .emission import ConceptEmission
+from .stacks import StackRuns
 
 
 @dataclass
@@ -79,7 +80,7 @@ class ConceptGate(nn.Module):
         return h + self.gate.to(e.dtype) * e
 
 
-class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Module):
+class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMixin, nn.Module):
     family = "streaming"  # its `concept.families` entry (concept.streaming.family.Streaming)
 
     def __init__(self, backbone, split, vocabulary, length_policy, sampler, eval_sampler, positions, attention,
@@ -153,39 +154,9 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         """The states the MTP heads read: the shallow states (see plugins/length_policies/mtp.py)."""
         return out.shallow
 
-    def run_stack(self, stack, x, position_ids, attention_plan, cache=None, cos_sin=None):
-        """``stack``'s layers on ``x``; ``cos_sin``: the RoPE table of ``position_ids`` if built already
-        (:meth:`rope_tables`; a compiled stack builds its own inside its graph)."""
-        checkpointing = self.gradient_checkpointing and self.training
-        if self.compiled_stacks is not None and (cache is None or cache.recording):  # (decoding steps: eager)
-            name = next(n for n, s in (("shallow", self.shallow), ("middle", self.middle), ("deep", self.deep))
-                        if s is stack)
-            return self.compiled_stacks(name, stack, x, position_ids, attention_plan, self.inner.rotary_emb,
-                                        checkpointing, cache)
-        if cos_sin is not None and cos_sin[0].dtype != x.dtype:  # (a table for another dtype: its own)
-            cos_sin = None
-        return run_layers(stack, x, position_ids, attention_plan, self.inner.rotary_emb, checkpointing, cache,
-                          cos_sin=cos_sin)
-
-    def rope_tables(self, x, *position_ids) -> list:
-        """The RoPE tables of several stacks' position ids for inputs like ``x``, built in one call of the
-        backbone's rotary embedding (``concept.backbone.rope_tables``); Nones where the stacks are compiled
-        (each graph builds its own)."""
-        if self.compiled_stacks is not None:
-            return [None] * len(position_ids)
-        return rope_tables(self.inner.rotary_emb, x, list(position_ids))
-
     def concept_slots(self, T: int) -> int | None:
         """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
         return min(T, packing.budget(T, self.max_ratio, self.budget_slack)) * self.emit if self.max_ratio else None
-
-    def shallow_states(self, input_ids, valid, doc=None, pos=None, cache=None, causal=None):
-        """h after the shallow stack [B, T, d] (what the ConceptHead reads). ``causal``: whether plain causal
-        attention is exact (no padding before a real token, one document); None: found out (a host sync)."""
-        pos = packing.time_positions(valid, doc) if pos is None else pos
-        x = self.positions.add_text_type(self.inner.embed_tokens(input_ids))
-        return self.run_stack(self.shallow, x, self.positions.text_positions(pos), CausalPattern(valid, doc, causal),
-                              cache)
 
     def fuse_tail(self, tail, updates, layout):
         """Tail states [B, L, d] entering the deep stack, fused with their segment's latest concept's
@@ -223,27 +194,6 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
         if perturb is not None:
             c = perturb(c, layout.concept_meta.valid)
         return self.positions.add_concept_type(c)
-
-    def run_middle(self, c, layout, middle_pos, doc, static: bool, cache=None, cos_sin=None):
-        """The middle stack over the packed concepts (at ``middle_pos``; ``cos_sin``: their RoPE table, if built),
-        causal among them: (its output [B, C, d], what it added to each concept when the tail fusion reads it,
-        else None). No concepts: ``c`` unchanged."""
-        if not layout.num_concepts:
-            return c, None
-        meta = layout.concept_meta
-        # the concept block is left-aligned: causal attention is exact for its real slots with one document
-        middle_plan = CausalPattern(meta.valid, None if doc is None else meta.doc,
-                                    True if doc is None else (False if static else None))
-        out = self.run_stack(self.middle, c, middle_pos, middle_plan, cache, cos_sin)
-        updates = out - c if self.tail_fusion is not None and self.tail_fusion.needs_update else None
-        return out, updates
-
-    def deep_positions(self, pos, concept_pos, layout):
-        """Position ids of the packed deep sequence: each element keeps its own position."""
-        return torch.cat([
-            self.positions.concept_positions(concept_pos, layout.concept_rank, "deep"),
-            self.positions.text_positions(pos.gather(1, layout.tail_src)),
-        ], dim=1)
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, keep=None, labels=None, document_ids=None,
@@ -286,9 +236,7 @@ class ConceptModel(ConceptEmission, Resolved, GenerationMixin, HubMixin, nn.Modu
 
         # middle: concepts only, causal among concepts
         c = self.middle_inputs(probs, token_ids, h, head_logits, keep, valid, starts, layout, perturb, perturb_codes)
-        middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
-        deep_pos = self.deep_positions(pos, concept_pos, layout)
-        middle_rope, deep_rope = self.rope_tables(c, middle_pos, deep_pos)  # (one RoPE table for both stacks)
+        (middle_pos, middle_rope), (deep_pos, deep_rope) = self.concept_stack_positions(c, pos, concept_pos, layout)
         c, updates = self.run_middle(c, layout, middle_pos, doc, static, None if cache is None else cache.middle,
                                      middle_rope)
 
