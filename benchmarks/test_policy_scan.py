@@ -88,6 +88,26 @@ def test_tracker_scan_vs_step_loop_on_the_gpu(benchmark, record, request, device
 DEVICE_CASES = [(1, T) for T in GPU_LENGTHS] + [(128, 128)]  # one long row; the demo recipe's batch
 
 
+def two_ways_on_the_gpu(benchmark, record, device, B: int, T: int, name: str, sides: list, first):
+    """The default policy's decision on CUDA both ways, side by side: ``first(decide)`` (the way it is compared
+    with: the decision called under some other setting) against ``decide`` as the model runs it; the same
+    decisions asserted."""
+    policy, head_logits, valid = default_policy(device, B, T)
+
+    def decide():
+        return policy.decide(None, head_logits, valid)
+
+    with torch.no_grad():
+        decisions = decide()
+        assert torch.equal(decisions, first(decide))  # the same decisions
+        if benchmark.disabled:
+            return
+        timing = side_by_side(lambda: first(decide), decide, device=device)
+        benchmark.pedantic(decide, rounds=3, iterations=1)
+    record(benchmark, name, timing, None, B=B, T=T, ratio=float(decisions.float().mean()), suite="policy-scan",
+           sides=sides)
+
+
 @pytest.mark.parametrize("B,T", DEVICE_CASES, ids=[f"default-B{b}-T{t}-device" for b, t in DEVICE_CASES])
 def test_host_scan_vs_device_scan_on_the_gpu(benchmark, record, request, device, B, T):
     """The same decision both ways on CUDA: the host scan (a host sync, the decisions copied back) against the
@@ -95,21 +115,13 @@ def test_host_scan_vs_device_scan_on_the_gpu(benchmark, record, request, device,
     gpu_case(request, device, T, real_backbone=False)
     if not device_scan.runs_on(device):
         pytest.skip("the device scan needs triton")
-    policy, head_logits, valid = default_policy(device, B, T)
 
-    def host():
+    def on_the_host(decide):
         with device_scan.choose(False):
-            return policy.decide(None, head_logits, valid)
+            return decide()
 
-    with torch.no_grad():
-        on_device = policy.decide(None, head_logits, valid)
-        assert torch.equal(on_device, host())  # the same decisions
-        if benchmark.disabled:
-            return
-        timing = side_by_side(host, lambda: policy.decide(None, head_logits, valid), device=device)
-        benchmark.pedantic(lambda: policy.decide(None, head_logits, valid), rounds=3, iterations=1)
-    record(benchmark, f"null tracker default B={B} T={T}: host scan vs device scan", timing, None, B=B, T=T,
-           ratio=float(on_device.float().mean()), suite="policy-scan", sides=["host scan", "device scan"])
+    two_ways_on_the_gpu(benchmark, record, device, B, T, f"null tracker default B={B} T={T}: host scan vs device scan",
+                        ["host scan", "device scan"], on_the_host)
 
 
 @pytest.mark.parametrize("B,T", DEVICE_CASES, ids=[f"default-B{b}-T{t}-unroll" for b, t in DEVICE_CASES])
@@ -121,22 +133,14 @@ def test_device_scan_loop_unrolled_on_the_gpu(benchmark, record, request, device
     gpu_case(request, device, T, real_backbone=False)
     if not device_scan.runs_on(device):
         pytest.skip("the device scan needs triton")
-    from concept.streaming import scan_kernels
+    from concept.streaming import scan_kernels  # (imports Triton: on a GPU run only)
     unroll = scan_kernels.UNROLL
-    policy, head_logits, valid = default_policy(device, B, T)
 
-    def one_token_per_iteration():
+    def one_token_per_iteration(decide):
         with monkeypatch.context() as patch:
             patch.setattr(scan_kernels, "UNROLL", 1)
-            return policy.decide(None, head_logits, valid)
+            return decide()
 
-    with torch.no_grad():
-        unrolled = policy.decide(None, head_logits, valid)
-        assert torch.equal(unrolled, one_token_per_iteration())  # the same decisions
-        if benchmark.disabled:
-            return
-        timing = side_by_side(one_token_per_iteration, lambda: policy.decide(None, head_logits, valid), device=device)
-        benchmark.pedantic(lambda: policy.decide(None, head_logits, valid), rounds=3, iterations=1)
-    record(benchmark, f"null tracker default B={B} T={T}: device scan, loop by 1 vs by {unroll} tokens", timing,
-           None, B=B, T=T, ratio=float(unrolled.float().mean()), suite="policy-scan",
-           sides=["loop by 1", f"loop by {unroll}"])
+    two_ways_on_the_gpu(benchmark, record, device, B, T,
+                        f"null tracker default B={B} T={T}: device scan, loop by 1 vs by {unroll} tokens",
+                        ["loop by 1", f"loop by {unroll}"], one_token_per_iteration)

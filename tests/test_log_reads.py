@@ -13,8 +13,10 @@ import concept
 from benchmarks.step_syncs import CONTINUE, builds, corpus
 from concept.codes import KMeansInit
 from concept.planner.hard_em import HardEMObjective
-from concept.syncs import HostSyncs, declared
+from concept.syncs import HostSyncs
 from concept.training import TrainConfig, Trainer
+
+from .test_step_syncs import loop_counted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,15 +41,7 @@ def run(folder, name, monkeypatch) -> tuple[HostSyncs, list[dict]]:
                             "estep_every": 2, "kmeans_init": 1})
     torch.manual_seed(0)
     trainer = Trainer.start(folder / "builds" / "planner", folder / name, config, force=True)
-    save = trainer.save_checkpoint
-
-    def declared_save():
-        with declared("checkpoint"):
-            save()
-
-    monkeypatch.setattr(trainer, "save_checkpoint", declared_save)
-    with HostSyncs() as seen:
-        trainer.loop.loop(None)
+    seen = loop_counted(trainer, monkeypatch)
     rows = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
     return seen, [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows if "step" in r]
 
