@@ -13,7 +13,7 @@ Instead of sampling a plan with Gumbel-ST in every step, each example gets a bes
 * **One host sync per micro-batch** (declared ``hard-EM E-step``, ``concept.syncs``): the batch's tokens (the
   cache's keys) and the last E-step's chosen plans (into the cache) are read back in one copy; the host picks
   the rows to search and uploads their cached plans; the search (a fixed number of steps), the scores, the
-  choice of ``z*`` and its statistics stay on the device, and the batch's plans are ``plan_width`` steps wide
+  choice of ``z*`` and its statistics stay on the device, and the batch's plans are ``settings.max_plan_steps`` steps wide
   (a step that searches no row: as wide as its longest cached plan).
 * **Cache**: ``z*`` is kept per example, keyed by a hash of the example's tokens (u and y), and refreshed
   only when it is ``--estep-every M`` steps old (or missing). The cache is saved with every checkpoint
@@ -42,7 +42,7 @@ from ..objectives import Objective, pair_mean
 from ..syncs import declared, upload
 from ..teacher import TeacherClock
 from .model import STEP_FIELDS, Plan
-from .search import beam_search, plan_width, score_plans
+from .search import beam_search, score_plans
 
 STATS = ("examples", "rows", "margin", "old", "flips", "gap", "seconds")
 ESTEP = "hard-EM E-step"  # the declared host sync: once per micro-batch (concept.syncs)
@@ -113,7 +113,7 @@ class HardEMObjective(Objective):
         The one host sync (declared, ``hard-EM E-step``): the batch's tokens (the cache's keys) and the last
         E-step's new plans (into the cache) read back in one copy. The host then picks the rows to search and
         uploads their cached plans (no sync); the search, the scores and the choice of ``z*`` stay on the
-        device, and the batch's plans are put together there (``plan_width`` steps each; as wide as the longest cached
+        device, and the batch's plans are put together there (``settings.max_plan_steps`` steps each; as wide as the longest cached
         plan where no row is searched)."""
         u, u_valid, y, y_valid = model.split_example(batch["input_ids"], batch.get("attention_mask"))
         with declared(ESTEP):
@@ -130,7 +130,7 @@ class HardEMObjective(Objective):
         # plan already, and where each row's z* comes from (a searched row: the last searched row of its key)
         steps = [Plan.steps_of(cache[key].rows if key in cache else [], sizes) for key in keys]
         # the plans' width: the longest there can be where some are searched, else the longest cached (host values)
-        width = plan_width(model) if stale else max(len(s) for s in steps)
+        width = model.settings.max_plan_steps if stale else max(len(s) for s in steps)
         fields = [[s[j][f] if j < len(s) else pad for j in range(width)]  # classes, types, ranks: [3, B, width]
                   for f, pad in ((1, -1), (0, -1), (2, 0)) for s in steps]
         has_old = [keys[b] in cache for b in stale]

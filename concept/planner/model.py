@@ -92,6 +92,11 @@ class PlannerSettings:
         return sum(t.max_len + 1 for t in self.types)
 
     @property
+    def max_chain_steps(self) -> int:
+        """Steps of the longest chain of parallel types: one type's ``max_len`` concepts and its ``<EOS>``."""
+        return max(t.max_len + 1 for t in self.types)
+
+    @property
     def target(self) -> float:
         return float(self.budget) if self.budget is not None else sum(t.max_len for t in self.types) / 2
 
@@ -423,8 +428,8 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
     def plan_positions(self) -> int:
         """Positions the planner fills after the context: ``<PLAN>``, then at most ``max_len`` concepts and
         an ``<EOS>`` a type (with parallel types, each chain holds one type's steps)."""
-        steps = [t.max_len + 1 for t in self.settings.types]
-        return 1 + (max(steps) if self.settings.parallel else sum(steps))
+        settings = self.settings
+        return 1 + (settings.max_chain_steps if settings.parallel else settings.max_plan_steps)
 
     # -- pieces ------------------------------------------------------------------------------
     @property
@@ -556,7 +561,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         plan is split into one chain per type (``Plan.split_types``), forced the same way, and joined."""
         if self.settings.parallel:
             n = self.num_types
-            chains = plan.split_types(n, max(t.max_len for t in self.settings.types) + 1)  # (a fixed width)
+            chains = plan.split_types(n, self.settings.max_chain_steps)  # (a fixed width)
             forced = self._forced(u_ids.repeat_interleave(n, 0), u_valid.repeat_interleave(n, 0), chains)
             return forced.join_types(n, plan.classes.shape[1])  # (the plan's own width: nothing read)
         return self._forced(u_ids, u_valid, plan)

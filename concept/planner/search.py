@@ -13,7 +13,7 @@ next-step head in one teacher-forced forward.
 Nothing is read back (``concept.syncs``): the search runs a fixed number of steps (every beam has ended by the
 last, forced, ``<EOS>``; a finished beam carries on unchanged, so the plans are those an early stop would give),
 its widths are Python ints, and the parallel types' joint plans are put together on the device. Its plans are
-``plan_width`` steps wide (inactive after their end).
+``settings.max_plan_steps`` steps wide (inactive after their end).
 """
 from __future__ import annotations
 
@@ -25,16 +25,10 @@ import torch.nn.functional as F
 from .model import Plan, text_loss
 
 
-def plan_width(model) -> int:
-    """Steps of the longest plan (every type's ``max_len`` concepts and its ``<EOS>``): the width of the searched
-    plans."""
-    return model.settings.max_plan_steps
-
-
 @torch.no_grad()
 def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
     """The ``k`` most probable plans of every row of ``u`` under the planner: (plans of ``B * k`` rows,
-    row-major: row b's beams at ``b * k .. b * k + k - 1``, best first, ``plan_width`` steps; their log p(z | u)
+    row-major: row b's beams at ``b * k .. b * k + k - 1``, best first, ``settings.max_plan_steps`` steps; their log p(z | u)
     [B, k]). Fewer than ``k`` distinct plans (tiny vocabularies) leave beams at ``-inf``. With parallel types each
     type is searched alone (one chain per type, all in the same forwards) and the ``k`` best joint plans
     are the best sums of one beam per type (the types are independent given u)."""
@@ -53,7 +47,7 @@ def beam_search(model, u_ids, u_valid, k: int) -> tuple[Plan, torch.Tensor]:
         picks = torch.cat([kept, (flat % k)[..., None]], dim=-1)
     first = (torch.arange(B, device=dev)[:, None, None] * n + torch.arange(n, device=dev)) * k  # chain (b, i)'s beam 0
     # each plan's n chains joined type by type at a fixed width (a stable sort on the device: nothing read)
-    return chains.select((first + picks).flatten()).join_types(n, plan_width(model)), score
+    return chains.select((first + picks).flatten()).join_types(n, model.settings.max_plan_steps), score
 
 
 def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.Tensor]:
@@ -77,7 +71,8 @@ def _beam(model, u_ids, u_valid, k: int, chains: int = 0) -> tuple[Plan, torch.T
     width = max(t.size for t in model.settings.types) + 1  # (Python ints: the ``sizes`` buffer would be read back)
     cols = torch.arange(width, device=dev)[None, :]
     # every beam has ended by then (each type's max_len forces its <EOS>): a fixed number of steps, nothing read
-    max_steps = max(t.max_len + 1 for t in model.settings.types) if chains else plan_width(model)
+    settings = model.settings
+    max_steps = settings.max_chain_steps if chains else settings.max_plan_steps
     heads, step = model.settings.mtp, 0
     while step < max_steps:
         group, fed = [], []  # the group's step embeddings and which beams took each step
