@@ -43,6 +43,10 @@ HF_RMS_NORMS = {
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# Asked directly: torch.amp.is_autocast_available is not traceable by dynamo under torch 2.11.
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
 class FusedRMSNormForward:
     """A transformers RMSNorm's forward as ``F.rms_norm`` (mixed in before the HF class)."""
 
@@ -51,7 +55,7 @@ class FusedRMSNormForward:
         if hidden_states.dtype != weight.dtype or hidden_states.dtype not in FUSED_DTYPES:
             return super().forward(hidden_states)
         device = hidden_states.device.type
-        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
             with torch.autocast(device, enabled=False):
                 return F.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
         return F.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)

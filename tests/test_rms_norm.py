@@ -123,6 +123,36 @@ def test_under_autocast_the_output_keeps_its_dtype():
             assert torch.equal(fused(x), bare) and plain(x).dtype == bare.dtype == torch.bfloat16
 
 
+def compiles_fullgraph_under_autocast(norm, x) -> bool:
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.compile(norm, fullgraph=True, backend="eager")(x)
+    except torch._dynamo.exc.Unsupported:
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
+
+
+def test_the_fused_norm_compiles_where_dynamo_cannot_ask_whether_autocast_is_available(monkeypatch):
+    """The GPU image's torch 2.11 cannot trace ``torch.amp.is_autocast_available`` (a C builtin; the lease of
+    2026-11-27 lost its three compiled CUDA tests to it): the fused forward must not call it. Emulated here by
+    hiding that function from dynamo; negative control: a forward that does call it breaks the graph."""
+    hidden = torch.compiler.disable(torch.amp.is_autocast_available)
+    monkeypatch.setattr(torch.amp, "is_autocast_available", hidden)
+    monkeypatch.setattr(torch.amp.autocast_mode, "is_autocast_available", hidden)
+    _, fused = pair("LlamaRMSNorm", torch.bfloat16)
+    x, _ = inputs(torch.bfloat16)
+    assert compiles_fullgraph_under_autocast(fused, x)
+
+    class AsksAvailability(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if torch.amp.is_autocast_available(x.device.type) else x
+
+    assert not compiles_fullgraph_under_autocast(AsksAvailability(), x)
+
+
 def norm_classes(model) -> collections.Counter:
     return collections.Counter(type(m).__name__ for m in model.modules() if "RMSNorm" in type(m).__name__)
 
@@ -205,8 +235,8 @@ def dispatched(run) -> collections.Counter:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_bf16_norm_is_the_fused_kernel_forward_and_backward():
     """Under bf16 autocast: ONE ``_fused_rms_norm`` forward and ONE ``_fused_rms_norm_backward``, no cast, a bf16
-    output within one bf16 rounding of the fp32 result. Negative controls: HF's norm casts (2 forward, 2
-    backward), and ``F.rms_norm`` called under autocast as it is (without the fused forward's autocast-off)
+    output within one bf16 rounding of the fp32 result. Negative controls: HF's norm casts (at least 2 forward
+    and 2 backward), and ``F.rms_norm`` called under autocast as it is (without the fused forward's autocast-off)
     returns float32, ``rms_norm`` being on CUDA autocast's float32 list."""
     plain, fused = (m.cuda() for m in pair("LlamaRMSNorm", torch.bfloat16))
     reference = copy.deepcopy(plain).float()
@@ -216,7 +246,8 @@ def test_on_cuda_a_bf16_norm_is_the_fused_kernel_forward_and_backward():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             found[name] = dispatched(lambda: found.__setitem__(f"{name} out", run(norm, x, grad)))
     assert found["fused"]["aten._fused_rms_norm"] == found["fused"]["aten._fused_rms_norm_backward"] == 1
-    assert found["fused"]["aten._to_copy"] == 0 and found["hf"]["aten._to_copy"] == 4
+    # HF's norm: 2 casts forward and 2 backward under torch 2.13, 5 in all under the GPU image's 2.11 (2026-11-27)
+    assert found["fused"]["aten._to_copy"] == 0 and found["hf"]["aten._to_copy"] >= 4
     assert found["hf"]["aten._fused_rms_norm"] == 0
     y = found["fused out"][0]
     exact = run(reference, x.float(), grad.float())[0]
