@@ -37,11 +37,12 @@ RATIO = 0.25
 GPU_BACKENDS = ("chunked", "flex", "xformers", "cascade")
 
 
-def _model(backbone: str, attention: str, length_policy: ComponentRef | None = None, max_ratio: float = 0.0,
+def _model(backbone: str, attention: str, length_policy: ComponentRef | None = None, max_ratio: float | None = None,
            **build):
     """``default``: the default build (split auto = 4,18,8 on SmolLM2); ``smollm2``: split 4,22,4; else
-    the tiny random backbone. ``max_ratio``: a static concept budget; ``build``: more keywords of
-    ``concept.build`` (e.g. ``compile``)."""
+    the tiny random backbone. ``max_ratio``: a static concept budget (None: the build's default, ``auto``, as a
+    user's model has: a budget of 0, off, would size the packed layout from the decisions, two host syncs per
+    forward); ``build``: more keywords of ``concept.build`` (e.g. ``compile``)."""
     policy = length_policy or ComponentRef("null")
     if backbone == "default":
         cfg = BuildConfig(attention=ComponentRef(attention), length_policy=policy)
@@ -52,7 +53,8 @@ def _model(backbone: str, attention: str, length_policy: ComponentRef | None = N
                                                               "intermediate": 512, "vocab": 1024}),
                           split="1,6,1", attention=ComponentRef(attention), vocabulary=ComponentRef("embedding", {"size": 256}),
                           length_policy=policy)
-    cfg.max_ratio = max_ratio
+    if max_ratio is not None:
+        cfg.max_ratio = max_ratio
     return concept.build(cfg, **build)
 
 

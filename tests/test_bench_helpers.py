@@ -3,6 +3,7 @@ concept budget, the dense side compiles the same way, and the timing tables keep
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import compiled
 from benchmarks.conftest import cpu_side_by_side, renamed_sides
@@ -45,3 +46,24 @@ def test_bench_renders_the_op_counts_apart_from_the_speed_rows(capsys):
                        "fraction_of_ideal": 0.8, "ratio": 0.25}])
     out = capsys.readouterr().out
     assert "aten ops and host syncs" in out and "1,606" in out and "concept vs dense" in out and "2.00x" in out
+
+
+def test_the_forward_benchmarks_time_the_default_static_budget():
+    """The forward / training-step rows time the model a user builds: its default static budget (``auto``), not
+    the layout sized from the decisions (budget 0), which reads two sizes back per forward (the fourth lease's
+    eager rows had those 2 ``.item()``). Negative control: a budget of 0 syncs (twice for the layout, more in `chunked`)."""
+    from benchmarks.test_forward import _model
+    from concept.flops import evenly_spaced_keep
+    from concept.syncs import HostSyncs
+
+    def syncs(model):
+        ids, keep = torch.randint(0, 256, (1, 256)), evenly_spaced_keep(256, 0.125)[None]
+        with torch.no_grad():
+            model(ids, keep=keep)  # (the first call reads the policy's target ratio once, and caches it)
+            with HostSyncs() as seen:
+                model(ids, keep=keep)
+        return seen.hidden
+
+    assert _model("tiny-llama", "chunked").max_ratio > 0
+    assert syncs(_model("tiny-llama", "chunked").eval()) == 0
+    assert syncs(_model("tiny-llama", "chunked", max_ratio=0.0).eval()) >= 2  # (the layout's 2, and chunked's own)
