@@ -247,7 +247,8 @@ def device_time(events, cuda: bool, top: int = 12) -> dict:
 
 
 def _row(event, device_us: float) -> dict:
-    return {"op": event.key, "calls": event.count, "device_ms": device_us / 1e3, "cpu_ms": event.self_cpu_time_total / 1e3}
+    return {"op": event.key, "calls": event.count, "device_ms": device_us / 1e3,
+            "cpu_ms": event.self_cpu_time_total / 1e3}
 
 
 def sync_stacks(events, cuda: bool, frames: int = 8) -> list[dict]:

@@ -158,7 +158,8 @@ def test_device_time_counts_each_kernel_once_and_lists_kernels_not_the_ops_that_
     events = [event("aten::mm", 4000.0, 70.0, cpu, 53), event("nvjet_sm90_gemm", 4000.0, 0.0, gpu, 53),
               event("## Call CompiledFxGraph f1 ##", 9000.0, 2300.0, cpu, 8),
               event("triton_per_fused_rms_norm_0", 9000.0, 0.0, gpu, 8),
-              event("aten::copy_", 1500.0, 900.0, cpu, 149), event("Memcpy DtoD (Device -> Device)", 1500.0, 0.0, gpu, 188)]
+              event("aten::copy_", 1500.0, 900.0, cpu, 149),
+              event("Memcpy DtoD (Device -> Device)", 1500.0, 0.0, gpu, 188)]
     found = device_time(events, cuda=True, top=2)
     assert found["device_busy_s"] == pytest.approx(0.0145)  # 4 + 9 + 1.5 ms, each once
     assert [(r["op"], r["calls"], r["device_ms"]) for r in found["top_device"]] == [
