@@ -346,6 +346,7 @@ def render_quality(data: dict, image: str | None) -> str:
              f"model{', compiled (' + json.dumps(plan['compile']) + ')' if plan.get('compile') else ', eager'}; "
              f"held-out: {', '.join(f'`{d}`' for d in plan['domains'])} (`stdlib` and `pydoc` are this "
              f"machine's Python's).", ""]
+    lines += training_lines(plan.get("training"))
     lines += [f"- point {p['name']}: split {p['splits']}, ratio {p['ratios']}, planned {_f(p['flop_ratio'], '.3f')}x dense "
               f"FLOPs: {p['state']}" + (f" ({p['reason']})" if p.get("reason") else "") for p in r.get("points", [])]
     if r.get("runs"):
@@ -358,6 +359,17 @@ def render_quality(data: dict, image: str | None) -> str:
     if image:
         lines += ["", f"![training curves: train loss and held-out NLL against tokens seen]({image})"]
     return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def training_lines(training: dict | None) -> list[str]:
+    """Which way each model trained (eager or compiled), what sized it, and why (plans before 2026-11-27b: none)."""
+    if not training:
+        return []
+    models = "; ".join(f"{kind} {m['ran']}" + (f" (sized by {m['tokens_per_s']:,.0f} tokens/s, {m['sized_by']}"
+                                                + (f"; compilation {m['compile_s']:.0f} s" if m.get("compile_s") else "")
+                                                + ")" if m.get("tokens_per_s") else "")
+                       for kind, m in training["models"].items())
+    return [f"- training: {models}. Why: {training['why']}."]
 
 
 def training_text(plan: dict) -> str:
