@@ -45,3 +45,20 @@ def test_bench_renders_the_op_counts_apart_from_the_speed_rows(capsys):
                        "fraction_of_ideal": 0.8, "ratio": 0.25}])
     out = capsys.readouterr().out
     assert "aten ops and host syncs" in out and "1,606" in out and "concept vs dense" in out and "2.00x" in out
+
+
+def test_a_rows_top_kernels_are_the_profiles_largest_eight_and_follow_their_side_when_renamed():
+    """``NAME_top_device``: the profiled call's kernels with the most device time (``profile_call``'s
+    ``top_device``, largest first), the first 8, each name cut at 160 characters; renaming the sides (the compiled
+    forward's dense-vs-HF-eager row) carries each side's list with it."""
+    from benchmarks.conftest import TOP_DEVICE, top_device
+
+    prof = {"top_device": [{"op": f"void at::native::elementwise_kernel<{i}, " + "x" * 300, "calls": 3,
+                            "device_ms": 12.0 - i, "cpu_ms": 0.0} for i in range(12)]}
+    top = top_device(prof)
+    assert TOP_DEVICE == 8 and len(top) == 8 and [t["device_ms"] for t in top] == [12.0 - i for i in range(8)]
+    assert all(len(t["op"]) == 160 and set(t) == {"op", "device_ms", "calls"} for t in top)
+    timing = {"dense_eager_s": 0.023, "dense_eager_top_device": top[:1], "dense_s": 0.029, "dense_top_device": top[1:2],
+              "concept_s": 0.031, "concept_top_device": top[2:3]}
+    renamed = renamed_sides(timing, {"dense_eager": "dense", "dense": "concept"})
+    assert renamed["dense_top_device"] == top[:1] and renamed["concept_top_device"] == top[1:2]

@@ -145,3 +145,16 @@ def test_the_forward_rows_top_kernels_are_tabled_per_side():
     assert rows[0].count("`triton_per_fused_") == 8 and "`triton_per_fused_0\\|x` 8.00 (30)" in rows[0]
     assert rows[1].split(" | ")[1] == "dense" and rows[1].count("`triton") == 2
     assert report_stage.top_device_lines([ROW]) == []  # rows of kits before it: no table
+
+
+def test_the_quality_block_says_which_way_each_model_trained_and_why():
+    training = {"mode": "compiled", "choice": "on", "why": "compiled was faster in `setup` (streaming)",
+                "models": {"streaming": {"ran": "compiled", "tokens_per_s": 174533.1, "sized_by": "its compiled rate",
+                                         "compile_s": 38.0},
+                           "pruned": {"ran": "compiled", "tokens_per_s": 121608.3, "compile_s": 38.0,
+                                      "sized_by": "its eager rate: setup measured it eager only"}}}
+    line, = report_stage.training_lines(training)
+    assert line.startswith("- training: streaming compiled (sized by 174,533 tokens/s, its compiled rate; "
+                           "compilation 38 s); pruned compiled (sized by 121,608 tokens/s, its eager rate")
+    assert line.endswith("Why: compiled was faster in `setup` (streaming).")
+    assert report_stage.training_lines(None) == []  # plans before 2026-11-27b
