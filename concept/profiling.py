@@ -229,7 +229,9 @@ def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", t
 def device_time(events, cuda: bool, top: int = 12) -> dict:
     """``device_busy_s`` and ``top_device`` (the ``top`` entries with the most device time: ``op``, ``calls``,
     ``device_ms``, ``cpu_ms``) from the profiler's averaged ``events``. On CUDA only the device's own events
-    count: kernels, copies and memsets (``device_type`` not CPU). An operator's self device time is the time of
+    count: kernels, copies and memsets (``device_type`` not CPU; not the device-side spans of annotated regions,
+    e.g. ``Optimizer.step#AdamW.step``, which overlap their kernels): the sum torch's own table gives as "Self
+    CUDA time total". An operator's self device time is the time of
     the kernels it launched, and those kernels are events of their own, so a sum over every event counted each
     kernel twice (``device_busy_s`` of the kits up to the H200 lease of 2026-11-27: about 2x; its compiled
     streaming step said 0.128 s where the profiler's own table sums 63 ms), and the top list named each cost
@@ -238,7 +240,7 @@ def device_time(events, cuda: bool, top: int = 12) -> dict:
     if cuda:
         from torch.autograd import DeviceType
 
-        mine = [e for e in events if e.device_type != DeviceType.CPU]
+        mine = [e for e in events if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
         own = lambda e: e.self_device_time_total  # noqa: E731
     else:
         mine, own = list(events), (lambda e: e.self_cpu_time_total)
