@@ -297,6 +297,27 @@ def test_quality_compile_choice_forces_or_forbids_compiled(choice, mode):
         assert "compiled" not in training["tokens_fit"] and training["why"] == "--compile off"
 
 
+@pytest.mark.slow  # three tiny trainings, the streaming one compiled on a CPU: about a minute
+def test_quality_compiled_trains_all_three_models_compiled_through_the_frontier(tmp_path):
+    """The command quality runs when it trains compiled (``frontier_args`` with the plan's compile option): the
+    streaming model with its static concept budget, the pruned and dense baselines, each with ``compile: on``."""
+    from benchmarks.gpu_kit import recipe
+    from benchmarks.gpu_kit.common import kit_env
+
+    stage = Stage("quality", tmp_path, tmp_path / "work", dry=True, budget_s=600)
+    plan = {"steps": 2, "seq_len": recipe.seq_len(True), "batch": 2, "warmup": 1, "device": "cpu",
+            "data": str(ROOT / "concept" / "recipes"), "compile": {"compile": "on"}}
+    args = quality_stage.frontier_args(stage, plan, recipe.DRY_SPLIT, "0.25", "pruned,dense")
+    assert args[-2:] == ["--train-set", "compile=on"] and "max_ratio=0.25" in args
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=kit_env(stage.work, True), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = tmp_path / "work" / "quality" / "runs"
+    trained = {p.parent.name: json.loads(p.read_text()) for p in runs.glob("*/train.json")}
+    assert len(trained) == 3 and all(json.dumps(t).count('"compile": "on"') == 1 for t in trained.values())
+    stage.finish({})
+
+
 def test_the_15_minute_lease_leaves_quality_minutes_after_the_worst_case():
     """Every earlier stage at its whole budget, the machine's start and a margin: quality still gets minutes."""
     assert kit.quality_minutes(15) >= 3.0
