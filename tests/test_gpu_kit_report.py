@@ -139,7 +139,8 @@ def test_the_forward_rows_top_kernels_are_tabled_per_side():
     row = {**ROW, "concept_device_busy_s": 0.0178, "concept_top_device": top, "dense_top_device": top[:2],
            "dense_device_busy_s": 0.02, "dense_kernel_launches": 795, "dense_host_syncs": 1, "dense_aten_ops": 4127,
            "concept_kernel_launches": 959, "concept_host_syncs": 3, "concept_aten_ops": 4540}
-    lines = report_stage.top_device_lines([row, {**ROW, "suite": "train", "concept_top_device": top}])
+    lines = report_stage.top_device_lines([row, {**ROW, "suite": "train", "concept_top_device": top},
+                                           {**ROW, "suite": "forward-compiled-dense", "concept_top_device": top}])
     rows = [x for x in lines if x.startswith("| forward")]
     assert len(rows) == 2 and rows[0].startswith("| forward default T=8192 r=0.125 flex | concept | 17.80 |")
     assert rows[0].count("`triton_per_fused_") == 8 and "`triton_per_fused_0\\|x` 8.00 (30)" in rows[0]

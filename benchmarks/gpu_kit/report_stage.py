@@ -299,8 +299,10 @@ def render_speed(data: dict) -> str:
 def top_device_lines(rows: list[dict], name_chars: int = 56) -> list[str]:
     """What took the device time in the forward rows: per side of each, its kernels with the most own device time
     (``SIDE_top_device``: the profiled call's 8 largest), as one compact cell."""
-    found = [(row, key[: -len("_top_device")]) for row in rows if str(row.get("suite", "")).startswith("forward")
-             for key in row if key.endswith("_top_device") and row[key]]
+    forward = [row for row in rows if str(row.get("suite", "")).startswith("forward")
+               and not str(row["suite"]).endswith("-dense")]  # (the dense-vs-HF-eager row repeats the compiled row's)
+    found = [(row, key[: -len("_top_device")]) for row in forward for key in row
+             if key.endswith("_top_device") and row[key]]
     if not found:
         return []
     lines = ["", "What took the device time in the forward rows (the profiled call of each side: its kernels and "
