@@ -8,7 +8,8 @@ On a GPU (``--device cuda``) every row separates the host from the device: each 
 CUDA events after GPU_WARMUP calls (compilation happens there), median of GPU_REPS alternating calls,
 next to its wall time; then one more call of each side runs under ``torch.profiler``
 (``concept.profiling.profile_call``): the time the device was busy, kernel launches, host syncs and
-aten ops of that call (``dense_device_busy_s``, ``concept_kernel_launches``, ... in the row).
+aten ops of that call (``dense_device_busy_s``, ``concept_kernel_launches``, ... in the row), and its
+kernels with the most device time (``concept_top_device``: name, device ms, calls).
 """
 from __future__ import annotations
 
@@ -193,7 +194,8 @@ def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GP
     """Each of ``fns`` (name -> call) on a CUDA device: ``warmup`` calls each, then ``reps`` rounds calling
     each in turn, timed by CUDA events around the call (``NAME_s``: the median) and by the host clock to the
     device's end (``NAME_wall_s``), with the peak memory (``NAME_peak_mib``); then one profiled call of each
-    (``NAME_device_busy_s``, ``NAME_kernel_launches``, ``NAME_host_syncs``, ``NAME_aten_ops``). With a
+    (``NAME_device_busy_s``, ``NAME_kernel_launches``, ``NAME_host_syncs``, ``NAME_aten_ops``, and what took
+    the device time: ``NAME_top_device``, its :data:`TOP_DEVICE` largest kernels). With a
     ``dense`` and a ``concept`` entry, ``speedup`` is dense over concept."""
     from concept.profiling import profile_call
 
@@ -222,10 +224,22 @@ def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GP
         out.update({f"{name}_s": statistics.median(spans[name]), f"{name}_wall_s": statistics.median(walls[name]),
                     f"{name}_spread": (min(spans[name]), max(spans[name])), f"{name}_peak_mib": peak[name],
                     f"{name}_device_busy_s": prof["device_busy_s"], f"{name}_kernel_launches": prof["kernel_launches"],
-                    f"{name}_host_syncs": prof["host_syncs"], f"{name}_aten_ops": prof["aten_ops"]})
+                    f"{name}_host_syncs": prof["host_syncs"], f"{name}_aten_ops": prof["aten_ops"],
+                    f"{name}_top_device": top_device(prof)})
     if "dense" in fns and "concept" in fns:
         out["speedup"] = out["dense_s"] / out["concept_s"]
     return add_sync_stacks(out, fns, device)
+
+
+TOP_DEVICE = 8  # a row's kernels with the most device time, per side (``NAME_top_device``)
+
+
+def top_device(prof: dict, top: int = TOP_DEVICE, name_chars: int = 160) -> list[dict]:
+    """What takes a profiled call's device time: its ``top`` kernels and copies (``concept.profiling``'s
+    ``top_device``), each ``op`` (the name, cut to ``name_chars``: a C++ kernel's template arguments run long),
+    ``device_ms`` (its own device time in the call) and ``calls``."""
+    return [{"op": t["op"][:name_chars], "device_ms": t["device_ms"], "calls": t["calls"]}
+            for t in prof["top_device"][:top]]
 
 
 def renamed_sides(timing: dict, names: dict[str, str]) -> dict:

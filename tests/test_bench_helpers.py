@@ -67,3 +67,20 @@ def test_the_forward_benchmarks_time_the_default_static_budget():
     assert _model("tiny-llama", "chunked").max_ratio > 0
     assert syncs(_model("tiny-llama", "chunked").eval()) == 0
     assert syncs(_model("tiny-llama", "chunked", max_ratio=0.0).eval()) >= 2  # (the layout's 2, and chunked's own)
+
+
+def test_a_rows_top_kernels_are_the_profiles_largest_eight_and_follow_their_side_when_renamed():
+    """``NAME_top_device``: the profiled call's kernels with the most device time (``profile_call``'s
+    ``top_device``, largest first), the first 8, each name cut at 160 characters; renaming the sides (the compiled
+    forward's dense-vs-HF-eager row) carries each side's list with it."""
+    from benchmarks.conftest import TOP_DEVICE, top_device
+
+    prof = {"top_device": [{"op": f"void at::native::elementwise_kernel<{i}, " + "x" * 300, "calls": 3,
+                            "device_ms": 12.0 - i, "cpu_ms": 0.0} for i in range(12)]}
+    top = top_device(prof)
+    assert TOP_DEVICE == 8 and len(top) == 8 and [t["device_ms"] for t in top] == [12.0 - i for i in range(8)]
+    assert all(len(t["op"]) == 160 and set(t) == {"op", "device_ms", "calls"} for t in top)
+    timing = {"dense_eager_s": 0.023, "dense_eager_top_device": top[:1], "dense_s": 0.029, "dense_top_device": top[1:2],
+              "concept_s": 0.031, "concept_top_device": top[2:3]}
+    renamed = renamed_sides(timing, {"dense_eager": "dense", "dense": "concept"})
+    assert renamed["dense_top_device"] == top[:1] and renamed["concept_top_device"] == top[1:2]

@@ -207,7 +207,8 @@ def test_quality_sizes_its_runs_from_the_measured_throughput(tmp_path):
     steps, seconds, reason, option = quality_stage.size(stage, SimpleNamespace(total_minutes=14, tokens=None), per_step,
                                                         main, near)
     assert 1e7 < steps * per_step < 3e7 and seconds[0] <= 14 * 60 and "not also this point" in reason
-    assert option is None  # setup measured no compiled training: eager
+    assert option["option"] is None and option["mode"] == "eager"  # setup measured no compiled training: eager
+    assert {m["ran"] for m in option["models"].values()} == {"eager"} and "no compiled" in option["why"]
     steps, seconds, reason, _ = quality_stage.size(stage, SimpleNamespace(total_minutes=90, tokens=None), per_step,
                                                    main, near)
     assert 1e8 - per_step < steps * per_step <= 1e8 and reason == "" and sum(seconds) <= 90 * 60
@@ -234,8 +235,87 @@ def test_quality_trains_compiled_where_that_fits_more_tokens(tmp_path, compile_s
         sized[name] = quality_stage.size(stage, SimpleNamespace(total_minutes=14, tokens=None), 16_384, main, near)
         stage.finish({})
     steps, seconds, _, used = sized["both"]
-    assert sized["eager"][3] is None and (used == option) is chosen and seconds[0] <= 14 * 60
+    assert sized["eager"][3]["option"] is None and (used["option"] == option) is chosen and seconds[0] <= 14 * 60
+    assert {m["ran"] for m in used["models"].values()} == {"compiled" if chosen else "eager"}
     assert (steps > 1.3 * sized["eager"][0]) is chosen  # 705 s left: 525 s at twice the speed
+
+
+def lease_b_throughput() -> dict:
+    """`setup`'s throughput on the H200, 2026-11-27b: eager streaming 80,478, pruned 121,608, dense 70,991 tokens/s;
+    compiled streaming only, 174,533 (compiled in 38 s); compiled dense and pruned skipped."""
+    data = json.loads((ROOT / "benchmarks/gpu_results/nvidia-h200/lease-2026-11-27b/call2/setup.json").read_text())
+    return data["result"]["throughput"]
+
+
+@pytest.mark.parametrize("minutes,mode", [(4.5, "eager"), (30, "compiled")])
+def test_quality_trains_all_three_compiled_when_setup_found_compiled_faster_and_it_fits_more(minutes, mode):
+    """From the H200 lease's setup: compiled streaming 2.17x eager. Every model would train compiled alike, sized by
+    its compiled throughput where setup measured one (streaming) and by its eager one where not (pruned, dense:
+    conservative), each paying a compilation (38 s, the one measured). In the 4.5 minutes that lease gave quality
+    the three compilations cost more tokens than the faster streaming steps gain: eager; in 30 minutes, compiled."""
+    available = minutes * 60 - 3 * quality_stage.OVERHEAD_S - quality_stage.PLAN_S
+    training = quality_stage.choose_training(lease_b_throughput(), available, quality_stage.AIM_TOKENS)
+    assert training["mode"] == mode and {m["ran"] for m in training["models"].values()} == {mode}
+    assert (training["option"] == {"compile": "on"}) is (mode == "compiled")
+    fit = training["tokens_fit"]
+    assert (fit["compiled"] > fit["eager"]) is (mode == "compiled") and "streaming" in training["why"]
+    if mode == "compiled":
+        models = training["models"]
+        assert models["streaming"]["tokens_per_s"] == pytest.approx(174_533, abs=1)
+        assert models["streaming"]["sized_by"] == "its compiled rate" and "eager only" in models["dense"]["sized_by"]
+        assert models["pruned"]["tokens_per_s"] == pytest.approx(121_608, abs=1)  # its eager rate, not a guess
+        assert [round(m["compile_s"]) for m in models.values()] == [38, 38, 38]
+
+
+@pytest.mark.parametrize("change,why", [
+    ("slower", "not faster than eager"), ("failed", "failed in `setup` (dense compiled)"), ("none", "no compiled")])
+def test_quality_keeps_eager_without_a_faster_compiled_row(change, why):
+    """Compiled only where setup measured it faster: a compiled row slower than eager, a failed compiled row, or no
+    compiled row at all keep the three models eager, however many minutes (negative control: the same minutes
+    with the lease's faster row train compiled, the test above)."""
+    measured = lease_b_throughput()
+    if change == "slower":
+        measured["compiled"]["models"]["streaming"]["tokens_per_s"] = 70_000.0
+    elif change == "failed":
+        measured["failed"] = {"dense compiled": "RuntimeError: CUDAGraphs"}
+    else:
+        del measured["compiled"]
+    training = quality_stage.choose_training(measured, 30 * 60, quality_stage.AIM_TOKENS)
+    assert training["mode"] == "eager" and training["option"] is None and why in training["why"]
+    assert training["models"]["streaming"]["tokens_per_s"] == pytest.approx(80_478, abs=1)
+
+
+@pytest.mark.parametrize("choice,mode", [("auto", "eager"), ("on", "compiled"), ("off", "eager")])
+def test_quality_compile_choice_forces_or_forbids_compiled(choice, mode):
+    """``--compile on`` trains compiled wherever setup measured it faster, even where eager fits more tokens (the
+    lease's 4.5 minutes: auto stays eager); ``off`` never compiles, even in 30 minutes where auto would."""
+    minutes = 30 if choice == "off" else 4.5
+    available = minutes * 60 - 3 * quality_stage.OVERHEAD_S - quality_stage.PLAN_S
+    training = quality_stage.choose_training(lease_b_throughput(), available, quality_stage.AIM_TOKENS, choice)
+    assert training["mode"] == mode and training["choice"] == choice
+    if choice == "off":
+        assert "compiled" not in training["tokens_fit"] and training["why"] == "--compile off"
+
+
+@pytest.mark.slow  # three tiny trainings, the streaming one compiled on a CPU: about a minute
+def test_quality_compiled_trains_all_three_models_compiled_through_the_frontier(tmp_path):
+    """The command quality runs when it trains compiled (``frontier_args`` with the plan's compile option): the
+    streaming model with its static concept budget, the pruned and dense baselines, each with ``compile: on``."""
+    from benchmarks.gpu_kit import recipe
+    from benchmarks.gpu_kit.common import kit_env
+
+    stage = Stage("quality", tmp_path, tmp_path / "work", dry=True, budget_s=600)
+    plan = {"steps": 2, "seq_len": recipe.seq_len(True), "batch": 2, "warmup": 1, "device": "cpu",
+            "data": str(ROOT / "concept" / "recipes"), "compile": {"compile": "on"}}
+    args = quality_stage.frontier_args(stage, plan, recipe.DRY_SPLIT, "0.25", "pruned,dense")
+    assert args[-2:] == ["--train-set", "compile=on"] and "max_ratio=0.25" in args
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=kit_env(stage.work, True), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = tmp_path / "work" / "quality" / "runs"
+    trained = {p.parent.name: json.loads(p.read_text()) for p in runs.glob("*/train.json")}
+    assert len(trained) == 3 and all(json.dumps(t).count('"compile": "on"') == 1 for t in trained.values())
+    stage.finish({})
 
 
 def test_the_15_minute_lease_leaves_quality_minutes_after_the_worst_case():

@@ -100,3 +100,62 @@ def test_failed_runs_alone_render_their_heading_and_problems(results):
     speed = report_stage.load([results / "call4"])["speed"]
     text = report_stage.render_speed(speed)
     assert text.startswith("Measured 2026-11-27") and "- problem: SmolLM2 is not set up" in text
+
+
+LEASE_B = "benchmarks/gpu_results/nvidia-h200/lease-2026-11-27b"  # the H200 lease's raw files (call 2: setup, speed)
+
+
+def lease_b(stage: str) -> dict:
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[1] / LEASE_B / "call2" / f"{stage}.json").read_text())
+    return {**data, "runs": [], "parts_from": {}}
+
+
+def test_the_training_target_reads_the_best_rows_and_the_same_settings_ratios():
+    """The H200 lease: streaming at its best is the compiled row (174,533), dense's best its eager row; under the
+    same settings only eager against eager was measured (compiled dense was skipped)."""
+    text = report_stage.render_setup(lease_b("setup"))
+    line = next(x for x in text.splitlines() if x.startswith("Training target"))
+    assert "streaming 174,533 tokens/s at its best" in line and "2.46x the dense model's best" in line
+    assert "under the same settings: 1.13x eager (dense compiled not measured)." in line
+    both = {"streaming": {"tokens_per_s": 200.0}, "dense": {"tokens_per_s": 100.0}}
+    line = report_stage.training_target({"streaming": {"tokens_per_s": 90.0}, "dense": {"tokens_per_s": 100.0}}, both)
+    assert "2.00x the dense model's best" in line and "0.90x eager, 2.00x compiled." in line
+
+
+def test_the_forward_target_states_the_ratio_to_the_best_dense():
+    """Dense compiled (reduce-overhead) took 29.0 ms, HF eager 23.1 ms: the best dense is HF eager, so the
+    streaming model's 31.2 ms is 0.74x the best dense (0.93x against the compiled dense alone: the mutation the
+    line must not make)."""
+    text = report_stage.render_speed(lease_b("speed"))
+    line = next(x for x in text.splitlines() if x.startswith("- forward default T=8192 compiled"))
+    assert "0.93x dense compiled, 0.74x dense HF eager, **0.74x the best dense** (HF eager, 23.05 ms" in line
+
+
+def test_the_forward_rows_top_kernels_are_tabled_per_side():
+    top = [{"op": f"triton_per_fused_{i}|x", "device_ms": 8.0 - i, "calls": 30} for i in range(8)]
+    row = {**ROW, "concept_device_busy_s": 0.0178, "concept_top_device": top, "dense_top_device": top[:2],
+           "dense_device_busy_s": 0.02, "dense_kernel_launches": 795, "dense_host_syncs": 1, "dense_aten_ops": 4127,
+           "concept_kernel_launches": 959, "concept_host_syncs": 3, "concept_aten_ops": 4540}
+    lines = report_stage.top_device_lines([row, {**ROW, "suite": "train", "concept_top_device": top},
+                                           {**ROW, "suite": "forward-compiled-dense", "concept_top_device": top}])
+    rows = [x for x in lines if x.startswith("| forward")]
+    assert len(rows) == 2 and rows[0].startswith("| forward default T=8192 r=0.125 flex | concept | 17.80 |")
+    assert rows[0].count("`triton_per_fused_") == 8 and "`triton_per_fused_0\\|x` 8.00 (30)" in rows[0]
+    assert rows[1].split(" | ")[1] == "dense" and rows[1].count("`triton") == 2
+    assert report_stage.top_device_lines([ROW]) == []  # rows of kits before it: no table
+
+
+def test_the_quality_block_says_which_way_each_model_trained_and_why():
+    training = {"mode": "compiled", "choice": "on", "why": "compiled was faster in `setup` (streaming)",
+                "models": {"streaming": {"ran": "compiled", "tokens_per_s": 174533.1, "sized_by": "its compiled rate",
+                                         "compile_s": 38.0},
+                           "pruned": {"ran": "compiled", "tokens_per_s": 121608.3, "compile_s": 38.0,
+                                      "sized_by": "its eager rate: setup measured it eager only"}}}
+    line, = report_stage.training_lines(training)
+    assert line.startswith("- training: streaming compiled (sized by 174,533 tokens/s, its compiled rate; "
+                           "compilation 38 s); pruned compiled (sized by 121,608 tokens/s, its eager rate")
+    assert line.endswith("Why: compiled was faster in `setup` (streaming).")
+    assert report_stage.training_lines(None) == []  # plans before 2026-11-27b

@@ -124,7 +124,8 @@ def test_a_failed_conversion_keeps_the_environment_and_stops_the_later_stages(le
 
 def test_a_call_cut_off_in_the_throughput_keeps_what_came_before(lease, monkeypatch):
     """The device's time limit kills the call during the compiled rows: the JSON that comes back (status
-    running) has the environment, SmolLM2 and the rows measured, and the machine knows SmolLM2 is ready."""
+    running) has the environment, SmolLM2 and the rows measured (streaming and dense eager: the first compiled
+    row comes before the pruned baseline's), and the machine knows SmolLM2 is ready."""
     def killed(stage, source, run, kind, baseline, device, steps, extra):
         if extra:
             raise KeyboardInterrupt
@@ -135,7 +136,8 @@ def test_a_call_cut_off_in_the_throughput_keeps_what_came_before(lease, monkeypa
         kit.main(["setup", "speed", "--out", str(lease.out)])
     data = setup_json(lease)
     assert data["status"] == "running" and data["result"]["smollm2"]["state"] == "ready"
-    assert set(data["result"]["throughput"]["models"]) == {"streaming", "pruned", "dense"}
+    assert set(data["result"]["throughput"]["models"]) == {"streaming", "dense"}
+    assert data["result"]["throughput"]["order"] == ["streaming", "dense", "streaming compiled"]
     assert setup_stage.smollm2_ready(lease.work) and setup_stage.machine_ok(lease.work)
 
 
@@ -166,3 +168,51 @@ def test_a_compiled_row_past_the_stage_budget_is_stopped_and_the_others_kept(lea
         assert time.monotonic() - start < 3
     else:
         assert "streaming" in tp["compiled"]["models"] and time.monotonic() - start >= 3
+
+
+def test_the_training_targets_four_rows_come_first_then_the_pruned_baseline(lease):
+    """Streaming and dense, eager then compiled (issue 39's bar: streaming against dense under the same
+    settings), before the pruned baseline's rows: the lease of 2026-11-27b measured eager pruned and then had no
+    time left for compiled dense."""
+    assert kit.main(["setup", "speed", "--out", str(lease.out)]) == 0
+    tp = setup_json(lease)["result"]["throughput"]
+    assert tp["order"] == ["streaming", "dense", "streaming compiled", "dense compiled", "pruned", "pruned compiled"]
+    assert all(row["seconds"] >= 0 for row in [*tp["models"].values(), *tp["compiled"]["models"].values()])
+    assert tp["compiled"]["models"]["dense"]["compile_s"] == pytest.approx(5.4)  # 6.4 s of warm-up against 1.0
+
+
+def test_a_compiled_rows_need_is_predicted_from_the_compilation_measured_in_this_run():
+    """The 2026-11-27b lease, replayed: streaming compiled in 38 s, dense's eager row took 10.3 s: dense compiled
+    needs 1.3 x 38 + 10.3 + 10 = 69.7 s, which the 83 s left after the streaming row hold (a fixed 75 s did not,
+    nor would it scale with a slower compilation); before any compilation, the prior."""
+    measured = {"models": {"streaming": {"seconds": 18.7}, "dense": {"seconds": 10.3}},
+                "compiled": {"models": {"streaming": {"compile_s": 38.0}}}}
+    need, how = setup_stage.row_need_s("dense", True, measured)
+    assert need == pytest.approx(1.3 * 38 + 10.3 + 10) and need < 83 and "38 s compilation measured for streaming" in how
+    assert setup_stage.row_need_s("streaming", True, {"models": {"streaming": {"seconds": 18.7}}})[0] == \
+        pytest.approx(setup_stage.COMPILE_PRIOR_S + 18.7 + setup_stage.NEED_MARGIN_S)
+    assert setup_stage.row_need_s("pruned", False, measured)[0] == setup_stage.EAGER_NEED_S
+
+
+@pytest.mark.parametrize("compile_s,planner", [(38, "predicted"), (170, "predicted"), (170, "fixed")],
+                         ids=["38s-fits", "170s-skips", "negative-control-fixed-75s"])
+def test_dense_compiled_runs_or_is_skipped_by_the_streaming_compilations_seconds(lease, monkeypatch, compile_s, planner):
+    """In a 210 s stage whose rows take no time here: after a 38 s streaming compilation dense compiled is
+    predicted to fit and runs; after 170 s (1.3 x 170 + 10 > 210) it is skipped with the reason, and pruned's eager
+    row still runs. Negative control: the fixed 75 s of the kits before runs it all the same."""
+    def timed(stage, source, run, kind, baseline, device, steps, extra):
+        warmup = 1.0 + ((compile_s if kind == "streaming" else 5.0) if extra else 0.0)
+        return {"tokens_per_s": 60_000.0 * (2 if extra else 1), "step_s": 0.27, "warmup_s": warmup}
+
+    monkeypatch.setattr(setup_stage, "train_and_time", timed)
+    if planner == "fixed":
+        monkeypatch.setattr(setup_stage, "row_need_s", lambda kind, compiled, measured: (75 if compiled else 20, ""))
+    kit.main(["setup", "speed", "--out", str(lease.out)])
+    data = setup_json(lease)
+    tp = data["result"]["throughput"]
+    assert set(tp["models"]) == {"streaming", "dense", "pruned"}
+    ran = "dense" in tp["compiled"]["models"]
+    assert ran is (compile_s == 38 or planner == "fixed")
+    if not ran:
+        skip = next(s for s in data["skipped"] if s["what"] == "compiled throughput of dense")
+        assert "170 s compilation measured for streaming" in skip["reason"]

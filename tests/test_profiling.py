@@ -136,3 +136,37 @@ def test_sync_stacks_leave_out_profile_calls_own_wait():
     assert [(r["call"], r["ours"], r["ops"]) for r in found] == [
         ("cudaStreamSynchronize", "plugins/attention/flex.py(80): slot_ranges",
          ["aten::_local_scalar_dense", "aten::item"])]
+
+
+def test_device_time_counts_each_kernel_once_and_lists_kernels_not_the_ops_that_launched_them():
+    """On CUDA the profiler lists an op with its kernels' time as its own (``self_device_time_total``) and each
+    kernel as an event of its own: the busy time and the top list take the device's events only, without the
+    device-side spans of annotated regions. Stand-in: the averaged events of a CUDA profile (an op, its kernel, a
+    compiled region and its Triton kernel, a copy, the optimizer step's span).
+    Negative control: the sum over every event, the kits' measure up to the H200 lease of 2026-11-27b, is twice
+    the device's time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from concept.profiling import device_time
+
+    def event(key, device_us, cpu_us, kind, count=1, annotation=False):
+        return SimpleNamespace(key=key, count=count, self_device_time_total=device_us, self_cpu_time_total=cpu_us,
+                               device_type=kind, is_user_annotation=annotation)
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [event("aten::mm", 4000.0, 70.0, cpu, 53), event("nvjet_sm90_gemm", 4000.0, 0.0, gpu, 53),
+              event("## Call CompiledFxGraph f1 ##", 9000.0, 2300.0, cpu, 8),
+              event("triton_per_fused_rms_norm_0", 9000.0, 0.0, gpu, 8),
+              event("aten::copy_", 1500.0, 900.0, cpu, 149),
+              event("Memcpy DtoD (Device -> Device)", 1500.0, 0.0, gpu, 188),
+              event("Optimizer.step#AdamW.step", 20000.0, 0.0, gpu, 1, annotation=True)]  # a span over kernels
+    found = device_time(events, cuda=True, top=2)
+    assert found["device_busy_s"] == pytest.approx(0.0145)  # 4 + 9 + 1.5 ms, each once
+    assert [(r["op"], r["calls"], r["device_ms"]) for r in found["top_device"]] == [
+        ("triton_per_fused_rms_norm_0", 8, 9.0), ("nvjet_sm90_gemm", 53, 4.0)]
+    naive = sum(e.self_device_time_total for e in events if not e.is_user_annotation) / 1e6
+    assert naive == pytest.approx(2 * found["device_busy_s"])
+    on_cpu = device_time(events[:-1], cuda=False, top=1)  # a CPU: the ops' own CPU time, every event
+    assert on_cpu["device_busy_s"] == pytest.approx(0.00327) and on_cpu["top_device"][0]["op"].startswith("## Call")

@@ -54,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=float, help="quality: at most this many training tokens per model "
                                                 "(default: the aim, 3e7)")
     p.add_argument("--batch", type=int, help="quality: sequences of 128 tokens per step (default 128)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="quality: train the three models compiled alike: auto, where setup measured compiled training "
+                        "faster and it fits more tokens into the minutes, its compilations counted; on, wherever "
+                        "setup measured it faster; off, eager (default auto)")
     p.add_argument("--from", dest="sources", action="append", type=Path, metavar="DIR",
                    help="report: a folder holding the files that came back (repeatable; default .gpukit/results)")
     return p

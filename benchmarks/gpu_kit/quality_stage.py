@@ -11,8 +11,10 @@ the same tokens, in bf16, sized by the throughput `setup` measured.
 
 The training text is the GPU image's installed Python sources (``corpus.py``: 1e8 tokens and more,
 selected as the plan needs, tokenised once into the token cache, never a training token twice; the
-standard library stays the default elsewhere). If `setup` measured compiled training, the runs train
-compiled where that fits more tokens into the minutes, its compilation counted.
+standard library stays the default elsewhere). Where `setup` measured compiled training faster than eager, the
+three models train compiled alike if that fits more tokens into the minutes, their compilations counted
+(``--compile auto``; ``on``: compiled wherever it was faster; ``off``: eager); each is sized by its compiled
+throughput where `setup` measured one, else by its eager one. The plan says which way each ran and why.
 
 Both run through ``concept frontier`` (one ``--out`` for both, so the dense run is shared), which
 evaluates every run on held-out code (``stdlib``) and prose (``pydoc``). The plan is fixed at the
@@ -41,6 +43,8 @@ EVAL = {"batches": 6, "batch": 16}  # 12,288 tokens per domain: about all of pyd
 DRY_EVAL = {"batches": 2, "batch": 2}
 DRY_STEPS = 4
 DRY_TRAIN = {"calibration_batches": 2, "eval_batches": 1}  # the dry run's final calibration and evaluations: tiny
+KINDS = ("streaming", "pruned", "dense")
+COMPILE_GUESS_S = 60  # a model's compilation where `setup` measured none (2026-11-27b: 38 s, the streaming model)
 SAFETY = 0.8  # throughput in a real run (evaluations, diagnostics, checkpoints) against `setup`'s steps
 OVERHEAD_S = 30  # per run: process start, build, data, the final calibration and evaluation (2026-11-26: ~24)
 PLAN_S = 45  # making the plan: the FLOP plans, the tokenizer, the corpus selected and tokenised (~1e7 tokens/10 s)
@@ -110,9 +114,12 @@ def make_plan(stage: Stage, args) -> dict:
     if dry:
         steps, reason = DRY_STEPS, ("dry run: one point keeps the self-check within seconds (on the GPU this point "
                                     "runs when the lease's minutes fit it)")
+        plan["training"] = {"mode": "eager", "option": None, "models": {k: {"ran": "eager"} for k in KINDS},
+                            "why": "a dry run trains eager (setup's dry rows check the compiled step)"}
     else:
-        steps, seconds, reason, plan["compile"] = size(stage, args, plan["tokens_per_step"], main, near)
+        steps, seconds, reason, plan["training"] = size(stage, args, plan["tokens_per_step"], main, near)
         plan["estimate_s"] = {p["name"]: s for p, s in zip(points, seconds)}
+    plan["compile"] = plan["training"]["option"]  # (what frontier_args reads)
     steps = min(steps, prepare_corpus(stage, plan, steps))
     if reason:
         points[1].update(state="skipped", reason=reason)
@@ -142,46 +149,98 @@ def prepare_corpus(stage: Stage, plan: dict, steps: int) -> int:
     return epoch
 
 
-def size(stage: Stage, args, per_step: int, main: dict, near: dict) -> tuple[int, tuple[int, int], str, dict | None]:
+def size(stage: Stage, args, per_step: int, main: dict, near: dict) -> tuple[int, tuple[int, int], str, dict]:
     """Steps per model for the default point (as many tokens as ``--total-minutes`` allow, up to the aim), the
-    seconds each point should take, why the near-0.8x point does not fit ('' if it does), and the compile
-    option to train with (None: eager). Seconds per token: the default point's three models as `setup`
-    measured them, eager or compiled (with their compilation), whichever fits more tokens; the other point's
-    two scaled by FLOPs."""
+    seconds each point should take, why the near-0.8x point does not fit ('' if it does), and how the three
+    models train (:func:`choose_training`: ``option``, None for eager). Seconds per token: the default point's
+    three models as `setup` measured them, the way they train; the other point's two scaled by FLOPs."""
     measured = throughput(stage.work) or {}
-    eager = measured.get("models", {})
-    if set(eager) != {"streaming", "pruned", "dense"}:
+    if set(measured.get("models", {})) != set(KINDS):
         stage.warn("`setup` did not measure the throughput of all three models on this machine: measuring it now")
         measured = measure_throughput(stage, compiled=False)
-        eager = measured["models"]
-        if set(eager) != {"streaming", "pruned", "dense"}:
+        if set(measured["models"]) != set(KINDS):
             raise KitError(f"the training throughput of {', '.join(sorted(measured['failed'])) or 'a model'} could not be "
                            f"measured (the problems above), so quality cannot size its runs; see quality.log")
     available = args.total_minutes * 60 - 3 * OVERHEAD_S - PLAN_S
-    modes = [(None, eager, 0.0)]
-    compiled = (measured.get("compiled") or {}).get("models", {})
-    if set(compiled) == {"streaming", "pruned", "dense"}:
-        modes.append((measured["compiled"]["option"], compiled, sum(m.get("compile_s", 0.0) for m in compiled.values())))
-    per_token = lambda tp: sum(1 / tp[k]["tokens_per_s"] for k in ("streaming", "pruned", "dense")) / SAFETY  # noqa: E731
-    option, tp, compile_s = max(modes, key=lambda m: (available - m[2]) / per_token(m[1]))
-    per_token_main = per_token(tp)
-    per_token_near = (near["flop_ratio"] / main["flop_ratio"] / tp["streaming"]["tokens_per_s"]
-                      + near["pruned_flop_ratio"] / (main["pruned_flop_ratio"] or 1.0) / tp["pruned"]["tokens_per_s"]
-                      ) / SAFETY
-    tokens = max(per_step, min(args.tokens or AIM_TOKENS, AIM_TOKENS, (available - compile_s) / per_token_main))
+    cap = min(args.tokens or AIM_TOKENS, AIM_TOKENS)
+    training = choose_training(measured, available, cap, getattr(args, "compile", "auto"))
+    tp = {k: m["tokens_per_s"] for k, m in training["models"].items()}
+    compile_s = {k: m["compile_s"] for k, m in training["models"].items()}
+    per_token_main = seconds_per_token(tp)
+    per_token_near = (near["flop_ratio"] / main["flop_ratio"] / tp["streaming"]
+                      + near["pruned_flop_ratio"] / (main["pruned_flop_ratio"] or 1.0) / tp["pruned"]) / SAFETY
+    tokens = max(per_step, min(cap, (available - sum(compile_s.values())) / per_token_main))
     steps = max(1, int(tokens // per_step))
     tokens = steps * per_step
     if tokens < MIN_TOKENS:
         stage.warn(f"only {tokens:.2e} tokens per model fit {args.total_minutes} minutes (the floor is "
                    f"{MIN_TOKENS:.0e}): the quality numbers are indicative only")
-    near_compile = compile_s * 2 / 3
-    estimate = (round(tokens * per_token_main + 3 * OVERHEAD_S + PLAN_S + compile_s),
-                round(tokens * per_token_near + 2 * OVERHEAD_S + near_compile))
+    estimate = (round(tokens * per_token_main + 3 * OVERHEAD_S + PLAN_S + sum(compile_s.values())),
+                round(tokens * per_token_near + 2 * OVERHEAD_S + compile_s["streaming"] + compile_s["pruned"]))
     left = args.total_minutes * 60 - estimate[0]
     reason = "" if left >= estimate[1] else (
         f"{args.total_minutes:g} minutes fit the default point at {tokens:.2e} tokens per model, not also this point "
         f"(~{estimate[1] / 60:.1f} more minutes)")
-    return steps, estimate, reason, option
+    stage.say(f"training {training['mode']}: {training['why']}")
+    return steps, estimate, reason, training
+
+
+def seconds_per_token(tokens_per_s: dict) -> float:
+    """Seconds per token of each model, the three trained one after the other, at ``SAFETY`` of `setup`'s rate."""
+    return sum(1 / tokens_per_s[k] for k in KINDS) / SAFETY
+
+
+def compiled_alternative(measured: dict) -> tuple[dict | None, str]:
+    """The three models compiled alike, from `setup`'s throughput: per model the tokens/s to size by (its compiled
+    row's, else its eager row's: conservative) and its compilation's seconds (its own ``compile_s``, else the
+    longest measured, else ``COMPILE_GUESS_S``); or None and why not: no compiled row, a compiled row (or the
+    static-budget build) that failed, or no compiled row faster than its eager one."""
+    eager, compiled = measured["models"], measured.get("compiled") or {}
+    rows = compiled.get("models") or {}
+    failed = sorted(label for label in (measured.get("failed") or {}) if "compiled" in label)
+    if failed:
+        return None, f"compiled training failed in `setup` ({', '.join(failed)})"
+    if not rows:
+        return None, "`setup` measured no compiled training on this machine"
+    faster = sorted(k for k, m in rows.items() if k in eager and m["tokens_per_s"] > eager[k]["tokens_per_s"])
+    if not faster:
+        return None, "compiled training was not faster than eager in `setup`"
+    known = [m["compile_s"] for m in rows.values() if m.get("compile_s") is not None]
+    guess = max(known) if known else COMPILE_GUESS_S
+    models = {k: {"tokens_per_s": (rows.get(k) or eager[k])["tokens_per_s"],
+                  "sized_by": "its compiled rate" if k in rows else "its eager rate: setup measured it eager only",
+                  "compile_s": (rows.get(k) or {}).get("compile_s", guess)} for k in KINDS}
+    return {"option": compiled["option"], "models": models, "faster": faster}, ""
+
+
+def choose_training(measured: dict, available: float, cap: float, choice: str = "auto") -> dict:
+    """Eager or compiled, all three models alike (``choice``, ``--compile``): ``auto``, compiled where `setup`
+    measured a compiled row faster than its eager one and compiled training fits more tokens per model into
+    ``available`` seconds, its compilations counted (both at ``cap``: the one that takes fewer seconds); ``on``,
+    compiled wherever `setup` measured it faster; ``off``, eager. ``{mode, option, models: {kind: {ran,
+    tokens_per_s, sized_by, compile_s}}, tokens_fit: {eager, compiled}, why}``."""
+    eager = {k: {"tokens_per_s": measured["models"][k]["tokens_per_s"], "sized_by": "its eager rate", "compile_s": 0.0}
+             for k in KINDS}
+    alternative, why = compiled_alternative(measured) if choice != "off" else (None, "--compile off")
+
+    def fit(models: dict) -> tuple[float, float]:  # tokens per model that fit (capped), -seconds for those
+        per_token = seconds_per_token({k: m["tokens_per_s"] for k, m in models.items()})
+        compile_s = sum(m["compile_s"] for m in models.values())
+        tokens = max(0.0, min(cap, (available - compile_s) / per_token))
+        return tokens, -(tokens * per_token + compile_s)
+
+    fits = {"eager": fit(eager)}
+    if alternative:
+        fits["compiled"] = fit(alternative["models"])
+        better = choice == "on" or fits["compiled"] > fits["eager"]
+        why = (f"compiled was faster in `setup` ({', '.join(alternative['faster'])}); {fits['compiled'][0]:.3g} tokens "
+               f"per model fit compiled, {fits['eager'][0]:.3g} eager, the compilations "
+               f"({sum(m['compile_s'] for m in alternative['models'].values()):.0f} s) counted; --compile {choice}")
+    mode = "compiled" if alternative and better else "eager"
+    chosen = alternative["models"] if mode == "compiled" else eager
+    return {"mode": mode, "option": alternative["option"] if mode == "compiled" else None, "choice": choice,
+            "models": {k: {"ran": mode, **m} for k, m in chosen.items()},
+            "tokens_fit": {name: round(f[0]) for name, f in fits.items()}, "why": why}
 
 
 def run_point(stage: Stage, plan: dict, point: dict) -> None:

@@ -12,9 +12,11 @@ far allow and is safe to repeat:
    and converted to the cached safetensors folder exactly as the ``smollm2`` plugin does;
 4. the environment: torch, CUDA, the GPU, transformers and every dependency against
    ``pyproject.toml``, Triton, FlexAttention (compiled, forward and backward), xformers' kernels;
-5. training throughput of the default recipe (streaming, pruned, dense) in bf16 on SmolLM2, eager, then
-   compiled where this build has a compile option (streaming and dense first: issue 39's training target),
-   each with one profiled step (device busy, kernel launches, host syncs); `quality` uses it to size its runs.
+5. training throughput of the default recipe in bf16 on SmolLM2, streaming and dense eager, then compiled where
+   this build has a compile option (issue 39's training target: streaming against dense under the same
+   settings), then the pruned baseline eager and compiled as the budget allows (a compiled row starts only with
+   its compilation's predicted seconds left: ``row_need_s``), each with one profiled step (device busy, kernel
+   launches, host syncs); `quality` uses it to size its runs and to choose eager or compiled training.
 
 A mismatch (a damaged part, a pack mixed with another, a dependency out of range, no CUDA device)
 is a problem: a clear message and exit code 1. Each part fails on its own and the JSON is written after
@@ -49,9 +51,16 @@ OPTIONAL = {"datasets": "only for Hugging Face datasets input (--data a save_to_
                         "which no kit stage reads"}
 THROUGHPUT_STEPS = {"warm-up": 3, "timed": 20}  # the median of 20 steps (docs/benchmarks.md)
 DRY_THROUGHPUT_STEPS = {"warm-up": 1, "timed": 1}
-MODELS = (("streaming", None), ("pruned", "pruned"), ("dense", "dense"))
-COMPILED_ORDER = ("streaming", "dense", "pruned")  # the training target's two first
-EAGER_NEED_S, COMPILED_NEED_S = 20, 75  # seconds of budget a model's measurement needs to start
+MODELS = (("streaming", None), ("pruned", "pruned"), ("dense", "dense"))  # each model's baseline option
+# the rows, in the order measured: the training target's four first (streaming against dense under the same
+# settings, eager and compiled: issue 39), then the pruned baseline's as the budget allows (the lease of
+# 2026-11-27b measured eager pruned, then had no time left for compiled dense)
+ROWS = (("streaming", False), ("dense", False), ("streaming", True), ("dense", True), ("pruned", False),
+        ("pruned", True))
+EAGER_NEED_S = 20  # seconds of budget an eager row needs to start (2026-11-27b: 9-19 s, its profiled step included)
+COMPILE_PRIOR_S = 55  # a compilation's seconds before this run has measured one (2026-11-27b: 38 s, streaming)
+COMPILE_SAFETY = 1.3  # a compiled row's compilation: this x the longest one measured in this run (``row_need_s``)
+NEED_MARGIN_S = 10  # on top of a compiled row's predicted seconds
 COMPILED_MARGIN_S = 10  # a compiled row is stopped this many seconds before the stage's budget ends (``within``)
 
 
@@ -299,63 +308,104 @@ def environment(stage: Stage, manifest: dict | None, state: dict) -> dict:
 # -- throughput -------------------------------------------------------------------------------------
 def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict], None] | None = None) -> dict:
     """Tokens per second of training steps of the default recipe: the streaming model, its pruned
-    baseline and the dense baseline on the same batches (bf16 autocast on CUDA, or ``--dtype bf16``), eager;
-    then, with ``compiled``, compiled with a static concept budget (``compiled``: the same
-    per model, with ``compile_s``, the warm-up steps' extra time over eager steps: the compilation).
+    baseline and the dense baseline on the same batches (bf16 autocast on CUDA, or ``--dtype bf16``), eager and,
+    with ``compiled``, compiled with a static concept budget (``compiled``: the same per model, with
+    ``compile_s``, the warm-up steps' extra time over eager steps: the compilation), in the order of ``ROWS``:
+    the training target's four first, each only with the seconds it needs left (:func:`row_need_s`).
     Each row (model x eager/compiled) fails on its own: a problem naming it, its error under ``failed``,
     the other rows measured all the same. ``keep`` gets the measurement so far after each row."""
     import torch
 
     import concept
 
-    from ..compiled import train_option
-
     dry = stage.dry
     device = "cuda" if torch.cuda.is_available() and not dry else "cpu"
     steps = DRY_THROUGHPUT_STEPS if dry else THROUGHPUT_STEPS
     folder = stage.work / "throughput"
-    source = folder / "build"
-    concept.save(concept.build(recipe.build_config(dry)), source, force=True)
+    concept.save(concept.build(recipe.build_config(dry)), folder / "build", force=True)
     batch = recipe.batch(dry)
     seq = recipe.seq_len(dry)
     out = {"recipe": {**recipe.DEMO, "seq_len": seq, "batch": batch, "tokens_per_step": batch * seq,
                       "precision": "bf16" if device == "cuda" else "fp32", **recipe.precision(dry)},
-           "device": device, "steps": steps, "models": {}, "failed": {}}
+           "device": device, "steps": steps, "order": [], "models": {}, "failed": {}}  # order: the rows started
     keep = keep or (lambda measured: None)
-    for kind, baseline in MODELS:
-        if stage.remaining() < EAGER_NEED_S:
-            stage.skip(f"throughput of {kind}", "the stage's time budget ran out")
+    for kind, is_compiled in ROWS:
+        if is_compiled and not compiled:
             continue
-        row = measured_row(stage, kind, out["failed"], lambda: train_and_time(
-            stage, source, folder / kind, kind, baseline, device, steps, {}))
-        if row is not None:
-            out["models"][kind] = row
-        keep(out)
-    if not compiled:
-        return out
-    option = train_option()
-    static = folder / "build-static"  # a streaming model compiles with a static concept budget only
-    out["compiled"] = {"option": option, "models": {}}
-    max_ratio = measured_row(stage, "compiled (the static-budget build)", out["failed"], lambda: build_static(static, dry))
-    if max_ratio is None:
-        return out
-    out["compiled"]["max_ratio"] = max_ratio
-    for kind in COMPILED_ORDER:
-        if stage.remaining() < COMPILED_NEED_S:
-            stage.skip(f"compiled throughput of {kind}", f"less than {COMPILED_NEED_S} s of the stage's budget left "
-                                                         f"(a compilation takes about a minute)")
+        need, how = row_need_s(kind, is_compiled, out)
+        if stage.remaining() < need:
+            stage.skip(f"{'compiled ' if is_compiled else ''}throughput of {kind}",
+                       f"{max(0.0, stage.remaining()):.0f} s of the stage's budget left, less than the {need:.0f} s "
+                       f"this row needs ({how})")
             continue
-        cap = stage.remaining() - COMPILED_MARGIN_S  # a compilation that runs past it is stopped: the row fails
-        row = measured_row(stage, f"{kind} compiled", out["failed"], lambda: within(cap, lambda: train_and_time(
-            stage, static, folder / f"{kind}-compiled", kind, dict(MODELS)[kind], device, steps, option)))
-        eager = out["models"].get(kind)
-        if row is not None and eager:  # the warm-up steps' extra seconds: compilation
-            row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
-            row["vs_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
-        if row is not None:
-            out["compiled"]["models"][kind] = row
+        if is_compiled and not compiled_build(stage, out, folder / "build-static"):
+            continue
+        out["order"].append(f"{kind} compiled" if is_compiled else kind)
+        keep(out)  # (a call cut off during the row says which row it was)
+        measure_row(stage, out, folder, kind, is_compiled, device, steps)
         keep(out)
     return out
+
+
+def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
+    """The seconds of the stage's budget a row needs to start, and how they were reckoned. An eager row:
+    ``EAGER_NEED_S``. A compiled row: its compilation, predicted as ``COMPILE_SAFETY`` x the longest one
+    measured so far in this run (``compile_s`` of the compiled rows; ``COMPILE_PRIOR_S`` before any), plus its
+    steps (the same model's eager row's seconds: compiled steps take no longer), plus ``NEED_MARGIN_S``."""
+    if not compiled:
+        return EAGER_NEED_S, "an eager row"
+    done = {k: m["compile_s"] for k, m in (measured.get("compiled") or {}).get("models", {}).items()
+            if m.get("compile_s") is not None}
+    eager = measured.get("models", {}).get(kind, {})
+    steps_s = eager.get("seconds", EAGER_NEED_S)
+    if done:
+        longest = max(done, key=done.get)
+        compile_s = COMPILE_SAFETY * done[longest]
+        how = f"{COMPILE_SAFETY:g} x the {done[longest]:.0f} s compilation measured for {longest} in this run"
+    else:
+        compile_s, how = COMPILE_PRIOR_S, f"{COMPILE_PRIOR_S} s for a compilation, none measured yet in this run"
+    how += (f", {steps_s:.0f} s of steps ({'its eager row' if 'seconds' in eager else 'no eager row'}), "
+            f"{NEED_MARGIN_S} s margin")
+    return compile_s + steps_s + NEED_MARGIN_S, how
+
+
+def compiled_build(stage: Stage, out: dict, static: Path) -> bool:
+    """Before the first compiled row: the build with a static concept budget (a streaming model compiles with
+    one only), saved in ``static``, and ``out["compiled"]``. Whether the compiled rows can run."""
+    from ..compiled import train_option
+
+    if "compiled" not in out:
+        out["compiled"] = {"option": train_option(), "models": {}}
+        max_ratio = measured_row(stage, "compiled (the static-budget build)", out["failed"],
+                                 lambda: build_static(static, stage.dry))
+        if max_ratio is not None:
+            out["compiled"]["max_ratio"] = max_ratio
+    return "max_ratio" in out["compiled"]
+
+
+def measure_row(stage: Stage, out: dict, folder: Path, kind: str, compiled: bool, device: str, steps: dict) -> None:
+    """One row into ``out``: ``seconds`` (all it took, its profiled step included), and for a compiled row its
+    ``compile_s`` and ``vs_eager`` against the same model's eager row. A compiled row is stopped
+    ``COMPILED_MARGIN_S`` before the stage's budget ends (``within``): then it is a failed row."""
+    start = time.monotonic()
+    label = f"{kind} compiled" if compiled else kind
+    baseline = dict(MODELS)[kind]
+    if compiled:
+        cap = stage.remaining() - COMPILED_MARGIN_S  # a compilation that runs past it is stopped: the row fails
+        row = measured_row(stage, label, out["failed"], lambda: within(cap, lambda: train_and_time(
+            stage, folder / "build-static", folder / f"{kind}-compiled", kind, baseline, device, steps,
+            out["compiled"]["option"])))
+    else:
+        row = measured_row(stage, label, out["failed"], lambda: train_and_time(
+            stage, folder / "build", folder / kind, kind, baseline, device, steps, {}))
+    if row is None:
+        return
+    row["seconds"] = time.monotonic() - start
+    eager = out["models"].get(kind)
+    if compiled and eager:  # the warm-up steps' extra seconds: compilation
+        row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
+        row["vs_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
+    (out["compiled"]["models"] if compiled else out["models"])[kind] = row
 
 
 class RowTimeout(Exception):

@@ -18,7 +18,8 @@ decoding and prefill, the policy's scan) until the suites' deadline, which leave
 budget to the flex diagnosis after them (issue 40; ``flex_diagnosis.py``, its decisive variants first). The
 xformers cases are deselected, with the reason, where its kernels do not run (the plugin's probe). Each
 row is timed by CUDA events (median of 20 after warm-up) and profiled once per side: device busy, kernel
-launches, host syncs, aten ops (``benchmarks/conftest.py``); the forward's rows at 8k (forced `flex`, the policy
+launches, host syncs, aten ops, and the 8 kernels with the most device time (``SIDE_top_device``, which `report`
+tables under the forward rows; ``benchmarks/conftest.py``); the forward's rows at 8k (forced `flex`, the policy
 deciding, `cascade`) also where each host sync came from (``sync_stacks``: the Python stack of each, profiled
 once more ``with_stack``). Their per-row JSON (``--concept-results``)
 becomes ``speed.json``, with every case's outcome and seconds in the order run; the run is saved as a
