@@ -44,6 +44,7 @@ from .backbone import run_layer, run_layers
 from .config import COMPILE_CHOICES, REGIONAL_CHOICES, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
+from .losses import chunk_terms
 
 
 
@@ -72,6 +73,7 @@ class CompiledStacks:
     def __init__(self, choice: str):
         self.choice = choice
         self.compiled: dict[tuple[str, str, bool], tuple[object, bool]] = {}
+        self.losses: dict[str, object] = {}  # device type -> the loss's compiled chunk arithmetic (loss_terms)
 
     def compile(self, name: str, device_type: str, regional: bool = False) -> tuple[object, bool]:
         """(``run_layers``, or with ``regional`` ``run_layer``, compiled for the stack ``name`` on a device type,
@@ -81,6 +83,21 @@ class CompiledStacks:
             return torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager"), False
         mode = device_mode(self.choice, device_type)
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode), uses_cuda_graphs(mode, device_type)
+
+    def loss_terms(self, device_type: str):
+        """The training CE's per-chunk arithmetic (``concept.losses.chunk_terms``: upcast, logsumexp, the target's
+        logit, the masked sum, softmax - one-hot scaled, the cast back) compiled with ``fullgraph=True`` and static
+        shapes (a batch's full chunk and its last one: two graphs), one code object per gradient flag (training,
+        evaluation), so each keeps its own graphs and recompile count. Never CUDA graphs: torch's default mode
+        (``max-autotune`` without CUDA graphs for ``max-autotune``), as :meth:`compile` with ``aot-eager``."""
+        if device_type not in self.losses:
+            mode = "max-autotune-no-cudagraphs" if self.choice == "max-autotune" else None
+            kwargs = {"backend": "aot_eager"} if self.choice == "aot-eager" else {"mode": mode}
+            runs = {grad: torch.compile(_own_copy(chunk_terms, "train" if grad else "eval"), fullgraph=True,
+                                        dynamic=False, **kwargs) for grad in (False, True)}
+            self.losses[device_type] = lambda logits, target, valid, count, grad: runs[grad](logits, target, valid,
+                                                                                             count, grad)
+        return self.losses[device_type]
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         regional = self.choice in REGIONAL_CHOICES and cache is None
