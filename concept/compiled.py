@@ -6,6 +6,11 @@ layers, in training and in full forwards, and the streaming decoder's prefill (i
 a multiple of ``PREFILL_BUCKET`` tokens, so a few graphs serve every prompt length). The length policy's
 decisions, the packing and the attention plans are computed between the stacks, eagerly. A decoding step
 is compiled whole, over static KV caches (``concept.static_decoding``: one graph per (batch, cache capacity)).
+The training loss's per-chunk arithmetic (``concept.losses.chunk_terms``) is compiled with them
+(:meth:`CompiledStacks.loss_terms`; the models pass their ``compiled_stacks`` to ``head_next_token_loss``): two
+graphs, a full chunk and a batch's last one, in torch's default mode even where the stacks run CUDA graphs (the
+loss's gradients are kept past the next compiled call: graphs' memory would be overwritten), so on CUDA
+inductor fuses the dozen full passes over a chunk's [rows, V] fp32 logits into a couple of kernels.
 
 ``fullgraph=True`` makes any graph break an error, so a compiled stack has no host sync in it (a ``.item()``,
 a data-dependent ``if`` or a ``nonzero`` would break the graph). Shapes must not depend on the decisions or

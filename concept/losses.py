@@ -8,6 +8,13 @@ three such tensors). The gradient of each chunk is taken in the same pass (softm
 logits are recomputed in backward: the head costs the three matmuls of a plain linear layer.
 The logits themselves stay available to whoever reads them (``concept.lazy``).
 
+Each chunk's arithmetic between its logits matmul and its gradient matmuls (upcast, logsumexp, the target's
+logit, the masked sum, softmax - one-hot scaled by valid / count, the cast back) is :func:`chunk_terms`: run
+eagerly, in place (a dozen kernels a chunk, each a pass over [rows, V] in fp32), unless the model runs
+compiled (``--compile``): its compiled stacks then pass ``head_next_token_loss`` a compiled copy
+(``concept.compiled.CompiledStacks.loss_terms``: fullgraph, static shapes, inductor's default mode, never CUDA
+graphs), which inductor fuses into a couple of kernels. The matmuls and the chunk loop stay eager either way.
+
 Why not a library: Liger-Kernel's fused linear cross-entropy and Apple's cut-cross-entropy are Triton
 kernels (CUDA only; cut-cross-entropy's non-Triton path compiles the plain loss, logits included),
 and this must run and be tested on CPU too.
