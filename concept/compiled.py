@@ -6,6 +6,11 @@ layers, in training and in full forwards, and the streaming decoder's prefill (i
 a multiple of ``PREFILL_BUCKET`` tokens, so a few graphs serve every prompt length). The length policy's
 decisions, the packing and the attention plans are computed between the stacks, eagerly. A decoding step
 is compiled whole, over static KV caches (``concept.static_decoding``: one graph per (batch, cache capacity)).
+The training loss's per-chunk arithmetic (``concept.losses.chunk_terms``) is compiled with them
+(:meth:`CompiledStacks.loss_terms`; the models pass their ``compiled_stacks`` to ``head_next_token_loss``): two
+graphs, a full chunk and a batch's last one, in torch's default mode even where the stacks run CUDA graphs (the
+loss's gradients are kept past the next compiled call: graphs' memory would be overwritten), so on CUDA
+inductor fuses the dozen full passes over a chunk's [rows, V] fp32 logits into a couple of kernels.
 
 ``fullgraph=True`` makes any graph break an error, so a compiled stack has no host sync in it (a ``.item()``,
 a data-dependent ``if`` or a ``nonzero`` would break the graph). Shapes must not depend on the decisions or
@@ -44,6 +49,7 @@ from .backbone import run_layer, run_layers
 from .config import COMPILE_CHOICES, REGIONAL_CHOICES, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
+from .losses import chunk_terms
 
 
 
@@ -72,6 +78,7 @@ class CompiledStacks:
     def __init__(self, choice: str):
         self.choice = choice
         self.compiled: dict[tuple[str, str, bool], tuple[object, bool]] = {}
+        self.losses: dict[str, object] = {}  # device type -> the loss's compiled chunk arithmetic (loss_terms)
 
     def compile(self, name: str, device_type: str, regional: bool = False) -> tuple[object, bool]:
         """(``run_layers``, or with ``regional`` ``run_layer``, compiled for the stack ``name`` on a device type,
@@ -81,6 +88,21 @@ class CompiledStacks:
             return torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager"), False
         mode = device_mode(self.choice, device_type)
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode), uses_cuda_graphs(mode, device_type)
+
+    def loss_terms(self, device_type: str):
+        """The training CE's per-chunk arithmetic (``concept.losses.chunk_terms``: upcast, logsumexp, the target's
+        logit, the masked sum, softmax - one-hot scaled, the cast back) compiled with ``fullgraph=True`` and static
+        shapes (a batch's full chunk and its last one: two graphs), one code object per gradient flag (training,
+        evaluation), so each keeps its own graphs and recompile count. Never CUDA graphs: torch's default mode
+        (``max-autotune`` without CUDA graphs for ``max-autotune``), as :meth:`compile` with ``aot-eager``."""
+        if device_type not in self.losses:
+            mode = "max-autotune-no-cudagraphs" if self.choice == "max-autotune" else None
+            kwargs = {"backend": "aot_eager"} if self.choice == "aot-eager" else {"mode": mode}
+            runs = {grad: torch.compile(_own_copy(chunk_terms, "train" if grad else "eval"), fullgraph=True,
+                                        dynamic=False, **kwargs) for grad in (False, True)}
+            self.losses[device_type] = lambda logits, target, valid, count, grad: runs[grad](logits, target, valid,
+                                                                                             count, grad)
+        return self.losses[device_type]
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         regional = self.choice in REGIONAL_CHOICES and cache is None

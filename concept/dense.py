@@ -92,7 +92,8 @@ class DenseModel(Resolved, HubMixin, nn.Module):
         x = run(self.layers, inner.embed_tokens(input_ids), pos, CausalPattern(valid, document_ids, causal),
                 inner.rotary_emb, self.gradient_checkpointing and self.training)
         states, head = inner.norm(x), self.backbone.lm_head
-        loss = None if labels is None else head_next_token_loss(states, head, labels, valid, document_ids)
+        loss = None if labels is None else head_next_token_loss(states, head, labels, valid, document_ids,
+                                                               self.compiled_stacks)
         return DenseOutput(Deferred(lambda: head(states), like=states, watch=head), loss, x)
 
     def generate(self, input_ids, attention_mask=None, **kwargs):

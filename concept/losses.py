@@ -8,6 +8,13 @@ three such tensors). The gradient of each chunk is taken in the same pass (softm
 logits are recomputed in backward: the head costs the three matmuls of a plain linear layer.
 The logits themselves stay available to whoever reads them (``concept.lazy``).
 
+Each chunk's arithmetic between its logits matmul and its gradient matmuls (upcast, logsumexp, the target's
+logit, the masked sum, softmax - one-hot scaled by valid / count, the cast back) is :func:`chunk_terms`: run
+eagerly, in place (a dozen kernels a chunk, each a pass over [rows, V] in fp32), unless the model runs
+compiled (``--compile``): its compiled stacks then pass ``head_next_token_loss`` a compiled copy
+(``concept.compiled.CompiledStacks.loss_terms``: fullgraph, static shapes, inductor's default mode, never CUDA
+graphs), which inductor fuses into a couple of kernels. The matmuls and the chunk loop stay eager either way.
+
 Why not a library: Liger-Kernel's fused linear cross-entropy and Apple's cut-cross-entropy are Triton
 kernels (CUDA only; cut-cross-entropy's non-Triton path compiles the plain loss, logits included),
 and this must run and be tested on CPU too.
@@ -42,29 +49,60 @@ def next_token_loss(logits, labels, valid, document_ids=None, reduction="mean"):
     return loss if reduction == "mean" else loss.view(target.shape)
 
 
-def head_next_token_loss(states, head, labels, valid, document_ids=None):
+def head_next_token_loss(states, head, labels, valid, document_ids=None, compiled=None):
     """``next_token_loss(head(states), ...)`` (mean) from the states [B, T, d] that enter the LM head, without
-    the [B, T, V] logits."""
-    return head_cross_entropy(states[:, :-1], head, next_token_targets(labels, valid, document_ids))
+    the [B, T, V] logits. ``compiled``: the model's compiled stacks (``concept.compiled.CompiledStacks``, None
+    when it runs eagerly): each chunk's arithmetic then runs as their compiled ``loss_terms``."""
+    terms = None if compiled is None else compiled.loss_terms(states.device.type)
+    return head_cross_entropy(states[:, :-1], head, next_token_targets(labels, valid, document_ids), terms=terms)
 
 
-def head_cross_entropy(states, head, target, chunk_logits: int | None = None):
+def head_cross_entropy(states, head, target, chunk_logits: int | None = None, terms=None):
     """``F.cross_entropy(upcast(head(states)), target, ignore_index=IGNORE)`` (the mean over the targets that
     are not ``IGNORE``; NaN when there is none, as F.cross_entropy) for ``states`` [..., d] and ``target``
     [...]. A plain ``nn.Linear`` head runs in chunks of rows (:class:`LinearCrossEntropy`); any other head
-    (e.g. one carrying a LoRA adapter) is called whole. ``chunk_logits``: default ``CHUNK_LOGITS``."""
+    (e.g. one carrying a LoRA adapter) is called whole. ``chunk_logits``: default ``CHUNK_LOGITS``; ``terms``:
+    each chunk's arithmetic (default :func:`chunk_terms`, eager; or a compiled copy of it)."""
     x, t = states.reshape(-1, states.shape[-1]), target.reshape(-1)
     if type(head) is not nn.Linear:
         return F.cross_entropy(upcast(head(x)), t, ignore_index=IGNORE)
-    rows = max(1, (chunk_logits or CHUNK_LOGITS) // head.out_features)
+    rows, terms = max(1, (chunk_logits or CHUNK_LOGITS) // head.out_features), terms or chunk_terms
     if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (x, head.weight, head.bias)):
-        return LinearCrossEntropy.apply(x, head.weight, head.bias, t, rows)
-    return chunked_loss(x, head.weight, head.bias, t, rows)[0]
+        return LinearCrossEntropy.apply(x, head.weight, head.bias, t, rows, terms)
+    return chunked_loss(x, head.weight, head.bias, t, rows, terms=terms)[0]
 
 
-def chunked_loss(x, weight, bias, target, rows: int, grads: tuple[bool, bool, bool] = (False, False, False)):
+def chunk_terms(logits, target, valid, count, grad: bool):
+    """One chunk's arithmetic between its logits matmul and its gradient matmuls: (the CE summed over its
+    counted rows, fp32; with ``grad``, d(mean CE)/d logits = (softmax - one-hot) * valid / ``count`` in the
+    logits' dtype, else None). ``logits`` [rows, V] (upcast here; an fp32 chunk is overwritten), ``target``
+    [rows] (``IGNORE`` allowed), ``valid`` = target != IGNORE, ``count`` its sum over the whole batch.
+
+    Eagerly the gradient is made in place in the upcast logits (no second [rows, V] tensor); traced by
+    ``torch.compile`` (:class:`concept.compiled.CompiledStacks`'s ``loss_terms``) the same values are one
+    pointwise expression (the one-hot a comparison, not a scatter; ``x - 0`` is ``x`` and ``x - 1`` is the
+    scatter's ``x + -1``), which inductor fuses with the scale and the cast, the input left unwritten."""
+    compute = logits.dtype  # the head's dtype (bf16 under autocast): its backward matmuls run in it too
+    logits = upcast(logits)
+    lse = logits.logsumexp(-1)
+    index = target.clamp(min=0)[:, None]
+    part = torch.where(valid, lse - logits.gather(1, index)[:, 0], 0.0).sum()
+    if not grad:
+        return part, None
+    scale = (valid / count)[:, None].to(logits.dtype)
+    if torch.compiler.is_compiling():
+        one_hot = index == torch.arange(logits.shape[-1], device=logits.device)
+        return part, (((logits - lse[:, None]).exp() - one_hot.to(logits.dtype)) * scale).to(compute)
+    g = logits.sub_(lse[:, None]).exp_()
+    g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))
+    return part, g.mul_(scale).to(compute)
+
+
+def chunked_loss(x, weight, bias, target, rows: int, grads: tuple[bool, bool, bool] = (False, False, False),
+                 terms=chunk_terms):
     """The mean CE of ``F.linear(x, weight, bias)`` against ``target``, ``rows`` rows at a time; with
     ``grads`` (for x, weight, bias), also the gradients of that mean, taken chunk by chunk in the same pass.
+    ``terms``: each chunk's arithmetic, :func:`chunk_terms` or a compiled copy of it.
     Returns (loss, grad_x, grad_weight, grad_bias), the gradients None where not asked for."""
     valid = target != IGNORE
     count = valid.sum()
@@ -72,20 +110,11 @@ def chunked_loss(x, weight, bias, target, rows: int, grads: tuple[bool, bool, bo
     grad_x = []  # (each chunk's rows, concatenated once at the end: a single chunk is the gradient itself)
     for start in range(0, x.shape[0], rows):
         xc, tc, vc = x[start:start + rows], target[start:start + rows], valid[start:start + rows]
-        logits = F.linear(xc, weight, bias)
-        compute = logits.dtype  # the head's dtype (bf16 under autocast): its backward matmuls run in it too
-        logits = upcast(logits)
-        lse = logits.logsumexp(-1)
-        index = tc.clamp(min=0)[:, None]
-        part = torch.where(vc, lse - logits.gather(1, index)[:, 0], 0.0).sum()
+        part, g = terms(F.linear(xc, weight, bias), tc, vc, count, any(grads))
         total = part if total is None else total + part
-        if not any(grads):
+        if g is None:
             continue
-        # d(mean CE)/d logits = (softmax - one-hot) / count on the counted rows, 0 elsewhere
-        g = logits.sub_(lse[:, None]).exp_()
-        g.scatter_add_(1, index, torch.full_like(index, -1, dtype=g.dtype))
-        g.mul_((vc / count)[:, None].to(g.dtype))
-        g = g.to(compute)
+        compute = g.dtype
         if grads[0]:
             grad_x.append((g @ weight.to(compute)).to(x.dtype))
         if grads[1]:
@@ -108,9 +137,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     chunk and scaled by the incoming gradient in backward: no [N, V] tensor outlives its chunk."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, rows):
+    def forward(ctx, x, weight, bias, target, rows, terms=chunk_terms):
         grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        loss, grad_x, grad_w, grad_b = chunked_loss(x, weight, bias, target, rows, grads)
+        loss, grad_x, grad_w, grad_b = chunked_loss(x, weight, bias, target, rows, grads, terms)
         ctx.save_for_backward(*(g if g is not None else x.new_empty(0) for g in (grad_x, grad_w, grad_b)))
         ctx.asked = grads
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -123,4 +152,4 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (grad_x * grad_loss.to(grad_x.dtype) if asked[0] else None,
                 (grad_w * grad_loss).to(ctx.dtypes[0]) if asked[1] else None,
                 (grad_b * grad_loss).to(ctx.dtypes[1]) if asked[2] else None,
-                None, None)
+                None, None, None)

@@ -1,7 +1,8 @@
 """``--compile`` (``concept.compiled``): the stacks compile with ``fullgraph=True`` (a graph break would be an
-error) and static shapes; 20 training steps whose decisions and document packing vary run on the graphs of
-the first (dynamo's recompile guard is armed after it: a recompile raises), with the eager run's losses and
-decisions. The default suite captures with the ``aot-eager`` choice (dynamo + AOT autograd: the graphs
+error) and static shapes, and so does the training loss's per-chunk arithmetic (``concept.losses.chunk_terms``,
+two graphs: a full chunk and the last, partial one); 20 training steps whose decisions and document packing
+vary run on the graphs of the first (dynamo's recompile guard is armed after it: a recompile raises), with the
+eager run's losses and decisions. The default suite captures with the ``aot-eager`` choice (dynamo + AOT autograd: the graphs
 inductor would receive; inductor's C++ compilation of them takes minutes on a CPU); the inductor run is the
 slow test. Negative control: a layout whose shapes follow the decisions recompiles, and the guard says so."""
 import collections
@@ -15,6 +16,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import concept
+import concept.losses as losses
 from concept import BuildConfig, ComponentRef
 from concept.contracts import Family
 from concept.errors import ConceptError
@@ -23,6 +25,10 @@ from tests.conftest import mixed_model
 
 STDLIB = pathlib.Path(warnings.__file__).parent
 STEPS = 20
+LOSS_ROWS = 16  # the loss's chunks in the training tests: 62 rows (2 x 31 next-token pairs) are 3 x 16 + 14
+# the loss's graphs: a full chunk and the last one, for training (with gradients) and for the ratio controller's
+# calibration forward (without)
+LOSS_GRAPHS = {"chunk_terms_train": 2, "chunk_terms_eval": 2}
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +52,23 @@ def trainer(run, name, compile):
     return Trainer.start(run / "built", run / name, config)
 
 
-def test_compiled_training_has_no_graph_break_no_recompile_and_equals_eager(run, fresh_dynamo, one_thread):
+def chunk_the_loss(monkeypatch, model) -> None:
+    """The training CE in chunks of :data:`LOSS_ROWS` rows (a last partial chunk: both of the loss's shapes)."""
+    monkeypatch.setattr(losses, "CHUNK_LOGITS", LOSS_ROWS * model.backbone.config.vocab_size)
+
+
+def test_compiled_training_has_no_graph_break_no_recompile_and_equals_eager(run, fresh_dynamo, one_thread,
+                                                                            monkeypatch):
+    by_function = graphs_by_function(monkeypatch)
     eager = trainer(run, "eager", "off")
     compiled = trainer(run, "compiled", "aot-eager")
+    chunk_the_loss(monkeypatch, compiled.model)
     rows = [(eager.train_step(), compiled.train_step())]
     graphs = counters["stats"]["unique_graphs"]
     # one graph per stack (shallow, middle, deep) for the training forward, and one for the ratio controller's
-    # calibration forward of the first step (without gradients)
-    assert graphs == 6 and not counters["graph_break"]
+    # calibration forward of the first step (without gradients); the loss's four
+    assert graphs == 10 and not counters["graph_break"]
+    assert by_function == {**{f"run_layers_{s}": 2 for s in ("shallow", "middle", "deep")}, **LOSS_GRAPHS}
     torch._dynamo.config.error_on_recompile = True  # from now on a recompile raises
     rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
@@ -131,20 +146,24 @@ def test_layers_training_shares_one_graph_per_stack_without_break_or_recompile(l
                                                                              monkeypatch):
     """``--compile layers``: one graph per stack (for its two layers); 20 varied steps equal eager with no
     recompile. Negative control: the dynamic layout recompiles."""
+    by_function = graphs_by_function(monkeypatch)  # (first: ``captured`` then wraps its counting)
     captured(monkeypatch)
     layered_trainer = lambda name, choice: Trainer.start(layered / "layered", layered / name, TrainConfig(  # noqa: E731
         steps=STEPS, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100, warmup=2,
         data=str(layered / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2), compile=choice))
     eager, compiled = layered_trainer("l-eager", "off"), layered_trainer("l-compiled", "layers")
+    chunk_the_loss(monkeypatch, compiled.model)
     rows = [(eager.train_step(), compiled.train_step())]
     # one graph per stack for the ratio controller's no-grad calibration forward and one per stack for the training
     # forward, each shared by the stack's two layers (a graph per layer: 12), but for the shallow stack's first layer
-    # in training: its input (the frozen embeddings) needs no gradient, the second layer's does (a guard of dynamo's)
-    assert counters["stats"]["unique_graphs"] == 7 and not counters["graph_break"]
+    # in training: its input (the frozen embeddings) needs no gradient, the second layer's does (a guard of dynamo's);
+    # and the loss's four
+    assert counters["stats"]["unique_graphs"] == 11 and not counters["graph_break"]
+    assert by_function == {"run_layer_shallow": 3, "run_layer_middle": 2, "run_layer_deep": 2, **LOSS_GRAPHS}
     assert {key[2] for key in compiled.model.compiled_stacks.compiled} == {True}  # (regional: per layer)
     torch._dynamo.config.error_on_recompile = True
     rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
-    assert counters["stats"]["unique_graphs"] == 7 and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 11 and not counters["graph_break"]
     assert len({a["ratio"] for a, _ in rows}) > 3
     for a, b in rows:
         assert a["ratio"] == b["ratio"]

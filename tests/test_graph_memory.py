@@ -25,6 +25,7 @@ from concept import BuildConfig, ComponentRef
 from concept.backbone import run_layer, run_layers
 from concept.compiled import CompiledStacks, compile_model
 from concept.dense import DenseModel
+from concept.losses import chunk_terms
 from concept.streaming.decoding import ConceptDecoder
 from concept.training import TrainConfig, Trainer
 
@@ -69,6 +70,9 @@ class GraphMemory:
         not CUDA graphs, so nothing is copied out: the code before the fix)."""
         monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type, regional=False: (
             self.run_layer if regional else self.run, copies))
+        # the loss's chunk arithmetic is never in graph memory (``loss_terms``: no CUDA graphs): eager here, as the
+        # stacks are, not inductor's C++ (tests/test_compiled_loss.py checks it compiled)
+        monkeypatch.setattr(CompiledStacks, "loss_terms", lambda stacks, device_type: chunk_terms)
 
     def run(self, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         return self.call(run_layers, layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)

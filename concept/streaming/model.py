@@ -251,7 +251,7 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
         in_time_order = lambda x: x.gather(1, slots[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
         z = in_time_order(z)
         states, head = self.inner.norm(z), self.backbone.lm_head
-        loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc)
+        loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc, self.compiled_stacks)
         multi = self.levels > 1
         return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
                              Deferred(lambda: in_time_order(z_in), like=z_in), z, updates, emitted if multi else None,
