@@ -37,7 +37,7 @@ TORCH_APIS = {
 }
 OLDER = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.parallel", "torch.overrides", "torch.profiler",
          "torch.utils._python_dispatch", "torch.utils._pytree", "torch.utils.checkpoint", "torch.distributed",
-         "torch.distributed.fsdp", "torch.utils.tensorboard", "torch.library"}  # (1.x; fsdp's fully_shard is in TORCH_APIS)
+         "torch.distributed.fsdp", "torch.utils.tensorboard", "torch.library", "torch.autograd"}  # (1.x; fsdp's fully_shard is in TORCH_APIS)
 
 
 def version(text: str) -> tuple[int, ...]:
