@@ -1,0 +1,64 @@
+"""The compiled streaming model's eager glue: the aten ops of a compiled forward and training step that run outside
+its compiled graphs (``benchmarks/glue_ops.py``: the tiny backbone, split 2,2,2, 2 rows x 256 packed tokens,
+``--compile layers`` with each graph run by ``aot_eager``), pinned so they cannot grow unseen (docs/benchmarks.md,
+"The compiled forward's eager glue, CPU (2026-11-27)"). A pin is only ever lowered.
+
+Negative controls: an eager op injected between two stacks is counted (twice: two ops), exactly; an op injected
+into every decoder layer is counted by the eager forward (once per layer) and not at all by the compiled one (it
+runs inside the layers' graphs).
+"""
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from benchmarks.glue_ops import counted, measure
+from concept.streaming.stacks import StackRuns
+
+FORWARD = 349  # glue ops of the compiled forward (before the cuts: 349)
+STEP = 772  # glue ops of the compiled training step (before the cuts: 772)
+
+
+def test_the_compiled_glue_is_pinned_and_counted_outside_the_graphs_only(tmp_path, fresh_dynamo, one_thread,
+                                                                          monkeypatch):
+    result = measure(seq_len=256, compile="layers", folder=tmp_path)
+    assert counters["stats"]["unique_graphs"] >= 3 and not counters["graph_break"]
+    forward, step = result["forward"].total, result["step"].total
+    assert forward <= FORWARD and step <= STEP, f"glue ops: forward {forward} (pin {FORWARD}), step {step} (pin {STEP})"
+    # (a pin above the count is stale: lower it with the count)
+    assert forward == FORWARD and step == STEP, f"glue ops went down: forward {forward}, step {step}: lower the pins"
+
+    run, model = result["run_forward"], result["trainer"].model.eval()
+    # negative control 1: two eager ops between the middle and the deep stack are counted, on their line
+    middle = StackRuns.run_middle
+
+    def two_more(self, *args, **kwargs):
+        out, updates = middle(self, *args, **kwargs)
+        return out.neg().neg_(), updates  # (the same values)
+
+    monkeypatch.setattr(StackRuns, "run_middle", two_more)
+    seen = counted(run)
+    assert seen.total == forward + 2
+    assert sum(n for line, n in seen.by_line.items() if line.startswith("tests/")) == 0  # (ours: concept/, plugins/)
+    monkeypatch.setattr(StackRuns, "run_middle", middle)
+
+    # negative control 2: two ops in every decoder layer: counted by the eager forward, not by the compiled one
+    layers = list(model.inner.layers)
+    compiled_stacks = model.compiled_stacks
+    model.compiled_stacks = None
+    eager = counted(run).total
+    for layer in layers:
+        monkeypatch.setattr(layer, "forward", lambda *a, _f=layer.forward, **k: _f(*a, **k).neg().neg_())
+    assert counted(run).total == eager + 2 * len(layers)
+    model.compiled_stacks = compiled_stacks
+    graphs = counters["stats"]["unique_graphs"]
+    assert counted(run).total == forward
+    assert counters["stats"]["unique_graphs"] > graphs  # (the layers' graphs recompiled, the two ops inside)
+    assert not counters["graph_break"]
+
+
+def test_the_counter_sees_every_op_of_an_eager_function():
+    """The counter itself: a plain function's ops, by line (a count that cannot be zero by construction)."""
+    x = torch.ones(3)
+    seen = counted(lambda: x.add(1).mul(2).sum())
+    assert seen.total == 3 and seen.by_line == {"(outside the project)": 3}
