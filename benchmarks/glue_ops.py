@@ -5,7 +5,8 @@
 
 The recipe is ``benchmarks/op_counts.py``'s (the tiny backbone, split 2,2,2, 2 rows of packed stdlib documents,
 LoRA rank 8, the trainer's ``queue_step`` after its first two steps, the forward of the step's batch under
-``no_grad`` in eval), compiled as on CUDA (``layers``: regional, one graph per stack's layer), each graph run by
+``no_grad`` in eval, and ``plain``: that forward of its token ids alone, as the GPU kit's speed rows run it: no
+mask, no document ids), compiled as on CUDA (``layers``: regional, one graph per stack's layer), each graph run by
 AOT autograd's eager interpreter (``aot_eager``: inductor's C++ compilation takes minutes here).
 
 How it counts: a ``TorchDispatchMode`` (:class:`GlueOps`) sees every aten op dispatched while it is active, and
@@ -91,6 +92,8 @@ def glue_compile():
     real = torch.compile
 
     def compile(fn, fullgraph=False, dynamic=None, mode=None, backend=None, **options):
+        if torch.compiler.is_compiling():  # (inside a graph, e.g. FlexAttention's own compile: part of it)
+            return real(fn, fullgraph=fullgraph, dynamic=dynamic, **options)
         return _modes_off(real(fn, fullgraph=fullgraph, dynamic=dynamic, backend=glue_backend, **options))
 
     torch.compile = compile
@@ -118,13 +121,20 @@ def measure(seq_len: int = 256, compile: str = "layers", folder=None) -> dict:
             with torch.no_grad():
                 model(batch["input_ids"], attention_mask=batch["attention_mask"], document_ids=batch["document_ids"])
 
+        def plain():  # (the GPU kit's speed row: one document per row, no padding)
+            with torch.no_grad():
+                model(batch["input_ids"])
+
         model.eval()
-        forward()  # (the eval graphs compiled)
-        result = {"forward": counted(forward)}
+        forward(), plain()  # (the eval graphs compiled)
+        result = {"forward": counted(forward), "plain": counted(plain)}
         model.train()
         result["step"] = counted(trainer.queue_step)
     result["trainer"], result["run_forward"] = trainer, forward
     return result
+
+
+KINDS = ("forward", "plain", "step")
 
 
 def table(ops: GlueOps, top: int) -> str:
@@ -143,9 +153,9 @@ def main() -> None:
     result = measure(args.seq_len, args.compile)
     if args.json:
         print(json.dumps({k: {"total": result[k].total, "by_line": dict(result[k].by_line.most_common())}
-                          for k in ("forward", "step")}, indent=1))
+                          for k in KINDS}, indent=1))
         return
-    for k in ("forward", "step"):
+    for k in KINDS:
         print(f"\n{k}: {result[k].total} glue ops\n\n{table(result[k], args.top)}")
 
 

@@ -15,18 +15,20 @@ from torch._dynamo.utils import counters
 from benchmarks.glue_ops import counted, measure
 from concept.streaming.stacks import StackRuns
 
-FORWARD = 325  # glue ops of the compiled forward (349 before the cuts; 325 with the RoPE table in the layer graphs)
-STEP = 748  # glue ops of the compiled training step (772 before the cuts; 748 with the RoPE table in the graphs)
+FORWARD = 296  # glue ops of the compiled forward (349 before the cuts; 325 with the RoPE table in the layer graphs)
+PLAIN = 255  # the same forward of the token ids alone (276 before the cuts except the RoPE table's)
+STEP = 719  # glue ops of the compiled training step (772 before the cuts; 748 with the RoPE table in the graphs)
 
 
 def test_the_compiled_glue_is_pinned_and_counted_outside_the_graphs_only(tmp_path, fresh_dynamo, one_thread,
                                                                           monkeypatch):
     result = measure(seq_len=256, compile="layers", folder=tmp_path)
     assert counters["stats"]["unique_graphs"] >= 3 and not counters["graph_break"]
-    forward, step = result["forward"].total, result["step"].total
-    assert forward <= FORWARD and step <= STEP, f"glue ops: forward {forward} (pin {FORWARD}), step {step} (pin {STEP})"
-    # (a pin above the count is stale: lower it with the count)
-    assert forward == FORWARD and step == STEP, f"glue ops went down: forward {forward}, step {step}: lower the pins"
+    counts = {k: result[k].total for k in ("forward", "plain", "step")}
+    pins = {"forward": FORWARD, "plain": PLAIN, "step": STEP}
+    assert all(counts[k] <= pins[k] for k in pins), f"glue ops {counts}, over the pins {pins}"
+    assert counts == pins, f"glue ops went down, {counts}: lower the pins {pins}"  # (a pin above its count is stale)
+    forward = counts["forward"]
 
     run, model = result["run_forward"], result["trainer"].model.eval()
     # negative control 1: two eager ops between the middle and the deep stack are counted, on their line
