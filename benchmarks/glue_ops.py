@@ -65,10 +65,14 @@ class GlueOps(TorchDispatchMode):
         return sum(self.by_line.values())
 
 
+GRAPH = "glue_ops: compiled graph"  # (the profiler's range around each compiled call)
+
+
 def _modes_off(fn):
-    """``fn`` called with the dispatch modes switched off (a compiled graph: its ops are not glue)."""
+    """``fn`` called with the dispatch modes switched off (a compiled graph: its ops are not glue), inside a
+    profiler range named :data:`GRAPH`."""
     def call(*args, **kwargs):
-        with _disable_current_modes():
+        with _disable_current_modes(), torch.profiler.record_function(GRAPH):
             return fn(*args, **kwargs)
     call.__dict__.update(getattr(fn, "__dict__", {}))  # (a boxed call stays boxed)
     return call
@@ -109,6 +113,21 @@ def counted(run) -> GlueOps:
     return ops
 
 
+def profiled_glue(run) -> int:
+    """The ``aten::`` events of ``torch.profiler`` (nested ones too, as ``benchmarks/op_counts.py`` and the GPU
+    profiles count them) outside every compiled call (:data:`GRAPH`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def in_graph(event) -> bool:
+        while event is not None and event.name != GRAPH:
+            event = event.cpu_parent
+        return event is not None
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and not in_graph(e))
+
+
 def measure(seq_len: int = 256, compile: str = "layers", folder=None) -> dict:
     """The glue ops of the recipe's compiled forward and training step (``GlueOps`` each), and its trainer."""
     from benchmarks.op_counts import built_folder, started
@@ -128,8 +147,11 @@ def measure(seq_len: int = 256, compile: str = "layers", folder=None) -> dict:
         model.eval()
         forward(), plain()  # (the eval graphs compiled)
         result = {"forward": counted(forward), "plain": counted(plain)}
+        profiled = {"forward": profiled_glue(forward), "plain": profiled_glue(plain)}
         model.train()
         result["step"] = counted(trainer.queue_step)
+        profiled["step"] = profiled_glue(trainer.queue_step)
+    result["profiled"] = profiled
     result["trainer"], result["run_forward"] = trainer, forward
     return result
 
@@ -152,11 +174,12 @@ def main() -> None:
     torch.set_num_threads(1)
     result = measure(args.seq_len, args.compile)
     if args.json:
-        print(json.dumps({k: {"total": result[k].total, "by_line": dict(result[k].by_line.most_common())}
-                          for k in KINDS}, indent=1))
+        print(json.dumps({k: {"total": result[k].total, "profiled": result["profiled"][k],
+                              "by_line": dict(result[k].by_line.most_common())} for k in KINDS}, indent=1))
         return
     for k in KINDS:
-        print(f"\n{k}: {result[k].total} glue ops\n\n{table(result[k], args.top)}")
+        print(f"\n{k}: {result[k].total} glue ops dispatched ({result['profiled'][k]} profiler aten events)\n\n"
+              f"{table(result[k], args.top)}")
 
 
 if __name__ == "__main__":

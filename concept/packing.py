@@ -32,7 +32,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 PAD_SEG = torch.iinfo(torch.long).max // 2  # keeps tail segments sorted with padding last
 
@@ -160,7 +159,7 @@ def cap_boundaries(keep: torch.Tensor, valid: torch.Tensor, max_ratio: float,
         seen = seen + tokens_before[:, None]
     if boundaries_before is None:  # (c_0 = 0: the same sums without adding it)
         kept = counted + torch.clamp(torch.cummin(budget(seen, max_ratio, slack) - counted, dim=1).values, max=0)
-        return keep & (kept > F.pad(kept[:, :-1], (1, 0)))
+        return keep & (kept > torch.cat([torch.zeros_like(kept[:, :1]), kept[:, :-1]], dim=1))
     start = boundaries_before[:, None]
     room = torch.cummin(budget(seen, max_ratio, slack) - start - counted, dim=1).values  # K_s - c_0 - R_s
     kept = counted + start + torch.clamp(room, max=0)
@@ -230,7 +229,7 @@ def document_starts(valid: torch.Tensor, doc: torch.Tensor | None) -> torch.Tens
     """[B, T] bool: real token t is the first real token of its document (None without documents)."""
     if doc is None:
         return None
-    prev = F.pad(doc[:, :-1], (1, 0), value=-1)
+    prev = torch.cat([torch.full_like(doc[:, :1], -1), doc[:, :-1]], dim=1)
     first_real = valid.cumsum(1, dtype=torch.long) == 1
     return valid & ((doc != prev) | first_real)
 
