@@ -10,18 +10,22 @@ runs inside the layers' graphs).
 """
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from benchmarks.glue_ops import counted, measure, profiled_glue
+from concept import packing
 from concept.streaming.stacks import StackRuns
 
-FORWARD = 300  # glue ops dispatched by the compiled forward (349 before the cuts; 325 with the RoPE table in the layer graphs)
-PLAIN = 257  # the same forward of the token ids alone (300 before the cuts)
-STEP = 723  # glue ops dispatched by the compiled training step (772 before the cuts; 748 with the RoPE table in the graphs)
+FORWARD = 284  # glue ops dispatched by the compiled forward (349 before the cuts; 325 with the RoPE table in the layer graphs)
+PLAIN = 241  # the same forward of the token ids alone (300 before the cuts)
+STEP = 707  # glue ops dispatched by the compiled training step (772 before the cuts; 748 with the RoPE table in the graphs)
 # torch.profiler's aten events outside the graphs (nested ones too: what the GPU profiles count), at most (929 / 814 /
 # 3,169 before the cuts)
-PROFILED = {"forward": 830, "plain": 725, "step": 3070}
+PROFILED = {"forward": 802, "plain": 697, "step": 3042}
 
 
 def test_the_compiled_glue_is_pinned_and_counted_outside_the_graphs_only(tmp_path, fresh_dynamo, one_thread,
@@ -69,3 +73,32 @@ def test_the_counter_sees_every_op_of_an_eager_function():
     x = torch.ones(3)
     seen = counted(lambda: x.add(1).mul(2).sum())
     assert seen.total == 3 and seen.by_line == {"(outside the project)": 3}
+
+
+def random_layout(seed: int, emit: int = 1, B: int = 3, T: int = 40):
+    """A static layout of random decisions over rows with left / right padding and several documents."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(B, T, generator=g) < 0.3
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :5], valid[1, -7:] = False, False
+    doc = torch.cumsum(torch.rand(B, T, generator=g) < 0.08, dim=1)
+    keep = packing.cap_boundaries(keep, valid, 0.3, slack=2)
+    return packing.pack(keep, valid, doc, emit, 1, packing.budget(T, 0.3, 2) * emit)
+
+
+@pytest.mark.parametrize("emit", [1, 2])
+def test_rule_blocks_equal_the_rule(emit):
+    """``packing.RuleBlocks`` (the static chunked plan's masks) against ``packing.allowed`` of the sliced metadata,
+    for every block of queries against every key prefix. Negative controls: the rule without its documents, or
+    without its padding, is caught."""
+    for seed in range(3):
+        layout = random_layout(seed, emit)
+        meta, L = layout.meta, layout.length
+        rule = packing.RuleBlocks(meta)
+        blocks = [(a, b, kb) for a in range(0, L, 7) for b in (a + 1, min(a + 9, L), L) for kb in (b, L) if b <= L]
+        for a, b, kb in blocks:
+            assert torch.equal(rule(a, b, kb), packing.allowed(meta[:, a:b], meta[:, :kb]))
+    # negative controls: the rule without its documents, or without its padding, is caught
+    for field, value in (("doc", torch.zeros_like(meta.doc)), ("valid", torch.ones_like(meta.valid))):
+        broken = packing.RuleBlocks(dataclasses.replace(meta, **{field: value}))
+        assert not all(torch.equal(broken(a, b, kb), packing.allowed(meta[:, a:b], meta[:, :kb])) for a, b, kb in blocks)
