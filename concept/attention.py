@@ -9,6 +9,8 @@ e.g. when the plain backbone runs as the dense baseline) goes to transformers' o
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -63,6 +65,13 @@ def sdpa(query, key, value, scaling, mask=None, is_causal=False) -> torch.Tensor
     )
 
 
+@functools.lru_cache(maxsize=2)
+def causal_block(length: int, device: torch.device) -> torch.Tensor:
+    """The causal rule of ``length`` elements [1, L, L] (bool, lower triangle), built once per (length, device)
+    and kept (two lengths: a forward's shallow and middle stacks): it depends on the shape alone. Read only."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]
+
+
 class CausalPattern(AttentionPattern):
     """Plain causal attention over real elements (shallow and middle stacks), optionally
     restricted to the same document. ``causal``: whether plain causal SDPA is exact for every real
@@ -77,7 +86,7 @@ class CausalPattern(AttentionPattern):
         self.mask = None
         if not causal:
             L = valid.shape[1]
-            allowed = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
+            allowed = causal_block(L, valid.device) & valid[:, None, :]
             if doc is not None:
                 allowed = allowed & (doc[:, :, None] == doc[:, None, :])
             self.mask = additive(allowed | ~valid[:, :, None])  # (converted once, not in each layer's SDPA)

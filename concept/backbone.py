@@ -90,17 +90,28 @@ def layers(model: nn.Module) -> nn.ModuleList:
 
 
 def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None, run=None,
-               cos_sin=None):
+               cos_sin=None, rope_inside=False):
     """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table
     (and a KV cache the layers update, when decoding). ``run``: what calls each layer (default
-    :func:`run_layer`; ``--compile layers``: it compiled, one graph for the stack's layers). ``cos_sin``: the
+    :func:`run_layer`; ``--compile layers``: :func:`run_layer_rope` compiled, one graph for the stack's layers,
+    with ``rope_inside``: ``run`` is handed ``rotary_emb`` and builds the table itself). ``cos_sin``: the
     RoPE table of ``position_ids`` for ``x``'s dtype when the caller built it already (:func:`rope_tables`);
     None: built here."""
-    cos_sin = rotary_emb(x, position_ids) if cos_sin is None else cos_sin
+    if rope_inside:
+        cos_sin = rotary_emb
+    elif cos_sin is None:
+        cos_sin = rotary_emb(x, position_ids)
     run = run or run_layer
     for layer in layers:
         x = run(layer, x, position_ids, attention_plan, cos_sin, checkpointing, cache)
     return x
+
+
+def run_layer_rope(layer, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+    """:func:`run_layer` with the RoPE table of ``position_ids`` built first, from ``rotary_emb``: what
+    ``--compile layers`` compiles, so the table is computed inside each layer's graph (a few fused elementwise
+    kernels of [B, L, head_dim] per layer) instead of eagerly between the graphs (8 aten ops per stack)."""
+    return run_layer(layer, x, position_ids, attention_plan, rotary_emb(x, position_ids), checkpointing, cache)
 
 
 def rope_tables(rotary_emb, x, position_ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

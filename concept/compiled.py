@@ -19,7 +19,7 @@ the graph would be recompiled at every step: a streaming model compiles only wit
 then one graph per stack serves every step of a (batch, length).
 
 Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``layers``,
-and ``on`` (the same), compile one decoder layer (``concept.backbone.run_layer``) per stack, its graph
+and ``on`` (the same), compile one decoder layer with its RoPE table (``concept.backbone.run_layer_rope``) per stack, its graph
 serving each layer of the stack (regional compilation: a SmolLM2 forward traces 3 graphs, not 30 layers;
 ``docs/architecture.md`` says why ``on`` is this on CUDA), in the device's mode when a stack first runs
 (``reduce-overhead``, CUDA graphs, on CUDA; torch's default elsewhere); one of torch's modes by name
@@ -45,7 +45,7 @@ import types
 
 import torch
 
-from .backbone import run_layer, run_layers
+from .backbone import run_layer_rope, run_layers
 from .config import COMPILE_CHOICES, REGIONAL_CHOICES, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
@@ -70,9 +70,9 @@ class CompiledStacks:
     a call returns (and records in the cache) is a copy of their output (the module's docstring says why).
 
     ``layers`` (regional compilation, :data:`concept.config.REGIONAL_CHOICES`): one decoder layer
-    (``run_layer``) is compiled per stack instead of the stack's whole loop, and its graph serves each layer
-    of the stack (the layers' weights are the graph's inputs: dynamo inlines the modules); the stack's loop
-    and RoPE table run eagerly around it. A prefill (a cache recording) still compiles the stack whole: a
+    (``run_layer_rope``: with its RoPE table) is compiled per stack instead of the stack's whole loop, and its
+    graph serves each layer of the stack (the layers' weights are the graph's inputs: dynamo inlines the
+    modules); the stack's loop runs eagerly around it. A prefill (a cache recording) still compiles the stack whole: a
     layer with a cache reads its own ``layer_idx``, so each layer would be a graph of its own."""
 
     def __init__(self, choice: str):
@@ -81,9 +81,9 @@ class CompiledStacks:
         self.losses: dict[str, object] = {}  # device type -> the loss's compiled chunk arithmetic (loss_terms)
 
     def compile(self, name: str, device_type: str, regional: bool = False) -> tuple[object, bool]:
-        """(``run_layers``, or with ``regional`` ``run_layer``, compiled for the stack ``name`` on a device type,
+        """(``run_layers``, or with ``regional`` ``run_layer_rope``, compiled for the stack ``name`` on a device type,
         whether its outputs live in the memory of CUDA graphs)."""
-        fn = _own_copy(run_layer if regional else run_layers, name)
+        fn = _own_copy(run_layer_rope if regional else run_layers, name)
         if self.choice == "aot-eager":
             return torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager"), False
         mode = device_mode(self.choice, device_type)
@@ -112,7 +112,7 @@ class CompiledStacks:
         run, in_graph_memory = self.compiled[key]
         if regional:
             layer = _copied_out(run, layers[-1] if len(layers) else None) if in_graph_memory else run
-            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, run=layer)
+            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, run=layer, rope_inside=True)
         out = run(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         if not in_graph_memory:
             return out

@@ -48,8 +48,29 @@ class SlotMeta:
     sub: torch.Tensor | None = None  # index among the concept slots of one time (emit > 1)
 
     def __getitem__(self, idx) -> "SlotMeta":
-        sub = None if self.sub is None else self.sub[idx]
-        return SlotMeta(self.time[idx], self.keep[idx], self.seg[idx], self.valid[idx], self.doc[idx], sub)
+        return SlicedMeta(self, idx)
+
+
+class SlicedMeta:
+    """``meta[idx]`` (a :class:`SlotMeta`'s fields, each indexed by ``idx``), each field indexed when first read:
+    a layout's concept and tail parts are read a field or two at a time (the middle stack's plan reads
+    ``valid`` and ``doc``), often not at all (a static chunked plan reads neither part)."""
+
+    FIELDS = ("time", "keep", "seg", "valid", "doc", "sub")
+
+    def __init__(self, meta, idx):
+        self._meta, self._idx = meta, idx
+
+    def __getattr__(self, name):
+        if name not in SlicedMeta.FIELDS:
+            raise AttributeError(name)
+        t = getattr(self._meta, name)
+        t = None if t is None else t[self._idx]
+        setattr(self, name, t)  # (read once)
+        return t
+
+    def __getitem__(self, idx) -> "SlicedMeta":
+        return SlicedMeta(self, idx)
 
 
 def allowed(q: SlotMeta, k: SlotMeta) -> torch.Tensor:
@@ -63,6 +84,32 @@ def allowed(q: SlotMeta, k: SlotMeta) -> torch.Tensor:
         earlier = (t_j < t_i) | ((t_j == t_i) & (k.sub[:, None, :] <= q.sub[:, :, None]))
     ok = earlier & (keep_j | (~keep_i & same_seg)) & same_doc & k.valid[:, None, :]
     return ok | ~q.valid[:, :, None]
+
+
+class RuleBlocks:
+    """The one-pass rule of ``meta`` (:func:`allowed`) for blocks of queries against prefixes of the keys, its
+    per-slot parts prepared once for every block (a plan of many blocks, e.g. ``chunked``'s static chunks: each
+    block then costs its slices and eight pairwise ops, not a slice of every field and the rule's thirteen).
+    ``blocks(a, b, kb)`` equals ``allowed(meta[:, a:b], meta[:, :kb])`` (tested). A concept query's segment is
+    -1 here, which no slot's is (segments count boundaries: >= 0; padding ``PAD_SEG``): it then matches the
+    rule's ``~keep_i & same_seg`` in one comparison. Several concept slots per time (``sub``): :func:`allowed`."""
+
+    def __init__(self, meta: SlotMeta):
+        self.meta = meta
+        self.length = meta.time.shape[1]
+        if meta.sub is None:
+            self.q = (meta.time[:, :, None], torch.where(meta.keep, -1, meta.seg)[:, :, None], meta.doc[:, :, None],
+                      (~meta.valid)[:, :, None])
+            self.k = tuple(t[:, None, :] for t in (meta.time, meta.keep, meta.seg, meta.doc, meta.valid))
+
+    def __call__(self, a: int, b: int, kb: int) -> torch.Tensor:
+        if self.meta.sub is not None:
+            return allowed(self.meta[:, a:b], self.meta[:, :kb])
+        full_q, full_k = a == 0 and b == self.length, kb == self.length  # (the tensors themselves: no view)
+        t_i, seg_i, doc_i, pad_i = self.q if full_q else (t[:, a:b] for t in self.q)
+        t_j, keep_j, seg_j, doc_j, valid_j = self.k if full_k else (t[:, :, :kb] for t in self.k)
+        ok = (t_j <= t_i) & (keep_j | (seg_i == seg_j)) & (doc_i == doc_j) & valid_j
+        return ok | pad_i
 
 
 @dataclass
@@ -136,7 +183,10 @@ def cap_boundaries(keep: torch.Tensor, valid: torch.Tensor, max_ratio: float,
     seen = valid.cumsum(1, dtype=torch.long)
     if tokens_before is not None:
         seen = seen + tokens_before[:, None]
-    start = torch.zeros_like(counted[:, :1]) if boundaries_before is None else boundaries_before[:, None]
+    if boundaries_before is None:  # (c_0 = 0: the same sums without adding it)
+        kept = counted + torch.clamp(torch.cummin(budget(seen, max_ratio, slack) - counted, dim=1).values, max=0)
+        return keep & (kept > torch.cat([torch.zeros_like(kept[:, :1]), kept[:, :-1]], dim=1))
+    start = boundaries_before[:, None]
     room = torch.cummin(budget(seen, max_ratio, slack) - start - counted, dim=1).values  # K_s - c_0 - R_s
     kept = counted + start + torch.clamp(room, max=0)
     before = torch.cat([start, kept[:, :-1]], dim=1)
@@ -177,15 +227,16 @@ def pack(keep: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None = Non
     # padding slots get a segment after every real one, so tail segments stay sorted
     slot_seg = torch.where(slot_valid, seg.gather(1, time), torch.full_like(time, PAD_SEG))
 
-    tail_rank = tail.cumsum(1, dtype=torch.long) - 1
-    slot_of_time = torch.where(keep, seg * emit - 1, num_c + tail_rank)  # a concept's last slot
-    slot_of_time = torch.where(valid, slot_of_time, 0)
-    # rank of each concept among its document's concepts (documents are contiguous in a row)
-    index = torch.arange(num_c, device=keep.device).expand(keep.shape[0], num_c)
+    tail_slot = tail.cumsum(1, dtype=torch.long) + (num_c - 1)  # num_c + the tail rank
+    slot_of_time = torch.where(keep, (seg * emit if emit > 1 else seg) - 1, tail_slot)  # a concept's last slot
+    slot_of_time = slot_of_time * valid  # (0 at padding)
+    # rank of each concept among its document's concepts (documents are contiguous in a row); a slot whose
+    # document differs from the slot before it starts one (slot 0's comparison, with the last slot, is moot:
+    # its index is 0 either way)
+    index = torch.arange(num_c, device=keep.device)[None]
     concept_doc = doc.gather(1, concept_src)
-    first = torch.ones_like(concept_valid)
-    first[:, 1:] = concept_doc[:, 1:] != concept_doc[:, :-1]
-    concept_rank = index - torch.cummax(torch.where(first, index, torch.zeros_like(index)), dim=1).values
+    first = concept_doc != concept_doc.roll(1, dims=1)
+    concept_rank = index - torch.cummax(index * first, dim=1).values
     return PackedLayout(
         num_concepts=num_c,
         meta=SlotMeta(time=time, keep=slot_keep, seg=slot_seg, valid=slot_valid, doc=doc.gather(1, time), sub=sub),
@@ -241,5 +292,5 @@ def time_positions(valid: torch.Tensor, doc: torch.Tensor | None = None,
     index = valid.cumsum(1, dtype=torch.long) - 1
     if doc is not None:
         starts = document_starts(valid, doc) if starts is None else starts
-        index = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+        index = index - torch.cummax(index * starts, dim=1).values  # (index * starts: where(starts, index, 0))
     return index.clamp_(min=0)

@@ -48,8 +48,8 @@ MUTATIONS = [
              "ok = earlier & (keep_j | (~keep_i & same_seg)) & k.valid[:, None, :]",
              [EQUIVALENCE, "-k", "packed_documents and sdpa"]),
     Mutation("packing: concept ranks do not restart at a new document", "concept/packing.py",
-             "concept_rank = index - torch.cummax(torch.where(first, index, torch.zeros_like(index)), dim=1).values",
-             "concept_rank = index",
+             "concept_rank = index - torch.cummax(index * first, dim=1).values",
+             "concept_rank = index.expand_as(first)",
              ["tests/test_positions.py"]),
     # the backends' own copies of the rule
     Mutation("flex: a tail sees every earlier tail", "plugins/attention/flex.py",

@@ -59,8 +59,11 @@ def test_static_chunked_matches_naive_with_one_call_per_chunk(chunk, monkeypatch
 def test_negative_control_concept_queries_that_see_tail_keys_are_caught(monkeypatch):
     model = model_of(64)
     ids, mask, keep = padded_batch()
-    real_allowed = chunked.allowed
+    real_allowed, real_blocks = chunked.allowed, chunked.RuleBlocks.__call__
     monkeypatch.setattr(chunked, "allowed", lambda q, k: real_allowed(q, k) | q.keep[:, :, None])
+    # (a static layout's chunks: the rule's blocks, ``packing.RuleBlocks``)
+    monkeypatch.setattr(chunked.RuleBlocks, "__call__",
+                        lambda self, a, b, kb: real_blocks(self, a, b, kb) | self.meta.keep[:, a:b, None])
     with torch.no_grad():
         out = model(ids, attention_mask=mask, keep=keep)
         ref, _ = reference_logits(model, ids, attention_mask=mask, keep=keep)

@@ -22,7 +22,7 @@ import torch
 
 import concept
 from concept import BuildConfig, ComponentRef
-from concept.backbone import run_layer, run_layers
+from concept.backbone import run_layer_rope, run_layers
 from concept.compiled import CompiledStacks, compile_model
 from concept.dense import DenseModel
 from concept.losses import chunk_terms
@@ -77,9 +77,10 @@ class GraphMemory:
     def run(self, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         return self.call(run_layers, layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
 
-    def run_layer(self, layer, x, position_ids, attention_plan, cos_sin, checkpointing=False, cache=None):
-        """``--compile layers``: one compiled call per layer (its input the previous layer's output)."""
-        return self.call(run_layer, layer, x, position_ids, attention_plan, cos_sin, checkpointing, cache)
+    def run_layer(self, layer, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+        """``--compile layers``: one compiled call per layer (its input the previous layer's output; its RoPE
+        table built inside it)."""
+        return self.call(run_layer_rope, layer, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
 
     def call(self, fn, layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache):
         if not self.pending_backward:  # a new generation: the earlier outputs' memory is reused

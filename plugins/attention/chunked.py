@@ -24,7 +24,7 @@ import torch
 
 from concept.attention import AttentionPattern, additive, sdpa
 from concept.contracts import AttentionBackend
-from concept.packing import PackedLayout, allowed
+from concept.packing import PackedLayout, RuleBlocks, allowed
 
 
 @dataclass
@@ -73,16 +73,16 @@ class ChunkedPattern(AttentionPattern):
         """Ranges from the shapes alone: chunk [a, b) of the tail sees slots [0, C + b). The concept block's
         keys [0, C) lie inside the first chunk's, so its queries join that chunk's call (slots [0, C + b0)
         with the rule's mask: a concept never sees a tail slot): one SDPA call less per layer."""
-        C, meta, concepts = self.num_concepts, layout.meta, layout.concept_meta
+        C = self.num_concepts
+        rule = RuleBlocks(layout.meta)  # (each chunk's mask: the rule's slices of per-slot parts built once)
         self.concept_mask = None
         self.chunks = []
         for a in range(0, layout.length - C, chunk):
             b = min(a + chunk, layout.length - C)
             qa = C + a if a else 0  # (the first chunk's queries start with the concept block's)
-            queries, keys = _slots(meta, qa, C + b, layout.length), _slots(meta, 0, C + b, layout.length)
-            self.chunks.append((qa, C + b, 0, 0, additive(allowed(queries, keys))))
+            self.chunks.append((qa, C + b, 0, 0, additive(rule(qa, C + b, C + b))))
         if C and not self.chunks:  # (no tail slots: the concept block alone)
-            self.chunks.append((0, C, 0, 0, additive(allowed(concepts, concepts))))
+            self.chunks.append((0, C, 0, 0, additive(rule(0, C, C))))
         self.merged = True
 
     def __call__(self, query, key, value, scaling):
@@ -106,11 +106,6 @@ class ChunkedPattern(AttentionPattern):
         if len(outs) == 1:  # (one call: e.g. a static layout of at most one chunk of tail slots)
             return outs[0].transpose(1, 2)
         return torch.cat([out.transpose(1, 2) for out in outs], dim=1)  # [B, L, H, hd], contiguous: one copy
-
-
-def _slots(meta, a: int, b: int, length: int):
-    """``meta[:, a:b]``; the metadata itself where that is all of its ``length`` slots (no view of each field)."""
-    return meta if a == 0 and b == length else meta[:, a:b]
 
 
 class ChunkedBackend(AttentionBackend):
