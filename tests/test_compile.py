@@ -159,7 +159,7 @@ def test_layers_training_shares_one_graph_per_stack_without_break_or_recompile(l
     # in training: its input (the frozen embeddings) needs no gradient, the second layer's does (a guard of dynamo's);
     # and the loss's four
     assert counters["stats"]["unique_graphs"] == 11 and not counters["graph_break"]
-    assert by_function == {"run_layer_shallow": 3, "run_layer_middle": 2, "run_layer_deep": 2, **LOSS_GRAPHS}
+    assert by_function == {"run_layer_rope_shallow": 3, "run_layer_rope_middle": 2, "run_layer_rope_deep": 2, **LOSS_GRAPHS}
     assert {key[2] for key in compiled.model.compiled_stacks.compiled} == {True}  # (regional: per layer)
     torch._dynamo.config.error_on_recompile = True
     rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
