@@ -90,17 +90,13 @@ def layers(model: nn.Module) -> nn.ModuleList:
 
 
 def run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None, run=None,
-               cos_sin=None, rope_inside=False):
+               cos_sin=None):
     """Call the backbone's own decoder layers, unchanged, with one attention plan and RoPE table
     (and a KV cache the layers update, when decoding). ``run``: what calls each layer (default
-    :func:`run_layer`; ``--compile layers``: :func:`run_layer_rope` compiled, one graph for the stack's layers,
-    with ``rope_inside``: ``run`` is handed ``rotary_emb`` and builds the table itself). ``cos_sin``: the
-    RoPE table of ``position_ids`` for ``x``'s dtype when the caller built it already (:func:`rope_tables`);
-    None: built here."""
-    if rope_inside:
-        cos_sin = rotary_emb
-    elif cos_sin is None:
-        cos_sin = rotary_emb(x, position_ids)
+    :func:`run_layer`). ``cos_sin``: the RoPE table of ``position_ids`` for ``x``'s dtype when the caller
+    built it already (:func:`rope_tables`); None: built here. (``--compile layers`` loops over the layers
+    itself, each through :func:`run_layer_rope` compiled: ``concept.compiled.CompiledStacks``.)"""
+    cos_sin = rotary_emb(x, position_ids) if cos_sin is None else cos_sin
     run = run or run_layer
     for layer in layers:
         x = run(layer, x, position_ids, attention_plan, cos_sin, checkpointing, cache)

@@ -111,8 +111,10 @@ class CompiledStacks:
             self.compiled[key] = self.compile(name, x.device.type, regional)
         run, in_graph_memory = self.compiled[key]
         if regional:
-            layer = _copied_out(run, layers[-1] if len(layers) else None) if in_graph_memory else run
-            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, run=layer, rope_inside=True)
+            layer_run = _copied_out(run, layers[-1] if len(layers) else None) if in_graph_memory else run
+            for layer in layers:  # (each layer's graph builds its RoPE table: run_layer_rope)
+                x = layer_run(layer, x, position_ids, attention_plan, rotary_emb, checkpointing)
+            return x
         out = run(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         if not in_graph_memory:
             return out
