@@ -2,9 +2,11 @@
 model compiles in, and the concept model through its own ``compile`` option (``concept.compiled``).
 
 The honest baseline is the best dense model a user can run, so a compiled concept model is measured against
-a dense backbone compiled the same way (and, next to it, against HF eager). On CUDA both use
-``mode="reduce-overhead"`` (CUDA graphs), what ``--compile on`` picks there; on a CPU the dense side is
-traced by dynamo only (``backend="eager"``): the plumbing, in seconds, never a speed claim.
+a dense backbone compiled the same way (and, next to it, against HF eager). Under ``--compile model`` (the GPU
+kit's choice, :data:`KIT_CHOICE`: the whole forward one graph) both are compiled whole by inductor in torch's
+default mode; under the regional choices (``on``, ``layers``) and ``reduce-overhead`` both use
+``mode="reduce-overhead"`` (CUDA graphs) on CUDA. On a CPU the dense side is traced by dynamo only
+(``backend="eager"``): the plumbing, in seconds, never a speed claim.
 
 A streaming model compiles only with a static concept budget (``BuildConfig.max_ratio``): the compiled
 builds get :data:`BUDGET` unless they set one (:func:`budgeted`).
@@ -20,15 +22,20 @@ from concept.streaming.operating_point import has_budget
 
 GPU_MODE = "reduce-overhead"
 BUDGET = 0.25  # the compiled streaming builds' max_ratio: twice the default 0.125 concepts per token
+# what the GPU kit compiles with (setup's compiled training rows, speed's compiled cases, quality's compiled runs):
+# the whole forward one graph (the fourth lease measured ``on``: one CUDA graph per layer and eager glue between)
+KIT_CHOICE = "model"
 
 
-def dense_compile_kwargs(device) -> dict:
-    """``torch.compile`` keywords for the dense side on ``device``."""
-    return {"mode": GPU_MODE} if torch.device(device).type == "cuda" else {"backend": "eager"}
+def dense_compile_kwargs(device, choice: str = KIT_CHOICE) -> dict:
+    """``torch.compile`` keywords for the dense side on ``device``, compiled as the concept model's ``choice``."""
+    if torch.device(device).type != "cuda":
+        return {"backend": "eager"}
+    return {} if choice == KIT_CHOICE else {"mode": GPU_MODE}  # (``model``: inductor, torch's default mode)
 
 
-def compile_dense(module, device):
-    return torch.compile(module, **dense_compile_kwargs(device))
+def compile_dense(module, device, choice: str = KIT_CHOICE):
+    return torch.compile(module, **dense_compile_kwargs(device, choice))
 
 
 def budgeted(config):
@@ -37,12 +44,12 @@ def budgeted(config):
     return dataclasses.replace(config, max_ratio=config.max_ratio if has_budget(config.max_ratio) else BUDGET)
 
 
-def build_option(choice: str = "on") -> dict:
+def build_option(choice: str = KIT_CHOICE) -> dict:
     """``concept.build`` keywords for a compiled model (its config :func:`budgeted`)."""
     return {"compile": choice}
 
 
-def train_option(choice: str = "on") -> dict:
+def train_option(choice: str = KIT_CHOICE) -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`)."""
     return {"compile": choice}
 

@@ -95,10 +95,11 @@ def glue_compile():
     and returns a function that calls the compiled one with the dispatch modes off."""
     real = torch.compile
 
-    def compile(fn, fullgraph=False, dynamic=None, mode=None, backend=None, **options):
+    def compile(fn, fullgraph=False, dynamic=None, mode=None, backend=None, options=None, **rest):
         if torch.compiler.is_compiling():  # (inside a graph, e.g. FlexAttention's own compile: part of it)
-            return real(fn, fullgraph=fullgraph, dynamic=dynamic, **options)
-        return _modes_off(real(fn, fullgraph=fullgraph, dynamic=dynamic, backend=glue_backend, **options))
+            return real(fn, fullgraph=fullgraph, dynamic=dynamic, **rest)
+        # (inductor's ``options`` dropped with inductor)
+        return _modes_off(real(fn, fullgraph=fullgraph, dynamic=dynamic, backend=glue_backend, **rest))
 
     torch.compile = compile
     try:

@@ -112,7 +112,7 @@ def test_forward_compiled_vs_dense_compiled(benchmark, record, request, device, 
     model = _model(backbone, attention, max_ratio=compiled.BUDGET, **compiled.build_option(choice)).to(device, dtype).eval()
     torch.manual_seed(0)
     ids = torch.randint(0, eager.backbone.config.vocab_size, (1, T)).to(device)
-    dense = compiled.compile_dense(eager.backbone, device)
+    dense = compiled.compile_dense(eager.backbone, device, choice)
     fns = {"dense_eager": lambda: eager.backbone(ids), "dense": lambda: dense(ids), "concept": lambda: model(ids)}
     with torch.no_grad():
         if benchmark.disabled:  # smoke run (CI): one call each, no timing claims
@@ -123,7 +123,7 @@ def test_forward_compiled_vs_dense_compiled(benchmark, record, request, device, 
         timing = gpu_side_by_side(fns, device) if device.type == "cuda" else cpu_side_by_side(fns)
         benchmark.pedantic(fns["concept"], rounds=3, iterations=1)
         keep = model(ids).keep
-    mode = compiled.dense_compile_kwargs(device)
+    mode = compiled.dense_compile_kwargs(device, choice) or {"mode": "default"}
     label = f"{backbone} T={T} compiled ({', '.join(f'{k}={v}' for k, v in mode.items())})"
     common = dict(T=T, dtype=dtype_name(dtype), backend=attention, compile=mode, concept_compile=choice,
                   max_ratio=compiled.BUDGET)

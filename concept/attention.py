@@ -86,7 +86,8 @@ class CausalPattern(AttentionPattern):
         self.mask = None
         if not causal:
             L = valid.shape[1]
-            allowed = causal_block(L, valid.device) & valid[:, None, :]
+            block = causal_block.__wrapped__ if torch.compiler.is_compiling() else causal_block  # (a graph: no cache)
+            allowed = block(L, valid.device) & valid[:, None, :]
             if doc is not None:
                 allowed = allowed & (doc[:, :, None] == doc[:, None, :])
             self.mask = additive(allowed | ~valid[:, :, None])  # (converted once, not in each layer's SDPA)

@@ -46,13 +46,16 @@ import types
 import torch
 
 from .backbone import run_layer_rope, run_layers
-from .config import COMPILE_CHOICES, REGIONAL_CHOICES, device_mode, uses_cuda_graphs
+from .config import COMPILE_CHOICES, REGIONAL_CHOICES, WHOLE_CHOICE, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
 from .losses import chunk_terms
 
 
 
+# torch.compile's backend for ``model`` where ``compile_model`` is given none: None, inductor (the default test
+# suite sets ``aot_eager``: captured, run by eager kernels; inductor's C++ compilation of a whole model takes minutes)
+WHOLE_BACKEND: str | None = None
 PREFILL_BUCKET = 64  # a compiled prefill's prompts are left-padded to a multiple of this many tokens
 
 
@@ -75,8 +78,9 @@ class CompiledStacks:
     modules); the stack's loop runs eagerly around it. A prefill (a cache recording) still compiles the stack whole: a
     layer with a cache reads its own ``layer_idx``, so each layer would be a graph of its own."""
 
-    def __init__(self, choice: str):
+    def __init__(self, choice: str, backend: str | None = None):
         self.choice = choice
+        self.backend = backend  # torch.compile's backend where not inductor (tests: ``aot_eager``); None: the choice's
         self.compiled: dict[tuple[str, str, bool], tuple[object, bool]] = {}
         self.losses: dict[str, object] = {}  # device type -> the loss's compiled chunk arithmetic (loss_terms)
 
@@ -84,8 +88,8 @@ class CompiledStacks:
         """(``run_layers``, or with ``regional`` ``run_layer_rope``, compiled for the stack ``name`` on a device type,
         whether its outputs live in the memory of CUDA graphs)."""
         fn = _own_copy(run_layer_rope if regional else run_layers, name)
-        if self.choice == "aot-eager":
-            return torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager"), False
+        if self.choice == "aot-eager" or self.backend:
+            return torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend or "aot_eager"), False
         mode = device_mode(self.choice, device_type)
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode), uses_cuda_graphs(mode, device_type)
 
@@ -95,9 +99,12 @@ class CompiledStacks:
         shapes (a batch's full chunk and its last one: two graphs), one code object per gradient flag (training,
         evaluation), so each keeps its own graphs and recompile count. Never CUDA graphs: torch's default mode
         (``max-autotune`` without CUDA graphs for ``max-autotune``), as :meth:`compile` with ``aot-eager``."""
+        if torch.compiler.is_compiling():  # inside a whole forward's graph (``model``): traced with it
+            return chunk_terms
         if device_type not in self.losses:
             mode = "max-autotune-no-cudagraphs" if self.choice == "max-autotune" else None
-            kwargs = {"backend": "aot_eager"} if self.choice == "aot-eager" else {"mode": mode}
+            kwargs = {"backend": self.backend or "aot_eager"} if self.choice == "aot-eager" or self.backend else {
+                "mode": mode}
             runs = {grad: torch.compile(_own_copy(chunk_terms, "train" if grad else "eval"), fullgraph=True,
                                         dynamic=False, **kwargs) for grad in (False, True)}
             self.losses[device_type] = lambda logits, target, valid, count, grad: runs[grad](logits, target, valid,
@@ -105,6 +112,8 @@ class CompiledStacks:
         return self.losses[device_type]
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
+        if torch.compiler.is_compiling():  # inside a whole forward's graph (``model``): the stack traced with it
+            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         regional = self.choice in REGIONAL_CHOICES and cache is None
         key = (name, x.device.type, regional)
         if key not in self.compiled:
@@ -142,20 +151,81 @@ def copy_recorded(cache) -> None:
             store[layer] = t.clone()
 
 
-def compile_model(model, choice: str = "on"):
-    """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager).
-    Its family says whether it can (``Family.compile_refusal``: a streaming model needs a static concept
-    budget; the dense and pruned baselines compile the layers they run through ``compiled_stacks``)."""
+def compile_model(model, choice: str = "on", backend: str | None = None):
+    """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager), with
+    ``model`` its whole forward too (:class:`WholeForward`). Its family says whether it can
+    (``Family.compile_refusal``: a streaming model needs a static concept budget; the dense and pruned baselines
+    compile the layers they run through ``compiled_stacks``). ``backend``: torch.compile's backend instead of
+    inductor (``aot_eager`` in the default test suite: captured, run by torch's eager kernels)."""
     if choice not in COMPILE_CHOICES:
         raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
+    model.__dict__.pop("forward", None)  # (a whole forward compiled before)
     if choice == "off":
         model.compiled_stacks = None
         return model
     why = compile_refusal(model)
     if why:
         raise ConceptError(f"--compile: {why}")
-    model.compiled_stacks = CompiledStacks(choice)
+    traceable_output_capturing()
+    model.compiled_stacks = CompiledStacks(choice, backend)
+    if choice == WHOLE_CHOICE:
+        model.forward = WholeForward(model, backend or WHOLE_BACKEND)
     return model
+
+
+def traceable_output_capturing() -> None:
+    """transformers' output-capturing forward hooks (installed on a backbone's modules by its first HF forward, e.g.
+    one asked for hidden states) read a ``ContextVar``, which dynamo cannot trace: a compiled stack of those modules
+    would fail on it. While dynamo traces and transformers' own compiled forward has not set a collector, the
+    collector's read returns None (no collection is active: concept never asks its layers for HF's captured
+    outputs), as transformers' ``CompileableContextVar`` does for a value set outside the graph; eagerly it reads the
+    ``ContextVar`` as before. Idempotent; nothing where transformers has no such collector."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return
+    collector = getattr(output_capturing, "_active_collector", None)
+    if collector is None or getattr(collector, "traceable", False) or not hasattr(collector, "context_var"):
+        return
+    eager_get = collector.get
+
+    def get():
+        if torch.compiler.is_compiling():
+            return collector.global_var if collector.compiling else None
+        return eager_get()
+
+    collector.get, collector.traceable = get, True
+
+
+class WholeForward:
+    """``--compile model``: the model's forward traced whole, one graph per (shapes, mode, which arguments are
+    given): the decisions, the packing, the attention plans, every stack and the loss, with no eager op between
+    them (the length policy's host scan is an opaque op in it on a CPU, its Triton kernel on CUDA:
+    ``concept.streaming.scan``). Installed as the module's ``forward``, so ``model(...)`` runs it.
+
+    In torch's default mode, never CUDA graphs, on every device: the forward's outputs (a ``ConceptOutput`` with
+    its deferred logits, what a training step's objectives and diagnostics read after it) then live in ordinary
+    memory, and with no eager glue left a forward launches its few hundred fused kernels from inductor's
+    generated code (microseconds each on the host, against the milliseconds of device time of a GPU forward). A
+    call with an argument that is not a tensor, a number or None (a KV cache recording a prefill, the
+    diagnostics' perturbation functions) runs the forward eagerly, its stacks compiled whole."""
+
+    def __init__(self, model, backend: str | None = None):
+        self.eager = type(model).forward.__get__(model)
+        # inductor in torch's default mode, drawing random numbers as eager does (a sampler's Gumbel noise: the
+        # same samples as the eager forward, so compiled training equals eager's; one unfused kernel more)
+        kwargs = {"backend": backend} if backend else {"options": {"fallback_random": True}}
+        self.graph = torch.compile(_own_copy(type(model).forward, "whole").__get__(model), fullgraph=True,
+                                   dynamic=False, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        plain = all(v is None or isinstance(v, (torch.Tensor, bool, int, float)) for v in (*args, *kwargs.values()))
+        if not plain:
+            return self.eager(*args, **kwargs)
+        refresh = getattr(self.eager.__self__, "refresh_host_values", None)
+        if refresh is not None:  # the host copies the graph reads as constants (guarded: a change recompiles)
+            refresh()
+        return self.graph(*args, **kwargs)
 
 
 def compile_refusal(model) -> str | None:

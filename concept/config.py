@@ -25,18 +25,21 @@ SLOTS = ("backbone",)  # the core's component slots; a family's build section ho
 CORE_KEYS = ("family", "backbone", "seed")  # a build config's own keys; the rest are the families' sections
 
 # --compile (concept.compiled): off until a GPU measurement says otherwise; "on": the device's mode
-COMPILE_CHOICES = ("off", "on", "layers", "default", "reduce-overhead", "max-autotune", "aot-eager")
+COMPILE_CHOICES = ("off", "on", "layers", "model", "default", "reduce-overhead", "max-autotune", "aot-eager")
 # one graph per decoder layer, shared by a stack's layers (concept.compiled; `on` too: docs/architecture.md §8b)
 REGIONAL_CHOICES = ("on", "layers")
-COMPILE_HELP = ("Run the layer stacks compiled (torch.compile, fullgraph): --compile alone is `on`, the same as "
+WHOLE_CHOICE = "model"  # the whole forward (decisions, packing, plans, stacks, loss) one graph (concept.compiled)
+COMPILE_HELP = ("Run the model compiled (torch.compile, fullgraph): --compile alone is `on`, the same as "
                 "`layers`: one decoder layer compiled and its graph shared by a stack's layers (CUDA graphs on CUDA, "
-                "torch's default mode elsewhere); a torch mode by name compiles each stack whole. A streaming model "
-                "needs a static budget (concept build --max-ratio). aot-eager: captured, not code-generated.")
+                "torch's default mode elsewhere); `model`: the whole forward, with its decisions, packing, attention "
+                "plans and loss, one graph (no eager op between the stacks); a torch mode by name compiles each "
+                "stack whole. A streaming model needs a static budget (concept build --max-ratio). aot-eager: "
+                "captured, not code-generated.")
 
 
 def device_mode(choice: str, device_type: str) -> str:
     """The torch.compile mode of a ``compile`` choice (:data:`COMPILE_CHOICES`) on a device type."""
-    if choice in REGIONAL_CHOICES:  # (`on` among them)
+    if choice in REGIONAL_CHOICES or choice == WHOLE_CHOICE:  # (`on` among them; `model`'s stacks and decoding step)
         return "reduce-overhead" if device_type == "cuda" else "default"
     return choice
 

@@ -140,9 +140,28 @@ class Sampler(Component):
 
 class Tempered:
     """A sampler with a temperature ``tau`` that its family's objectives anneal (``--tau-start`` / ``--tau-end``:
-    ``concept.objectives.TemperatureSchedule``)."""
+    ``concept.objectives.TemperatureSchedule``). Its forward divides by ``temperature``, a tensor (a buffer, not
+    saved) that setting ``tau`` fills in place: a forward compiled whole (``--compile model``) reads it as an input,
+    so a schedule changing it every step recompiles nothing, where a Python float would be a constant of the graph.
+    Call :meth:`init_temperature` in ``__init__``; ``tau`` reads back the number last set (no device read)."""
 
-    tau: float = 1.0
+    _tau: float = 1.0
+
+    def init_temperature(self, tau: float) -> None:
+        import torch  # (here: this module imports no torch at import time)
+
+        self.register_buffer("temperature", torch.tensor(float(tau)), persistent=False)
+        self.tau = tau
+
+    @property
+    def tau(self) -> float:
+        return self._tau
+
+    @tau.setter
+    def tau(self, value: float) -> None:
+        changed, self._tau = float(value) != self._tau, float(value)
+        if changed and "temperature" in getattr(self, "_buffers", {}):  # (unchanged: no op launched)
+            self.temperature.fill_(self._tau)
 
 
 class Mixes:

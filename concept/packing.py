@@ -27,9 +27,8 @@ padding queries may look anywhere (their outputs are never used).
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,6 +125,7 @@ class PackedLayout:
     emit: int = 1  # concept slots per emitting token
     concept_level: torch.Tensor | None = None  # [B, C] code level of each slot (multi-level codes)
     static: bool = False  # widths fixed by (B, T, build): C = the row budget's slots, tail = T (``budget``)
+    _slices: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # concept_meta, tail_meta
 
     def __post_init__(self):
         if self.concept_id_src is None:
@@ -135,13 +135,20 @@ class PackedLayout:
     def length(self) -> int:
         return self.meta.time.shape[1]
 
-    @functools.cached_property
+    @property
     def concept_meta(self) -> SlotMeta:  # (sliced once per layout: each read was six slices)
-        return self.meta[:, : self.num_concepts]
+        return self._sliced("concepts", slice(None, self.num_concepts))
 
-    @functools.cached_property
+    @property
     def tail_meta(self) -> SlotMeta:
-        return self.meta[:, self.num_concepts:]
+        return self._sliced("tail", slice(self.num_concepts, None))
+
+    def _sliced(self, name: str, part: slice) -> SlotMeta:
+        """``meta[:, part]``, sliced at its first read (a dict, not ``functools.cached_property``, whose lock
+        dynamo cannot trace: a whole forward compiles as one graph, ``concept.compiled``)."""
+        if name not in self._slices:
+            self._slices[name] = self.meta[:, part]
+        return self._slices[name]
 
 
 def _first_k(mask: torch.Tensor, k):

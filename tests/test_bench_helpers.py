@@ -17,12 +17,13 @@ def test_compiled_builds_get_a_static_budget_unless_they_set_one():
     assert compiled.budgeted(BuildConfig(max_ratio="none")).max_ratio == compiled.BUDGET
     assert compiled.budgeted(BuildConfig(max_ratio=0.5)).max_ratio == 0.5
     assert compiled.build_option("reduce-overhead") == {"compile": "reduce-overhead"}
-    assert compiled.train_option() == {"compile": "on"}
+    assert compiled.train_option() == {"compile": "model"} == {"compile": compiled.KIT_CHOICE}
 
 
 def test_dense_compiles_in_the_concept_models_mode_on_cuda_and_traces_only_on_a_cpu():
-    assert compiled.dense_compile_kwargs("cuda") == {"mode": "reduce-overhead"}
-    assert compiled.dense_compile_kwargs("cpu") == {"backend": "eager"}
+    assert compiled.dense_compile_kwargs("cuda") == {} == compiled.dense_compile_kwargs("cuda", "model")  # (inductor)
+    assert compiled.dense_compile_kwargs("cuda", "on") == {"mode": "reduce-overhead"}
+    assert compiled.dense_compile_kwargs("cpu") == {"backend": "eager"} == compiled.dense_compile_kwargs("cpu", "on")
 
 
 def test_sides_are_timed_in_turn_and_renamed_without_mixing():

@@ -227,8 +227,11 @@ def compiled_forward_errors(device: str = "cuda", choice: str = "on") -> dict[st
             for i, name in enumerate(("logits", "shallow", "hidden"))}
 
 
-def test_compiled_no_grad_forward_equals_eager_on_cuda():
-    errors = compiled_forward_errors()
+@pytest.mark.parametrize("choice", ["on", "model"])
+def test_compiled_no_grad_forward_equals_eager_on_cuda(choice):
+    """``on``: one CUDA graph per layer; ``model``: the whole forward one graph (inductor, its length policy's
+    Triton scan inside)."""
+    errors = compiled_forward_errors(choice=choice)
     assert max(errors.values()) <= TOLERANCES["fp32"]["logits"], f"compiled forward vs eager: {errors}"
 
 
@@ -261,8 +264,9 @@ def compiled_training_rows(corpus, folder, device: str = "cuda", choice: str = "
     return rows
 
 
-def test_compiled_training_steps_equal_eager_on_cuda(corpus, tmp_path):  # noqa: F811
-    eager, fast = compiled_training_rows(corpus, tmp_path)
+@pytest.mark.parametrize("choice", ["on", "model"])
+def test_compiled_training_steps_equal_eager_on_cuda(corpus, tmp_path, choice):  # noqa: F811
+    eager, fast = compiled_training_rows(corpus, tmp_path, choice=choice)
     tol = TOLERANCES["bf16"]
     for a, b in zip(eager, fast):
         assert b["loss"] == pytest.approx(a["loss"], rel=tol["logits"]), (a, b)

@@ -22,8 +22,9 @@ from concept.streaming.stacks import StackRuns
 
 FORWARD = 284  # glue ops dispatched by the compiled forward (349 before the cuts; 325 with the RoPE table in the layer graphs)
 PLAIN = 241  # the same forward of the token ids alone (300 before the cuts)
-STEP = 689  # glue ops dispatched by the compiled training step (772 before the cuts; 748 with the RoPE table in the
-# graphs; 707 after the cuts, 689 with the loss's chunk arithmetic compiled too)
+STEP = 690  # glue ops dispatched by the compiled training step (772 before the cuts; 748 with the RoPE table in the
+# graphs; 707 after the cuts, 689 with the loss's chunk arithmetic compiled too; 690 since the sampler's annealed
+# temperature is a tensor the schedule fills, one op, so that ``--compile model``'s graph reads it without recompiling)
 # torch.profiler's aten events outside the graphs (nested ones too: what the GPU profiles count), at most (929 / 814 /
 # 3,169 before the cuts)
 PROFILED = {"forward": 802, "plain": 697, "step": 3042}

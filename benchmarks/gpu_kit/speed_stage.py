@@ -8,7 +8,8 @@ cases now run in a plan, most decisive first (``GPU_PLAN``; ``benchmarks/conftes
 at the head of pytest's run, and each starts only with its cap left before the deadline):
 
 1. the forward, `flex` eager against the dense backbone eager;
-2. the forward compiled against the dense backbone compiled alike (``reduce-overhead``: CUDA graphs) and HF eager;
+2. the forward compiled against the dense backbone compiled alike (``--compile model``, ``benchmarks.compiled.KIT_CHOICE``:
+   each forward one graph, inductor) and HF eager;
 3. one training step, eager;
 4. one training step, both models compiled;
 5. decoding, eager against compiled over static KV caches, streaming against dense (tokens/s);
@@ -41,6 +42,14 @@ from . import flex_diagnosis
 from .common import ROOT, Stage, kit_env, read_json
 from .pytest_run import run_pytest
 from .setup_stage import needs_setup, smollm2_ready, xformers_unavailable
+
+
+def kit_choice() -> str:
+    """The compile choice of the compiled cases (``benchmarks.compiled.KIT_CHOICE``; imported here, not at the
+    module's import: it imports torch)."""
+    from ..compiled import KIT_CHOICE
+
+    return KIT_CHOICE
 
 SUITES = ("test_forward.py", "test_train_step.py", "test_attention.py", "test_decode.py", "test_policy_scan.py",
           "test_compiled_decode.py")
@@ -154,7 +163,7 @@ def run(stage: Stage, args) -> int:
     pytest_args = [*(f"benchmarks/{s}" for s in SUITES), "-q", "-rs", "--rootdir", str(ROOT), f"--device={device}",
                    f"--dtype={'fp32' if stage.dry else 'bf16'}", "-k", selection,
                    f"--benchmark-storage=file://{storage}", f"--benchmark-save={machine}",
-                   f"--concept-results={rows_path}"] + ([] if stage.dry else ["--smollm2", "--long", "--compile=on"])
+                   f"--concept-results={rows_path}"] + ([] if stage.dry else ["--smollm2", "--long", f"--compile={kit_choice()}"])
     plan = DRY_PLAN if stage.dry else GPU_PLAN
     suites_s = stage.remaining() - DIAGNOSIS_SHARE * stage.budget_s
     env = {**kit_env(stage.work, stage.dry), PLAN_ENV: json.dumps(plan), DEADLINE_ENV: str(time.time() + suites_s),

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from concept.streaming import gap
-from concept.streaming.scan import DeviceRule, scan_rule
+from concept.streaming.host_scan import interval_admits
+from concept.streaming.scan import DeviceRule, host_rule, rule_of, scan_rule
 
 
 def validate(config) -> list[str]:
@@ -53,10 +54,29 @@ def rule(min_chunk: int, max_chunk: int):
     return step
 
 
+@host_rule("chunk_scan")
+def chunk_scan_rule(params: tuple, dtypes: tuple):
+    """The kernel ``concept::chunk_scan``'s rule on one row's numbers (``concept.streaming.scan``): with
+    ``params`` (width, min_chunk, max_chunk, tracked), :func:`rule` on ``unsure_t``; tracked, on whether the
+    document's concepts so far lie in the allowance ``bound_t`` packs (base ``width``), with those concepts
+    counted in the state."""
+    width, min_chunk, max_chunk, tracked = params
+    chunk = rule(min_chunk, max_chunk)
+    if not tracked:
+        return chunk, (0,)
+
+    def step(state, bound_t):
+        count, concepts = state
+        keep, (count,) = chunk((count,), interval_admits(concepts, bound_t, width))
+        return keep, (count, concepts + keep)
+
+    return step, (0, 0)
+
+
 def scan(unsure: torch.Tensor, valid: torch.Tensor, min_chunk: int, max_chunk: int, reset=None):
     """Batched over [B, T]: (keep [B, T], the final open-chunk lengths [B]), the step rule run along
     each row: on CUDA its Triton kernel (no host sync), elsewhere on the host (one copy of ``unsure`` there,
     not a dozen kernel launches per token); ``concept.streaming.scan``."""
-    keep, (count,) = scan_rule(rule(min_chunk, max_chunk), (0,), [unsure], valid, reset, (torch.long,),
-                               DeviceRule("chunk_scan", (0, min_chunk, max_chunk, False)))
+    device = DeviceRule("chunk_scan", (0, min_chunk, max_chunk, False))
+    keep, (count,) = scan_rule(*rule_of(device, (torch.long,)), [unsure], valid, reset, (torch.long,), device)
     return keep, count

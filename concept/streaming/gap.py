@@ -48,13 +48,15 @@ def target_of(policy) -> float:
     buffer = getattr(policy, "target_ratio", None)
     if not isinstance(buffer, torch.Tensor):
         return DEFAULT_TARGET_RATIO if buffer is None else float(buffer)
-    cached = policy.__dict__.get("_gap_target")
-    if cached is not None and torch.compiler.is_compiling():  # a compiled decoding step: the host copy, a constant
-        return cached[1]  # of its graph (the eager prefill read it; a tensor's _version cannot be traced)
+    value = policy.__dict__.get("_gap_target")
+    if value is not None and torch.compiler.is_compiling():  # a compiled graph: the host copy, a constant of it
+        return value  # (guarded by its value alone: the buffer refilled with the same number recompiles nothing;
+        # the eager call before the graph's first read it; a tensor's _version cannot be traced)
     key = (id(buffer), buffer._version)
-    if cached is None or cached[0] != key:
-        cached = policy.__dict__["_gap_target"] = (key, float(buffer))
-    return cached[1]
+    if value is None or policy.__dict__.get("_gap_target_of") != key:
+        policy.__dict__["_gap_target_of"], value = key, float(buffer)
+        policy.__dict__["_gap_target"] = value
+    return value
 
 
 def set_target(policy, target: float) -> None:
@@ -66,7 +68,7 @@ def set_target(policy, target: float) -> None:
         return
     with torch.no_grad():
         buffer.fill_(target)
-    policy.__dict__["_gap_target"] = ((id(buffer), buffer._version), float(target))
+    policy.__dict__["_gap_target_of"], policy.__dict__["_gap_target"] = (id(buffer), buffer._version), float(target)
 
 
 def resolve(value, policy) -> int:

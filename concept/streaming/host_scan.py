@@ -110,8 +110,10 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
     lo = torch.where(price > 0, 0, torch.where(price < 0, rising, torch.where(every, 0, limit + 1)))
     hi = torch.where(price > 0, falling, torch.where(price < 0, limit, torch.where(every, limit, -1)))
     width = interval_width(limit)
+    return lo * width + hi + 1, lambda c, bound: interval_admits(c, bound, width)
 
-    def admits(c, bound):
-        return (c >= bound // width) & (c <= bound % width - 1)
 
-    return lo * width + hi + 1, admits
+def interval_admits(c, bound, width: int):
+    """Whether the concept count ``c`` lies in the interval :func:`allowance` packed into ``bound`` (base ``width``:
+    :func:`interval_width`); integers or tensors that broadcast."""
+    return (c >= bound // width) & (c <= bound % width - 1)

@@ -7,6 +7,11 @@ parameters of its Triton kernel (``concept.streaming.device_scan``). :func:`scan
 kernel on CUDA when Triton is installed (no host sync: nothing is read back) and the host scan otherwise
 (one declared sync, "policy scan"); both decide the same, bit for bit.
 
+Inside a graph being compiled (``--compile model``: the whole forward traced as one graph, ``concept.compiled``)
+the host scan is the opaque op ``concept::host_scan`` (its rule registered by a key naming the rule's device
+form: :func:`_traced_host_scan`), so the graph holds it whole instead of breaking at its ``.tolist()``; it is
+the same function, with the same declared sync, called from the graph.
+
 A kernel that fails on its first call on a device (Triton cannot compile it for this GPU, or the driver
 refuses it) is not fatal: a warning names the kernel, the device and the error, and that rule decides on the
 host from then on (the same decisions, with the host scan's one sync per forward). A kernel that has once run
@@ -17,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import ast
 import warnings
 
 import torch
@@ -74,5 +80,56 @@ def scan_rule(rule: Rule, init: State, inputs: Sequence[torch.Tensor], valid: to
         if result is not None:
             keep, *states = result
             return keep, tuple(states[:len(dtypes)])
+    if device is not None and torch.compiler.is_compiling():
+        return _traced_host_scan(rule, init, inputs, valid, reset, dtypes, device)
     keep, finals = scan_rows(rule, init, inputs, valid, reset)
     return keep, state_tensors(finals, valid.device, dtypes)
+
+
+# each device op's host rule: op name -> factory(params, state dtypes) -> (rule, the state's start)
+_host_rules: dict[str, Callable[[tuple, tuple], tuple[Rule, State]]] = {}
+
+
+def host_rule(op: str):
+    """Register a factory as the host rule of the device op ``op``: ``factory(params, dtypes) -> (rule, init)``,
+    the step on one row's plain numbers that the kernel computes with those parameters (``DeviceRule.params``)
+    and the state's dtypes. A policy builds its rule through :func:`rule_of`, and a compiled graph's
+    ``concept::host_scan`` finds it by the op's name, so each rule is written once."""
+    def register(factory):
+        _host_rules[op] = factory
+        return factory
+    return register
+
+
+def rule_of(device: DeviceRule, dtypes: Sequence[torch.dtype]) -> tuple[Rule, State]:
+    """(the host rule, its state's start) of a rule's device form, for state fields of ``dtypes``."""
+    return _host_rules[device.op](device.params, tuple(dtypes))
+
+
+def _traced_host_scan(rule, init, inputs, valid, reset, dtypes, device: DeviceRule):
+    """:func:`scan_rule`'s host path as one opaque op of a graph being traced: the rule travels as its device form
+    (the op's name and its parameters, ``repr``-ed: a constant of the graph), which :func:`rule_of` turns back
+    into the same rule."""
+    names = ",".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+    keep, states = torch.ops.concept.host_scan(device.op, repr(device.params), names, valid, reset,
+                                               [x.detach() for x in inputs])
+    return keep, tuple(s.to(dtype) for s, dtype in zip(states, dtypes))
+
+
+@torch.library.custom_op("concept::host_scan", mutates_args=())
+def _host_scan_op(op: str, params: str, dtypes: str, valid: torch.Tensor, reset: torch.Tensor | None,
+                  inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [B, T] and the final states [n, B] in float64 (which holds every state field exactly: integers
+    below 2**53, float32 sums) of the device op ``op``'s host rule with ``params`` (a ``repr``) and states of
+    ``dtypes`` (torch's names, comma-separated)."""
+    dtypes = [getattr(torch, name) for name in dtypes.split(",")]
+    rule, init = rule_of(DeviceRule(op, ast.literal_eval(params)), dtypes)
+    keep, finals = scan_rows(rule, init, inputs, valid, reset)
+    states = state_tensors(finals, valid.device, dtypes)
+    return keep, torch.stack([s.double() for s in states])
+
+
+@_host_scan_op.register_fake
+def _(op, params, dtypes, valid, reset, inputs):
+    return valid.new_empty(valid.shape, dtype=torch.bool), valid.new_empty((len(dtypes.split(",")), valid.shape[0]),
+                                                                           dtype=torch.float64)

@@ -153,6 +153,8 @@ def build_block_mask(mask_mod, B: int, L: int, device, block: int, compile: bool
     the H100 host at 8k tokens (2026-11-27), every one after 3.6 ms; ``docs/benchmarks.md`` has the CPU's."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if torch.compiler.is_compiling():  # inside a graph (``--compile model``): built by it, nothing materialised
+        return create_block_mask(mask_mod, B, None, L, L, device=device, BLOCK_SIZE=block)
     if compile and B * L * L > DENSE_MASK_LIMIT:
         return _compiled_create_block_mask()(mask_mod, B, None, L, L, device=device, BLOCK_SIZE=block)
     return create_block_mask(mask_mod, B, None, L, L, device=device, BLOCK_SIZE=block, _compile=False)
@@ -172,7 +174,9 @@ class FlexPattern(AttentionPattern):
             raise ConceptError(f"attention 'flex': {NO_CPU_BACKWARD}")
         gqa = query.shape[1] != key.shape[1]
         options = {} if self.config.kernel_options is None else {"kernel_options": self.config.kernel_options}
-        if self.config.compile:
+        if torch.compiler.is_compiling():  # inside a graph (``--compile model``): the kernel is the graph's
+            out = flex_attention(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa, **options)
+        elif self.config.compile:
             dynamic = self.config.dynamic == "dynamic" or (self.config.dynamic == "auto" and query.device.type != "cpu")
             flex = _compiled_flex(dynamic)
             out = flex(query, key, value, block_mask=self.block_mask, scale=scaling, enable_gqa=gqa, **options)

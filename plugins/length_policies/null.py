@@ -67,9 +67,25 @@ from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, DifferentiableBoundary, LengthPolicy, RatioControlled, TracksRatio
 from concept.packing import document_tokens, tokens_since_keep
 from concept.streaming import gap
-from concept.streaming.host_scan import allowance, interval_width
-from concept.streaming.scan import DeviceRule, scan_rule
+from concept.streaming.host_scan import allowance, interval_admits, interval_width
+from concept.streaming.scan import DeviceRule, host_rule, rule_of, scan_rule
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
+
+
+@host_rule("null_tracker_scan")
+def tracker_rule(params: tuple, dtypes: tuple):
+    """The kernel ``concept::null_tracker_scan``'s rule on one row's numbers (``concept.streaming.scan``): a token
+    emits when the document's concepts so far lie in its allowance ``bound_t`` (base ``width``: ``allowance``) or
+    after ``max_run`` NULLs; the state is (the NULL run, the concepts)."""
+    width, max_run = params
+
+    def rule(state, bound_t):
+        run, concepts = state
+        if interval_admits(concepts, bound_t, width) or run >= max_run:
+            return True, (0, concepts + 1)
+        return False, (run + 1, concepts)
+
+    return rule, (0, 0)
 
 
 @dataclass
@@ -164,17 +180,9 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         B, T = valid.shape
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(keep_logit.detach(), before, self.track)
-        bound, admits = allowance(ahead, concept_price(self.track, self.target_ratio), T)
-        max_run = self.max_run
-
-        def rule(state, bound_t):
-            run, concepts = state
-            if admits(concepts, bound_t) or run >= max_run:
-                return True, (0, concepts + 1)
-            return False, (run + 1, concepts)
-
-        keep, (run, concepts) = scan_rule(rule, (0, 0), [bound], valid, reset, (torch.long, torch.long),
-                                          DeviceRule("null_tracker_scan", (interval_width(T), max_run)))
+        bound, _ = allowance(ahead, concept_price(self.track, self.target_ratio), T)
+        device, dtypes = DeviceRule("null_tracker_scan", (interval_width(T), self.max_run)), (torch.long, torch.long)
+        keep, (run, concepts) = scan_rule(*rule_of(device, dtypes), [bound], valid, reset, dtypes, device)
         return keep, (run, total, concepts)
 
     def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):

@@ -36,7 +36,25 @@ from concept.components import rms_normalize
 from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, DifferentiableBoundary, Gated, LengthPolicy, RatioControlled, TracksRatio
 from concept.streaming import gap
-from concept.streaming.scan import DeviceRule, scan_rule
+from concept.streaming.scan import DeviceRule, host_rule, rule_of, scan_rule
+
+
+@host_rule("threshold_scan")
+def threshold_rule(params: tuple, dtypes: tuple):
+    """The kernel ``concept::threshold_scan``'s rule on one row's numbers (``concept.streaming.scan``): p added to
+    the running total in the total's dtype (``numpy.float32`` for float32 sums, as the tensor rule adds); a token
+    emits once the total reaches ``threshold`` or after ``max_run`` tokens without; the state is (total, run)."""
+    number = np.float64 if dtypes[0] == torch.float64 else np.float32
+    threshold, max_run, zero = number(params[0]), params[1], number(0.0)
+
+    def rule(state, p_t):
+        total, run = state
+        total = total + number(p_t)
+        if total >= threshold or run >= max_run:
+            return True, (zero, 0)
+        return False, (total, run + 1)
+
+    return rule, (zero, 0)
 
 
 @dataclass
@@ -130,18 +148,8 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
         last token (``keep_logit``: the score already computed)."""
         p = self.boundary_prob(head_logits, h, keep_logit).detach()
         dtype = torch.promote_types(torch.get_default_dtype(), p.dtype)  # what init_state's sum + p_t is in
-        number = np.float64 if dtype == torch.float64 else np.float32
-        threshold, max_run, zero = number(self.threshold), self.max_run, number(0.0)
-
-        def rule(state, p_t):
-            total, run = state
-            total = total + number(p_t)
-            if total >= threshold or run >= max_run:
-                return True, (zero, 0)
-            return False, (total, run + 1)
-
-        return scan_rule(rule, (zero, 0), [p.to(dtype)], valid, reset, (dtype, torch.long),
-                         DeviceRule("threshold_scan", (float(self.threshold), max_run)))
+        device, dtypes = DeviceRule("threshold_scan", (float(self.threshold), self.max_run)), (dtype, torch.long)
+        return scan_rule(*rule_of(device, dtypes), [p.to(dtype)], valid, reset, dtypes, device)
 
     def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset, keep_logit)[0]

@@ -29,9 +29,9 @@ class GumbelSTSampler(Sampler, Tempered, nn.Module):
     def __init__(self, config: GumbelConfig, ctx=None):
         super().__init__()
         self.config = config
-        self.tau = config.tau  # a training schedule may change it
+        self.init_temperature(config.tau)  # a training schedule may change it
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         uniform = torch.rand_like(logits, dtype=torch.float32).clamp_(1e-10, 1.0 - 1e-7)
         gumbel = -torch.log(-torch.log(uniform))
-        return torch.softmax((upcast(logits) + gumbel) / self.tau, dim=-1).to(logits.dtype)
+        return torch.softmax((upcast(logits) + gumbel) / self.temperature, dim=-1).to(logits.dtype)

@@ -34,7 +34,7 @@ class SoftSampler(Sampler, Tempered, nn.Module):
     def __init__(self, config: SoftConfig, ctx=None):
         super().__init__()
         self.config = config
-        self.tau = config.tau
+        self.init_temperature(config.tau)
 
     @staticmethod
     def check_compatible(config, components) -> list[str]:
@@ -45,4 +45,4 @@ class SoftSampler(Sampler, Tempered, nn.Module):
         return []
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(upcast(logits) / self.tau, dim=-1).to(logits.dtype)
+        return torch.softmax(upcast(logits) / self.temperature, dim=-1).to(logits.dtype)

@@ -1,0 +1,193 @@
+"""``--compile model`` (``concept.compiled.WholeForward``): the whole forward (the length policy's decisions, the
+packing, the attention plans, the three stacks, the loss) is one graph with ``fullgraph=True``: no eager op is
+left between the stacks. Captured by ``aot_eager`` in the default suite (inductor's C++ compilation of a whole
+model takes minutes on a CPU).
+
+Checked: a forward is one graph with no break, for each length policy that scans (its host rule inside the graph
+as the opaque op ``concept::host_scan``) and equal to eager; 20 training steps whose decisions and packing vary
+run on the first step's graphs (a recompile raises) with eager's losses, ratios and gradient norms; a compiled
+forward dispatches no aten op outside its graph (``benchmarks/glue_ops.py``); a call the graph cannot take (a
+perturbation function) runs eagerly; ``off`` undoes it. Negative controls: the dynamic layout recompiles; an
+op that syncs the host (an ``.item()``) breaks the graph and ``fullgraph`` says so."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import concept
+import concept.compiled
+from concept import BuildConfig, ComponentRef
+from concept.compiled import WholeForward, compile_model
+from concept.training import TrainConfig, Trainer
+from tests.conftest import mixed_model
+from tests.test_compile import STEPS, chunk_the_loss, graphs_by_function, run  # noqa: F401  (``run``: a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def captured_model(policy: str, **extra):
+    """A tiny mixed model with a static budget, compiled whole and captured by ``aot_eager``, and its eager twin."""
+    import copy
+
+    model = copy.deepcopy(mixed_model(policy, **extra))
+    model.max_ratio = 0.25
+    return model, compile_model(copy.deepcopy(model), "model", backend="aot_eager")
+
+
+@pytest.mark.parametrize("policy,attention", [("null", "sdpa"), ("threshold", "sdpa"), ("mtp", "sdpa"),
+                                              ("fixed", "sdpa"), ("null", "flex")])
+def test_a_forward_is_one_graph_equal_to_eager(fresh_dynamo, monkeypatch, policy, attention):
+    """(``flex``: its BlockMask built and its kernel called inside the graph, not by their own compiled calls.)"""
+    graphs = graphs_by_function(monkeypatch)
+    model, compiled = captured_model(policy, attention=attention)
+    assert isinstance(compiled.forward, WholeForward)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i in range(3):
+            ids = torch.randint(0, 97, (2, 24), generator=g)
+            mask = torch.ones_like(ids)
+            mask[1, :5] = 0  # (left padding in one row)
+            fast, slow = compiled(ids, attention_mask=mask, labels=ids), model(ids, attention_mask=mask, labels=ids)
+            assert torch.equal(fast.keep, slow.keep) and torch.equal(fast.concept_ids, slow.concept_ids)
+            torch.testing.assert_close(fast.logits, slow.logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fast.loss, slow.loss, atol=1e-6, rtol=1e-6)
+            if i == 0:
+                torch._dynamo.config.error_on_recompile = True  # the next batches: the same graph
+    ours = {name: n for name, n in graphs.items() if not name.startswith("_flex_attention")}  # (eager flex's own)
+    assert ours == {"forward_whole": 1} and not counters["graph_break"]
+
+
+def test_the_host_scan_in_a_graph_decides_as_the_host_scan(fresh_dynamo):
+    """The opaque ``concept::host_scan`` (a rule sent as its device form) against the eager scan, with document
+    starts resetting the rule; and it is called by the graph (not folded away: its decisions vary with the input)."""
+    from plugins.length_policies.null import tracker_rule  # noqa: F401  (registers the rule)
+    from concept.streaming.scan import DeviceRule, rule_of, scan_rule
+
+    device, dtypes = DeviceRule("null_tracker_scan", (33, 3)), (torch.long, torch.long)
+    run = lambda bound, valid, reset: scan_rule(*rule_of(device, dtypes), [bound], valid, reset, dtypes, device)  # noqa: E731
+    graph = torch.compile(run, fullgraph=True, dynamic=False, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    seen = set()
+    for _ in range(4):
+        bound = torch.randint(0, 33 * 33, (3, 30), generator=g)
+        valid, reset = torch.rand(3, 30, generator=g) > 0.1, torch.rand(3, 30, generator=g) > 0.8
+        (keep, states), (want, want_states) = graph(bound, valid, reset), run(bound, valid, reset)
+        assert torch.equal(keep, want) and all(torch.equal(a, b) and a.dtype == b.dtype
+                                               for a, b in zip(states, want_states))
+        seen.add(tuple(keep.flatten().tolist()))
+    assert len(seen) == 4 and not counters["graph_break"]
+
+
+def test_a_sync_in_the_forward_breaks_the_graph_and_fullgraph_refuses_it(fresh_dynamo, monkeypatch):
+    """Negative control: a hidden ``.item()`` between the stacks is a graph break, an error under fullgraph."""
+    from concept.streaming.stacks import StackRuns
+
+    _, compiled = captured_model("null")
+    middle = StackRuns.run_middle
+
+    def syncing(self, c, *args, **kwargs):
+        out, updates = middle(self, c, *args, **kwargs)
+        return out * (1.0 if out.sum().item() == out.sum().item() else 0.0), updates
+
+    monkeypatch.setattr(StackRuns, "run_middle", syncing)
+    with torch.no_grad(), pytest.raises(Exception, match="item|graph break|Unsupported|Data-dependent"):
+        compiled(torch.randint(0, 97, (2, 24)))
+
+
+def test_a_call_the_graph_cannot_take_runs_eagerly_and_off_undoes_it(fresh_dynamo, monkeypatch):
+    graphs = graphs_by_function(monkeypatch)
+    model, compiled = captured_model("null")
+    ids = torch.randint(0, 97, (2, 24))
+    perturb = lambda c, valid: c * 0.5  # noqa: E731  (the diagnostics' controls pass functions)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, perturb=perturb).logits, model(ids, perturb=perturb).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert "forward_whole" not in graphs  # (its stacks compiled whole instead)
+    compile_model(compiled, "off")
+    assert "forward" not in compiled.__dict__ and compiled.compiled_stacks is None
+
+
+def test_a_compiled_forward_dispatches_nothing_outside_its_graph(tmp_path, fresh_dynamo):
+    """``benchmarks/glue_ops.py`` with ``model``: 0 aten ops outside the graph in a forward (284 with ``layers``,
+    ``tests/test_glue_ops.py``), what is left of a training step is its backward's gradient accumulation, the
+    optimizer and the ratio controller (690 with ``layers``)."""
+    from benchmarks.glue_ops import measure
+
+    result = measure(seq_len=256, compile="model", folder=tmp_path)
+    assert result["forward"].total == 0 and result["plain"].total == 0
+    assert result["profiled"]["forward"] == 0 and result["profiled"]["plain"] == 0
+    assert result["step"].total <= STEP_GLUE, result["step"].by_line.most_common(10)
+    assert result["step"].total == STEP_GLUE, f"glue ops went down to {result['step'].total}: lower STEP_GLUE"
+    assert not any(line.startswith(("concept/packing", "concept/attention", "concept/streaming/model",
+                                    "concept/losses")) for line in result["step"].by_line)
+    assert not counters["graph_break"]
+
+
+STEP_GLUE = 287  # glue ops of a training step under ``model`` (690 under ``layers``): the optimizer, accumulation,
+# the ratio controller's statistics, the backward's AccumulateGrad, the temperature schedule's fill
+
+
+def test_training_runs_twenty_varied_steps_on_the_first_steps_graphs(run, fresh_dynamo, monkeypatch):
+    """The training forward (with its loss) and the ratio controller's no-grad calibration forward: two graphs;
+    19 more steps with other decisions and documents on them, equal to eager. Negative control: the dynamic
+    layout recompiles."""
+    graphs = graphs_by_function(monkeypatch)
+    monkeypatch.setattr(concept.compiled, "WHOLE_BACKEND", "aot_eager")
+    trainer = lambda name, choice: Trainer.start(run / "built", run / name, TrainConfig(  # noqa: E731
+        steps=STEPS, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100, warmup=2,
+        data=str(run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2), compile=choice))
+    eager, compiled = trainer("m-eager", "off"), trainer("m-compiled", "model")
+    chunk_the_loss(monkeypatch, compiled.model)
+    rows = [(eager.train_step(), compiled.train_step())]
+    assert dict(graphs) == {"forward_whole": 2} and not counters["graph_break"]
+    torch._dynamo.config.error_on_recompile = True
+    rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
+    assert dict(graphs) == {"forward_whole": 2} and not counters["graph_break"]
+    assert len({a["ratio"] for a, _ in rows}) > 3
+    for a, b in rows:
+        assert a["ratio"] == b["ratio"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+    compiled.model.max_ratio = 0.0  # negative control: the widths follow the decisions
+    with pytest.raises(Exception, match="[Rr]ecompil|graph break|Unsupported|Data-dependent"):
+        for _ in range(3):
+            compiled.train_step()
+
+
+@pytest.mark.parametrize("baseline", ["dense", "pruned"])
+def test_the_baselines_train_compiled_whole_as_eager(run, fresh_dynamo, monkeypatch, baseline):
+    """The dense and pruned baselines under ``model`` (their forward one graph, no family code in the core):
+    three training steps equal eager's, on one graph."""
+    graphs = graphs_by_function(monkeypatch)
+    monkeypatch.setattr(concept.compiled, "WHOLE_BACKEND", "aot_eager")
+    trainer = lambda name, choice: Trainer.start(run / "built", run / name, TrainConfig(  # noqa: E731
+        steps=3, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=1, warmup=1,
+        data=str(run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2), compile=choice, baseline=baseline))
+    eager, compiled = trainer(f"{baseline}-eager", "off"), trainer(f"{baseline}-model", "model")
+    for _ in range(3):
+        a, b = eager.train_step(), compiled.train_step()
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert dict(graphs) == {"forward_whole": 1} and not counters["graph_break"]
+
+
+def test_a_backbone_that_ran_an_hf_forward_still_compiles(fresh_dynamo, monkeypatch):
+    """transformers installs output-capturing hooks at a backbone's first HF forward (here one asking for hidden
+    states); they read a ``ContextVar`` dynamo cannot trace (``concept.compiled.traceable_output_capturing``). The
+    compiled forward runs; HF's own hidden states are still collected after it. Negative control: the collector's
+    plain read fails the trace."""
+    from transformers.utils import output_capturing
+
+    model, compiled = captured_model("null")
+    ids = torch.randint(0, 97, (2, 24))
+    layers = model.backbone.config.num_hidden_layers
+    with torch.no_grad():
+        assert len(compiled.backbone(ids, output_hidden_states=True).hidden_states) == layers + 1  # (hooks in)
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+        assert len(compiled.backbone(ids, output_hidden_states=True).hidden_states) == layers + 1
+        collector = output_capturing._active_collector
+        monkeypatch.setattr(collector, "get", collector.context_var.get)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="ContextVar"):
+            compiled(ids)
