@@ -129,7 +129,8 @@ def test_forward_compiled_vs_dense_compiled(benchmark, record, request, device, 
                   max_ratio=compiled.BUDGET)
     ideal = forward_flops(Shape.from_hf_config(eager.backbone.config), eager.split, keep[0].cpu(), head_classes(eager))
     row = {**timing, **first, "speedup": timing["dense_s"] / timing["concept_s"],
-           "speedup_vs_dense_eager": timing["dense_eager_s"] / timing["concept_s"]}
+           "speedup_vs_dense_eager": timing["dense_eager_s"] / timing["concept_s"],
+           **static_ideal(eager, keep[0].cpu())}
     record(benchmark, f"forward {label} decided", row, ideal.speedup, ratio=float(keep.float().mean()),
            suite="forward-compiled", **common)
     dense_row = renamed_sides(timing, {"dense_eager": "dense", "dense": "concept"})
@@ -156,4 +157,16 @@ def measure_forward(benchmark, record, model, T, ratio, device, name, **extra):
         benchmark.pedantic(lambda: model(ids, **forced), rounds=3, iterations=1)
     realised = float(keep.float().mean())
     record(benchmark, name, timing, ideal.speedup, T=T, ratio=ratio if ratio is not None else realised,
-           suite="forward" if ratio is not None else "forward-decided", **extra)
+           suite="forward" if ratio is not None else "forward-decided", **static_ideal(model, keep[0].cpu()), **extra)
+
+
+def static_ideal(model, keep) -> dict:
+    """``static_ideal_speedup``: the FLOP ideal of the widths a static layout computes (``concept_slots``: the
+    middle stack's budget of slots, the deep stack's budget plus a tail of T; ``flops.forward_flops``), next to
+    ``ideal_speedup``, the ideal of a layout as wide as the decisions. Nothing for a model without a budget."""
+    slots = model.concept_slots(len(keep)) if hasattr(model, "concept_slots") else None
+    if not slots:
+        return {}
+    report = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, head_classes(model),
+                           static_slots=slots)
+    return {"static_ideal_speedup": report.speedup, "static_slots": slots}

@@ -191,3 +191,30 @@ def test_a_backbone_that_ran_an_hf_forward_still_compiles(fresh_dynamo, monkeypa
         torch._dynamo.reset()
         with pytest.raises(Exception, match="ContextVar"):
             compiled(ids)
+
+
+def test_the_host_time_benchmark_measures_each_choice(tmp_path, fresh_dynamo, monkeypatch):
+    """``benchmarks/host_time.py``'s rows (its table in docs/benchmarks.md), eager and ``model`` (captured here)."""
+    from benchmarks import host_time
+    from benchmarks.op_counts import built_folder
+
+    monkeypatch.setattr(concept.compiled, "WHOLE_BACKEND", "aot_eager")
+    folder = built_folder(folder=tmp_path)
+    rows = [host_time.measure("streaming", choice, folder, seq_len=64, reps=2) for choice in ("off", "model")]
+    assert [r["compile"] for r in rows] == ["off", "model"]
+    assert all(r["step_ms"] > 0 and r["forward_ms"] > 0 and r["first_step_s"] > 0 for r in rows)
+    assert "| streaming | `model` |" in host_time.table(rows) and not counters["graph_break"]
+
+
+def test_generation_under_model_decodes_as_eager(fresh_dynamo, monkeypatch):
+    """A prefill passes a KV cache (not a graph input): it runs eagerly with its stacks compiled whole, then the
+    compiled static step decodes, as under the other choices; the tokens and decisions are eager's."""
+    from tests.test_compile import captured
+
+    captured(monkeypatch)  # (every compile captured by aot_eager: the static step's too)
+    model, compiled = captured_model("null")
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    eager, fast = (m.generate(prompts, max_new_tokens=5, output_logits=True) for m in (model, compiled))
+    assert fast.tokens == eager.tokens and fast.keep == eager.keep
+    torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]

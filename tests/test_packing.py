@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from concept.flops import deep_pairs, evenly_spaced_keep
+from concept import packing
 from concept.packing import allowed, pack
 
 
@@ -75,3 +76,27 @@ def test_decode_flops_with_several_concepts_per_boundary_sum_to_the_forward():
     one_pass = forward_flops(shape, (1, 2, 1), keep, 16, emit=3)
     assert one_pass.concepts == 18
     assert decode_flops(shape, (1, 2, 1), keep, 16, steps=30, emit=3).to_dict() == pytest.approx(one_pass.to_dict())
+
+
+def test_a_static_layouts_flops_count_the_widths_it_computes():
+    """``forward_flops(static_slots=S)``: the middle stack's linear layers over S slots, the deep stack's over S + T
+    (``packing.pack``'s static widths, checked on a real layout), attention over the real pairs only; the
+    decisions' own widths without it. At SmolLM2's shape, 8k tokens, r = 0.125 and the ``auto`` budget (0.25) the
+    ideal falls from 2.63x to 2.30x (docs/benchmarks.md)."""
+    from concept.flops import Shape, evenly_spaced_keep, forward_flops
+
+    shape = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=97)
+    keep = torch.arange(40) % 5 == 4
+    T, kept, slots = 40, int(keep.sum()), packing.budget(40, 0.25)
+    layout = packing.pack(keep[None], torch.ones(1, T, dtype=torch.bool), None, 1, 1, slots)
+    assert (layout.num_concepts, layout.length) == (slots, slots + T)  # (the widths the formula assumes)
+    dynamic, static = forward_flops(shape, (1, 2, 1), keep, 16), forward_flops(shape, (1, 2, 1), keep, 16,
+                                                                                static_slots=slots)
+    assert static.middle - dynamic.middle == pytest.approx(2 * (shape.linear(slots) - shape.linear(kept)))
+    assert static.deep - dynamic.deep == pytest.approx(shape.linear(slots + T) - shape.linear(T))
+    assert static.shallow == dynamic.shallow and static.dense == dynamic.dense and static.speedup < dynamic.speedup
+    smollm2 = Shape(576, 9, 3, 64, 1536, 49152)
+    keep = evenly_spaced_keep(8192, 0.125)
+    assert forward_flops(smollm2, (4, 18, 8), keep, 2049).speedup == pytest.approx(2.632, abs=1e-3)
+    assert forward_flops(smollm2, (4, 18, 8), keep, 2049, static_slots=packing.budget(8192, 0.25, 4)).speedup == \
+        pytest.approx(2.301, abs=1e-3)
