@@ -23,7 +23,9 @@ and ``on`` (the same), compile one decoder layer with its RoPE table (``concept.
 serving each layer of the stack (regional compilation: a SmolLM2 forward traces 3 graphs, not 30 layers;
 ``docs/architecture.md`` says why ``on`` is this on CUDA), in the device's mode when a stack first runs
 (``reduce-overhead``, CUDA graphs, on CUDA; torch's default elsewhere); one of torch's modes by name
-compiles each stack whole; ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
+compiles each stack whole; ``model`` traces the whole forward as one graph (:class:`WholeForward`: the decisions,
+the packing, the attention plans, every stack and the loss; inductor in torch's default mode, no CUDA graphs;
+its stacks compiled whole where a call runs them on their own, a prefill); ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
 eager kernels, no code generated (debugging, and the default test suite, where inductor's C++
 compilation of a tiny model's stacks takes minutes on a CPU). Whether a model compiles at all is its
 family's answer (``Family.compile_refusal``).
@@ -208,7 +210,9 @@ class WholeForward:
     memory, and with no eager glue left a forward launches its few hundred fused kernels from inductor's
     generated code (microseconds each on the host, against the milliseconds of device time of a GPU forward). A
     call with an argument that is not a tensor, a number or None (a KV cache recording a prefill, the
-    diagnostics' perturbation functions) runs the forward eagerly, its stacks compiled whole."""
+    diagnostics' perturbation functions) runs the forward eagerly, its stacks compiled whole. Before each graph call
+    the model's ``refresh_host_values()``, where it has one, brings the host values the graph reads as constants up
+    to date (a streaming model's budget from its policy's target ratio): a changed value recompiles, by its guard."""
 
     def __init__(self, model, backend: str | None = None):
         self.eager = type(model).forward.__get__(model)

@@ -72,14 +72,18 @@ def test_compiled_training_has_no_graph_break_no_recompile_and_equals_eager(run,
     torch._dynamo.config.error_on_recompile = True  # from now on a recompile raises
     rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    equal_rows_then_the_dynamic_layout_recompiles(rows, compiled)
+
+
+def equal_rows_then_the_dynamic_layout_recompiles(rows, compiled, match="[Rr]ecompil") -> None:
+    """(eager row, compiled row) pairs of varied decisions equal; then the negative control: the same compiled
+    trainer's model with the dynamic layout (its widths follow the decisions) recompiles, which ``match``es."""
     assert len({a["ratio"] for a, _ in rows}) > 3  # the decisions varied (and every batch packs other documents)
     for a, b in rows:
         assert a["ratio"] == b["ratio"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-
-    # negative control: the same model with the dynamic layout (its widths follow the decisions) recompiles
     compiled.model.max_ratio = 0.0
-    with pytest.raises(Exception, match="[Rr]ecompil"):
+    with pytest.raises(Exception, match=match):
         for _ in range(3):
             compiled.train_step()
 
@@ -164,15 +168,7 @@ def test_layers_training_shares_one_graph_per_stack_without_break_or_recompile(l
     torch._dynamo.config.error_on_recompile = True
     rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
     assert counters["stats"]["unique_graphs"] == 11 and not counters["graph_break"]
-    assert len({a["ratio"] for a, _ in rows}) > 3
-    for a, b in rows:
-        assert a["ratio"] == b["ratio"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-
-    compiled.model.max_ratio = 0.0  # negative control: the widths follow the decisions
-    with pytest.raises(Exception, match="[Rr]ecompil"):
-        for _ in range(3):
-            compiled.train_step()
+    equal_rows_then_the_dynamic_layout_recompiles(rows, compiled)
 
 
 @pytest.mark.slow

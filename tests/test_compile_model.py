@@ -22,7 +22,8 @@ from concept import BuildConfig, ComponentRef
 from concept.compiled import WholeForward, compile_model
 from concept.training import TrainConfig, Trainer
 from tests.conftest import mixed_model
-from tests.test_compile import STEPS, chunk_the_loss, graphs_by_function, run  # noqa: F401  (``run``: a fixture)
+from tests.test_compile import (STEPS, chunk_the_loss, equal_rows_then_the_dynamic_layout_recompiles,  # noqa: F401
+                                graphs_by_function, run, trainer)  # (``run``: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,25 +136,14 @@ def test_training_runs_twenty_varied_steps_on_the_first_steps_graphs(run, fresh_
     layout recompiles."""
     graphs = graphs_by_function(monkeypatch)
     monkeypatch.setattr(concept.compiled, "WHOLE_BACKEND", "aot_eager")
-    trainer = lambda name, choice: Trainer.start(run / "built", run / name, TrainConfig(  # noqa: E731
-        steps=STEPS, seq_len=32, batch=2, eval_every=100, checkpoint_every=100, log_every=100, warmup=2,
-        data=str(run / "code.jsonl"), lora=concept.lora.LoraSettings(rank=2), compile=choice))
-    eager, compiled = trainer("m-eager", "off"), trainer("m-compiled", "model")
+    eager, compiled = trainer(run, "m-eager", "off"), trainer(run, "m-compiled", "model")  # (test_compile's recipe)
     chunk_the_loss(monkeypatch, compiled.model)
     rows = [(eager.train_step(), compiled.train_step())]
     assert dict(graphs) == {"forward_whole": 2} and not counters["graph_break"]
     torch._dynamo.config.error_on_recompile = True
     rows += [(eager.train_step(), compiled.train_step()) for _ in range(STEPS - 1)]
     assert dict(graphs) == {"forward_whole": 2} and not counters["graph_break"]
-    assert len({a["ratio"] for a, _ in rows}) > 3
-    for a, b in rows:
-        assert a["ratio"] == b["ratio"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-
-    compiled.model.max_ratio = 0.0  # negative control: the widths follow the decisions
-    with pytest.raises(Exception, match="[Rr]ecompil|graph break|Unsupported|Data-dependent"):
-        for _ in range(3):
-            compiled.train_step()
+    equal_rows_then_the_dynamic_layout_recompiles(rows, compiled, match="[Rr]ecompil|graph break|Unsupported|Data-dependent")
 
 
 @pytest.mark.parametrize("baseline", ["dense", "pruned"])
