@@ -210,7 +210,9 @@ class WholeForward:
     memory, and with no eager glue left a forward launches its few hundred fused kernels from inductor's
     generated code (microseconds each on the host, against the milliseconds of device time of a GPU forward). A
     call with an argument that is not a tensor, a number or None (a KV cache recording a prefill, the
-    diagnostics' perturbation functions) runs the forward eagerly, its stacks compiled whole. Before each graph call
+    diagnostics' perturbation functions), or that its family would refuse to compile now (``compile_refusal``: a
+    streaming model whose budget is switched off for the call, as the keep-all control does), runs the forward
+    eagerly, its stacks compiled whole. Before each graph call
     the model's ``refresh_host_values()``, where it has one, brings the host values the graph reads as constants up
     to date (a streaming model's budget from its policy's target ratio): a changed value recompiles, by its guard."""
 
@@ -223,12 +225,13 @@ class WholeForward:
                                    dynamic=False, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        plain = all(v is None or isinstance(v, (torch.Tensor, bool, int, float)) for v in (*args, *kwargs.values()))
-        if not plain:
-            return self.eager(*args, **kwargs)
-        refresh = getattr(self.eager.__self__, "refresh_host_values", None)
+        model = self.eager.__self__
+        refresh = getattr(model, "refresh_host_values", None)
         if refresh is not None:  # the host copies the graph reads as constants (guarded: a change recompiles)
             refresh()
+        plain = all(v is None or isinstance(v, (torch.Tensor, bool, int, float)) for v in (*args, *kwargs.values()))
+        if not plain or compile_refusal(model) is not None:  # (a model that cannot compile now: e.g. a streaming
+            return self.eager(*args, **kwargs)  # model's budget switched off for a call, the keep-all control)
         return self.graph(*args, **kwargs)
 
 

@@ -68,10 +68,10 @@ class LoraMatmuls(torch.autograd.Function):
             y = torch.mm(xc, w.t())
             h = torch.mm(xc, a.t())
             t = torch.mm(h, b.t())
-            if scaling == 1.0 or _exact_power_of_two(scaling):
+            if scaling == 1.0 or (_exact_power_of_two(scaling) and not torch.compiler.is_compiling()):
                 y = torch.add(y, t, alpha=scaling)
-            else:
-                y = y + t * scaling
+            else:  # (traced: inductor on a CPU, torch 2.13, computes an add of a matmul with an alpha as if alpha
+                y = y + t * scaling  # were 1; ``t s`` first gives the same bits for a power of two: test_compile_model)
         ctx.save_for_backward(xc, w, a, b, h)
         ctx.scaling = scaling
         ctx.dtypes = (x.dtype, lora_a.dtype, lora_b.dtype)

@@ -106,6 +106,11 @@ def test_a_call_the_graph_cannot_take_runs_eagerly_and_off_undoes_it(fresh_dynam
         torch.testing.assert_close(compiled(ids, perturb=perturb).logits, model(ids, perturb=perturb).logits,
                                    atol=1e-5, rtol=1e-5)
     assert "forward_whole" not in graphs  # (its stacks compiled whole instead)
+    with torch.no_grad(), compiled.budget_off(), model.budget_off():  # the keep-all control: no budget (the dynamic
+        every = torch.ones_like(ids, dtype=torch.bool)  # layout), eagerly
+        torch.testing.assert_close(compiled(ids, keep=every).logits, model(ids, keep=every).logits, atol=1e-5,
+                                   rtol=1e-5)
+    assert "forward_whole" not in graphs
     compile_model(compiled, "off")
     assert "forward" not in compiled.__dict__ and compiled.compiled_stacks is None
 
@@ -208,3 +213,26 @@ def test_generation_under_model_decodes_as_eager(fresh_dynamo, monkeypatch):
     assert fast.tokens == eager.tokens and fast.keep == eager.keep
     torch.testing.assert_close(fast.logits, eager.logits, atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("scaling", [2.0, 3.0, 1.0])
+def test_the_fused_adapters_compile_to_their_eager_values(fresh_dynamo, scaling):
+    """``concept.lora.LoraMatmuls`` under inductor (C++ on this CPU) equals its eager values: traced, a power-of-two
+    scaling multiplies ``t`` before the add, since inductor on a CPU (torch 2.13) computes ``torch.add(x W^T, t,
+    alpha=2)``, and an add with an alpha next to any matmul, as if alpha were 1: the default LoRA scaling is 2, so
+    every compiled forward (``on`` and ``model``) ran its adapters at half their weight, a trained tiny model's
+    logits 0.02 off and its concept head's 0.2 (found by ``concept eval --compile`` against ``concept eval``).
+    Negative control: that add, compiled, is not ``x W^T + 2 t`` (when it is, torch has fixed it)."""
+    from concept.lora import LoraMatmuls
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 16, generator=g), torch.randn(16, 16, generator=g) * 0.1
+    a, b = torch.randn(4, 16, generator=g) * 0.1, torch.randn(16, 4, generator=g) * 0.1
+    eager = LoraMatmuls.apply(x, w, a, b, scaling, torch.float32)
+    compiled = torch.compile(lambda x: LoraMatmuls.apply(x, w, a, b, scaling, torch.float32), fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(eager, x @ w.t() + scaling * ((x @ a.t()) @ b.t()), atol=1e-6, rtol=1e-6)
+    if scaling == 2.0:
+        add = torch.compile(lambda x: torch.add(x @ w.t(), (x @ a.t()) @ b.t(), alpha=2.0), fullgraph=True)(x)
+        assert not torch.allclose(add, eager, atol=1e-3), "inductor adds two matmuls with their alpha now: the " \
+            "workaround in LoraMatmuls.forward can go"
