@@ -1,7 +1,7 @@
 """How long ``--compile`` takes before it pays: the first compiled forward and the first compiled training step,
 whole stacks (``default``: inductor's default mode, a stack's whole loop in one graph) against regional
-compilation (``layers``, what ``on`` means: one decoder layer's graph shared by a stack's layers), side by
-side in one run, on this CPU (inductor, not ``aot-eager``)::
+compilation (``layers``, what ``on`` means: one decoder layer's graph shared by a stack's layers) and the whole
+forward (``model``: decisions, packing, plans, stacks and loss one graph), side by side in one run, on this CPU (inductor, not ``aot-eager``)::
 
     .venv/bin/python -m benchmarks.compile_time                      # tiny and SmolLM2-shaped, both models
     .venv/bin/python -m benchmarks.compile_time --shape tiny --kind dense --json out.json
@@ -38,7 +38,8 @@ SHAPES = {
                              "vocab": 512}, "split": "4,18,8", "B": 2, "T": 64},
 }
 KINDS = ("streaming", "dense")
-CHOICES = ("off", "default", "layers")  # eager; whole stacks (inductor's default mode); one graph per layer
+CHOICES = ("off", "default", "layers", "model")  # eager; whole stacks (inductor's default mode); one graph per layer;
+# the whole forward one graph
 STEADY = 5
 
 
@@ -68,8 +69,8 @@ def measure(shape: str, kind: str, choice: str, backend: str = "inductor") -> di
 
     if backend == "aot-eager":
         real = torch.compile
-        torch.compile = lambda fn, fullgraph, dynamic, mode=None, backend=None: real(
-            fn, fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager")
+        torch.compile = lambda fn, fullgraph, dynamic, mode=None, backend=None, options=None: real(
+            fn, fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager")  # (inductor's options dropped with it)
 
     from concept.compiled import compile_model
     from concept.profiling import profile_call

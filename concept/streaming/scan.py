@@ -8,9 +8,10 @@ kernel on CUDA when Triton is installed (no host sync: nothing is read back) and
 (one declared sync, "policy scan"); both decide the same, bit for bit.
 
 Inside a graph being compiled (``--compile model``: the whole forward traced as one graph, ``concept.compiled``)
-the host scan is the opaque op ``concept::host_scan`` (its rule registered by a key naming the rule's device
-form: :func:`_traced_host_scan`), so the graph holds it whole instead of breaking at its ``.tolist()``; it is
-the same function, with the same declared sync, called from the graph.
+the host scan is the opaque op ``concept::host_scan``, which finds the rule by its device form (each policy
+registers its rule's factory under its kernel's name, :func:`host_rule`, and builds its own rule through it,
+:func:`rule_of`), so the graph holds the scan whole instead of breaking at its ``.tolist()``; it is the same
+function, with the same declared sync, called from the graph.
 
 A kernel that fails on its first call on a device (Triton cannot compile it for this GPU, or the driver
 refuses it) is not fatal: a warning names the kernel, the device and the error, and that rule decides on the
@@ -74,14 +75,15 @@ def scan_rule(rule: Rule, init: State, inputs: Sequence[torch.Tensor], valid: to
 
     With ``device`` given and ``device_scan.runs_on(valid.device)`` (CUDA with Triton), the rule's Triton
     kernel decides, with no host sync; otherwise ``rule`` runs along each row on the host
-    (``host_scan.scan_rows``: one declared sync)."""
+    (``host_scan.scan_rows``: one declared sync). With ``device`` given, ``rule`` and ``init`` are
+    ``rule_of(device, dtypes)``'s: inside a graph being traced the rule is rebuilt from ``device``."""
     if device is not None and device_scan.runs_on(valid.device):
         result = _device_scan(device, valid, reset, [x.detach() for x in inputs])
         if result is not None:
             keep, *states = result
             return keep, tuple(states[:len(dtypes)])
     if device is not None and torch.compiler.is_compiling():
-        return _traced_host_scan(rule, init, inputs, valid, reset, dtypes, device)
+        return _traced_host_scan(inputs, valid, reset, dtypes, device)  # (``rule``: ``rule_of(device)``, rebuilt)
     keep, finals = scan_rows(rule, init, inputs, valid, reset)
     return keep, state_tensors(finals, valid.device, dtypes)
 
@@ -106,7 +108,7 @@ def rule_of(device: DeviceRule, dtypes: Sequence[torch.dtype]) -> tuple[Rule, St
     return _host_rules[device.op](device.params, tuple(dtypes))
 
 
-def _traced_host_scan(rule, init, inputs, valid, reset, dtypes, device: DeviceRule):
+def _traced_host_scan(inputs, valid, reset, dtypes, device: DeviceRule):
     """:func:`scan_rule`'s host path as one opaque op of a graph being traced: the rule travels as its device form
     (the op's name and its parameters, ``repr``-ed: a constant of the graph), which :func:`rule_of` turns back
     into the same rule."""
