@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.op_counts import built_folder
+from benchmarks.op_counts import built_folder, trainer_of
 
 WARMUP = 3
 
@@ -38,15 +38,7 @@ def median_s(fn, reps: int) -> float:
 
 def measure(kind: str, choice: str, folder, seq_len: int, reps: int) -> dict:
     """One row: ``kind`` (streaming, pruned, dense) trained and run under ``choice``."""
-    import concept
-    from concept.training import TrainConfig, Trainer
-
-    options = dict(steps=4 + 2 * (WARMUP + reps), seq_len=seq_len, batch=2, eval_every=10_000,
-                   checkpoint_every=10_000, log_every=10_000, warmup=1, data=str(folder / "code.jsonl"),
-                   lora=concept.lora.LoraSettings(rank=8), compile=choice)
-    if kind != "streaming":
-        options["baseline"] = kind
-    trainer = Trainer.start(folder / "built", folder / f"{kind}-{choice}", TrainConfig(**options))
+    trainer = trainer_of(folder, kind, seq_len, choice, steps=4 + 2 * (WARMUP + reps), run=f"{kind}-{choice}")
     start = time.perf_counter()
     trainer.train_step()  # (the first: the ratio controller's calibration and the compilations)
     first_s = time.perf_counter() - start

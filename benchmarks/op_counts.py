@@ -65,16 +65,23 @@ def built_folder(max_ratio: str = "auto", folder: pathlib.Path | None = None) ->
     return folder
 
 
-def started(folder: pathlib.Path, kind: str, seq_len: int = 128, compile: str = "off") -> Trainer:
-    """The trainer of ``kind`` (streaming, pruned, dense) on :func:`built_folder`'s build, its first two steps
-    taken (the first calibrates the NULL bias; the optimizer's state exists from the first on)."""
-    options = dict(steps=4, seq_len=seq_len, batch=2, eval_every=100, checkpoint_every=100, log_every=100,
-                   warmup=1, data=str(folder / "code.jsonl"), lora=concept.lora.LoraSettings(rank=8))
+def trainer_of(folder: pathlib.Path, kind: str, seq_len: int = 128, compile: str = "off", steps: int = 4,
+               run: str | None = None) -> Trainer:
+    """The recipe's trainer of ``kind`` (streaming, pruned, dense) on :func:`built_folder`'s build, in
+    ``folder / run`` (default: ``kind``), for ``steps`` steps (no evaluation, checkpoint or log step among them)."""
+    options = dict(steps=steps, seq_len=seq_len, batch=2, eval_every=10_000, checkpoint_every=10_000,
+                   log_every=10_000, warmup=1, data=str(folder / "code.jsonl"), lora=concept.lora.LoraSettings(rank=8))
     if compile != "off":
         options["compile"] = compile
     if kind != "streaming":
         options["baseline"] = kind
-    trainer = Trainer.start(folder / "built", folder / kind, TrainConfig(**options))
+    return Trainer.start(folder / "built", folder / (run or kind), TrainConfig(**options))
+
+
+def started(folder: pathlib.Path, kind: str, seq_len: int = 128, compile: str = "off") -> Trainer:
+    """:func:`trainer_of`, its first two steps taken (the first calibrates the NULL bias; the optimizer's state
+    exists from the first on)."""
+    trainer = trainer_of(folder, kind, seq_len, compile)
     trainer.train_step()
     trainer.train_step()  # (a compiled run: every graph of a step is compiled by now)
     return trainer

@@ -212,9 +212,9 @@ class WholeForward:
     call with an argument that is not a tensor, a number or None (a KV cache recording a prefill, the
     diagnostics' perturbation functions), or that its family would refuse to compile now (``compile_refusal``: a
     streaming model whose budget is switched off for the call, as the keep-all control does), runs the forward
-    eagerly, its stacks compiled whole. Before each graph call
-    the model's ``refresh_host_values()``, where it has one, brings the host values the graph reads as constants up
-    to date (a streaming model's budget from its policy's target ratio): a changed value recompiles, by its guard."""
+    eagerly, its stacks compiled whole. That check is asked before every graph call, so it is where a family reads
+    the host values its graph holds as constants (``Family.compile_refusal``): a changed value recompiles, by its
+    guard."""
 
     def __init__(self, model, backend: str | None = None):
         self.eager = type(model).forward.__get__(model)
@@ -225,13 +225,11 @@ class WholeForward:
                                    dynamic=False, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        model = self.eager.__self__
-        refresh = getattr(model, "refresh_host_values", None)
-        if refresh is not None:  # the host copies the graph reads as constants (guarded: a change recompiles)
-            refresh()
         plain = all(v is None or isinstance(v, (torch.Tensor, bool, int, float)) for v in (*args, *kwargs.values()))
-        if not plain or compile_refusal(model) is not None:  # (a model that cannot compile now: e.g. a streaming
-            return self.eager(*args, **kwargs)  # model's budget switched off for a call, the keep-all control)
+        # (the family's check, asked before every graph call, also brings up to date the host values the graph
+        # reads as constants: a streaming model's budget from its policy's target ratio; a change recompiles)
+        if not plain or compile_refusal(self.eager.__self__) is not None:  # (e.g. a streaming model's budget
+            return self.eager(*args, **kwargs)  # switched off for a call: the keep-all control)
         return self.graph(*args, **kwargs)
 
 

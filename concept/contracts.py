@@ -381,7 +381,9 @@ class Family:
     def compile_refusal(self, model) -> str | None:
         """Why ``--compile`` cannot run ``model`` (one line naming the problem and the fix), or None: it runs its
         layer stacks through ``model.compiled_stacks`` when that is set (``concept.compiled``), with shapes that do
-        not depend on the data. Default: a refusal naming the family."""
+        not depend on the data. Default: a refusal naming the family. Under ``--compile model`` it is asked before
+        every call of the model's whole-forward graph (``concept.compiled.WholeForward``: a refusal runs that call
+        eagerly), so it is also where the host values that graph reads as constants are brought up to date."""
         return (f"the {self.name} family does not compile its model (it does not implement "
                 f"Family.compile_refusal); leave --compile off")
 

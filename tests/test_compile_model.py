@@ -64,10 +64,10 @@ def test_the_host_scan_in_a_graph_decides_as_the_host_scan(fresh_dynamo):
     """The opaque ``concept::host_scan`` (a rule sent as its device form) against the eager scan, with document
     starts resetting the rule; and it is called by the graph (not folded away: its decisions vary with the input)."""
     from plugins.length_policies.null import tracker_rule  # noqa: F401  (registers the rule)
-    from concept.streaming.scan import DeviceRule, rule_of, scan_rule
+    from concept.streaming.scan import DeviceRule, scan_rule
 
     device, dtypes = DeviceRule("null_tracker_scan", (33, 3)), (torch.long, torch.long)
-    run = lambda bound, valid, reset: scan_rule(*rule_of(device, dtypes), [bound], valid, reset, dtypes, device)  # noqa: E731
+    run = lambda bound, valid, reset: scan_rule(device, [bound], valid, reset, dtypes)  # noqa: E731
     graph = torch.compile(run, fullgraph=True, dynamic=False, backend="aot_eager")
     g = torch.Generator().manual_seed(1)
     seen = set()

@@ -216,15 +216,16 @@ def test_a_kernel_failing_on_its_first_call_falls_back_to_the_host_scan_with_a_w
     valid = torch.ones(3, 17, dtype=torch.bool)
     device = scan.DeviceRule("chunk_scan", (0, 2, 5, False))
     with pytest.warns(RuntimeWarning, match=r"concept::chunk_scan\) failed on its first call on cpu.*PTX"):
-        keep, (count,) = scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,), device)
-    host_keep, (host_count,) = scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,))
+        keep, (count,) = scan.scan_rule(device, [unsure], valid, None, (torch.long,))
+    host_keep, finals = scan.scan_rows(rule(2, 5), (0,), [unsure], valid)  # (the host scan itself)
+    host_count = torch.tensor([state[0] for state in finals])
     assert torch.equal(keep, host_keep) and torch.equal(count, host_count)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: the failed kernel is not tried again
-        scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,), device)
+        scan.scan_rule(device, [unsure], valid, None, (torch.long,))
     assert Broken.calls == 1
     # the control: a kernel that has run raises when it fails later
     scan._failed.clear()
     scan._proven.add(("chunk_scan", "cpu", True, (torch.bool,), (False,)))
     with pytest.raises(RuntimeError, match="PTX"):
-        scan.scan_rule(rule(2, 5), (0,), [unsure], valid, None, (torch.long,), device)
+        scan.scan_rule(device, [unsure], valid, None, (torch.long,))

@@ -17,7 +17,7 @@ import torch
 
 from concept.streaming import gap
 from concept.streaming.host_scan import interval_admits
-from concept.streaming.scan import DeviceRule, host_rule, rule_of, scan_rule
+from concept.streaming.scan import DeviceRule, host_rule, scan_rule
 
 
 def validate(config) -> list[str]:
@@ -78,5 +78,5 @@ def scan(unsure: torch.Tensor, valid: torch.Tensor, min_chunk: int, max_chunk: i
     each row: on CUDA its Triton kernel (no host sync), elsewhere on the host (one copy of ``unsure`` there,
     not a dozen kernel launches per token); ``concept.streaming.scan``."""
     device = DeviceRule("chunk_scan", (0, min_chunk, max_chunk, False))
-    keep, (count,) = scan_rule(*rule_of(device, (torch.long,)), [unsure], valid, reset, (torch.long,), device)
+    keep, (count,) = scan_rule(device, [unsure], valid, reset, (torch.long,))
     return keep, count

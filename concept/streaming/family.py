@@ -168,7 +168,9 @@ class Streaming(Family):
         return StaticConceptDecoder(model, new_tokens, compile_choice)
 
     def compile_refusal(self, model) -> str | None:
-        """Its stacks compile with a static concept budget only (the shapes then do not follow the decisions)."""
+        """Its stacks compile with a static concept budget only (the shapes then do not follow the decisions).
+        Reading the budget also brings its host copy of the policy's target ratio up to date (``gap.target_of``),
+        which a whole-forward graph reads as a constant."""
         if model.max_ratio:
             return None
         return ("a streaming model compiles with static shapes only: build it with a static concept budget, "

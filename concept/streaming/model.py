@@ -125,12 +125,6 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
     def max_ratio(self, value) -> None:
         self.budget_setting = value
 
-    def refresh_host_values(self) -> None:
-        """Bring the host copies a forward compiled whole reads as constants up to date before it runs
-        (``concept.compiled.WholeForward``): the policy's target ratio behind an ``auto`` budget (``gap.target_of``:
-        read from the device only when its buffer changed)."""
-        self.max_ratio  # noqa: B018  (read for its refresh)
-
     @property
     def budget_slack(self) -> int:
         """Boundaries a row may have beyond ``ceil(max_ratio * n)`` (``auto``: a burst at a row's start)."""

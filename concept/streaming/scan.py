@@ -9,8 +9,8 @@ kernel on CUDA when Triton is installed (no host sync: nothing is read back) and
 
 Inside a graph being compiled (``--compile model``: the whole forward traced as one graph, ``concept.compiled``)
 the host scan is the opaque op ``concept::host_scan``, which finds the rule by its device form (each policy
-registers its rule's factory under its kernel's name, :func:`host_rule`, and builds its own rule through it,
-:func:`rule_of`), so the graph holds the scan whole instead of breaking at its ``.tolist()``; it is the same
+registers its rule's factory under its kernel's name, :func:`host_rule`; :func:`scan_rule` builds the rule from
+it, :func:`rule_of`, eagerly too), so the graph holds the scan whole instead of breaking at its ``.tolist()``; it is the same
 function, with the same declared sync, called from the graph.
 
 A kernel that fails on its first call on a device (Triton cannot compile it for this GPU, or the driver
@@ -68,23 +68,22 @@ def _device_scan(device: DeviceRule, valid, reset, inputs):
     return result
 
 
-def scan_rule(rule: Rule, init: State, inputs: Sequence[torch.Tensor], valid: torch.Tensor,
-              reset: torch.Tensor | None, dtypes: Sequence[torch.dtype],
-              device: DeviceRule | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """keep [B, T] and each state field after the last token ([B] tensors of ``dtypes``), on ``valid``'s device.
+def scan_rule(device: DeviceRule, inputs: Sequence[torch.Tensor], valid: torch.Tensor, reset: torch.Tensor | None,
+              dtypes: Sequence[torch.dtype]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """keep [B, T] and each state field after the last token ([B] tensors of ``dtypes``), on ``valid``'s device,
+    of the rule whose device form is ``device`` (its host rule: :func:`rule_of`).
 
-    With ``device`` given and ``device_scan.runs_on(valid.device)`` (CUDA with Triton), the rule's Triton
-    kernel decides, with no host sync; otherwise ``rule`` runs along each row on the host
-    (``host_scan.scan_rows``: one declared sync). With ``device`` given, ``rule`` and ``init`` are
-    ``rule_of(device, dtypes)``'s: inside a graph being traced the rule is rebuilt from ``device``."""
-    if device is not None and device_scan.runs_on(valid.device):
+    Where ``device_scan.runs_on(valid.device)`` (CUDA with Triton) the rule's Triton kernel decides, with no host
+    sync; otherwise its host rule runs along each row on the host (``host_scan.scan_rows``: one declared sync),
+    inside a graph being traced as the opaque op ``concept::host_scan``."""
+    if device_scan.runs_on(valid.device):
         result = _device_scan(device, valid, reset, [x.detach() for x in inputs])
         if result is not None:
             keep, *states = result
             return keep, tuple(states[:len(dtypes)])
-    if device is not None and torch.compiler.is_compiling():
-        return _traced_host_scan(inputs, valid, reset, dtypes, device)  # (``rule``: ``rule_of(device)``, rebuilt)
-    keep, finals = scan_rows(rule, init, inputs, valid, reset)
+    if torch.compiler.is_compiling():
+        return _traced_host_scan(inputs, valid, reset, dtypes, device)
+    keep, finals = scan_rows(*rule_of(device, dtypes), inputs, valid, reset)
     return keep, state_tensors(finals, valid.device, dtypes)
 
 
@@ -95,8 +94,8 @@ _host_rules: dict[str, Callable[[tuple, tuple], tuple[Rule, State]]] = {}
 def host_rule(op: str):
     """Register a factory as the host rule of the device op ``op``: ``factory(params, dtypes) -> (rule, init)``,
     the step on one row's plain numbers that the kernel computes with those parameters (``DeviceRule.params``)
-    and the state's dtypes. A policy builds its rule through :func:`rule_of`, and a compiled graph's
-    ``concept::host_scan`` finds it by the op's name, so each rule is written once."""
+    and the state's dtypes. :func:`scan_rule`, eagerly, and a compiled graph's ``concept::host_scan`` find it by
+    the op's name (:func:`rule_of`), so each rule is written once."""
     def register(factory):
         _host_rules[op] = factory
         return factory

@@ -41,7 +41,7 @@ from concept.mtp import MTPHeads
 from concept.packing import document_tokens
 from concept.streaming import chunks, gap
 from concept.streaming.host_scan import allowance, interval_width
-from concept.streaming.scan import DeviceRule, rule_of, scan_rule
+from concept.streaming.scan import DeviceRule, scan_rule
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
@@ -144,7 +144,7 @@ class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, Re
         bound, _ = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
         device = DeviceRule("chunk_scan", (interval_width(T), cfg.min_chunk, self.max_chunk, True))
         dtypes = (torch.long, torch.long)
-        keep, (count, concepts) = scan_rule(*rule_of(device, dtypes), [bound], valid, reset, dtypes, device)
+        keep, (count, concepts) = scan_rule(device, [bound], valid, reset, dtypes)
         return keep, (count, total, concepts)
 
     def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:

@@ -68,7 +68,7 @@ from concept.contracts import DecidesWithState, DifferentiableBoundary, LengthPo
 from concept.packing import document_tokens, tokens_since_keep
 from concept.streaming import gap
 from concept.streaming.host_scan import allowance, interval_admits, interval_width
-from concept.streaming.scan import DeviceRule, host_rule, rule_of, scan_rule
+from concept.streaming.scan import DeviceRule, host_rule, scan_rule
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
 
@@ -182,7 +182,7 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         ahead = tracker_ahead(keep_logit.detach(), before, self.track)
         bound, _ = allowance(ahead, concept_price(self.track, self.target_ratio), T)
         device, dtypes = DeviceRule("null_tracker_scan", (interval_width(T), self.max_run)), (torch.long, torch.long)
-        keep, (run, concepts) = scan_rule(*rule_of(device, dtypes), [bound], valid, reset, dtypes, device)
+        keep, (run, concepts) = scan_rule(device, [bound], valid, reset, dtypes)
         return keep, (run, total, concepts)
 
     def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):

@@ -36,7 +36,7 @@ from concept.components import rms_normalize
 from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 from concept.contracts import DecidesWithState, DifferentiableBoundary, Gated, LengthPolicy, RatioControlled, TracksRatio
 from concept.streaming import gap
-from concept.streaming.scan import DeviceRule, host_rule, rule_of, scan_rule
+from concept.streaming.scan import DeviceRule, host_rule, scan_rule
 
 
 @host_rule("threshold_scan")
@@ -149,7 +149,7 @@ class ThresholdPolicy(LengthPolicy, DecidesWithState, RatioControlled, Different
         p = self.boundary_prob(head_logits, h, keep_logit).detach()
         dtype = torch.promote_types(torch.get_default_dtype(), p.dtype)  # what init_state's sum + p_t is in
         device, dtypes = DeviceRule("threshold_scan", (float(self.threshold), self.max_run)), (dtype, torch.long)
-        return scan_rule(*rule_of(device, dtypes), [p.to(dtype)], valid, reset, dtypes, device)
+        return scan_rule(device, [p.to(dtype)], valid, reset, dtypes)
 
     def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:
         return self.decide_with_state(h, head_logits, valid, reset, keep_logit)[0]
