@@ -1,7 +1,9 @@
 """How long ``--compile`` takes before it pays: the first compiled forward and the first compiled training step,
 whole stacks (``default``: inductor's default mode, a stack's whole loop in one graph) against regional
 compilation (``layers``, what ``on`` means: one decoder layer's graph shared by a stack's layers) and the whole
-forward (``model``: decisions, packing, plans, stacks and loss one graph), side by side in one run, on this CPU (inductor, not ``aot-eager``)::
+forward (``model``: decisions, packing, plans, stacks and loss one graph, each decoder layer a nested compile region;
+``model-flat``: the same graph with every layer traced inline), side by side in one run, on this CPU (inductor, not
+``aot-eager``)::
 
     .venv/bin/python -m benchmarks.compile_time                      # tiny and SmolLM2-shaped, both models
     .venv/bin/python -m benchmarks.compile_time --shape tiny --kind dense --json out.json
@@ -38,8 +40,9 @@ SHAPES = {
                              "vocab": 512}, "split": "4,18,8", "B": 2, "T": 64},
 }
 KINDS = ("streaming", "dense")
-CHOICES = ("off", "default", "layers", "model")  # eager; whole stacks (inductor's default mode); one graph per layer;
-# the whole forward one graph
+CHOICES = ("off", "default", "layers", "model", "model-flat")  # eager; whole stacks (inductor's default mode); one
+# graph per layer; the whole forward one graph, each layer a nested compile region (what ``model`` is); the same graph
+# with every layer traced inline (``concept.compiled.LAYER_REGIONS`` off: what ``model`` was before the regions)
 STEADY = 5
 
 
@@ -60,9 +63,10 @@ def model_of(shape: str, kind: str):
     return model
 
 
-def measure(shape: str, kind: str, choice: str, backend: str = "inductor") -> dict:
+def measure(shape: str, kind: str, choice: str, backend: str = "inductor", forward_only: bool = False) -> dict:
     """One row, in this process (``--one``). ``backend`` ``aot-eager``: the same graphs captured (dynamo, AOT
-    autograd) and run by eager kernels: the tracing's share of the compile time, and the calls' own overhead."""
+    autograd) and run by eager kernels: the tracing's share of the compile time, and the calls' own overhead.
+    ``forward_only``: the two no-grad forwards alone (no training steps)."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -72,12 +76,15 @@ def measure(shape: str, kind: str, choice: str, backend: str = "inductor") -> di
         torch.compile = lambda fn, fullgraph, dynamic, mode=None, backend=None, options=None: real(
             fn, fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager")  # (inductor's options dropped with it)
 
+    import concept.compiled
     from concept.compiled import compile_model
     from concept.profiling import profile_call
 
     torch.set_num_threads(1)
     s = SHAPES[shape]
-    model = compile_model(model_of(shape, kind), choice)
+    if choice == "model-flat":
+        concept.compiled.LAYER_REGIONS = False
+    model = compile_model(model_of(shape, kind), "model" if choice == "model-flat" else choice)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, s["backbone"]["vocab"], (s["B"], s["T"]), generator=g) for _ in range(4)]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -99,6 +106,10 @@ def measure(shape: str, kind: str, choice: str, backend: str = "inductor") -> di
         forward_s = timed(lambda: model(batches[0], attention_mask=torch.ones_like(batches[0])))
         forward_graphs = counters["stats"]["unique_graphs"]
         again_s = timed(lambda: model(batches[1], attention_mask=torch.ones_like(batches[1])))
+    if forward_only:
+        return {"shape": shape, "kind": kind, "choice": choice, "backend": backend, "layers": s["backbone"]["layers"],
+                "split": s["split"], "B": s["B"], "T": s["T"], "first_forward_s": forward_s, "second_forward_s": again_s,
+                "forward_graphs": forward_graphs, "graph_breaks": sum(counters["graph_break"].values())}
     model.train()
     first_step_s = timed(lambda: step(0))
     graphs = counters["stats"]["unique_graphs"]
@@ -113,7 +124,8 @@ def measure(shape: str, kind: str, choice: str, backend: str = "inductor") -> di
             "steady_step_s": statistics.median(steady), "step_aten_ops": prof["aten_ops"]}
 
 
-def run_one(shape: str, kind: str, choice: str, timeout: float, backend: str = "inductor") -> dict:
+def run_one(shape: str, kind: str, choice: str, timeout: float, backend: str = "inductor",
+            forward_only: bool = False) -> dict:
     """:func:`measure` in a fresh process with cold inductor caches."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
@@ -121,7 +133,7 @@ def run_one(shape: str, kind: str, choice: str, timeout: float, backend: str = "
         start = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--one", shape, kind, choice,
-                                   "--backend", backend],
+                                   "--backend", backend] + ["--forward-only"] * forward_only,
                                   env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"shape": shape, "kind": kind, "choice": choice, "error": f"over {timeout:.0f} s"}
@@ -140,6 +152,11 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['kind']} | {r['choice']} | {r['error']} |||||||")
             continue
+        if "first_step_s" not in r:  # (--forward-only)
+            lines.append(f"| {r['shape']} ({r['layers']} layers, {r['split']}) | {r['kind']} | {r['choice']} "
+                         f"({r['backend']}) | {r['first_forward_s']:.1f} | {r['forward_graphs']} | – | – | "
+                         f"{r['graph_breaks']} | – | – |")
+            continue
         lines.append(f"| {r['shape']} ({r['layers']} layers, {r['split']}) | {r['kind']} | {r['choice']} "
                      f"({r['backend']}) | "
                      f"{r['first_forward_s']:.1f} | {r['forward_graphs']} | {r['first_step_s']:.1f} | "
@@ -156,15 +173,17 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     parser.add_argument("--backend", choices=("inductor", "aot-eager"), default="inductor")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--forward-only", action="store_true", help="the first no-grad forwards alone, no training "
+                        "steps (an inductor row of a whole model's training step takes many minutes on this CPU)")
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(*args.one, backend=args.backend)))
+        print(json.dumps(measure(*args.one, backend=args.backend, forward_only=args.forward_only)))
         return 0
     rows = []
     for shape in args.shape or SHAPES:
         for kind in args.kind or KINDS:
             for choice in args.choice or CHOICES:
-                rows.append(run_one(shape, kind, choice, args.timeout, args.backend))
+                rows.append(run_one(shape, kind, choice, args.timeout, args.backend, args.forward_only))
                 print(json.dumps(rows[-1]), flush=True)
                 if args.json:
                     with open(args.json, "w") as f:

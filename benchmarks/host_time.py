@@ -1,6 +1,6 @@
 """Host time of a forward and a training step, eager against each compile choice, on CPU: what a GPU's host pays.
 
-    python -m benchmarks.host_time [--choices off,on,model] [--models streaming,dense] [--seq-len 128] [--json]
+    python -m benchmarks.host_time [--choices off,on,model,model-flat] [--models streaming,dense] [--seq-len 128] [--json]
 
 The recipe of ``benchmarks/op_counts.py`` (the tiny backbone: 6 layers, hidden 64; split 2,2,2; 2 rows x 128
 packed stdlib tokens with their document ids; LoRA rank 8; the default ``null`` policy and ``auto`` budget),
@@ -37,8 +37,13 @@ def median_s(fn, reps: int) -> float:
 
 
 def measure(kind: str, choice: str, folder, seq_len: int, reps: int) -> dict:
-    """One row: ``kind`` (streaming, pruned, dense) trained and run under ``choice``."""
-    trainer = trainer_of(folder, kind, seq_len, choice, steps=4 + 2 * (WARMUP + reps), run=f"{kind}-{choice}")
+    """One row: ``kind`` (streaming, pruned, dense) trained and run under ``choice`` (``model-flat``: ``model``
+    with every decoder layer traced inline, ``concept.compiled.LAYER_REGIONS`` off)."""
+    import concept.compiled
+
+    concept.compiled.LAYER_REGIONS = choice != "model-flat"
+    trainer = trainer_of(folder, kind, seq_len, "model" if choice == "model-flat" else choice,
+                         steps=4 + 2 * (WARMUP + reps), run=f"{kind}-{choice}")
     start = time.perf_counter()
     trainer.train_step()  # (the first: the ratio controller's calibration and the compilations)
     first_s = time.perf_counter() - start

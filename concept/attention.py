@@ -13,6 +13,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from einops import rearrange
 
 NAME = "concept"
@@ -22,10 +23,52 @@ class AttentionPattern:
     """A prepared attention pattern: ``pattern(q, k, v, scaling) -> [B, L, H, hd]``.
 
     q: [B, H, Lq, hd], k / v: [B, Hkv, Lk, hd] (grouped-query heads are not expanded).
+
+    Every pattern class is a pytree node (registered as it is defined, third-party ones too): its instance
+    attributes are its children, except those named in ``settings`` (a backend's config: compared by value),
+    which are its context. A whole forward traced as one graph (``--compile model``) then hands a stack's plan to
+    each layer as tensors and constants, which lets dynamo trace one layer of a stack and stamp its graph out for
+    the others (``concept.compiled``, "nested compile regions"). An attribute pytree cannot flatten (an object of
+    another library) leaves the layers traced one by one: slower to compile, the same graph.
     """
+
+    settings: tuple[str, ...] = ()  # attributes that are settings, not data (a backend's config dataclass)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        pytree.register_pytree_node(cls, _flatten_pattern, _unflatten_pattern,
+                                    serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
 
     def __call__(self, query, key, value, scaling):  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def _flatten_pattern(pattern: AttentionPattern):
+    """A pattern's data attributes (children), and its class, their names and its settings (context). A setting
+    that is an object (a config dataclass) is in the context as its class and its attributes' values: constants
+    that dynamo can compare, where the object itself is not one."""
+    names = tuple(sorted(n for n in vars(pattern) if n not in pattern.settings))
+    settings = tuple(_as_constant(n, getattr(pattern, n)) for n in pattern.settings)
+    return [getattr(pattern, n) for n in names], (type(pattern), names, settings)
+
+
+def _as_constant(name: str, setting) -> tuple:
+    """(name, None, the value) for a constant; (name, its class, its attributes) for an object."""
+    if not hasattr(setting, "__dict__"):
+        return name, None, setting
+    return name, type(setting), tuple(sorted(vars(setting).items()))
+
+
+def _unflatten_pattern(children, context) -> AttentionPattern:
+    cls, names, settings = context
+    pattern = cls.__new__(cls)
+    pattern.__dict__.update(zip(names, children))
+    for name, cls_of_setting, value in settings:
+        if cls_of_setting is not None:
+            value, attributes = cls_of_setting.__new__(cls_of_setting), value
+            value.__dict__.update(attributes)
+        setattr(pattern, name, value)
+    return pattern
 
 
 AttentionPlan = AttentionPattern  # its name before 0.1.1, kept for third-party attention plugins (docs/plugins.md)

@@ -43,11 +43,12 @@ On a CPU, and with ``aot-eager``, no copy is made.
 """
 from __future__ import annotations
 
+import os
 import types
 
 import torch
 
-from .backbone import run_layer_rope, run_layers
+from .backbone import run_layer, run_layer_rope, run_layers
 from .config import COMPILE_CHOICES, REGIONAL_CHOICES, WHOLE_CHOICE, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
@@ -58,6 +59,10 @@ from .losses import chunk_terms
 # torch.compile's backend for ``model`` where ``compile_model`` is given none: None, inductor (the default test
 # suite sets ``aot_eager``: captured, run by eager kernels; inductor's C++ compilation of a whole model takes minutes)
 WHOLE_BACKEND: str | None = None
+# ``model``: each decoder layer a nested compile region in the whole forward's graph (:func:`_layer_region`); False
+# traces every layer inline (the same graph, flat: tests' negative control, ``benchmarks/compile_time.py``'s rows;
+# ``CONCEPT_LAYER_REGIONS=0`` in the environment, e.g. for a GPU kit call, where a torch cannot compile the regions)
+LAYER_REGIONS = os.environ.get("CONCEPT_LAYER_REGIONS", "1") != "0"
 PREFILL_BUCKET = 64  # a compiled prefill's prompts are left-padded to a multiple of this many tokens
 
 
@@ -114,8 +119,10 @@ class CompiledStacks:
         return self.losses[device_type]
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
-        if torch.compiler.is_compiling():  # inside a whole forward's graph (``model``): the stack traced with it
-            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
+        if torch.compiler.is_compiling():  # inside a whole forward's graph (``model``): the stack traced with it,
+            plain = LAYER_REGIONS and cache is None and not checkpointing  # each layer a nested compile region
+            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache,
+                              run=_layer_region if plain else None)
         regional = self.choice in REGIONAL_CHOICES and cache is None
         key = (name, x.device.type, regional)
         if key not in self.compiled:
@@ -132,6 +139,20 @@ class CompiledStacks:
         if cache is not None:
             copy_recorded(cache)
         return out.clone()  # (its backward passes the gradient through: nothing is kept for it)
+
+
+@torch.compiler.nested_compile_region(max_reuse_entries=32)
+def _layer_in_region(layer, x, position_ids, attention_plan, cos_sin):
+    return run_layer(layer, x, position_ids, attention_plan, cos_sin)
+
+
+def _layer_region(layer, x, position_ids, attention_plan, cos_sin, checkpointing=False, cache=None):
+    """One decoder layer of a stack inside a whole forward's graph (``model``; no checkpointing, no cache), as a
+    nested compile region: dynamo traces the stack's first layer and stamps its graph out for the layers after it
+    (their weights its inputs; where guards, the plan's pytree or an input's metadata differ, it traces the layer
+    anew), and inductor generates one layer's code per stack. The tracing of a SmolLM2 forward falls from 30
+    layers to one per stack (``docs/benchmarks.md``, "One layer traced per stack")."""
+    return _layer_in_region(layer, x, position_ids, attention_plan, cos_sin)
 
 
 def _copied_out(run, last):

@@ -172,7 +172,7 @@ def test_layers_training_shares_one_graph_per_stack_without_break_or_recompile(l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("choice", ["default", "layers"], ids=["stacks", "layers"])
+@pytest.mark.parametrize("choice", ["default", "layers", "model"], ids=["stacks", "layers", "model"])
 def test_inductor_forward_equals_eager(fresh_dynamo, choice):
     """torch's default mode (inductor's generated C++ on a CPU): minutes of compilation for a tiny model."""
     import copy

@@ -137,6 +137,8 @@ def _tiles(flat: SlotMeta, B: int, L: int, C: int, q_index, q_real, k_index, k_r
 
 
 class CascadePattern(AttentionPattern):
+    settings = ("config",)  # (a pytree context: AttentionPattern)
+
     def __init__(self, layout: PackedLayout, config: CascadeConfig):
         meta = layout.meta
         self.B, self.L = meta.time.shape

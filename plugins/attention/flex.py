@@ -67,9 +67,17 @@ class FlexConfig:
 def rule_mask(meta):
     """The rule of ``concept.packing.allowed`` as a ``mask_mod`` over six per-slot tensors, one (query, key)
     pair at a time (``mask = "rule"``)."""
-    time, keep, seg, valid, doc = meta.time, meta.keep, meta.seg, meta.valid, meta.doc
-    sub = meta.sub if meta.sub is not None else torch.zeros_like(time)
+    return rule_mask_mod(*rule_tensors(meta))
 
+
+def rule_tensors(meta) -> tuple[torch.Tensor, ...]:
+    """The six per-slot tensors ``mask = "rule"`` reads: time, keep, segment, validity, document, sub-index."""
+    return meta.time, meta.keep, meta.seg, meta.valid, meta.doc, (
+        meta.sub if meta.sub is not None else torch.zeros_like(meta.time))
+
+
+def rule_mask_mod(time, keep, seg, valid, doc, sub):
+    """``mask = "rule"``'s ``mask_mod`` over :func:`rule_tensors`."""
     def mask_mod(b, h, q, k):
         t_q, t_k = time[b, q], time[b, k]
         earlier = (t_k < t_q) | ((t_k == t_q) & (sub[b, k] <= sub[b, q]))
@@ -115,12 +123,31 @@ def slot_ranges(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def ranges_mask(layout: PackedLayout):
     """``mask = "ranges"``: three int32 per query row (:func:`slot_ranges`), nothing per key."""
-    concept_lo, concept_hi, tail_lo = slot_ranges(layout)
+    return ranges_mask_mod(*slot_ranges(layout))
 
+
+def ranges_mask_mod(concept_lo, concept_hi, tail_lo):
+    """``mask = "ranges"``'s ``mask_mod`` over :func:`slot_ranges`."""
     def mask_mod(b, h, q, k):
         return ((k >= concept_lo[b, q]) & (k < concept_hi[b, q])) | ((k >= tail_lo[b, q]) & (k <= q))
 
     return mask_mod
+
+
+# mask -> (the tensors its mask_mod reads, of a layout; the mask_mod over them)
+MASK_MODS = {"ranges": (lambda layout: slot_ranges(layout), ranges_mask_mod),
+             "rule": (lambda layout: rule_tensors(layout.meta), rule_mask_mod)}
+
+
+def _block_mask_fields(block_mask_class) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A BlockMask's tensor attributes and its other constructor arguments (``seq_lengths``, ``BLOCK_SIZE``,
+    ``mask_mod``, ...), as this torch's BlockMask lists them (the attribute names are its constructor's
+    keywords); torch's first eight and three where it lists none."""
+    tensors = getattr(block_mask_class, "_TENSOR_ATTRS", ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                                          "full_kv_indices", "q_num_blocks", "q_indices",
+                                                          "full_q_num_blocks", "full_q_indices"))
+    return tuple(tensors), tuple(getattr(block_mask_class, "_CONTEXT_ATTRS", ("seq_lengths", "BLOCK_SIZE",
+                                                                              "mask_mod")))
 
 
 @lru_cache(maxsize=None)
@@ -161,11 +188,36 @@ def build_block_mask(mask_mod, B: int, L: int, device, block: int, compile: bool
 
 
 class FlexPattern(AttentionPattern):
+    """The deep stack's FlexAttention plan: its BlockMask, built once per forward. Kept as tensors (the mask's
+    own and the BlockMask's) and constants, not as the BlockMask object, whose ``mask_mod`` closure is no pytree
+    leaf: so a whole forward's graph (``--compile model``) passes the plan to each deep layer as data and traces
+    one layer for the stack (``AttentionPattern``). :attr:`block_mask` puts the BlockMask back together (its
+    constructor only assigns) with a ``mask_mod`` over the same tensors."""
+
+    settings = ("config",)  # (a pytree context: AttentionPattern)
+
     def __init__(self, layout: PackedLayout, config: FlexConfig):
         self.config = config
-        mask_mod = ranges_mask(layout) if config.mask == "ranges" else rule_mask(layout.meta)
+        tensors_of, mask_mod_of = MASK_MODS[config.mask]
+        self.mask_tensors = tuple(tensors_of(layout))
         B, L = layout.meta.time.shape
-        self.block_mask = build_block_mask(mask_mod, B, L, layout.meta.time.device, config.block, config.compile)
+        self.block_mask = build_block_mask(mask_mod_of(*self.mask_tensors), B, L, layout.meta.time.device,
+                                           config.block, config.compile)
+        self.mask_mod = None  # (rebuilt from mask_tensors; a replacement's own, e.g. the flex diagnosis' floor)
+
+    @property
+    def block_mask(self):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        mask_mod = self.mask_mod or MASK_MODS[self.config.mask][1](*self.mask_tensors)
+        return BlockMask(**self.blocks, **self.block_shape, mask_mod=mask_mod)
+
+    @block_mask.setter
+    def block_mask(self, block_mask) -> None:
+        tensors, context = _block_mask_fields(type(block_mask))
+        self.blocks = {name: getattr(block_mask, name) for name in tensors}  # the block tables (None: absent)
+        self.block_shape = {name: getattr(block_mask, name) for name in context if name != "mask_mod"}  # ints
+        self.mask_mod = block_mask.mask_mod
 
     def __call__(self, query, key, value, scaling):
         from torch.nn.attention.flex_attention import flex_attention

@@ -217,6 +217,8 @@ def shared_partials(blocks: QueryBlocks, device) -> list[Partial]:
 
 
 class XFormersPattern(AttentionPattern):
+    settings = ("config",)  # (a pytree context: AttentionPattern)
+
     def __init__(self, layout: PackedLayout, config: XFormersConfig, deep_layers: int = 1):
         self.config = config
         self.deep_layers = deep_layers

@@ -1,0 +1,166 @@
+"""``--compile model`` traces one decoder layer per stack: each layer of a whole forward's graph is a nested compile
+region (``concept.compiled._layer_region``), and dynamo stamps the first layer's graph out for the stack's other
+layers instead of tracing each (a SmolLM2-shaped forward: 30 layers traced -> 3). That needs the layer's inputs to
+be tensors, constants and modules: the attention plan is a pytree (``concept.attention.AttentionPattern``), and
+``flex`` keeps its BlockMask as tensors.
+
+Checked: per stack, the layers after the first are stamped out (counted where dynamo stamps them), streaming with
+``sdpa`` / ``chunked`` / ``flex`` and the dense baseline, with outputs equal to eager; every attention pattern
+round-trips through pytree, computing the same attention. Negative controls: with regions off nothing is stamped
+out; a plan holding an object pytree cannot flatten is traced layer by layer (the same outputs)."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch._dynamo
+import torch.utils._pytree as pytree
+
+import concept.compiled
+from concept.attention import AttentionPattern, CausalPattern
+from concept.compiled import compile_model
+from concept.dense import DenseModel
+from concept.packing import pack
+from tests.conftest import mixed_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def stamped(monkeypatch):
+    """How many region calls dynamo served by stamping out a graph it traced before (not tracing the layer)."""
+    from torch._dynamo.variables import invoke_subgraph
+
+    calls = []
+    real = invoke_subgraph.stamp_out_subgraph
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(invoke_subgraph, "stamp_out_subgraph", counted)
+    return calls
+
+
+def regions_of(model):
+    """``model`` compiled whole, captured by a backend that records each graph's region calls; (model, calls)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.extend(n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph)
+        return gm
+
+    return compile_model(model, "model", backend=backend), calls
+
+
+def forward_twice(model, compiled):
+    """Two batches through the compiled model against eager (equal), as a user's no-grad evaluation."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(2):
+            ids = torch.randint(0, 97, (2, 24), generator=g)
+            mask = torch.ones_like(ids)
+            mask[1, :5] = 0
+            fast, slow = compiled(ids, attention_mask=mask), model(ids, attention_mask=mask)
+            torch.testing.assert_close(fast.logits, slow.logits, atol=1e-5, rtol=1e-5)
+
+
+def streaming(attention):
+    import copy
+
+    model = copy.deepcopy(mixed_model("null", attention=attention))
+    model.max_ratio = 0.25  # (a static budget: what compiles)
+    return model
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "chunked", "flex"])
+def test_each_stack_traces_its_first_layer_and_stamps_out_the_rest(fresh_dynamo, stamped, attention):
+    import copy
+
+    model = streaming(attention)
+    compiled, calls = regions_of(copy.deepcopy(model))
+    forward_twice(model, compiled)
+    layers = sum(len(stack) for stack in (model.shallow, model.middle, model.deep))
+    assert len(calls) == layers == 6  # (split 2,2,2: every layer a region call of the one graph)
+    assert len(stamped) == layers - 3  # each stack's first layer traced, the second stamped out
+
+
+def test_the_dense_baseline_traces_one_layer(fresh_dynamo, stamped):
+    import copy
+
+    model = DenseModel(copy.deepcopy(mixed_model("null")).backbone, static=True).eval()
+    compiled, calls = regions_of(copy.deepcopy(model))
+    forward_twice(model, compiled)
+    assert len(calls) == 6 and len(stamped) == 5
+
+
+def test_negative_control_regions_off_trace_every_layer(fresh_dynamo, stamped, monkeypatch):
+    import copy
+
+    monkeypatch.setattr(concept.compiled, "LAYER_REGIONS", False)
+    model = streaming("sdpa")
+    compiled, calls = regions_of(copy.deepcopy(model))
+    forward_twice(model, compiled)
+    assert not calls and not stamped
+
+
+class _Opaque:
+    """An object pytree cannot flatten (no registration)."""
+
+
+OPAQUE = _Opaque()
+
+
+def test_negative_control_a_plan_pytree_cannot_flatten_is_traced_layer_by_layer(fresh_dynamo, stamped, monkeypatch):
+    """The shallow and middle stacks' plan (``CausalPattern``) holding an opaque object: their layers are traced one
+    by one (no stamp-out), the deep stack's still stamped; the outputs are the same."""
+    import copy
+
+    real = CausalPattern.__init__
+
+    def with_an_object(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.note = OPAQUE
+
+    model = streaming("sdpa")
+    compiled, calls = regions_of(copy.deepcopy(model))
+    monkeypatch.setattr(CausalPattern, "__init__", with_an_object)
+    forward_twice(model, compiled)
+    assert len(calls) == 6 and len(stamped) == 1
+
+
+def a_static_layout():
+    keep = torch.zeros(2, 40, dtype=torch.bool)
+    keep[0, ::5] = True
+    keep[1, ::3] = True
+    mask = torch.ones_like(keep)
+    mask[1, 33:] = False
+    return pack(keep, mask, concepts=16)
+
+
+def patterns():
+    layout = a_static_layout()
+    chunked = importlib.import_module("concept_plugins.attention.chunked")
+    flex = importlib.import_module("concept_plugins.attention.flex")
+    sdpa = importlib.import_module("concept_plugins.attention.sdpa")
+    valid = layout.meta.valid
+    return [CausalPattern(valid, causal=False), chunked.ChunkedBackend(chunked.ChunkedConfig(8)).plan(layout),
+            flex.FlexBackend(flex.FlexConfig(compile=False, block=16)).plan(layout),
+            flex.FlexBackend(flex.FlexConfig(compile=False, block=16, mask="rule")).plan(layout),
+            sdpa.SDPABackend().plan(layout)]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_every_pattern_round_trips_through_pytree(index):
+    """Flattened to tensors and constants (no other leaf) and rebuilt, a pattern computes the same attention."""
+    pattern = patterns()[index]
+    leaves, spec = pytree.tree_flatten(pattern)
+    assert leaves and all(leaf is None or isinstance(leaf, (torch.Tensor, bool, int, float, str)) for leaf in leaves)
+    again = pytree.tree_unflatten(leaves, spec)
+    assert type(again) is type(pattern) and isinstance(again, AttentionPattern)
+    g = torch.Generator().manual_seed(index)
+    L = pattern.block_mask.seq_lengths[0] if hasattr(pattern, "block_mask") else a_static_layout().length
+    q = torch.randn(2, 4, L, 8, generator=g)
+    k, v = torch.randn(2, 2, L, 8, generator=g), torch.randn(2, 2, L, 8, generator=g)
+    assert torch.equal(again(q, k, v, 0.35), pattern(q, k, v, 0.35))
