@@ -8,6 +8,7 @@ forward (``model``: decisions, packing, plans, stacks and loss one graph, each d
     .venv/bin/python -m benchmarks.compile_time                      # tiny and SmolLM2-shaped, both models
     .venv/bin/python -m benchmarks.compile_time --shape tiny --kind dense --json out.json
     .venv/bin/python -m benchmarks.compile_time --shape smollm2 --kind streaming --backend aot-eager  # tracing only
+    .venv/bin/python -m benchmarks.compile_time --shape smollm2 --kind streaming --side-by-side  # run time, in turns
 
 Each (shape, model, choice) runs in a process of its own (``--one``), with inductor's on-disk caches off and a
 fresh cache folder, so every compilation is cold, as on a fresh GPU machine; one thread (``torch`` and
@@ -124,6 +125,57 @@ def measure(shape: str, kind: str, choice: str, backend: str = "inductor", forwa
             "steady_step_s": statistics.median(steady), "step_aten_ops": prof["aten_ops"]}
 
 
+def side_by_side(shape: str, kind: str, choices: list[str], reps: int = 30) -> list[dict]:
+    """Steady training steps and no-grad forwards of each choice, compiled in this one process (inductor, warm
+    caches) and then timed in turns, ``reps`` rounds: the run time of the compiled code, free of the drift between
+    processes that the per-row ``steady step s`` (a median of 5 in its own process) carries."""
+    import copy
+
+    import torch
+
+    import concept.compiled
+    from concept.compiled import compile_model
+
+    torch.set_num_threads(1)
+    s = SHAPES[shape]
+    base = model_of(shape, kind)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, s["backbone"]["vocab"], (s["B"], s["T"]), generator=g) for _ in range(4)]
+    runs = {}
+    for choice in choices:
+        concept.compiled.LAYER_REGIONS = choice != "model-flat"  # (read while a graph is traced: its first calls)
+        model = compile_model(copy.deepcopy(base), "model" if choice == "model-flat" else choice)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step(i, model=model, optimizer=optimizer):
+            ids = batches[i % len(batches)]
+            model(ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        def forward(i, model=model):
+            with torch.no_grad():
+                model(batches[i % len(batches)], attention_mask=torch.ones_like(batches[i % len(batches)]))
+
+        for i in range(2):
+            model.train()
+            step(i)
+            model.eval()
+            forward(i)
+        runs[choice] = (model, step, forward)
+    times = {choice: {"step": [], "forward": []} for choice in runs}
+    for i in range(reps):
+        for choice, (model, step, forward) in runs.items():
+            for name, fn, training in (("step", step, True), ("forward", forward, False)):
+                model.train(training)
+                start = time.perf_counter()
+                fn(i)
+                times[choice][name].append(time.perf_counter() - start)
+    return [{"shape": shape, "kind": kind, "choice": choice, "reps": reps,
+             "step_ms": round(1e3 * statistics.median(t["step"]), 2),
+             "forward_ms": round(1e3 * statistics.median(t["forward"]), 2)} for choice, t in times.items()]
+
+
 def run_one(shape: str, kind: str, choice: str, timeout: float, backend: str = "inductor",
             forward_only: bool = False) -> dict:
     """:func:`measure` in a fresh process with cold inductor caches."""
@@ -175,7 +227,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--forward-only", action="store_true", help="the first no-grad forwards alone, no training "
                         "steps (an inductor row of a whole model's training step takes many minutes on this CPU)")
+    parser.add_argument("--side-by-side", action="store_true", help="each --choice compiled in this process, then "
+                        "their steady steps and forwards timed in turns (run time, not compile time)")
     args = parser.parse_args(argv)
+    if args.side_by_side:
+        for shape in args.shape or SHAPES:
+            for kind in args.kind or KINDS:
+                for row in side_by_side(shape, kind, args.choice or ["model", "model-flat"]):
+                    print(json.dumps(row), flush=True)
+        return 0
     if args.one:
         print(json.dumps(measure(*args.one, backend=args.backend, forward_only=args.forward_only)))
         return 0

@@ -49,6 +49,14 @@ def build_option(choice: str = KIT_CHOICE) -> dict:
     return {"compile": choice}
 
 
+def layer_regions() -> bool | None:
+    """Whether ``model`` compiles each decoder layer as a nested compile region (``concept.compiled.LAYER_REGIONS``;
+    ``CONCEPT_LAYER_REGIONS=0`` turns it off); None for a build without them."""
+    import concept.compiled
+
+    return getattr(concept.compiled, "LAYER_REGIONS", None)
+
+
 def train_option(choice: str = KIT_CHOICE) -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`)."""
     return {"compile": choice}

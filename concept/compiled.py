@@ -24,7 +24,8 @@ serving each layer of the stack (regional compilation: a SmolLM2 forward traces 
 ``docs/architecture.md`` says why ``on`` is this on CUDA), in the device's mode when a stack first runs
 (``reduce-overhead``, CUDA graphs, on CUDA; torch's default elsewhere); one of torch's modes by name
 compiles each stack whole; ``model`` traces the whole forward as one graph (:class:`WholeForward`: the decisions,
-the packing, the attention plans, every stack and the loss; inductor in torch's default mode, no CUDA graphs;
+the packing, the attention plans, every stack and the loss, each decoder layer a nested compile region traced once per
+stack, :func:`_layer_region`; inductor in torch's default mode, no CUDA graphs;
 its stacks compiled whole where a call runs them on their own, a prefill); ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
 eager kernels, no code generated (debugging, and the default test suite, where inductor's C++
 compilation of a tiny model's stacks takes minutes on a CPU). Whether a model compiles at all is its
