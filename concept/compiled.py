@@ -122,8 +122,9 @@ class CompiledStacks:
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         if torch.compiler.is_compiling():  # inside a whole forward's graph (``model``): the stack traced with it,
             plain = LAYER_REGIONS and cache is None and not checkpointing  # each layer a nested compile region
-            return run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache,
-                              run=_layer_region if plain else None)
+            out = run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache,
+                             run=_layer_region if plain else None)
+            return ContiguousGradient.apply(out) if plain and out.requires_grad else out
         regional = self.choice in REGIONAL_CHOICES and cache is None
         key = (name, x.device.type, regional)
         if key not in self.compiled:
@@ -140,6 +141,22 @@ class CompiledStacks:
         if cache is not None:
             copy_recorded(cache)
         return out.clone()  # (its backward passes the gradient through: nothing is kept for it)
+
+
+class ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient contiguous. A stack's output under regions: the last layer's
+    body then receives the contiguous gradient its stack's other layers receive, so one backward body serves them
+    all. (The middle stack's output is the first slots of the deep stack's input, a ``cat``: its gradient is a
+    strided slice, and torch traced a second backward body for that one layer.) A copy of the stack's output
+    gradient in a training backward, where it is strided; nothing otherwise."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 @torch.compiler.nested_compile_region(max_reuse_entries=32)

@@ -131,7 +131,7 @@ def test_a_compiled_forward_dispatches_nothing_outside_its_graph(tmp_path, fresh
     assert not counters["graph_break"]
 
 
-STEP_GLUE = 287  # glue ops of a training step under ``model`` (690 under ``layers``): the optimizer, accumulation,
+STEP_GLUE = 286  # glue ops of a training step under ``model`` (690 under ``layers``): the optimizer, accumulation,
 # the ratio controller's statistics, the backward's AccumulateGrad, the temperature schedule's fill
 
 

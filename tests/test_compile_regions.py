@@ -200,3 +200,49 @@ def test_inductor_training_steps_with_regions_equal_eager(fresh_dynamo, stamped)
                 p.grad = q.grad = None
     assert len(stamped) == 2  # middle and deep (in training the shallow stack's first layer is a body of its own:
     # its input, the frozen embeddings, needs no gradient, the second layer's does)
+
+
+@pytest.fixture
+def backward_bodies(monkeypatch):
+    """Each backward body torch traces for a region it traced one for already (``suffix`` > 0: another tangent
+    layout), by region."""
+    import importlib
+
+    hop = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
+    seen = []
+    real = hop.warn_and_trace_duplicate_backward
+
+    def counted(identifier, suffix, *args, **kwargs):
+        if suffix:
+            seen.append(identifier)
+        return real(identifier, suffix, *args, **kwargs)
+
+    monkeypatch.setattr(hop, "warn_and_trace_duplicate_backward", counted)
+    return seen
+
+
+def train_once_captured(model):
+    import copy
+
+    from concept.lora import LoraSettings, add_lora
+
+    model = copy.deepcopy(model)
+    add_lora(model.backbone, LoraSettings(rank=2))
+    compiled = compile_model(model.train(), "model", backend="aot_eager")
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    compiled(ids, labels=ids).loss.backward()
+
+
+def test_one_backward_body_per_region(fresh_dynamo, backward_bodies):
+    """A stack's output hands its gradient on contiguous (``concept.compiled.ContiguousGradient``), so the middle
+    stack's last layer, whose output is a slice of the deep stack's input, is served by the middle body's one
+    backward."""
+    train_once_captured(streaming("sdpa"))
+    assert backward_bodies == []
+
+
+def test_negative_control_a_strided_gradient_traces_a_second_backward_body(fresh_dynamo, backward_bodies,
+                                                                            monkeypatch):
+    monkeypatch.setattr(concept.compiled.ContiguousGradient, "backward", staticmethod(lambda ctx, grad: grad))
+    train_once_captured(streaming("sdpa"))
+    assert len(backward_bodies) == 1
