@@ -60,6 +60,13 @@ ROWS = (("streaming", False), ("dense", False), ("streaming", True), ("dense", T
 EAGER_NEED_S = 20  # seconds of budget an eager row needs to start (2026-11-27b: 9-19 s, its profiled step included)
 COMPILE_PRIOR_S = 55  # a compilation's seconds before this run has measured one (2026-11-27b: 38 s, streaming)
 COMPILE_SAFETY = 1.3  # a compiled row's compilation: this x the longest one measured in this run (``row_need_s``)
+# each model's compilation relative to the streaming model's, by which a prediction scales the compilation measured
+# for one model to another (``--compile model``, each decoder layer a nested compile region; docs/benchmarks.md, "One
+# layer traced per stack": on the CPU, the SmolLM2-shaped dense model's first training step compiled in 0.73x the
+# streaming model's seconds by inductor, 0.68x traced; rounded up. The pruned model, fewer layers of the same
+# backbone, is given dense's share)
+DENSE_COMPILE_SHARE = 0.75
+COMPILE_SHARE = {"streaming": 1.0, "dense": DENSE_COMPILE_SHARE, "pruned": DENSE_COMPILE_SHARE}
 NEED_MARGIN_S = 10  # on top of a compiled row's predicted seconds
 COMPILED_MARGIN_S = 10  # a compiled row is stopped this many seconds before the stage's budget ends (``within``)
 
@@ -349,9 +356,10 @@ def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict
 
 def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
     """The seconds of the stage's budget a row needs to start, and how they were reckoned. An eager row:
-    ``EAGER_NEED_S``. A compiled row: its compilation, predicted as ``COMPILE_SAFETY`` x the longest one
-    measured so far in this run (``compile_s`` of the compiled rows; ``COMPILE_PRIOR_S`` before any), plus its
-    steps (the same model's eager row's seconds: compiled steps take no longer), plus ``NEED_MARGIN_S``."""
+    ``EAGER_NEED_S``. A compiled row: its compilation, predicted as ``COMPILE_SAFETY`` x the longest one measured
+    so far in this run (``compile_s`` of the compiled rows; ``COMPILE_PRIOR_S`` before any), each scaled to this
+    model by ``COMPILE_SHARE``, plus its steps (the same model's eager row's seconds: compiled steps take no
+    longer), plus ``NEED_MARGIN_S``."""
     if not compiled:
         return EAGER_NEED_S, "an eager row"
     done = {k: m["compile_s"] for k, m in (measured.get("compiled") or {}).get("models", {}).items()
@@ -359,9 +367,12 @@ def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
     eager = measured.get("models", {}).get(kind, {})
     steps_s = eager.get("seconds", EAGER_NEED_S)
     if done:
-        longest = max(done, key=done.get)
-        compile_s = COMPILE_SAFETY * done[longest]
-        how = f"{COMPILE_SAFETY:g} x the {done[longest]:.0f} s compilation measured for {longest} in this run"
+        scaled = {k: s * COMPILE_SHARE.get(kind, 1.0) / COMPILE_SHARE.get(k, 1.0) for k, s in done.items()}
+        longest = max(scaled, key=scaled.get)
+        compile_s = COMPILE_SAFETY * scaled[longest]
+        share = COMPILE_SHARE.get(kind, 1.0) / COMPILE_SHARE.get(longest, 1.0)
+        how = (f"{COMPILE_SAFETY:g} x the {done[longest]:.0f} s compilation measured for {longest} in this run"
+               + (f" x {share:.2f} ({kind}'s share of it)" if share != 1.0 else ""))
     else:
         compile_s, how = COMPILE_PRIOR_S, f"{COMPILE_PRIOR_S} s for a compilation, none measured yet in this run"
     how += (f", {steps_s:.0f} s of steps ({'its eager row' if 'seconds' in eager else 'no eager row'}), "
