@@ -77,15 +77,13 @@ def measure(shape: str, kind: str, choice: str, backend: str = "inductor", forwa
         torch.compile = lambda fn, fullgraph, dynamic, mode=None, backend=None, options=None: real(
             fn, fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager")  # (inductor's options dropped with it)
 
-    import concept.compiled
+    from benchmarks.compiled import library_choice
     from concept.compiled import compile_model
     from concept.profiling import profile_call
 
     torch.set_num_threads(1)
     s = SHAPES[shape]
-    if choice == "model-flat":
-        concept.compiled.LAYER_REGIONS = False
-    model = compile_model(model_of(shape, kind), "model" if choice == "model-flat" else choice)
+    model = compile_model(model_of(shape, kind), library_choice(choice))
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, s["backbone"]["vocab"], (s["B"], s["T"]), generator=g) for _ in range(4)]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -133,7 +131,7 @@ def side_by_side(shape: str, kind: str, choices: list[str], reps: int = 30) -> l
 
     import torch
 
-    import concept.compiled
+    from benchmarks.compiled import library_choice
     from concept.compiled import compile_model
 
     torch.set_num_threads(1)
@@ -143,8 +141,7 @@ def side_by_side(shape: str, kind: str, choices: list[str], reps: int = 30) -> l
     batches = [torch.randint(0, s["backbone"]["vocab"], (s["B"], s["T"]), generator=g) for _ in range(4)]
     runs = {}
     for choice in choices:
-        concept.compiled.LAYER_REGIONS = choice != "model-flat"  # (read while a graph is traced: its first calls)
-        model = compile_model(copy.deepcopy(base), "model" if choice == "model-flat" else choice)
+        model = compile_model(copy.deepcopy(base), library_choice(choice))  # (its graphs traced below: now)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
         def step(i, model=model, optimizer=optimizer):

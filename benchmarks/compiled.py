@@ -49,6 +49,18 @@ def build_option(choice: str = KIT_CHOICE) -> dict:
     return {"compile": choice}
 
 
+FLAT_MODEL = "model-flat"  # a benchmark's choice: ``model`` with every decoder layer traced inline (no regions)
+
+
+def library_choice(choice: str) -> str:
+    """The library's compile choice for a benchmark's ``choice`` (:data:`FLAT_MODEL` is ``model`` with
+    ``concept.compiled.LAYER_REGIONS`` off; any other choice turns the regions on), set for the graphs traced next."""
+    import concept.compiled
+
+    concept.compiled.LAYER_REGIONS = choice != FLAT_MODEL
+    return "model" if choice == FLAT_MODEL else choice
+
+
 def layer_regions() -> bool | None:
     """Whether ``model`` compiles each decoder layer as a nested compile region (``concept.compiled.LAYER_REGIONS``;
     ``CONCEPT_LAYER_REGIONS=0`` turns it off); None for a build without them."""

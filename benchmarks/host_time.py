@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from benchmarks.compiled import library_choice
 from benchmarks.op_counts import built_folder, trainer_of
 
 WARMUP = 3
@@ -39,11 +40,8 @@ def median_s(fn, reps: int) -> float:
 def measure(kind: str, choice: str, folder, seq_len: int, reps: int) -> dict:
     """One row: ``kind`` (streaming, pruned, dense) trained and run under ``choice`` (``model-flat``: ``model``
     with every decoder layer traced inline, ``concept.compiled.LAYER_REGIONS`` off)."""
-    import concept.compiled
-
-    concept.compiled.LAYER_REGIONS = choice != "model-flat"
-    trainer = trainer_of(folder, kind, seq_len, "model" if choice == "model-flat" else choice,
-                         steps=4 + 2 * (WARMUP + reps), run=f"{kind}-{choice}")
+    trainer = trainer_of(folder, kind, seq_len, library_choice(choice), steps=4 + 2 * (WARMUP + reps),
+                         run=f"{kind}-{choice}")
     start = time.perf_counter()
     trainer.train_step()  # (the first: the ratio controller's calibration and the compilations)
     first_s = time.perf_counter() - start

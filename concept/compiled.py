@@ -159,18 +159,12 @@ class ContiguousGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
-@torch.compiler.nested_compile_region(max_reuse_entries=32)
-def _layer_in_region(layer, x, position_ids, attention_plan, cos_sin):
-    return run_layer(layer, x, position_ids, attention_plan, cos_sin)
-
-
-def _layer_region(layer, x, position_ids, attention_plan, cos_sin, checkpointing=False, cache=None):
-    """One decoder layer of a stack inside a whole forward's graph (``model``; no checkpointing, no cache), as a
-    nested compile region: dynamo traces the stack's first layer and stamps its graph out for the layers after it
-    (their weights its inputs; where guards, the plan's pytree or an input's metadata differ, it traces the layer
-    anew), and inductor generates one layer's code per stack. The tracing of a SmolLM2 forward falls from 30
-    layers to one per stack (``docs/benchmarks.md``, "One layer traced per stack")."""
-    return _layer_in_region(layer, x, position_ids, attention_plan, cos_sin)
+# One decoder layer of a stack inside a whole forward's graph (``model``; called only without checkpointing or a
+# cache), as a nested compile region: dynamo traces the stack's first layer and stamps its graph out for the layers
+# after it (their weights its inputs; where guards, the plan's pytree or an input's metadata differ, it traces the
+# layer anew), and inductor generates one layer's code per stack. The tracing of a SmolLM2 forward falls from 30
+# layers to one per stack (``docs/benchmarks.md``, "One layer traced per stack").
+_layer_region = torch.compiler.nested_compile_region(run_layer, max_reuse_entries=32)
 
 
 def _copied_out(run, last):

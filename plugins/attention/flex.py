@@ -134,7 +134,8 @@ def ranges_mask_mod(concept_lo, concept_hi, tail_lo):
     return mask_mod
 
 
-# mask -> (the tensors its mask_mod reads, of a layout; the mask_mod over them)
+# mask -> (the tensors its mask_mod reads, of a layout; the mask_mod over them). The module's functions are looked
+# up at each call (the flex diagnosis' negative control replaces ``slot_ranges`` with a wrong one)
 MASK_MODS = {"ranges": (lambda layout: slot_ranges(layout), ranges_mask_mod),
              "rule": (lambda layout: rule_tensors(layout.meta), rule_mask_mod)}
 
