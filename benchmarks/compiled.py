@@ -69,6 +69,14 @@ def layer_regions() -> bool | None:
     return getattr(concept.compiled, "LAYER_REGIONS", None)
 
 
+def region_options() -> dict | None:
+    """Inductor's options for a whole forward of regions (``concept.compiled.REGION_OPTIONS``: no buffer reuse, a
+    torch 2.13 fault); None for a build without them."""
+    import concept.compiled
+
+    return getattr(concept.compiled, "REGION_OPTIONS", None)
+
+
 def train_option(choice: str = KIT_CHOICE) -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`)."""
     return {"compile": choice}

@@ -173,6 +173,14 @@ def side_by_side(dense_fn, concept_fn, rounds: int = 3, device=None) -> dict:
     return cpu_side_by_side({"dense": dense_fn, "concept": concept_fn}, rounds)
 
 
+def side_by_side_named(fns: dict, rounds: int | None = None, device=None) -> dict:
+    """:func:`side_by_side` for any number of sides (name -> call): :func:`gpu_side_by_side` on CUDA, else
+    :func:`cpu_side_by_side` (``rounds``, default 3)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return gpu_side_by_side(fns, device)
+    return cpu_side_by_side(fns, rounds or 3)
+
+
 def cpu_side_by_side(fns: dict, rounds: int = 3) -> dict:
     """Each of ``fns`` (name -> call) once, then ``rounds`` rounds calling each in turn: ``NAME_s``, the
     median seconds (and ``speedup``, dense over concept, where both are there)."""

@@ -162,11 +162,12 @@ def measure_forward(benchmark, record, model, T, ratio, device, name, **extra):
 
 def static_ideal(model, keep) -> dict:
     """``static_ideal_speedup``: the FLOP ideal of the widths a static layout computes (``concept_slots``: the
-    middle stack's budget of slots, the deep stack's budget plus a tail of T; ``flops.forward_flops``), next to
-    ``ideal_speedup``, the ideal of a layout as wide as the decisions. Nothing for a model without a budget."""
+    middle stack's budget of slots, the deep stack's block of concepts and tail, or the budget plus a tail of T
+    where the backend plans no block; ``flops.forward_flops``), next to ``ideal_speedup``, the ideal of a layout
+    as wide as the decisions. Nothing for a model without a budget."""
     slots = model.concept_slots(len(keep)) if hasattr(model, "concept_slots") else None
     if not slots:
         return {}
     report = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, head_classes(model),
-                           static_slots=slots)
+                           emit=model.emit, static_slots=slots, deep_block=model.plans_deep_block())
     return {"static_ideal_speedup": report.speedup, "static_slots": slots}

@@ -166,6 +166,17 @@ class ContiguousGradient(torch.autograd.Function):
 # layers to one per stack (``docs/benchmarks.md``, "One layer traced per stack").
 _layer_region = torch.compiler.nested_compile_region(run_layer, max_reuse_entries=32)
 
+# Inductor's options for a whole forward whose layers are regions. torch 2.13's inductor takes a region call's
+# outputs for new buffers, but a region returns its input itself among the activations its backward keeps (a
+# layer's input, for its norm's and its residual's backward): after the call the caller's buffer of that input
+# looks dead, and inductor hands its storage to the next kernel's output of the same size, overwriting the kept
+# activation. Found as wrong gradients (the loss right) in every layer below a deep stack as wide as the tokens
+# (``packing.DeepBlock``): its last layer's input reused for the deep states put back in time order, [B, T, d]
+# both. Without buffer reuse a dead buffer is only released (``del``): the region's kept reference holds its
+# storage, and the allocator serves the next kernel other memory (``tests/test_compile_regions.py``: gradients
+# equal eager's; inductor's default reuse as the negative control).
+REGION_OPTIONS = {"allow_buffer_reuse": False}
+
 
 def _copied_out(run, last):
     """A compiled layer under CUDA graphs (``layers``): the stack's output (its ``last`` layer's) is copied out of
@@ -252,8 +263,10 @@ class WholeForward:
     def __init__(self, model, backend: str | None = None):
         self.eager = type(model).forward.__get__(model)
         # inductor in torch's default mode, drawing random numbers as eager does (a sampler's Gumbel noise: the
-        # same samples as the eager forward, so compiled training equals eager's; one unfused kernel more)
-        kwargs = {"backend": backend} if backend else {"options": {"fallback_random": True}}
+        # same samples as the eager forward, so compiled training equals eager's; one unfused kernel more), and,
+        # with the layers as regions, never handing a dead buffer's storage to another (``REGION_OPTIONS``)
+        options = {"fallback_random": True, **(REGION_OPTIONS if LAYER_REGIONS else {})}
+        kwargs = {"backend": backend} if backend else {"options": options}
         self.graph = torch.compile(_own_copy(type(model).forward, "whole").__get__(model), fullgraph=True,
                                    dynamic=False, **kwargs)
 

@@ -225,10 +225,14 @@ class PositionScheme(Component):
 
 class AttentionBackend(Component):
     """A plain object: ``plan(layout) -> concept.attention.AttentionPattern`` for the deep stack's packed layout.
-    ``supports_backward``: it trains. ``check_trainable(device) -> str``: a reason it cannot train there, or ""."""
+    ``supports_backward``: it trains. ``check_trainable(device) -> str``: a reason it cannot train there, or "".
+    ``plans_deep_block``: its ``plan`` also takes a ``concept.packing.DeepBlock`` (a static layout's concepts and
+    tail in one block, the boundary per row): the model then runs the deep stack over that block instead of the
+    layout's wider ``[concepts ; tail]`` (``docs/plugins.md``)."""
 
     required = ("plan",)
     supports_backward: bool = True
+    plans_deep_block: bool = False
 
     def plan(self, layout):
         raise NotImplementedError

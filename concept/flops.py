@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .packing import deep_block_width
+
 
 @dataclass
 class Shape:
@@ -93,18 +95,24 @@ class FlopReport:
 
 
 def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,
-                  emit: int = 1, fusion: float = 0.0, static_slots: int | None = None) -> FlopReport:
+                  emit: int = 1, fusion: float = 0.0, static_slots: int | None = None,
+                  deep_block: bool = False) -> FlopReport:
     """FLOPs of one forward over a row with decisions ``keep`` [T] (``emit`` concepts per
     emitting token), vs the dense backbone. ``fusion``: FLOPs of the tail fusion per tail token
     (counted with the deep stack). ``static_slots``: the concept slots of a static layout
     (``ConceptModel.concept_slots(T)``), whose widths its linear layers compute, padding included: the middle
-    stack that many slots, the deep stack that many and a tail of T (``packing.pack``); its attention counts
-    the real pairs (masked pairs cost an ideal kernel nothing). None: the layout as wide as the decisions."""
+    stack that many slots, the deep stack that many and a tail of T (``packing.pack``), or with ``deep_block``
+    its concepts and tail in one block (``packing.deep_block_width``: T with one concept per boundary); its
+    attention counts the real pairs (masked pairs cost an ideal kernel nothing). None: the layout as wide as the
+    decisions."""
     T, C = len(keep), int(keep.sum()) * emit
     n_s, n_m, n_d = split
     causal = lambda n: n * (n + 1) / 2  # noqa: E731
-    middle_width, deep_width = (C, T - int(keep.sum()) + C) if static_slots is None else (static_slots,
-                                                                                         static_slots + T)
+    if static_slots is None:
+        middle_width, deep_width = C, T - int(keep.sum()) + C
+    else:
+        middle_width = static_slots
+        deep_width = deep_block_width(T, static_slots, emit) if deep_block else static_slots + T
     lm_head = 2.0 * T * shape.hidden * shape.vocab
     dense = (n_s + n_m + n_d) * (shape.linear(T) + shape.attention(causal(T))) + lm_head
     shallow = n_s * (shape.linear(T) + shape.attention(causal(T)))

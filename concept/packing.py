@@ -8,7 +8,10 @@ memory layout is valid; we use **concepts first** per row::
     slots:  [ c_0 c_1 ... c_{C-1} | pad... ][ tail tokens in time order | pad... ]
              <----- C = max concepts ---->  <------- max tail tokens ------->
 
-which lets block-sparse backends skip most tiles. The rule, for query i and key j::
+which lets block-sparse backends skip most tiles. A static layout (``concepts``: the budget's C slots, T tail
+slots) keeps that shape whatever the decisions; its deep stack runs over the :class:`DeepBlock`, the same
+elements with each row's tail right after its own concepts, T slots wide with one concept per boundary.
+The rule, for query i and key j::
 
     allowed(i, j) = t_j <= t_i  and  (keep_j  or  (not keep_i and seg_i == seg_j))
 
@@ -136,6 +139,11 @@ class PackedLayout:
         return self.meta.time.shape[1]
 
     @property
+    def concept_boundary(self) -> int:
+        """The first tail slot: the concept part is ``[0, C)`` in every row (:class:`DeepBlock`: per row)."""
+        return self.num_concepts
+
+    @property
     def concept_meta(self) -> SlotMeta:  # (sliced once per layout: each read was six slices)
         return self._sliced("concepts", slice(None, self.num_concepts))
 
@@ -149,6 +157,62 @@ class PackedLayout:
         if name not in self._slices:
             self._slices[name] = self.meta[:, part]
         return self._slices[name]
+
+
+@dataclass
+class DeepBlock:
+    """The deep stack's sequence of a static layout with its concepts and its tail in one block: per row the
+    concept slots first, the tail slots right after them, padding last. A static :class:`PackedLayout` gives the
+    concepts ``C`` slots (the budget) and the tail ``T`` (a row may have no concept), ``C + T`` in all, while a
+    row's real elements are ``T - n + emit * n`` for its n boundaries: here the block is as wide as the most a
+    row can have, ``T + (emit - 1) * C / emit`` (``T`` for one concept per boundary), and the boundary between
+    the parts is where each row's concepts end (a tensor, not a shape: nothing is read back to the host).
+
+    The rule is the layout's (``allowed``: elements are compared by their time index, whatever their slot), and,
+    concepts first, every key a query may see is at a slot no later than its own. What a deep attention plan
+    reads is the layout's own: ``meta``, ``emit``, ``static``, ``length``, ``num_concepts`` (0: no part of every
+    row is concepts) and ``concept_boundary`` ([B, 1]: each row's first tail slot). A backend that plans it says
+    so (``AttentionBackend.plans_deep_block``); the model hands the others the layout itself (``deep_block``).
+    """
+
+    meta: SlotMeta  # [B, W]
+    src: torch.Tensor  # [B, W] each slot's element in the layout's [concepts ; tail] (C + T slots)
+    slot_of_time: torch.Tensor  # [B, T] which slot holds element t
+    concept_boundary: torch.Tensor  # [B, 1] each row's concept slots (its first tail slot)
+    emit: int = 1
+    num_concepts: int = 0  # (no static concept part)
+    static: bool = True
+
+    @property
+    def length(self) -> int:
+        return self.meta.time.shape[1]
+
+
+def deep_block_width(T: int, concepts: int, emit: int = 1) -> int:
+    """The width of the :class:`DeepBlock` of a static layout of ``concepts`` concept slots over T tokens."""
+    return T + concepts - concepts // emit
+
+
+def deep_block(layout: PackedLayout) -> DeepBlock:
+    """The deep sequence of the static ``layout`` as one :class:`DeepBlock` (its elements moved, their metadata
+    and order kept: the concepts in time order, then the tail in time order). The deep stack's inputs and
+    positions in the layout's order ``[concepts ; tail]`` go to it by one gather at ``src``; its outputs back to
+    time order by ``slot_of_time``."""
+    C, meta = layout.num_concepts, layout.meta
+    T = meta.time.shape[1] - C
+    slot = torch.arange(deep_block_width(T, C, layout.emit), device=meta.time.device)[None, :]
+    concepts = meta.valid[:, :C].sum(1, keepdim=True)  # (real concept slots are the part's first ones)
+    real = concepts + meta.valid[:, C:].sum(1, keepdim=True)
+    is_concept = slot < concepts
+    src = torch.where(is_concept, slot, C + (slot - concepts).clamp(max=max(T - 1, 0)))
+    valid = slot < real
+    pick = lambda t: None if t is None else t.gather(1, src)  # noqa: E731
+    keep = pick(meta.keep) & valid
+    block = SlotMeta(time=pick(meta.time), keep=keep, seg=torch.where(valid, pick(meta.seg), PAD_SEG),
+                     valid=valid, doc=pick(meta.doc), sub=pick(meta.sub))
+    # a tail element t moves from slot C + r to concepts + r (r: its rank in the tail); a concept stays
+    slot_of_time = torch.where(layout.slot_of_time >= C, layout.slot_of_time - C + concepts, layout.slot_of_time)
+    return DeepBlock(block, src, slot_of_time, concepts, layout.emit)
 
 
 def _first_k(mask: torch.Tensor, k):

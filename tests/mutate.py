@@ -53,8 +53,8 @@ MUTATIONS = [
              ["tests/test_positions.py"]),
     # the backends' own copies of the rule
     Mutation("flex: a tail sees every earlier tail", "plugins/attention/flex.py",
-             "tail_lo = torch.where(is_concept, slot + 1, torch.cat([torch.zeros_like(slot[:, :C]), tail_first], dim=1))",
-             "tail_lo = torch.where(is_concept, slot + 1, torch.full_like(slot, C))",
+             "tail_lo = torch.where(is_concept, slot + 1, first)",
+             "tail_lo = torch.where(is_concept, slot + 1, torch.zeros_like(slot) + boundary)",
              [EQUIVALENCE, "-k", "one_pass_matches_naive and flex"]),
     Mutation("max gap: auto ignores the target ratio", "concept/streaming/gap.py",
              "return max(1, math.ceil(GAP_PER_SPACING / target - 1e-9))", "return 16",

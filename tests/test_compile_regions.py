@@ -246,3 +246,38 @@ def test_negative_control_a_strided_gradient_traces_a_second_backward_body(fresh
     monkeypatch.setattr(concept.compiled.ContiguousGradient, "backward", staticmethod(lambda ctx, grad: grad))
     train_once_captured(streaming("sdpa"))
     assert len(backward_bodies) == 1
+
+
+def test_the_whole_forward_compiles_without_buffer_reuse(monkeypatch):
+    """Inductor compiles a whole forward of regions without reusing a dead buffer's storage
+    (``concept.compiled.REGION_OPTIONS``: torch 2.13 takes a region's kept input for dead); with the regions off,
+    inductor's default."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs.get("options")) or fn)
+    compile_model(streaming("sdpa"), "model")
+    monkeypatch.setattr(concept.compiled, "LAYER_REGIONS", False)
+    compile_model(streaming("sdpa"), "model")
+    assert seen[0]["allow_buffer_reuse"] is False and "allow_buffer_reuse" not in seen[1]
+
+
+@pytest.mark.slow
+def test_negative_control_inductors_buffer_reuse_trains_a_deep_block_wrong(fresh_dynamo, monkeypatch):
+    """The reason for ``REGION_OPTIONS``: with inductor's default buffer reuse, a training step of regions whose deep
+    stack is as wide as the tokens (the deep block) gives gradients far from eager's (its loss equal)."""
+    import copy
+
+    from concept.lora import LoraSettings, add_lora
+
+    monkeypatch.setattr(concept.compiled, "REGION_OPTIONS", {})
+    model = streaming("sdpa")
+    add_lora(model.backbone, LoraSettings(rank=2))
+    model.train()
+    compiled = compile_model(copy.deepcopy(model), "model")
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    model(ids, labels=ids).loss.backward()
+    torch.manual_seed(1)
+    compiled(ids, labels=ids).loss.backward()
+    worst = max(float((q.grad - p.grad).abs().max() / (p.grad.abs().max() + 1e-12))
+                for p, q in zip(model.parameters(), compiled.parameters()) if p.grad is not None)
+    assert worst > 0.1

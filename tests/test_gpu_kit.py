@@ -56,6 +56,7 @@ def test_dry_setup_reports_the_machine_and_throughput(dry):
         assert (dry / p["table"]).stat().st_size > 0
     compiled = result["throughput"]["compiled"]  # the same step compiled (a static concept budget), measured too
     assert set(compiled["models"]) and all(m["tokens_per_s"] > 0 for m in compiled["models"].values())
+    assert compiled["layer_regions"] and compiled["region_options"] == {"allow_buffer_reuse": False}  # (recorded)
     assert result["throughput"]["failed"] == {}  # (a row that fails: tests/test_gpu_kit_setup.py)
 
 

@@ -383,10 +383,11 @@ def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
 def compiled_build(stage: Stage, out: dict, static: Path) -> bool:
     """Before the first compiled row: the build with a static concept budget (a streaming model compiles with
     one only), saved in ``static``, and ``out["compiled"]``. Whether the compiled rows can run."""
-    from ..compiled import layer_regions, train_option
+    from ..compiled import layer_regions, region_options, train_option
 
     if "compiled" not in out:
-        out["compiled"] = {"option": train_option(), "layer_regions": layer_regions(), "models": {}}
+        out["compiled"] = {"option": train_option(), "layer_regions": layer_regions(),
+                           "region_options": region_options() if layer_regions() else None, "models": {}}
         max_ratio = measured_row(stage, "compiled (the static-budget build)", out["failed"],
                                  lambda: build_static(static, stage.dry))
         if max_ratio is not None:

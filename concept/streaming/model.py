@@ -111,6 +111,10 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
         self.deep = list(inner.layers[n_shallow + n_middle:])
         self.gradient_checkpointing = False  # recompute layer activations in backward to save memory
         self.compiled_stacks = None  # --compile: the stacks' compiled run_layers (concept.compiled)
+        # a static layout's deep stack over one block of concepts and tail (``packing.DeepBlock``) where the
+        # attention backend plans it; False: over the layout's [concepts ; tail] (the same outputs; benchmarks
+        # and tests compare the two)
+        self.deep_block = True
         if isinstance(length_policy, ReadsPredictor):  # e.g. `entropy`: the backbone's own next-token lens
             length_policy.predictor = lambda h: self.backbone.lm_head(self.inner.norm(h))
 
@@ -158,6 +162,20 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
         """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
         return min(T, packing.budget(T, self.max_ratio, self.budget_slack)) * self.emit if self.max_ratio else None
 
+    def deep_layout(self, layout, cache=None):
+        """The deep stack's sequence: the static ``layout``'s :class:`~concept.packing.DeepBlock` (as wide as the
+        tokens with one concept per boundary, where the layout is the budget's concept slots wider) if the
+        attention backend plans one and no KV cache records the stacks (decoding reads the cache in the layout's
+        order); else the layout itself."""
+        if not (layout.static and cache is None and self.plans_deep_block()):
+            return layout
+        return packing.deep_block(layout)
+
+    def plans_deep_block(self) -> bool:
+        """Whether a static layout's deep stack runs over its :class:`~concept.packing.DeepBlock` (``deep_block``
+        and an attention backend that plans one)."""
+        return self.deep_block and getattr(self.attention, "plans_deep_block", False)
+
     def fuse_tail(self, tail, updates, layout):
         """Tail states [B, L, d] entering the deep stack, fused with their segment's latest concept's
         middle-stack update (``updates`` [B, C, d]; none before a document's first concept)."""
@@ -171,6 +189,16 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
         has = meta.valid & (seg >= 1) & (layout.concept_meta.doc.gather(1, last) == meta.doc)
         update = updates.gather(1, last[..., None].expand(-1, -1, updates.shape[-1]))
         return self.tail_fusion(tail, update, has)
+
+    def deep_inputs(self, h, c, updates, layout, deep):
+        """The deep stack's inputs [B, L, d]: the middle stack's concepts ``c`` and the tail tokens' shallow states
+        ``h`` (fused with their segment's update), in the layout's order ``[concepts ; tail]``, or moved to its
+        deep block (``deep``, each row's concepts, then its tail)."""
+        tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
+        z_in = torch.cat([c, self.fuse_tail(tail, updates, layout)], dim=1)
+        if deep is layout:
+            return z_in
+        return z_in.gather(1, deep.src[..., None].expand(-1, -1, z_in.shape[-1]))
 
     def fuse_step(self, h, update, has):
         """Decoding: NULL tokens' deep inputs [B, n, d] from their shallow states, the row's latest
@@ -232,22 +260,21 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
             token_ids = torch.where(concept_ids >= 0, concept_ids, token_ids)
         emitted = torch.where(keep.view(*keep.shape, *(1,) * (token_ids.dim() - 2)), token_ids, -1)
         layout = packing.pack(keep, valid, doc, self.emit, self.levels, self.concept_slots(input_ids.shape[1]))
-        concept_pos = pos.gather(1, layout.concept_id_src)
+        deep = self.deep_layout(layout, cache)  # the deep stack's sequence: the layout, or its deep block
 
         # middle: concepts only, causal among concepts
         c = self.middle_inputs(probs, token_ids, h, head_logits, keep, valid, starts, layout, perturb, perturb_codes)
-        (middle_pos, middle_rope), (deep_pos, deep_rope) = self.concept_stack_positions(c, pos, concept_pos, layout)
+        (middle_pos, middle_rope), (deep_pos, deep_rope) = self.concept_stack_positions(c, pos, layout, deep)
         c, updates = self.run_middle(c, layout, middle_pos, doc, static, None if cache is None else cache.middle,
                                      middle_rope)
 
         # deep: [concepts ; tail tokens] with the one-pass mask, original positions
-        tail = h.gather(1, layout.tail_src[..., None].expand(-1, -1, h.shape[-1]))
-        z_in = torch.cat([c, self.fuse_tail(tail, updates, layout)], dim=1)
-        z = self.run_stack(self.deep, z_in, deep_pos, self.attention.plan(layout),
+        z_in = self.deep_inputs(h, c, updates, layout, deep)
+        z = self.run_stack(self.deep, z_in, deep_pos, self.attention.plan(deep),
                            None if cache is None else cache.deep, deep_rope)
 
         # back to time order; element t predicts token t + 1
-        slots = layout.slot_of_time[:, -logits_to_keep:] if logits_to_keep else layout.slot_of_time
+        slots = deep.slot_of_time[:, -logits_to_keep:] if logits_to_keep else deep.slot_of_time
         in_time_order = lambda x: x.gather(1, slots[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
         z = in_time_order(z)
         states, head = self.inner.norm(z), self.backbone.lm_head

@@ -52,6 +52,7 @@ def _flex_available() -> bool:
 class AutoBackend(AttentionBackend):
     Config = AutoConfig
     supports_backward = True
+    plans_deep_block = True  # (`chunked` and `flex` both do)
 
     def __init__(self, config: AutoConfig | None = None, ctx=None):
         self.config = config or AutoConfig()

@@ -14,7 +14,9 @@ back to the host: a chunk of tail queries ``[a, b)`` attends to every concept sl
 ``[0, b)`` (the rule masks the rest), and the concept block's queries join the first chunk's call (their
 keys are a prefix of its keys; the rule masks the tail ones): one SDPA call per chunk. The
 ranges are then functions of the shapes alone (one compiled graph, no sync), at the cost of the tail
-segment windows: ~T^2/2 tail-to-tail pairs instead of ~T * segment.
+segment windows: ~T^2/2 tail-to-tail pairs instead of ~T * segment. A static layout's deep block
+(``concept.packing.DeepBlock``: concepts and tail in one block, the boundary per row) is planned the same way,
+with no concept part of its own: chunk ``[a, b)`` of its slots sees the slots ``[0, b)``.
 """
 from __future__ import annotations
 
@@ -40,10 +42,10 @@ class ChunkedPattern(AttentionPattern):
 
     def __init__(self, layout: PackedLayout, chunk: int):
         C = self.num_concepts = layout.num_concepts
-        meta, tail = layout.meta, layout.tail_meta
         if layout.static:
             self._static(layout, chunk)
             return
+        meta, tail = layout.meta, layout.tail_meta
         # Concepts attend causally to concepts; with several packed documents, only their own.
         concepts = layout.concept_meta
         several_docs = bool((concepts.doc != concepts.doc[:, :1]).any()) if C else False
@@ -111,6 +113,7 @@ class ChunkedPattern(AttentionPattern):
 class ChunkedBackend(AttentionBackend):
     Config = ChunkedConfig
     supports_backward = True
+    plans_deep_block = True  # (a static layout's plan: the block's slots are chunks like any others)
 
     def __init__(self, config: ChunkedConfig | None = None, ctx=None):
         self.config = config or ChunkedConfig()

@@ -5,7 +5,8 @@ runs of slots (``mask = "ranges"``, the default): its document's concepts emitte
 ``[concept_lo, concept_hi)`` (a concept: up to itself, causally; a tail token: the first ``seg * emit``
 concept slots), and its own segment's tail slots up to itself ``[tail_lo, q]`` (empty for a concept). So
 ``mask_mod`` reads three int32 per query row, computed once per forward from the layout, and compares slot
-indices; nothing per key. (``mask = "rule"``: the rule of ``concept.packing.allowed`` over six per-slot
+indices; nothing per key. A static layout's deep block (``concept.packing.DeepBlock``: each row's tail right
+after its own concepts) has the same two runs, its boundary read per row. (``mask = "rule"``: the rule of ``concept.packing.allowed`` over six per-slot
 tensors (time, keep, segment, slot index, validity, document) for query and key alike: what the backend did
 before issue 40, kept for the GPU kit's diagnosis.) ``create_block_mask`` builds the BlockMask once per
 forward (shared by every deep layer) and skips every fully masked 128 x 128 tile, which in the
@@ -91,29 +92,27 @@ def slot_ranges(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch
     """Per query slot [B, L] (int32): the concept slots ``[concept_lo, concept_hi)`` and the tail slots
     ``[tail_lo, q]`` it may see, which are exactly the keys ``concept.packing.allowed`` allows it (concepts are
     sorted by time, a document's concepts and a segment's tail tokens are contiguous runs of slots; a padding
-    query sees every slot)."""
-    meta, C, emit = layout.meta, layout.num_concepts, layout.emit
+    query sees every slot). The concept part is each row's slots before ``layout.concept_boundary`` (the
+    layout's C; a ``DeepBlock``'s, per row)."""
+    meta, emit, boundary = layout.meta, layout.emit, layout.concept_boundary
     B, L = meta.time.shape
     slot = torch.arange(L, device=meta.time.device).expand(B, L)
-    # the first slot of each slot's run of equal (doc) among the concepts, of equal (doc, seg) among the tails
-    concept_doc = torch.where(meta.valid[:, :C], meta.doc[:, :C], torch.full_like(meta.doc[:, :C], -1))
-    new_doc = torch.ones_like(concept_doc, dtype=torch.bool)
-    new_doc[:, 1:] = concept_doc[:, 1:] != concept_doc[:, :-1]
-    concept_first = torch.cummax(torch.where(new_doc, slot[:, :C], torch.zeros_like(slot[:, :C])), dim=1).values
-    tail_key = torch.stack([meta.doc[:, C:], meta.seg[:, C:]])
-    new_run = torch.ones_like(meta.doc[:, C:], dtype=torch.bool)
-    new_run[:, 1:] = (tail_key[:, :, 1:] != tail_key[:, :, :-1]).any(0)
-    tail_first = torch.cummax(torch.where(new_run, slot[:, C:], torch.zeros_like(slot[:, C:])), dim=1).values
-    # a query's document's first concept: the concept runs' starts, looked up by (document, concepts before it)
-    is_concept = slot < C
-    seen = torch.where(is_concept, slot + 1, (meta.seg * emit).clamp(max=C))  # concept slots up to it (exclusive end)
-    last_seen = (seen - 1).clamp(min=0, max=max(C - 1, 0))
-    if C:
-        same_doc = (seen > 0) & (meta.doc[:, :C].gather(1, last_seen) == meta.doc) & meta.valid[:, :C].gather(1, last_seen)
-        concept_lo = torch.where(same_doc, concept_first.gather(1, last_seen), seen)
-    else:
-        concept_lo = seen
-    tail_lo = torch.where(is_concept, slot + 1, torch.cat([torch.zeros_like(slot[:, :C]), tail_first], dim=1))
+    is_concept = slot < boundary
+    # runs of slots: among the concepts, of one document (padding concept slots: none); among the tails, of one
+    # (document, segment); the boundary starts a run (the segment key changes there)
+    doc = torch.where(is_concept & ~meta.valid, -1, meta.doc)
+    seg = torch.where(is_concept, -2, meta.seg)
+    new_run = torch.ones_like(is_concept)
+    new_run[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (seg[:, 1:] != seg[:, :-1])
+    first = torch.cummax(torch.where(new_run, slot, torch.zeros_like(slot)), dim=1).values  # its run's first slot
+    # a query's document's first concept: the concept runs' starts, looked up at the last concept it sees
+    before = meta.seg * emit  # a tail query's concept slots
+    before = before.clamp(max=boundary) if isinstance(boundary, int) else torch.minimum(before, boundary)
+    seen = torch.where(is_concept, slot + 1, before)
+    last_seen = (seen - 1).clamp(min=0)  # (< the boundary wherever seen > 0)
+    same_doc = (seen > 0) & (doc.gather(1, last_seen) == meta.doc)
+    concept_lo = torch.where(same_doc, first.gather(1, last_seen), seen)
+    tail_lo = torch.where(is_concept, slot + 1, first)
     everything = ~meta.valid  # padding queries may look anywhere
     concept_lo = torch.where(everything, 0, concept_lo)
     concept_hi = torch.where(everything, L, seen)
@@ -243,6 +242,7 @@ class FlexPattern(AttentionPattern):
 
 class FlexBackend(AttentionBackend):
     Config = FlexConfig
+    plans_deep_block = True  # (its ranges per row: ``slot_ranges``)
 
     def __init__(self, config: FlexConfig | None = None, ctx=None):
         self.config = config or FlexConfig()

@@ -27,6 +27,7 @@ class DenseMaskPattern(AttentionPattern):
 class SDPABackend(AttentionBackend):
     Config = SDPAConfig
     supports_backward = True
+    plans_deep_block = True  # (the rule over any layout)
 
     def __init__(self, config: SDPAConfig | None = None, ctx=None):
         self.config = config
