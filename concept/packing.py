@@ -172,7 +172,8 @@ class DeepBlock:
     concepts first, every key a query may see is at a slot no later than its own. What a deep attention plan
     reads is the layout's own: ``meta``, ``emit``, ``static``, ``length``, ``num_concepts`` (0: no part of every
     row is concepts) and ``concept_boundary`` ([B, 1]: each row's first tail slot). A backend that plans it says
-    so (``AttentionBackend.plans_deep_block``); the model hands the others the layout itself (``deep_block``).
+    so (``AttentionBackend.plans_deep_block``); the model hands the others the layout itself
+    (``ConceptModel.deep_layout``).
     """
 
     meta: SlotMeta  # [B, W]
