@@ -238,6 +238,11 @@ def render_flops(flops: dict) -> Table:
     t.add_row("concept model", f"{flops['concept']:.3e}")
     t.add_row("ratio (concept / dense)", f"{flops['ratio']:.3f}")
     t.add_row("ideal speedup", f"{flops['speedup']:.2f}x")
+    static = flops.get("static")  # (a model with a static layout: the widths it computes, padding included)
+    if static:
+        t.add_row("static layout computes", f"{static['concept_slots']:,} concept slots, {static['deep_rows']:,} deep "
+                                            f"rows" + (" (one block)" if static["deep_block"] else ""))
+        t.add_row("its ideal speedup", f"{static['speedup']:.2f}x")
     return t
 
 

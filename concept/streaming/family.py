@@ -80,14 +80,17 @@ class Streaming(Family):
 
     def inspect(self, model, request) -> dict:
         """Its stacks, the NULL bias and where it comes from (``calibration``), and the ideal FLOPs at
-        ``request.ratio`` concepts per token and ``request.seq_len`` tokens."""
+        ``request.ratio`` concepts per token and ``request.seq_len`` tokens: of the decisions, and (``static``)
+        of the widths its static layout computes."""
         # lazy: torch (module docstring)
         from ..flops import ideal_ratio
 
         flops = ideal_ratio(model, request.ratio, request.seq_len)
+        static = static_widths_ideal(model, request.ratio, request.seq_len)
         return {"stacks": stack_layers(model.split),
                 "calibration": ratio_calibration(model, request.record, request.train),
-                "flops": {"concepts_per_token": request.ratio, **flops.to_dict(), "emit": model.emit}}
+                "flops": {"concepts_per_token": request.ratio, **flops.to_dict(), "emit": model.emit,
+                          **({"static": static} if static else {})}}
 
     # -- training ------------------------------------------------------------------------------
     def check_training(self, config, plan, device, dist) -> list[str]:
@@ -244,3 +247,22 @@ def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
     elif record.get("calibration"):
         out.update(record["calibration"], by="build", null_bias=out["null_bias"])
     return out
+
+
+def static_widths_ideal(model, ratio: float, T: int) -> dict | None:
+    """The ideal FLOPs of the widths the model's static layout computes over T tokens, padding included (the
+    budget's concept slots in the middle stack; the deep stack's block, or the slots plus T where its backend plans
+    no block: ``flops.forward_flops``), at ``ratio`` concepts per token; None without a budget."""
+    # lazy: torch (module docstring)
+    from .. import packing
+    from ..flops import Shape, evenly_spaced_keep, forward_flops, fusion_flops, head_classes
+
+    slots = model.concept_slots(T)
+    if not slots:
+        return None
+    block = model.plans_deep_block()
+    keep = evenly_spaced_keep(T, ratio * model.levels / model.emit)
+    report = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, head_classes(model),
+                           emit=model.emit, fusion=fusion_flops(model), static_slots=slots, deep_block=block)
+    return {"concept_slots": slots, "deep_rows": packing.deep_block_width(T, slots, model.emit) if block
+            else slots + T, "deep_block": block, "ratio": report.ratio, "speedup": report.speedup}
