@@ -18,6 +18,8 @@ Marked ``cuda``; without a CUDA device every test skips. The GPU kit's ``exact``
   test found on its first GPU run of ``cascade`` (2026-11-27: bf16 gradients off by 1e34, the merged output
   handed to the CUDA backward in a layout it misreads across heads; docs/architecture.md §6) needs more than
   one. Its CPU counterpart, with the CUDA operators stood in for: tests/test_uninitialised_memory.py.
+* **The deep block**: the same with a static budget, the deep stack over one block of T slots (`sdpa`,
+  `chunked`, `flex`: the backends that plan it).
 * **Decoding** with the KV caches equals the teacher-forced one-pass forward (fp32).
 * **Training** in bf16 on CUDA, interrupted after 3 of 6 steps and resumed, gives the same losses
   and weights bit for bit as the uninterrupted run (under ``torch.use_deterministic_algorithms``).
@@ -63,9 +65,10 @@ SHARPEN = 8.0
 BACKENDS = registry("attention").names()
 
 
-def cuda_models(name: str, seed: int = 0):
+def cuda_models(name: str, seed: int = 0, device: str = "cuda"):
     """(CPU float32 model, its copy on CUDA): tiny backbone with sharpened attention, random new modules,
-    backend ``name`` with its default configuration."""
+    backend ``name`` with its default configuration. (``device``: another device for the copy, e.g. to check a
+    test's own code on a CPU.)"""
     reason = getattr(registry("attention").get(name), "unavailable_reason", lambda: "")()
     if reason:
         pytest.skip(f"attention {name!r}: {reason}")
@@ -76,7 +79,7 @@ def cuda_models(name: str, seed: int = 0):
         for n, p in model.backbone.named_parameters():
             if "q_proj" in n or "k_proj" in n:
                 p.mul_(SHARPEN)
-    return model, copy.deepcopy(model).to("cuda")
+    return model, copy.deepcopy(model).to(device)
 
 
 def relative(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
@@ -92,10 +95,10 @@ def new_module_grads(model, logits, ids, valid) -> dict[str, torch.Tensor]:
     return grads
 
 
-def run_cuda(model, ids, mask, keep, concept_ids, dtype: str):
+def run_cuda(model, ids, mask, keep, concept_ids, dtype: str, device: str = "cuda"):
     """The CUDA model's logits on the batch, under bf16 autocast for ``dtype == "bf16"``."""
-    dev = [t.to("cuda") for t in (ids, mask, keep, concept_ids)]
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+    dev = [t.to(device) for t in (ids, mask, keep, concept_ids)]
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16"):
         return model(dev[0], attention_mask=dev[1], keep=dev[2], concept_ids=dev[3]).logits
 
 
@@ -118,6 +121,32 @@ def test_backend_matches_the_naive_reference_on_cuda(backend, dtype):
     assert_logits_match(f"{backend} {dtype}", logits, ref, valid, TOLERANCES[dtype])
     grads = new_module_grads(gpu, logits, ids.to("cuda"), valid.to("cuda"))
     assert_gradients_match(f"{backend} {dtype}", grads, ref_grads, TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["sdpa", "chunked", "flex"])
+def test_the_deep_block_matches_the_naive_reference_on_cuda(backend, dtype):
+    deep_block_case(backend, dtype)
+
+
+def deep_block_case(backend: str, dtype: str, device: str = "cuda") -> None:
+    """A static layout's deep stack over its block (``packing.DeepBlock``, each row's tail right after its own
+    concepts; a budget that never binds on this batch, 1.0) against the naive reference: logits and gradients, as
+    above, and the deep stack run on T slots (the layout would be 2T)."""
+    cpu, gpu = cuda_models(backend, device=device)
+    cpu.max_ratio = gpu.max_ratio = 1.0
+    assert gpu.plans_deep_block()
+    ids, mask, keep, valid, concept_ids, ref, ref_grads = reference(cpu)
+    widths = []
+    hook = gpu.deep[0].register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    try:
+        logits = run_cuda(gpu, ids, mask, keep, concept_ids, dtype, device)
+    finally:
+        hook.remove()
+    assert widths == [ids.shape[1]]
+    assert_logits_match(f"{backend} {dtype} deep block", logits, ref, valid, TOLERANCES[dtype])
+    grads = new_module_grads(gpu, logits, ids.to(device), valid.to(device))
+    assert_gradients_match(f"{backend} {dtype} deep block", grads, ref_grads, TOLERANCES[dtype])
 
 
 def assert_logits_match(label: str, logits, ref, valid, tol: dict) -> None:
