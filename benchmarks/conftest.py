@@ -168,9 +168,7 @@ GPU_WARMUP, GPU_REPS = 3, 20
 def side_by_side(dense_fn, concept_fn, rounds: int = 3, device=None) -> dict:
     """Median seconds of each, alternating dense / concept every round (after one warm-up each). On CUDA:
     :func:`gpu_side_by_side` (CUDA events, GPU_REPS rounds, a profiled call of each, peak memory)."""
-    if device is not None and torch.device(device).type == "cuda":
-        return gpu_side_by_side({"dense": dense_fn, "concept": concept_fn}, device)
-    return cpu_side_by_side({"dense": dense_fn, "concept": concept_fn}, rounds)
+    return side_by_side_named({"dense": dense_fn, "concept": concept_fn}, rounds, device)
 
 
 def side_by_side_named(fns: dict, rounds: int | None = None, device=None) -> dict:

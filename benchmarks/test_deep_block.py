@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from concept.dense import DenseModel
-from concept.flops import Shape, evenly_spaced_keep, forward_flops, head_classes
+from concept.flops import evenly_spaced_keep
 from concept.lora import LoraSettings, add_lora
+from concept.streaming.family import static_widths_flops
 from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 
 from .conftest import autocast, dtype_name, side_by_side_named
@@ -28,10 +29,8 @@ CASES = [("forward", 1, 1024), ("forward", 1, 8192), ("train", 4, 128), ("train"
 
 def ideals(model, T: int) -> dict:
     """The static FLOP ideal over the block and over the layout."""
-    keep, slots = evenly_spaced_keep(T, DEFAULT_TARGET_RATIO), model.concept_slots(T)
-    shape = Shape.from_hf_config(model.backbone.config)
-    return {f"{name}_ideal_speedup": forward_flops(shape, model.split, keep, head_classes(model), emit=model.emit,
-                                                   static_slots=slots, deep_block=block).speedup
+    keep = evenly_spaced_keep(T, DEFAULT_TARGET_RATIO)
+    return {f"{name}_ideal_speedup": static_widths_flops(model, keep, block)[0].speedup
             for name, block in (("block", True), ("layout", False))}
 
 

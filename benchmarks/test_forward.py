@@ -27,6 +27,7 @@ import torch
 import concept
 from concept import BuildConfig, ComponentRef
 from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
+from concept.streaming.family import static_widths_flops
 from concept.flops import Shape, evenly_spaced_keep, forward_flops, head_classes
 
 from . import compiled
@@ -161,13 +162,11 @@ def measure_forward(benchmark, record, model, T, ratio, device, name, **extra):
 
 
 def static_ideal(model, keep) -> dict:
-    """``static_ideal_speedup``: the FLOP ideal of the widths a static layout computes (``concept_slots``: the
-    middle stack's budget of slots, the deep stack's block of concepts and tail, or the budget plus a tail of T
-    where the backend plans no block; ``flops.forward_flops``), next to ``ideal_speedup``, the ideal of a layout
-    as wide as the decisions. Nothing for a model without a budget."""
-    slots = model.concept_slots(len(keep)) if hasattr(model, "concept_slots") else None
-    if not slots:
+    """``static_ideal_speedup``: the FLOP ideal of the widths a static layout computes
+    (``concept.streaming.family.static_widths_flops``), next to ``ideal_speedup``, the ideal of a layout as wide as
+    the decisions. Nothing for a model without a budget."""
+    flops = static_widths_flops(model, keep) if hasattr(model, "concept_slots") else None
+    if flops is None:
         return {}
-    report = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, head_classes(model),
-                           emit=model.emit, static_slots=slots, deep_block=model.plans_deep_block())
+    report, slots, _ = flops
     return {"static_ideal_speedup": report.speedup, "static_slots": slots}

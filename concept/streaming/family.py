@@ -249,20 +249,33 @@ def ratio_calibration(model, record: dict, train: dict | None) -> dict | None:
     return out
 
 
-def static_widths_ideal(model, ratio: float, T: int) -> dict | None:
-    """The ideal FLOPs of the widths the model's static layout computes over T tokens, padding included (the
-    budget's concept slots in the middle stack; the deep stack's block, or the slots plus T where its backend plans
-    no block: ``flops.forward_flops``), at ``ratio`` concepts per token; None without a budget."""
+def static_widths_flops(model, keep, deep_block: bool | None = None):
+    """The FLOPs of the widths the model's static layout computes over a row with decisions ``keep`` [T], padding
+    included (the budget's concept slots in the middle stack; the deep stack's block, or the slots plus T where its
+    backend plans no block: ``flops.forward_flops``), as (report, concept slots, deep rows); None without a budget.
+    ``deep_block``: the deep stack's width as with the block (True) or the layout (False); None: the model's."""
     # lazy: torch (module docstring)
     from .. import packing
-    from ..flops import Shape, evenly_spaced_keep, forward_flops, fusion_flops, head_classes
+    from ..flops import Shape, forward_flops, fusion_flops, head_classes
 
+    T = len(keep)
     slots = model.concept_slots(T)
     if not slots:
         return None
-    block = model.plans_deep_block()
-    keep = evenly_spaced_keep(T, ratio * model.levels / model.emit)
+    block = model.plans_deep_block() if deep_block is None else deep_block
     report = forward_flops(Shape.from_hf_config(model.backbone.config), model.split, keep, head_classes(model),
                            emit=model.emit, fusion=fusion_flops(model), static_slots=slots, deep_block=block)
-    return {"concept_slots": slots, "deep_rows": packing.deep_block_width(T, slots, model.emit) if block
-            else slots + T, "deep_block": block, "ratio": report.ratio, "speedup": report.speedup}
+    return report, slots, packing.deep_block_width(T, slots, model.emit) if block else slots + T
+
+
+def static_widths_ideal(model, ratio: float, T: int) -> dict | None:
+    """:func:`static_widths_flops` at ``ratio`` concepts per token spread evenly, for ``concept inspect``."""
+    # lazy: torch (module docstring)
+    from ..flops import evenly_spaced_keep
+
+    flops = static_widths_flops(model, evenly_spaced_keep(T, ratio * model.levels / model.emit))
+    if flops is None:
+        return None
+    report, slots, deep_rows = flops
+    return {"concept_slots": slots, "deep_rows": deep_rows, "deep_block": model.plans_deep_block(),
+            "ratio": report.ratio, "speedup": report.speedup}

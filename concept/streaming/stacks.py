@@ -64,15 +64,15 @@ class StackRuns:
             self.positions.text_positions(pos.gather(1, layout.tail_src)),
         ], dim=1)
 
-    def concept_stack_positions(self, c, pos, layout, deep=None):
+    def concept_stack_positions(self, c, pos, layout, deep):
         """((positions, RoPE table) of the middle stack, the same of the deep stack) for the packed concepts
         ``c`` and the tail: both tables built in one rotary call (:meth:`rope_tables`). ``deep``: the deep
-        stack's sequence, the layout (or None) or its ``packing.DeepBlock``, whose slots take the layout's
-        positions at their elements."""
+        stack's sequence, the layout or its ``packing.DeepBlock``, whose slots take the layout's positions at
+        their elements."""
         concept_pos = pos.gather(1, layout.concept_id_src)
         middle_pos = self.positions.concept_positions(concept_pos, layout.concept_rank, "middle")
         deep_pos = self.deep_positions(pos, concept_pos, layout)
-        if deep is not None and deep is not layout:
+        if deep is not layout:
             deep_pos = deep_pos.gather(1, deep.src)
         middle_rope, deep_rope = self.rope_tables(c, middle_pos, deep_pos)
         return (middle_pos, middle_rope), (deep_pos, deep_rope)
