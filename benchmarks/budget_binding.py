@@ -2,7 +2,7 @@
 training batches, as the trainer feeds them) that ``ceil(R n) + slack`` would drop, for a few budgets R (in units
 of the run's target ratio) and slacks. What ``max_ratio="auto"`` was chosen from (``concept.streaming.budget``).
 
-    python benchmarks/budget_binding.py RUN [--batches 20] [--seq-len 256] [--batch 8]
+    python benchmarks/budget_binding.py RUN [--batches 20] [--seq-len 256] [--batch 8] [--data prose]
 """
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--data", default=None, help="a corpus other than the run's (e.g. prose)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = pathlib.Path(tempfile.mkdtemp()) / "probe"
-    trainer = Trainer.start(args.run, out, TrainConfig(steps=1, seq_len=args.seq_len, batch=args.batch))
+    config = TrainConfig(steps=1, seq_len=args.seq_len, batch=args.batch, data=args.data)
+    trainer = Trainer.start(args.run, out, config)
     model = trainer.model.eval()
     target = gap.target_of(model.length_policy)
-    cases = [(h, s) for h in (1.5, 2.0, 3.0) for s in (0, 1, 2, 3, 4)]
+    cases = [(h, s) for h in (1.25, 1.5, 2.0, 3.0) for s in (0, 1, 2, 3, 4, 6, 8)]
     found = {case: [0, 0] for case in cases}
     with torch.no_grad():
         for i in range(args.batches):

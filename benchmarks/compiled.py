@@ -9,7 +9,7 @@ default mode; under the regional choices (``on``, ``layers``) and ``reduce-overh
 (``backend="eager"``): the plumbing, in seconds, never a speed claim.
 
 A streaming model compiles only with a static concept budget (``BuildConfig.max_ratio``): the compiled
-builds get :data:`BUDGET` unless they set one (:func:`budgeted`).
+builds get :data:`BUDGET`, the default build's ``auto``, unless they set one (:func:`budgeted`).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from concept.streaming.operating_point import has_budget
+from concept.streaming.operating_point import MAX_RATIO_AUTO, has_budget
 
 GPU_MODE = "reduce-overhead"
-BUDGET = 0.25  # the compiled streaming builds' max_ratio: twice the default 0.125 concepts per token
+BUDGET = MAX_RATIO_AUTO  # the compiled streaming builds' max_ratio: the default build's (concept.streaming.budget)
 # what the GPU kit compiles with (setup's compiled training rows, speed's compiled cases, quality's compiled runs):
 # the whole forward one graph (the fourth lease measured ``on``: one CUDA graph per layer and eager glue between)
 KIT_CHOICE = "model"

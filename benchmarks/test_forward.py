@@ -127,7 +127,7 @@ def test_forward_compiled_vs_dense_compiled(benchmark, record, request, device, 
     mode = compiled.dense_compile_kwargs(device, choice) or {"mode": "default"}
     label = f"{backbone} T={T} compiled ({', '.join(f'{k}={v}' for k, v in mode.items())})"
     common = dict(T=T, dtype=dtype_name(dtype), backend=attention, compile=mode, concept_compile=choice,
-                  max_ratio=compiled.BUDGET)
+                  max_ratio=eager.max_ratio, concept_slots=eager.concept_slots(T))
     ideal = forward_flops(Shape.from_hf_config(eager.backbone.config), eager.split, keep[0].cpu(), head_classes(eager))
     row = {**timing, **first, "speedup": timing["dense_s"] / timing["concept_s"],
            "speedup_vs_dense_eager": timing["dense_eager_s"] / timing["concept_s"],

@@ -377,9 +377,9 @@ def test_inspect_json(tiny_run):
     flops = data["flops"]
     assert flops["T"] == 2048 and flops["concepts"] == 256 and flops["concepts_per_token"] == DEFAULT_TARGET_RATIO
     assert 0 < flops["ratio"] < 1 and flops["speedup"] == pytest.approx(1 / flops["ratio"])
-    # the widths the static layout computes (`auto`: ceil(0.25 T) + 4 slots; chunked plans the deep block: T rows)
+    # the widths the static layout computes (`auto`: ceil(1.25 r T) + 6 slots; chunked plans the deep block: T rows)
     static = flops["static"]
-    assert (static["concept_slots"], static["deep_rows"], static["deep_block"]) == (516, 2048, True)
+    assert (static["concept_slots"], static["deep_rows"], static["deep_block"]) == (326, 2048, True)
     assert 1 < static["speedup"] < flops["speedup"] and static["ratio"] == pytest.approx(1 / static["speedup"])
 
 
@@ -394,7 +394,7 @@ def test_inspect_table(tiny_run):
     result = ok(invoke("inspect", out))
     for text in ("run", "stacks", "shallow", "0-1", "2-5", "6-7", "trainable", "frozen", "components",
                  "gumbel-st", "tau=0.7", "ideal FLOPs", "ratio", "speedup", "256 for 2,048",
-                 "516 concept slots, 2,048 deep rows (one block)"):
+                 "326 concept slots, 2,048 deep rows (one block)"):
         assert text in result.stdout, text
 
 

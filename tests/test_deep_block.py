@@ -163,8 +163,9 @@ def test_a_prefill_records_the_layouts_order(capped, batch):
 
 def test_flops_count_the_blocks_width():
     """The deep stack's linear layers over T slots (the block, one concept per boundary) instead of S + T; at
-    SmolLM2's shape and r = 0.125 with the `auto` budget the ideal rises from 2.30x to 2.45x at 8k tokens and from
-    1.39x to 1.51x at the demo recipe's 128 (docs/benchmarks.md)."""
+    SmolLM2's shape, the default vocabulary (4,096 concepts and NULL) and r = 0.125, with the old `auto` budget
+    (0.25 + 4) the ideal rises from 2.28x to 2.42x at 8k tokens and from 1.37x to 1.49x at the demo recipe's 128,
+    with today's (0.15625 + 6) to 2.55x and 1.58x (docs/benchmarks.md)."""
     shape = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=97)
     keep = torch.arange(40) % 5 == 4
     slots = packing.budget(40, 0.25)
@@ -175,9 +176,10 @@ def test_flops_count_the_blocks_width():
     two = forward_flops(shape, (1, 2, 1), keep, 16, emit=2, static_slots=2 * slots, deep_block=True)
     assert two.deep == pytest.approx(shape.linear(40 + slots) + shape.attention(deep_pairs(keep, 2)))  # T + slots
     smollm2 = Shape(576, 9, 3, 64, 1536, 49152)
-    for T, wide_ideal, block_ideal in ((8192, 2.301, 2.446), (128, 1.391, 1.514)):
-        keep, slots = evenly_spaced_keep(T, 0.125), packing.budget(T, 0.25, 4)
-        assert forward_flops(smollm2, (4, 18, 8), keep, 2049, static_slots=slots).speedup == pytest.approx(
+    for T, budget, wide_ideal, block_ideal in ((8192, (0.25, 4), 2.279, 2.421), (128, (0.25, 4), 1.375, 1.494),
+                                               (8192, (0.15625, 6), 2.453, 2.554), (128, (0.15625, 6), 1.482, 1.580)):
+        keep, slots = evenly_spaced_keep(T, 0.125), packing.budget(T, *budget)
+        assert forward_flops(smollm2, (4, 18, 8), keep, 4097, static_slots=slots).speedup == pytest.approx(
             wide_ideal, abs=1e-3)
-        assert forward_flops(smollm2, (4, 18, 8), keep, 2049, static_slots=slots, deep_block=True).speedup == \
+        assert forward_flops(smollm2, (4, 18, 8), keep, 4097, static_slots=slots, deep_block=True).speedup == \
             pytest.approx(block_ideal, abs=1e-3)

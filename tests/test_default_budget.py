@@ -1,5 +1,6 @@
 """The static concept budget is the default (``BuildConfig.max_ratio = "auto"``, ``concept.streaming.budget``):
-``auto`` is twice the length policy's target ratio (the trainer's target as it moves), a `fixed` policy's own
+``auto`` is 1.25 times the length policy's target ratio plus 6 boundaries where its per-document tracker holds each
+row near it (twice it plus 4 without one), following the trainer's target as it moves, a `fixed` policy's own
 rate, none for a policy with neither; ``none`` / 0 switch it off; runs saved before it load as they were built
 (no budget). The default build's forward has one declared host sync (the policy scan) and no hidden one, with
 an injected ``.item()`` and the budget switched off as negative controls (its training step and compiled
@@ -63,24 +64,40 @@ def test_the_build_command_takes_a_number_auto_or_none():
     assert "Traceback" not in result.output
 
 
-def test_auto_is_twice_the_policys_target_and_follows_it(default_model):
+def test_auto_is_a_quarter_over_the_policys_target_and_follows_it(default_model):
     policy = default_model.length_policy
-    assert default_model.budget_setting == "auto" and default_model.max_ratio == 0.25  # 2 x the default 0.125
+    assert default_model.budget_setting == "auto" and default_model.max_ratio == 0.15625  # 1.25 x the default 0.125
     try:
         gap.set_target(policy, 0.3)  # what the trainer does each step (its curriculum's target)
-        assert default_model.max_ratio == 0.6
-        gap.set_target(policy, 0.7)
+        assert default_model.max_ratio == 0.375
+        gap.set_target(policy, 0.9)
         assert default_model.max_ratio == 1.0
     finally:
         gap.set_target(policy, 0.125)
     with default_model.budget_off():
         assert default_model.max_ratio == 0.0
-    assert default_model.max_ratio == 0.25
+    assert default_model.max_ratio == 0.15625
+
+
+def test_auto_without_a_per_document_tracker_is_twice_the_target():
+    """Nothing holds a row near the target (`threshold`, `null` with ``track`` 0): twice it, slack 4; the
+    tracked rule's slots against it at the default target (negative control: the tracked rule on `threshold`)."""
+    tracked = randomize_new_modules(concept.build(tiny()))
+    for policy in (ComponentRef("threshold"), ComponentRef("null", {"track": 0.0})):
+        model = randomize_new_modules(concept.build(tiny(length_policy=policy)))
+        gap.set_target(model.length_policy, 0.125)
+        assert not budget.tracks_documents(model.length_policy)
+        assert (model.max_ratio, model.budget_slack) == (0.25, 4) and budget.rule(model.length_policy) == budget.UNTRACKED
+        assert model.concept_slots(128) == 36
+    gap.set_target(tracked.length_policy, 0.125)
+    assert budget.tracks_documents(tracked.length_policy)
+    assert (tracked.max_ratio, tracked.budget_slack, tracked.concept_slots(128)) == (0.15625, 6, 26)
+    assert tracked.concept_slots(8192) == 1286
 
 
 def test_auto_for_fixed_is_its_own_rate_and_never_binds():
     model = randomize_new_modules(concept.build(tiny(length_policy=ComponentRef("fixed", {"every": 2}))))
-    assert model.max_ratio == 0.5  # where twice the default target (0.25) would drop every other boundary
+    assert model.max_ratio == 0.5  # where the tracked rule (0.15625) would drop most boundaries
     ids = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(0))
     doc = torch.tensor([[0] * 7 + [1] * 11 + [2] * 15, [0] * 33])
     with torch.no_grad():
@@ -151,8 +168,8 @@ def test_the_default_forward_reads_the_device_once(default_model, monkeypatch):
     assert seen.hidden == 1 and dict(seen.syncs) == {"_local_scalar_dense": 1}
 
 
-def test_auto_leaves_a_slack_of_four_and_the_cap_is_still_its_step_rule(default_model):
-    """``auto``'s budget is ``ceil(2 r n) + 4`` (a burst at a row's start: docs/results.md); the one-pass cap with
+def test_auto_leaves_a_slack_and_the_cap_is_still_its_step_rule(default_model):
+    """``auto``'s budget is ``ceil(1.25 r n) + 6`` (a burst at a row's start: docs/results.md); the one-pass cap with
     a slack equals the cap applied token by token, and the decoder applies it too (decoding = teacher forcing)."""
     g = torch.Generator().manual_seed(0)
     keep, valid = torch.rand(6, 40, generator=g) < 0.4, torch.rand(6, 40, generator=g) < 0.9
@@ -166,7 +183,8 @@ def test_auto_leaves_a_slack_of_four_and_the_cap_is_still_its_step_rule(default_
                     want[b, t], count = True, count + 1
         assert torch.equal(packing.cap_boundaries(keep, valid, 0.25, slack=slack), want)
     model = default_model
-    assert model.budget_slack == budget.SLACK and model.concept_slots(16) == math.ceil(16 * 0.25) + 4
+    assert model.budget_slack == budget.TRACKED[1] == 6
+    assert model.concept_slots(16) == math.ceil(16 * 0.15625) + 6
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
     model.length_policy.null_bias.fill_(-20.0)  # every token's head says keep: the tracker lets ~10 ahead
     try:

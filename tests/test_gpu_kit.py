@@ -309,7 +309,7 @@ def test_quality_compiled_trains_all_three_models_compiled_through_the_frontier(
     plan = {"steps": 2, "seq_len": recipe.seq_len(True), "batch": 2, "warmup": 1, "device": "cpu",
             "data": str(ROOT / "concept" / "recipes"), "compile": {"compile": "on"}}
     args = quality_stage.frontier_args(stage, plan, recipe.DRY_SPLIT, "0.25", "pruned,dense")
-    assert args[-2:] == ["--train-set", "compile=on"] and "max_ratio=0.25" in args
+    assert args[-2:] == ["--train-set", "compile=on"] and "max_ratio=auto" in args
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=kit_env(stage.work, True), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

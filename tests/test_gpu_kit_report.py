@@ -159,3 +159,18 @@ def test_the_quality_block_says_which_way_each_model_trained_and_why():
                            "compilation 38 s); pruned compiled (sized by 121,608 tokens/s, its eager rate")
     assert line.endswith("Why: compiled was faster in `setup` (streaming).")
     assert report_stage.training_lines(None) == []  # plans before 2026-11-27b
+
+
+def test_quality_reports_what_the_budget_dropped_over_training():
+    """The quality stage's runs say how often the static budget bound as training went on (``capped``, the policy's
+    boundaries dropped per token): mean, most, the last tenth's mean; a run that logs none (a baseline) has none."""
+    from benchmarks.gpu_kit import quality_stage
+
+    rows = [{"step": i + 1, "loss": 5.0, "capped": c} for i, c in enumerate([0.0] * 18 + [0.002, 0.004])]
+    summary = quality_stage.capped_summary(rows)
+    assert summary == pytest.approx({"capped_mean": 0.0003, "capped_max": 0.004, "capped_last_tenth": 0.003})
+    assert quality_stage.capped_summary([{"step": 1, "loss": 5.0}]) == {}  # negative control: a baseline's log
+    plan = {"steps": 20, "tokens_per_step": 100}
+    runs = quality_stage.progress({"streaming": rows, "dense": [{"step": 20, "loss": 3.0}]}, plan)
+    assert runs[0]["capped_max"] == 0.004 and "capped_max" not in runs[1]
+    assert [report_stage.capped_cell(r) for r in runs] == ["0.0003 / 0.004 / 0.003", "–"]

@@ -280,14 +280,28 @@ def metrics(stage: Stage) -> dict[str, list[dict]]:
 
 
 def progress(runs: dict[str, list[dict]], plan: dict) -> list[dict]:
-    """How far each run got: step, tokens seen, the last train loss and held-out NLL."""
+    """How far each run got: step, tokens seen, the last train loss and held-out NLL; for a run with a static
+    concept budget, what the budget dropped of its policy's boundaries (``capped``, per token, over the logged
+    steps: its mean, its most, and the last tenth's mean: whether the cap binds as training goes on)."""
     out = []
     for name, rows in runs.items():
         last_eval = next((r["eval"] for r in reversed(rows) if r.get("eval")), {})
         step = rows[-1]["step"] if rows else 0
         out.append({"run": name, "step": step, "steps": plan["steps"], "tokens": step * plan["tokens_per_step"],
-                    "loss": rows[-1]["loss"] if rows else None, "heldout_nll": last_eval.get("nll")})
+                    "loss": rows[-1]["loss"] if rows else None, "heldout_nll": last_eval.get("nll"),
+                    **capped_summary(rows)})
     return out
+
+
+def capped_summary(rows: list[dict]) -> dict:
+    """``capped`` (the policy's boundaries the static budget dropped, per token) over a run's logged steps: mean,
+    most and the last tenth's mean; {} for a run that logs none (a baseline, or no budget)."""
+    values = [float(r["capped"]) for r in rows if r.get("capped") is not None]
+    if not values:
+        return {}
+    tail = values[-max(1, len(values) // 10):]
+    return {"capped_mean": sum(values) / len(values), "capped_max": max(values),
+            "capped_last_tenth": sum(tail) / len(tail)}
 
 
 def curves(stage: Stage, runs: dict[str, list[dict]], plan: dict) -> str | None:

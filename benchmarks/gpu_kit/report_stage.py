@@ -98,6 +98,14 @@ def cell(text: str, limit: int = 200) -> str:
     return re.sub(r"\s+", " ", str(text))[:limit].replace("|", "\\|")
 
 
+def capped_cell(run: dict) -> str:
+    """A quality run's ``capped`` (the static budget's dropped boundaries per token) as mean / most / last tenth,
+    or – for a run without a budget."""
+    if run.get("capped_mean") is None:
+        return "–"
+    return " / ".join(f"{run[k]:.2g}" for k in ("capped_mean", "capped_max", "capped_last_tenth"))
+
+
 def _f(x, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
@@ -352,10 +360,11 @@ def render_quality(data: dict, image: str | None) -> str:
     lines += [f"- point {p['name']}: split {p['splits']}, ratio {p['ratios']}, planned {_f(p['flop_ratio'], '.3f')}x dense "
               f"FLOPs: {p['state']}" + (f" ({p['reason']})" if p.get("reason") else "") for p in r.get("points", [])]
     if r.get("runs"):
-        lines += ["", "| run | steps done | tokens seen | last train loss | last held-out NLL (training data's split) |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += ["", "| run | steps done | tokens seen | last train loss | last held-out NLL (training data's split) "
+                      "| boundaries the budget dropped, per token: mean / most / last tenth |",
+                  "|---|---:|---:|---:|---:|---|"]
         lines += [f"| {x['run']} | {x['step']} / {x['steps']} | {x['tokens']:.3g} | {_f(x['loss'], '.3f')} | "
-                  f"{_f(x['heldout_nll'], '.3f')} |" for x in r["runs"]]
+                  f"{_f(x['heldout_nll'], '.3f')} | {capped_cell(x)} |" for x in r["runs"]]
     if r.get("table"):
         lines += ["", "Held-out evaluation (the frontier's table):", "", r["table"]]
     if image:

@@ -8,12 +8,16 @@ and ``cap_boundaries`` apply it).
   (``concept.streaming.gap``):
 
   * a policy with a target ratio r (its ``target_ratio`` buffer: `null`, `threshold`, `mtp`; the trainer
-    keeps it at the step's target, the build's calibration at its own): ``min(1, 2 r)``, twice the target,
-    0.25 at the default 0.125, with a slack of :data:`SLACK` boundaries: a row's first n real tokens keep at
-    most ``ceil(2 r n) + 4``. The per-document ratio tracker holds a document near r, so a row goes over
-    ``ceil(2 r n)`` only in a burst at its start: on two 20-step default runs, 0.72-0.77 % of the policy's
-    boundaries without a slack (in a row's first tokens), 0-0.03 % with 2, none with 4
-    (``benchmarks/budget_binding.py``, ``docs/results.md``);
+    keeps it at the step's target, the build's calibration at its own) and a per-document ratio tracker (its
+    ``track`` gain above 0: `null` and `mtp` by default): ``min(1, 1.25 r)`` with a slack of 6 boundaries
+    (:data:`TRACKED`): a row's first n real tokens keep at most ``ceil(1.25 r n) + 6``, 26 concept slots at
+    T = 128 and 1,286 at 8k for the default r = 0.125. The tracker holds a document near r, so a row goes
+    over ``ceil(1.25 r n)`` only in a burst at its start, which the slack takes: over the policy's boundaries
+    of a 20-step tiny run and the demo's SmolLM2 run, on code and on prose, at 256 and 2,048 tokens a row,
+    none dropped with a slack of 6 (``benchmarks/budget_binding.py``, ``docs/results.md``, "The default
+    static budget");
+  * a policy with a target ratio and no per-document tracker (`threshold`; `null` / `mtp` with ``track`` 0):
+    nothing holds a row near r, so twice it, ``min(1, 2 r)`` with a slack of 4 (:data:`UNTRACKED`);
   * a policy that bounds its own rate (``max_boundary_rate``: `fixed`, one boundary every ``every`` tokens):
     that bound, which the cap then never binds;
   * neither (`entropy`: its rate is set by ``tau`` and nothing tracks it): none (the budget would have to be
@@ -32,15 +36,27 @@ import math
 from . import gap
 from .operating_point import MAX_RATIO_AUTO, MAX_RATIO_NONE
 
-HEADROOM = 2.0  # auto: the budget in units of the policy's target ratio
-SLACK = 4  # auto: boundaries a row may have beyond ceil(max_ratio * n), for a burst at its start
+# auto, (headroom in units of the policy's target ratio, slack in boundaries per row beyond ceil(budget * n)):
+TRACKED = (1.25, 6)  # a policy with a per-document ratio tracker (the slack: a burst at a row's start)
+UNTRACKED = (2.0, 4)  # a policy with a target ratio and no tracker (nothing holds a row near it)
 
 
-def from_target(target: float) -> float:
-    """``auto`` for a policy with a target ratio: ``min(1, HEADROOM * target)`` (none for a target <= 0)."""
+def tracks_documents(policy) -> bool:
+    """Whether the policy's per-document ratio tracker is on (its ``track`` gain above 0: `null`, `mtp`; a
+    third-party policy declares one the same way)."""
+    return float(getattr(policy, "track", 0.0) or 0.0) > 0
+
+
+def rule(policy) -> tuple[float, int]:
+    """``auto``'s (headroom, slack) for a policy with a target ratio: :data:`TRACKED` or :data:`UNTRACKED`."""
+    return TRACKED if tracks_documents(policy) else UNTRACKED
+
+
+def from_target(target: float, headroom: float = TRACKED[0]) -> float:
+    """``auto`` for a policy with a target ratio: ``min(1, headroom * target)`` (none for a target <= 0)."""
     if not math.isfinite(target) or target <= 0:
         return 0.0
-    return min(1.0, HEADROOM * target)
+    return min(1.0, headroom * target)
 
 
 def auto(policy) -> float:
@@ -49,16 +65,16 @@ def auto(policy) -> float:
     if bound is not None:
         return min(1.0, float(bound))
     if getattr(policy, "target_ratio", None) is not None:
-        return from_target(gap.target_of(policy))
+        return from_target(gap.target_of(policy), rule(policy)[0])
     return 0.0
 
 
 def slack(value, policy) -> int:
-    """The budget's slack: :data:`SLACK` for ``auto`` from a target ratio; 0 for a policy's own rate bound
+    """The budget's slack: :func:`rule`'s for ``auto`` from a target ratio; 0 for a policy's own rate bound
     (it never goes over it) and for a number, which is the budget exactly as given."""
     if value != MAX_RATIO_AUTO or getattr(policy, "max_boundary_rate", None) is not None:
         return 0
-    return SLACK if auto(policy) else 0
+    return rule(policy)[1] if auto(policy) else 0
 
 
 def resolve(value, policy) -> float:

@@ -60,9 +60,10 @@ class StreamingSection:
         MAX_RATIO_AUTO, metavar="R|auto|none",
         help="Streaming: static shapes. A row's first n real tokens emit at most ceil(max_ratio * n) boundaries "
              "(the model drops those over it), so the packed layout has ceil(max_ratio * T) concept slots per row "
-             "whatever the decisions (no host sync, one compiled graph). auto: twice the length policy's target "
-             "ratio, plus 4 boundaries of slack per row (0.25 at the default 0.125; fixed: its own rate "
-             "1 / every); none or 0: off, widths follow the batch.")
+             "whatever the decisions (no host sync, one compiled graph). auto: 1.25 times the length policy's "
+             "target ratio plus 6 boundaries of slack per row for a policy whose per-document tracker holds each "
+             "row near it (0.15625 at the default 0.125: null, mtp), twice it plus 4 for one without a tracker "
+             "(threshold), a fixed policy's own rate 1 / every; none or 0: off, widths follow the batch.")
 
     def __post_init__(self):
         # a component named by a string (``length_policy="fixed"``) is that component with its defaults
