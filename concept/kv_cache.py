@@ -210,11 +210,13 @@ class ConceptCache:
         self.middle = SlotCache(batch_size, device)
         self.deep = SlotCache(batch_size, device)
 
-    def adopt(self, valid: torch.Tensor, layout) -> None:
+    def adopt(self, valid: torch.Tensor, layout, deep=None) -> None:
         """Keep what a recorded one-pass prefill over ``valid`` [B, T] left in each stack: every real
         token (shallow), every concept (middle), and every concept plus the tail tokens after the
-        row's last concept (deep)."""
-        meta = layout.meta
+        row's last concept (deep). ``deep``: the sequence the deep stack ran over (the ``layout``, the default,
+        or its ``packing.DeepBlock``): its slots are what the deep caches recorded. Both hold a row's concepts
+        before its tail, each part in time order, so the kept entries come out the same either way."""
+        meta = (layout if deep is None else deep).meta
         self.shallow.adopt(valid)
         self.middle.adopt(layout.concept_meta.valid)
         last_seg = meta.keep.sum(1, keepdim=True) // layout.emit  # seg of the tail tokens after the last concept

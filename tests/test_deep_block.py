@@ -16,7 +16,9 @@ from plugins.attention.cascade import CascadeBackend, CascadeConfig
 from plugins.attention.chunked import ChunkedBackend, ChunkedConfig
 from plugins.attention.flex import FlexBackend, FlexConfig
 from plugins.attention.sdpa import SDPABackend
-from tests.conftest import mixed_model
+from concept.kv_cache import ConceptCache
+from concept.streaming.decoding import ConceptDecoder
+from tests.conftest import assert_decoding_matches_teacher_forcing, mixed_model
 from tests.reference import reference_logits
 from tests.test_static_shapes import CAP, batch  # noqa: F401 (the budget that binds, and its batch: a fixture)
 BACKENDS = {"sdpa": SDPABackend(), "chunked": ChunkedBackend(ChunkedConfig(4)), "flex": FlexBackend(FlexConfig(False))}
@@ -153,12 +155,47 @@ def test_a_backend_that_plans_no_block_gets_the_layout(capped, batch):
     torch.testing.assert_close(out.logits[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
-def test_a_prefill_records_the_layouts_order(capped, batch):
-    """A KV cache recording the stacks (a prefill) keeps the layout's order, which decoding reads."""
-    ids, mask = batch
-    layout = packing.pack(torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool), concepts=1)
-    assert capped.deep_layout(layout, cache=object()) is layout
-    assert isinstance(capped.deep_layout(layout), packing.DeepBlock)  # (without a cache: the block)
+@pytest.mark.parametrize("name", ["sdpa", "chunked"])
+def test_a_prefill_runs_the_block_and_keeps_the_layouts_cache(capped, name, monkeypatch):
+    """A prefill's deep stack runs over the block too (its KV caches record T slots a row, not C + T), and the
+    entries it keeps are the layout's, in the layout's order: each row's concepts, then its tail after the last
+    one; decoding from them equals teacher forcing. Negative control: the block's records adopted by the layout's
+    slots keep the wrong entries."""
+    capped.attention = BACKENDS[name]
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 8, 4, 6, 2, 1, 7, 3], [4, 4, 8, 3, 9]]
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    valid = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts])
+    recorded, kept = {}, {}
+    adopt = ConceptCache.adopt
+    for on in (True, False):
+        capped.deep_block = on
+
+        def watch(cache, valid, layout, deep=None):
+            recorded[on] = next(iter(cache.deep.k.values())).shape[2]  # the slots the deep stack ran over
+            adopt(cache, valid, layout, deep)
+
+        monkeypatch.setattr(ConceptCache, "adopt", watch)
+        decoder = ConceptDecoder(capped)
+        decoder.prefill(ids, valid)
+        kept[on] = decoder.cache.deep
+    assert recorded == {True: P, False: capped.concept_slots(P) + P}
+    block, wide = kept[True], kept[False]
+    assert torch.equal(block.valid, wide.valid) and torch.equal(block.tail, wide.tail)
+    for layer in wide.k:
+        real = wide.valid[:, None, :, None].expand_as(wide.k[layer])
+        torch.testing.assert_close(block.k[layer][real], wide.k[layer][real], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(block.v[layer][real], wide.v[layer][real], atol=1e-6, rtol=1e-5)
+    monkeypatch.undo()
+    capped.deep_block = True
+    assert_decoding_matches_teacher_forcing(capped, prompts, 6)
+
+    def wrong(cache, valid, layout, deep=None):  # the block's records read by the layout's slots
+        adopt(cache, valid, layout)
+
+    monkeypatch.setattr(ConceptCache, "adopt", wrong)
+    with pytest.raises(AssertionError, match="Mismatched elements"):  # (the logits, not a shape)
+        assert_decoding_matches_teacher_forcing(capped, prompts, 6)
 
 
 def test_flops_count_the_blocks_width():

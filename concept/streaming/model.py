@@ -162,12 +162,13 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
         """Concept slots per row of a static layout over T tokens (``max_ratio``), None without a budget."""
         return min(T, packing.budget(T, self.max_ratio, self.budget_slack)) * self.emit if self.max_ratio else None
 
-    def deep_layout(self, layout, cache=None):
+    def deep_layout(self, layout):
         """The deep stack's sequence: the static ``layout``'s :class:`~concept.packing.DeepBlock` (as wide as the
         tokens with one concept per boundary, where the layout is the budget's concept slots wider) if the
-        attention backend plans one and no KV cache records the stacks (decoding reads the cache in the layout's
-        order); else the layout itself."""
-        if not (layout.static and cache is None and self.plans_deep_block()):
+        attention backend plans one, else the layout itself. A prefill's KV caches record the deep stack over it
+        and keep its real entries in the same order either way (``ConceptCache.adopt``: each row's concepts, then
+        its tail, which both sequences hold in that order)."""
+        if not (layout.static and self.plans_deep_block()):
             return layout
         return packing.deep_block(layout)
 
@@ -260,7 +261,7 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
             token_ids = torch.where(concept_ids >= 0, concept_ids, token_ids)
         emitted = torch.where(keep.view(*keep.shape, *(1,) * (token_ids.dim() - 2)), token_ids, -1)
         layout = packing.pack(keep, valid, doc, self.emit, self.levels, self.concept_slots(input_ids.shape[1]))
-        deep = self.deep_layout(layout, cache)  # the deep stack's sequence: the layout, or its deep block
+        deep = self.deep_layout(layout)  # the deep stack's sequence: the layout, or its deep block
 
         # middle: concepts only, causal among concepts
         c = self.middle_inputs(probs, token_ids, h, head_logits, keep, valid, starts, layout, perturb, perturb_codes)
