@@ -155,7 +155,7 @@ def test_a_backend_that_plans_no_block_gets_the_layout(capped, batch):
     torch.testing.assert_close(out.logits[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["sdpa", "chunked"])
+@pytest.mark.parametrize("name", list(BACKENDS))
 def test_a_prefill_runs_the_block_and_keeps_the_layouts_cache(capped, name, monkeypatch):
     """A prefill's deep stack runs over the block too (its KV caches record T slots a row, not C + T), and the
     entries it keeps are the layout's, in the layout's order: each row's concepts, then its tail after the last
