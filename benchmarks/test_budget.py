@@ -5,30 +5,23 @@ run, next to each one's static FLOP ideal (``concept.streaming.family.static_wid
     PYTHONPATH=. .venv/bin/python -m pytest benchmarks/test_budget.py --smollm2 -s      # the real backbone
     PYTHONPATH=. .venv/bin/python -m pytest benchmarks/test_budget.py --smollm2 --device cuda --dtype bf16 -s
 
-The default build (SmolLM2-135M, split 4,18,8, `auto` attention: `chunked` on a CPU, `flex` on CUDA), its decisions
-forced evenly at 0.125 concepts per token (within both budgets, so both compute the same outputs): a no-grad forward
-of one row, and a training step (forward + backward, LoRA on every projection) of the demo recipe's rows of 128
-tokens. The two budgets are the same model with ``concept.streaming.budget.TRACKED`` set before each call (the
-budget is resolved at every forward). Without ``--smollm2`` (and in the default suite, ``--benchmark-disable``) the
-tiny random backbone.
+The decisions are forced within both budgets, so both sides compute the same outputs; the two budgets are the same
+model with ``concept.streaming.budget.TRACKED`` set before each call (the budget is resolved at every forward). The
+cases, the build and the calls: ``benchmarks/two_settings.py``.
 """
 from __future__ import annotations
 
 import pytest
-import torch
 
-from concept.dense import DenseModel
 from concept.flops import evenly_spaced_keep
-from concept.lora import LoraSettings, add_lora
 from concept.streaming import budget
 from concept.streaming.family import static_widths_flops
 from concept.streaming.operating_point import DEFAULT_TARGET_RATIO
 
-from .conftest import autocast, dtype_name, side_by_side_named
-from .test_forward import _model
+from .conftest import dtype_name, side_by_side_named
+from .two_settings import CASES, IDS, case
 
 BEFORE = (2.0, 4)  # auto's (headroom, slack) for a tracked policy until 2026-11-28
-CASES = [("forward", 1, 1024), ("forward", 1, 8192), ("train", 4, 128), ("train", 128, 128)]
 
 
 def ideal(model, T: int, rule: tuple[float, int]) -> tuple[float, int]:
@@ -42,37 +35,18 @@ def ideal(model, T: int, rule: tuple[float, int]) -> tuple[float, int]:
     return report.speedup, slots
 
 
-@pytest.mark.parametrize("kind,B,T", CASES, ids=[f"{k}-B{b}-T{t}" for k, b, t in CASES])
+@pytest.mark.parametrize("kind,B,T", CASES, ids=IDS)
 def test_budget_vs_before_vs_dense(benchmark, record, request, device, dtype, kind, B, T):
-    real = request.config.getoption("--smollm2")
-    if (T == 8192 or B == 128) and device.type != "cuda":
-        pytest.skip("a GPU case (--device cuda)")
-    if benchmark.disabled:  # the smoke run: the same code on the tiny backbone and a short row
-        real, B, T = False, min(B, 2), 64
-    model = _model("default" if real else "tiny-llama", "auto")
+    c = case(request, benchmark, device, dtype, kind, B, T)
+    model, B, T = c.model, c.B, c.T
     assert budget.tracks_documents(model.length_policy) and budget.rule(model.length_policy) != BEFORE
-    precision = dtype if device.type == "cuda" else torch.float32
-    if kind == "train":
-        add_lora(model.backbone, LoraSettings())
-    model.to(device).train(kind == "train")
-    dense = DenseModel(model.backbone).train(kind == "train")
-    torch.manual_seed(0)
-    ids = torch.randint(0, model.backbone.config.vocab_size, (B, T), device=device)
-    keep = evenly_spaced_keep(T, DEFAULT_TARGET_RATIO)[None].expand(B, T).to(device)
     today = budget.TRACKED
 
-    def run(m, rule=None, **kw):
-        budget.TRACKED = today if rule is None else rule
-        with autocast(device, precision):
-            if kind == "forward":
-                with torch.no_grad():
-                    return m(ids, **kw).logits
-            loss = m(ids, labels=ids, **kw).loss
-        loss.backward()
-        m.zero_grad(set_to_none=True)
+    def run(rule):
+        budget.TRACKED = rule
+        return c.run(model, keep=c.keep)
 
-    fns = {"dense": lambda: run(dense), "concept": lambda: run(model, keep=keep),
-           "before": lambda: run(model, BEFORE, keep=keep)}
+    fns = {"dense": lambda: c.run(c.dense), "concept": lambda: run(today), "before": lambda: run(BEFORE)}
     try:
         if benchmark.disabled:
             for fn in fns.values():
@@ -88,4 +62,4 @@ def test_budget_vs_before_vs_dense(benchmark, record, request, device, dtype, ki
     record(benchmark, f"budget {kind} B={B} T={T} r={DEFAULT_TARGET_RATIO}", timing, speedup,
            before_ideal_speedup=before_speedup, concept_slots=slots, before_concept_slots=before_slots, T=T, B=B,
            tokens_per_s=B * T / timing["concept_s"], before_tokens_per_s=B * T / timing["before_s"],
-           dense_tokens_per_s=B * T / timing["dense_s"], suite="budget", dtype=dtype_name(precision))
+           dense_tokens_per_s=B * T / timing["dense_s"], suite="budget", dtype=dtype_name(c.precision))
