@@ -15,7 +15,7 @@ and ``cap_boundaries`` apply it).
     over ``ceil(1.25 r n)`` only in a burst at its start, which the slack takes: over the policy's boundaries
     of a 20-step tiny run and the demo's SmolLM2 run, on code and on prose, at 256 and 2,048 tokens a row,
     none dropped with a slack of 6 (``benchmarks/budget_binding.py``, ``docs/results.md``, "The default
-    static budget");
+    static budget, a quarter over the target");
   * a policy with a target ratio and no per-document tracker (`threshold`; `null` / `mtp` with ``track`` 0):
     nothing holds a row near r, so twice it, ``min(1, 2 r)`` with a slack of 4 (:data:`UNTRACKED`);
   * a policy that bounds its own rate (``max_boundary_rate``: `fixed`, one boundary every ``every`` tokens):
@@ -52,7 +52,7 @@ def rule(policy) -> tuple[float, int]:
     return TRACKED if tracks_documents(policy) else UNTRACKED
 
 
-def from_target(target: float, headroom: float = TRACKED[0]) -> float:
+def from_target(target: float, headroom: float) -> float:
     """``auto`` for a policy with a target ratio: ``min(1, headroom * target)`` (none for a target <= 0)."""
     if not math.isfinite(target) or target <= 0:
         return 0.0
