@@ -174,3 +174,13 @@ def test_quality_reports_what_the_budget_dropped_over_training():
     runs = quality_stage.progress({"streaming": rows, "dense": [{"step": 20, "loss": 3.0}]}, plan)
     assert runs[0]["capped_max"] == 0.004 and "capped_max" not in runs[1]
     assert [report_stage.capped_cell(r) for r in runs] == ["0.0003 / 0.004 / 0.003", "–"]
+
+
+def test_the_compiled_rows_say_their_budget():
+    """`setup` records the compiled build's budget as it resolved it (the default `auto`); `report` states it beside
+    the compiled rows; a lease's JSON from before it records none, and the text then says nothing of it."""
+    compiled = {"option": {"compile": "model"}, "max_ratio": "auto",
+                "budget": {"max_ratio": 0.15625, "slack": 6, "concept_slots": 26, "seq_len": 128}}
+    assert report_stage.budget_text(compiled) == ("; the streaming model's budget `auto`: 0.15625 + 6 slack, 26 concept "
+                                                  "slots a row of 128")
+    assert report_stage.budget_text({"option": {"compile": "on"}, "max_ratio": 0.3}) == ""

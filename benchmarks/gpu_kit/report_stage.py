@@ -98,6 +98,15 @@ def cell(text: str, limit: int = 200) -> str:
     return re.sub(r"\s+", " ", str(text))[:limit].replace("|", "\\|")
 
 
+def budget_text(compiled: dict) -> str:
+    """The compiled rows' static concept budget as ``setup`` resolved it: '' where it did not record one."""
+    b = compiled.get("budget")
+    if not b:
+        return ""
+    return (f"; the streaming model's budget `{compiled.get('max_ratio')}`: {b['max_ratio']:g} + {b['slack']} slack, "
+            f"{b['concept_slots']} concept slots a row of {b['seq_len']}")
+
+
 def capped_cell(run: dict) -> str:
     """A quality run's ``capped`` (the static budget's dropped boundaries per token) as mean / most / last tenth,
     or – for a run without a budget."""
@@ -171,8 +180,8 @@ def render_setup(data: dict) -> str:
         lines += [f"| {kind} | failed: {cell(error)} | – | – |" for kind, error in failed.items() if " " not in kind]
         compiled = (tp.get("compiled") or {}).get("models", {})
         if compiled:
-            lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`; compile: the warm-up steps' extra time; "
-                          f"first step: its seconds, compilation included):",
+            lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`{budget_text(tp['compiled'])}; compile: "
+                          f"the warm-up steps' extra time; first step: its seconds, compilation included):",
                       "", "| model | tokens/s | vs eager | s / step | compile s | first step s | peak MiB |",
                       "|---|---:|---:|---:|---:|---:|---:|"]
             lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {_f(m.get('vs_eager'), '.2f')}x | {m['step_s']:.3f} | "

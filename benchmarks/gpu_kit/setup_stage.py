@@ -388,10 +388,10 @@ def compiled_build(stage: Stage, out: dict, static: Path) -> bool:
     if "compiled" not in out:
         out["compiled"] = {"option": train_option(), "layer_regions": layer_regions(),
                            "region_options": region_options() if layer_regions() else None, "models": {}}
-        max_ratio = measured_row(stage, "compiled (the static-budget build)", out["failed"],
-                                 lambda: build_static(static, stage.dry))
-        if max_ratio is not None:
-            out["compiled"]["max_ratio"] = max_ratio
+        built = measured_row(stage, "compiled (the static-budget build)", out["failed"],
+                             lambda: build_static(static, stage.dry))
+        if built is not None:
+            out["compiled"].update(built)
     return "max_ratio" in out["compiled"]
 
 
@@ -442,15 +442,22 @@ def within(seconds: float, measure: Callable[[], dict]) -> dict:
         signal.signal(signal.SIGALRM, previous)
 
 
-def build_static(folder: Path, dry: bool) -> float:
-    """The default recipe's model with a static concept budget, saved in ``folder``; its ``max_ratio``."""
+def build_static(folder: Path, dry: bool) -> dict:
+    """The default recipe's model with a static concept budget, saved in ``folder``: ``max_ratio``, its setting
+    (the default ``auto``), and ``budget``, what it resolves to at the recipe's rows (the ratio, the slack, the
+    concept slots a row)."""
     import concept
 
     from ..compiled import budgeted
 
     config = budgeted(recipe.build_config(dry))
-    concept.save(concept.build(config), folder, force=True)
-    return config.max_ratio
+    model = concept.build(config)
+    concept.save(model, folder, force=True)
+    if not hasattr(model, "concept_slots"):  # (a family without concept slots: no budget to resolve)
+        return {"max_ratio": config.max_ratio}
+    seq = recipe.seq_len(dry)
+    return {"max_ratio": config.max_ratio, "budget": {"max_ratio": model.max_ratio, "slack": model.budget_slack,
+                                                      "concept_slots": model.concept_slots(seq), "seq_len": seq}}
 
 
 def measured_row(stage: Stage, label: str, failed: dict, measure: Callable[[], dict]):
