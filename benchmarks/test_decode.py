@@ -21,7 +21,8 @@ prefill and steps is recorded too.
 The GPU cases: the default build (split 4,18,8 on SmolLM2) with the ``fixed`` policy at its
 operating point (a concept every 8 tokens: 0.125 per token), after 2k / 8k / 16k tokens of context;
 and **prefill** alone (the one-pass forward over the prompt that fills the KV caches, logits for
-the last token only) against the dense backbone's prefill, next to its ideal FLOP ratio.
+the last token only) against the dense backbone's prefill, next to its ideal FLOP ratio, with a third side: the
+same prefill over the static layout instead of its deep block (``model.deep_block = False``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from concept.decoding import DenseDecoder
 from concept.streaming.decoding import ConceptDecoder
 from concept.flops import Shape, decode_flops, evenly_spaced_keep, forward_flops, head_classes
 
-from .conftest import GPU_LENGTHS, GPU_REPS, dtype_name, gpu_case, side_by_side, synchronize
+from .conftest import GPU_LENGTHS, GPU_REPS, dtype_name, gpu_case, side_by_side_named, synchronize
 from .test_forward import _model
 
 RATIO = 0.25
@@ -163,12 +164,20 @@ def test_prefill_vs_dense(benchmark, record, request, device, dtype, backbone, T
     torch.manual_seed(0)
     ids = torch.randint(0, model.backbone.config.vocab_size, (1, T)).to(device)
     valid = torch.ones_like(ids, dtype=torch.bool)
-    dense = lambda: DenseDecoder(model.backbone).prefill(ids, valid)  # noqa: E731
-    concept = lambda: ConceptDecoder(model).prefill(ids, valid)  # noqa: E731
+
+    def concept(block: bool = True):  # (block: the deep stack over the static layout's deep block, else the layout)
+        model.deep_block = block
+        return ConceptDecoder(model).prefill(ids, valid)
+
+    fns = {"dense": lambda: DenseDecoder(model.backbone).prefill(ids, valid), "concept": concept,
+           "layout": lambda: concept(False)}
     if benchmark.disabled:  # smoke run (CI): one call each, no timing claims
-        dense(), concept()
+        for fn in fns.values():
+            fn()
         return
-    timing = side_by_side(dense, concept, device=device)
+    timing = side_by_side_named(fns, device=device)
+    timing["layout_speedup"] = timing["dense_s"] / timing["layout_s"]
+    timing["block_over_layout"] = timing["layout_s"] / timing["concept_s"]
     benchmark.pedantic(concept, rounds=3, iterations=1)
     shape = Shape.from_hf_config(model.backbone.config)
     flops = forward_flops(shape, model.split, evenly_spaced_keep(T, ratio), head_classes(model))
