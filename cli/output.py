@@ -240,6 +240,9 @@ def render_flops(flops: dict) -> Table:
     t.add_row("ideal speedup", f"{flops['speedup']:.2f}x")
     static = flops.get("static")  # (a model with a static layout: the widths it computes, padding included)
     if static:
+        budget = static.get("budget")
+        if budget:  # (what the concept slots come from: ceil(max_ratio * T) + slack a row)
+            t.add_row("static budget", f"{budget['setting']}: {budget['max_ratio']:g} a token + {budget['slack']} a row")
         t.add_row("static layout computes", f"{static['concept_slots']:,} concept slots, {static['deep_rows']:,} deep "
                                             f"rows" + (" (one block)" if static["deep_block"] else ""))
         t.add_row("its ideal speedup", f"{static['speedup']:.2f}x")

@@ -380,6 +380,7 @@ def test_inspect_json(tiny_run):
     # the widths the static layout computes (`auto`: ceil(1.25 r T) + 6 slots; chunked plans the deep block: T rows)
     static = flops["static"]
     assert (static["concept_slots"], static["deep_rows"], static["deep_block"]) == (326, 2048, True)
+    assert static["budget"] == {"setting": "auto", "max_ratio": 0.15625, "slack": 6}  # 326 = ceil(0.15625 x 2048) + 6
     assert 1 < static["speedup"] < flops["speedup"] and static["ratio"] == pytest.approx(1 / static["speedup"])
 
 
@@ -394,7 +395,7 @@ def test_inspect_table(tiny_run):
     result = ok(invoke("inspect", out))
     for text in ("run", "stacks", "shallow", "0-1", "2-5", "6-7", "trainable", "frozen", "components",
                  "gumbel-st", "tau=0.7", "ideal FLOPs", "ratio", "speedup", "256 for 2,048",
-                 "326 concept slots, 2,048 deep rows (one block)"):
+                 "326 concept slots, 2,048 deep rows (one block)", "auto: 0.15625 a token + 6 a row"):
         assert text in result.stdout, text
 
 

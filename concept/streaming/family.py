@@ -269,7 +269,8 @@ def static_widths_flops(model, keep, deep_block: bool | None = None):
 
 
 def static_widths_ideal(model, ratio: float, T: int) -> dict | None:
-    """:func:`static_widths_flops` at ``ratio`` concepts per token spread evenly, for ``concept inspect``."""
+    """:func:`static_widths_flops` at ``ratio`` concepts per token spread evenly, for ``concept inspect``, with the
+    budget behind it (``budget``: its setting, e.g. ``auto``, the ratio and the slack it resolves to now)."""
     # lazy: torch (module docstring)
     from ..flops import evenly_spaced_keep
 
@@ -277,5 +278,6 @@ def static_widths_ideal(model, ratio: float, T: int) -> dict | None:
     if flops is None:
         return None
     report, slots, deep_rows = flops
-    return {"concept_slots": slots, "deep_rows": deep_rows, "deep_block": model.plans_deep_block(),
+    budget = {"setting": model.budget_setting, "max_ratio": model.max_ratio, "slack": model.budget_slack}
+    return {"budget": budget, "concept_slots": slots, "deep_rows": deep_rows, "deep_block": model.plans_deep_block(),
             "ratio": report.ratio, "speedup": report.speedup}
