@@ -32,6 +32,16 @@ def installed(tmp_path_factory):
     mp.syspath_prepend(str(site))
     yield site
     mp.undo()
+    forget_family("soft-prompt")  # (the family loaded from this module: not a later module's copy)
+
+
+def forget_family(name: str) -> None:
+    """Drop what this process loaded of the family ``name`` (its class and its started instance), so that the next
+    lookup loads it from the entry points on ``sys.path`` now."""
+    from concept.registry import registry
+
+    registry("family")._loaded.pop(name, None)
+    concept.families._INSTANCES.pop(name, None)
 
 
 def config(**section):

@@ -22,7 +22,7 @@ from concept.streaming.options import StreamingBuild, StreamingTraining
 from concept.streaming.section import StreamingSection
 from concept.training import Trainer
 from concept_cli.main import cli
-from tests.test_third_family import TINY_FLAGS, small
+from tests.test_third_family import TINY_FLAGS, forget_family, small
 from tests.test_training import corpus, losses  # noqa: F401  (corpus: a fixture)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # ~50 s (pip, build, train x2, export);
@@ -68,9 +68,11 @@ def site(tmp_path_factory):
     assert (target / "soft_prompt_family-0.2.0.dist-info" / "entry_points.txt").is_file()
     mp = pytest.MonkeyPatch()
     mp.syspath_prepend(str(target))
+    forget_family("soft-prompt")  # (a copy loaded from tests/ earlier in this process)
     yield target
     mp.undo()
     sys.modules.pop("soft_prompt_family", None)
+    forget_family("soft-prompt")
 
 
 def invoke(*args):
