@@ -57,7 +57,7 @@ MUTATIONS = [
              ["tests/test_deep_block.py"]),
     Mutation("deep block: a prefill's cache keeps the block's records by the layout's slots",
              "concept/streaming/decoding.py",
-             "self.cache.adopt(valid, out.layout, model.deep_layout(out.layout))",
+             "self.cache.adopt(valid, out.layout, out.deep_sequence)",
              "self.cache.adopt(valid, out.layout)",
              ["tests/test_deep_block.py", "-k", "prefill"]),
     # the backends' own copies of the rule

@@ -72,7 +72,7 @@ class ConceptDecoder:
         self.cache = ConceptCache(B, input_ids.device)
         left_padded = bool(valid[:, -1].all())
         out = model(input_ids, attention_mask=valid, cache=self.cache, logits_to_keep=int(left_padded))
-        self.cache.adopt(valid, out.layout, model.deep_layout(out.layout))  # (the deep stack's own sequence)
+        self.cache.adopt(valid, out.layout, out.deep_sequence)  # (what the deep caches recorded over)
         self.pos = valid.sum(1)  # position of the next token of each row
         self.num_concepts = out.keep.sum(1) * model.emit  # concept slots so far
         self.keep = [out.keep[b, valid[b]].tolist() for b in range(B)]

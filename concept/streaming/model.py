@@ -56,6 +56,9 @@ class ConceptOutput:
     capped: torch.Tensor | None = None  # [] the policy's boundaries the static budget dropped (None: no budget)
     keep_logit: torch.Tensor | None = None  # [B, T] the length policy's keep score, computed once (``keep_score``)
     valid: torch.Tensor | None = None  # [B, T] bool: the real tokens (the attention mask the forward read)
+    # the sequence the deep stack ran over (``layout`` or its ``packing.DeepBlock``), where a KV cache recorded the
+    # stacks (a prefill: ``ConceptCache.adopt`` reads the deep caches' slots by it); None otherwise
+    deep_sequence: packing.PackedLayout | packing.DeepBlock | None = None
 
 
 class ConceptGate(nn.Module):
@@ -283,7 +286,7 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
         multi = self.levels > 1
         return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
                              Deferred(lambda: in_time_order(z_in), like=z_in), z, updates, emitted if multi else None,
-                             capped, keep_logit, valid)
+                             capped, keep_logit, valid, None if cache is None else deep)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
         """Logits [B, T, V] of every position as a tail token with no concept before it: the backbone
