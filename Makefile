@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: demo test test-slow bench install clean gpu-pack gpu-kit mutate
+.PHONY: demo test test-slow bench install clean gpu-pack gpu-kit image-check mutate
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: $(STAMP)
 # deliberate bugs, one at a time, each of which the tests must catch (tests/mutate.py; ONLY=text picks some)
 mutate: $(STAMP)
 	$(BIN)/python -m tests.mutate $(if $(ONLY),--only "$(ONLY)")
+
+# The default suite on this CPU under the last lease's torch, transformers, peft and Triton (a venv of ~4 GB in
+# /tmp, made once; benchmarks/image_check.py): what the GPU image would break, found before a lease (docs/gpu.md).
+image-check: $(STAMP)
+	$(BIN)/python -m benchmarks.image_check $(ARGS)
 
 # The GPU kit (docs/gpu.md). gpu-pack fills .gpukit/ with what a lent GPU machine lacks (downloads from
 # PyPI) and prints the device calls; gpu-kit runs a stage here, e.g. STAGE=report, or ARGS=--dry (all, CPU).

@@ -18,23 +18,39 @@ import time
 
 import torch
 
+from concept.config import WHOLE_CHOICE
 from concept.streaming.operating_point import MAX_RATIO_AUTO, has_budget
 
 GPU_MODE = "reduce-overhead"
 BUDGET = MAX_RATIO_AUTO  # the compiled streaming builds' max_ratio: the default build's (concept.streaming.budget)
 # what the GPU kit compiles with (setup's compiled training rows, speed's compiled cases, quality's compiled runs):
-# the whole forward one graph (the fourth lease measured ``on``: one CUDA graph per layer and eager glue between)
-KIT_CHOICE = "model"
+# the whole forward one graph (the fourth lease measured ``on``: one CUDA graph per layer and eager glue between),
+# where this torch compiles its decoder layers as regions; else ``on`` (:func:`kit_choice`)
+KIT_CHOICE = WHOLE_CHOICE
+FALLBACK_CHOICE = "on"
 
 
-def dense_compile_kwargs(device, choice: str = KIT_CHOICE) -> dict:
-    """``torch.compile`` keywords for the dense side on ``device``, compiled as the concept model's ``choice``."""
+def kit_choice() -> str:
+    """:data:`KIT_CHOICE` where this torch compiles ``model``'s layers as nested regions (``concept.compiled.regions``:
+    torch 2.13 on), else :data:`FALLBACK_CHOICE`. Without regions ``model`` traces all 30 layers inline: under torch
+    2.11 (the GPU image's) on this CPU, cold, a SmolLM2-shaped streaming model's first compiled training step took
+    107 s that way against 26 s with ``on`` (``docs/benchmarks.md``, "The kit's compile choice on the GPU image"): at
+    the H200's 38 s for ``on``, a ``model`` row would not leave ``setup`` room for compiled dense."""
+    import concept.compiled
+
+    return KIT_CHOICE if concept.compiled.regions() else FALLBACK_CHOICE
+
+
+def dense_compile_kwargs(device, choice: str | None = None) -> dict:
+    """``torch.compile`` keywords for the dense side on ``device``, compiled as the concept model's ``choice``
+    (None: :func:`kit_choice`)."""
     if torch.device(device).type != "cuda":
         return {"backend": "eager"}
-    return {} if choice == KIT_CHOICE else {"mode": GPU_MODE}  # (``model``: inductor, torch's default mode)
+    whole = (choice or kit_choice()) == WHOLE_CHOICE
+    return {} if whole else {"mode": GPU_MODE}  # (``model``: inductor, torch's default mode)
 
 
-def compile_dense(module, device, choice: str = KIT_CHOICE):
+def compile_dense(module, device, choice: str | None = None):
     return torch.compile(module, **dense_compile_kwargs(device, choice))
 
 
@@ -44,9 +60,9 @@ def budgeted(config):
     return dataclasses.replace(config, max_ratio=config.max_ratio if has_budget(config.max_ratio) else BUDGET)
 
 
-def build_option(choice: str = KIT_CHOICE) -> dict:
-    """``concept.build`` keywords for a compiled model (its config :func:`budgeted`)."""
-    return {"compile": choice}
+def build_option(choice: str | None = None) -> dict:
+    """``concept.build`` keywords for a compiled model (its config :func:`budgeted`; None: :func:`kit_choice`)."""
+    return {"compile": choice or kit_choice()}
 
 
 FLAT_MODEL = "model-flat"  # a benchmark's choice: ``model`` with every decoder layer traced inline (no regions)
@@ -54,19 +70,21 @@ FLAT_MODEL = "model-flat"  # a benchmark's choice: ``model`` with every decoder 
 
 def library_choice(choice: str) -> str:
     """The library's compile choice for a benchmark's ``choice`` (:data:`FLAT_MODEL` is ``model`` with
-    ``concept.compiled.LAYER_REGIONS`` off; any other choice turns the regions on), set for the graphs traced next."""
+    ``concept.compiled.LAYER_REGIONS`` off; any other choice sets the regions as the library's default does: on from
+    ``concept.compiled.REGIONS_FROM``), set for the graphs traced next."""
     import concept.compiled
 
-    concept.compiled.LAYER_REGIONS = choice != FLAT_MODEL
+    concept.compiled.LAYER_REGIONS = choice != FLAT_MODEL and concept.compiled.default_layer_regions()
     return "model" if choice == FLAT_MODEL else choice
 
 
 def layer_regions() -> bool | None:
     """Whether ``model`` compiles each decoder layer as a nested compile region (``concept.compiled.LAYER_REGIONS``;
-    ``CONCEPT_LAYER_REGIONS=0`` turns it off); None for a build without them."""
+    ``CONCEPT_LAYER_REGIONS=0`` turns it off; False where this torch has no regions); None for a build without them."""
     import concept.compiled
 
-    return getattr(concept.compiled, "LAYER_REGIONS", None)
+    regions = getattr(concept.compiled, "regions", None)
+    return regions() if regions is not None else getattr(concept.compiled, "LAYER_REGIONS", None)
 
 
 def region_options() -> dict | None:
@@ -77,9 +95,9 @@ def region_options() -> dict | None:
     return getattr(concept.compiled, "REGION_OPTIONS", None)
 
 
-def train_option(choice: str = KIT_CHOICE) -> dict:
-    """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`)."""
-    return {"compile": choice}
+def train_option(choice: str | None = None) -> dict:
+    """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`; None: :func:`kit_choice`)."""
+    return {"compile": choice or kit_choice()}
 
 
 def first_calls(fns: dict, device) -> dict:

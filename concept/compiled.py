@@ -44,6 +44,7 @@ On a CPU, and with ``aot-eager``, no copy is made.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import types
 
@@ -60,10 +61,30 @@ from .losses import chunk_terms
 # torch.compile's backend for ``model`` where ``compile_model`` is given none: None, inductor (the default test
 # suite sets ``aot_eager``: captured, run by eager kernels; inductor's C++ compilation of a whole model takes minutes)
 WHOLE_BACKEND: str | None = None
+# The oldest torch the regions are on by default in: the oldest they were tested in. torch 2.11's dynamo (the GPU
+# image's) traces them in a forward, but a training step fails: comparing a layer's second trace with its first
+# (the first layer's input needs no gradient) it reads ``example_value`` of the placeholders it made for the
+# layer's unused inputs, which have none (``KeyError: example_value``; ``docs/architecture.md``, "torch versions").
+REGIONS_FROM = (2, 13)
+
+
+def torch_release() -> tuple[int, int]:
+    """This torch's (major, minor)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def default_layer_regions(environ=os.environ) -> bool:
+    """``CONCEPT_LAYER_REGIONS``: ``1`` on, ``0`` off (e.g. for a GPU kit call where a torch cannot compile the
+    regions); unset: on from :data:`REGIONS_FROM`."""
+    setting = environ.get("CONCEPT_LAYER_REGIONS", "")
+    return setting != "0" if setting else torch_release() >= REGIONS_FROM
+
+
 # ``model``: each decoder layer a nested compile region in the whole forward's graph (:func:`_layer_region`); False
-# traces every layer inline (the same graph, flat: tests' negative control, ``benchmarks/compile_time.py``'s rows;
-# ``CONCEPT_LAYER_REGIONS=0`` in the environment, e.g. for a GPU kit call, where a torch cannot compile the regions)
-LAYER_REGIONS = os.environ.get("CONCEPT_LAYER_REGIONS", "1") != "0"
+# traces every layer inline (the same graph, flat: tests' negative control, ``benchmarks/compile_time.py``'s rows,
+# a torch before :data:`REGIONS_FROM`)
+LAYER_REGIONS = default_layer_regions()
 PREFILL_BUCKET = 64  # a compiled prefill's prompts are left-padded to a multiple of this many tokens
 
 
@@ -121,7 +142,7 @@ class CompiledStacks:
 
     def __call__(self, name, layers, x, position_ids, attention_plan, rotary_emb, checkpointing=False, cache=None):
         if torch.compiler.is_compiling():  # inside a whole forward's graph (``model``): the stack traced with it,
-            plain = LAYER_REGIONS and cache is None and not checkpointing  # each layer a nested compile region
+            plain = regions() and cache is None and not checkpointing  # each layer a nested compile region
             out = run_layers(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache,
                              run=_layer_region if plain else None)
             return ContiguousGradient.apply(out) if plain and out.requires_grad else out
@@ -164,7 +185,27 @@ class ContiguousGradient(torch.autograd.Function):
 # after it (their weights its inputs; where guards, the plan's pytree or an input's metadata differ, it traces the
 # layer anew), and inductor generates one layer's code per stack. The tracing of a SmolLM2 forward falls from 30
 # layers to one per stack (``docs/benchmarks.md``, "One layer traced per stack").
-_layer_region = torch.compiler.nested_compile_region(run_layer, max_reuse_entries=32)
+REGION_REUSE = 32  # the region's traced graphs kept for reuse (torch 2.13's default is 8), where torch takes a limit
+
+
+def layer_region(fn):
+    """``fn`` as a nested compile region, or None where this torch has none (before 2.8: each layer is then
+    traced inline, the same graph). ``max_reuse_entries`` only where this torch takes it: torch 2.11, the GPU
+    image's, keeps every traced graph for reuse and takes no limit (with it, ``import concept.compiled`` failed
+    there: ``tests/test_torch_versions.py``)."""
+    mark = getattr(torch.compiler, "nested_compile_region", None)
+    if mark is None:
+        return None
+    limit = {"max_reuse_entries": REGION_REUSE} if "max_reuse_entries" in inspect.signature(mark).parameters else {}
+    return mark(fn, **limit)
+
+
+_layer_region = layer_region(run_layer)
+
+
+def regions() -> bool:
+    """Whether ``model`` compiles each decoder layer as a region: ``LAYER_REGIONS``, where this torch has them."""
+    return LAYER_REGIONS and _layer_region is not None
 
 # Inductor's options for a whole forward whose layers are regions. torch 2.13's inductor takes a region call's
 # outputs for new buffers, but a region returns its input itself among the activations its backward keeps (a
@@ -265,7 +306,7 @@ class WholeForward:
         # inductor in torch's default mode, drawing random numbers as eager does (a sampler's Gumbel noise: the
         # same samples as the eager forward, so compiled training equals eager's; one unfused kernel more), and,
         # with the layers as regions, never handing a dead buffer's storage to another (``REGION_OPTIONS``)
-        options = {"fallback_random": True, **(REGION_OPTIONS if LAYER_REGIONS else {})}
+        options = {"fallback_random": True, **(REGION_OPTIONS if regions() else {})}
         kwargs = {"backend": backend} if backend else {"options": options}
         self.graph = torch.compile(_own_copy(type(model).forward, "whole").__get__(model), fullgraph=True,
                                    dynamic=False, **kwargs)

@@ -27,6 +27,8 @@ Two tools, one for each machine:
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import time
 from collections import Counter
@@ -34,6 +36,8 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .syncs import HostSyncs
 
 __all__ = ["OpCounter", "host_sync", "count_ops", "profile_call"]
 
@@ -197,14 +201,19 @@ def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", t
     ``top`` operators with the most CPU time) and, with ``table_rows``, ``table``: the profiler's own table of
     that many rows. With ``stacks`` the profiler records Python's calls too (``with_stack``: slower, so not
     the call to time) and
-    ``sync_stacks`` says where each host sync came from (:func:`sync_stacks`)."""
+    ``sync_stacks`` says where each host sync came from (:func:`sync_stacks`; where this torch's profiler records no
+    Python frames, as torch 2.11's, from the ops :class:`concept.syncs.HostSyncs` counts in the call:
+    :func:`dispatch_sync_stacks`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    by_dispatch = stacks and not profiler_records_python()  # (this torch's profiler records no Python frames)
+    seen = HostSyncs(stacks=True) if by_dispatch else contextlib.nullcontext()
     with profile(activities=activities, with_stack=stacks) as prof:
         start = time.perf_counter()
-        fn()
+        with seen:
+            fn()
         if cuda:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
@@ -219,7 +228,7 @@ def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", t
            "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
            "top_cpu": [_row(e, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in top_cpu]}
     if stacks:
-        out["sync_stacks"] = sync_stacks(prof.events(), cuda)
+        out["sync_stacks"] = dispatch_sync_stacks(seen.stacks) if by_dispatch else sync_stacks(prof.events(), cuda)
     if table_rows:
         out["table"] = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                     row_limit=table_rows)
@@ -271,18 +280,62 @@ def sync_stacks(events, cuda: bool, frames: int = 8) -> list[dict]:
             chain.append(parent.name)
             parent = parent.cpu_parent
         python = [_frame_name(name) for name in chain if _is_python_frame(name)]
-        at = next((i for i, f in enumerate(python) if f.split("/", 1)[0] in _PACKAGES), len(python))
-        ours = python[at] if at < len(python) else None
-        if ours is not None and ours.startswith("concept/profiling.py("):  # profile_call's own wait for the device
-            continue
-        inside_torch = next((f for f in python[:at] if f.startswith("torch/")), None)  # (called from ours)
-        ops = [name for name in chain if name.startswith("aten::")][:4]
-        key = (event.name, ours, inside_torch, tuple(ops))
-        if key not in found:
-            found[key] = {"call": event.name, "count": 0, "ops": ops, "ours": ours, "torch": inside_torch,
-                          "stack": python[:frames]}
-        found[key]["count"] += 1
+        _count_origin(found, event.name, python, [name for name in chain if name.startswith("aten::")][:4], frames)
     return sorted(found.values(), key=lambda row: -row["count"])
+
+
+def dispatch_sync_stacks(stacks: list[tuple[str, list[str]]], frames: int = 8) -> list[dict]:
+    """:func:`sync_stacks`' rows from the syncs a :class:`concept.syncs.HostSyncs` counted with ``stacks`` (each
+    op's name and the Python frames that made it, outermost first): ``call`` the aten op (or ``tensor from host
+    data``), ``ops`` empty. For a torch whose profiler records no Python frames (torch 2.11, the GPU image's: the
+    H200 lease of 2026-11-27 got no stack for two ``.item()`` calls)."""
+    found: dict[tuple, dict] = {}
+    for name, stack in stacks:
+        python = [_frame_name(f) for f in reversed(stack)]
+        python = [f for f in python if not f.startswith(_COUNTER_FRAMES)]
+        call = name if " " in name else f"aten::{name}"
+        _count_origin(found, call, python, [], frames)
+    return sorted(found.values(), key=lambda row: -row["count"])
+
+
+# the counter's own frames and torch's between an op and the mode it calls (not where the sync came from)
+_COUNTER_FRAMES = ("concept/syncs.py(", "torch/utils/_python_dispatch.py(", "torch/overrides.py(", "torch/_compile.py(",
+                   "torch/_dynamo/eval_frame.py(")
+
+
+def _count_origin(found: dict, call: str, python: list[str], ops: list[str], frames: int) -> None:
+    """One sync of ``call`` whose Python frames (innermost first) are ``python`` into ``found``, by origin."""
+    at = next((i for i, f in enumerate(python) if f.split("/", 1)[0] in _PACKAGES), len(python))
+    ours = python[at] if at < len(python) else None
+    if ours is not None and ours.startswith("concept/profiling.py("):  # profile_call's own wait for the device
+        return
+    inside_torch = next((f for f in python[:at] if f.startswith("torch/")), None)  # (called from ours)
+    key = (call, ours, inside_torch, tuple(ops))
+    if key not in found:
+        found[key] = {"call": call, "count": 0, "ops": ops, "ours": ours, "torch": inside_torch,
+                      "stack": python[:frames]}
+    found[key]["count"] += 1
+
+
+@functools.lru_cache(maxsize=None)
+def profiler_records_python() -> bool:
+    """Whether this torch's profiler, ``with_stack``, records the Python calls an op is made in (torch 2.13 does;
+    the 2.11 of the GPU image records none): one tiny profiled call, once per process."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def probe(x):
+        return x.sum()
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        probe(torch.ones(2, device="cpu"))  # (the CPU profiler alone: the question is its Python tracer)
+    for event in prof.events():
+        if event.name == "aten::sum":
+            parent = event.cpu_parent
+            while parent is not None:
+                if _is_python_frame(parent.name):
+                    return True
+                parent = parent.cpu_parent
+    return False
 
 
 def _is_python_frame(name: str) -> bool:

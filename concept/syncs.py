@@ -29,6 +29,7 @@ non-blocking copy).
 from __future__ import annotations
 
 import threading
+import traceback
 from collections import Counter
 from contextlib import contextmanager
 
@@ -155,15 +156,22 @@ class HostSyncs:
     ops that force a host sync outside a :func:`declared` point, by op name) and ``declared`` (how often
     each declared point was passed, by name). ``hidden`` is the total of ``syncs``."""
 
-    def __init__(self):
+    def __init__(self, stacks: bool = False):
         self.ops = 0
         self.syncs: Counter = Counter()
         self.declared: Counter = Counter()
+        # with ``stacks``: (op name, the Python frames that made it, outermost first, ``path(line): function``) per
+        # undeclared sync: where each came from, on any torch (its profiler's Python events are not: torch 2.11's
+        # record none, ``concept.profiling.sync_stacks``)
+        self.stacks: list[tuple[str, list[str]]] | None = [] if stacks else None
         self._modes = (_Reads(self), _Ops(self))
 
     def _sync(self, name: str) -> None:
         if not _points():
             self.syncs[name] += 1
+            if self.stacks is not None:
+                self.stacks.append((name, [f"{f.filename}({f.lineno}): {f.name}"
+                                           for f in traceback.extract_stack()[:-1]]))
 
     @property
     def hidden(self) -> int:

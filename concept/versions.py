@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -12,13 +13,16 @@ CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root when co
 
 
 def versions() -> dict[str, str | None]:
-    """{package: installed version or None}, and the Python version."""
+    """{package: installed version or None}, and the Python version. torch's as it names itself, with its build
+    (``2.11.0+cu130``: PyPI's CUDA wheels carry the build in ``torch.__version__`` only, not in their metadata)."""
     found: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             found[name] = version(name)
         except PackageNotFoundError:
             found[name] = None
+    if "torch" in sys.modules:
+        found["torch"] = str(sys.modules["torch"].__version__)
     found["python"] = platform.python_version()
     return found
 

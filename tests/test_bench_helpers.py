@@ -17,7 +17,20 @@ def test_compiled_builds_get_a_static_budget_unless_they_set_one():
     assert compiled.budgeted(BuildConfig(max_ratio="none")).max_ratio == compiled.BUDGET
     assert compiled.budgeted(BuildConfig(max_ratio=0.5)).max_ratio == 0.5
     assert compiled.build_option("reduce-overhead") == {"compile": "reduce-overhead"}
-    assert compiled.train_option() == {"compile": "model"} == {"compile": compiled.KIT_CHOICE}
+    assert compiled.train_option("model") == {"compile": "model"} == compiled.build_option("model")
+
+
+def test_the_kit_compiles_whole_where_torch_has_layer_regions_and_regionally_elsewhere(monkeypatch):
+    """``model`` (whole forward, inductor's default mode for dense alike) with the regions; ``on`` without them
+    (torch 2.11: ``model`` would trace 30 layers inline, 4x ``on``'s compilation), dense in ``reduce-overhead``."""
+    import concept.compiled
+
+    monkeypatch.setattr(concept.compiled, "LAYER_REGIONS", True)
+    assert compiled.kit_choice() == "model" and compiled.train_option() == {"compile": "model"}
+    assert compiled.dense_compile_kwargs("cuda") == {}
+    monkeypatch.setattr(concept.compiled, "LAYER_REGIONS", False)
+    assert compiled.kit_choice() == "on" and compiled.train_option() == {"compile": "on"}
+    assert compiled.build_option() == {"compile": "on"} and compiled.dense_compile_kwargs("cuda") == {"mode": "reduce-overhead"}
 
 
 def test_dense_compiles_in_the_concept_models_mode_on_cuda_and_traces_only_on_a_cpu():

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 import concept
 import concept.compiled
 from concept import BuildConfig, ComponentRef
-from concept.compiled import WholeForward, compile_model
+from concept.compiled import WholeForward, compile_model, torch_release
 from concept.training import TrainConfig, Trainer
 from tests.conftest import mixed_model
 from tests.test_compile import (STEPS, chunk_the_loss, equal_rows_then_the_dynamic_layout_recompiles,  # noqa: F401
@@ -118,21 +118,25 @@ def test_a_call_the_graph_cannot_take_runs_eagerly_and_off_undoes_it(fresh_dynam
 def test_a_compiled_forward_dispatches_nothing_outside_its_graph(tmp_path, fresh_dynamo):
     """``benchmarks/glue_ops.py`` with ``model``: 0 aten ops outside the graph in a forward (312 with ``layers``,
     ``tests/test_glue_ops.py``), what is left of a training step is its backward's gradient accumulation, the
-    optimizer and the ratio controller (720 with ``layers``)."""
+    optimizer and the ratio controller (719 with ``layers``)."""
     from benchmarks.glue_ops import measure
 
     result = measure(seq_len=256, compile="model", folder=tmp_path)
     assert result["forward"].total == 0 and result["plain"].total == 0
     assert result["profiled"]["forward"] == 0 and result["profiled"]["plain"] == 0
-    assert result["step"].total <= STEP_GLUE, result["step"].by_line.most_common(10)
-    assert result["step"].total == STEP_GLUE, f"glue ops went down to {result['step'].total}: lower STEP_GLUE"
+    pin = STEP_GLUE.get(torch_release(), max(STEP_GLUE.values()))  # (a torch not pinned: the highest pin, a ceiling)
+    assert result["step"].total <= pin, result["step"].by_line.most_common(10)
+    if torch_release() in STEP_GLUE:
+        assert result["step"].total == pin, f"glue ops went down to {result['step'].total}: lower STEP_GLUE"
     assert not any(line.startswith(("concept/packing", "concept/attention", "concept/streaming/model",
                                     "concept/losses")) for line in result["step"].by_line)
     assert not counters["graph_break"]
 
 
-STEP_GLUE = 286  # glue ops of a training step under ``model`` (720 under ``layers``): the optimizer, accumulation,
-# the ratio controller's statistics, the backward's AccumulateGrad, the temperature schedule's fill
+# glue ops of a training step under ``model`` (719 under ``layers``), by torch release: the optimizer, accumulation,
+# the ratio controller's statistics, the backward's AccumulateGrad, the temperature schedule's fill (2.11, the GPU
+# image's, with the layers inline: ``make image-check``)
+STEP_GLUE = {(2, 13): 285, (2, 11): 286}
 
 
 def test_training_runs_twenty_varied_steps_on_the_first_steps_graphs(run, fresh_dynamo, monkeypatch):

@@ -25,7 +25,9 @@ from concept.dense import DenseModel
 from concept.packing import pack
 from tests.conftest import mixed_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not concept.compiled.default_layer_regions({}),
+                                 reason=f"the regions are off before torch {concept.compiled.REGIONS_FROM}")]
 
 
 @pytest.fixture

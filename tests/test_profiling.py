@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from concept import profiling
 from concept.profiling import OpCounter, count_ops, host_sync, profile_call
 
 X = torch.arange(24.0).reshape(6, 4) - 7
@@ -98,6 +99,8 @@ def through_torch(x):
     return torch.unique(x)  # (torch/functional.py's wrapper calls the aten op)
 
 
+@pytest.mark.skipif(not profiling.profiler_records_python(), reason="this torch's profiler records no Python frames "
+                    "(torch 2.11): the stacks come from the dispatch counter, tested below")
 def test_profile_call_with_stacks_says_where_each_sync_came_from():
     """``stacks``: per origin of a host sync (on a CPU the aten op that would sync on a GPU) its count, the
     innermost frame of this project's code, the torch frame inside it and the stack; a sync-free twin has none."""
@@ -170,3 +173,41 @@ def test_device_time_counts_each_kernel_once_and_lists_kernels_not_the_ops_that_
     assert naive == pytest.approx(2 * found["device_busy_s"])
     on_cpu = device_time(events[:-1], cuda=False, top=1)  # a CPU: the ops' own CPU time, every event
     assert on_cpu["device_busy_s"] == pytest.approx(0.00327) and on_cpu["top_device"][0]["op"].startswith("## Call")
+
+
+def test_without_the_profilers_python_frames_the_stacks_come_from_the_dispatch_counter(monkeypatch):
+    """A torch whose profiler records no Python frames (2.11, the GPU image's: ``profiler_records_python``) still
+    says where each sync came from: the ops ``HostSyncs`` counts in the call, each with the Python stack that made
+    it (the counter's and torch's dispatch frames left out). Negative control: the profiler's rows of the same
+    call, stripped of their Python frames as 2.11 gives them, name no origin."""
+    def both():
+        read_back(X), read_back(X), through_torch(COUNTS)
+
+    monkeypatch.setattr(profiling, "profiler_records_python", lambda: False)
+    found = profile_call(both, stacks=True)["sync_stacks"]
+    assert [(r["call"], r["count"]) for r in found] == [("aten::_local_scalar_dense", 2), ("aten::_unique2", 1)]
+    item, unique = found
+    assert item["ours"].startswith("tests/test_profiling.py(") and item["ours"].endswith(": read_back")
+    assert item["torch"] is None and item["stack"][0] == item["ours"] and item["stack"][1].endswith(": both")
+    assert unique["ours"].endswith(": through_torch") and unique["torch"].startswith("torch/functional.py(")
+    assert profile_call(lambda: X.sum() * 2, stacks=True)["sync_stacks"] == []  # the sync-free twin
+    stripped = profiling.sync_stacks([_NoFrames(e) for e in _profiled_events(both)], cuda=False)
+    assert stripped and all(r["ours"] is None and r["stack"] == [] for r in stripped)
+
+
+class _NoFrames:
+    """A profiler event as torch 2.11 gives it: its parents are ops only."""
+
+    def __init__(self, event):
+        self.name, parent = event.name, event.cpu_parent
+        while parent is not None and profiling._is_python_frame(parent.name):
+            parent = parent.cpu_parent
+        self.cpu_parent = None if parent is None else _NoFrames(parent)
+
+
+def _profiled_events(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        fn()
+    return prof.events()

@@ -8,8 +8,8 @@ cases now run in a plan, most decisive first (``GPU_PLAN``; ``benchmarks/conftes
 at the head of pytest's run, and each starts only with its cap left before the deadline):
 
 1. the forward, `flex` eager against the dense backbone eager;
-2. the forward compiled against the dense backbone compiled alike (``--compile model``, ``benchmarks.compiled.KIT_CHOICE``:
-   each forward one graph, inductor) and HF eager;
+2. the forward compiled against the dense backbone compiled alike (``--compile model``, ``benchmarks.compiled.kit_choice``:
+   each forward one graph, inductor; ``on`` on a torch without layer regions, 2.11) and HF eager;
 3. one training step, eager;
 4. one training step, both models compiled;
 5. decoding, eager against compiled over static KV caches, streaming against dense (tokens/s);
@@ -45,11 +45,11 @@ from .setup_stage import needs_setup, smollm2_ready, xformers_unavailable
 
 
 def kit_choice() -> str:
-    """The compile choice of the compiled cases (``benchmarks.compiled.KIT_CHOICE``; imported here, not at the
-    module's import: it imports torch)."""
-    from ..compiled import KIT_CHOICE
+    """The compile choice of the compiled cases (``benchmarks.compiled.kit_choice``: ``model``, or ``on`` where this
+    torch has no layer regions; imported here, not at the module's import: it imports torch)."""
+    from ..compiled import kit_choice as choice
 
-    return KIT_CHOICE
+    return choice()
 
 SUITES = ("test_forward.py", "test_train_step.py", "test_attention.py", "test_decode.py", "test_policy_scan.py",
           "test_compiled_decode.py")

@@ -105,7 +105,7 @@ class PIController:
                 bias = policy.bias_for_ratio(head_logits, h, valid, self.target, keep_logit=score)
                 return torch.as_tensor(bias, device=head_logits.device), spread
             hidden = torch.where(valid, keep_logit, torch.full_like(keep_logit, float("nan")))
-            return torch.nanquantile(hidden.flatten(), 1.0 - self.target), spread
+            return nanquantile(hidden.flatten(), 1.0 - self.target), spread
 
     def apply(self, policy, quantile: float, spread: float, ratio: float) -> float:
         """Move the bias for the next step from a step's statistics and its realised ``ratio``."""
@@ -139,6 +139,23 @@ class PIController:
 
     def load_state_dict(self, state: dict) -> None:
         self.ema, self.integral = state["ema"], state["integral"]
+
+
+def nanquantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.nanquantile(x, q)`` of a 1-D ``x`` (linear interpolation; NaN where every element is NaN), the same
+    ops in the same order, so the same value bit for bit, without the range check of ``q`` that torch 2.11 (the GPU
+    image's) runs on the device and reads back (``aten::equal``: a host sync in every training step there; ``q`` is
+    a Python float, checked here on the host)."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"a quantile must be in [0, 1], got {q}")
+    ordered = x.sort().values  # (NaN last)
+    count = ordered.isnan().logical_not_().sum(-1, keepdim=True)
+    ranks = torch.scalar_tensor(q, dtype=x.dtype, device=x.device) * (count - 1)
+    ranks = ranks.masked_fill_(ranks < 0, 0)  # (no element: rank 0, a NaN)
+    below = ranks.long()
+    weights = ranks - below
+    values = ordered.gather(-1, below)
+    return values.lerp_(ordered.gather(-1, ranks.ceil_().long()), weights).squeeze_(-1)
 
 
 def masked_std(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,10 @@ class StackRuns:
         (:meth:`rope_tables`; a compiled stack builds its own inside its graph)."""
         checkpointing = self.gradient_checkpointing and self.training
         if self.compiled_stacks is not None and (cache is None or cache.recording):  # (decoding steps: eager)
-            name = next(n for n, s in (("shallow", self.shallow), ("middle", self.middle), ("deep", self.deep))
-                        if s is stack)
+            # (inside a whole forward's graph the stack is traced by its layers, its name unread: torch 2.11's dynamo
+            # cannot trace ``is`` between two lists)
+            name = None if torch.compiler.is_compiling() else next(
+                n for n, s in (("shallow", self.shallow), ("middle", self.middle), ("deep", self.deep)) if s is stack)
             return self.compiled_stacks(name, stack, x, position_ids, attention_plan, self.inner.rotary_emb,
                                         checkpointing, cache)
         if cos_sin is not None and cos_sin[0].dtype != x.dtype:  # (a table for another dtype: its own)
