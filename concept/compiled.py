@@ -63,8 +63,9 @@ from .losses import chunk_terms
 WHOLE_BACKEND: str | None = None
 # The oldest torch the regions are on by default in: the oldest they were tested in. torch 2.11's dynamo (the GPU
 # image's) traces them in a forward, but a training step fails: comparing a layer's second trace with its first
-# (the first layer's input needs no gradient) it reads ``example_value`` of the placeholders it made for the
-# layer's unused inputs, which have none (``KeyError: example_value``; ``docs/architecture.md``, "torch versions").
+# (the first layer's input needs no gradient) it reads ``example_value`` of the placeholders it made for the unused
+# gradient inputs of the fused adapters' backward (``concept.lora.LoraMatmuls``), which have none (``KeyError:
+# example_value``; with peft's own adapters the regions train there; ``docs/architecture.md``, "torch versions").
 REGIONS_FROM = (2, 13)
 
 

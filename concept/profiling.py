@@ -288,7 +288,8 @@ def dispatch_sync_stacks(stacks: list[tuple[str, list[str]]], frames: int = 8) -
     """:func:`sync_stacks`' rows from the syncs a :class:`concept.syncs.HostSyncs` counted with ``stacks`` (each
     op's name and the Python frames that made it, outermost first): ``call`` the aten op (or ``tensor from host
     data``), ``ops`` empty. For a torch whose profiler records no Python frames (torch 2.11, the GPU image's: the
-    H200 lease of 2026-11-27 got no stack for two ``.item()`` calls)."""
+    H200 lease of 2026-11-27 got no stack for two ``.item()`` calls). Under the counter (a dispatch mode) dynamo
+    runs a compiled function's Python eagerly: the stacks of a compiled call are those of its eager twin."""
     found: dict[tuple, dict] = {}
     for name, stack in stacks:
         python = [_frame_name(f) for f in reversed(stack)]
