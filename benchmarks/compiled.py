@@ -34,7 +34,7 @@ def kit_choice() -> str:
     """:data:`KIT_CHOICE` where this torch compiles ``model``'s layers as nested regions (``concept.compiled.regions``:
     torch 2.13 on), else :data:`FALLBACK_CHOICE`. Without regions ``model`` traces all 30 layers inline: under torch
     2.11 (the GPU image's) on this CPU, cold, a SmolLM2-shaped streaming model's first compiled training step took
-    107 s that way against 26 s with ``on`` (``docs/benchmarks.md``, "The kit's compile choice on the GPU image"): at
+    107 s that way against 26 s with ``on`` (``docs/benchmarks.md``, "The suite under the GPU image's torch"): at
     the H200's 38 s for ``on``, a ``model`` row would not leave ``setup`` room for compiled dense."""
     import concept.compiled
 
