@@ -78,13 +78,12 @@ def library_choice(choice: str) -> str:
     return "model" if choice == FLAT_MODEL else choice
 
 
-def layer_regions() -> bool | None:
-    """Whether ``model`` compiles each decoder layer as a nested compile region (``concept.compiled.LAYER_REGIONS``;
-    ``CONCEPT_LAYER_REGIONS=0`` turns it off; False where this torch has no regions); None for a build without them."""
+def layer_regions() -> bool:
+    """Whether ``model`` compiles each decoder layer as a nested compile region (``concept.compiled.regions``:
+    ``CONCEPT_LAYER_REGIONS``, on by default from torch 2.13, where this torch has regions)."""
     import concept.compiled
 
-    regions = getattr(concept.compiled, "regions", None)
-    return regions() if regions is not None else getattr(concept.compiled, "LAYER_REGIONS", None)
+    return concept.compiled.regions()
 
 
 def region_options() -> dict | None:

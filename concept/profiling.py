@@ -275,10 +275,7 @@ def sync_stacks(events, cuda: bool, frames: int = 8) -> list[dict]:
     for event in events:
         if event.name not in (_SYNC_CALLS if cuda else sync_ops):
             continue
-        chain, parent = [], event.cpu_parent
-        while parent is not None:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
+        chain = _parent_names(event)
         python = [_frame_name(name) for name in chain if _is_python_frame(name)]
         _count_origin(found, event.name, python, [name for name in chain if name.startswith("aten::")][:4], frames)
     return sorted(found.values(), key=lambda row: -row["count"])
@@ -329,14 +326,17 @@ def profiler_records_python() -> bool:
 
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         probe(torch.ones(2, device="cpu"))  # (the CPU profiler alone: the question is its Python tracer)
-    for event in prof.events():
-        if event.name == "aten::sum":
-            parent = event.cpu_parent
-            while parent is not None:
-                if _is_python_frame(parent.name):
-                    return True
-                parent = parent.cpu_parent
-    return False
+    return any(_is_python_frame(name) for event in prof.events() if event.name == "aten::sum"
+               for name in _parent_names(event))
+
+
+def _parent_names(event) -> list[str]:
+    """The names of a profiler event's enclosing events, innermost first (ops, and with ``with_stack`` Python calls)."""
+    names, parent = [], event.cpu_parent
+    while parent is not None:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return names
 
 
 def _is_python_frame(name: str) -> bool:
