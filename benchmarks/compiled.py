@@ -32,10 +32,11 @@ FALLBACK_CHOICE = "on"
 
 def kit_choice() -> str:
     """:data:`KIT_CHOICE` where this torch compiles ``model``'s layers as nested regions (``concept.compiled.regions``:
-    torch 2.13 on), else :data:`FALLBACK_CHOICE`. Without regions ``model`` traces all 30 layers inline: under torch
-    2.11 (the GPU image's) on this CPU, cold, a SmolLM2-shaped streaming model's first compiled training step took
-    107 s that way against 26 s with ``on`` (``docs/benchmarks.md``, "The suite under the GPU image's torch"): at
-    the H200's 38 s for ``on``, a ``model`` row would not leave ``setup`` room for compiled dense."""
+    torch 2.11 on, the GPU image's included), else :data:`FALLBACK_CHOICE`. Without regions ``model`` traces all 30
+    layers inline: under torch 2.11 on this CPU, cold, a SmolLM2-shaped streaming model's first compiled training
+    step took 107 s that way, 68 s with the regions, 25 s with ``on`` (``docs/benchmarks.md``, "The regions on the
+    GPU image's torch"); ``setup``'s 5.5 minutes hold the regions' compilations of both models of the training
+    target."""
     import concept.compiled
 
     return KIT_CHOICE if concept.compiled.regions() else FALLBACK_CHOICE
@@ -80,7 +81,7 @@ def library_choice(choice: str) -> str:
 
 def layer_regions() -> bool:
     """Whether ``model`` compiles each decoder layer as a nested compile region (``concept.compiled.regions``:
-    ``CONCEPT_LAYER_REGIONS``, on by default from torch 2.13, where this torch has regions)."""
+    ``CONCEPT_LAYER_REGIONS``, on by default from ``concept.compiled.REGIONS_FROM``, where this torch has regions)."""
     import concept.compiled
 
     return concept.compiled.regions()

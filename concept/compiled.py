@@ -61,12 +61,12 @@ from .losses import chunk_terms
 # torch.compile's backend for ``model`` where ``compile_model`` is given none: None, inductor (the default test
 # suite sets ``aot_eager``: captured, run by eager kernels; inductor's C++ compilation of a whole model takes minutes)
 WHOLE_BACKEND: str | None = None
-# The oldest torch the regions are on by default in: the oldest they were tested in. torch 2.11's dynamo (the GPU
-# image's) traces them in a forward, but a training step fails: comparing a layer's second trace with its first
-# (the first layer's input needs no gradient) it reads ``example_value`` of the placeholders it made for the unused
-# gradient inputs of the fused adapters' backward (``concept.lora.LoraMatmuls``), which have none (``KeyError:
-# example_value``; with peft's own adapters the regions train there; ``docs/architecture.md``, "torch versions").
-REGIONS_FROM = (2, 13)
+# The oldest torch the regions are on by default in: the oldest they were tested in (2.11, the GPU image's, and
+# 2.13). On 2.11 a training step of regions failed until the adapted layers traced plain ops instead of their
+# ``autograd.Function`` (``concept.lora.lora_matmuls``): comparing a layer's second trace with its first, dynamo 2.11
+# read ``example_value`` of the placeholders it made for the unused gradient inputs of the Function's backward,
+# which have none (``KeyError: example_value``; ``docs/architecture.md``, "torch versions").
+REGIONS_FROM = (2, 11)
 
 
 def torch_release() -> tuple[int, int]:

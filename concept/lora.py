@@ -50,6 +50,31 @@ def _exact_power_of_two(value: float) -> bool:
     return value > 0 and mantissa == 0.5
 
 
+def _lora_products(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype):
+    """``x W^T + s (x A^T) B^T`` in ``dtype`` (autocast off: each operand cast once) and the operands the
+    backward reads: ``(y, (xc, w, a, b, h))``."""
+    with torch.autocast(x.device.type, enabled=False):
+        xc = x if x.dtype == dtype else x.to(dtype)
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        a = lora_a if lora_a.dtype == dtype else lora_a.to(dtype)
+        b = lora_b if lora_b.dtype == dtype else lora_b.to(dtype)
+        y = torch.mm(xc, w.t())
+        h = torch.mm(xc, a.t())
+        t = torch.mm(h, b.t())
+        if scaling == 1.0 or (_exact_power_of_two(scaling) and not torch.compiler.is_compiling()):
+            y = torch.add(y, t, alpha=scaling)
+        else:  # (traced: inductor on a CPU, torch 2.13, computes an add of a matmul with an alpha as if alpha
+            y = y + t * scaling  # were 1; ``t s`` first gives the same bits for a power of two: test_compile_model)
+    return y, (xc, w, a, b, h)
+
+
+def lora_matmuls(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """:class:`LoraMatmuls`' forward as plain ops, its backward left to autograd: what a compiled graph traces
+    (AOT autograd derives the same products; an ``autograd.Function`` inside a nested compile region breaks
+    dynamo 2.11's comparison of the regions' graphs: ``docs/architecture.md``, "torch versions")."""
+    return _lora_products(x, weight, lora_a, lora_b, scaling, dtype)[0]
+
+
 class LoraMatmuls(torch.autograd.Function):
     """``y = x W^T + s (x A^T) B^T`` on 2-D ``x`` [N, in] in ``dtype`` (autocast's or the tensors' own), with
     the frozen ``W`` [out, in] and the adapters ``A`` [r, in], ``B`` [out, r] cast to it once, as autocast casts
@@ -60,18 +85,7 @@ class LoraMatmuls(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype):
-        with torch.autocast(x.device.type, enabled=False):
-            xc = x if x.dtype == dtype else x.to(dtype)
-            w = weight if weight.dtype == dtype else weight.to(dtype)
-            a = lora_a if lora_a.dtype == dtype else lora_a.to(dtype)
-            b = lora_b if lora_b.dtype == dtype else lora_b.to(dtype)
-            y = torch.mm(xc, w.t())
-            h = torch.mm(xc, a.t())
-            t = torch.mm(h, b.t())
-            if scaling == 1.0 or (_exact_power_of_two(scaling) and not torch.compiler.is_compiling()):
-                y = torch.add(y, t, alpha=scaling)
-            else:  # (traced: inductor on a CPU, torch 2.13, computes an add of a matmul with an alpha as if alpha
-                y = y + t * scaling  # were 1; ``t s`` first gives the same bits for a power of two: test_compile_model)
+        y, (xc, w, a, b, h) = _lora_products(x, weight, lora_a, lora_b, scaling, dtype)
         ctx.save_for_backward(xc, w, a, b, h)
         ctx.scaling = scaling
         ctx.dtypes = (x.dtype, lora_a.dtype, lora_b.dtype)
@@ -126,7 +140,8 @@ class _FusedLoraForward:
         casts = getattr(self, "adapter_casts", None)
         if casts is not None and lora_a.dtype != dtype and not torch.compiler.is_compiling():
             lora_a, lora_b = casts.weights(self, lora_a, lora_b, dtype) or (lora_a, lora_b)
-        flat = LoraMatmuls.apply(x.reshape(-1, x.shape[-1]), base.weight, lora_a, lora_b, scaling, dtype)
+        matmuls = lora_matmuls if torch.compiler.is_compiling() else LoraMatmuls.apply
+        flat = matmuls(x.reshape(-1, x.shape[-1]), base.weight, lora_a, lora_b, scaling, dtype)
         return flat.view(*x.shape[:-1], flat.shape[-1])
 
     def _fused_inputs(self, x, args, kwargs):

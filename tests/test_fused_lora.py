@@ -114,6 +114,45 @@ def test_negative_control_a_wrongly_scaled_backward_is_caught(monkeypatch):
     assert not torch.equal(got[-1], want[-1])  # lora_B of v_proj
 
 
+def traced_functions(model, x) -> list[str]:
+    """The ``autograd.Function`` calls dynamo puts in the graph of a training forward of ``model`` (fp32)."""
+    found = []
+
+    def backend(gm, example_inputs):
+        found.extend(str(n.target) for n in gm.graph.nodes if "autograd_function" in str(n.target))
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)(x.requires_grad_()).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    return found
+
+
+def test_traced_the_adapted_layers_run_plain_ops():
+    """Traced (``torch.compile``), an adapted layer computes ``LoraMatmuls``' forward as plain ops and leaves its
+    backward to AOT autograd (``concept.lora.lora_matmuls``): an ``autograd.Function`` inside a nested compile region
+    fails dynamo 2.11's comparison of the regions' graphs in a training step (``KeyError: example_value``), so
+    ``--compile model`` could not train on the GPU image's torch. The same values and gradients as eager's.
+    Negative control: the Function called when traced is in the graph."""
+    fused = adapted(12.0)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    assert traced_functions(fused, x.clone()) == []
+    eager = outputs_and_grads(fused, x, False)
+    traced = outputs_and_grads(torch.compile(copy.deepcopy(fused), backend="aot_eager", fullgraph=True), x, False)
+    torch._dynamo.reset()
+    for g, w in zip(traced, eager):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_negative_control_the_function_traced_is_in_the_graph(monkeypatch):
+    import concept.lora
+
+    monkeypatch.setattr(concept.lora, "lora_matmuls", LoraMatmuls.apply)
+    assert len(traced_functions(adapted(12.0), torch.randn(2, 5, 16))) == 2
+
+
 # -- the adapters cast together (concept.lora.AdapterCasts), once per forward ----------------------------------
 
 class Layers(nn.Module):

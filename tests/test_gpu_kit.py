@@ -323,9 +323,10 @@ def test_quality_compiled_trains_all_three_models_compiled_through_the_frontier(
 
 
 def test_the_15_minute_lease_leaves_quality_minutes_after_the_worst_case():
-    """Every earlier stage at its whole budget, the machine's start and a margin: quality still gets minutes
-    (2.5 since `setup` took half a minute more for its compiled rows; about 4 in the expected case)."""
-    assert kit.quality_minutes(15) >= 2.5
+    """Every earlier stage at its whole budget, the machine's start and a margin: quality still gets a minute (since
+    `setup` took 5.5 minutes for the training target's compiled rows; about 3 in the expected case, where `exact`
+    and `setup` end before their budgets)."""
+    assert kit.quality_minutes(15) >= 1.0
     assert kit.CALL1_SETUP_MIN + kit.BUDGET_MIN["exact"] <= 10 - 0.5  # each call within the device's 10 minutes
     assert kit.BUDGET_MIN["setup"] + kit.BUDGET_MIN["speed"] <= 10 - 0.5
 

@@ -109,11 +109,12 @@ class GraphMemory:
         self.pending_backward = False
 
 
-def streaming_model():
-    """The default streaming build (its budget ``auto``), on a tiny backbone, with ~30% of tokens concepts."""
-    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3, "hidden": 32, "heads": 2, "kv_heads": 1,
-                                                          "intermediate": 64, "vocab": 256}),
-                      split="1,1,1", vocabulary=ComponentRef("embedding", {"size": 32}))
+def streaming_model(per_stack: int = 1):
+    """The default streaming build (its budget ``auto``), on a tiny backbone of ``per_stack`` layers a stack, with ~30%
+    of tokens concepts."""
+    cfg = BuildConfig(backbone=ComponentRef("tiny-llama", {"layers": 3 * per_stack, "hidden": 32, "heads": 2,
+                                                          "kv_heads": 1, "intermediate": 64, "vocab": 256}),
+                      split=",".join([str(per_stack)] * 3), vocabulary=ComponentRef("embedding", {"size": 32}))
     model = concept.build(cfg).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

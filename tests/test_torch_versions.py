@@ -5,8 +5,10 @@ can show, each of which would have cost a lease its compiled rows or its sync co
 stand-in for the older torch's behaviour:
 
 - ``import concept.compiled`` raised: ``nested_compile_region`` takes no ``max_reuse_entries`` there;
-- ``model`` compiled with each layer a region failed a training step (a dynamo fault of 2.11): the regions are
-  on by default from ``REGIONS_FROM`` only;
+- ``model`` compiled with each layer a region failed a training step (a dynamo fault of 2.11, with the fused
+  adapters' ``autograd.Function`` inside a region): a traced adapted layer runs plain ops (``tests/test_fused_lora.py``
+  holds that no Function is traced), and the regions are on by default from ``REGIONS_FROM``, the oldest torch they
+  were tested in;
 - the ratio controller's ``torch.nanquantile`` read a device value back in every training step (2.11 checks
   ``q`` on the device: ``aten::equal``);
 - the profiler's ``with_stack`` records no Python frames there: ``sync_stacks`` then come from the dispatch
@@ -53,7 +55,8 @@ def test_a_region_is_made_with_the_reuse_limit_only_where_torch_takes_one(monkey
 def test_the_regions_are_on_from_the_torch_they_were_tested_in(monkeypatch):
     """Unset, ``CONCEPT_LAYER_REGIONS`` follows the torch release; ``0`` / ``1`` decide on any torch; without a
     region maker, ``regions()`` is off whatever the setting."""
-    for version, on in (("2.11.0+cu130", False), ("2.12.1", False), ("2.13.0+cpu", True), ("3.0.0", True)):
+    for version, on in (("2.10.1", False), ("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", True),
+                        ("3.0.0", True)):
         monkeypatch.setattr(torch, "__version__", version)
         assert concept.compiled.default_layer_regions({}) is on
         assert concept.compiled.default_layer_regions({"CONCEPT_LAYER_REGIONS": "1"}) is True
