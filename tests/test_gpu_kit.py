@@ -127,6 +127,21 @@ def test_the_speed_plan_names_existing_cases_most_decisive_first():
     assert [cap for _, cap in speed_stage.GPU_PLAN][0] == 0 and sum(c for _, c in speed_stage.GPU_PLAN) < 150
 
 
+def test_under_model_the_compiled_8k_training_step_waits_for_a_longer_stage():
+    """``--compile model`` compiles a training step at 8k anew, about 3 minutes for both models: its cap exceeds the
+    suites' share of the default stage (so the cases after it run), the compiled forward's cap is raised, and the
+    other caps are the plan's. Negative control: under ``on`` the plan is :data:`GPU_PLAN` itself."""
+    plan = dict(speed_stage.gpu_plan("model"))
+    suites_s = 60 * kit.BUDGET_MIN["speed"] * (1 - speed_stage.DIAGNOSIS_SHARE)
+    train, forward = speed_stage.GPU_PLAN[3][0], speed_stage.GPU_PLAN[1][0]
+    assert "compiled" in train and "train_step" in train and plan[train] > suites_s
+    assert "compiled" in forward and plan[forward] > dict(speed_stage.GPU_PLAN)[forward]
+    assert list(plan) == [node for node, _ in speed_stage.GPU_PLAN]
+    assert all(plan[n] == cap for n, cap in speed_stage.GPU_PLAN if n not in speed_stage.WHOLE_CAPS)
+    assert plan[forward] < suites_s - 15  # (second in the plan, after the eager forward's ~15 s: it starts)
+    assert speed_stage.gpu_plan("on") == speed_stage.GPU_PLAN
+
+
 def test_the_sync_stacks_name_existing_forward_cases_in_the_selection():
     import importlib
 
