@@ -97,14 +97,14 @@ class FlopReport:
 def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor, concept_classes: int,
                   emit: int = 1, fusion: float = 0.0, static_slots: int | None = None,
                   deep_block: bool = False) -> FlopReport:
-    """FLOPs of one forward over a row with decisions ``keep`` [T] (``emit`` concepts per
-    emitting token), vs the dense backbone. ``fusion``: FLOPs of the tail fusion per tail token
-    (counted with the deep stack). ``static_slots``: the concept slots of a static layout
-    (``ConceptModel.concept_slots(T)``), whose widths its linear layers compute, padding included: the middle
-    stack that many slots, the deep stack that many and a tail of T (``packing.pack``), or with ``deep_block``
-    its concepts and tail in one block (``packing.deep_block_width``: T with one concept per boundary); its
-    attention counts the real pairs (masked pairs cost an ideal kernel nothing). None: the layout as wide as the
-    decisions."""
+    """FLOPs of one forward over a row with decisions ``keep`` [T] (``emit`` concepts per emitting token), vs the
+    dense backbone. ``fusion``: FLOPs of the tail fusion per tail token (counted with the deep stack; a static
+    layout fuses its whole tail part, T slots). ``static_slots``: the concept slots of a static layout
+    (``ConceptModel.concept_slots(T)``), whose widths its linear layers compute, padding included: the middle stack
+    that many slots, the deep stack that many and a tail of T (``packing.pack``), or with ``deep_block`` its
+    concepts and tail in one block (``packing.deep_block_width``: T with one concept per boundary); its attention
+    counts the real pairs (masked pairs cost an ideal kernel nothing). None: the layout as wide as the decisions.
+    ``tests/test_flops_measured.py`` holds the model's own matrix products to these counts."""
     T, C = len(keep), int(keep.sum()) * emit
     n_s, n_m, n_d = split
     causal = lambda n: n * (n + 1) / 2  # noqa: E731
@@ -119,7 +119,7 @@ def forward_flops(shape: Shape, split: tuple[int, int, int], keep: torch.Tensor,
     head = 2.0 * T * shape.hidden * concept_classes
     middle = n_m * (shape.linear(middle_width) + shape.attention(causal(C)))
     deep = n_d * (shape.linear(deep_width) + shape.attention(deep_pairs(keep, emit)))
-    deep += fusion * (T - int(keep.sum()))
+    deep += fusion * (T if static_slots is not None else T - int(keep.sum()))  # (a static tail: T slots)
     return FlopReport(T, C, dense, shallow + head + middle + deep + lm_head, shallow, middle, deep, head)
 
 
