@@ -10,6 +10,8 @@ tail fusion that computes, and the dense baseline. Negative control: a backend t
 matches (the wide layout's does)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -53,8 +55,6 @@ def ideal(model, keep, T: int, deep_block: bool):
 
 @pytest.mark.parametrize("fusion", ["none", "bridge"])
 def test_a_forward_runs_the_matmuls_its_ideal_counts(fusion):
-    import copy
-
     model = copy.deepcopy(mixed_model("null", tail_fusion=fusion))
     model.max_ratio = 0.25  # (a static budget, as the default build's `auto`: the deep stack over its block)
     T = 40
@@ -69,8 +69,6 @@ def test_a_forward_runs_the_matmuls_its_ideal_counts(fusion):
 
 
 def test_negative_control_the_wide_deep_layout_is_not_the_blocks_count():
-    import copy
-
     model = copy.deepcopy(mixed_model("null", attention="cascade"))
     model.max_ratio = 0.25
     T = 40
