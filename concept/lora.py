@@ -50,14 +50,24 @@ def _exact_power_of_two(value: float) -> bool:
     return value > 0 and mantissa == 0.5
 
 
+# traced, a power-of-two scale multiplies the adapter ``B`` [out, r] instead of the product ``t`` [N, out]
+FOLD_SCALE = True
+
+
 def _lora_products(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype):
     """``x W^T + s (x A^T) B^T`` in ``dtype`` (autocast off: each operand cast once) and the operands the
-    backward reads: ``(y, (xc, w, a, b, h))``."""
+    backward reads: ``(y, (xc, w, a, b, h))``. Traced (``torch.compile``) with ``s`` a power of two, ``s``
+    scales ``B`` (:data:`FOLD_SCALE`): ``h (s B)^T`` is ``s (h B^T)`` bit for bit, and the compiled graph then
+    has no pass over an [N, out] tensor for the scale, forward (``t s``) or backward (``g s``), only one over
+    the adapter [out, r], fused with its cast (``docs/benchmarks.md``, "What the compiled step asks of the
+    device")."""
     with torch.autocast(x.device.type, enabled=False):
         xc = x if x.dtype == dtype else x.to(dtype)
         w = weight if weight.dtype == dtype else weight.to(dtype)
         a = lora_a if lora_a.dtype == dtype else lora_a.to(dtype)
         b = lora_b if lora_b.dtype == dtype else lora_b.to(dtype)
+        if FOLD_SCALE and scaling != 1.0 and _exact_power_of_two(scaling) and torch.compiler.is_compiling():
+            b, scaling = b * scaling, 1.0
         y = torch.mm(xc, w.t())
         h = torch.mm(xc, a.t())
         t = torch.mm(h, b.t())

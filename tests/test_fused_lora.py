@@ -153,6 +153,53 @@ def test_negative_control_the_function_traced_is_in_the_graph(monkeypatch):
     assert len(traced_functions(adapted(12.0), torch.randn(2, 5, 16))) == 2
 
 
+def inductor_kernels(model, x, fold: bool | None, monkeypatch, bf16: bool = True) -> tuple[list, list]:
+    """``model`` compiled by inductor (this CPU), one forward and backward, under bf16 autocast over its base stored
+    in bf16 (``bf16``; else in fp32): the kernels inductor planned (``benchmarks.compiled_bytes``) and the outputs
+    and gradients; ``fold``: :data:`concept.lora.FOLD_SCALE` (None: as the library sets it)."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    import concept.lora
+    from benchmarks.compiled_bytes import KernelLog
+
+    if fold is not None:
+        monkeypatch.setattr(concept.lora, "FOLD_SCALE", fold)
+    model = copy.deepcopy(model)
+    if bf16:
+        store_frozen_base(Holder(model), torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), KernelLog() as log:
+            found = outputs_and_grads(torch.compile(model, fullgraph=True), x, bf16)
+    finally:
+        torch._dynamo.reset()
+    return log.kernels(), found
+
+
+def test_traced_a_power_of_two_scale_multiplies_the_adapter_not_the_product(monkeypatch):
+    """Compiled, the scale ``s`` (alpha / rank: 4 here, 2 by default) multiplies ``B`` [out, r] in the kernel that
+    casts it, not the product [N, out]: no elementwise kernel over the rows for it, forward (``t s``) or backward
+    (``g s``), fewer kernels and bytes (``concept.lora.FOLD_SCALE``); in fp32 the unfolded graph's bits, and
+    eager's values and gradients within inductor's fp32 reordering.
+    Negative control: unfolded, kernels that only multiply an [N, out] tensor by ``s``."""
+    model = adapted(16.0)
+    x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(1))
+    folded, _ = inductor_kernels(model, x, None, monkeypatch)
+    unfolded, _ = inductor_kernels(model, x, False, monkeypatch)
+    scales = lambda kernels: [k for k in kernels if k["kind"] == "generated"  # noqa: E731
+                              and set(k["ops"].split(",")) <= {"mul", "reshape"}]  # (a kernel that only scales)
+    # unfolded: both layers' ``t s`` and the second layer's ``g s`` alone (the first one's fused into tanh's backward)
+    assert len(scales(unfolded)) == 3 and scales(folded) == []
+    assert len(folded) == len(unfolded) - 3
+    assert sum(k["bytes"] for k in folded) < sum(k["bytes"] for k in unfolded)
+    (_, folded_fp32), (_, unfolded_fp32) = (inductor_kernels(model, x, fold, monkeypatch, bf16=False)
+                                            for fold in (None, False))
+    for folded_value, unfolded_value, eager in zip(folded_fp32, unfolded_fp32, outputs_and_grads(model, x, False)):
+        assert torch.equal(folded_value, unfolded_value)  # (a power of two: the same bits)
+        torch.testing.assert_close(folded_value, eager, rtol=1e-5, atol=1e-4)
+
+
 # -- the adapters cast together (concept.lora.AdapterCasts), once per forward ----------------------------------
 
 class Layers(nn.Module):
