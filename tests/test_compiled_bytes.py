@@ -8,7 +8,7 @@ import torch
 import torch._dynamo
 import torch._inductor.config
 
-from benchmarks.compiled_bytes import DEVICES, KernelLog, census, summary
+from benchmarks.compiled_bytes import DEVICES, SHAPES, KernelLog, census, measure, summary, table
 
 M, N, K = 64, 48, 32
 FP32 = 4
@@ -77,3 +77,26 @@ def test_a_generated_kernel_is_named_by_the_ops_fused_into_it(kernels):
     (glue,) = [k for k in kernels if k["kind"] == "generated"]
     assert glue["ops"] == "add,mul,relu"
     assert census(kernels + [glue], top=1) == [("add,mul,relu", 2, 2 * glue["bytes"])]
+
+
+def test_the_table_gives_each_streaming_row_its_roofline_ratio_to_dense():
+    rows = [{"model": m, "case": "train", "B": 2, "T": 8, "tokens": 16, "kernels": k, "generated_kernels": k,
+             "matmul_kernels": 0, "attention_kernels": 0, "bytes": 1e9, "generated_bytes": 1e9, "matmul_flops": 0,
+             "roofline_ms_h200": ms} for m, k, ms in (("streaming", 10, 2.0), ("dense", 12, 3.0))]
+    lines = table(rows).splitlines()
+    assert lines[2].startswith("| train 2 x 8 | streaming | 10 ") and lines[2].endswith("| 1.50x |")
+    assert lines[3].endswith("|  |")  # (dense: no ratio to itself)
+
+
+@pytest.mark.slow
+def test_the_benchmark_counts_a_whole_compiled_training_step():
+    """``measure`` end to end on the tiny shape, both models: every adapted projection's 8 matmuls a step (3
+    forward, 5 backward: the first layer's, whose input needs no gradient, fewer) are among the counted matmuls.
+    (At this width the concept head outweighs the layers the streaming model saves, so no ratio is held here; the
+    SmolLM2-width rows are in docs/benchmarks.md.)"""
+    rows = {kind: measure(kind, "train", 2, 32, "tiny") for kind in ("streaming", "dense")}
+    layers = SHAPES["tiny"]["layers"]
+    for row in rows.values():
+        assert row["matmul_kernels"] >= (layers - 1) * 7 * 8 and row["generated_kernels"] > 0
+        assert row["roofline_ms_h200"] > 0
+    assert rows["streaming"]["matmul_flops"] != rows["dense"]["matmul_flops"]
