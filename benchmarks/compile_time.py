@@ -173,12 +173,18 @@ def side_by_side(shape: str, kind: str, choices: list[str], reps: int = 30) -> l
              "forward_ms": round(1e3 * statistics.median(t["forward"]), 2)} for choice, t in times.items()]
 
 
+def cold_env(cache: str, **more: str) -> dict:
+    """This process's environment for a child whose every compilation is cold: inductor's caches in the empty
+    folder ``cache`` and off; ``more``: other variables (e.g. ``OMP_NUM_THREADS="1"``)."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", **more}
+
+
 def run_one(shape: str, kind: str, choice: str, timeout: float, backend: str = "inductor",
             forward_only: bool = False) -> dict:
     """:func:`measure` in a fresh process with cold inductor caches."""
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-               "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        env = cold_env(cache, TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1")
         start = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--one", shape, kind, choice,

@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 
 SHAPES = {
     "smollm2": {"layers": 30, "hidden": 576, "heads": 9, "kv_heads": 3, "intermediate": 1536, "vocab": 49152},
@@ -85,12 +86,11 @@ def signature(node) -> str:
 
 def census(kernels: list[dict], top: int) -> list[tuple[str, int, int]]:
     """The ``top`` most frequent generated kernels by their ops: (ops, kernels, bytes)."""
-    counts, moved = {}, {}
-    for k in kernels:
-        if k["kind"] == "generated":
-            counts[k["ops"]] = counts.get(k["ops"], 0) + 1
-            moved[k["ops"]] = moved.get(k["ops"], 0) + k["bytes"]
-    return sorted(((ops, n, moved[ops]) for ops, n in counts.items()), key=lambda c: -c[1])[:top]
+    generated = [k for k in kernels if k["kind"] == "generated"]
+    counts, moved = Counter(k["ops"] for k in generated), Counter()
+    for k in generated:
+        moved[k["ops"]] += k["bytes"]
+    return [(ops, n, moved[ops]) for ops, n in counts.most_common(top)]
 
 
 class KernelLog(logging.Handler):
@@ -201,9 +201,10 @@ def measure(kind: str, case: str, B: int, T: int, shape: str, top: int = 0) -> d
 
 def run_one(kind: str, case: str, B: int, T: int, shape: str, top: int = 0, timeout: float = 1800) -> dict:
     """:func:`measure` in a fresh process (cold caches; two threads)."""
+    from benchmarks.compile_time import cold_env
+
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-               "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        env = cold_env(cache, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
         done = subprocess.run([sys.executable, "-m", "benchmarks.compiled_bytes", "--one", kind, case, str(B), str(T),
                                shape, str(top)], env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode:
