@@ -95,6 +95,22 @@ def region_options() -> dict | None:
     return getattr(concept.compiled, "REGION_OPTIONS", None)
 
 
+def training_graphs(device_type: str) -> bool:
+    """Whether ``model``'s training forward and backward run as CUDA graphs on a device type
+    (``concept.compiled.training_cuda_graphs``: on CUDA unless ``CONCEPT_MODEL_CUDA_GRAPHS=0``)."""
+    import concept.compiled
+
+    return concept.compiled.training_cuda_graphs(device_type)
+
+
+def cudagraph_skips() -> int:
+    """Inductor's count of graphs it compiled for CUDA graphs but ran without them (each skip's reason is in its
+    log: ``skipping cudagraphs due to ...``)."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+
+
 def train_option(choice: str | None = None) -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`; None: :func:`kit_choice`)."""
     return {"compile": choice or kit_choice()}

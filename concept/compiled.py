@@ -25,8 +25,8 @@ serving each layer of the stack (regional compilation: a SmolLM2 forward traces 
 (``reduce-overhead``, CUDA graphs, on CUDA; torch's default elsewhere); one of torch's modes by name
 compiles each stack whole; ``model`` traces the whole forward as one graph (:class:`WholeForward`: the decisions,
 the packing, the attention plans, every stack and the loss, each decoder layer a nested compile region traced once per
-stack, :func:`_layer_region`; inductor in torch's default mode, no CUDA graphs;
-its stacks compiled whole where a call runs them on their own, a prefill); ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
+stack, :func:`_layer_region`; on CUDA a training forward and its backward run as CUDA graphs, every other call
+in inductor's default mode; its stacks compiled whole where a call runs them on their own, a prefill); ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
 eager kernels, no code generated (debugging, and the default test suite, where inductor's C++
 compilation of a tiny model's stacks takes minutes on a CPU). Whether a model compiles at all is its
 family's answer (``Family.compile_refusal``).
@@ -291,34 +291,73 @@ class WholeForward:
     them (the length policy's host scan is an opaque op in it on a CPU, its Triton kernel on CUDA:
     ``concept.streaming.scan``). Installed as the module's ``forward``, so ``model(...)`` runs it.
 
-    In torch's default mode, never CUDA graphs, on every device: the forward's outputs (a ``ConceptOutput`` with
-    its deferred logits, what a training step's objectives and diagnostics read after it) then live in ordinary
-    memory, and with no eager glue left a forward launches its few hundred fused kernels from inductor's
-    generated code (microseconds each on the host, against the milliseconds of device time of a GPU forward). A
-    call with an argument that is not a tensor, a number or None (a KV cache recording a prefill, the
-    diagnostics' perturbation functions), or that its family would refuse to compile now (``compile_refusal``: a
-    streaming model whose budget is switched off for the call, as the keep-all control does), runs the forward
-    eagerly, its stacks compiled whole. That check is asked before every graph call, so it is where a family reads
-    the host values its graph holds as constants (``Family.compile_refusal``): a changed value recompiles, by its
-    guard."""
+    A training forward on CUDA (gradients on) runs as CUDA graphs (:func:`training_cuda_graphs`): one replay for
+    the forward and one for its backward instead of the ~3,300 kernel launches of a SmolLM2 step, which bound a
+    compiled step by the host (``docs/benchmarks.md``, "What the compiled step asks of the device"). Its outputs
+    and the gradients its backward hands to the weights then live in the graphs' memory until the next compiled
+    training call: read within the step, as a training step reads them; with gradient accumulation the trainer
+    keeps the ``.grad`` buffers of its own (:func:`gradients_in_graph_memory`). Every other call (no gradients:
+    evaluation, the ratio controller's calibration, benchmarks; a CPU) runs inductor in torch's default mode, its
+    outputs in ordinary memory: a forward's few hundred kernels are microseconds each on the host against its
+    milliseconds of device time, and nothing it returns can be overwritten by a later call. A call with an argument
+    that is not a tensor, a number or None (a KV cache recording a prefill, the diagnostics' perturbation
+    functions), or that its family would refuse to compile now (``compile_refusal``: a streaming model whose budget
+    is switched off for the call, as the keep-all control does), runs the forward eagerly, its stacks compiled
+    whole. That check is asked before every graph call, so it is where a family reads the host values its graph
+    holds as constants (``Family.compile_refusal``): a changed value recompiles, by its guard."""
 
     def __init__(self, model, backend: str | None = None):
         self.eager = type(model).forward.__get__(model)
-        # inductor in torch's default mode, drawing random numbers as eager does (a sampler's Gumbel noise: the
-        # same samples as the eager forward, so compiled training equals eager's; one unfused kernel more), and,
-        # with the layers as regions, never handing a dead buffer's storage to another (``REGION_OPTIONS``)
-        options = {"fallback_random": True, **(REGION_OPTIONS if regions() else {})}
-        kwargs = {"backend": backend} if backend else {"options": options}
-        self.graph = torch.compile(_own_copy(type(model).forward, "whole").__get__(model), fullgraph=True,
-                                   dynamic=False, **kwargs)
+        self.backend = backend  # torch.compile's backend where not inductor (tests: ``aot_eager``): never CUDA graphs
+        self.graphs: dict[bool, object] = {}  # CUDA graphs or not -> the compiled forward (made at its first call)
+
+    def compile(self, cuda_graphs: bool):
+        """The whole forward compiled: inductor drawing random numbers as eager does (a sampler's Gumbel noise: the
+        same samples as the eager forward, so compiled training equals eager's; one unfused kernel more), with the
+        layers as regions never handing a dead buffer's storage to another (``REGION_OPTIONS``), and with
+        ``cuda_graphs`` run as CUDA graphs (``reduce-overhead``'s option); its own code object each way, so that
+        each keeps its graphs and recompile count."""
+        options = {"fallback_random": True, **(REGION_OPTIONS if regions() else {}),
+                   **({"triton.cudagraphs": True} if cuda_graphs else {})}
+        kwargs = {"backend": self.backend} if self.backend else {"options": options}
+        forward = _own_copy(type(self.eager.__self__).forward, "whole_graphs" if cuda_graphs else "whole")
+        return torch.compile(forward.__get__(self.eager.__self__), fullgraph=True, dynamic=False, **kwargs)
+
+    def cuda_graphs(self, device_type: str) -> bool:
+        """Whether a call on ``device_type`` with the current grad mode runs as CUDA graphs."""
+        return self.backend is None and torch.is_grad_enabled() and training_cuda_graphs(device_type)
 
     def __call__(self, *args, **kwargs):
-        plain = all(v is None or isinstance(v, (torch.Tensor, bool, int, float)) for v in (*args, *kwargs.values()))
+        values = (*args, *kwargs.values())
+        plain = all(v is None or isinstance(v, (torch.Tensor, bool, int, float)) for v in values)
         # (the family's check, asked before every graph call, also brings up to date the host values the graph
         # reads as constants: a streaming model's budget from its policy's target ratio; a change recompiles)
         if not plain or compile_refusal(self.eager.__self__) is not None:  # (e.g. a streaming model's budget
             return self.eager(*args, **kwargs)  # switched off for a call: the keep-all control)
-        return self.graph(*args, **kwargs)
+        device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+        graphs = self.cuda_graphs(device)
+        if graphs not in self.graphs:
+            self.graphs[graphs] = self.compile(graphs)
+        return self.graphs[graphs](*args, **kwargs)
+
+
+def training_cuda_graphs(device_type: str, environ=os.environ) -> bool:
+    """Whether ``model``'s training forward runs as CUDA graphs on a device type: on CUDA, unless
+    ``CONCEPT_MODEL_CUDA_GRAPHS=0`` (e.g. a GPU kit call after ``exact`` found a torch whose CUDA graphs fail the
+    whole forward: ``docs/gpu.md``)."""
+    return device_type == "cuda" and environ.get("CONCEPT_MODEL_CUDA_GRAPHS", "1") != "0"
+
+
+def gradients_in_graph_memory(model, device_type: str) -> bool:
+    """Whether ``model``'s training backward hands its gradients to the weights in CUDA graphs' memory (``model``,
+    :func:`training_cuda_graphs`; the stacks' graphs of ``on``, ``layers`` and ``reduce-overhead`` on CUDA): a
+    weight whose ``.grad`` is None takes the backward's output itself, which the next compiled training call
+    reuses. So under gradient accumulation the trainer keeps ``.grad`` buffers of its own, zeroed after each
+    step, that every backward adds into (torch's advice: ``torch/_inductor/cudagraph_trees.py``)."""
+    stacks = getattr(model, "compiled_stacks", None)  # (``model``'s stacks, where a call runs them on their own,
+    if stacks is None or stacks.backend or stacks.choice == "aot-eager":  # are CUDA graphs on CUDA too)
+        return False
+    return uses_cuda_graphs(device_mode(stacks.choice, device_type), device_type)
 
 
 def compile_refusal(model) -> str | None:

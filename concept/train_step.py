@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from .compiled import gradients_in_graph_memory
 from .diagnostics import grad_norms
 from .distributed import full_tensor
 from .errors import TrainingError
@@ -118,6 +119,10 @@ class StepRunner:
         # log is read before the next step runs
         self.acting_on_host = [o for o in objectives if overrides(o, "after_step")]
         self.logging_stats = [o for o in objectives if overrides(o, "log_stats")]  # (never forces a read)
+        # gradient accumulation over a backward that hands its gradients over in CUDA graphs' memory (compiled on
+        # CUDA): the next micro-batch's forward would reuse a gradient a weight took as its ``.grad``, so the weights
+        # keep ``.grad`` buffers of their own, zeroed after each step, that every backward adds into
+        self.own_grads = config.grad_accum > 1 and gradients_in_graph_memory(model, device.type)
         self.step = 0  # the steps trained (a skipped step, once read, takes it back)
         self.queued: list[QueuedStep] = []  # steps run on the device whose logged values are not read yet
         self.skipping: torch.Tensor | None = None  # on the device: a step so far had a non-finite loss or gradient
@@ -204,7 +209,7 @@ class StepRunner:
         scheduler = self.scheduler.state_dict()  # (a skipped step, once read, puts it back)
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.own_grads)
         return summed, total, grad_norm, skipped, lr, scheduler
 
     @staticmethod
@@ -225,6 +230,9 @@ class StepRunner:
         cfg, model, dist = self.config, self.model, self.dist
         sums = dict.fromkeys([*STEP_SUMS, *(o.name for o in self.objectives if o.adds_term)], 0.0)
         micros = self.micro_batches
+        if self.own_grads:  # (allocated once; ``zero_grad`` keeps them from then on)
+            for p in (p for g in self.optimizer.param_groups for p in g["params"] if p.grad is None):
+                p.grad = torch.zeros_like(p)
         for m in range(cfg.grad_accum):
             j = dist.rank * cfg.grad_accum + m  # this micro-batch's place in the global batch
             b = {k: v[:, :length] for k, v in self.batch(self.step * micros + j).items()}
@@ -278,7 +286,7 @@ class StepRunner:
                 row["skipped"] = True
                 self.step, self.queued = q.step - 1, []
                 self.scheduler.load_state_dict(q.scheduler)
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=not self.own_grads)
                 break
         tokens_per_s = sum(tokens for _, tokens in rows) / seconds
         for row, _ in rows:

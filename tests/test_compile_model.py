@@ -240,3 +240,47 @@ def test_the_fused_adapters_compile_to_their_eager_values(fresh_dynamo, scaling)
         add = torch.compile(lambda x: torch.add(x @ w.t(), (x @ a.t()) @ b.t(), alpha=2.0), fullgraph=True)(x)
         assert not torch.allclose(add, eager, atol=1e-3), "inductor adds two matmuls with their alpha now: the " \
             "workaround in LoraMatmuls.forward can go"
+
+
+# -- CUDA graphs for the training forward ----------------------------------------------------------------------
+def test_the_training_forward_alone_runs_as_cuda_graphs_and_only_on_cuda(monkeypatch):
+    """``WholeForward.cuda_graphs``: a call with gradients on CUDA, inductor's (never a test backend's), unless
+    ``CONCEPT_MODEL_CUDA_GRAPHS=0``; no-grad calls and a CPU's never. Negative control: the switch off."""
+    assert concept.compiled.training_cuda_graphs("cuda", {}) is True
+    assert concept.compiled.training_cuda_graphs("cuda", {"CONCEPT_MODEL_CUDA_GRAPHS": "0"}) is False
+    assert concept.compiled.training_cuda_graphs("cpu", {}) is False
+    model = mixed_model("null")
+    model.max_ratio = 0.25
+    whole = WholeForward(model)  # inductor (no backend)
+    assert whole.cuda_graphs("cuda") and not whole.cuda_graphs("cpu")
+    with torch.no_grad():
+        assert not whole.cuda_graphs("cuda")
+    assert not WholeForward(model, backend="aot_eager").cuda_graphs("cuda")
+    monkeypatch.setenv("CONCEPT_MODEL_CUDA_GRAPHS", "0")
+    assert not whole.cuda_graphs("cuda")
+
+
+def test_the_two_modes_compile_apart(monkeypatch):
+    """CUDA graphs or not: a compiled forward each, each its own code object (its graphs and recompile count);
+    inductor's options differ only by ``triton.cudagraphs``."""
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.setdefault(fn.__func__.__code__.co_name, kwargs))
+    model = mixed_model("null")
+    whole = WholeForward(model)
+    whole.compile(True), whole.compile(False)
+    assert set(seen) == {"forward_whole", "forward_whole_graphs"}
+    graphs, plain = seen["forward_whole_graphs"]["options"], seen["forward_whole"]["options"]
+    assert graphs.pop("triton.cudagraphs") is True and graphs == plain and plain["fallback_random"] is True
+
+
+@pytest.mark.parametrize("choice,device,expected", [("model", "cuda", True), ("on", "cuda", True),
+                                                    ("reduce-overhead", "cuda", True), ("default", "cuda", False),
+                                                    ("model", "cpu", False), ("on", "cpu", False)])
+def test_where_gradients_arrive_in_graph_memory(choice, device, expected):
+    """``gradients_in_graph_memory``: the choices whose graphs are CUDA graphs on the device (the trainer then keeps
+    ``.grad`` buffers of its own under gradient accumulation: ``tests/test_graph_memory.py``); a test backend's never."""
+    model = mixed_model("null")
+    model.max_ratio = 0.25
+    assert concept.compiled.gradients_in_graph_memory(compile_model(model, choice), device) is expected
+    assert not concept.compiled.gradients_in_graph_memory(compile_model(model, choice, backend="aot_eager"), device)
+    assert not concept.compiled.gradients_in_graph_memory(compile_model(model, "off"), device)

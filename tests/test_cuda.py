@@ -27,7 +27,8 @@ Marked ``cuda``; without a CUDA device every test skips. The GPU kit's ``exact``
   call reuses; ``concept.compiled``): a no-grad forward with every output kept past the later calls, the
   prefill and the static decoding step, and three bf16 training steps (the first with the ratio controller's
   no-grad calibration forward, which crashed on 2026-11-27) equal eager; under ``--compile model`` over two layers
-  a stack (each stack's second layer a second call of its nested compile region). On a CPU,
+  a stack (each stack's second layer a second call of its nested compile region), its training forward and backward
+  CUDA graphs (none skipped), with and without gradient accumulation. On a CPU,
   ``tests/test_graph_memory.py`` emulates the graphs' memory rules.
 """
 from __future__ import annotations
@@ -289,7 +290,8 @@ def test_compiled_generation_equals_eager_on_cuda():
     assert err <= TOLERANCES["fp32"]["logits"], f"compiled generation's logits differ from eager's by {err:.2e}"
 
 
-def compiled_training_rows(corpus, folder, device: str = "cuda", choice: str = "on", steps: int = 3):
+def compiled_training_rows(corpus, folder, device: str = "cuda", choice: str = "on", steps: int = 3,
+                           grad_accum: int = 1):
     """(eager, compiled) rows of ``steps`` bf16 training steps of the default streaming build (LoRA in every
     stack); the first step calibrates the NULL bias with a no-grad forward."""
     concept.save(streaming_model(per_stack(choice)), folder / "built")
@@ -297,14 +299,22 @@ def compiled_training_rows(corpus, folder, device: str = "cuda", choice: str = "
     for name in ("off", choice):
         trainer = Trainer.start(folder / "built", folder / name, small(
             data=str(corpus), device=device, steps=steps, eval_every=100, checkpoint_every=100, log_every=1,
-            compile=name, **precision()))
+            compile=name, grad_accum=grad_accum, **precision()))
         rows.append([trainer.train_step() for _ in range(steps)])
     return rows
 
 
-@pytest.mark.parametrize("choice", ["on", "model"])
-def test_compiled_training_steps_equal_eager_on_cuda(corpus, tmp_path, choice):  # noqa: F811
-    eager, fast = compiled_training_rows(corpus, tmp_path, choice=choice)
+@pytest.mark.parametrize("choice,grad_accum", [("on", 1), ("model", 1), ("model", 2)],
+                         ids=["on", "model", "model-accumulated"])
+def test_compiled_training_steps_equal_eager_on_cuda(corpus, tmp_path, choice, grad_accum):  # noqa: F811
+    """``model``: the training forward and its backward as CUDA graphs (``WholeForward.cuda_graphs``), none skipped
+    (inductor counts a skip and says why in its log); accumulated: the weights keep ``.grad`` buffers of their own
+    (the second micro-batch's forward reuses the first's graph memory: ``tests/test_graph_memory.py``)."""
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    eager, fast = compiled_training_rows(corpus, tmp_path, choice=choice, steps=4 if grad_accum > 1 else 3,
+                                         grad_accum=grad_accum)
+    if choice == "model":
+        assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips, "inductor skipped CUDA graphs"
     tol = TOLERANCES["bf16"]
     for a, b in zip(eager, fast):
         assert b["loss"] == pytest.approx(a["loss"], rel=tol["logits"]), (a, b)

@@ -60,6 +60,8 @@ def test_dry_setup_reports_the_machine_and_throughput(dry):
     regions = concept.compiled.regions()  # (on where this torch runs them: concept.compiled.REGIONS_FROM)
     assert compiled["layer_regions"] is regions  # (recorded)
     assert compiled["region_options"] == ({"allow_buffer_reuse": False} if regions else None)
+    # the training forward as CUDA graphs on CUDA only; each compiled row counts the graphs inductor ran without them
+    assert compiled["training_cuda_graphs"] is False and all(m["cudagraph_skips"] == 0 for m in compiled["models"].values())
     assert result["throughput"]["failed"] == {}  # (a row that fails: tests/test_gpu_kit_setup.py)
 
 

@@ -184,3 +184,20 @@ def test_the_compiled_rows_say_their_budget():
     assert report_stage.budget_text(compiled) == ("; the streaming model's budget `auto`: 0.15625 + 6 slack, 26 concept "
                                                   "slots a row of 128")
     assert report_stage.budget_text({"option": {"compile": "on"}, "max_ratio": 0.3}) == ""
+
+
+def test_the_compiled_rows_say_whether_training_ran_as_cuda_graphs():
+    """`setup` records whether the compiled rows' training forward and backward ran as CUDA graphs, and each row the
+    graphs inductor ran without them; a lease's JSON from before records neither, and the text says nothing of it."""
+    assert report_stage.graphs_text(True) == "; training as CUDA graphs"
+    assert report_stage.graphs_text(False) == "; training without CUDA graphs"
+    assert report_stage.graphs_text(None) == ""
+    throughput = {**THROUGHPUT, "failed": {}, "compiled": {
+        "option": {"compile": "model"}, "training_cuda_graphs": True, "models": {
+            "streaming": {"tokens_per_s": 250000.0, "step_s": 0.066, "vs_eager": 3.1, "cudagraph_skips": 0},
+            "dense": {"tokens_per_s": 150000.0, "step_s": 0.109, "vs_eager": 2.5, "cudagraph_skips": 2}}}}
+    text = report_stage.render_setup(envelope("setup", "ok", "2026-11-29T02:04:13Z", "setup speed",
+                                              {"environment": ENVIRONMENT, "throughput": throughput}))
+    assert "training as CUDA graphs" in text and "CUDA graphs skipped |" in text
+    assert "| streaming | 250,000 | 3.10x | 0.066 | – | – | – | 0 |" in text
+    assert "| dense | 150,000 | 2.50x | 0.109 | – | – | – | 2 |" in text

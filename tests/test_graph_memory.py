@@ -23,8 +23,9 @@ import torch
 import concept
 from concept import BuildConfig, ComponentRef
 from concept.backbone import run_layer_rope, run_layers
-from concept.compiled import CompiledStacks, compile_model
+from concept.compiled import CompiledStacks, WholeForward, compile_model
 from concept.dense import DenseModel
+from concept.errors import TrainingError
 from concept.losses import chunk_terms
 from concept.streaming.decoding import ConceptDecoder
 from concept.training import TrainConfig, Trainer
@@ -261,3 +262,151 @@ def test_training_without_the_copies_reads_overwritten_memory(run, monkeypatch):
     with pytest.raises(RuntimeError, match=OVERWRITTEN) as caught:
         compiled.train_step()
     assert "before_step" in {entry.name for entry in caught.traceback}  # (the calibration forward)
+
+
+# -- ``model``: the whole training forward one CUDA graph, its backward another -------------------------------
+# A training forward under ``--compile model`` on CUDA runs as CUDA graphs (``WholeForward.cuda_graphs``): its outputs
+# live in graph memory until the next compiled training call, and so do the gradients its backward hands over: a
+# weight whose ``.grad`` is None takes the backward's output itself (autograd's AccumulateGrad steals it). Every
+# other call (no gradients) runs in inductor's default mode, its outputs its own.
+
+
+def graph_tensors(obj, seen=None):
+    """The tensors a compiled call returned inside ``obj`` (a model output: its fields, a deferred field's closure,
+    the layout's): every tensor reachable through attributes, containers and closures, no module's."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, type, str, bytes, int, float, bool)) or obj is None:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        children = list(obj)
+    elif callable(obj) and getattr(obj, "__closure__", None):
+        children = [c.cell_contents for c in obj.__closure__ if c.cell_contents is not None]
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+    return [t for child in children for t in graph_tensors(child, seen)]
+
+
+def overwrite(t: torch.Tensor) -> None:
+    """What the next graph writes into ``t``'s memory, as seen by a reader: NaN, -1 or the flipped mask."""
+    with torch.no_grad():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.logical_not_()
+        else:
+            t.fill_(-1)
+
+
+class WholeGraphs:
+    """``--compile model``'s training forward in graph memory, on a CPU: the whole forward runs eagerly (its stacks
+    too), and a call starts a new generation unless the previous one's backward is pending, overwriting what the
+    previous generation handed out: the forward's outputs (not an input, a weight or a buffer it returned as they
+    are) and the gradients its backward handed to weights whose ``.grad`` was None at the call."""
+
+    def __init__(self):
+        self.outputs: list[torch.Tensor] = []  # the current generation's
+        self.pending_backward = False
+        self.overwritten = self.calls = 0
+        self.hooked: set[int] = set()
+        self.stolen: set[int] = set()  # ids of the weights whose .grad was None at the current generation's call
+
+    def install(self, monkeypatch, no_grad_graphs: bool = False, own_grads: bool = True) -> None:
+        """``no_grad_graphs``: no-grad calls in graph memory too (negative control); ``own_grads`` False: the trainer
+        told its gradients are not in graph memory (negative control: no ``.grad`` buffers of its own)."""
+        monkeypatch.setattr(WholeForward, "cuda_graphs", lambda whole, device_type: no_grad_graphs or
+                            torch.is_grad_enabled())
+        monkeypatch.setattr(WholeForward, "compile", lambda whole, cuda_graphs: self.whole(whole.eager) if cuda_graphs
+                            else whole.eager)
+        monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type, regional=False: (
+            run_layer_rope if regional else run_layers, False))  # (the whole forward's stacks: eager here)
+        monkeypatch.setattr(CompiledStacks, "loss_terms", lambda stacks, device_type: chunk_terms)
+        monkeypatch.setattr("concept.train_step.gradients_in_graph_memory", lambda model, device_type: own_grads)
+
+    def whole(self, forward):
+        model = forward.__self__
+
+        def call(*args, **kwargs):
+            if not self.pending_backward:  # a new generation: the earlier outputs' memory is reused
+                for t in self.outputs:
+                    overwrite(t)
+                self.overwritten += len(self.outputs)
+                self.outputs = []
+            self.calls += 1
+            weights = [p for p in model.parameters() if p.requires_grad]
+            self.stolen = {id(p) for p in weights if p.grad is None}
+            for p in weights:
+                if id(p) not in self.hooked:
+                    self.hooked.add(id(p))
+                    p.register_post_accumulate_grad_hook(self.took_gradient)
+            out = forward(*args, **kwargs)
+            own = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values(), *model.parameters(),
+                                                            *model.buffers()) if isinstance(t, torch.Tensor)}
+            self.outputs += [t for t in graph_tensors(out) if t.untyped_storage().data_ptr() not in own]
+            if out.loss is not None and out.loss.requires_grad:
+                self.pending_backward = True
+                out.loss.register_hook(self.backward_ran)
+            return out
+
+        return call
+
+    def backward_ran(self, grad) -> None:
+        self.pending_backward = False
+
+    def took_gradient(self, p) -> None:
+        if id(p) in self.stolen:  # its .grad is the backward's output itself, in graph memory
+            self.stolen.discard(id(p))
+            self.outputs.append(p.grad)
+
+
+@pytest.mark.parametrize("baseline,grad_accum", [(None, 1), (None, 2), ("dense", 2)],
+                         ids=["streaming", "streaming-accumulated", "dense-accumulated"])
+def test_whole_forward_training_in_graph_memory_equals_eager(run, monkeypatch, baseline, grad_accum):
+    """Three steps; the streaming run's first step calibrates the NULL bias with a no-grad forward (default mode, its
+    outputs its own); log_every=1: the diagnostics read the step's output after its backward. Accumulated: the
+    second micro-batch's forward reuses the first's memory, gradients included, so the weights keep ``.grad``
+    buffers of their own (``StepRunner.own_grads``)."""
+    name = f"{baseline or 'streaming'}-{grad_accum}"
+    eager = rows(trainer(run, f"{name}-eager-model", "off", baseline=baseline, grad_accum=grad_accum))
+    memory = WholeGraphs()
+    memory.install(monkeypatch)
+    fast = trainer(run, f"{name}-graphs-model", "model", baseline=baseline, grad_accum=grad_accum)
+    assert fast.runner.own_grads == (grad_accum > 1)
+    fast = rows(fast)
+    assert memory.calls == STEPS * grad_accum and memory.overwritten > 0
+    for a, b in zip(eager, fast):
+        assert a.get("ratio") == b.get("ratio") and a.get("null_bias") == pytest.approx(b.get("null_bias"))
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_accumulated_gradients_without_buffers_of_their_own_are_overwritten(run, monkeypatch):
+    """Negative control: with the weights taking the first micro-batch's gradients from graph memory, the second
+    micro-batch's forward overwrites them (on CUDA torch raises "accessing gradient tensor output of CUDAGraphs that
+    has been overwritten"; here they read NaN): the step's gradients are not finite, and it is skipped."""
+    WholeGraphs().install(monkeypatch, own_grads=False)
+    fast = trainer(run, "accumulated-without-buffers", "model", grad_accum=2)
+    assert not fast.runner.own_grads
+    with pytest.raises(TrainingError, match="the gradients became nan at step 1"):
+        fast.train_step()
+
+
+def test_no_grad_forwards_keep_their_outputs(streaming, monkeypatch):
+    """No-grad calls (evaluation, calibration, benchmarks) run in default mode: two forwards' outputs, the first read
+    after the second, equal eager. Negative control: run in graph memory too, the first forward's outputs are
+    overwritten by the second's call."""
+    with torch.no_grad():
+        eager = [streaming_forward(streaming, batch(seed)) for seed in (0, 1)]
+        WholeGraphs().install(monkeypatch)
+        compiled = compile_model(copy.deepcopy(streaming), "model")
+        kept = [compiled(batch(seed), attention_mask=torch.ones_like(batch(seed))) for seed in (0, 1)]
+        for a, out in zip(eager, kept):
+            for x, y in zip(a, (out.logits, out.shallow, out.hidden)):
+                torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+        WholeGraphs().install(monkeypatch, no_grad_graphs=True)
+        compiled = compile_model(copy.deepcopy(streaming), "model")
+        first, _ = [compiled(batch(seed), attention_mask=torch.ones_like(batch(seed))) for seed in (0, 1)]
+        assert torch.isnan(first.shallow).all()

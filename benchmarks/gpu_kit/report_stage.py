@@ -98,6 +98,11 @@ def cell(text: str, limit: int = 200) -> str:
     return re.sub(r"\s+", " ", str(text))[:limit].replace("|", "\\|")
 
 
+def graphs_text(graphs: bool | None) -> str:
+    """Whether the compiled rows' training forward and backward ran as CUDA graphs: '' where not recorded."""
+    return "" if graphs is None else ("; training as CUDA graphs" if graphs else "; training without CUDA graphs")
+
+
 def budget_text(compiled: dict) -> str:
     """The compiled rows' static concept budget as ``setup`` resolved it: '' where it did not record one."""
     b = compiled.get("budget")
@@ -180,13 +185,16 @@ def render_setup(data: dict) -> str:
         lines += [f"| {kind} | failed: {cell(error)} | – | – |" for kind, error in failed.items() if " " not in kind]
         compiled = (tp.get("compiled") or {}).get("models", {})
         if compiled:
-            lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`{budget_text(tp['compiled'])}; compile: "
-                          f"the warm-up steps' extra time; first step: its seconds, compilation included):",
-                      "", "| model | tokens/s | vs eager | s / step | compile s | first step s | peak MiB |",
-                      "|---|---:|---:|---:|---:|---:|---:|"]
+            graphs = tp["compiled"].get("training_cuda_graphs")
+            lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`{budget_text(tp['compiled'])}"
+                          f"{graphs_text(graphs)}; compile: the warm-up steps' extra time; first step: its seconds, "
+                          f"compilation included; CUDA graphs skipped: inductor's count, its log says why):",
+                      "", "| model | tokens/s | vs eager | s / step | compile s | first step s | peak MiB | "
+                          "CUDA graphs skipped |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
             lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {_f(m.get('vs_eager'), '.2f')}x | {m['step_s']:.3f} | "
                       f"{_f(m.get('compile_s'), '.0f')} | {_f(m.get('first_step_s'), '.1f')} | "
-                      f"{_f(m.get('peak_mib'), ',.0f')} |" for kind, m in compiled.items()]
+                      f"{_f(m.get('peak_mib'), ',.0f')} | {_f(m.get('cudagraph_skips'), 'd')} |"
+                      for kind, m in compiled.items()]
         compiled_failed = {k: e for k, e in failed.items() if k.startswith("compiled") or k.endswith(" compiled")}
         if compiled_failed:
             lines += ["", "Compiled rows that failed (each on its own; the others above were measured): "

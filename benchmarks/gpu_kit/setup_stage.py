@@ -383,11 +383,12 @@ def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
 def compiled_build(stage: Stage, out: dict, static: Path) -> bool:
     """Before the first compiled row: the build with a static concept budget (a streaming model compiles with
     one only), saved in ``static``, and ``out["compiled"]``. Whether the compiled rows can run."""
-    from ..compiled import layer_regions, region_options, train_option
+    from ..compiled import layer_regions, region_options, train_option, training_graphs
 
     if "compiled" not in out:
         out["compiled"] = {"option": train_option(), "layer_regions": layer_regions(),
-                           "region_options": region_options() if layer_regions() else None, "models": {}}
+                           "region_options": region_options() if layer_regions() else None,
+                           "training_cuda_graphs": training_graphs(out["device"]), "models": {}}
         built = measured_row(stage, "compiled (the static-budget build)", out["failed"],
                              lambda: build_static(static, stage.dry))
         if built is not None:
@@ -397,11 +398,15 @@ def compiled_build(stage: Stage, out: dict, static: Path) -> bool:
 
 def measure_row(stage: Stage, out: dict, folder: Path, kind: str, compiled: bool, device: str, steps: dict) -> None:
     """One row into ``out``: ``seconds`` (all it took, its profiled step included), and for a compiled row its
-    ``compile_s`` and ``vs_eager`` against the same model's eager row. A compiled row is stopped
+    ``compile_s`` and ``vs_eager`` against the same model's eager row, and ``cudagraph_skips``: the graphs inductor
+    compiled for CUDA graphs and ran without them (0 where the training forward and backward ran as CUDA graphs). A compiled row is stopped
     ``COMPILED_MARGIN_S`` before the stage's budget ends (``within``): then it is a failed row."""
     start = time.monotonic()
     label = f"{kind} compiled" if compiled else kind
     baseline = dict(MODELS)[kind]
+    from ..compiled import cudagraph_skips
+
+    skips = cudagraph_skips()
     if compiled:
         cap = stage.remaining() - COMPILED_MARGIN_S  # a compilation that runs past it is stopped: the row fails
         row = measured_row(stage, label, out["failed"], lambda: within(cap, lambda: train_and_time(
@@ -413,6 +418,8 @@ def measure_row(stage: Stage, out: dict, folder: Path, kind: str, compiled: bool
     if row is None:
         return
     row["seconds"] = time.monotonic() - start
+    if compiled:  # graphs inductor compiled for CUDA graphs and ran without them (its log says why)
+        row["cudagraph_skips"] = cudagraph_skips() - skips
     eager = out["models"].get(kind)
     if compiled and eager:  # the warm-up steps' extra seconds: compilation
         row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
