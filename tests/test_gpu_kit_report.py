@@ -187,17 +187,20 @@ def test_the_compiled_rows_say_their_budget():
 
 
 def test_the_compiled_rows_say_whether_training_ran_as_cuda_graphs():
-    """`setup` records whether the compiled rows' training forward and backward ran as CUDA graphs, and each row the
-    graphs inductor ran without them; a lease's JSON from before records neither, and the text says nothing of it."""
-    assert report_stage.graphs_text(True) == "; training as CUDA graphs"
-    assert report_stage.graphs_text(False) == "; training without CUDA graphs"
-    assert report_stage.graphs_text(None) == ""
+    """Each compiled row says whether its training forward and backward ran as CUDA graphs and how many graphs inductor
+    skipped; a row CUDA graphs failed is named with its error (measured again without them); a lease's JSON from
+    before records none of it, and its cells say '–'."""
+    assert report_stage.graphs_cell({"cuda_graphs": True, "cudagraph_skips": 0}) == "yes, 0 skipped"
+    assert report_stage.graphs_cell({"cuda_graphs": False, "cudagraph_skips": 0}) == "no"
+    assert report_stage.graphs_cell({}) == "–"
     throughput = {**THROUGHPUT, "failed": {}, "compiled": {
-        "option": {"compile": "model"}, "training_cuda_graphs": True, "models": {
-            "streaming": {"tokens_per_s": 250000.0, "step_s": 0.066, "vs_eager": 3.1, "cudagraph_skips": 0},
-            "dense": {"tokens_per_s": 150000.0, "step_s": 0.109, "vs_eager": 2.5, "cudagraph_skips": 2}}}}
+        "option": {"compile": "model"}, "training_cuda_graphs": False, "cuda_graphs_failed": {"streaming compiled": CRASH},
+        "models": {"streaming": {"tokens_per_s": 250000.0, "step_s": 0.066, "vs_eager": 3.1, "cudagraph_skips": 0,
+                                 "cuda_graphs": False},
+                   "dense": {"tokens_per_s": 150000.0, "step_s": 0.109, "vs_eager": 2.5}}}}
     text = report_stage.render_setup(envelope("setup", "ok", "2026-11-29T02:04:13Z", "setup speed",
                                               {"environment": ENVIRONMENT, "throughput": throughput}))
-    assert "training as CUDA graphs" in text and "CUDA graphs skipped |" in text
-    assert "| streaming | 250,000 | 3.10x | 0.066 | – | – | – | 0 |" in text
-    assert "| dense | 150,000 | 2.50x | 0.109 | – | – | – | 2 |" in text
+    assert "| model | tokens/s | vs eager | s / step | compile s | first step s | peak MiB | CUDA graphs |" in text
+    assert "| streaming | 250,000 | 3.10x | 0.066 | – | – | – | no |" in text
+    assert "| dense | 150,000 | 2.50x | 0.109 | – | – | – | – |" in text
+    assert "CUDA graphs failed these rows, measured again without them" in text and "streaming compiled: Runtime" in text

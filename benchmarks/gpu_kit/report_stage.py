@@ -98,9 +98,12 @@ def cell(text: str, limit: int = 200) -> str:
     return re.sub(r"\s+", " ", str(text))[:limit].replace("|", "\\|")
 
 
-def graphs_text(graphs: bool | None) -> str:
-    """Whether the compiled rows' training forward and backward ran as CUDA graphs: '' where not recorded."""
-    return "" if graphs is None else ("; training as CUDA graphs" if graphs else "; training without CUDA graphs")
+def graphs_cell(row: dict) -> str:
+    """A compiled row's CUDA graphs: whether its training forward and backward ran as CUDA graphs and how many graphs
+    inductor skipped; '–' where the row did not record it (the leases before 2026-11-28c)."""
+    if row.get("cuda_graphs") is None:
+        return "–"
+    return f"yes, {row.get('cudagraph_skips', 0)} skipped" if row["cuda_graphs"] else "no"
 
 
 def budget_text(compiled: dict) -> str:
@@ -185,16 +188,19 @@ def render_setup(data: dict) -> str:
         lines += [f"| {kind} | failed: {cell(error)} | – | – |" for kind, error in failed.items() if " " not in kind]
         compiled = (tp.get("compiled") or {}).get("models", {})
         if compiled:
-            graphs = tp["compiled"].get("training_cuda_graphs")
-            lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`{budget_text(tp['compiled'])}"
-                          f"{graphs_text(graphs)}; compile: the warm-up steps' extra time; first step: its seconds, "
-                          f"compilation included; CUDA graphs skipped: inductor's count, its log says why):",
+            lines += ["", f"Compiled (`{json.dumps(tp['compiled']['option'])}`{budget_text(tp['compiled'])}; compile: "
+                          f"the warm-up steps' extra time; first step: its seconds, compilation included; CUDA graphs: "
+                          f"whether the training forward and backward ran as CUDA graphs, and the graphs inductor ran "
+                          f"without them, its log says why):",
                       "", "| model | tokens/s | vs eager | s / step | compile s | first step s | peak MiB | "
-                          "CUDA graphs skipped |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                          "CUDA graphs |", "|---|---:|---:|---:|---:|---:|---:|---|"]
             lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | {_f(m.get('vs_eager'), '.2f')}x | {m['step_s']:.3f} | "
                       f"{_f(m.get('compile_s'), '.0f')} | {_f(m.get('first_step_s'), '.1f')} | "
-                      f"{_f(m.get('peak_mib'), ',.0f')} | {_f(m.get('cudagraph_skips'), 'd')} |"
-                      for kind, m in compiled.items()]
+                      f"{_f(m.get('peak_mib'), ',.0f')} | {graphs_cell(m)} |" for kind, m in compiled.items()]
+            graphs_failed = tp["compiled"].get("cuda_graphs_failed") or {}
+            if graphs_failed:
+                lines += ["", "CUDA graphs failed these rows, measured again without them (as every compiled row after "
+                              "them): " + "; ".join(f"{label}: {cell(error)}" for label, error in graphs_failed.items())]
         compiled_failed = {k: e for k, e in failed.items() if k.startswith("compiled") or k.endswith(" compiled")}
         if compiled_failed:
             lines += ["", "Compiled rows that failed (each on its own; the others above were measured): "

@@ -351,7 +351,32 @@ def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict
         keep(out)  # (a call cut off during the row says which row it was)
         measure_row(stage, out, folder, kind, is_compiled, device, steps)
         keep(out)
+        if is_compiled and graphs_failed(out, kind):  # the row again without CUDA graphs, as every row after it
+            need, how = row_need_s(kind, True, out)
+            if stage.remaining() < need:
+                stage.skip(f"compiled throughput of {kind} without CUDA graphs", f"{max(0.0, stage.remaining()):.0f} s "
+                           f"of the stage's budget left, less than the {need:.0f} s this row needs ({how})")
+                continue
+            out["order"].append(f"{kind} compiled")
+            measure_row(stage, out, folder, kind, True, device, steps)
+            keep(out)
     return out
+
+
+def graphs_failed(out: dict, kind: str) -> bool:
+    """After a compiled row: whether it failed with the training forward as CUDA graphs (not by running out of the
+    stage's time). Then the graphs are switched off for the rest of this call (``CONCEPT_MODEL_CUDA_GRAPHS=0``: the
+    row again, every compiled row and stage after it, each row saying so in ``cuda_graphs``), the row's error kept
+    under ``compiled.cuda_graphs_failed``: a lease that finds a torch whose CUDA graphs fail the step still measures
+    compiled streaming against compiled dense."""
+    label = f"{kind} compiled"
+    compiled = out["compiled"]
+    if not compiled.get("training_cuda_graphs") or label not in out["failed"] or "stopped after" in out["failed"][label]:
+        return False
+    compiled.setdefault("cuda_graphs_failed", {})[label] = out["failed"].pop(label)
+    os.environ["CONCEPT_MODEL_CUDA_GRAPHS"] = "0"
+    compiled["training_cuda_graphs"] = False
+    return True
 
 
 def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
@@ -420,6 +445,7 @@ def measure_row(stage: Stage, out: dict, folder: Path, kind: str, compiled: bool
     row["seconds"] = time.monotonic() - start
     if compiled:  # graphs inductor compiled for CUDA graphs and ran without them (its log says why)
         row["cudagraph_skips"] = cudagraph_skips() - skips
+        row["cuda_graphs"] = out["compiled"]["training_cuda_graphs"]
     eager = out["models"].get(kind)
     if compiled and eager:  # the warm-up steps' extra seconds: compilation
         row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
