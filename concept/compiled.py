@@ -291,13 +291,14 @@ class WholeForward:
     them (the length policy's host scan is an opaque op in it on a CPU, its Triton kernel on CUDA:
     ``concept.streaming.scan``). Installed as the module's ``forward``, so ``model(...)`` runs it.
 
-    A training forward on CUDA (gradients on) runs as CUDA graphs (:func:`training_cuda_graphs`): one replay for
+    A training forward on CUDA (the module in training mode, gradients on) runs as CUDA graphs
+    (:func:`training_cuda_graphs`): one replay for
     the forward and one for its backward instead of the ~3,300 kernel launches of a SmolLM2 step, which bound a
     compiled step by the host (``docs/benchmarks.md``, "What the compiled step asks of the device"). Its outputs
     and the gradients its backward hands to the weights then live in the graphs' memory until the next compiled
     training call: read within the step, as a training step reads them; with gradient accumulation the trainer
-    keeps the ``.grad`` buffers of its own (:func:`gradients_in_graph_memory`). Every other call (no gradients:
-    evaluation, the ratio controller's calibration, benchmarks; a CPU) runs inductor in torch's default mode, its
+    keeps the ``.grad`` buffers of its own (:func:`gradients_in_graph_memory`). Every other call (evaluation mode or no
+    gradients: evaluation, the ratio controller's calibration, benchmarks; a CPU) runs inductor in torch's default mode, its
     outputs in ordinary memory: a forward's few hundred kernels are microseconds each on the host against its
     milliseconds of device time, and nothing it returns can be overwritten by a later call. A call with an argument
     that is not a tensor, a number or None (a KV cache recording a prefill, the diagnostics' perturbation
@@ -324,8 +325,11 @@ class WholeForward:
         return torch.compile(forward.__get__(self.eager.__self__), fullgraph=True, dynamic=False, **kwargs)
 
     def cuda_graphs(self, device_type: str) -> bool:
-        """Whether a call on ``device_type`` with the current grad mode runs as CUDA graphs."""
-        return self.backend is None and torch.is_grad_enabled() and training_cuda_graphs(device_type)
+        """Whether a call on ``device_type`` runs as CUDA graphs: a training forward (the module in training mode,
+        gradients on). An evaluation-mode call with gradients on (a user's forward outside ``torch.no_grad``) does
+        not: its outputs would be overwritten by the next call's."""
+        return (self.backend is None and self.eager.__self__.training and torch.is_grad_enabled()
+                and training_cuda_graphs(device_type))
 
     def __call__(self, *args, **kwargs):
         values = (*args, *kwargs.values())

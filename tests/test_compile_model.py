@@ -244,17 +244,21 @@ def test_the_fused_adapters_compile_to_their_eager_values(fresh_dynamo, scaling)
 
 # -- CUDA graphs for the training forward ----------------------------------------------------------------------
 def test_the_training_forward_alone_runs_as_cuda_graphs_and_only_on_cuda(monkeypatch):
-    """``WholeForward.cuda_graphs``: a call with gradients on CUDA, inductor's (never a test backend's), unless
-    ``CONCEPT_MODEL_CUDA_GRAPHS=0``; no-grad calls and a CPU's never. Negative control: the switch off."""
+    """``WholeForward.cuda_graphs``: a training forward (training mode, gradients on) on CUDA, inductor's (never a test
+    backend's), unless ``CONCEPT_MODEL_CUDA_GRAPHS=0``; no-grad calls, evaluation mode (a user's forward outside
+    ``torch.no_grad``, whose outputs the next call would overwrite) and a CPU's never. Negative control: the switch off."""
     assert concept.compiled.training_cuda_graphs("cuda", {}) is True
     assert concept.compiled.training_cuda_graphs("cuda", {"CONCEPT_MODEL_CUDA_GRAPHS": "0"}) is False
     assert concept.compiled.training_cuda_graphs("cpu", {}) is False
-    model = mixed_model("null")
+    model = mixed_model("null").train()
     model.max_ratio = 0.25
     whole = WholeForward(model)  # inductor (no backend)
     assert whole.cuda_graphs("cuda") and not whole.cuda_graphs("cpu")
     with torch.no_grad():
         assert not whole.cuda_graphs("cuda")
+    model.eval()
+    assert not whole.cuda_graphs("cuda")
+    model.train()
     assert not WholeForward(model, backend="aot_eager").cuda_graphs("cuda")
     monkeypatch.setenv("CONCEPT_MODEL_CUDA_GRAPHS", "0")
     assert not whole.cuda_graphs("cuda")

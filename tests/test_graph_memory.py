@@ -318,8 +318,8 @@ class WholeGraphs:
     def install(self, monkeypatch, no_grad_graphs: bool = False, own_grads: bool = True) -> None:
         """``no_grad_graphs``: no-grad calls in graph memory too (negative control); ``own_grads`` False: the trainer
         told its gradients are not in graph memory (negative control: no ``.grad`` buffers of its own)."""
-        monkeypatch.setattr(WholeForward, "cuda_graphs", lambda whole, device_type: no_grad_graphs or
-                            torch.is_grad_enabled())
+        monkeypatch.setattr(WholeForward, "cuda_graphs", lambda whole, device_type: no_grad_graphs or (
+            whole.eager.__self__.training and torch.is_grad_enabled()))
         monkeypatch.setattr(WholeForward, "compile", lambda whole, cuda_graphs: self.whole(whole.eager) if cuda_graphs
                             else whole.eager)
         monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type, regional=False: (
