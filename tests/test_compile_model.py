@@ -11,6 +11,8 @@ perturbation function) runs eagerly; ``off`` undoes it. Negative controls: the d
 op that syncs the host (an ``.item()``) breaks the graph and ``fullgraph`` says so."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo
@@ -250,8 +252,7 @@ def test_the_training_forward_alone_runs_as_cuda_graphs_and_only_on_cuda(monkeyp
     assert concept.compiled.training_cuda_graphs("cuda", {}) is True
     assert concept.compiled.training_cuda_graphs("cuda", {"CONCEPT_MODEL_CUDA_GRAPHS": "0"}) is False
     assert concept.compiled.training_cuda_graphs("cpu", {}) is False
-    model = mixed_model("null").train()
-    model.max_ratio = 0.25
+    model = copy.deepcopy(mixed_model("null")).train()  # (a copy: the cached model is shared by other tests)
     whole = WholeForward(model)  # inductor (no backend)
     assert whole.cuda_graphs("cuda") and not whole.cuda_graphs("cpu")
     with torch.no_grad():
@@ -269,8 +270,7 @@ def test_the_two_modes_compile_apart(monkeypatch):
     inductor's options differ only by ``triton.cudagraphs``."""
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.setdefault(fn.__func__.__code__.co_name, kwargs))
-    model = mixed_model("null")
-    whole = WholeForward(model)
+    whole = WholeForward(copy.deepcopy(mixed_model("null")))
     whole.compile(True), whole.compile(False)
     assert set(seen) == {"forward_whole", "forward_whole_graphs"}
     graphs, plain = seen["forward_whole_graphs"]["options"], seen["forward_whole"]["options"]
@@ -283,8 +283,8 @@ def test_the_two_modes_compile_apart(monkeypatch):
 def test_where_gradients_arrive_in_graph_memory(choice, device, expected):
     """``gradients_in_graph_memory``: the choices whose graphs are CUDA graphs on the device (the trainer then keeps
     ``.grad`` buffers of its own under gradient accumulation: ``tests/test_graph_memory.py``); a test backend's never."""
-    model = mixed_model("null")
-    model.max_ratio = 0.25
+    model = copy.deepcopy(mixed_model("null"))  # (a copy: the cached model is shared by other tests)
+    model.max_ratio = 0.25  # (a static budget: the streaming family compiles only with one)
     assert concept.compiled.gradients_in_graph_memory(compile_model(model, choice), device) is expected
     assert not concept.compiled.gradients_in_graph_memory(compile_model(model, choice, backend="aot_eager"), device)
     assert not concept.compiled.gradients_in_graph_memory(compile_model(model, "off"), device)
