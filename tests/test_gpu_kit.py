@@ -433,6 +433,10 @@ def test_exact_deals_the_collected_tests_with_the_resume_first():
     shards = deal(ids, SHARDS, FIRST)
     assert len(shards) == 3 and sorted(sum(shards, [])) == sorted(ids)
     assert [s[0].split("[")[-1] for s in shards[:2]] == ["chunked]", "auto]"]  # each of them first in a shard
+    compiled = ["tests/test_cuda.py::test_compiled_training_steps_equal_eager_on_cuda[model]",
+                "tests/test_cuda.py::test_compiled_training_steps_equal_eager_on_cuda[model-accumulated]"]
+    shards = deal([*ids, *compiled], SHARDS, FIRST)  # then the compiled training steps (CUDA graphs), ahead of the rest
+    assert [s[1] for s in shards[:2]] == [compiled[1], ids[0]] and shards[2][0] == compiled[0]
     assert deal(ids[:1], 3) == [ids[:1]] and deal([], 3) == [[]]
 
 

@@ -30,7 +30,10 @@ MARKER = "pytest.mark.cuda"
 SHARDS = 3  # pytest processes at once on the device
 DRY_SHARDS = 1  # a dry run collects and deals the same way (its tests skip), into one process on a small CPU
 XFORMERS = "xformers"  # in the id of every xformers test (tests/test_xformers.py, the `xformers` backend's cases)
-FIRST = ("test_bf16_training_resumes_exactly_on_cuda",)  # cut by the stage's budget twice (2026-11-26): first now
+# ahead in their shards: the bf16 resume (cut by the stage's budget twice, 2026-11-26), then the compiled training
+# steps (each an inductor compilation on the host; under ``model`` the first CUDA graphs of the training step, which
+# say whether call 2 needs ``CONCEPT_MODEL_CUDA_GRAPHS=0``: docs/gpu.md)
+FIRST = ("test_bf16_training_resumes_exactly_on_cuda", "test_compiled_training_steps_equal_eager_on_cuda")
 
 
 def missing_imports(path: Path) -> list[str]:
