@@ -2,10 +2,8 @@
 model compiles in, and the concept model through its own ``compile`` option (``concept.compiled``).
 
 The honest baseline is the best dense model a user can run, so a compiled concept model is measured against
-a dense backbone compiled the same way (and, next to it, against HF eager). Under ``--compile model`` (the GPU
-kit's choice, :data:`KIT_CHOICE`: the whole forward one graph) both are compiled whole by inductor in torch's
-default mode; under the regional choices (``on``, ``layers``) and ``reduce-overhead`` both use
-``mode="reduce-overhead"`` (CUDA graphs) on CUDA. On a CPU the dense side is traced by dynamo only
+the dense family's model over the same backbone compiled the same way, by the library's own ``compile``
+(:func:`dense_model`), and, next to it, against HF eager. On a CPU the dense side is traced by dynamo only
 (``backend="eager"``): the plumbing, in seconds, never a speed claim.
 
 A streaming model compiles only with a static concept budget (``BuildConfig.max_ratio``): the compiled
@@ -21,7 +19,6 @@ import torch
 from concept.config import WHOLE_CHOICE
 from concept.streaming.operating_point import MAX_RATIO_AUTO, has_budget
 
-GPU_MODE = "reduce-overhead"
 BUDGET = MAX_RATIO_AUTO  # the compiled streaming builds' max_ratio: the default build's (concept.streaming.budget)
 # what the GPU kit compiles with (setup's compiled training rows, speed's compiled cases, quality's compiled runs):
 # the whole forward one graph (the fourth lease measured ``on``: one CUDA graph per layer and eager glue between),
@@ -42,17 +39,20 @@ def kit_choice() -> str:
     return KIT_CHOICE if concept.compiled.regions() else FALLBACK_CHOICE
 
 
-def dense_compile_kwargs(device, choice: str | None = None) -> dict:
-    """``torch.compile`` keywords for the dense side on ``device``, compiled as the concept model's ``choice``
-    (None: :func:`kit_choice`)."""
-    if torch.device(device).type != "cuda":
-        return {"backend": "eager"}
-    whole = (choice or kit_choice()) == WHOLE_CHOICE
-    return {} if whole else {"mode": GPU_MODE}  # (``model``: inductor, torch's default mode)
+def dense_model(backbone, device, choice: str | None = None):
+    """The dense side of a compiled comparison: the dense family's model over ``backbone`` (its layers as ``concept``
+    runs them: plain causal attention through SDPA's flash kernel, the fused norms; its logits deferred, as the
+    concept model's), compiled with the concept model's own ``choice`` (None: :func:`kit_choice`) by the library:
+    "dense compiled the same way". Not ``torch.compile`` of transformers' forward: traced, transformers builds the
+    full causal mask (before torch 2.14 it cannot skip the mask without reading the padding back:
+    ``transformers.masking_utils._ignore_causal_mask_sdpa``), so its SDPA runs without the flash kernel (the H200,
+    2026-11-27b: 29.0 ms at 8k, against HF eager's 23.1). On a CPU traced by dynamo only (``backend="eager"``): the
+    plumbing, in seconds, never a speed claim."""
+    from concept.compiled import compile_model
+    from concept.dense import DenseModel
 
-
-def compile_dense(module, device, choice: str | None = None):
-    return torch.compile(module, **dense_compile_kwargs(device, choice))
+    backend = None if torch.device(device).type == "cuda" else "eager"
+    return compile_model(DenseModel(backbone).eval(), library_choice(choice or kit_choice()), backend=backend)
 
 
 def budgeted(config):

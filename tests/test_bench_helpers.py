@@ -1,5 +1,5 @@
 """The benchmarks' helpers (``benchmarks/compiled.py``, ``benchmarks/conftest.py``): compiled builds carry a static
-concept budget, the dense side compiles the same way, and the timing tables keep each side's numbers apart."""
+concept budget, the dense side is the dense family compiled the same way, and the timing tables keep each side's numbers apart."""
 from __future__ import annotations
 
 import pytest
@@ -21,22 +21,36 @@ def test_compiled_builds_get_a_static_budget_unless_they_set_one():
 
 
 def test_the_kit_compiles_whole_where_torch_has_layer_regions_and_regionally_elsewhere(monkeypatch):
-    """``model`` (whole forward, inductor's default mode for dense alike) with the regions; ``on`` without them
-    (torch 2.11: ``model`` would trace 30 layers inline, 4x ``on``'s compilation), dense in ``reduce-overhead``."""
+    """``model`` (whole forward) with the regions; ``on`` without them (torch 2.11: ``model`` would trace 30 layers
+    inline, 4x ``on``'s compilation)."""
     import concept.compiled
 
     monkeypatch.setattr(concept.compiled, "LAYER_REGIONS", True)
     assert compiled.kit_choice() == "model" and compiled.train_option() == {"compile": "model"}
-    assert compiled.dense_compile_kwargs("cuda") == {}
     monkeypatch.setattr(concept.compiled, "LAYER_REGIONS", False)
     assert compiled.kit_choice() == "on" and compiled.train_option() == {"compile": "on"}
-    assert compiled.build_option() == {"compile": "on"} and compiled.dense_compile_kwargs("cuda") == {"mode": "reduce-overhead"}
+    assert compiled.build_option() == {"compile": "on"}
 
 
-def test_dense_compiles_in_the_concept_models_mode_on_cuda_and_traces_only_on_a_cpu():
-    assert compiled.dense_compile_kwargs("cuda", "model") == {}  # (inductor; the default: the kit's choice, below)
-    assert compiled.dense_compile_kwargs("cuda", "on") == {"mode": "reduce-overhead"}
-    assert compiled.dense_compile_kwargs("cpu") == {"backend": "eager"} == compiled.dense_compile_kwargs("cpu", "on")
+@pytest.mark.parametrize("choice", ["model", "on"])
+def test_dense_is_the_dense_family_compiled_by_the_library_as_the_concept_model(choice):
+    """The dense side of a compiled comparison: the dense family's model over the same backbone (flash causal
+    attention: no mask for a batch without one), under the concept model's compile choice, inductor on CUDA and
+    dynamo only on a CPU; its logits are the backbone's. Not transformers' forward under ``torch.compile``, whose
+    traced mask keeps SDPA from its flash kernel."""
+    import concept.compiled
+    from concept.dense import DenseModel
+    from tests.test_graph_memory import streaming_model
+
+    backbone = streaming_model().backbone
+    for device, backend in (("cuda", None), ("cpu", "eager")):
+        dense = compiled.dense_model(backbone, device, choice)
+        assert isinstance(dense, DenseModel) and dense.backbone is backbone and not dense.training
+        assert dense.compiled_stacks.choice == choice and dense.compiled_stacks.backend == backend
+        assert isinstance(dense.__dict__.get("forward"), concept.compiled.WholeForward) is (choice == "model")
+    ids = torch.randint(0, 97, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(dense(ids).logits, backbone(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_sides_are_timed_in_turn_and_renamed_without_mixing():
