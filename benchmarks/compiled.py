@@ -1,5 +1,5 @@
-"""The compiled side of the benchmarks: the dense backbone under ``torch.compile`` in the mode the concept
-model compiles in, and the concept model through its own ``compile`` option (``concept.compiled``).
+"""The compiled side of the benchmarks: the dense family's model compiled as the concept model is, and the concept
+model through its own ``compile`` option (``concept.compiled``).
 
 The honest baseline is the best dense model a user can run, so a compiled concept model is measured against
 the dense family's model over the same backbone compiled the same way, by the library's own ``compile``
