@@ -32,7 +32,8 @@ WHOLE_CHOICE = "model"  # the whole forward (decisions, packing, plans, stacks, 
 COMPILE_HELP = ("Run the model compiled (torch.compile, fullgraph): --compile alone is `on`, the same as "
                 "`layers`: one decoder layer compiled and its graph shared by a stack's layers (CUDA graphs on CUDA, "
                 "torch's default mode elsewhere); `model`: the whole forward, with its decisions, packing, attention "
-                "plans and loss, one graph (no eager op between the stacks); a torch mode by name compiles each "
+                "plans and loss, one graph (no eager op between the stacks; on CUDA a training forward and its "
+                "backward run as CUDA graphs); a torch mode by name compiles each "
                 "stack whole. A streaming model needs a static budget (concept build --max-ratio). aot-eager: "
                 "captured, not code-generated.")
 
