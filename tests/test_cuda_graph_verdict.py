@@ -48,7 +48,8 @@ class Verdicts:
         static = set(compiled_graph.fx_kwargs["static_input_idxs"] or ())
         self.graphs.append({"backward": compiled_graph.fx_kwargs["is_backward"],
                             "reasons": list(compiled_graph.cudagraph_info.cudagraph_fail_reasons),
-                            "mutated": sorted(set(compiled_graph.mutated_input_idxs) - static)})
+                            "mutated": sorted(set(compiled_graph.mutated_input_idxs) - static),
+                            "inputs": len(example_inputs), "static": len(static)})
 
     def skips(self) -> int:
         return counters["inductor"]["cudagraph_skips"]
@@ -76,6 +77,8 @@ def test_the_training_step_gives_inductor_no_reason_to_skip_cuda_graphs(tmp_path
     assert [g["backward"] for g in verdicts.graphs] == [False, True]  # (the calibration: default mode, no verdict)
     assert all(g["reasons"] == [] and g["mutated"] == [] for g in verdicts.graphs), verdicts.graphs
     assert verdicts.skips() == 0
+    assert 0 < verdicts.graphs[0]["inputs"] - verdicts.graphs[0]["static"] < 8  # (the weights static; the batch's not)
+    print(verdicts.graphs)  # (``-s``: the inputs and static inputs of each graph, docs/architecture.md)
 
 
 def counted(x, calls):

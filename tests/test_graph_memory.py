@@ -83,13 +83,21 @@ class GraphMemory:
         table built inside it)."""
         return self.call(run_layer_rope, layer, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
 
-    def call(self, fn, layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache):
-        if not self.pending_backward:  # a new generation: the earlier outputs' memory is reused
+    def new_generation_unless_pending(self) -> None:
+        """A call starts a new generation unless a backward is pending: the earlier outputs' memory is reused."""
+        if not self.pending_backward:
             for t in self.outputs:
-                t.data.fill_(float("nan"))
-                t.overwritten = True
+                self.overwrite(t)
             self.overwritten += len(self.outputs)
             self.outputs = []
+
+    @staticmethod
+    def overwrite(t: GraphOutput) -> None:
+        t.data.fill_(float("nan"))
+        t.overwritten = True
+
+    def call(self, fn, layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache):
+        self.new_generation_unless_pending()
         out = fn(layers, x, position_ids, attention_plan, rotary_emb, checkpointing, cache)
         assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # (its own memory)
         if out.requires_grad:
@@ -291,27 +299,16 @@ def graph_tensors(obj, seen=None):
     return [t for child in children for t in graph_tensors(child, seen)]
 
 
-def overwrite(t: torch.Tensor) -> None:
-    """What the next graph writes into ``t``'s memory, as seen by a reader: NaN, -1 or the flipped mask."""
-    with torch.no_grad():
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype == torch.bool:
-            t.logical_not_()
-        else:
-            t.fill_(-1)
-
-
-class WholeGraphs:
+class WholeGraphs(GraphMemory):
     """``--compile model``'s training forward in graph memory, on a CPU: the whole forward runs eagerly (its stacks
-    too), and a call starts a new generation unless the previous one's backward is pending, overwriting what the
-    previous generation handed out: the forward's outputs (not an input, a weight or a buffer it returned as they
-    are) and the gradients its backward handed to weights whose ``.grad`` was None at the call."""
+    too), and a call starts a new generation unless the previous one's backward is pending (:class:`GraphMemory`'s
+    rule), overwriting what the previous generation handed out: the forward's outputs (not an input, a weight or a
+    buffer it returned as they are) and the gradients its backward handed to weights whose ``.grad`` was None at the
+    call."""
 
     def __init__(self):
-        self.outputs: list[torch.Tensor] = []  # the current generation's
-        self.pending_backward = False
-        self.overwritten = self.calls = 0
+        super().__init__()
+        self.calls = 0
         self.hooked: set[int] = set()
         self.stolen: set[int] = set()  # ids of the weights whose .grad was None at the current generation's call
 
@@ -331,11 +328,7 @@ class WholeGraphs:
         model = forward.__self__
 
         def call(*args, **kwargs):
-            if not self.pending_backward:  # a new generation: the earlier outputs' memory is reused
-                for t in self.outputs:
-                    overwrite(t)
-                self.overwritten += len(self.outputs)
-                self.outputs = []
+            self.new_generation_unless_pending()
             self.calls += 1
             weights = [p for p in model.parameters() if p.requires_grad]
             self.stolen = {id(p) for p in weights if p.grad is None}
@@ -354,8 +347,16 @@ class WholeGraphs:
 
         return call
 
-    def backward_ran(self, grad) -> None:
-        self.pending_backward = False
+    @staticmethod
+    def overwrite(t: torch.Tensor) -> None:
+        """What the next graph writes into ``t``'s memory, as seen by a reader: NaN, -1 or the flipped mask."""
+        with torch.no_grad():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            elif t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.fill_(-1)
 
     def took_gradient(self, p) -> None:
         if id(p) in self.stolen:  # its .grad is the backward's output itself, in graph memory

@@ -339,28 +339,28 @@ def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict
     for kind, is_compiled in ROWS:
         if is_compiled and not compiled:
             continue
-        need, how = row_need_s(kind, is_compiled, out)
-        if stage.remaining() < need:
-            stage.skip(f"{'compiled ' if is_compiled else ''}throughput of {kind}",
-                       f"{max(0.0, stage.remaining()):.0f} s of the stage's budget left, less than the {need:.0f} s "
-                       f"this row needs ({how})")
-            continue
-        if is_compiled and not compiled_build(stage, out, folder / "build-static"):
-            continue
-        out["order"].append(f"{kind} compiled" if is_compiled else kind)
-        keep(out)  # (a call cut off during the row says which row it was)
-        measure_row(stage, out, folder, kind, is_compiled, device, steps)
-        keep(out)
-        if is_compiled and graphs_failed(out, kind):  # the row again without CUDA graphs, as every row after it
-            need, how = row_need_s(kind, True, out)
-            if stage.remaining() < need:
-                stage.skip(f"compiled throughput of {kind} without CUDA graphs", f"{max(0.0, stage.remaining()):.0f} s "
-                           f"of the stage's budget left, less than the {need:.0f} s this row needs ({how})")
-                continue
-            out["order"].append(f"{kind} compiled")
-            measure_row(stage, out, folder, kind, True, device, steps)
+        what = f"{'compiled ' if is_compiled else ''}throughput of {kind}"
+        while fits(stage, out, kind, is_compiled, what):
+            if is_compiled and not compiled_build(stage, out, folder / "build-static"):
+                break
+            out["order"].append(f"{kind} compiled" if is_compiled else kind)
+            keep(out)  # (a call cut off during the row says which row it was)
+            measure_row(stage, out, folder, kind, is_compiled, device, steps)
             keep(out)
+            if not (is_compiled and graphs_failed(out, kind)):  # (else: the row again without CUDA graphs, once)
+                break
+            what += " without CUDA graphs"
     return out
+
+
+def fits(stage: Stage, out: dict, kind: str, compiled: bool, what: str) -> bool:
+    """Whether the row has the seconds it needs left (:func:`row_need_s`); if not, a skip saying so (``what``)."""
+    need, how = row_need_s(kind, compiled, out)
+    if stage.remaining() >= need:
+        return True
+    stage.skip(what, f"{max(0.0, stage.remaining()):.0f} s of the stage's budget left, less than the {need:.0f} s "
+                     f"this row needs ({how})")
+    return False
 
 
 def graphs_failed(out: dict, kind: str) -> bool:
