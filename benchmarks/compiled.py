@@ -111,6 +111,35 @@ def cudagraph_skips() -> int:
     return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
 
 
+def cudagraph_recordings() -> int:
+    """How many CUDA graphs torch's cudagraph trees recorded in this process (counted from the first call of
+    :func:`count_cudagraph_recordings`). A steady training step records none: a recording after the warm-up means
+    the trees record again, e.g. where a static input (a weight, a module's tensor) came at a new address, which
+    they do without a warning or a skip."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_recordings"])
+
+
+def count_cudagraph_recordings() -> None:
+    """Count each recording of torch's cudagraph trees (``CUDAGraphTreeManager.record_function``) in dynamo's
+    counters (:func:`cudagraph_recordings`); idempotent."""
+    import torch._dynamo.utils
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.CUDAGraphTreeManager
+    real = manager.record_function
+    if getattr(real, "counted", False):
+        return
+
+    def record_function(self, new_inputs, function_id):
+        torch._dynamo.utils.counters["inductor"]["cudagraph_recordings"] += 1
+        return real(self, new_inputs, function_id)
+
+    record_function.counted = True
+    manager.record_function = record_function
+
+
 def train_option(choice: str | None = None) -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`; None: :func:`kit_choice`)."""
     return {"compile": choice or kit_choice()}

@@ -54,6 +54,7 @@ from .backbone import run_layer, run_layer_rope, run_layers
 from .config import COMPILE_CHOICES, REGIONAL_CHOICES, WHOLE_CHOICE, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
+from .lora import clear_outside
 from .losses import chunk_terms
 
 
@@ -218,6 +219,9 @@ def regions() -> bool:
 # storage, and the allocator serves the next kernel other memory (``tests/test_compile_regions.py``: gradients
 # equal eager's; inductor's default reuse as the negative control).
 REGION_OPTIONS = {"allow_buffer_reuse": False}
+# ``model``: under autocast the LoRA adapters are cast to its dtype before the whole forward's graph, together
+# (:meth:`WholeForward.cast_adapters`); False: each adapted layer's graph casts its own (tests' negative control)
+CAST_ADAPTERS_OUTSIDE = True
 
 
 def _copied_out(run, last):
@@ -311,6 +315,7 @@ class WholeForward:
         self.eager = type(model).forward.__get__(model)
         self.backend = backend  # torch.compile's backend where not inductor (tests: ``aot_eager``): never CUDA graphs
         self.graphs: dict[bool, object] = {}  # CUDA graphs or not -> the compiled forward (made at its first call)
+        self.adapter_casts: list | None = None  # the model's LoRA groups (``concept.lora.AdapterCasts``), at its first call
 
     def compile(self, cuda_graphs: bool):
         """The whole forward compiled: inductor drawing random numbers as eager does (a sampler's Gumbel noise: the
@@ -338,11 +343,29 @@ class WholeForward:
         # reads as constants: a streaming model's budget from its policy's target ratio; a change recompiles)
         if not plain or compile_refusal(self.eager.__self__) is not None:  # (e.g. a streaming model's budget
             return self.eager(*args, **kwargs)  # switched off for a call: the keep-all control)
-        device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
-        graphs = self.cuda_graphs(device)
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        graphs = self.cuda_graphs(device.type)
         if graphs not in self.graphs:
             self.graphs[graphs] = self.compile(graphs)
-        return self.graphs[graphs](*args, **kwargs)
+        cast = self.cast_adapters(device)
+        try:
+            return self.graphs[graphs](*args, **kwargs)
+        finally:
+            clear_outside(cast)
+
+    def cast_adapters(self, device: torch.device) -> list:
+        """Under autocast, every LoRA adapter of the model cast to its dtype before the graph, eagerly and at once
+        (``concept.lora.AdapterCasts.cast_outside``: a multi-tensor copy each way, where the graph would cast each
+        weight with a kernel of its own each way, 844 of a SmolLM2 step's ~3,300): the adapted layers given a cast,
+        to be cleared after the call. The model's groups of adapters are found at its first call: adapters added
+        later are cast in the graph, as before."""
+        if not (CAST_ADAPTERS_OUTSIDE and torch.is_autocast_enabled(device.type)):
+            return []
+        if self.adapter_casts is None:
+            found = (getattr(m, "adapter_casts", None) for m in self.eager.__self__.modules())
+            self.adapter_casts = list({id(c): c for c in found if c is not None}.values())
+        dtype = torch.get_autocast_dtype(device.type)
+        return [m for casts in self.adapter_casts for m in casts.cast_outside(dtype, device)]
 
 
 def training_cuda_graphs(device_type: str, environ=os.environ) -> bool:

@@ -2,6 +2,7 @@
 views of the decoder layers stay valid)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -148,8 +149,13 @@ class _FusedLoraForward:
             return super().forward(x, *args, **kwargs)
         base, lora_a, lora_b, scaling, dtype = fused
         casts = getattr(self, "adapter_casts", None)
-        if casts is not None and lora_a.dtype != dtype and not torch.compiler.is_compiling():
-            lora_a, lora_b = casts.weights(self, lora_a, lora_b, dtype) or (lora_a, lora_b)
+        if casts is not None and lora_a.dtype != dtype:
+            if not torch.compiler.is_compiling():
+                lora_a, lora_b = casts.weights(self, lora_a, lora_b, dtype) or (lora_a, lora_b)
+            else:  # (a whole forward's graph: the adapters cast before it, ``AdapterCasts.cast_outside``)
+                cast = getattr(self, "adapter_cast", None)
+                if cast is not None and cast[0].dtype == dtype:
+                    lora_a, lora_b, scaling = cast
         matmuls = lora_matmuls if torch.compiler.is_compiling() else LoraMatmuls.apply
         flat = matmuls(x.reshape(-1, x.shape[-1]), base.weight, lora_a, lora_b, scaling, dtype)
         return flat.view(*x.shape[:-1], flat.shape[-1])
@@ -203,6 +209,7 @@ def use_fused_lora(backbone: nn.Module) -> int:
     casts = AdapterCasts(members)
     for module in members:
         module.adapter_casts = casts
+        module.__dict__["adapter_cast"] = None  # (``AdapterCasts.cast_outside``'s, for the call of one graph)
     return count
 
 
@@ -259,6 +266,77 @@ def _cast_together(tensors, dtype: torch.dtype) -> list[torch.Tensor]:
     return out
 
 
+class CastInto(torch.autograd.Function):
+    """``weights`` (one dtype and device) cast into ``buffers`` of their own (one a weight, in the compute dtype,
+    allocated once: :class:`_Outside`) by one multi-tensor copy (``torch._foreach_copy_``: on CUDA a few kernel
+    launches for any number of weights, casting as it copies); returns a view of each buffer. ``scales`` (one a
+    weight, a power of two or 1): a weight's cast is multiplied by its scale (a multi-tensor multiply a scale), and
+    its gradient is before its cast back, as autograd orders a cast then a multiply. The gradients (those that
+    come: the others' stay None) are cast back to the weights' dtype the same way, each into a new tensor.
+
+    Why buffers that keep their addresses, unlike :class:`CastTogether`'s views of one new cast: a graph's nested
+    compile regions refuse inputs that share memory, and dynamo takes a tensor it reaches through a module's
+    attribute for a static input, whose address CUDA graphs keep from replay to replay
+    (``concept.compiled.WholeForward.cast_adapters``). The buffers are written at every call (an optimizer's
+    fused step changes the weights without a new version: nothing cheaper says they changed), keeping their
+    version, so that a second forward before a backward (two losses summed) does not invalidate the views the
+    first one's graph saved, which hold the same values."""
+
+    @staticmethod
+    def forward(ctx, buffers: list, scales: tuple, *weights):
+        ctx.set_materialize_grads(False)
+        ctx.source_dtype, ctx.scales = weights[0].dtype, scales
+        with torch.autocast(weights[0].device.type, enabled=False), contextlib.ExitStack() as kept:
+            for b in buffers:
+                kept.enter_context(torch.autograd._unsafe_preserve_version_counter(b))
+            _cast_each(weights, scales, scale_first=False, out=buffers)
+        return tuple(b.view_as(b) for b in buffers)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out = [None] * len(grads)
+        if present:
+            cast = [torch.empty_like(grads[i], dtype=ctx.source_dtype) for i in present]
+            with torch.autocast(grads[present[0]].device.type, enabled=False):
+                _cast_each([grads[i] for i in present], [ctx.scales[i] for i in present], scale_first=True, out=cast)
+            for i, g in zip(present, cast):
+                out[i] = g
+        return (None, None, *out)
+
+
+def _cast_each(tensors, scales, scale_first: bool, out: list) -> None:
+    """``out[i] = tensors[i].to(out[i].dtype) * scales[i]`` (with ``scale_first``: ``(tensors[i] * scales[i]).to(...)``)
+    by multi-tensor ops: a copy for all, a multiply a scale other than 1."""
+    scaled: dict[float, list[int]] = {}
+    for i, s in enumerate(scales):
+        if s != 1.0:
+            scaled.setdefault(float(s), []).append(i)
+    tensors = list(tensors)
+    if scale_first:
+        for s, members in scaled.items():
+            for i, t in zip(members, torch._foreach_mul([tensors[i] for i in members], s)):
+                tensors[i] = t
+    torch._foreach_copy_(out, tensors)
+    if not scale_first:
+        for s, members in scaled.items():
+            torch._foreach_mul_([out[i] for i in members], s)
+
+
+class _Outside:
+    """The buffers :class:`CastInto` writes for one (dtype, device), with the scales they are cast with."""
+
+    def __init__(self, weights, dtype: torch.dtype, scales: tuple):
+        with torch.inference_mode(False):  # (made in a user's inference mode they would be inference tensors,
+            self.buffers = [torch.empty_like(w, dtype=dtype, memory_format=torch.contiguous_format)  # which a
+                            for w in weights]  # later training call could not save for its backward)
+        self.scales = scales
+
+    def fits(self, weights, scales: tuple) -> bool:
+        return scales == self.scales and len(weights) == len(self.buffers) and all(
+            w.shape == b.shape for w, b in zip(weights, self.buffers))
+
+
 class _Cast:
     """One cast of the adapters: each member's weights as they were cast (``stamps``: the parameters and their
     versions then) and which members used their views already."""
@@ -301,6 +379,7 @@ class AdapterCasts:
         self.members = members
         self.casts: dict[tuple, _Cast] = {}
         self.disabled = False
+        self.outside: dict[tuple, _Outside] = {}  # (dtype, device) -> the buffers a whole forward's graph reads
 
     def __deepcopy__(self, memo):  # (the members refer to their group: the copy is in the memo before them)
         import copy
@@ -310,7 +389,7 @@ class AdapterCasts:
         return copied
 
     def __getstate__(self):
-        return {"members": self.members, "casts": {}, "disabled": self.disabled}
+        return {"members": self.members, "casts": {}, "disabled": self.disabled, "outside": {}}
 
     def weights(self, module, lora_a, lora_b, dtype: torch.dtype):
         """``module``'s ``A`` and ``B`` in ``dtype`` from the current cast (made first if there is none, or if
@@ -329,7 +408,16 @@ class AdapterCasts:
         return views
 
     def _cast(self, key) -> _Cast | None:
-        dtype, device, source_dtype = key[:3]
+        members, weights = self._castable(*key[1:3])
+        if not members:
+            return None
+        self.casts[key] = _Cast(members, weights, key[0])
+        return self.casts[key]
+
+    def _castable(self, device, source_dtype):
+        """The members whose one active adapter's ``A`` and ``B`` are plain 2-D tensors of ``source_dtype`` on
+        ``device``, and those weights (``A``, ``B`` each); none, and this group disabled, where a weight is not a
+        plain tensor."""
         members, weights = [], []
         for module in self.members:
             active = [name for name in module.active_adapters if name in module.lora_A]
@@ -339,14 +427,45 @@ class AdapterCasts:
             if type(a) not in _PLAIN or type(b) not in _PLAIN:  # e.g. FSDP2's DTensors (a subclass: not plain)
                 self.disabled = True
                 self.casts.clear()
-                return None
+                return [], []
             if a.device == b.device == device and a.dtype == b.dtype == source_dtype and a.dim() == b.dim() == 2:
                 members.append(module)
                 weights += [a, b]
+        return members, weights
+
+    def cast_outside(self, dtype: torch.dtype, device: torch.device) -> list:
+        """Every member's fp32 ``A`` and ``B`` cast to ``dtype`` at once, eagerly (:class:`CastInto`), for a whole
+        forward's graph to take as its inputs instead of casting each weight itself: compiled, each cast is a
+        kernel a weight and direction (844 in a SmolLM2 step with LoRA on its 7 projections), where this is one
+        multi-tensor copy each way. Each member gets its ``adapter_cast``: ``(A, B, the scale left for its
+        products)``, a power-of-two scale folded into ``B``'s cast (:data:`FOLD_SCALE`); an
+        attribute of the layer's own, so that a nested compile region's graph traced for one layer serves the
+        next. Returns the members given one, whose cast the caller clears (:func:`clear_outside`) after its call."""
+        if self.disabled or dtype == torch.float32:
+            return []
+        members, weights = self._castable(device, torch.float32)
         if not members:
-            return None
-        self.casts[key] = _Cast(members, weights, dtype)
-        return self.casts[key]
+            return []
+        scales, left = [], []
+        for module in members:
+            scaling = float(module.scaling[[n for n in module.active_adapters if n in module.lora_A][0]])
+            fold = FOLD_SCALE and scaling != 1.0 and _exact_power_of_two(scaling)
+            scales += [1.0, scaling if fold else 1.0]
+            left.append(1.0 if fold else scaling)
+        scales = tuple(scales)
+        outside = self.outside.get((dtype, device))
+        if outside is None or not outside.fits(weights, scales):
+            outside = self.outside[(dtype, device)] = _Outside(weights, dtype, scales)
+        views = CastInto.apply(outside.buffers, scales, *weights)
+        for i, module in enumerate(members):
+            module.__dict__["adapter_cast"] = (views[2 * i], views[2 * i + 1], left[i])
+        return members
+
+
+def clear_outside(members) -> None:
+    """Drop the casts :meth:`AdapterCasts.cast_outside` gave ``members``."""
+    for module in members:
+        module.__dict__["adapter_cast"] = None
 
 
 def lora_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:

@@ -112,3 +112,19 @@ def test_a_rows_top_kernels_are_the_profiles_largest_eight_and_follow_their_side
               "concept_s": 0.031, "concept_top_device": top[2:3]}
     renamed = renamed_sides(timing, {"dense_eager": "dense", "dense": "concept"})
     assert renamed["dense_top_device"] == top[:1] and renamed["concept_top_device"] == top[1:2]
+
+
+def test_cudagraph_recordings_are_counted_once_each(monkeypatch):
+    """``count_cudagraph_recordings`` wraps cudagraph trees' ``record_function`` once (a second call adds no second
+    count) and counts each call; what the function returns is passed on."""
+    from torch._inductor import cudagraph_trees
+
+    from benchmarks.compiled import count_cudagraph_recordings, cudagraph_recordings
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function",
+                        lambda self, new_inputs, function_id: ("recorded", function_id))
+    count_cudagraph_recordings()
+    count_cudagraph_recordings()
+    before = cudagraph_recordings()
+    assert cudagraph_trees.CUDAGraphTreeManager.record_function(None, [], 7) == ("recorded", 7)
+    assert cudagraph_recordings() == before + 1

@@ -8,6 +8,8 @@ import torch
 import torch._dynamo
 import torch._inductor.config
 
+import concept.compiled
+
 from benchmarks.compiled_bytes import DEVICES, SHAPES, KernelLog, census, measure, summary, table
 
 M, N, K = 64, 48, 32
@@ -89,11 +91,12 @@ def test_the_table_gives_each_streaming_row_its_roofline_ratio_to_dense():
 
 
 @pytest.mark.slow
-def test_the_benchmark_counts_a_whole_compiled_training_step():
+def test_the_benchmark_counts_a_whole_compiled_training_step(monkeypatch):
     """``measure`` end to end on the tiny shape, both models: every adapted projection's 8 matmuls a step (3
     forward, 5 backward: the first layer's, whose input needs no gradient, fewer) are among the counted matmuls.
     (At this width the concept head outweighs the layers the streaming model saves, so no ratio is held here; the
     SmolLM2-width rows are in docs/benchmarks.md.)"""
+    monkeypatch.setattr(concept.compiled, "LAYER_REGIONS", concept.compiled.LAYER_REGIONS)  # (measure sets it)
     rows = {kind: measure(kind, "train", 2, 32, "tiny") for kind in ("streaming", "dense")}
     layers = SHAPES["tiny"]["layers"]
     for row in rows.values():

@@ -191,6 +191,8 @@ def test_the_compiled_rows_say_whether_training_ran_as_cuda_graphs():
     skipped; a row CUDA graphs failed is named with its error (measured again without them); a lease's JSON from
     before records none of it, and its cells say '–'."""
     assert report_stage.graphs_cell({"cuda_graphs": True, "cudagraph_skips": 0}) == "yes, 0 skipped"
+    assert report_stage.graphs_cell({"cuda_graphs": True, "cudagraph_skips": 0, "cudagraph_rerecorded": 40}) == \
+        "yes, 0 skipped, 40 recorded again"
     assert report_stage.graphs_cell({"cuda_graphs": False, "cudagraph_skips": 0}) == "no"
     assert report_stage.graphs_cell({}) == "–"
     throughput = {**THROUGHPUT, "failed": {}, "compiled": {

@@ -99,11 +99,15 @@ def cell(text: str, limit: int = 200) -> str:
 
 
 def graphs_cell(row: dict) -> str:
-    """A compiled row's CUDA graphs: whether its training forward and backward ran as CUDA graphs and how many graphs
-    inductor skipped; '–' where the row did not record it (the leases before 2026-11-28c)."""
+    """A compiled row's CUDA graphs: whether its training forward and backward ran as CUDA graphs, how many graphs
+    inductor skipped and how many were recorded again in the timed steps (where the row recorded it: 0 when every
+    step replays); '–' where the row did not record it (the leases before 2026-11-28c)."""
     if row.get("cuda_graphs") is None:
         return "–"
-    return f"yes, {row.get('cudagraph_skips', 0)} skipped" if row["cuda_graphs"] else "no"
+    if not row["cuda_graphs"]:
+        return "no"
+    again = f", {row['cudagraph_rerecorded']} recorded again" if "cudagraph_rerecorded" in row else ""
+    return f"yes, {row.get('cudagraph_skips', 0)} skipped{again}"
 
 
 def budget_text(compiled: dict) -> str:

@@ -526,6 +526,9 @@ def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: s
     from concept.profiling import profile_call
     from concept.training import Trainer
 
+    from ..compiled import count_cudagraph_recordings, cudagraph_recordings
+
+    count_cudagraph_recordings()
     dry = stage.dry
     batch, seq = recipe.batch(dry), recipe.seq_len(dry)
     total = steps["warm-up"] + steps["timed"]
@@ -542,10 +545,13 @@ def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: s
     for _ in range(steps["warm-up"] - 1):
         trainer.train_step()
     warmup_s = time.perf_counter() - start
+    recorded = cudagraph_recordings()
     timed = [trainer.train_step() for _ in range(steps["timed"])]
     tps = statistics.median(r["tokens_per_s"] for r in timed)
     row = {"tokens_per_s": tps, "step_s": batch * seq / tps, "warmup_s": warmup_s, "first_step_s": first_step_s,
            "loss": timed[-1]["loss"], "ratio": timed[-1].get("ratio")}
+    if extra:  # (CUDA graphs recorded again in the timed steps: 0 where each step replays what the warm-up recorded)
+        row["cudagraph_rerecorded"] = cudagraph_recordings() - recorded
     if device == "cuda":
         row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     label = kind + (" compiled" if extra else "")
