@@ -372,8 +372,8 @@ class AdapterCasts:
     already (the next forward, a second use in the same graph, a checkpointed layer's
     recomputation in backward) or finds its weights replaced or changed (their versions): so once per
     forward, whatever changed the weights in between. Not used: under ``torch.compile`` (the compiled graph
-    casts), with sharded (FSDP2) adapters, or for a layer whose adapters are not the members' dtype (each
-    layer casts its own, as before)."""
+    casts, or is handed the casts :meth:`cast_outside` made before it), with sharded (FSDP2) adapters, or for a
+    layer whose adapters are not the members' dtype (each layer casts its own, as before)."""
 
     def __init__(self, members):
         self.members = members

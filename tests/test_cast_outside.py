@@ -74,9 +74,9 @@ def test_buffers_made_in_inference_mode_serve_a_training_call():
     with torch.inference_mode():
         outside = _Outside(weights, torch.bfloat16, (1.0,))
         CastInto.apply(outside.buffers, (1.0,), *weights)
-    (a,) = CastInto.apply(outside.buffers, (1.0,), *weights)
-    (a.float() * a.float()).sum().backward()  # (saves its input: an inference tensor would be refused)
-    assert torch.equal(weights[0].grad, 2 * torch.ones(2, 3))
+    (a,) = CastInto.apply(outside.buffers, (1.0,), *weights)  # (an inference tensor's version cannot be kept,
+    (a @ a.t()).float().sum().backward()  # nor saved for a backward)
+    assert torch.equal(weights[0].grad, 4 * torch.ones(2, 3))
 
 
 def train(run, name, monkeypatch, outside=True, grad_accum=1, fault=None):  # noqa: F811
