@@ -10,7 +10,8 @@ compiled whole (``aot_eager``, the regions on) has no cast of an adapter weight 
 as the graph casting them did, with and without gradient accumulation, stamps the regions out as before and
 compiles nothing after its first step; the layers keep no cast after a call. Negative controls: the switch off
 casts every adapter in the graph; a wrong cast, a scale applied twice, or buffers not written again after the
-first call change the weights trained.
+first call change the weights trained. What is cast is found again when a layer's adapter weight is replaced (negative
+control: a plan kept regardless casts the old weight).
 """
 from __future__ import annotations
 
@@ -194,3 +195,26 @@ def test_nothing_is_cast_outside_without_autocast(run, monkeypatch):  # noqa: F8
     assert len(cast) == 21 and all(m.adapter_cast[0].dtype == torch.bfloat16 for m in cast)
     concept.lora.clear_outside(cast)
     assert all(m.adapter_cast is None for m in cast)
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_what_is_cast_is_found_again_when_a_weight_is_replaced(monkeypatch, stale):
+    """``cast_outside`` keeps what it casts (``_Plan``) while the layers' adapters are the same objects, and looks again
+    when one is replaced. Negative control: a plan kept regardless casts the replaced weight."""
+    from torch import nn
+
+    from concept.lora import _Plan
+    from tests.test_fused_lora import adapted_layers
+
+    model = adapted_layers()
+    casts, cpu = model.q_proj.adapter_casts, torch.device("cpu")
+    casts.cast_outside(torch.bfloat16, cpu)
+    plan = casts.plans[cpu]
+    casts.cast_outside(torch.bfloat16, cpu)
+    assert casts.plans[cpu] is plan  # (nothing replaced: the same plan)
+    if stale:
+        monkeypatch.setattr(_Plan, "current", lambda self, device: True)
+    model.k_proj.lora_A["default"].weight = nn.Parameter(torch.full_like(model.k_proj.lora_A["default"].weight, 0.5))
+    casts.cast_outside(torch.bfloat16, cpu)
+    fresh = torch.equal(model.k_proj.adapter_cast[0], torch.full((4, 16), 0.5, dtype=torch.bfloat16))
+    assert fresh != stale
