@@ -65,17 +65,17 @@ def test_two_forwards_before_one_backward_and_a_changed_weight():
     with torch.no_grad():
         weights[0].mul_(2)
     assert torch.equal(CastInto.apply(buffers, (1.0, 2.0), *weights)[0], torch.ones(2, 3, dtype=torch.bfloat16))
-    assert isinstance(AdapterCasts([]).outside, dict)
+    assert isinstance(AdapterCasts([]).plans, dict)
 
 
 def test_buffers_made_in_inference_mode_serve_a_training_call():
-    from concept.lora import _Outside
+    from concept.lora import _buffers
 
     weights = [torch.ones(2, 3, requires_grad=True)]
     with torch.inference_mode():
-        outside = _Outside(weights, torch.bfloat16, (1.0,))
-        CastInto.apply(outside.buffers, (1.0,), *weights)
-    (a,) = CastInto.apply(outside.buffers, (1.0,), *weights)  # (an inference tensor's version cannot be kept,
+        buffers = _buffers(weights, torch.bfloat16)
+        CastInto.apply(buffers, (1.0,), *weights)
+    (a,) = CastInto.apply(buffers, (1.0,), *weights)  # (an inference tensor's version cannot be kept,
     (a @ a.t()).float().sum().backward()  # nor saved for a backward)
     assert torch.equal(weights[0].grad, 4 * torch.ones(2, 3))
 
