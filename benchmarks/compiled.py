@@ -140,6 +140,37 @@ def count_cudagraph_recordings() -> None:
     manager.record_function = record_function
 
 
+class ForwardGraphs:
+    """What a compiled forward row's CUDA graphs did (:func:`forward_graphs`)."""
+
+    def __init__(self, kinds: dict, device):
+        self.kinds, self.device = kinds, torch.device(device)
+        self.skips, self.recordings = cudagraph_skips(), cudagraph_recordings()
+
+    def done(self) -> dict:
+        """``NAME_cuda_graphs`` per model (whether its no-grad forward ran as CUDA graphs), and over the timed calls
+        since: ``cudagraph_skips`` (graphs inductor ran without them) and ``cudagraph_rerecorded`` (graphs recorded
+        again: 0 when every call replays)."""
+        return {**{f"{name}_cuda_graphs": kind for name, kind in self.kinds.items()},
+                "cudagraph_skips": cudagraph_skips() - self.skips,
+                "cudagraph_rerecorded": cudagraph_recordings() - self.recordings}
+
+
+def forward_graphs(models: dict, fns: dict, device, warmup: int = 2) -> ForwardGraphs:
+    """Before a compiled forward row is timed (no gradients): each of ``fns`` called ``warmup`` more times after its
+    first call (cudagraph trees warm a graph up at its first call and record it at the second), then the count of
+    graphs skipped and recorded so far, with whether each of ``models`` (name -> model) runs its no-grad forward as
+    CUDA graphs (``concept.compiled.WholeForward.kind``; False: not a whole forward, or inductor's default mode)."""
+    count_cudagraph_recordings()
+    device = torch.device(device)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    whole = {name: m.__dict__.get("forward") for name, m in models.items()}
+    kinds = {name: bool(getattr(w, "kind", None)) and w.kind(device.type) != "plain" for name, w in whole.items()}
+    return ForwardGraphs(kinds, device)
+
+
 def train_option(choice: str | None = None) -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`; None: :func:`kit_choice`)."""
     return {"compile": choice or kit_choice()}

@@ -127,14 +127,16 @@ def test_forward_compiled_vs_dense_compiled(benchmark, record, request, device, 
                 fn()
             return
         first = compiled.first_calls(fns, device)  # (the compilations)
+        graphs = compiled.forward_graphs({"concept": model, "dense": dense}, fns, device)
         timing = gpu_side_by_side(fns, device) if device.type == "cuda" else cpu_side_by_side(fns)
+        graphs = graphs.done()
         benchmark.pedantic(fns["concept"], rounds=3, iterations=1)
         keep = model(ids).keep
     label = f"{backbone} T={T} compiled (compile={choice}, dense alike)"
     common = dict(T=T, dtype=dtype_name(dtype), backend=attention, compile={"dense_model": choice}, concept_compile=choice,
                   max_ratio=eager.max_ratio, concept_slots=eager.concept_slots(T))
     ideal = forward_flops(Shape.from_hf_config(eager.backbone.config), eager.split, keep[0].cpu(), head_classes(eager))
-    row = {**timing, **first, "speedup": timing["dense_s"] / timing["concept_s"],
+    row = {**timing, **first, **graphs, "speedup": timing["dense_s"] / timing["concept_s"],
            "speedup_vs_dense_eager": timing["dense_eager_s"] / timing["concept_s"],
            **static_ideal(eager, keep[0].cpu())}
     record(benchmark, f"forward {label} decided", row, ideal.speedup, ratio=float(keep.float().mean()),

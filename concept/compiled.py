@@ -25,8 +25,9 @@ serving each layer of the stack (regional compilation: a SmolLM2 forward traces 
 (``reduce-overhead``, CUDA graphs, on CUDA; torch's default elsewhere); one of torch's modes by name
 compiles each stack whole; ``model`` traces the whole forward as one graph (:class:`WholeForward`: the decisions,
 the packing, the attention plans, every stack and the loss, each decoder layer a nested compile region traced once per
-stack, :func:`_layer_region`; on CUDA a training forward and its backward run as CUDA graphs, every other call
-in inductor's default mode; its stacks compiled whole where a call runs them on their own, a prefill); ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
+stack, :func:`_layer_region`; on CUDA a training forward and its backward run as CUDA graphs, and so does a no-grad
+forward, its outputs copied out of the graphs' memory; an evaluation-mode call with gradients in inductor's default
+mode; its stacks compiled whole where a call runs them on their own, a prefill); ``aot-eager``: whole stacks captured (dynamo, AOT autograd) but run by torch's
 eager kernels, no code generated (debugging, and the default test suite, where inductor's C++
 compilation of a tiny model's stacks takes minutes on a CPU). Whether a model compiles at all is its
 family's answer (``Family.compile_refusal``).
@@ -44,6 +45,8 @@ On a CPU, and with ``aot-eager``, no copy is made.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import os
 import types
@@ -54,6 +57,7 @@ from .backbone import run_layer, run_layer_rope, run_layers
 from .config import COMPILE_CHOICES, REGIONAL_CHOICES, WHOLE_CHOICE, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
+from .lazy import Deferred
 from .lora import clear_outside
 from .losses import chunk_terms
 
@@ -219,6 +223,12 @@ def regions() -> bool:
 # storage, and the allocator serves the next kernel other memory (``tests/test_compile_regions.py``: gradients
 # equal eager's; inductor's default reuse as the negative control).
 REGION_OPTIONS = {"allow_buffer_reuse": False}
+# ``model``'s kinds of call (:meth:`WholeForward.kind`): those run as CUDA graphs, and each one's compiled code object
+GRAPH_KINDS = ("train graphs", "no-grad graphs")
+KIND_NAMES = {"plain": "whole", "train graphs": "whole_graphs", "no-grad graphs": "whole_no_grad_graphs"}
+# ``model``: a no-grad call on CUDA runs as CUDA graphs, its outputs copied out (False, or ``CONCEPT_NO_GRAD_CUDA_GRAPHS=0``:
+# inductor's default mode, as before 2026-11-28; the GPU kit's fallback should a torch's graphs fail the no-grad forward)
+NO_GRAD_CUDA_GRAPHS = os.environ.get("CONCEPT_NO_GRAD_CUDA_GRAPHS", "1") != "0"
 # ``model``: under autocast the LoRA adapters are cast to its dtype before the whole forward's graph, together
 # (:meth:`WholeForward.cast_adapters`); False: each adapted layer's graph casts its own (tests' negative control)
 CAST_ADAPTERS_OUTSIDE = True
@@ -233,6 +243,32 @@ def _copied_out(run, last):
         return out if out.requires_grad and module is not last else out.clone()
 
     return layer
+
+
+def copied_out(value, copies: dict | None = None):
+    """``value`` (what a compiled forward returned: a model output) with each tensor in it replaced by a copy, found
+    through dataclass fields, tuples, lists, dicts and a deferred field's inputs (``concept.lazy.Deferred``); a tensor
+    reached twice is copied once (``copies``: id -> its copy), so what aliased still does. Anything else (a module, a
+    number) is kept as it is. A no-grad forward run as CUDA graphs returns this, its outputs out of the graphs'
+    memory (:class:`WholeForward`)."""
+    copies = {} if copies is None else copies
+    if isinstance(value, torch.Tensor):
+        if id(value) not in copies:
+            copies[id(value)] = value.clone()
+        return copies[id(value)]
+    again = lambda v: copied_out(v, copies)  # noqa: E731
+    if isinstance(value, Deferred):
+        return value.copied(again)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        other = copy.copy(value)
+        other.__dict__.update({k: again(v) for k, v in vars(value).items()})
+        return other
+    if isinstance(value, (tuple, list)):
+        items = [again(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, again(v)) for k, v in value.items())
+    return value
 
 
 def copy_recorded(cache) -> None:
@@ -295,46 +331,63 @@ class WholeForward:
     them (the length policy's host scan is an opaque op in it on a CPU, its Triton kernel on CUDA:
     ``concept.streaming.scan``). Installed as the module's ``forward``, so ``model(...)`` runs it.
 
-    A training forward on CUDA (the module in training mode, gradients on) runs as CUDA graphs
-    (:func:`training_cuda_graphs`): one replay for
-    the forward and one for its backward instead of the ~3,300 kernel launches of a SmolLM2 step, which bound a
-    compiled step by the host (``docs/benchmarks.md``, "What the compiled step asks of the device"). Its outputs
-    and the gradients its backward hands to the weights then live in the graphs' memory until the next compiled
-    training call: read within the step, as a training step reads them; with gradient accumulation the trainer
-    keeps the ``.grad`` buffers of its own (:func:`gradients_in_graph_memory`). Every other call (evaluation mode or no
-    gradients: evaluation, the ratio controller's calibration, benchmarks; a CPU) runs inductor in torch's default mode, its
-    outputs in ordinary memory: a forward's few hundred kernels are microseconds each on the host against its
-    milliseconds of device time, and nothing it returns can be overwritten by a later call. A call with an argument
-    that is not a tensor, a number or None (a KV cache recording a prefill, the diagnostics' perturbation
-    functions), or that its family would refuse to compile now (``compile_refusal``: a streaming model whose budget
-    is switched off for the call, as the keep-all control does), runs the forward eagerly, its stacks compiled
-    whole. That check is asked before every graph call, so it is where a family reads the host values its graph
-    holds as constants (``Family.compile_refusal``): a changed value recompiles, by its guard."""
+    On CUDA it runs as CUDA graphs (:meth:`cuda_graphs`): one replay instead of a forward's hundreds of kernel
+    launches (about 3,300 in a SmolLM2 training step, which bound a compiled step by the host: ``docs/benchmarks.md``,
+    "What the compiled step asks of the device"; about 550 in an 8k forward).
+
+    - A training forward (the module in training mode, gradients on): one replay for the forward and one for its
+      backward. Its outputs and the gradients its backward hands to the weights live in the graphs' memory until the
+      next compiled call that starts a new generation of it: read within the step, as a training step reads them;
+      with gradient accumulation the trainer keeps the ``.grad`` buffers of its own
+      (:func:`gradients_in_graph_memory`).
+    - A no-grad forward (evaluation, the ratio controller's calibration, benchmarks, a user's ``torch.no_grad`` or
+      ``inference_mode``): its graph's outputs are copied out of the graphs' memory as it returns
+      (:func:`copied_out`: every tensor of the output, a deferred field's inputs too), since the next call starts a
+      new generation that reuses that memory: what it returns is its own, as an eager forward's is. The copies are a
+      few elementwise kernels (at 8k, the states and the head's scores, about a tenth of a millisecond on an H200).
+
+    An evaluation-mode call with gradients on (a user's forward outside ``torch.no_grad``) runs inductor in torch's
+    default mode, as every call on a CPU does: its outputs, kept for a backward that may never come, would be
+    overwritten by the next call's. A call with an argument that is not a tensor, a number or None (a KV cache
+    recording a prefill, the diagnostics' perturbation functions), or that its family would refuse to compile now
+    (``compile_refusal``: a streaming model whose budget is switched off for the call, as the keep-all control does),
+    runs the forward eagerly, its stacks compiled whole. That check is asked before every graph call, so it is where a
+    family reads the host values its graph holds as constants (``Family.compile_refusal``): a changed value
+    recompiles, by its guard."""
 
     def __init__(self, model, backend: str | None = None):
         self.eager = type(model).forward.__get__(model)
         self.backend = backend  # torch.compile's backend where not inductor (tests: ``aot_eager``): never CUDA graphs
-        self.graphs: dict[bool, object] = {}  # CUDA graphs or not -> the compiled forward (made at its first call)
+        self.graphs: dict[str, object] = {}  # a call's kind (:meth:`kind`) -> its compiled forward (made at its first call)
         self.adapter_casts: list | None = None  # the model's LoRA groups (``concept.lora.AdapterCasts``), at its first call
 
-    def compile(self, cuda_graphs: bool):
-        """The whole forward compiled: inductor drawing random numbers as eager does (a sampler's Gumbel noise: the
-        same samples as the eager forward, so compiled training equals eager's; one unfused kernel more), with the
-        layers as regions never handing a dead buffer's storage to another (``REGION_OPTIONS``), and with
-        ``cuda_graphs`` run as CUDA graphs (``reduce-overhead``'s option); its own code object each way, so that
-        each keeps its graphs and recompile count."""
+    def compile(self, kind: str):
+        """The whole forward compiled for a call's ``kind`` (:meth:`kind`): inductor drawing random numbers as eager
+        does (a sampler's Gumbel noise: the same samples as the eager forward, so compiled training equals eager's;
+        one unfused kernel more), with the layers as regions never handing a dead buffer's storage to another
+        (``REGION_OPTIONS``), and as CUDA graphs (``reduce-overhead``'s option) where the kind says so; its own code
+        object each kind, so that each keeps its graphs and recompile count."""
         options = {"fallback_random": True, **(REGION_OPTIONS if regions() else {}),
-                   **({"triton.cudagraphs": True} if cuda_graphs else {})}
+                   **({"triton.cudagraphs": True} if kind in GRAPH_KINDS else {})}
         kwargs = {"backend": self.backend} if self.backend else {"options": options}
-        forward = _own_copy(type(self.eager.__self__).forward, "whole_graphs" if cuda_graphs else "whole")
+        forward = _own_copy(type(self.eager.__self__).forward, KIND_NAMES[kind])
         return torch.compile(forward.__get__(self.eager.__self__), fullgraph=True, dynamic=False, **kwargs)
 
     def cuda_graphs(self, device_type: str) -> bool:
-        """Whether a call on ``device_type`` runs as CUDA graphs: a training forward (the module in training mode,
-        gradients on). An evaluation-mode call with gradients on (a user's forward outside ``torch.no_grad``) does
-        not: its outputs would be overwritten by the next call's."""
-        return (self.backend is None and self.eager.__self__.training and torch.is_grad_enabled()
-                and training_cuda_graphs(device_type))
+        """Whether a call on ``device_type`` runs as CUDA graphs: on CUDA (unless ``CONCEPT_MODEL_CUDA_GRAPHS=0``,
+        :func:`training_cuda_graphs`), inductor's (never a test backend's), a training forward (the module in training
+        mode, gradients on) or a no-grad one (:data:`NO_GRAD_CUDA_GRAPHS`). An evaluation-mode call with gradients on
+        (a user's forward outside ``torch.no_grad``) does not: its outputs would be overwritten by the next call's."""
+        if self.backend is not None or not training_cuda_graphs(device_type):
+            return False
+        return NO_GRAD_CUDA_GRAPHS if not torch.is_grad_enabled() else self.eager.__self__.training
+
+    def kind(self, device_type: str) -> str:
+        """What a call on ``device_type`` is: ``train graphs`` (CUDA graphs, a backward to follow), ``no-grad graphs``
+        (CUDA graphs, its outputs copied out) or ``plain`` (inductor's default mode)."""
+        if not self.cuda_graphs(device_type):
+            return "plain"
+        return "train graphs" if torch.is_grad_enabled() else "no-grad graphs"
 
     def __call__(self, *args, **kwargs):
         values = (*args, *kwargs.values())
@@ -344,14 +397,15 @@ class WholeForward:
         if not plain or compile_refusal(self.eager.__self__) is not None:  # (e.g. a streaming model's budget
             return self.eager(*args, **kwargs)  # switched off for a call: the keep-all control)
         device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
-        graphs = self.cuda_graphs(device.type)
-        if graphs not in self.graphs:
-            self.graphs[graphs] = self.compile(graphs)
+        kind = self.kind(device.type)
+        if kind not in self.graphs:
+            self.graphs[kind] = self.compile(kind)
         cast = self.cast_adapters(device)
         try:
-            return self.graphs[graphs](*args, **kwargs)
+            out = self.graphs[kind](*args, **kwargs)
         finally:
             clear_outside(cast)
+        return copied_out(out) if kind == "no-grad graphs" else out
 
     def cast_adapters(self, device: torch.device) -> list:
         """Under autocast, every LoRA adapter of the model cast to its dtype before the graph, eagerly and at once
@@ -369,7 +423,8 @@ class WholeForward:
 
 
 def training_cuda_graphs(device_type: str, environ=os.environ) -> bool:
-    """Whether ``model``'s training forward runs as CUDA graphs on a device type: on CUDA, unless
+    """Whether ``model``'s forwards (training, and no-grad: :meth:`WholeForward.cuda_graphs`) run as CUDA graphs on a
+    device type: on CUDA, unless
     ``CONCEPT_MODEL_CUDA_GRAPHS=0`` (e.g. a GPU kit call after ``exact`` found a torch whose CUDA graphs fail the
     whole forward: ``docs/gpu.md``)."""
     return device_type == "cuda" and environ.get("CONCEPT_MODEL_CUDA_GRAPHS", "1") != "0"

@@ -94,7 +94,7 @@ class DenseModel(Resolved, HubMixin, nn.Module):
         states, head = inner.norm(x), self.backbone.lm_head
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, document_ids,
                                                                self.compiled_stacks)
-        return DenseOutput(Deferred(lambda: head(states), like=states, watch=head), loss, x)
+        return DenseOutput(Deferred(head, states, watch=head), loss, x)
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Generate with transformers' DynamicCache; see :func:`concept.generation.generate`."""

@@ -8,7 +8,7 @@ the head applied to every position::
     class DenseOutput:
         logits: torch.Tensor = LazyField()
 
-    DenseOutput(Deferred(lambda: head(states), like=states))
+    DenseOutput(Deferred(head, states))
 
 The head runs under the autocast state of the forward that deferred it (the reader may be outside
 it, e.g. an objective after the model's forward), and under the reader's grad mode. Its weights must be
@@ -21,15 +21,25 @@ import torch
 
 
 class Deferred:
-    """A tensor computed by ``fn()`` on first read, under the autocast state of the moment it was made
-    (``like``: a tensor on the device whose autocast state matters)."""
+    """A tensor computed by ``fn(*inputs)`` on first read, under the autocast state of the moment it was made (that
+    of ``like``'s device: a tensor whose autocast state matters; by default the first input)."""
 
-    def __init__(self, fn, like: torch.Tensor, watch: torch.nn.Module | None = None):
+    def __init__(self, fn, *inputs, like: torch.Tensor | None = None, watch: torch.nn.Module | None = None):
         self.fn = fn
+        self.inputs = inputs
+        like = inputs[0] if like is None else like
         self.device_type = like.device.type
         self.autocast = torch.is_autocast_enabled(self.device_type)
         self.dtype = torch.get_autocast_dtype(self.device_type)
         self.watched = [] if watch is None else [(p, _state(p)) for p in watch.parameters()]
+
+    def copied(self, copy) -> "Deferred":
+        """The same deferred computation over ``copy`` of each input (``copy``: a tensor -> its copy), the autocast
+        state and the watched weights as they were: a compiled forward's output copied out of CUDA graphs' memory
+        (``concept.compiled.copied_out``)."""
+        other = object.__new__(Deferred)
+        other.__dict__.update(self.__dict__, inputs=tuple(copy(x) for x in self.inputs))
+        return other
 
     def __call__(self) -> torch.Tensor:
         if any(_state(p) != state for p, state in self.watched):
@@ -37,12 +47,22 @@ class Deferred:
                                "in-place update or a dtype/device move since the forward): the logits would "
                                "not be the forward's. Read out.logits before changing the model.")
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
-            return self.fn()
+            return self.fn(*self.inputs)
 
 
 def _state(p: torch.Tensor) -> tuple:
     """What changes when a parameter's values do: its in-place version, storage and dtype."""
-    return p._version, p.data_ptr(), p.dtype
+    return tensor_version(p), p.data_ptr(), p.dtype
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place version (what a cache keyed on a tensor's values compares); -1 for an inference tensor (made
+    under ``torch.inference_mode``, e.g. a model loaded there), which keeps no version counter: such a tensor is only
+    changed in place under inference mode, where a cache keyed on it is not told. (Traced, ``_version``: dynamo
+    cannot trace ``is_inference``.)"""
+    if torch.compiler.is_compiling():
+        return t._version
+    return -1 if t.is_inference() else t._version
 
 
 class LazyField:

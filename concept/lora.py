@@ -14,6 +14,7 @@ from . import fs
 from .backbone import decoder
 from .distributed import full_tensor
 from .errors import ConceptError, RunFolderError
+from .lazy import tensor_version
 from .train_config import DEFAULT_TARGETS, LoraSettings  # noqa: F401 (part of this module's API)
 
 
@@ -337,7 +338,7 @@ class _Cast:
 
     def __init__(self, members, weights, dtype: torch.dtype):
         self.slot = {id(m): i for i, m in enumerate(members)}
-        self.stamps = [(w, w._version) for w in weights]
+        self.stamps = [(w, tensor_version(w)) for w in weights]
         self.views = CastTogether.apply(dtype, *weights)
         self.used = [False] * len(members)
 
@@ -349,7 +350,7 @@ class _Cast:
         if i is None:
             return None
         (a, va), (b, vb) = self.stamps[2 * i], self.stamps[2 * i + 1]
-        if self.used[i] or a is not lora_a or b is not lora_b or a._version != va or b._version != vb:
+        if self.used[i] or a is not lora_a or b is not lora_b or tensor_version(a) != va or tensor_version(b) != vb:
             return None
         self.used[i] = True
         return self.views[2 * i], self.views[2 * i + 1]

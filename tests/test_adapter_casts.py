@@ -119,3 +119,23 @@ def test_a_bf16_streaming_step_casts_at_most_its_bar(step, monkeypatch):
     monkeypatch.setattr(ConceptEmission, "concept_inputs", lambda self, *a, **kw: joined(self, *a, **kw).float())
     fp32_join, _ = step(per_use=False)
     assert counter.count <= STEP_CASTS < fp32_join.count
+
+
+def test_a_model_made_under_inference_mode_runs_under_autocast():
+    """A model made (or loaded) under ``torch.inference_mode`` holds inference tensors, which keep no version counter:
+    the caches keyed on a tensor's version (the adapters' eager cast, the deferred logits' watched head, the policy's
+    target ratio) read ``concept.lazy.tensor_version`` (-1 there), so its bf16 forward runs and equals the same model's
+    made outside it. (Before, ``RuntimeError: Inference tensors do not track version counter``.)"""
+    from concept.lazy import tensor_version
+
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        made_inside = model_of("streaming", split=(1, 2, 1)).eval()
+        assert all(p.is_inference() for p in made_inside.parameters())
+        assert tensor_version(next(made_inside.parameters())) == -1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = made_inside(ids).logits
+    made_outside = model_of("streaming", split=(1, 2, 1)).eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outside = made_outside(ids).logits
+    torch.testing.assert_close(inside, outside)

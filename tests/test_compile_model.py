@@ -245,36 +245,49 @@ def test_the_fused_adapters_compile_to_their_eager_values(fresh_dynamo, scaling)
 
 
 # -- CUDA graphs for the training forward ----------------------------------------------------------------------
-def test_the_training_forward_alone_runs_as_cuda_graphs_and_only_on_cuda(monkeypatch):
-    """``WholeForward.cuda_graphs``: a training forward (training mode, gradients on) on CUDA, inductor's (never a test
-    backend's), unless ``CONCEPT_MODEL_CUDA_GRAPHS=0``; no-grad calls, evaluation mode (a user's forward outside
-    ``torch.no_grad``, whose outputs the next call would overwrite) and a CPU's never. Negative control: the switch off."""
+def test_training_and_no_grad_forwards_run_as_cuda_graphs_and_only_on_cuda(monkeypatch):
+    """``WholeForward.cuda_graphs`` / ``kind``: a training forward (training mode, gradients on) and a no-grad forward
+    (``no_grad``, ``inference_mode``; training mode or not) on CUDA, inductor's (never a test backend's), unless
+    ``CONCEPT_MODEL_CUDA_GRAPHS=0``; an evaluation-mode call with gradients (a user's forward outside
+    ``torch.no_grad``, whose outputs the next call would overwrite) and a CPU's never. Negative controls: the switch
+    off, and ``NO_GRAD_CUDA_GRAPHS`` off."""
     assert concept.compiled.training_cuda_graphs("cuda", {}) is True
     assert concept.compiled.training_cuda_graphs("cuda", {"CONCEPT_MODEL_CUDA_GRAPHS": "0"}) is False
     assert concept.compiled.training_cuda_graphs("cpu", {}) is False
     model = copy.deepcopy(mixed_model("null")).train()  # (a copy: the cached model is shared by other tests)
     whole = WholeForward(model)  # inductor (no backend)
-    assert whole.cuda_graphs("cuda") and not whole.cuda_graphs("cpu")
-    with torch.no_grad():
-        assert not whole.cuda_graphs("cuda")
+    assert whole.kind("cuda") == "train graphs" and whole.kind("cpu") == "plain"
+    for mode in (torch.no_grad, torch.inference_mode):
+        for training in (True, False):
+            model.train(training)
+            with mode():
+                assert whole.kind("cuda") == "no-grad graphs" and whole.kind("cpu") == "plain"
+                monkeypatch.setattr(concept.compiled, "NO_GRAD_CUDA_GRAPHS", False)
+                assert whole.kind("cuda") == "plain"
+                monkeypatch.setattr(concept.compiled, "NO_GRAD_CUDA_GRAPHS", True)
     model.eval()
-    assert not whole.cuda_graphs("cuda")
+    assert whole.kind("cuda") == "plain"
     model.train()
     assert not WholeForward(model, backend="aot_eager").cuda_graphs("cuda")
     monkeypatch.setenv("CONCEPT_MODEL_CUDA_GRAPHS", "0")
-    assert not whole.cuda_graphs("cuda")
+    assert whole.kind("cuda") == "plain"
+    with torch.no_grad():
+        assert whole.kind("cuda") == "plain"
 
 
-def test_the_two_modes_compile_apart(monkeypatch):
-    """CUDA graphs or not: a compiled forward each, each its own code object (its graphs and recompile count);
-    inductor's options differ only by ``triton.cudagraphs``."""
+def test_the_kinds_compile_apart(monkeypatch):
+    """Training graphs, no-grad graphs, plain: a compiled forward each, each its own code object (its graphs and
+    recompile count); inductor's options differ only by ``triton.cudagraphs``."""
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.setdefault(fn.__func__.__code__.co_name, kwargs))
     whole = WholeForward(copy.deepcopy(mixed_model("null")))
-    whole.compile(True), whole.compile(False)
-    assert set(seen) == {"forward_whole", "forward_whole_graphs"}
-    graphs, plain = seen["forward_whole_graphs"]["options"], seen["forward_whole"]["options"]
-    assert graphs.pop("triton.cudagraphs") is True and graphs == plain and plain["fallback_random"] is True
+    for kind in ("train graphs", "no-grad graphs", "plain"):
+        whole.compile(kind)
+    assert set(seen) == {"forward_whole", "forward_whole_graphs", "forward_whole_no_grad_graphs"}
+    plain = seen.pop("forward_whole")["options"]
+    assert plain["fallback_random"] is True and "triton.cudagraphs" not in plain
+    for graphs in (o["options"] for o in seen.values()):
+        assert graphs.pop("triton.cudagraphs") is True and graphs == plain
 
 
 @pytest.mark.parametrize("choice,device,expected", [("model", "cuda", True), ("on", "cuda", True),

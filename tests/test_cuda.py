@@ -253,26 +253,42 @@ def per_stack(choice: str) -> int:
     return 2 if choice == "model" else 1
 
 
-def compiled_forward_errors(device: str = "cuda", choice: str = "on") -> dict[str, float]:
+def compiled_forward_errors(device: str = "cuda", choice: str = "on", grad_mode=torch.no_grad) -> dict[str, float]:
     """The largest relative error of a compiled no-grad forward's logits / shallow states / deep outputs against
-    eager's, over three calls (cudagraph trees warm up, record, replay), each kept until all three ran."""
+    eager's, over three calls (cudagraph trees warm up, record, replay), each kept until all three ran (``model``: each
+    call's outputs copied out of the graphs' memory: else reading the first after the third raises), and the CUDA
+    graphs recorded by the third call (``recorded_again``: 0, a replay) and skipped in all."""
+    count_cudagraph_recordings()
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     model = streaming_model(per_stack(choice)).to(device)
     compiled = compile_model(copy.deepcopy(model), choice)
     ids = [batch(seed).to(device) for seed in range(3)]
-    with torch.no_grad():
-        assert 0 < int(model(ids[0]).keep.sum()) < ids[0].numel()  # the middle stack runs (concepts and a tail)
+    with grad_mode():
+        assert 0 < int(model(ids[0]).keep.sum()) < ids[0].numel()  # (the middle stack runs (concepts and a tail)
         eager = [streaming_forward(model, x) for x in ids]
-        fast = [streaming_forward(compiled, x) for x in ids]
-    return {name: max(relative(b[i], a[i]) for a, b in zip(eager, fast))
-            for i, name in enumerate(("logits", "shallow", "hidden"))}
+        fast, recorded = [], []
+        for x in ids:
+            fast.append(streaming_forward(compiled, x))
+            recorded.append(cudagraph_recordings())
+    errors = {name: max(relative(b[i], a[i]) for a, b in zip(eager, fast))
+              for i, name in enumerate(("logits", "shallow", "hidden"))}
+    return {**errors, "recorded_again": recorded[2] - recorded[1],
+            "skipped": torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips}
 
 
-@pytest.mark.parametrize("choice", ["on", "model"])
-def test_compiled_no_grad_forward_equals_eager_on_cuda(choice):
-    """``on``: one CUDA graph per layer; ``model``: the whole forward one graph (inductor, its length policy's
-    Triton scan inside, two layers a stack: :func:`per_stack`)."""
-    errors = compiled_forward_errors(choice=choice)
+@pytest.mark.parametrize("choice,grad_mode", [("on", torch.no_grad), ("model", torch.no_grad),
+                                              ("model", torch.inference_mode)],
+                         ids=["on", "model", "model-inference-mode"])
+def test_compiled_no_grad_forward_equals_eager_on_cuda(choice, grad_mode):
+    """``on``: one CUDA graph per layer; ``model``: the whole forward one CUDA graph (inductor, its length policy's
+    Triton scan inside, two layers a stack: :func:`per_stack`), its outputs copied out (``WholeForward``), none
+    skipped, the third call a replay."""
+    errors = compiled_forward_errors(choice=choice, grad_mode=grad_mode)
+    recorded_again, skipped = errors.pop("recorded_again"), errors.pop("skipped")
     assert max(errors.values()) <= TOLERANCES["fp32"]["logits"], f"compiled forward vs eager: {errors}"
+    if choice == "model":
+        assert skipped == 0, "inductor skipped CUDA graphs for the no-grad forward (its log says why)"
+        assert recorded_again == 0, "the third no-grad forward recorded its CUDA graph again"
 
 
 def compiled_generation(device: str = "cuda", choice: str = "on"):

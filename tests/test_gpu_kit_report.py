@@ -132,6 +132,17 @@ def test_the_forward_target_states_the_ratio_to_the_best_dense():
     text = report_stage.render_speed(lease_b("speed"))
     line = next(x for x in text.splitlines() if x.startswith("- forward default T=8192 compiled"))
     assert "0.93x dense compiled, 0.74x dense HF eager, **0.74x the best dense** (HF eager, 23.05 ms" in line
+    assert "CUDA graphs" not in line  # (the lease recorded none: its no-grad forwards ran in default mode)
+
+
+def test_the_forward_target_says_whether_the_forwards_ran_as_cuda_graphs():
+    row = {"case": "forward default T=8192 compiled decided", "speedup": 2.1, "speedup_vs_dense_eager": 3.0,
+           "concept_s": 0.006, "dense_s": 0.0126, "dense_eager_s": 0.018, "concept_cuda_graphs": True,
+           "dense_cuda_graphs": True, "cudagraph_skips": 0, "cudagraph_rerecorded": 0}
+    line = report_stage.forward_target_lines([row])[-1]
+    assert line.endswith("; CUDA graphs: streaming yes, dense yes, 0 skipped, 0 recorded again"), line
+    line = report_stage.forward_target_lines([{**row, "dense_cuda_graphs": False, "cudagraph_rerecorded": 40}])[-1]
+    assert line.endswith("; CUDA graphs: streaming yes, dense no, 0 skipped, 40 recorded again"), line
 
 
 def test_the_forward_rows_top_kernels_are_tabled_per_side():

@@ -13,6 +13,7 @@ three training steps (the first with the ratio controller's calibration forward,
 2026-11-27) equal eager; without them (today's code: negative controls) they do not.
 """
 import copy
+import dataclasses
 import json
 import pathlib
 import warnings
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import concept
+import concept.compiled
 from concept import BuildConfig, ComponentRef
 from concept.backbone import run_layer_rope, run_layers
 from concept.compiled import CompiledStacks, WholeForward, compile_model
@@ -272,11 +274,12 @@ def test_training_without_the_copies_reads_overwritten_memory(run, monkeypatch):
     assert "before_step" in {entry.name for entry in caught.traceback}  # (the calibration forward)
 
 
-# -- ``model``: the whole training forward one CUDA graph, its backward another -------------------------------
+# -- ``model``: the whole training forward one CUDA graph, its backward another; a no-grad forward one more -------
 # A training forward under ``--compile model`` on CUDA runs as CUDA graphs (``WholeForward.cuda_graphs``): its outputs
-# live in graph memory until the next compiled training call, and so do the gradients its backward hands over: a
-# weight whose ``.grad`` is None takes the backward's output itself (autograd's AccumulateGrad steals it). Every
-# other call (no gradients) runs in inductor's default mode, its outputs its own.
+# live in graph memory until the next compiled call that starts a new generation, and so do the gradients its backward
+# hands over: a weight whose ``.grad`` is None takes the backward's output itself (autograd's AccumulateGrad steals
+# it). A no-grad forward runs as CUDA graphs too, and its outputs are copied out of graph memory as it returns
+# (``concept.compiled.copied_out``): what it returns is its own.
 
 
 def graph_tensors(obj, seen=None):
@@ -312,13 +315,17 @@ class WholeGraphs(GraphMemory):
         self.hooked: set[int] = set()
         self.stolen: set[int] = set()  # ids of the weights whose .grad was None at the current generation's call
 
-    def install(self, monkeypatch, no_grad_graphs: bool = False, own_grads: bool = True) -> None:
-        """``no_grad_graphs``: no-grad calls in graph memory too (negative control); ``own_grads`` False: the trainer
-        told its gradients are not in graph memory (negative control: no ``.grad`` buffers of its own)."""
-        monkeypatch.setattr(WholeForward, "cuda_graphs", lambda whole, device_type: no_grad_graphs or (
-            whole.eager.__self__.training and torch.is_grad_enabled()))
-        monkeypatch.setattr(WholeForward, "compile", lambda whole, cuda_graphs: self.whole(whole.eager) if cuda_graphs
-                            else whole.eager)
+    def install(self, monkeypatch, copy_out: bool = True, own_grads: bool = True) -> None:
+        """The whole forward's own choice of which calls run as CUDA graphs (``WholeForward.cuda_graphs`` on CUDA,
+        inductor's), those calls in graph memory here. ``copy_out`` False: a no-grad call's outputs not copied out
+        (negative control); ``own_grads`` False: the trainer told its gradients are not in graph memory (negative
+        control: no ``.grad`` buffers of its own)."""
+        monkeypatch.setattr(concept.compiled, "training_cuda_graphs", lambda device_type, environ=None: True)
+        monkeypatch.setattr(concept.compiled, "WHOLE_BACKEND", None)  # (inductor's choice; compiled here by nothing)
+        if not copy_out:
+            monkeypatch.setattr(concept.compiled, "copied_out", lambda out: out)
+        monkeypatch.setattr(WholeForward, "compile", lambda whole, kind: self.whole(whole.eager)
+                            if kind in concept.compiled.GRAPH_KINDS else whole.eager)
         monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type, regional=False: (
             run_layer_rope if regional else run_layers, False))  # (the whole forward's stacks: eager here)
         monkeypatch.setattr(CompiledStacks, "loss_terms", lambda stacks, device_type: chunk_terms)
@@ -367,8 +374,8 @@ class WholeGraphs(GraphMemory):
 @pytest.mark.parametrize("baseline,grad_accum", [(None, 1), (None, 2), ("dense", 2)],
                          ids=["streaming", "streaming-accumulated", "dense-accumulated"])
 def test_whole_forward_training_in_graph_memory_equals_eager(run, monkeypatch, baseline, grad_accum):
-    """Three steps; the streaming run's first step calibrates the NULL bias with a no-grad forward (default mode, its
-    outputs its own); log_every=1: the diagnostics read the step's output after its backward. Accumulated: the
+    """Three steps; the streaming run's first step calibrates the NULL bias with a no-grad forward (CUDA graphs too, its
+    outputs copied out, then overwritten by the training forward's generation); log_every=1: the diagnostics read the step's output after its backward. Accumulated: the
     second micro-batch's forward reuses the first's memory, gradients included, so the weights keep ``.grad``
     buffers of their own (``StepRunner.own_grads``)."""
     name = f"{baseline or 'streaming'}-{grad_accum}"
@@ -378,7 +385,8 @@ def test_whole_forward_training_in_graph_memory_equals_eager(run, monkeypatch, b
     fast = trainer(run, f"{name}-graphs-model", "model", baseline=baseline, grad_accum=grad_accum)
     assert fast.runner.own_grads == (grad_accum > 1)
     fast = rows(fast)
-    assert memory.calls == STEPS * grad_accum and memory.overwritten > 0
+    calibration = 0 if baseline else 1
+    assert memory.calls == STEPS * grad_accum + calibration and memory.overwritten > 0
     for a, b in zip(eager, fast):
         assert a.get("ratio") == b.get("ratio") and a.get("null_bias") == pytest.approx(b.get("null_bias"))
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
@@ -395,19 +403,58 @@ def test_accumulated_gradients_without_buffers_of_their_own_are_overwritten(run,
         fast.train_step()
 
 
-def test_no_grad_forwards_keep_their_outputs(streaming, monkeypatch):
-    """No-grad calls (evaluation, calibration, benchmarks) run in default mode: two forwards' outputs, the first read
-    after the second, equal eager. Negative control: run in graph memory too, the first forward's outputs are
-    overwritten by the second's call."""
-    with torch.no_grad():
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_forwards_keep_their_outputs(streaming, monkeypatch, mode):
+    """No-grad calls (evaluation, calibration, benchmarks, a user's ``inference_mode``) run as CUDA graphs, their
+    outputs copied out: two forwards' outputs, the first read after the second, equal eager, deferred fields (the
+    logits, the deep input in time order) included, and none of them in the graphs' memory. Negative control: not
+    copied out, the first forward's outputs are overwritten by the second's call."""
+    with getattr(torch, mode)():
         eager = [streaming_forward(streaming, batch(seed)) for seed in (0, 1)]
-        WholeGraphs().install(monkeypatch)
+        eager_inputs = [streaming(batch(seed)).deep_input for seed in (0, 1)]
+        memory = WholeGraphs()
+        memory.install(monkeypatch)
         compiled = compile_model(copy.deepcopy(streaming), "model")
         kept = [compiled(batch(seed), attention_mask=torch.ones_like(batch(seed))) for seed in (0, 1)]
-        for a, out in zip(eager, kept):
-            for x, y in zip(a, (out.logits, out.shallow, out.hidden)):
+        assert memory.calls == 2 and memory.overwritten > 0  # (the first call's graph outputs, copied before)
+        for a, deep_input, out in zip(eager, eager_inputs, kept):
+            for x, y in zip((*a, deep_input), (out.logits, out.shallow, out.hidden, out.deep_input)):
                 torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
-        WholeGraphs().install(monkeypatch, no_grad_graphs=True)
+            assert not any(isinstance(t, GraphOutput) for t in graph_tensors(out))
+        memory = WholeGraphs()
+        memory.install(monkeypatch, copy_out=False)
         compiled = compile_model(copy.deepcopy(streaming), "model")
         first, _ = [compiled(batch(seed), attention_mask=torch.ones_like(batch(seed))) for seed in (0, 1)]
-        assert torch.isnan(first.shallow).all()
+        assert memory.calls == 2 and torch.isnan(first.shallow).all()
+
+
+def test_copied_out_copies_every_tensor_once():
+    """``copied_out``: every tensor of an output (dataclass fields, a layout's metadata, containers, a deferred field's
+    inputs) a copy of its own, equal in value; a tensor reached twice copied once (the same tensor object stays one);
+    a module and numbers kept. (The mutation "a no-grad graph's outputs returned as they are" is caught here and by
+    ``test_no_grad_forwards_keep_their_outputs``.)"""
+    from concept.compiled import copied_out
+    from concept.lazy import Deferred, LazyField
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor = LazyField()
+        hidden: torch.Tensor | None = None
+        extra: tuple = ()
+        head: torch.nn.Module | None = None
+        count: int = 0
+
+    head = torch.nn.Linear(3, 5)
+    hidden = torch.randn(2, 3)
+    out = Out(Deferred(head, hidden, watch=head), hidden, (hidden[:1], {"k": torch.ones(2)}), head, 7)
+    copied = copied_out(out)
+    assert copied.head is head and copied.count == 7 and LazyField.computed(copied, "logits") is False
+    weights = {p.untyped_storage().data_ptr() for p in head.parameters()}  # (the deferred head's, watched: kept)
+    ours = {t.untyped_storage().data_ptr() for t in graph_tensors(copied)} - weights
+    theirs = {t.untyped_storage().data_ptr() for t in graph_tensors(out)} - weights
+    assert (len(ours), len(theirs)) == (3, 2) and not ours & theirs  # (hidden[:1] a view of hidden; copied alone)
+    assert copied.__dict__["_logits_value"].inputs[0] is copied.hidden  # (one copy of the tensor reached twice)
+    with torch.no_grad():
+        hidden.fill_(float("nan"))  # (the graphs' memory reused)
+    torch.testing.assert_close(copied.logits, head(copied.hidden))
+    assert torch.isfinite(copied.logits).all() and torch.isfinite(copied.extra[1]["k"]).all()

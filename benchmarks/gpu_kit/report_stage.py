@@ -367,8 +367,20 @@ def forward_target_lines(rows: list[dict]) -> list[str]:
             best, which = min((row["dense_s"], "compiled"), (row["dense_eager_s"], "HF eager"))
             line += (f", **{best / row['concept_s']:.2f}x the best dense** ({which}, {1000 * best:.2f} ms; "
                      f"streaming {1000 * row['concept_s']:.2f} ms)")
-        lines.append(line)
+        lines.append(line + forward_graphs_text(row))
     return lines
+
+
+def forward_graphs_text(row: dict) -> str:
+    """A compiled forward row's CUDA graphs: whether each compiled side ran its no-grad forward as CUDA graphs, how many
+    graphs inductor skipped and recorded again in the timed calls; '' where the row did not record it (the leases
+    before 2026-11-28c, whose no-grad forwards ran in inductor's default mode)."""
+    if "concept_cuda_graphs" not in row:
+        return ""
+    sides = ", ".join(f"{name} {'yes' if row.get(f'{key}_cuda_graphs') else 'no'}"
+                      for name, key in (("streaming", "concept"), ("dense", "dense")))
+    return (f"; CUDA graphs: {sides}, {row.get('cudagraph_skips', 0)} skipped, "
+            f"{row.get('cudagraph_rerecorded', 0)} recorded again")
 
 
 def render_quality(data: dict, image: str | None) -> str:

@@ -607,7 +607,7 @@ class PlannerExecutorModel(PlanSteps, Execution, Resolved, GenerationMixin, HubM
         loss = None
         if labels is not None:  # text_loss(logits, y, y_valid) without the [B, Ty, V] logits
             loss = head_cross_entropy(states, head, y.masked_fill(~y_valid, IGNORE))
-        return PlannedOutput(Deferred(lambda: head(states), like=states, watch=head), plan, loss, y, y_valid, u_valid)
+        return PlannedOutput(Deferred(head, states, watch=head), plan, loss, y, y_valid, u_valid)
 
     # -- anti-collapse (concept.codes) ----------------------------------------------------------
     def code_vocabularies(self) -> list[tuple[str, nn.Module]]:

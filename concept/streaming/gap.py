@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ..lazy import tensor_version
 from .operating_point import DEFAULT_TARGET_RATIO
 
 AUTO, NONE = "auto", "none"
@@ -52,7 +53,7 @@ def target_of(policy) -> float:
     if value is not None and torch.compiler.is_compiling():  # a compiled graph: the host copy, a constant of it
         return value  # (guarded by its value alone: the buffer refilled with the same number recompiles nothing;
         # the eager call before the graph's first read it; a tensor's _version cannot be traced)
-    key = (id(buffer), buffer._version)
+    key = (id(buffer), tensor_version(buffer))
     if value is None or policy.__dict__.get("_gap_target_of") != key:
         policy.__dict__["_gap_target_of"], value = key, float(buffer)
         policy.__dict__["_gap_target"] = value
@@ -68,7 +69,8 @@ def set_target(policy, target: float) -> None:
         return
     with torch.no_grad():
         buffer.fill_(target)
-    policy.__dict__["_gap_target_of"], policy.__dict__["_gap_target"] = (id(buffer), buffer._version), float(target)
+    policy.__dict__["_gap_target_of"], policy.__dict__["_gap_target"] = (id(buffer), tensor_version(buffer)), float(target)
+
 
 
 def resolve(value, policy) -> int:

@@ -61,6 +61,11 @@ class ConceptOutput:
     deep_sequence: packing.PackedLayout | packing.DeepBlock | None = None
 
 
+def in_time_order(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, S, d] over the deep stack's slots, gathered to time order: ``slots`` [B, T] is each position's slot."""
+    return x.gather(1, slots[..., None].expand(-1, -1, x.shape[-1]))
+
+
 class ConceptGate(nn.Module):
     """Identity start: a concept's input is ``h_src + gate * e`` (the emitting token's shallow state
     plus its discrete embedding), with ``gate`` [d] starting at 0: the discrete path opens as it trains.
@@ -279,13 +284,12 @@ class ConceptModel(ConceptEmission, StackRuns, Resolved, GenerationMixin, HubMix
 
         # back to time order; element t predicts token t + 1
         slots = deep.slot_of_time[:, -logits_to_keep:] if logits_to_keep else deep.slot_of_time
-        in_time_order = lambda x: x.gather(1, slots[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
-        z = in_time_order(z)
+        z = in_time_order(z, slots)
         states, head = self.inner.norm(z), self.backbone.lm_head
         loss = None if labels is None else head_next_token_loss(states, head, labels, valid, doc, self.compiled_stacks)
         multi = self.levels > 1
-        return ConceptOutput(Deferred(lambda: head(states), like=states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
-                             Deferred(lambda: in_time_order(z_in), like=z_in), z, updates, emitted if multi else None,
+        return ConceptOutput(Deferred(head, states, watch=head), keep, emitted[..., 0] if multi else emitted, head_logits, loss, layout, h,
+                             Deferred(in_time_order, z_in, slots), z, updates, emitted if multi else None,
                              capped, keep_logit, valid, None if cache is None else deep)
 
     def skip_middle(self, input_ids, attention_mask=None, document_ids=None) -> torch.Tensor:
