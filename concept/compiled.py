@@ -247,7 +247,8 @@ def _copied_out(run, last):
 
 def copied_out(value, copies: dict | None = None):
     """``value`` (what a compiled forward returned: a model output) with each tensor in it replaced by a copy, found
-    through dataclass fields, tuples, lists, dicts and a deferred field's inputs (``concept.lazy.Deferred``); a tensor
+    through dataclass fields (transformers' ``ModelOutput`` too), tuples, lists, dicts and a deferred field's inputs
+    (``concept.lazy.Deferred``); a tensor
     reached twice is copied once (``copies``: id -> its copy), so what aliased still does. Anything else (a module, a
     number) is kept as it is. A no-grad forward run as CUDA graphs returns this, its outputs out of the graphs'
     memory (:class:`WholeForward`)."""
@@ -259,6 +260,8 @@ def copied_out(value, copies: dict | None = None):
     again = lambda v: copied_out(v, copies)  # noqa: E731
     if isinstance(value, Deferred):
         return value.copied(again)
+    if isinstance(value, dict) and dataclasses.is_dataclass(value):  # (transformers' ModelOutput: its fields are items)
+        return type(value)(**{k: again(v) for k, v in value.items()})
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         other = copy.copy(value)
         other.__dict__.update({k: again(v) for k, v in vars(value).items()})

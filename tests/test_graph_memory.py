@@ -458,3 +458,8 @@ def test_copied_out_copies_every_tensor_once():
         hidden.fill_(float("nan"))  # (the graphs' memory reused)
     torch.testing.assert_close(copied.logits, head(copied.hidden))
     assert torch.isfinite(copied.logits).all() and torch.isfinite(copied.extra[1]["k"]).all()
+    from transformers.modeling_outputs import CausalLMOutputWithPast  # (a ModelOutput: its fields are dict items too)
+    hf = CausalLMOutputWithPast(logits=torch.ones(2, 3))
+    copied = copied_out(hf)
+    assert type(copied) is type(hf) and copied.logits.data_ptr() != hf.logits.data_ptr()
+    assert copied["logits"] is copied.logits and torch.equal(copied.logits, hf.logits)
