@@ -171,6 +171,28 @@ def forward_graphs(models: dict, fns: dict, device, warmup: int = 2) -> ForwardG
     return ForwardGraphs(kinds, device)
 
 
+def without_failed_graphs(measure, device):
+    """``(measure(), None)``; where it fails with ``model``'s no-grad forwards as CUDA graphs on ``device``
+    (``concept.compiled.NO_GRAD_CUDA_GRAPHS``), measured again with them off for the rest of this process (compiled
+    anew: dynamo's caches and torch's cudagraph trees reset), as ``(measure(), the first failure's error)``: a lease
+    whose torch fails the graphs in the forward still reads the forward target (``setup``'s compiled training rows
+    fall back the same way: ``setup_stage.graphs_failed``). ``measure`` builds its compiled models itself."""
+    import concept.compiled
+
+    try:
+        return measure(), None
+    except Exception as error:  # noqa: BLE001 (any failure of the graphs: the row is measured again without them)
+        if not (concept.compiled.NO_GRAD_CUDA_GRAPHS and concept.compiled.training_cuda_graphs(torch.device(device).type)):
+            raise
+        failed = f"{type(error).__name__}: {error}"[:2000]
+    concept.compiled.NO_GRAD_CUDA_GRAPHS = False
+    torch._dynamo.reset()
+    from torch._inductor import cudagraph_trees
+
+    cudagraph_trees.reset_cudagraph_trees()
+    return measure(), failed
+
+
 def train_option(choice: str | None = None) -> dict:
     """``TrainConfig`` fields for compiled training (the source build :func:`budgeted`; None: :func:`kit_choice`)."""
     return {"compile": choice or kit_choice()}

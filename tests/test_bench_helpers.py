@@ -128,3 +128,32 @@ def test_cudagraph_recordings_are_counted_once_each(monkeypatch):
     before = cudagraph_recordings()
     assert cudagraph_trees.CUDAGraphTreeManager.record_function(None, [], 7) == ("recorded", 7)
     assert cudagraph_recordings() == before + 1
+
+
+def test_a_forward_row_failed_by_its_no_grad_graphs_is_measured_again_without_them(monkeypatch):
+    """``without_failed_graphs``: a compiled forward row that fails with ``model``'s no-grad forwards as CUDA graphs is
+    measured again with them off (for the rest of the process), the first error kept; a row that fails without them
+    (or where there are none: a CPU) fails. Negative control: the graphs off from the start, the error propagates."""
+    import concept.compiled
+
+    monkeypatch.setattr(concept.compiled, "training_cuda_graphs", lambda device_type, environ=None: True)
+    monkeypatch.setattr(concept.compiled, "NO_GRAD_CUDA_GRAPHS", True)
+    calls = []
+
+    def measure():
+        calls.append(concept.compiled.NO_GRAD_CUDA_GRAPHS)
+        if concept.compiled.NO_GRAD_CUDA_GRAPHS:
+            raise RuntimeError("CUDAGraph capture failed")
+        return "row"
+
+    assert compiled.without_failed_graphs(measure, "cuda") == ("row", "RuntimeError: CUDAGraph capture failed")
+    assert calls == [True, False] and concept.compiled.NO_GRAD_CUDA_GRAPHS is False
+    assert compiled.without_failed_graphs(lambda: "row", "cuda") == ("row", None)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="capture failed"):  # (the graphs already off: nothing to fall back to)
+        compiled.without_failed_graphs(lambda: calls.append(1) or measure_error(), "cuda")
+    assert calls == [1]
+
+
+def measure_error():
+    raise RuntimeError("capture failed")

@@ -143,6 +143,10 @@ def test_the_forward_target_says_whether_the_forwards_ran_as_cuda_graphs():
     assert line.endswith("; CUDA graphs: streaming yes, dense yes, 0 skipped, 0 recorded again"), line
     line = report_stage.forward_target_lines([{**row, "dense_cuda_graphs": False, "cudagraph_rerecorded": 40}])[-1]
     assert line.endswith("; CUDA graphs: streaming yes, dense no, 0 skipped, 40 recorded again"), line
+    line = report_stage.forward_target_lines([{**row, "concept_cuda_graphs": False, "dense_cuda_graphs": False,
+                                               "no_grad_graphs_failed": "RuntimeError: capture failed"}])[-1]
+    assert line.endswith("streaming no, dense no, 0 skipped, 0 recorded again (they failed the forward, measured again "
+                         "without them: RuntimeError: capture failed)"), line
 
 
 def test_the_forward_rows_top_kernels_are_tabled_per_side():

@@ -379,8 +379,10 @@ def forward_graphs_text(row: dict) -> str:
         return ""
     sides = ", ".join(f"{name} {'yes' if row.get(f'{key}_cuda_graphs') else 'no'}"
                       for name, key in (("streaming", "concept"), ("dense", "dense")))
+    failed = (f" (they failed the forward, measured again without them: {cell(row['no_grad_graphs_failed'], 120)})"
+              if row.get("no_grad_graphs_failed") else "")
     return (f"; CUDA graphs: {sides}, {row.get('cudagraph_skips', 0)} skipped, "
-            f"{row.get('cudagraph_rerecorded', 0)} recorded again")
+            f"{row.get('cudagraph_rerecorded', 0)} recorded again{failed}")
 
 
 def render_quality(data: dict, image: str | None) -> str:
