@@ -463,3 +463,27 @@ def test_copied_out_copies_every_tensor_once():
     copied = copied_out(hf)
     assert type(copied) is type(hf) and copied.logits.data_ptr() != hf.logits.data_ptr()
     assert copied["logits"] is copied.logits and torch.equal(copied.logits, hf.logits)
+
+
+def test_an_evaluation_between_a_step_and_its_log_read_keeps_both(run, monkeypatch):
+    """The training loop reads a step's log later (``read_log``), and an evaluation may run before that: under ``model``
+    its no-grad forwards are CUDA graphs too, each starting a new generation that overwrites the training step's graph
+    outputs. The step's log holds none of them (its values summed into tensors of its own) and the evaluation's
+    results are copies: the step's row and the evaluation equal eager's, and the next step too."""
+    def sequence(trainer):
+        trainer.queue_step()
+        evaluation = trainer.evaluate()
+        first = trainer.read_log()[-1]
+        return first, evaluation, trainer.train_step()
+
+    eager = sequence(trainer(run, "eval-between-eager", "off", eval_data=str(run / "code.jsonl")))
+    memory = WholeGraphs()
+    memory.install(monkeypatch)
+    fast = sequence(trainer(run, "eval-between-graphs", "model", eval_data=str(run / "code.jsonl")))
+    assert memory.calls > 2 and memory.overwritten > 0  # (the evaluation's calls overwrote the step's outputs)
+    for a, b in ((eager[0], fast[0]), (eager[2], fast[2])):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert eager[1] and fast[1].keys() == eager[1].keys()
+    for key, value in eager[1].items():
+        if isinstance(value, float):
+            assert fast[1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
