@@ -248,10 +248,9 @@ def _copied_out(run, last):
 def copied_out(value, copies: dict | None = None):
     """``value`` (what a compiled forward returned: a model output) with each tensor in it replaced by a copy, found
     through dataclass fields (transformers' ``ModelOutput`` too), tuples, lists, dicts and a deferred field's inputs
-    (``concept.lazy.Deferred``); a tensor
-    reached twice is copied once (``copies``: id -> its copy), so what aliased still does. Anything else (a module, a
-    number) is kept as it is. A no-grad forward run as CUDA graphs returns this, its outputs out of the graphs'
-    memory (:class:`WholeForward`)."""
+    (``concept.lazy.Deferred``); a tensor reached twice is copied once (``copies``: id -> its copy), so what aliased
+    still does. Anything else (a module, a number) is kept as it is. A no-grad forward run as CUDA graphs returns
+    this, its outputs out of the graphs' memory (:class:`WholeForward`)."""
     copies = {} if copies is None else copies
     if isinstance(value, torch.Tensor):
         if id(value) not in copies:

@@ -1,5 +1,6 @@
 """`concept train` / `concept eval` as a user runs them (tiny backbone, byte tokenizer)."""
 import json
+import pathlib
 
 import pytest
 from click.testing import CliRunner
@@ -50,8 +51,11 @@ def test_train_resume_eval(built, corpus, tmp_path):  # noqa: F811
     assert r.exit_code == 0 and "compression map" in r.stdout and "bits / token" in r.stdout
 
 
-def test_baseline_and_comparison(built, corpus, tmp_path):  # noqa: F811
-    dense, streaming = tmp_path / "dense", tmp_path / "stream"
+def test_baseline_and_comparison(built, corpus, tmp_path, monkeypatch):  # noqa: F811
+    # (runs named by short relative paths: the table's cells wrap a path longer than they are wide, e.g. under the
+    # image check's long --basetemp, and the row's name must be found whole)
+    monkeypatch.chdir(tmp_path)
+    dense, streaming = pathlib.Path("dense"), pathlib.Path("stream")
     for extra, out in ((["--baseline"], dense), ([], streaming)):
         r = run("train", built, *extra, "--data", corpus, "--steps", 2, *FAST, "--out", out)
         assert r.exit_code == 0, r.output
