@@ -143,15 +143,15 @@ def count_cudagraph_recordings() -> None:
 class ForwardGraphs:
     """What a compiled forward row's CUDA graphs did (:func:`forward_graphs`)."""
 
-    def __init__(self, kinds: dict, device):
-        self.kinds, self.device = kinds, torch.device(device)
+    def __init__(self, graphs: dict):
+        self.graphs = graphs  # model name -> whether its no-grad forward runs as CUDA graphs
         self.skips, self.recordings = cudagraph_skips(), cudagraph_recordings()
 
     def done(self) -> dict:
         """``NAME_cuda_graphs`` per model (whether its no-grad forward ran as CUDA graphs), and over the timed calls
         since: ``cudagraph_skips`` (graphs inductor ran without them) and ``cudagraph_rerecorded`` (graphs recorded
         again: 0 when every call replays)."""
-        return {**{f"{name}_cuda_graphs": kind for name, kind in self.kinds.items()},
+        return {**{f"{name}_cuda_graphs": graphs for name, graphs in self.graphs.items()},
                 "cudagraph_skips": cudagraph_skips() - self.skips,
                 "cudagraph_rerecorded": cudagraph_recordings() - self.recordings}
 
@@ -167,8 +167,7 @@ def forward_graphs(models: dict, fns: dict, device, warmup: int = 2) -> ForwardG
         for _ in range(warmup):
             fn()
     whole = {name: m.__dict__.get("forward") for name, m in models.items()}
-    kinds = {name: bool(getattr(w, "kind", None)) and w.kind(device.type) != "plain" for name, w in whole.items()}
-    return ForwardGraphs(kinds, device)
+    return ForwardGraphs({name: hasattr(w, "kind") and w.kind(device.type) != "plain" for name, w in whole.items()})
 
 
 def without_failed_graphs(measure, device):

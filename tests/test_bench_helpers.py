@@ -157,3 +157,27 @@ def test_a_forward_row_failed_by_its_no_grad_graphs_is_measured_again_without_th
 
 def measure_error():
     raise RuntimeError("capture failed")
+
+
+def test_a_forward_row_says_which_sides_ran_as_cuda_graphs(monkeypatch):
+    """``forward_graphs``: each side called twice more, then per model whether its no-grad forward runs as CUDA graphs
+    (a ``WholeForward`` of inductor's on CUDA: yes; the same on a CPU, a backend's, or no whole forward: no), and the
+    skips and recordings counted from there."""
+    import concept.compiled
+    from tests.test_graph_memory import streaming_model
+
+    calls = []
+    fns = {"concept": lambda: calls.append("concept"), "dense": lambda: calls.append("dense")}
+    inductor = compiled.dense_model(streaming_model().backbone, "cuda", "model")  # (inductor's: no backend)
+    aot = compiled.dense_model(streaming_model().backbone, "cpu", "model")  # (dynamo only here: a backend)
+    monkeypatch.setattr(concept.compiled, "training_cuda_graphs", lambda device_type, environ=None: device_type == "cuda")
+    with torch.no_grad():
+        found = compiled.forward_graphs({"concept": inductor, "dense": aot}, fns, "cuda")
+        assert calls == ["concept", "concept", "dense", "dense"]
+        assert found.done() == {"concept_cuda_graphs": True, "dense_cuda_graphs": False, "cudagraph_skips": 0,
+                                "cudagraph_rerecorded": 0}
+        assert compiled.forward_graphs({"concept": inductor}, {}, "cpu").done()["concept_cuda_graphs"] is False
+        counts = torch._dynamo.utils.counters["inductor"]
+        monkeypatch.setitem(counts, "cudagraph_recordings", counts["cudagraph_recordings"] + 3)  # (three since)
+        assert found.done()["cudagraph_rerecorded"] == 3
+    assert compiled.forward_graphs({"concept": streaming_model()}, {}, "cuda").done()["concept_cuda_graphs"] is False
