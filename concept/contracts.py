@@ -387,7 +387,10 @@ class Family:
         layer stacks through ``model.compiled_stacks`` when that is set (``concept.compiled``), with shapes that do
         not depend on the data. Default: a refusal naming the family. Under ``--compile model`` it is asked before
         every call of the model's whole-forward graph (``concept.compiled.WholeForward``: a refusal runs that call
-        eagerly), so it is also where the host values that graph reads as constants are brought up to date."""
+        eagerly), so it is also where the host values that graph reads as constants are brought up to date. A family
+        that compiles returns its tensors where ``concept.compiled.copied_out`` finds them (dataclass fields,
+        containers, a ``concept.lazy.Deferred``'s named inputs, not a closure's): on CUDA a no-grad call's output is
+        copied out of the CUDA graphs' memory that way, and what it misses the next call overwrites."""
         return (f"the {self.name} family does not compile its model (it does not implement "
                 f"Family.compile_refusal); leave --compile off")
 

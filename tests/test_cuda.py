@@ -264,7 +264,7 @@ def compiled_forward_errors(device: str = "cuda", choice: str = "on", grad_mode=
     compiled = compile_model(copy.deepcopy(model), choice)
     ids = [batch(seed).to(device) for seed in range(3)]
     with grad_mode():
-        assert 0 < int(model(ids[0]).keep.sum()) < ids[0].numel()  # (the middle stack runs (concepts and a tail)
+        assert 0 < int(model(ids[0]).keep.sum()) < ids[0].numel()  # (the middle stack runs: concepts and a tail)
         eager = [streaming_forward(model, x) for x in ids]
         fast, recorded = [], []
         for x in ids:
