@@ -223,8 +223,7 @@ def regions() -> bool:
 # storage, and the allocator serves the next kernel other memory (``tests/test_compile_regions.py``: gradients
 # equal eager's; inductor's default reuse as the negative control).
 REGION_OPTIONS = {"allow_buffer_reuse": False}
-# ``model``'s kinds of call (:meth:`WholeForward.kind`): those run as CUDA graphs, and each one's compiled code object
-GRAPH_KINDS = ("train graphs", "no-grad graphs")
+# ``model``'s kinds of call (:meth:`WholeForward.kind`; all but ``plain`` run as CUDA graphs): each one's code object
 KIND_NAMES = {"plain": "whole", "train graphs": "whole_graphs", "no-grad graphs": "whole_no_grad_graphs"}
 # ``model``: a no-grad call on CUDA runs as CUDA graphs, its outputs copied out (False, or ``CONCEPT_NO_GRAD_CUDA_GRAPHS=0``:
 # inductor's default mode, as before 2026-11-28; the GPU kit's fallback should a torch's graphs fail the no-grad forward)
@@ -370,7 +369,7 @@ class WholeForward:
         (``REGION_OPTIONS``), and as CUDA graphs (``reduce-overhead``'s option) where the kind says so; its own code
         object each kind, so that each keeps its graphs and recompile count."""
         options = {"fallback_random": True, **(REGION_OPTIONS if regions() else {}),
-                   **({"triton.cudagraphs": True} if kind in GRAPH_KINDS else {})}
+                   **({"triton.cudagraphs": True} if kind != "plain" else {})}
         kwargs = {"backend": self.backend} if self.backend else {"options": options}
         forward = _own_copy(type(self.eager.__self__).forward, KIND_NAMES[kind])
         return torch.compile(forward.__get__(self.eager.__self__), fullgraph=True, dynamic=False, **kwargs)

@@ -17,6 +17,8 @@ with an error that says to read ``out.logits`` first (``watch``), never answered
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -33,12 +35,12 @@ class Deferred:
         self.dtype = torch.get_autocast_dtype(self.device_type)
         self.watched = [] if watch is None else [(p, _state(p)) for p in watch.parameters()]
 
-    def copied(self, copy) -> "Deferred":
-        """The same deferred computation over ``copy`` of each input (``copy``: a tensor -> its copy), the autocast
+    def copied(self, copy_tensor) -> "Deferred":
+        """The same deferred computation over ``copy_tensor`` of each input (a tensor -> its copy), the autocast
         state and the watched weights as they were: a compiled forward's output copied out of CUDA graphs' memory
         (``concept.compiled.copied_out``)."""
-        other = object.__new__(Deferred)
-        other.__dict__.update(self.__dict__, inputs=tuple(copy(x) for x in self.inputs))
+        other = copy.copy(self)
+        other.inputs = tuple(copy_tensor(x) for x in self.inputs)
         return other
 
     def __call__(self) -> torch.Tensor:

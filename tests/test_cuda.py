@@ -49,7 +49,7 @@ from concept.losses import next_token_loss  # noqa: E402
 from concept.registry import registry  # noqa: E402
 from concept.training import TrainConfig, Trainer  # noqa: E402
 from concept.compiled import compile_model  # noqa: E402
-from benchmarks.compiled import count_cudagraph_recordings, cudagraph_recordings  # noqa: E402
+from benchmarks.compiled import count_cudagraph_recordings, cudagraph_recordings, cudagraph_skips  # noqa: E402
 from tests.conftest import (POLICIES, assert_decoding_matches_teacher_forcing, mix_decisions,  # noqa: E402
                             randomize_new_modules, tiny_config)
 from tests.test_graph_memory import batch, streaming_forward, streaming_model  # noqa: E402
@@ -259,7 +259,7 @@ def compiled_forward_errors(device: str = "cuda", choice: str = "on", grad_mode=
     call's outputs copied out of the graphs' memory: else reading the first after the third raises), and the CUDA
     graphs recorded by the third call (``recorded_again``: 0, a replay) and skipped in all."""
     count_cudagraph_recordings()
-    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    skips = cudagraph_skips()
     model = streaming_model(per_stack(choice)).to(device)
     compiled = compile_model(copy.deepcopy(model), choice)
     ids = [batch(seed).to(device) for seed in range(3)]
@@ -273,7 +273,7 @@ def compiled_forward_errors(device: str = "cuda", choice: str = "on", grad_mode=
     errors = {name: max(relative(b[i], a[i]) for a, b in zip(eager, fast))
               for i, name in enumerate(("logits", "shallow", "hidden"))}
     return {**errors, "recorded_again": recorded[2] - recorded[1],
-            "skipped": torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips}
+            "skipped": cudagraph_skips() - skips}
 
 
 @pytest.mark.parametrize("choice,grad_mode", [("on", torch.no_grad), ("model", torch.no_grad),

@@ -325,7 +325,7 @@ class WholeGraphs(GraphMemory):
         if not copy_out:
             monkeypatch.setattr(concept.compiled, "copied_out", lambda out: out)
         monkeypatch.setattr(WholeForward, "compile", lambda whole, kind: self.whole(whole.eager)
-                            if kind in concept.compiled.GRAPH_KINDS else whole.eager)
+                            if kind != "plain" else whole.eager)
         monkeypatch.setattr(CompiledStacks, "compile", lambda stacks, name, device_type, regional=False: (
             run_layer_rope if regional else run_layers, False))  # (the whole forward's stacks: eager here)
         monkeypatch.setattr(CompiledStacks, "loss_terms", lambda stacks, device_type: chunk_terms)
