@@ -38,6 +38,14 @@ def layout(device, seed=0):
     return valid.to(device), reset.to(device)
 
 
+def intervals(shape, limit: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random allowance intervals as ``allowance`` gives them (int32 ``lo`` in 0..limit + 1, ``hi`` in -1..limit;
+    empty ones where ``lo > hi``), for calling the tracked kernels' ops directly."""
+    lo = torch.randint(0, limit + 2, shape, generator=generator, dtype=torch.int32)
+    hi = torch.randint(-1, limit + 1, shape, generator=generator, dtype=torch.int32)
+    return lo, hi
+
+
 def extremes(score: torch.Tensor, high: float) -> torch.Tensor:
     """Row 1 keeps at every token (score +high), row 4 at none (-high): on top of random rows."""
     score = score.clone()
@@ -141,12 +149,12 @@ def negative_controls(device) -> dict:
     """Perturbed rules must be told apart by the same comparison: the device op run with ``max_run`` one
     more, with the document starts dropped, and `threshold`'s sums in float64 against the host's float32."""
     valid, reset = layout(device, 0)
-    bound = torch.randint(0, (T + 3) ** 2, (B, T), generator=torch.Generator().manual_seed(0)).to(device)
+    lo, hi = (x.to(device) for x in intervals((B, T), T, torch.Generator().manual_seed(0)))
     ops = device_scan.ops()
     with device_scan.choose(True):
-        right = ops.null_tracker_scan(valid, reset, bound, T + 3, 3)
-        off_by_one = ops.null_tracker_scan(valid, reset, bound, T + 3, 4)
-        no_reset = ops.null_tracker_scan(valid, None, bound, T + 3, 3)
+        right = ops.null_tracker_scan(valid, reset, lo, hi, 3)
+        off_by_one = ops.null_tracker_scan(valid, reset, lo, hi, 4)
+        no_reset = ops.null_tracker_scan(valid, None, lo, hi, 3)
         p = torch.rand(B, T, generator=torch.Generator().manual_seed(1)).to(device) * 0.4
         sums32 = ops.threshold_scan(valid, reset, p, 1.0, gap.UNBOUNDED)
         sums64 = ops.threshold_scan(valid, reset, p.double(), 1.0, gap.UNBOUNDED)

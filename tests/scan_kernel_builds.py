@@ -36,6 +36,7 @@ import triton.language as tl
 
 from concept.streaming import gap
 from concept.streaming.scan_choice import rows_per_program
+from tests.device_scan_cases import intervals
 
 # the shapes and parameters the ops are called with: each integer in each of Triton's specialisation classes
 # (1: a constant; a multiple of 16: an alignment hint; other; >= 2**31: i64) somewhere
@@ -76,15 +77,15 @@ def op_calls(B, T, max_run, min_chunk, max_chunk, threshold) -> dict:
     """Every op call the policies make, per variant of its switches: (name, thunk)."""
     ops, g = kernels(), torch.Generator().manual_seed(0)
     valid = torch.ones(B, T, dtype=torch.bool)
-    bound = torch.randint(0, (T + 3) ** 2, (B, T), generator=g)
+    lo, hi = intervals((B, T), T, g)
     unsure, p = torch.rand(B, T, generator=g) > 0.5, torch.rand(B, T, generator=g)
     calls = {}
     for reset in (valid, None):
         tag = "reset" if reset is not None else "no reset"
-        calls[f"null tracker, {tag}"] = lambda r=reset: ops.null_tracker_scan(valid, r, bound, T + 3, max_run)
-        calls[f"chunk, {tag}"] = lambda r=reset: ops.chunk_scan(valid, r, unsure, 0, min_chunk, max_chunk, False)
-        calls[f"chunk tracked, {tag}"] = lambda r=reset: ops.chunk_scan(valid, r, bound, T + 3, min_chunk,
-                                                                          max_chunk, True)
+        calls[f"null tracker, {tag}"] = lambda r=reset: ops.null_tracker_scan(valid, r, lo, hi, max_run)
+        calls[f"chunk, {tag}"] = lambda r=reset: ops.chunk_scan(valid, r, unsure, min_chunk, max_chunk)
+        calls[f"chunk tracked, {tag}"] = lambda r=reset: ops.tracked_chunk_scan(valid, r, lo, hi, min_chunk,
+                                                                                  max_chunk)
         for dtype in (torch.float32, torch.float64):
             calls[f"threshold {str(dtype)[6:]}, {tag}"] = lambda r=reset, d=dtype: ops.threshold_scan(
                 valid, r, p.to(d), threshold, max_run)
@@ -193,7 +194,18 @@ def loop_shape(lines: list[str]) -> dict:
             "to_first_read": waits,
             "stores": sum(bool(re.search(r"\bSTG\b", ins)) for ins in body),
             "spills": sum(bool(re.search(r"\b(LDL|STL)\b", ins)) for ins in body),
-            "calls": sum("CALL" in ins for ins in body)}
+            "calls": sum(calls_away(line) for line in lines[top:end + 1])}
+
+
+def calls_away(line: str) -> bool:
+    """Whether a SASS line (``<offset> <instruction>``) calls a subroutine (a 64-bit division's slow path, placed
+    after the kernel's end), not just past the loop's back branch (``CALL.REL.NOINC`` one or two instructions
+    ahead: how ptxas leaves a loop on sm_80)."""
+    at, instruction = line.split(None, 1)
+    if "CALL" not in instruction:
+        return False
+    target = re.search(r"\b0x([0-9a-f]+)", instruction)
+    return not (target and 0 < int(target.group(1), 16) - int(at, 16) <= 0x20)
 
 
 def sass_report(compiled) -> dict:
@@ -235,7 +247,7 @@ def threshold_kernel_float32_sum(valid_ptr, reset_ptr, p_ptr, threshold_ptr, kee
     start = rows.to(tl.int64) * T
     threshold = tl.load(threshold_ptr)
     total = tl.zeros([ROWS], dtype=tl.float32)  # the bug (the right kernel: threshold.dtype)
-    run = tl.zeros([ROWS], dtype=tl.int64)
+    run = tl.zeros([ROWS], dtype=tl.int32)
     for t in range(T):
         if HAS_RESET:
             fresh = tl.load(reset_ptr + start + t, mask=inside, other=0) != 0
@@ -248,7 +260,23 @@ def threshold_kernel_float32_sum(valid_ptr, reset_ptr, p_ptr, threshold_ptr, kee
         total = tl.where(live, tl.where(keep, 0.0, summed), total)
         run = tl.where(live, tl.where(keep, 0, run + 1), run)
     tl.store(total_ptr + rows, total, mask=inside)
-    tl.store(run_ptr + rows, run, mask=inside)
+    tl.store(run_ptr + rows, run.to(tl.int64), mask=inside)
+
+
+@triton.jit
+def divides_in_its_loop(x_ptr, out_ptr, T, width):
+    """A loop that decodes each element with a 64-bit division, as the tracked kernels' loops did until 2026-11-28
+    (their allowance as one int64, ``lo * width + hi + 1``): the negative control of the loop's ``calls``."""
+    total = tl.zeros([1], dtype=tl.int64)
+    for t in range(T):
+        total += tl.load(x_ptr + t) // width
+    tl.store(out_ptr + tl.arange(0, 1), total)
+
+
+def division_launch(T: int = 128) -> tuple:
+    """:func:`divides_in_its_loop`'s launch on int64 inputs (width an int32, promoted to int64 by the division)."""
+    x, out = torch.zeros(T, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    return divides_in_its_loop, (x, out, T, T + 3), {}
 
 
 def broken_threshold_launch(valid, reset, p, threshold: float, max_run: int) -> tuple:

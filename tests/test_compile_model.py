@@ -67,16 +67,17 @@ def test_the_host_scan_in_a_graph_decides_as_the_host_scan(fresh_dynamo):
     starts resetting the rule; and it is called by the graph (not folded away: its decisions vary with the input)."""
     from plugins.length_policies.null import tracker_rule  # noqa: F401  (registers the rule)
     from concept.streaming.scan import DeviceRule, scan_rule
+    from tests.device_scan_cases import intervals
 
-    device, dtypes = DeviceRule("null_tracker_scan", (33, 3)), (torch.long, torch.long)
-    run = lambda bound, valid, reset: scan_rule(device, [bound], valid, reset, dtypes)  # noqa: E731
+    device, dtypes = DeviceRule("null_tracker_scan", (3,)), (torch.long, torch.long)
+    run = lambda lo, hi, valid, reset: scan_rule(device, [lo, hi], valid, reset, dtypes)  # noqa: E731
     graph = torch.compile(run, fullgraph=True, dynamic=False, backend="aot_eager")
     g = torch.Generator().manual_seed(1)
     seen = set()
     for _ in range(4):
-        bound = torch.randint(0, 33 * 33, (3, 30), generator=g)
+        lo, hi = intervals((3, 30), 30, g)
         valid, reset = torch.rand(3, 30, generator=g) > 0.1, torch.rand(3, 30, generator=g) > 0.8
-        (keep, states), (want, want_states) = graph(bound, valid, reset), run(bound, valid, reset)
+        (keep, states), (want, want_states) = graph(lo, hi, valid, reset), run(lo, hi, valid, reset)
         assert torch.equal(keep, want) and all(torch.equal(a, b) and a.dtype == b.dtype
                                                for a, b in zip(states, want_states))
         seen.add(tuple(keep.flatten().tolist()))

@@ -98,12 +98,13 @@ def op_bodies():
     """Each op's Python body (what ``torch.compile`` traces, and what runs on CUDA) with small inputs."""
     valid = torch.ones(3, 7, dtype=torch.bool)
     reset = torch.zeros(3, 7, dtype=torch.bool)
-    bound = torch.zeros(3, 7, dtype=torch.long)
+    lo, hi = torch.zeros(3, 7, dtype=torch.int32), torch.ones(3, 7, dtype=torch.int32)
     return {
-        "null_tracker_scan": (lambda v, r, b: scan_kernels().null_tracker_scan._abstract_fn(v, r, b, 10, 3),
-                              (valid, reset, bound)),
-        "chunk_scan": (lambda v, r, b: scan_kernels().chunk_scan._abstract_fn(v, r, b, 10, 2, 4, True),
-                       (valid, reset, bound)),
+        "null_tracker_scan": (lambda v, r, a, b: scan_kernels().null_tracker_scan._abstract_fn(v, r, a, b, 3),
+                              (valid, reset, lo, hi)),
+        "chunk_scan": (lambda v, r, u: scan_kernels().chunk_scan._abstract_fn(v, r, u, 2, 4), (valid, reset, valid)),
+        "tracked_chunk_scan": (lambda v, r, a, b: scan_kernels().tracked_chunk_scan._abstract_fn(v, r, a, b, 2, 4),
+                               (valid, reset, lo, hi)),
         "threshold_scan": (lambda v, r, p: scan_kernels().threshold_scan._abstract_fn(v, r, p, 0.7, 3),
                            (valid, reset, torch.rand(3, 7))),
     }
@@ -112,7 +113,7 @@ def op_bodies():
 ALLOCATIONS = {"aten.empty.memory_format", "aten.zeros.default", "aten.full.default"}
 
 
-@pytest.mark.parametrize("op", ["null_tracker_scan", "chunk_scan", "threshold_scan"])
+@pytest.mark.parametrize("op", ["null_tracker_scan", "chunk_scan", "tracked_chunk_scan", "threshold_scan"])
 def test_each_op_is_allocations_and_one_kernel_launch(op):
     body, args = op_bodies()[op]
     calls = traced_calls(body, *args)
@@ -166,12 +167,12 @@ def test_the_ops_and_a_decision_compile_fullgraph_on_cuda():
     torch._dynamo.reset()
     valid, reset = cases.layout("cuda", 0)
     g = torch.Generator().manual_seed(0)
-    bound = torch.randint(0, (cases.T + 3) ** 2, valid.shape, generator=g).to("cuda")
+    lo, hi = (x.to("cuda") for x in cases.intervals(valid.shape, cases.T, g))
     p = torch.rand(valid.shape, generator=g).to("cuda")
     ops = device_scan.ops()
-    calls = [lambda: ops.null_tracker_scan(valid, reset, bound, cases.T + 3, 3),
-             lambda: ops.chunk_scan(valid, reset, bound, cases.T + 3, 2, 4, True),
-             lambda: ops.chunk_scan(valid, None, p > 0.5, 0, 1, 3, False),
+    calls = [lambda: ops.null_tracker_scan(valid, reset, lo, hi, 3),
+             lambda: ops.tracked_chunk_scan(valid, reset, lo, hi, 2, 4),
+             lambda: ops.chunk_scan(valid, None, p > 0.5, 1, 3),
              lambda: ops.threshold_scan(valid, reset, p, 1.0, 3)]
     for call in calls:
         eager, compiled = call(), torch.compile(call, fullgraph=True)()
@@ -217,7 +218,7 @@ def test_a_kernel_failing_on_its_first_call_falls_back_to_the_host_scan_with_a_w
     g = torch.Generator().manual_seed(0)
     unsure = torch.rand(3, 17, generator=g) > 0.6
     valid = torch.ones(3, 17, dtype=torch.bool)
-    device = scan.DeviceRule("chunk_scan", (0, 2, 5, False))
+    device = scan.DeviceRule("chunk_scan", (2, 5))
     with pytest.warns(RuntimeWarning, match=r"concept::chunk_scan\) failed on its first call on cpu.*PTX"):
         keep, (count,) = scan.scan_rule(device, [unsure], valid, None, (torch.long,))
     host_keep, finals = scan.scan_rows(rule(2, 5), (0,), [unsure], valid)  # (the host scan itself)
@@ -229,6 +230,6 @@ def test_a_kernel_failing_on_its_first_call_falls_back_to_the_host_scan_with_a_w
     assert Broken.calls == 1
     # the control: a kernel that has run raises when it fails later
     scan._failed.clear()
-    scan._proven.add(("chunk_scan", "cpu", True, (torch.bool,), (False,)))
+    scan._proven.add(("chunk_scan", "cpu", True, (torch.bool,), ()))
     with pytest.raises(RuntimeError, match="PTX"):
         scan.scan_rule(device, [unsure], valid, None, (torch.long,))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from concept.streaming.host_scan import allowance, scan_rows, state_tensors
+from concept.streaming.host_scan import allowance, interval_admits, scan_rows, state_tensors
 from concept.syncs import HostSyncs
 
 
@@ -19,9 +19,9 @@ def brute_allowance(score, price, limit, strict):
     return torch.stack(columns, -1)
 
 
-def passing(bound, admits, limit):
-    """The counts in 0..limit that ``allowance``'s (bound, admits) says pass: [..., limit + 1] bool."""
-    return admits(torch.arange(limit + 1), bound[..., None])
+def passing(lo, hi, limit):
+    """The counts in 0..limit that ``allowance``'s interval (lo, hi) admits: [..., limit + 1] bool."""
+    return interval_admits(torch.arange(limit + 1), lo[..., None], hi[..., None])
 
 
 def scores(price, limit, g):
@@ -40,10 +40,11 @@ def test_allowance_equals_trying_every_count(strict, price):
     price, limit = torch.tensor(price, dtype=torch.float32), 60
     score = scores(price, limit, g)
     with HostSyncs() as seen:
-        bound, admits = allowance(score, price, limit, strict)
+        lo, hi = allowance(score, price, limit, strict)
     assert seen.hidden == 0  # nothing read back to the host: the sign of the price is chosen on the device
     want = brute_allowance(score, price, limit, strict)
-    assert torch.equal(passing(bound, admits, limit), want)
+    assert lo.dtype == hi.dtype == torch.int32 and lo.shape == hi.shape == score.shape
+    assert torch.equal(passing(lo, hi, limit), want)
     assert want.all(-1).any() and (~want).all(-1).any()  # both ends were reached
 
 
@@ -51,8 +52,8 @@ def test_allowance_catches_a_count_that_is_one_off():
     """Negative control: the tie cases tell a non-strict test from a strict one."""
     price = torch.tensor(2.0)
     score = price * torch.arange(10).float()
-    bound, admits = allowance(score, price, 20, strict=True)
-    assert not torch.equal(passing(bound, admits, 20), brute_allowance(score, price, 20, False))
+    lo, hi = allowance(score, price, 20, strict=True)
+    assert not torch.equal(passing(lo, hi, 20), brute_allowance(score, price, 20, False))
 
 
 def run_length_rule(state, x_t):

@@ -25,8 +25,8 @@ pytestmark = [
                                                          "not compiled (unset it to compile them ahead of time)"),
 ]
 
-# per thread: 30-48 for the untracked kernels; the tracked kernels' 8 tokens an iteration (8 allowances decoded
-# as int64 pairs) take 80-96 of the 255 a thread may have; more means the loop grew (spills are checked apart)
+# per thread: 30-48 for the untracked kernels and, since their allowances come as int32 ends, the tracked ones;
+# more means the loop grew (spills are checked apart)
 REGISTERS = 128
 
 
@@ -49,7 +49,7 @@ def launched(builds):
 def test_the_variants_cover_every_switch_dtype_and_integer_class(builds, launched):
     """What the ops launch over the shapes: each kernel with and without document starts, the chunk rule tracked
     and not, threshold's float32 and float64 sums, one program per row, and each integer class Triton
-    specialises on (a 1 made a constant, an int64, an int32)."""
+    specialises on (a 1 made a constant, an int32; no int64: a limit of `none` reaches the kernel as T + 1)."""
     seen = {builds.specialisation(*launch) for launch in launched.values()}
     assert len(seen) == len(launched) >= 20
     kinds = {(kernel.__name__, constants["HAS_RESET"], constants.get("TRACKED"))
@@ -61,11 +61,13 @@ def test_the_variants_cover_every_switch_dtype_and_integer_class(builds, launche
                for _, _, constants in launched.values())
     types = {(name, arg, kind) for name, signature, _, _ in seen for arg, kind in signature}
     assert {("threshold_kernel", "p_ptr", "*fp32"), ("threshold_kernel", "p_ptr", "*fp64"),
-            ("chunk_kernel", "score_ptr", "*u1"), ("chunk_kernel", "score_ptr", "*i64"),
-            ("null_tracker_kernel", "bound_ptr", "*i64"), ("null_tracker_kernel", "B", "constexpr"),
-            ("null_tracker_kernel", "max_run", "i64"), ("null_tracker_kernel", "max_run", "i32"),
+            ("chunk_kernel", "unsure_ptr", "*u1"), ("chunk_kernel", "lo_ptr", "*i32"), ("chunk_kernel", "hi_ptr", "*i32"),
+            ("null_tracker_kernel", "lo_ptr", "*i32"), ("null_tracker_kernel", "hi_ptr", "*i32"),
+            ("null_tracker_kernel", "B", "constexpr"), ("null_tracker_kernel", "max_run", "i32"),
             ("null_tracker_kernel", "max_run", "constexpr"), ("chunk_kernel", "min_chunk", "constexpr"),
-            ("chunk_kernel", "max_chunk", "i64"), ("threshold_kernel", "max_run", "constexpr")} <= types
+            ("chunk_kernel", "max_chunk", "i32"), ("threshold_kernel", "max_run", "constexpr")} <= types
+    # every limit is an int32, `none` included (the ops clamp it to T + 1): no 64-bit compare in a loop
+    assert not {(name, arg) for name, arg, kind in types if kind == "i64"}, types
 
 
 def check_builds(builds, launches, arch):
@@ -103,7 +105,7 @@ def test_each_kernel_compiles_for_the_a100(builds, launched):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [90, 80])
 def test_every_launched_variant_compiles_without_spills(builds, launched, arch):
-    """Every variant (each integer class too: a row of 8k tokens with int64 bounds, B = 1 and ``max_run`` = 1
+    """Every variant (each integer class too: a row of 8k tokens with `none` bounds, B = 1 and ``max_run`` = 1
     made constants) for the H100 and the A100: about a second a compile."""
     check_builds(builds, launched, arch)
 
@@ -120,8 +122,22 @@ def test_negative_control_a_type_error_the_interpreter_runs_is_refused(builds):
         builds.build(*builds.broken_threshold_launch(valid, valid, torch.rand(3, 7, dtype=torch.float64), 0.7, 3))
 
 
+def test_the_tracked_loops_are_32_bit_compares_without_a_division(builds, launched):
+    """The tracked kernels' loops over a row of 8k tokens (the 8k forward's scan, one program): no call (a 64-bit
+    division's slow path) and at most 40 instructions a token (2026-11-28: 33, from 72 while each token's
+    allowance was decoded from one int64 in the loop). Negative control: a loop with a 64-bit division calls."""
+    chosen = {name: launch for name, launch in launched.items()
+              if name.startswith(("null tracker", "chunk tracked")) and "(one row 8k)" in name}
+    assert len(chosen) == 4
+    for name, (kernel, args, constants) in chosen.items():
+        loop = builds.loop_shape(builds.sass(builds.build(kernel, args, constants)))
+        assert loop["calls"] == 0 and loop["instructions"] <= 40 * constants["UNROLL"], (name, loop)
+    control = builds.loop_shape(builds.sass(builds.build(*builds.division_launch())))
+    assert control["calls"] > 0, control
+
+
 def test_negative_control_spills_in_the_loop_are_seen(builds, launched):
-    """The null tracker (80-96 registers) held to 32 by ptxas (``maxnreg``) spills in its loop: the check fails."""
+    """The null tracker (40-48 registers) held to 32 by ptxas (``maxnreg``) spills in its loop: the check fails."""
     kernel, args, constants = launched[next(name for name in launched if name.startswith("null tracker, reset"))]
     with pytest.raises(AssertionError, match="spills"):
         check_builds(builds, {"held to 32 registers": (kernel, args, {**constants, "maxnreg": 32})}, 90)

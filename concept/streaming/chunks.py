@@ -56,18 +56,21 @@ def rule(min_chunk: int, max_chunk: int):
 
 @host_rule("chunk_scan")
 def chunk_scan_rule(params: tuple, dtypes: tuple):
-    """The kernel ``concept::chunk_scan``'s rule on one row's numbers (``concept.streaming.scan``): with
-    ``params`` (width, min_chunk, max_chunk, tracked), :func:`rule` on ``unsure_t``; tracked, on whether the
-    document's concepts so far lie in the allowance ``bound_t`` packs (base ``width``), with those concepts
-    counted in the state."""
-    width, min_chunk, max_chunk, tracked = params
-    chunk = rule(min_chunk, max_chunk)
-    if not tracked:
-        return chunk, (0,)
+    """The kernel ``concept::chunk_scan``'s rule on one row's numbers (``concept.streaming.scan``): :func:`rule`
+    on ``unsure_t``, with ``params`` (min_chunk, max_chunk)."""
+    return rule(*params), (0,)
 
-    def step(state, bound_t):
+
+@host_rule("tracked_chunk_scan")
+def tracked_chunk_scan_rule(params: tuple, dtypes: tuple):
+    """The kernel ``concept::tracked_chunk_scan``'s rule on one row's numbers: :func:`rule` with ``params``
+    (min_chunk, max_chunk), t unsure when the document's concepts so far lie in its allowance interval
+    ``lo_t <= c <= hi_t`` (``allowance``), those concepts counted in the state."""
+    chunk = rule(*params)
+
+    def step(state, lo_t, hi_t):
         count, concepts = state
-        keep, (count,) = chunk((count,), interval_admits(concepts, bound_t, width))
+        keep, (count,) = chunk((count,), interval_admits(concepts, lo_t, hi_t))
         return keep, (count, concepts + keep)
 
     return step, (0, 0)
@@ -77,6 +80,6 @@ def scan(unsure: torch.Tensor, valid: torch.Tensor, min_chunk: int, max_chunk: i
     """Batched over [B, T]: (keep [B, T], the final open-chunk lengths [B]), the step rule run along
     each row: on CUDA its Triton kernel (no host sync), elsewhere on the host (one copy of ``unsure`` there,
     not a dozen kernel launches per token); ``concept.streaming.scan``."""
-    device = DeviceRule("chunk_scan", (0, min_chunk, max_chunk, False))
+    device = DeviceRule("chunk_scan", (min_chunk, max_chunk))
     keep, (count,) = scan_rule(device, [unsure], valid, reset, (torch.long,))
     return keep, count

@@ -12,7 +12,7 @@ synchronisation per forward, then a few hundred nanoseconds per token. The rule 
 exactly what the policy's tensor ``step`` computes, so that decoding equals teacher forcing:
 integer rules are exact as they are, float rules use ``numpy.float32`` for float32 arithmetic
 (``threshold``), and comparisons of a float score against a concept count are turned into an
-integer per token beforehand by :func:`allowance`.
+interval of integers per token beforehand by :func:`allowance`.
 """
 from __future__ import annotations
 
@@ -60,28 +60,24 @@ def state_tensors(finals: list[State], device, dtypes: Sequence[torch.dtype]) ->
     return tuple(upload([state[i] for state in finals], dtype, device) for i, dtype in enumerate(dtypes))
 
 
-def interval_width(limit: int) -> int:
-    """The base of :func:`allowance`'s one-integer interval, ``bound = lo * width + hi + 1``."""
-    return limit + 3
-
-
 def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
-              strict: bool = False) -> tuple[torch.Tensor, Callable[[int, int], bool]]:
+              strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Which concept counts ``c`` in ``0..limit`` pass the tensor test
 
         score - price * c >= 0        (``> 0`` when ``strict``)
 
-    computed in ``score``'s own float arithmetic for each element [...]: ``(bound, admits)``, where the
-    test holds exactly when ``admits(c, bound)`` (integers, or tensors that broadcast).
+    computed in ``score``'s own float arithmetic for each element [...]: the interval's ends ``(lo, hi)``, int32
+    tensors shaped as ``score``, the test holding exactly when ``lo <= c <= hi`` (:func:`interval_admits`).
 
     The ratio trackers compare a float score with a price per concept already emitted; the count is
     only known during the scan. The test is monotone in ``c`` (falling for a positive ``price``, the
     trackers' case; rising for a negative one; constant for 0), so the passing counts are an interval
-    ``lo <= c <= hi`` and the scan compares integers, deciding what the tensor step rule decides, bit for
-    bit. A float64 quotient gives the estimate of the interval's moving end; the five integers around it
-    are tested with the step rule's own ops, which settles any rounding. Every sign is computed on the
-    device and chosen there (nothing is read back: the price is a tensor), and the interval travels as one
-    integer, ``bound = lo * (limit + 3) + hi + 1``."""
+    and the scan compares integers, deciding what the tensor step rule decides, bit for bit. A float64
+    quotient gives the estimate of the interval's moving end; the five integers around it are tested with
+    the step rule's own ops, which settles any rounding. Every sign is computed on the device and chosen
+    there (nothing is read back: the price is a tensor). The ends travel as two int32 per token (``0 <= lo
+    <= limit + 1``, ``-1 <= hi <= limit``; an empty interval has ``lo > hi``), computed here for all tokens
+    at once, so that a scan's serial loop only compares them with its count (no decoding in the loop)."""
     price = price.to(score.dtype)
 
     def passes(c: torch.Tensor) -> torch.Tensor:
@@ -109,11 +105,10 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
     every = passes(torch.zeros_like(score, dtype=torch.long))
     lo = torch.where(price > 0, 0, torch.where(price < 0, rising, torch.where(every, 0, limit + 1)))
     hi = torch.where(price > 0, falling, torch.where(price < 0, limit, torch.where(every, limit, -1)))
-    width = interval_width(limit)
-    return lo * width + hi + 1, lambda c, bound: interval_admits(c, bound, width)
+    return lo.to(torch.int32), hi.to(torch.int32)
 
 
-def interval_admits(c, bound, width: int):
-    """Whether the concept count ``c`` lies in the interval :func:`allowance` packed into ``bound`` (base ``width``:
-    :func:`interval_width`); integers or tensors that broadcast."""
-    return (c >= bound // width) & (c <= bound % width - 1)
+def interval_admits(c, lo, hi):
+    """Whether the concept count ``c`` lies in the interval ``lo <= c <= hi`` :func:`allowance` gives; integers or
+    tensors that broadcast."""
+    return (c >= lo) & (c <= hi)

@@ -45,34 +45,24 @@ def _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL: tl.constexpr):
 
 
 @triton.jit
-def _intervals(bounds, width, UNROLL: tl.constexpr):
-    """Each allowance ``bound = lo * width + hi + 1`` as (lo, hi), after all the loads (a 64-bit division
-    branches, which would otherwise hold each next load back until the division before it is done)."""
-    lo, hi = (), ()
-    for u in tl.static_range(UNROLL):
-        lo = lo + (bounds[u].to(tl.int64) // width,)
-        hi = hi + (bounds[u].to(tl.int64) % width - 1,)
-    return lo, hi
-
-
-@triton.jit
-def null_tracker_kernel(valid_ptr, reset_ptr, bound_ptr, keep_ptr, run_ptr, concepts_ptr, B, T, width, max_run,
+def null_tracker_kernel(valid_ptr, reset_ptr, lo_ptr, hi_ptr, keep_ptr, run_ptr, concepts_ptr, B, T, max_run,
                         HAS_RESET: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr):
     """`null` with its ratio tracker: keep when the concept count is in the token's allowance interval
-    (``bound``: ``lo * width + hi + 1``) or after ``max_run`` NULLs; state (NULL run, concepts). The loop
-    takes UNROLL tokens an iteration: their inputs loaded first, then the serial updates, then the stores
-    (past T: not live, no reset, so the state stays and nothing is stored)."""
+    (``lo <= concepts <= hi``, int32) or after ``max_run`` NULLs; state (NULL run, concepts), int32 in the loop.
+    The loop takes UNROLL tokens an iteration: their inputs loaded first, then the serial updates, then the
+    stores (past T: not live, no reset, so the state stays and nothing is stored)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = rows < B
     start = rows.to(tl.int64) * T
     end = start + T
-    run = tl.zeros([ROWS], dtype=tl.int64)
-    concepts = tl.zeros([ROWS], dtype=tl.int64)
+    run = tl.zeros([ROWS], dtype=tl.int32)
+    concepts = tl.zeros([ROWS], dtype=tl.int32)
     for t0 in range(0, T, UNROLL):
         if HAS_RESET:
             fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
         live = _load_flags(valid_ptr, start, t0, end, inside, UNROLL)
-        lo, hi = _intervals(_load_values(bound_ptr, start, t0, end, inside, UNROLL), width, UNROLL)
+        lo = _load_values(lo_ptr, start, t0, end, inside, UNROLL)
+        hi = _load_values(hi_ptr, start, t0, end, inside, UNROLL)
         keeps = ()
         for u in tl.static_range(UNROLL):
             if HAS_RESET:
@@ -84,33 +74,34 @@ def null_tracker_kernel(valid_ptr, reset_ptr, bound_ptr, keep_ptr, run_ptr, conc
             run = tl.where(live[u], tl.where(keep, 0, run + 1), run)
             concepts = tl.where(keep, concepts + 1, concepts)
         _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL)
-    tl.store(run_ptr + rows, run, mask=inside)
-    tl.store(concepts_ptr + rows, concepts, mask=inside)
+    tl.store(run_ptr + rows, run.to(tl.int64), mask=inside)
+    tl.store(concepts_ptr + rows, concepts.to(tl.int64), mask=inside)
 
 
 @triton.jit
-def chunk_kernel(valid_ptr, reset_ptr, score_ptr, keep_ptr, count_ptr, concepts_ptr, B, T, width, min_chunk,
-                 max_chunk, HAS_RESET: tl.constexpr, TRACKED: tl.constexpr, ROWS: tl.constexpr,
+def chunk_kernel(valid_ptr, reset_ptr, unsure_ptr, lo_ptr, hi_ptr, keep_ptr, count_ptr, concepts_ptr, B, T,
+                 min_chunk, max_chunk, HAS_RESET: tl.constexpr, TRACKED: tl.constexpr, ROWS: tl.constexpr,
                  UNROLL: tl.constexpr):
     """The chunk rule (``concept.streaming.chunks``): keep when the open chunk (t included) has at least
-    ``min_chunk`` tokens and t is unsure, or ``max_chunk``. Untracked, ``score`` is ``unsure`` (bool); tracked
-    (`mtp` with its tracker), ``score`` is the allowance ``bound`` and t is unsure when the concept count is in
-    its interval, with the count in the state: (count, concepts). UNROLL tokens an iteration, as
-    :func:`null_tracker_kernel`."""
+    ``min_chunk`` tokens and t is unsure, or ``max_chunk``. Untracked, ``unsure`` (bool) says which tokens are;
+    tracked (`mtp` with its tracker), t is unsure when the concept count is in its allowance interval
+    (``lo <= concepts <= hi``, int32), with the count in the state: (count, concepts), int32 in the loop.
+    UNROLL tokens an iteration, as :func:`null_tracker_kernel`."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = rows < B
     start = rows.to(tl.int64) * T
     end = start + T
-    count = tl.zeros([ROWS], dtype=tl.int64)
-    concepts = tl.zeros([ROWS], dtype=tl.int64)
+    count = tl.zeros([ROWS], dtype=tl.int32)
+    concepts = tl.zeros([ROWS], dtype=tl.int32)
     for t0 in range(0, T, UNROLL):
         if HAS_RESET:
             fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
         live = _load_flags(valid_ptr, start, t0, end, inside, UNROLL)
         if TRACKED:
-            lo, hi = _intervals(_load_values(score_ptr, start, t0, end, inside, UNROLL), width, UNROLL)
+            lo = _load_values(lo_ptr, start, t0, end, inside, UNROLL)
+            hi = _load_values(hi_ptr, start, t0, end, inside, UNROLL)
         else:
-            unsure = _load_flags(score_ptr, start, t0, end, inside, UNROLL)
+            unsure = _load_flags(unsure_ptr, start, t0, end, inside, UNROLL)
         keeps = ()
         for u in tl.static_range(UNROLL):
             if HAS_RESET:
@@ -126,9 +117,9 @@ def chunk_kernel(valid_ptr, reset_ptr, score_ptr, keep_ptr, count_ptr, concepts_
             count = tl.where(live[u], tl.where(keep, 0, length), count)
             concepts = tl.where(keep, concepts + 1, concepts)
         _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL)
-    tl.store(count_ptr + rows, count, mask=inside)
+    tl.store(count_ptr + rows, count.to(tl.int64), mask=inside)
     if TRACKED:
-        tl.store(concepts_ptr + rows, concepts, mask=inside)
+        tl.store(concepts_ptr + rows, concepts.to(tl.int64), mask=inside)
 
 
 @triton.jit
@@ -143,7 +134,7 @@ def threshold_kernel(valid_ptr, reset_ptr, p_ptr, threshold_ptr, keep_ptr, total
     end = start + T
     threshold = tl.load(threshold_ptr)
     total = tl.zeros([ROWS], dtype=threshold.dtype)
-    run = tl.zeros([ROWS], dtype=tl.int64)
+    run = tl.zeros([ROWS], dtype=tl.int32)
     for t0 in range(0, T, UNROLL):
         if HAS_RESET:
             fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
@@ -161,7 +152,7 @@ def threshold_kernel(valid_ptr, reset_ptr, p_ptr, threshold_ptr, keep_ptr, total
             run = tl.where(live[u], tl.where(keep, 0, run + 1), run)
         _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL)
     tl.store(total_ptr + rows, total, mask=inside)
-    tl.store(run_ptr + rows, run, mask=inside)
+    tl.store(run_ptr + rows, run.to(tl.int64), mask=inside)
 
 
 def _launch(kernel, B: int, device, *args, **constants) -> None:
@@ -176,29 +167,50 @@ def _outputs(valid: torch.Tensor, *dtypes: torch.dtype):
             *(torch.zeros((B,), dtype=d, device=valid.device) for d in dtypes))
 
 
+def _in_row(limit: int, T: int) -> int:
+    """A limit the kernels compare a count along a row with (``max_run``, ``min_chunk``, ``max_chunk``), as the int32
+    their int32 counts are compared with: a count along T tokens never passes T, so every limit above T + 1
+    (``gap.UNBOUNDED``: none) decides as T + 1 does."""
+    return min(limit, T + 1)
+
+
 @triton_op("concept::null_tracker_scan", mutates_args=())
-def null_tracker_scan(valid: torch.Tensor, reset: torch.Tensor | None, bound: torch.Tensor, width: int,
+def null_tracker_scan(valid: torch.Tensor, reset: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
                       max_run: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keep [B, T], NULL run [B], concepts [B]."""
+    """keep [B, T], NULL run [B], concepts [B]; ``lo``, ``hi``: each token's allowance interval (int32, [B, T])."""
     B, T = valid.shape
     keep, run, concepts = _outputs(valid, torch.long, torch.long)
-    valid, bound = valid.contiguous(), bound.contiguous()
+    valid, lo, hi = valid.contiguous(), lo.contiguous(), hi.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
-    _launch(null_tracker_kernel, B, valid.device, valid, reset_, bound, keep, run, concepts, B, T, width, max_run,
-            HAS_RESET=reset is not None)
+    _launch(null_tracker_kernel, B, valid.device, valid, reset_, lo, hi, keep, run, concepts, B, T,
+            _in_row(max_run, T), HAS_RESET=reset is not None)
     return keep, run, concepts
 
 
 @triton_op("concept::chunk_scan", mutates_args=())
-def chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, score: torch.Tensor, width: int, min_chunk: int,
-               max_chunk: int, tracked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keep [B, T], open-chunk length [B], concepts [B] (zeros untracked)."""
+def chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, unsure: torch.Tensor, min_chunk: int,
+               max_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [B, T], open-chunk length [B]; ``unsure`` [B, T] bool."""
+    B, T = valid.shape
+    keep, count = _outputs(valid, torch.long)
+    valid, unsure = valid.contiguous(), unsure.contiguous()
+    reset_ = valid if reset is None else reset.contiguous()
+    _launch(chunk_kernel, B, valid.device, valid, reset_, unsure, unsure, unsure, keep, count, count, B, T,
+            _in_row(min_chunk, T), _in_row(max_chunk, T), HAS_RESET=reset is not None, TRACKED=False)
+    return keep, count
+
+
+@triton_op("concept::tracked_chunk_scan", mutates_args=())
+def tracked_chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
+                       min_chunk: int, max_chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keep [B, T], open-chunk length [B], concepts [B]; ``lo``, ``hi``: each token's allowance interval (int32,
+    [B, T]), a token unsure when the concept count is in it."""
     B, T = valid.shape
     keep, count, concepts = _outputs(valid, torch.long, torch.long)
-    valid, score = valid.contiguous(), score.contiguous()
+    valid, lo, hi = valid.contiguous(), lo.contiguous(), hi.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
-    _launch(chunk_kernel, B, valid.device, valid, reset_, score, keep, count, concepts, B, T, width, min_chunk,
-            max_chunk, HAS_RESET=reset is not None, TRACKED=tracked)
+    _launch(chunk_kernel, B, valid.device, valid, reset_, lo, lo, hi, keep, count, concepts, B, T,
+            _in_row(min_chunk, T), _in_row(max_chunk, T), HAS_RESET=reset is not None, TRACKED=True)
     return keep, count, concepts
 
 
@@ -211,6 +223,6 @@ def threshold_scan(valid: torch.Tensor, reset: torch.Tensor | None, p: torch.Ten
     valid, p = valid.contiguous(), p.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
     limit = torch.full((1,), threshold, dtype=p.dtype, device=p.device)  # rounded as the host rounds it
-    _launch(threshold_kernel, B, valid.device, valid, reset_, p, limit, keep, total, run, B, T, max_run,
+    _launch(threshold_kernel, B, valid.device, valid, reset_, p, limit, keep, total, run, B, T, _in_row(max_run, T),
             HAS_RESET=reset is not None)
     return keep, total, run

@@ -40,7 +40,7 @@ from concept.contracts import DecidesWithState, LengthPolicy, RatioControlled, R
 from concept.mtp import MTPHeads
 from concept.packing import document_tokens
 from concept.streaming import chunks, gap
-from concept.streaming.host_scan import allowance, interval_width
+from concept.streaming.host_scan import allowance
 from concept.streaming.scan import DeviceRule, scan_rule
 from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 
@@ -141,10 +141,10 @@ class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, Re
         T = valid.shape[1]
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(logit, before, self.track)
-        bound, _ = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
-        device = DeviceRule("chunk_scan", (interval_width(T), cfg.min_chunk, self.max_chunk, True))
+        lo, hi = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
+        device = DeviceRule("tracked_chunk_scan", (cfg.min_chunk, self.max_chunk))
         dtypes = (torch.long, torch.long)
-        keep, (count, concepts) = scan_rule(device, [bound], valid, reset, dtypes)
+        keep, (count, concepts) = scan_rule(device, [lo, hi], valid, reset, dtypes)
         return keep, (count, total, concepts)
 
     def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:
