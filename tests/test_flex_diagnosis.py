@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.gpu_kit import flex_diagnosis
 
-VARIANTS = ("sdpa-causal", "today", "ranges-static", "floor", "cascade")
+VARIANTS = ("sdpa-causal", "today", "ranges-static", "floor", "cascade", "blocks-64")
 
 
 @pytest.fixture(autouse=True)
@@ -27,10 +27,15 @@ def test_dry_diagnosis_checks_every_variant_and_names_the_fastest(tmp_path):
     rows = {r["variant"]: r for r in report["variants"]}
     assert list(rows) == list(VARIANTS) and all("ms" in r and "failed" not in r for r in rows.values())
     assert rows["today"]["exact"] and rows["ranges-static"]["exact"] and rows["cascade"]["exact"]
+    assert rows["blocks-64"]["exact"]
     assert rows["floor"]["exact"] is None and rows["floor"]["error"] > 0.1  # the floor computes masked pairs too
-    assert report["closes_the_gap"]["variant"] in ("today", "ranges-static")
+    assert report["closes_the_gap"]["variant"] in ("today", "ranges-static", "blocks-64")
     assert report["adopt"] == flex_diagnosis.FLEX_SETTINGS[report["closes_the_gap"]["variant"]]
     assert report["block_mask"]["partial_per_q_block"] > 0
+    # smaller blocks compute fewer masked pairs: at T = 128 one 128-block is the whole causal triangle's square
+    small, large = report["block_mask_64"], report["block_mask"]
+    assert (small["block"], large["block"]) == (64, 128)
+    assert 1 <= small["computed_over_needed"] < large["computed_over_needed"]
     assert json.loads((tmp_path / "flex.json").read_text())["closes_the_gap"] == json.loads(json.dumps(
         report["closes_the_gap"], default=float))
     table = flex_diagnosis.markdown(report)
