@@ -108,12 +108,13 @@ def test_dry_speed_writes_rows_a_baseline_and_a_recommendation(dry):
 
 SPEED_PLAN_KINDS = ["test_forward_default_point_vs_dense", "test_forward_compiled_vs_dense_compiled",
                     "test_train_step_default_point_vs_dense", "test_train_step_compiled_vs_dense_compiled",
-                    "test_compiled_decode_vs_dense"]
+                    "test_host_scan_vs_device_scan_on_the_gpu", "test_compiled_decode_vs_dense"]
 
 
 def test_the_speed_plan_names_existing_cases_most_decisive_first():
     """Each planned GPU case is a parametrized case of its suite within the stage's selection (8k tokens, the
-    default build), in the decisive order: forward eager, compiled; train step eager, compiled; compiled decode.
+    default build), in the decisive order: forward eager, compiled; train step eager, compiled; the policy scan;
+    compiled decode.
     (The dry run shows pytest runs a plan first, in its order; the slow test below collects this one.)"""
     import importlib
 

@@ -14,7 +14,9 @@ at the head of pytest's run, and each starts only with its cap left before the d
 3. one training step, eager;
 4. one training step, both models compiled (under ``model`` only where the stage has minutes for its compilations:
    :func:`gpu_plan`);
-5. decoding, eager against compiled over static KV caches, streaming against dense (tokens/s);
+5. the decided forward's policy scan at 8k, on the host against on the device (the Triton kernel alone: a few
+   seconds);
+6. decoding, eager against compiled over static KV caches, streaming against dense (tokens/s);
 
 then the other selected cases in the suites' order (`cascade`, the policy deciding, the deep attention alone,
 decoding and prefill, the policy's scan) until the suites' deadline, which leaves ``DIAGNOSIS_SHARE`` of the
@@ -66,6 +68,7 @@ GPU_PLAN = (
     ("benchmarks/test_forward.py::test_forward_compiled_vs_dense_compiled[default-T8192-compiled]", 30),
     ("benchmarks/test_train_step.py::test_train_step_default_point_vs_dense[default-B1-T8192-flex]", 15),
     ("benchmarks/test_train_step.py::test_train_step_compiled_vs_dense_compiled[default-B1-T8192-compiled]", 30),
+    ("benchmarks/test_policy_scan.py::test_host_scan_vs_device_scan_on_the_gpu[default-B1-T8192-device]", 10),
     ("benchmarks/test_compiled_decode.py::test_compiled_decode_vs_dense[default-T8192-compiled-decode]", 45),
 )
 # the caps of the cases whose compilations ``--compile model`` makes longer (``gpu_plan``): the forward at 8k (on this
