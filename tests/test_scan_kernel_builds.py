@@ -61,7 +61,8 @@ def test_the_variants_cover_every_switch_dtype_and_integer_class(builds, launche
                for _, _, constants in launched.values())
     types = {(name, arg, kind) for name, signature, _, _ in seen for arg, kind in signature}
     assert {("threshold_kernel", "p_ptr", "*fp32"), ("threshold_kernel", "p_ptr", "*fp64"),
-            ("chunk_kernel", "unsure_ptr", "*u1"), ("chunk_kernel", "lo_ptr", "*i32"), ("chunk_kernel", "hi_ptr", "*i32"),
+            ("chunk_kernel", "unsure_ptr", "*u1"), ("chunk_kernel", "lo_ptr", "*i32"),
+            ("chunk_kernel", "hi_ptr", "*i32"),
             ("null_tracker_kernel", "lo_ptr", "*i32"), ("null_tracker_kernel", "hi_ptr", "*i32"),
             ("null_tracker_kernel", "B", "constexpr"), ("null_tracker_kernel", "max_run", "i32"),
             ("null_tracker_kernel", "max_run", "constexpr"), ("chunk_kernel", "min_chunk", "constexpr"),

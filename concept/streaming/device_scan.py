@@ -7,9 +7,9 @@ policy computed for all t at once and writing keep [B, T] and the state after th
 read back to the host: a decided forward and a training step then have no host sync at all (CUDA graphs can
 capture them). Each kernel is a ``torch.library.triton_op`` (``concept::null_tracker_scan``,
 ``concept::chunk_scan``, ``concept::tracked_chunk_scan``, ``concept::threshold_scan``), so ``torch.compile``
-traces it with ``fullgraph=True``; it decides what the host scan decides, bit for bit (integers; ``threshold``'s sums added in p's dtype in the
-same order), which ``tests/test_device_scan.py`` checks in Triton's interpreter on CPU and the GPU kit's
-``exact`` stage on CUDA.
+traces it with ``fullgraph=True``; it decides what the host scan decides, bit for bit (integers; ``threshold``'s
+sums added in p's dtype in the same order), which ``tests/test_device_scan.py`` checks in Triton's interpreter on
+CPU and the GPU kit's ``exact`` stage on CUDA.
 
 Where it runs (:func:`runs_on`): on CUDA when Triton is installed; on a CPU only inside ``choose(True)``
 (tests), which needs Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is first imported).

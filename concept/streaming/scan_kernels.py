@@ -195,6 +195,7 @@ def chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, unsure: torch.Te
     keep, count = _outputs(valid, torch.long)
     valid, unsure = valid.contiguous(), unsure.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
+    # (untracked, the kernel reads no interval and writes no concept count: those pointers are placeholders)
     _launch(chunk_kernel, B, valid.device, valid, reset_, unsure, unsure, unsure, keep, count, count, B, T,
             _in_row(min_chunk, T), _in_row(max_chunk, T), HAS_RESET=reset is not None, TRACKED=False)
     return keep, count
@@ -209,7 +210,7 @@ def tracked_chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, lo: torc
     keep, count, concepts = _outputs(valid, torch.long, torch.long)
     valid, lo, hi = valid.contiguous(), lo.contiguous(), hi.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
-    _launch(chunk_kernel, B, valid.device, valid, reset_, lo, lo, hi, keep, count, concepts, B, T,
+    _launch(chunk_kernel, B, valid.device, valid, reset_, lo, lo, hi, keep, count, concepts, B, T,  # (no `unsure`)
             _in_row(min_chunk, T), _in_row(max_chunk, T), HAS_RESET=reset is not None, TRACKED=True)
     return keep, count, concepts
 
