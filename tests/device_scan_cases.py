@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from concept.streaming import chunks, device_scan, gap
+from concept.streaming.host_scan import HALF
 from plugins.length_policies.mtp import MTPPolicy, MTPPolicyConfig
 from plugins.length_policies.null import NullPolicy, NullPolicyConfig
 from plugins.length_policies.threshold import ThresholdPolicy, ThresholdPolicyConfig
@@ -38,12 +39,12 @@ def layout(device, seed=0):
     return valid.to(device), reset.to(device)
 
 
-def intervals(shape, limit: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random allowance intervals as ``allowance`` gives them (int32 ``lo`` in 0..limit + 1, ``hi`` in -1..limit;
+def intervals(shape, limit: int, generator) -> torch.Tensor:
+    """Random allowance intervals packed as ``allowance`` packs them (``lo`` in 0..limit + 1, ``hi`` in -1..limit;
     empty ones where ``lo > hi``), for calling the tracked kernels' ops directly."""
-    lo = torch.randint(0, limit + 2, shape, generator=generator, dtype=torch.int32)
-    hi = torch.randint(-1, limit + 1, shape, generator=generator, dtype=torch.int32)
-    return lo, hi
+    lo = torch.randint(0, limit + 2, shape, generator=generator)
+    hi = torch.randint(-1, limit + 1, shape, generator=generator)
+    return lo * HALF + hi
 
 
 def extremes(score: torch.Tensor, high: float) -> torch.Tensor:
@@ -149,12 +150,12 @@ def negative_controls(device) -> dict:
     """Perturbed rules must be told apart by the same comparison: the device op run with ``max_run`` one
     more, with the document starts dropped, and `threshold`'s sums in float64 against the host's float32."""
     valid, reset = layout(device, 0)
-    lo, hi = (x.to(device) for x in intervals((B, T), T, torch.Generator().manual_seed(0)))
+    bound = intervals((B, T), T, torch.Generator().manual_seed(0)).to(device)
     ops = device_scan.ops()
     with device_scan.choose(True):
-        right = ops.null_tracker_scan(valid, reset, lo, hi, 3)
-        off_by_one = ops.null_tracker_scan(valid, reset, lo, hi, 4)
-        no_reset = ops.null_tracker_scan(valid, None, lo, hi, 3)
+        right = ops.null_tracker_scan(valid, reset, bound, 3)
+        off_by_one = ops.null_tracker_scan(valid, reset, bound, 4)
+        no_reset = ops.null_tracker_scan(valid, None, bound, 3)
         p = torch.rand(B, T, generator=torch.Generator().manual_seed(1)).to(device) * 0.4
         sums32 = ops.threshold_scan(valid, reset, p, 1.0, gap.UNBOUNDED)
         sums64 = ops.threshold_scan(valid, reset, p.double(), 1.0, gap.UNBOUNDED)

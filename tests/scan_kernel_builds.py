@@ -77,14 +77,14 @@ def op_calls(B, T, max_run, min_chunk, max_chunk, threshold) -> dict:
     """Every op call the policies make, per variant of its switches: (name, thunk)."""
     ops, g = kernels(), torch.Generator().manual_seed(0)
     valid = torch.ones(B, T, dtype=torch.bool)
-    lo, hi = intervals((B, T), T, g)
+    bound = intervals((B, T), T, g)
     unsure, p = torch.rand(B, T, generator=g) > 0.5, torch.rand(B, T, generator=g)
     calls = {}
     for reset in (valid, None):
         tag = "reset" if reset is not None else "no reset"
-        calls[f"null tracker, {tag}"] = lambda r=reset: ops.null_tracker_scan(valid, r, lo, hi, max_run)
+        calls[f"null tracker, {tag}"] = lambda r=reset: ops.null_tracker_scan(valid, r, bound, max_run)
         calls[f"chunk, {tag}"] = lambda r=reset: ops.chunk_scan(valid, r, unsure, min_chunk, max_chunk)
-        calls[f"chunk tracked, {tag}"] = lambda r=reset: ops.tracked_chunk_scan(valid, r, lo, hi, min_chunk,
+        calls[f"chunk tracked, {tag}"] = lambda r=reset: ops.tracked_chunk_scan(valid, r, bound, min_chunk,
                                                                                   max_chunk)
         for dtype in (torch.float32, torch.float64):
             calls[f"threshold {str(dtype)[6:]}, {tag}"] = lambda r=reset, d=dtype: ops.threshold_scan(

@@ -70,14 +70,14 @@ def test_the_host_scan_in_a_graph_decides_as_the_host_scan(fresh_dynamo):
     from tests.device_scan_cases import intervals
 
     device, dtypes = DeviceRule("null_tracker_scan", (3,)), (torch.long, torch.long)
-    run = lambda lo, hi, valid, reset: scan_rule(device, [lo, hi], valid, reset, dtypes)  # noqa: E731
+    run = lambda bound, valid, reset: scan_rule(device, [bound], valid, reset, dtypes)  # noqa: E731
     graph = torch.compile(run, fullgraph=True, dynamic=False, backend="aot_eager")
     g = torch.Generator().manual_seed(1)
     seen = set()
     for _ in range(4):
-        lo, hi = intervals((3, 30), 30, g)
+        bound = intervals((3, 30), 30, g)
         valid, reset = torch.rand(3, 30, generator=g) > 0.1, torch.rand(3, 30, generator=g) > 0.8
-        (keep, states), (want, want_states) = graph(lo, hi, valid, reset), run(lo, hi, valid, reset)
+        (keep, states), (want, want_states) = graph(bound, valid, reset), run(bound, valid, reset)
         assert torch.equal(keep, want) and all(torch.equal(a, b) and a.dtype == b.dtype
                                                for a, b in zip(states, want_states))
         seen.add(tuple(keep.flatten().tolist()))

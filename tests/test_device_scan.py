@@ -98,13 +98,13 @@ def op_bodies():
     """Each op's Python body (what ``torch.compile`` traces, and what runs on CUDA) with small inputs."""
     valid = torch.ones(3, 7, dtype=torch.bool)
     reset = torch.zeros(3, 7, dtype=torch.bool)
-    lo, hi = torch.zeros(3, 7, dtype=torch.int32), torch.ones(3, 7, dtype=torch.int32)
+    bound = torch.zeros(3, 7, dtype=torch.long)
     return {
-        "null_tracker_scan": (lambda v, r, a, b: scan_kernels().null_tracker_scan._abstract_fn(v, r, a, b, 3),
-                              (valid, reset, lo, hi)),
+        "null_tracker_scan": (lambda v, r, b: scan_kernels().null_tracker_scan._abstract_fn(v, r, b, 3),
+                              (valid, reset, bound)),
         "chunk_scan": (lambda v, r, u: scan_kernels().chunk_scan._abstract_fn(v, r, u, 2, 4), (valid, reset, valid)),
-        "tracked_chunk_scan": (lambda v, r, a, b: scan_kernels().tracked_chunk_scan._abstract_fn(v, r, a, b, 2, 4),
-                               (valid, reset, lo, hi)),
+        "tracked_chunk_scan": (lambda v, r, b: scan_kernels().tracked_chunk_scan._abstract_fn(v, r, b, 2, 4),
+                               (valid, reset, bound)),
         "threshold_scan": (lambda v, r, p: scan_kernels().threshold_scan._abstract_fn(v, r, p, 0.7, 3),
                            (valid, reset, torch.rand(3, 7))),
     }
@@ -167,11 +167,11 @@ def test_the_ops_and_a_decision_compile_fullgraph_on_cuda():
     torch._dynamo.reset()
     valid, reset = cases.layout("cuda", 0)
     g = torch.Generator().manual_seed(0)
-    lo, hi = (x.to("cuda") for x in cases.intervals(valid.shape, cases.T, g))
+    bound = cases.intervals(valid.shape, cases.T, g).to("cuda")
     p = torch.rand(valid.shape, generator=g).to("cuda")
     ops = device_scan.ops()
-    calls = [lambda: ops.null_tracker_scan(valid, reset, lo, hi, 3),
-             lambda: ops.tracked_chunk_scan(valid, reset, lo, hi, 2, 4),
+    calls = [lambda: ops.null_tracker_scan(valid, reset, bound, 3),
+             lambda: ops.tracked_chunk_scan(valid, reset, bound, 2, 4),
              lambda: ops.chunk_scan(valid, None, p > 0.5, 1, 3),
              lambda: ops.threshold_scan(valid, reset, p, 1.0, 3)]
     for call in calls:

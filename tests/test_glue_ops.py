@@ -21,13 +21,17 @@ from concept import packing
 from concept.compiled import torch_release
 from concept.streaming.stacks import StackRuns
 
-FORWARD = 312  # glue ops dispatched by the compiled forward (349 before the cuts; 325 with the RoPE table in the layer graphs;
-# 284 after the cuts; 312 since the deep stack runs over its block, which the packing moves its inputs to, 28 ops)
-PLAIN = 269  # the same forward of the token ids alone (300 before the cuts; 241 after them, before the deep block)
-STEP = 719  # glue ops dispatched by the compiled training step (772 before the cuts; 748 with the RoPE table in the
+FORWARD = 311  # glue ops dispatched by the compiled forward (349 before the cuts; 325 with the RoPE table in the layer graphs;
+# 284 after the cuts; 312 since the deep stack runs over its block, which the packing moves its inputs to, 28 ops;
+# 311 since the tracker's allowance packs its interval as ``lo * 2**32 + hi``, two ops where ``lo * width + hi + 1``
+# took three)
+PLAIN = 268  # the same forward of the token ids alone (300 before the cuts; 241 after them, before the deep block;
+# 269 with it, 268 with the allowance's two ops)
+STEP = 718  # glue ops dispatched by the compiled training step (772 before the cuts; 748 with the RoPE table in the
 # graphs; 707 after the cuts, 689 with the loss's chunk arithmetic compiled too; 690 since the sampler's annealed
 # temperature is a tensor the schedule fills, one op, so that ``--compile model``'s graph reads it without recompiling;
-# 720 with the deep block; 719 with the controller's own quantile, one view less: ``concept.streaming.ratio.nanquantile``)
+# 720 with the deep block; 719 with the controller's own quantile, one view less: ``concept.streaming.ratio.nanquantile``;
+# 718 with the allowance's two ops)
 # torch.profiler's aten events outside the graphs (nested ones too: what the GPU profiles count), at most (929 / 814 /
 # 3,169 before the cuts)
 PROFILED = {"forward": 861, "plain": 756, "step": 3042}  # (802 / 697 before the deep block)

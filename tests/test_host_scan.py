@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from concept.streaming.host_scan import allowance, interval_admits, scan_rows, state_tensors
+from concept.streaming.host_scan import HALF, allowance, interval_admits, interval_ends, scan_rows, state_tensors
 from concept.syncs import HostSyncs
 
 
@@ -19,9 +19,9 @@ def brute_allowance(score, price, limit, strict):
     return torch.stack(columns, -1)
 
 
-def passing(lo, hi, limit):
-    """The counts in 0..limit that ``allowance``'s interval (lo, hi) admits: [..., limit + 1] bool."""
-    return interval_admits(torch.arange(limit + 1), lo[..., None], hi[..., None])
+def passing(bound, limit):
+    """The counts in 0..limit that ``allowance``'s interval ``bound`` admits: [..., limit + 1] bool."""
+    return interval_admits(torch.arange(limit + 1), bound[..., None])
 
 
 def scores(price, limit, g):
@@ -40,11 +40,11 @@ def test_allowance_equals_trying_every_count(strict, price):
     price, limit = torch.tensor(price, dtype=torch.float32), 60
     score = scores(price, limit, g)
     with HostSyncs() as seen:
-        lo, hi = allowance(score, price, limit, strict)
+        bound = allowance(score, price, limit, strict)
     assert seen.hidden == 0  # nothing read back to the host: the sign of the price is chosen on the device
     want = brute_allowance(score, price, limit, strict)
-    assert lo.dtype == hi.dtype == torch.int32 and lo.shape == hi.shape == score.shape
-    assert torch.equal(passing(lo, hi, limit), want)
+    assert bound.dtype == torch.long and bound.shape == score.shape
+    assert torch.equal(passing(bound, limit), want)
     assert want.all(-1).any() and (~want).all(-1).any()  # both ends were reached
 
 
@@ -52,8 +52,20 @@ def test_allowance_catches_a_count_that_is_one_off():
     """Negative control: the tie cases tell a non-strict test from a strict one."""
     price = torch.tensor(2.0)
     score = price * torch.arange(10).float()
-    lo, hi = allowance(score, price, 20, strict=True)
-    assert not torch.equal(passing(lo, hi, 20), brute_allowance(score, price, 20, False))
+    bound = allowance(score, price, 20, strict=True)
+    assert not torch.equal(passing(bound, 20), brute_allowance(score, price, 20, False))
+
+
+@pytest.mark.parametrize("lo", [0, 1, 7, 2 ** 31 - 2])
+@pytest.mark.parametrize("hi", [-1, 0, 6, 7, 2 ** 31 - 1])
+def test_an_interval_unpacks_to_its_ends(lo, hi):
+    """``lo * 2**32 + hi`` back to (lo, hi) for every int32 ``hi`` from -1 (an empty interval at 0) and any ``lo``,
+    as integers and as int64 tensors, and as the kernels read it: ``hi`` the low 32 bits as an int32."""
+    bound = lo * HALF + hi
+    assert interval_ends(bound) == (lo, hi)
+    ends = interval_ends(torch.tensor([bound]))
+    assert (int(ends[0]), int(ends[1])) == (lo, hi)
+    assert int(torch.tensor([bound]).to(torch.int32)) == hi
 
 
 def run_length_rule(state, x_t):

@@ -64,13 +64,13 @@ def chunk_scan_rule(params: tuple, dtypes: tuple):
 @host_rule("tracked_chunk_scan")
 def tracked_chunk_scan_rule(params: tuple, dtypes: tuple):
     """The kernel ``concept::tracked_chunk_scan``'s rule on one row's numbers: :func:`rule` with ``params``
-    (min_chunk, max_chunk), t unsure when the document's concepts so far lie in its allowance interval
-    ``lo_t <= c <= hi_t`` (``allowance``), those concepts counted in the state."""
+    (min_chunk, max_chunk), t unsure when the document's concepts so far lie in its allowance interval ``bound_t``
+    (``allowance``), those concepts counted in the state."""
     chunk = rule(*params)
 
-    def step(state, lo_t, hi_t):
+    def step(state, bound_t):
         count, concepts = state
-        keep, (count,) = chunk((count,), interval_admits(concepts, lo_t, hi_t))
+        keep, (count,) = chunk((count,), interval_admits(concepts, bound_t))
         return keep, (count, concepts + keep)
 
     return step, (0, 0)

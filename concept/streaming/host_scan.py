@@ -60,14 +60,14 @@ def state_tensors(finals: list[State], device, dtypes: Sequence[torch.dtype]) ->
     return tuple(upload([state[i] for state in finals], dtype, device) for i, dtype in enumerate(dtypes))
 
 
-def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
-              strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def allowance(score: torch.Tensor, price: torch.Tensor, limit: int, strict: bool = False) -> torch.Tensor:
     """Which concept counts ``c`` in ``0..limit`` pass the tensor test
 
         score - price * c >= 0        (``> 0`` when ``strict``)
 
-    computed in ``score``'s own float arithmetic for each element [...]: the interval's ends ``(lo, hi)``, int32
-    tensors shaped as ``score``, the test holding exactly when ``lo <= c <= hi`` (:func:`interval_admits`).
+    computed in ``score``'s own float arithmetic for each element [...]: the interval ``lo <= c <= hi`` of the
+    counts that pass, its two ends packed in one int64 shaped as ``score`` (:func:`interval_ends` unpacks them,
+    :func:`interval_admits` tests a count).
 
     The ratio trackers compare a float score with a price per concept already emitted; the count is
     only known during the scan. The test is monotone in ``c`` (falling for a positive ``price``, the
@@ -75,9 +75,10 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
     and the scan compares integers, deciding what the tensor step rule decides, bit for bit. A float64
     quotient gives the estimate of the interval's moving end; the five integers around it are tested with
     the step rule's own ops, which settles any rounding. Every sign is computed on the device and chosen
-    there (nothing is read back: the price is a tensor). The ends travel as two int32 per token (``0 <= lo
-    <= limit + 1``, ``-1 <= hi <= limit``; an empty interval has ``lo > hi``), computed here for all tokens
-    at once, so that a scan's serial loop only compares them with its count (no decoding in the loop)."""
+    there (nothing is read back: the price is a tensor). The ends (``0 <= lo <= limit + 1``, ``-1 <= hi <=
+    limit``; an empty interval has ``lo > hi``) travel as one integer per token, ``lo * 2**32 + hi``: a scan's
+    serial loop unpacks them with a shift and a truncation (until 2026-11-28 ``lo * (limit + 3) + hi + 1``, which
+    took a 64-bit division a token in the device scan's loop)."""
     price = price.to(score.dtype)
 
     def passes(c: torch.Tensor) -> torch.Tensor:
@@ -105,10 +106,22 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int,
     every = passes(torch.zeros_like(score, dtype=torch.long))
     lo = torch.where(price > 0, 0, torch.where(price < 0, rising, torch.where(every, 0, limit + 1)))
     hi = torch.where(price > 0, falling, torch.where(price < 0, limit, torch.where(every, limit, -1)))
-    return lo.to(torch.int32), hi.to(torch.int32)
+    return lo * HALF + hi
 
 
-def interval_admits(c, lo, hi):
-    """Whether the concept count ``c`` lies in the interval ``lo <= c <= hi`` :func:`allowance` gives; integers or
+HALF = 2 ** 32  # an allowance packs its interval as ``lo * HALF + hi``: lo in the high 32 bits, hi (signed) in the low
+
+
+def interval_ends(bound):
+    """The ends ``(lo, hi)`` of the interval :func:`allowance` packed into ``bound``: integers or int64 tensors.
+    (``bound + 2**31`` carries ``hi + 2**31`` in its low 32 bits, which is in 0..2**32 - 1 for any int32 ``hi``,
+    so its high bits are ``lo``; the device scan's kernels take ``hi`` as the low 32 bits, read as an int32.)"""
+    lo = (bound + HALF // 2) >> 32
+    return lo, bound - lo * HALF
+
+
+def interval_admits(c, bound):
+    """Whether the concept count ``c`` lies in the interval :func:`allowance` packed into ``bound``; integers or
     tensors that broadcast."""
+    lo, hi = interval_ends(bound)
     return (c >= lo) & (c <= hi)

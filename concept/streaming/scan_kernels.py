@@ -45,10 +45,22 @@ def _store_keeps(keep_ptr, start, t0, end, inside, keeps, UNROLL: tl.constexpr):
 
 
 @triton.jit
-def null_tracker_kernel(valid_ptr, reset_ptr, lo_ptr, hi_ptr, keep_ptr, run_ptr, concepts_ptr, B, T, max_run,
+def _intervals(bounds, UNROLL: tl.constexpr):
+    """Each allowance ``bound = lo * 2**32 + hi`` (``host_scan.allowance``) as its int32 ends (lo, hi): hi is the
+    low 32 bits read as an int32, lo the high ones of ``bound + 2**31`` (an add and a shift: no division)."""
+    lo, hi = (), ()
+    for u in tl.static_range(UNROLL):
+        bound = bounds[u].to(tl.int64)
+        lo = lo + (((bound + 2147483648) >> 32).to(tl.int32),)
+        hi = hi + (bound.to(tl.int32),)
+    return lo, hi
+
+
+@triton.jit
+def null_tracker_kernel(valid_ptr, reset_ptr, bound_ptr, keep_ptr, run_ptr, concepts_ptr, B, T, max_run,
                         HAS_RESET: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr):
     """`null` with its ratio tracker: keep when the concept count is in the token's allowance interval
-    (``lo <= concepts <= hi``, int32) or after ``max_run`` NULLs; state (NULL run, concepts), int32 in the loop.
+    (``bound``: ``lo <= concepts <= hi``) or after ``max_run`` NULLs; state (NULL run, concepts), int32 in the loop.
     The loop takes UNROLL tokens an iteration: their inputs loaded first, then the serial updates, then the
     stores (past T: not live, no reset, so the state stays and nothing is stored)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -61,8 +73,7 @@ def null_tracker_kernel(valid_ptr, reset_ptr, lo_ptr, hi_ptr, keep_ptr, run_ptr,
         if HAS_RESET:
             fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
         live = _load_flags(valid_ptr, start, t0, end, inside, UNROLL)
-        lo = _load_values(lo_ptr, start, t0, end, inside, UNROLL)
-        hi = _load_values(hi_ptr, start, t0, end, inside, UNROLL)
+        lo, hi = _intervals(_load_values(bound_ptr, start, t0, end, inside, UNROLL), UNROLL)
         keeps = ()
         for u in tl.static_range(UNROLL):
             if HAS_RESET:
@@ -79,13 +90,13 @@ def null_tracker_kernel(valid_ptr, reset_ptr, lo_ptr, hi_ptr, keep_ptr, run_ptr,
 
 
 @triton.jit
-def chunk_kernel(valid_ptr, reset_ptr, unsure_ptr, lo_ptr, hi_ptr, keep_ptr, count_ptr, concepts_ptr, B, T,
-                 min_chunk, max_chunk, HAS_RESET: tl.constexpr, TRACKED: tl.constexpr, ROWS: tl.constexpr,
+def chunk_kernel(valid_ptr, reset_ptr, unsure_ptr, bound_ptr, keep_ptr, count_ptr, concepts_ptr, B, T, min_chunk,
+                 max_chunk, HAS_RESET: tl.constexpr, TRACKED: tl.constexpr, ROWS: tl.constexpr,
                  UNROLL: tl.constexpr):
     """The chunk rule (``concept.streaming.chunks``): keep when the open chunk (t included) has at least
     ``min_chunk`` tokens and t is unsure, or ``max_chunk``. Untracked, ``unsure`` (bool) says which tokens are;
     tracked (`mtp` with its tracker), t is unsure when the concept count is in its allowance interval
-    (``lo <= concepts <= hi``, int32), with the count in the state: (count, concepts), int32 in the loop.
+    (``bound``: ``lo <= concepts <= hi``), with the count in the state: (count, concepts), int32 in the loop.
     UNROLL tokens an iteration, as :func:`null_tracker_kernel`."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = rows < B
@@ -98,8 +109,7 @@ def chunk_kernel(valid_ptr, reset_ptr, unsure_ptr, lo_ptr, hi_ptr, keep_ptr, cou
             fresh = _load_flags(reset_ptr, start, t0, end, inside, UNROLL)
         live = _load_flags(valid_ptr, start, t0, end, inside, UNROLL)
         if TRACKED:
-            lo = _load_values(lo_ptr, start, t0, end, inside, UNROLL)
-            hi = _load_values(hi_ptr, start, t0, end, inside, UNROLL)
+            lo, hi = _intervals(_load_values(bound_ptr, start, t0, end, inside, UNROLL), UNROLL)
         else:
             unsure = _load_flags(unsure_ptr, start, t0, end, inside, UNROLL)
         keeps = ()
@@ -175,14 +185,14 @@ def _in_row(limit: int, T: int) -> int:
 
 
 @triton_op("concept::null_tracker_scan", mutates_args=())
-def null_tracker_scan(valid: torch.Tensor, reset: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
+def null_tracker_scan(valid: torch.Tensor, reset: torch.Tensor | None, bound: torch.Tensor,
                       max_run: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keep [B, T], NULL run [B], concepts [B]; ``lo``, ``hi``: each token's allowance interval (int32, [B, T])."""
+    """keep [B, T], NULL run [B], concepts [B]; ``bound``: each token's allowance interval (``allowance``)."""
     B, T = valid.shape
     keep, run, concepts = _outputs(valid, torch.long, torch.long)
-    valid, lo, hi = valid.contiguous(), lo.contiguous(), hi.contiguous()
+    valid, bound = valid.contiguous(), bound.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
-    _launch(null_tracker_kernel, B, valid.device, valid, reset_, lo, hi, keep, run, concepts, B, T,
+    _launch(null_tracker_kernel, B, valid.device, valid, reset_, bound, keep, run, concepts, B, T,
             _in_row(max_run, T), HAS_RESET=reset is not None)
     return keep, run, concepts
 
@@ -196,21 +206,21 @@ def chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, unsure: torch.Te
     valid, unsure = valid.contiguous(), unsure.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
     # (untracked, the kernel reads no interval and writes no concept count: those pointers are placeholders)
-    _launch(chunk_kernel, B, valid.device, valid, reset_, unsure, unsure, unsure, keep, count, count, B, T,
+    _launch(chunk_kernel, B, valid.device, valid, reset_, unsure, unsure, keep, count, count, B, T,
             _in_row(min_chunk, T), _in_row(max_chunk, T), HAS_RESET=reset is not None, TRACKED=False)
     return keep, count
 
 
 @triton_op("concept::tracked_chunk_scan", mutates_args=())
-def tracked_chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, lo: torch.Tensor, hi: torch.Tensor,
-                       min_chunk: int, max_chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keep [B, T], open-chunk length [B], concepts [B]; ``lo``, ``hi``: each token's allowance interval (int32,
-    [B, T]), a token unsure when the concept count is in it."""
+def tracked_chunk_scan(valid: torch.Tensor, reset: torch.Tensor | None, bound: torch.Tensor, min_chunk: int,
+                       max_chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keep [B, T], open-chunk length [B], concepts [B]; ``bound``: each token's allowance interval
+    (``allowance``), a token unsure when the concept count is in it."""
     B, T = valid.shape
     keep, count, concepts = _outputs(valid, torch.long, torch.long)
-    valid, lo, hi = valid.contiguous(), lo.contiguous(), hi.contiguous()
+    valid, bound = valid.contiguous(), bound.contiguous()
     reset_ = valid if reset is None else reset.contiguous()
-    _launch(chunk_kernel, B, valid.device, valid, reset_, lo, lo, hi, keep, count, concepts, B, T,  # (no `unsure`)
+    _launch(chunk_kernel, B, valid.device, valid, reset_, bound, bound, keep, count, concepts, B, T,  # (no `unsure`)
             _in_row(min_chunk, T), _in_row(max_chunk, T), HAS_RESET=reset is not None, TRACKED=True)
     return keep, count, concepts
 

@@ -141,10 +141,10 @@ class MTPPolicy(LengthPolicy, DecidesWithState, RatioControlled, TracksRatio, Re
         T = valid.shape[1]
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(logit, before, self.track)
-        lo, hi = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
+        bound = allowance(ahead, concept_price(self.track, self.target_ratio), T, strict=True)
         device = DeviceRule("tracked_chunk_scan", (cfg.min_chunk, self.max_chunk))
         dtypes = (torch.long, torch.long)
-        keep, (count, concepts) = scan_rule(device, [lo, hi], valid, reset, dtypes)
+        keep, (count, concepts) = scan_rule(device, [bound], valid, reset, dtypes)
         return keep, (count, total, concepts)
 
     def decide(self, h, head_logits, valid, reset=None, keep_logit=None) -> torch.Tensor:

@@ -75,13 +75,13 @@ from concept.streaming.ratio import concept_price, track_problems, tracker_ahead
 @host_rule("null_tracker_scan")
 def tracker_rule(params: tuple, dtypes: tuple):
     """The kernel ``concept::null_tracker_scan``'s rule on one row's numbers (``concept.streaming.scan``): a token
-    emits when the document's concepts so far lie in its allowance interval ``lo_t <= c <= hi_t`` (``allowance``)
-    or after ``max_run`` NULLs; the state is (the NULL run, the concepts)."""
+    emits when the document's concepts so far lie in its allowance interval ``bound_t`` (``allowance``) or after
+    ``max_run`` NULLs; the state is (the NULL run, the concepts)."""
     (max_run,) = params
 
-    def rule(state, lo_t, hi_t):
+    def rule(state, bound_t):
         run, concepts = state
-        if interval_admits(concepts, lo_t, hi_t) or run >= max_run:
+        if interval_admits(concepts, bound_t) or run >= max_run:
             return True, (0, concepts + 1)
         return False, (run + 1, concepts)
 
@@ -174,15 +174,15 @@ class NullPolicy(LengthPolicy, DecidesWithState, RatioControlled, Differentiable
         (``concept.streaming.host_scan``). The real tokens before t (the state's ``tokens``) do not
         depend on the decisions, so the score is computed for all t at once, and so is the most
         concepts a document may have emitted before t for t to pass the tracker's test
-        (``allowance``: the step rule's own float ops, turned into integers): the scan carries the
+        (``allowance``: the step rule's own float ops, turned into an integer): the scan carries the
         NULL run and the concept count as integers. Returns keep [B, T] and the step state after
         the last token. On CUDA the scan is a Triton kernel (no host sync; ``concept.streaming.scan``)."""
         B, T = valid.shape
         before, total = document_tokens(valid, reset)
         ahead = tracker_ahead(keep_logit.detach(), before, self.track)
-        lo, hi = allowance(ahead, concept_price(self.track, self.target_ratio), T)
+        bound = allowance(ahead, concept_price(self.track, self.target_ratio), T)
         device, dtypes = DeviceRule("null_tracker_scan", (self.max_run,)), (torch.long, torch.long)
-        keep, (run, concepts) = scan_rule(device, [lo, hi], valid, reset, dtypes)
+        keep, (run, concepts) = scan_rule(device, [bound], valid, reset, dtypes)
         return keep, (run, total, concepts)
 
     def decide_with_state(self, h, head_logits, valid, reset=None, keep_logit=None):
