@@ -39,7 +39,8 @@ from concept.streaming.scan_choice import rows_per_program
 from tests.device_scan_cases import intervals
 
 # the shapes and parameters the ops are called with: each integer in each of Triton's specialisation classes
-# (1: a constant; a multiple of 16: an alignment hint; other; >= 2**31: i64) somewhere
+# (1: a constant; a multiple of 16: an alignment hint; other) somewhere, and `none` limits (2**62, which the ops
+# clamp to T + 1: no i64 integer reaches a kernel)
 SHAPES = {
     "demo batch 128x128": dict(B=128, T=128, max_run=3, min_chunk=2, max_chunk=5, threshold=0.7),
     "one row 8k": dict(B=1, T=8192, max_run=gap.UNBOUNDED, min_chunk=1, max_chunk=gap.UNBOUNDED, threshold=1.0),
