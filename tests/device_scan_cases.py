@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from concept.streaming import chunks, device_scan, gap
-from concept.streaming.host_scan import HALF
+from concept.streaming.host_scan import interval_bound
 from plugins.length_policies.mtp import MTPPolicy, MTPPolicyConfig
 from plugins.length_policies.null import NullPolicy, NullPolicyConfig
 from plugins.length_policies.threshold import ThresholdPolicy, ThresholdPolicyConfig
@@ -44,7 +44,7 @@ def intervals(shape, limit: int, generator) -> torch.Tensor:
     empty ones where ``lo > hi``), for calling the tracked kernels' ops directly."""
     lo = torch.randint(0, limit + 2, shape, generator=generator)
     hi = torch.randint(-1, limit + 1, shape, generator=generator)
-    return lo * HALF + hi
+    return interval_bound(lo, hi)
 
 
 def extremes(score: torch.Tensor, high: float) -> torch.Tensor:

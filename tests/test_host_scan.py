@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from concept.streaming.host_scan import HALF, allowance, interval_admits, interval_ends, scan_rows, state_tensors
+from concept.streaming.host_scan import (allowance, interval_admits, interval_bound, interval_ends, scan_rows,
+                                        state_tensors)
 from concept.syncs import HostSyncs
 
 
@@ -61,7 +62,7 @@ def test_allowance_catches_a_count_that_is_one_off():
 def test_an_interval_unpacks_to_its_ends(lo, hi):
     """``lo * 2**32 + hi`` back to (lo, hi) for every int32 ``hi`` from -1 (an empty interval at 0) and any ``lo``,
     as integers and as int64 tensors, and as the kernels read it: ``hi`` the low 32 bits as an int32."""
-    bound = lo * HALF + hi
+    bound = interval_bound(lo, hi)
     assert interval_ends(bound) == (lo, hi)
     ends = interval_ends(torch.tensor([bound]))
     assert (int(ends[0]), int(ends[1])) == (lo, hi)

@@ -106,10 +106,16 @@ def allowance(score: torch.Tensor, price: torch.Tensor, limit: int, strict: bool
     every = passes(torch.zeros_like(score, dtype=torch.long))
     lo = torch.where(price > 0, 0, torch.where(price < 0, rising, torch.where(every, 0, limit + 1)))
     hi = torch.where(price > 0, falling, torch.where(price < 0, limit, torch.where(every, limit, -1)))
-    return lo * HALF + hi
+    return interval_bound(lo, hi)
 
 
 HALF = 2 ** 32  # an allowance packs its interval as ``lo * HALF + hi``: lo in the high 32 bits, hi (signed) in the low
+
+
+def interval_bound(lo, hi):
+    """The interval ``lo <= c <= hi`` (``lo >= 0``, ``hi`` an int32) packed as :func:`allowance` packs it:
+    ``lo * 2**32 + hi``; integers or tensors (int64)."""
+    return lo * HALF + hi
 
 
 def interval_ends(bound):
