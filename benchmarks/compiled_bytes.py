@@ -16,7 +16,11 @@ attention are library calls on both. So each model's compiled step gets, from th
 - ``matmul_flops``: the FLOPs of its matmul calls (``2 M N K`` each, from the shapes inductor planned);
 - ``roofline_ms``: each kernel's time at a device's peak, the larger of its FLOPs over the peak matmul rate and its
   bytes over the memory bandwidth, summed (:data:`DEVICES`; attention at its bytes alone: a CPU plans another
-  attention kernel than a GPU runs), the device time a step could not go below with these kernels.
+  attention kernel than a GPU runs), the device time a step could not go below with these kernels;
+- ``floor_ms``: the same sum with no kernel below the shortest a GPU runs of its kind (:data:`FLOORS`): a kernel
+  whose bytes and FLOPs take less still occupies the device that long. An estimate of a step bound by its many
+  small kernels, not by its bytes: the streaming model's middle stack runs every layer's kernels over a fifth of
+  the rows, so more of its kernels sit at their floor than dense's.
 
 The model is the default build (split 4,18,8, the ``null`` policy, the ``auto`` budget) or its backbone as the
 dense baseline, at SmolLM2-135M's widths (``--shape smollm2``: 30 layers, width 576, 9 heads over 3 KV heads, MLP
@@ -48,6 +52,11 @@ SPLITS = {"smollm2": "4,18,8", "tiny": "2,2,2"}
 MODELS = ("streaming", "dense")
 # device -> (dense bf16 matmul FLOP/s, memory bytes/s), the makers' peak figures
 DEVICES = {"h200": (989e12, 4.8e12), "h100": (989e12, 3.35e12)}
+# kind -> the shortest device time a GPU gave a kernel of that kind (seconds): the smallest mean per call in the
+# H200's compiled training step (`benchmarks/gpu_results/nvidia-h200/lease-2026-11-27b/call2/setup-profile-streaming-
+# compiled.txt`): a generated Triton cast, 1.29 us; a cuBLAS GEMM, 4.25 us (the attention: a library call, held to a
+# GEMM's floor, its least)
+FLOORS = {"generated": 1.29e-6, "matmul": 4.25e-6, "attention": 4.25e-6, "other": 1.29e-6}
 MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 METRICS_LOG = "torch._inductor.compile_fx.__inductor_metrics"
 
@@ -144,6 +153,11 @@ def summary(kernels: list[dict], tokens: int, top: int = 0) -> dict:
            "matmul_flops": sum(r["flops"] for r in by["matmul"])}
     for device, (peak, bandwidth) in DEVICES.items():
         row[f"roofline_ms_{device}"] = 1e3 * sum(max(r["flops"] / peak, r["bytes"] / bandwidth) for r in kernels)
+        row[f"floor_ms_{device}"] = 1e3 * sum(max(r["flops"] / peak, r["bytes"] / bandwidth, FLOORS[r["kind"]])
+                                              for r in kernels)
+        below = [r["kind"] for r in kernels if max(r["flops"] / peak, r["bytes"] / bandwidth) < FLOORS[r["kind"]]]
+        row[f"at_floor_{device}"] = len(below)
+        row[f"at_floor_by_kind_{device}"] = dict(Counter(below))
     if top:
         row["census"] = census(kernels, top)
     return row
@@ -214,19 +228,23 @@ def run_one(kind: str, case: str, B: int, T: int, shape: str, top: int = 0, time
 
 def table(rows: list[dict]) -> str:
     lines = ["| case | model | kernels (generated / matmul / attention) | GB moved (generated) | matmul TFLOP | "
-             "roofline ms, H200 | per 1k tokens, H200 | dense / streaming |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "roofline ms, H200 | per 1k tokens, H200 | dense / streaming | with the kernels' floors: ms (kernels "
+             "at it) | dense / streaming |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     dense = {(r["case"], r["B"], r["T"]): r for r in rows if r.get("model") == "dense"}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['model']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['case']} | {r['model']} | error: {r['error']} | | | | | | | |")
             continue
         d = dense.get((r["case"], r["B"], r["T"]))
-        ratio = f"{d['roofline_ms_h200'] / r['roofline_ms_h200']:.2f}x" if d and r["model"] != "dense" else ""
+        other = d and r["model"] != "dense"
+        ratio = f"{d['roofline_ms_h200'] / r['roofline_ms_h200']:.2f}x" if other else ""
+        floor_ratio = f"{d['floor_ms_h200'] / r['floor_ms_h200']:.2f}x" if other else ""
         lines.append(f"| {r['case']} {r['B']} x {r['T']} | {r['model']} | {r['kernels']:,} ({r['generated_kernels']:,} / "
                      f"{r['matmul_kernels']:,} / {r['attention_kernels']:,}) | {r['bytes'] / 1e9:.2f} "
                      f"({r['generated_bytes'] / 1e9:.2f}) | {r['matmul_flops'] / 1e12:.3f} | {r['roofline_ms_h200']:.2f} | "
-                     f"{1e3 * r['roofline_ms_h200'] / r['tokens']:.3f} | {ratio} |")
+                     f"{1e3 * r['roofline_ms_h200'] / r['tokens']:.3f} | {ratio} | {r['floor_ms_h200']:.2f} "
+                     f"({r['at_floor_h200']:,}) | {floor_ratio} |")
     return "\n".join(lines)
 
 

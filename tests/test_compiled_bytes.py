@@ -10,7 +10,7 @@ import torch._inductor.config
 
 import concept.compiled
 
-from benchmarks.compiled_bytes import DEVICES, SHAPES, KernelLog, census, measure, summary, table
+from benchmarks.compiled_bytes import DEVICES, FLOORS, SHAPES, KernelLog, census, measure, summary, table
 
 M, N, K = 64, 48, 32
 FP32 = 4
@@ -75,6 +75,19 @@ def test_the_roofline_takes_each_kernels_slower_bound(kernels):
     assert row["roofline_ms_h200"] == pytest.approx(1e3 * expected)
 
 
+def test_with_floors_no_kernel_counts_less_than_the_shortest_of_its_kind(kernels):
+    """These two kernels move a few kB: each is below its kind's floor, so the floored sum is the two floors; a
+    kernel above its floor (its bytes scaled up) counts its own roofline. Negative control: without the floors the
+    small step's sum is a thousandth of it."""
+    row = summary(kernels, tokens=M)
+    assert row["at_floor_h200"] == 2
+    assert row["floor_ms_h200"] == pytest.approx(1e3 * (FLOORS["matmul"] + FLOORS["generated"]))
+    assert row["roofline_ms_h200"] < row["floor_ms_h200"] / 100
+    big = [{**k, "bytes": k["bytes"] * 10**6} for k in kernels]
+    big_row = summary(big, tokens=M)
+    assert big_row["at_floor_h200"] == 0 and big_row["floor_ms_h200"] == pytest.approx(big_row["roofline_ms_h200"])
+
+
 def test_a_generated_kernel_is_named_by_the_ops_fused_into_it(kernels):
     (glue,) = [k for k in kernels if k["kind"] == "generated"]
     assert glue["ops"] == "add,mul,relu"
@@ -84,10 +97,11 @@ def test_a_generated_kernel_is_named_by_the_ops_fused_into_it(kernels):
 def test_the_table_gives_each_streaming_row_its_roofline_ratio_to_dense():
     rows = [{"model": m, "case": "train", "B": 2, "T": 8, "tokens": 16, "kernels": k, "generated_kernels": k,
              "matmul_kernels": 0, "attention_kernels": 0, "bytes": 1e9, "generated_bytes": 1e9, "matmul_flops": 0,
-             "roofline_ms_h200": ms} for m, k, ms in (("streaming", 10, 2.0), ("dense", 12, 3.0))]
+             "roofline_ms_h200": ms, "floor_ms_h200": floor, "at_floor_h200": n}
+            for m, k, ms, floor, n in (("streaming", 10, 2.0, 3.0, 4), ("dense", 12, 3.0, 3.6, 1))]
     lines = table(rows).splitlines()
-    assert lines[2].startswith("| train 2 x 8 | streaming | 10 ") and lines[2].endswith("| 1.50x |")
-    assert lines[3].endswith("|  |")  # (dense: no ratio to itself)
+    assert lines[2].startswith("| train 2 x 8 | streaming | 10 ") and lines[2].endswith("| 1.50x | 3.00 (4) | 1.20x |")
+    assert lines[3].endswith("|  | 3.60 (1) |  |")  # (dense: no ratio to itself)
 
 
 @pytest.mark.slow
