@@ -152,10 +152,10 @@ def summary(kernels: list[dict], tokens: int, top: int = 0) -> dict:
            "attention_bytes": sum(r["bytes"] for r in by["attention"]),
            "matmul_flops": sum(r["flops"] for r in by["matmul"])}
     for device, (peak, bandwidth) in DEVICES.items():
-        row[f"roofline_ms_{device}"] = 1e3 * sum(max(r["flops"] / peak, r["bytes"] / bandwidth) for r in kernels)
-        row[f"floor_ms_{device}"] = 1e3 * sum(max(r["flops"] / peak, r["bytes"] / bandwidth, FLOORS[r["kind"]])
-                                              for r in kernels)
-        below = [r["kind"] for r in kernels if max(r["flops"] / peak, r["bytes"] / bandwidth) < FLOORS[r["kind"]]]
+        bound = [(max(r["flops"] / peak, r["bytes"] / bandwidth), FLOORS[r["kind"]], r["kind"]) for r in kernels]
+        row[f"roofline_ms_{device}"] = 1e3 * sum(seconds for seconds, _, _ in bound)
+        row[f"floor_ms_{device}"] = 1e3 * sum(max(seconds, floor) for seconds, floor, _ in bound)
+        below = [kind for seconds, floor, kind in bound if seconds < floor]
         row[f"at_floor_{device}"] = len(below)
         row[f"at_floor_by_kind_{device}"] = dict(Counter(below))
     if top:
@@ -237,9 +237,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['case']} | {r['model']} | error: {r['error']} | | | | | | | |")
             continue
         d = dense.get((r["case"], r["B"], r["T"]))
-        other = d and r["model"] != "dense"
-        ratio = f"{d['roofline_ms_h200'] / r['roofline_ms_h200']:.2f}x" if other else ""
-        floor_ratio = f"{d['floor_ms_h200'] / r['floor_ms_h200']:.2f}x" if other else ""
+        against_dense = d and r["model"] != "dense"
+        ratio = f"{d['roofline_ms_h200'] / r['roofline_ms_h200']:.2f}x" if against_dense else ""
+        floor_ratio = f"{d['floor_ms_h200'] / r['floor_ms_h200']:.2f}x" if against_dense else ""
         lines.append(f"| {r['case']} {r['B']} x {r['T']} | {r['model']} | {r['kernels']:,} ({r['generated_kernels']:,} / "
                      f"{r['matmul_kernels']:,} / {r['attention_kernels']:,}) | {r['bytes'] / 1e9:.2f} "
                      f"({r['generated_bytes'] / 1e9:.2f}) | {r['matmul_flops'] / 1e12:.3f} | {r['roofline_ms_h200']:.2f} | "
