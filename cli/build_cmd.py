@@ -242,19 +242,21 @@ def family_build_options(key: bool | str = True) -> list:
                     "output beside it; its build: section if it has one), a run's concept.json or a run folder; "
                     "flags override it (docs/cli.md).")
 @print_config_option()
+@click.argument("run_dir", required=False, type=click.Path(path_type=Path), metavar="[RUN_DIR]")
 @click.option("-o", "--output", type=click.Path(path_type=Path), metavar="DIR",
-              help="Run folder to write (required unless --dry-run).")
+              help="Run folder to write (required unless --dry-run; or give it as RUN_DIR).")
 @click.option("--force", is_flag=True, help="Replace an output run folder that holds a different model (never a "
               "folder that is not a run).")
 @click.option("--dry-run", is_flag=True, help="Resolve and print the plan with provenance; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON to stdout.")
 @click.pass_context
-def build(ctx, family, backbone, seed, overrides, config_file, print_config, output, force, dry_run, as_json,
+def build(ctx, family, backbone, seed, overrides, config_file, print_config, run_dir, output, force, dry_run, as_json,
           **options) -> None:
     """Build a concept model from a backbone and components (the streaming family unless --family), and save
     it to a run folder.
 
     \b
+    concept build runs/m1                                  # the defaults (RUN_DIR, or -o runs/m1)
     concept build --length-policy null --rope per-type -o runs/m1
     concept build --backbone tiny-llama --split 2,4,2 --set sampler.tau=0.7 -o runs/tiny --json
     concept build --dry-run --json
@@ -265,8 +267,14 @@ def build(ctx, family, backbone, seed, overrides, config_file, print_config, out
     text, so that the untrained model already emits about --target-ratio concepts per token (--no-calibrate:
     off).
     """
+    if run_dir is not None:  # (the run folder as the other commands take it: ``concept build runs/m1``)
+        if ctx.get_parameter_source("output") == ParameterSource.COMMANDLINE and output != run_dir:
+            raise click.UsageError(f"the run folder is given twice, as RUN_DIR {run_dir} and as -o {output}; "
+                                   f"give it once")
+        output = run_dir
     if output is None and not dry_run and not print_config:
-        raise click.UsageError("missing -o/--output DIR (or pass --dry-run to only print the plan)")
+        raise click.UsageError("missing the run folder: concept build RUN_DIR, or -o/--output DIR (or pass "
+                               "--dry-run to only print the plan)")
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept import resolve
     from concept.families import build_options, build_sections, structure

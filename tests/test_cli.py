@@ -278,7 +278,20 @@ def test_empty_output_folder_is_fine(tmp_path):
 
 def test_build_needs_output():
     result = invoke("build", *TINY)
-    assert result.exit_code == 2 and "-o/--output" in result.stderr and "Traceback" not in result.output
+    assert result.exit_code == 2 and "-o/--output" in result.stderr and "RUN_DIR" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_build_takes_the_run_folder_as_its_argument_as_the_other_commands_do(tmp_path):
+    """``concept build RUN_DIR`` is ``-o RUN_DIR`` (as ``train RUN_DIR`` reads it); the folder given twice, differently,
+    is refused before anything is written (negative control: the same folder twice is one folder)."""
+    ok(invoke("build", *TINY, tmp_path / "run", "--json"))
+    assert (tmp_path / "run" / "concept.json").is_file()
+    result = invoke("build", *TINY, tmp_path / "a", "-o", tmp_path / "b")
+    assert result.exit_code == 2 and "given twice" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    ok(invoke("build", *TINY, tmp_path / "c", "-o", tmp_path / "c", "--json"))
+    assert (tmp_path / "c" / "concept.json").is_file()
 
 
 # -- build: bad input ------------------------------------------------------------------------
