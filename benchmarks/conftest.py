@@ -201,7 +201,8 @@ def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GP
     each in turn, timed by CUDA events around the call (``NAME_s``: the median) and by the host clock to the
     device's end (``NAME_wall_s``), with the peak memory (``NAME_peak_mib``); then one profiled call of each
     (``NAME_device_busy_s``, ``NAME_kernel_launches``, ``NAME_host_syncs``, ``NAME_aten_ops``, and what took
-    the device time: ``NAME_top_device``, its :data:`TOP_DEVICE` largest kernels). With a
+    the device time: ``NAME_top_device``, its :data:`TOP_DEVICE` largest kernels; ``NAME_short_kernels``, those of a
+    few microseconds a call: ``concept.profiling.short_kernels``). With a
     ``dense`` and a ``concept`` entry, ``speedup`` is dense over concept."""
     from concept.profiling import profile_call
 
@@ -231,7 +232,7 @@ def gpu_side_by_side(fns: dict, device, warmup: int = GPU_WARMUP, reps: int = GP
                     f"{name}_spread": (min(spans[name]), max(spans[name])), f"{name}_peak_mib": peak[name],
                     f"{name}_device_busy_s": prof["device_busy_s"], f"{name}_kernel_launches": prof["kernel_launches"],
                     f"{name}_host_syncs": prof["host_syncs"], f"{name}_aten_ops": prof["aten_ops"],
-                    f"{name}_top_device": top_device(prof)})
+                    f"{name}_top_device": top_device(prof), f"{name}_short_kernels": prof.get("short_kernels")})
     if "dense" in fns and "concept" in fns:
         out["speedup"] = out["dense_s"] / out["concept_s"]
     return add_sync_stacks(out, fns, device)

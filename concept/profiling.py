@@ -197,7 +197,8 @@ def profile_call(fn: Callable[[], object], device: str | torch.device = "cpu", t
     ``kernel_launches``, ``host_syncs`` (the CUDA synchronisation calls made inside ``fn``: the one this
     function makes to wait for the device is not counted), ``sync_ops`` (aten ops that force a sync, by name),
     ``aten_ops`` (every aten op the profiler records, nested ones included), ``top_device`` (the ``top``
-    kernels and copies with the most device time; on a CPU the ops with the most CPU time), ``top_cpu`` (the
+    kernels and copies with the most device time; on a CPU the ops with the most CPU time), ``short_kernels``
+    (how many of them are a few microseconds a call, and their share: :func:`short_kernels`), ``top_cpu`` (the
     ``top`` operators with the most CPU time) and, with ``table_rows``, ``table``: the profiler's own table of
     that many rows. With ``stacks`` the profiler records Python's calls too (``with_stack``: slower, so not
     the call to time) and
@@ -254,7 +255,28 @@ def device_time(events, cuda: bool, top: int = 12) -> dict:
     else:
         mine, own = list(events), (lambda e: e.self_cpu_time_total)
     ranked = sorted(mine, key=own, reverse=True)[:top]
-    return {"device_busy_s": sum(own(e) for e in mine) / 1e6, "top_device": [_row(e, own(e)) for e in ranked]}
+    return {"device_busy_s": sum(own(e) for e in mine) / 1e6, "top_device": [_row(e, own(e)) for e in ranked],
+            "short_kernels": short_kernels(mine, own)}
+
+
+# a kernel whose mean call is shorter than this (microseconds) is "short": a GPU runs no GEMM in much less than a few
+# microseconds, so a step made of them is bound by how many it runs, not by their bytes or FLOPs
+# (``docs/benchmarks.md``, "The step's kernels at their floors")
+SHORT_US = 5.0
+
+
+def short_kernels(events, own) -> dict:
+    """Of ``events`` (the device's averaged events: one a kernel name), those whose mean call takes under
+    :data:`SHORT_US`: their ``calls`` and ``device_ms``, and their shares of all the calls and of the device time
+    (``of_calls``, ``of_device``); ``split_k_reduce_calls``: cuBLAS's second kernel of a GEMM whose reduction it
+    split (a GEMM with a small output over many rows: an adapter's weight gradient), counted apart."""
+    calls = sum(e.count for e in events)
+    busy = sum(own(e) for e in events)
+    short = [e for e in events if e.count and own(e) / e.count < SHORT_US]
+    short_calls, short_us = sum(e.count for e in short), sum(own(e) for e in short)
+    return {"under_us": SHORT_US, "calls": short_calls, "device_ms": short_us / 1e3,
+            "of_calls": short_calls / calls if calls else 0.0, "of_device": short_us / busy if busy else 0.0,
+            "split_k_reduce_calls": sum(e.count for e in events if "splitKreduce" in e.key)}
 
 
 def _row(event, device_us: float) -> dict:

@@ -157,10 +157,13 @@ def test_the_forward_rows_top_kernels_are_tabled_per_side():
     lines = report_stage.top_device_lines([row, {**ROW, "suite": "train", "concept_top_device": top},
                                            {**ROW, "suite": "forward-compiled-dense", "concept_top_device": top}])
     rows = [x for x in lines if x.startswith("| forward")]
-    assert len(rows) == 2 and rows[0].startswith("| forward default T=8192 r=0.125 flex | concept | 17.80 |")
+    assert len(rows) == 2 and rows[0].startswith("| forward default T=8192 r=0.125 flex | concept | 17.80 | – |")
     assert rows[0].count("`triton_per_fused_") == 8 and "`triton_per_fused_0\\|x` 8.00 (30)" in rows[0]
     assert rows[1].split(" | ")[1] == "dense" and rows[1].count("`triton") == 2
     assert report_stage.top_device_lines([ROW]) == []  # rows of kits before it: no table
+    short = {"calls": 120, "device_ms": 0.4, "of_device": 0.02, "split_k_reduce_calls": 0}
+    rows = [x for x in report_stage.top_device_lines([{**row, "concept_short_kernels": short}]) if x.startswith("| f")]
+    assert " | concept | 17.80 | 120 calls, 0.4 ms (2 % of the device time; 0 split-K reductions) | `" in rows[0]
 
 
 def test_the_quality_block_says_which_way_each_model_trained_and_why():
@@ -221,3 +224,23 @@ def test_the_compiled_rows_say_whether_training_ran_as_cuda_graphs():
     assert "| streaming | 250,000 | 3.10x | 0.066 | – | – | – | no |" in text
     assert "| dense | 150,000 | 2.50x | 0.109 | – | – | – | – |" in text
     assert "CUDA graphs failed these rows, measured again without them" in text and "streaming compiled: Runtime" in text
+
+
+def test_the_profiled_steps_say_how_many_of_their_kernels_are_short():
+    """Each profiled step's row gives its kernels under 5 us a call (``concept.profiling.short_kernels``): calls, device
+    time, share, split-K reductions; a lease's JSON from before has none and its cell says '–'."""
+    short = {"under_us": 5.0, "calls": 1418, "device_ms": 6.1, "of_calls": 0.58, "of_device": 0.32,
+             "split_k_reduce_calls": 444}
+    assert report_stage.short_kernels_cell(short) == ("1,418 calls, 6.1 ms (32 % of the device time; 444 split-K "
+                                                      "reductions)")
+    assert report_stage.short_kernels_cell(None) == "–"
+    profile = {"wall_s": 0.066, "device_s": 0.019, "kernel_launches": 12, "host_syncs": 0, "ops": 290,
+               "top_device": [{"op": "nvjet_sm90_gemm", "calls": 100, "device_ms": 2.1}], "short_kernels": short}
+    throughput = {**THROUGHPUT, "failed": {}, "compiled": {
+        "option": {"compile": "model"}, "models": {"streaming": {"tokens_per_s": 250000.0, "step_s": 0.066,
+                                                                 "profile": profile}}}}
+    text = report_stage.render_setup(envelope("setup", "ok", "2026-11-29T02:04:13Z", "setup speed",
+                                              {"environment": ENVIRONMENT, "throughput": throughput}))
+    assert "| short kernels | most device time |" in text
+    assert "| streaming compiled | 0.066 | 0.019 | 12 | 0 | 290 | 1,418 calls, 6.1 ms (32 % of the device time; " \
+           "444 split-K reductions) | `nvjet_sm90_gemm` 2.1 ms (100x) |" in text

@@ -211,3 +211,28 @@ def _profiled_events(fn):
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         fn()
     return prof.events()
+
+
+def test_short_kernels_are_counted_with_their_share_of_calls_and_device_time():
+    """``short_kernels``: the kernels whose mean call is under ``SHORT_US`` (5 us), with their shares, and cuBLAS's
+    split-K reductions apart. Stand-in: a GEMM at 4.25 us a call (short), a split-K reduction at 2.3 us (short), a
+    long GEMM at 50 us. Negative control: every kernel long, none counted."""
+    from types import SimpleNamespace
+
+    from concept.profiling import short_kernels
+
+    def event(key, count, mean_us):
+        return SimpleNamespace(key=key, count=count, self_device_time_total=count * mean_us)
+
+    own = lambda e: e.self_device_time_total  # noqa: E731
+    events = [event("nvjet_sm90_tst_32x64_64x16_1x4_h_bz_NNN", 126, 4.25),
+              event("void cublasLt::splitKreduce_kernel<32, 16, int, float>", 444, 2.3),
+              event("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT", 100, 50.0)]
+    found = short_kernels(events, own)
+    assert found["calls"] == 570 and found["device_ms"] == pytest.approx((126 * 4.25 + 444 * 2.3) / 1e3)
+    assert found["of_calls"] == pytest.approx(570 / 670)
+    assert found["of_device"] == pytest.approx((126 * 4.25 + 444 * 2.3) / (126 * 4.25 + 444 * 2.3 + 5000))
+    assert found["split_k_reduce_calls"] == 444
+    long = short_kernels([event("a", 3, 6.0), event("b", 1, 80.0)], own)
+    assert long["calls"] == 0 and long["of_device"] == 0 and long["split_k_reduce_calls"] == 0
+    assert short_kernels([], own)["of_calls"] == 0

@@ -217,15 +217,28 @@ def render_setup(data: dict) -> str:
         if profiled:
             lines += ["", "One more step of each under `torch.profiler` (device busy: the sum of its kernels' own time; "
                           "far below the step's wall time means launches and Python bound the step, not arithmetic; "
-                          "host syncs: CUDA synchronisations inside the step; the full tables come back as "
-                          "`setup-profile-KIND.txt`):", "",
-                      "| model | step s | device busy s | kernel launches | host syncs | aten ops | most device time |",
-                      "|---|---:|---:|---:|---:|---:|---|"]
+                          "host syncs: CUDA synchronisations inside the step; short kernels: those under 5 us a "
+                          "call, their calls, share of the device time and cuBLAS's split-K reductions among them, a "
+                          "step bound by how many kernels it runs where the share is large; the full tables come "
+                          "back as `setup-profile-KIND.txt`):", "",
+                      "| model | step s | device busy s | kernel launches | host syncs | aten ops | short kernels | "
+                      "most device time |",
+                      "|---|---:|---:|---:|---:|---:|---|---|"]
             lines += [f"| {kind} | {p['wall_s']:.3f} | {p['device_s']:.3f} | {p['kernel_launches']:,} | "
-                      f"{_f(p.get('host_syncs'), ',')} | {p['ops']:,} | "
+                      f"{_f(p.get('host_syncs'), ',')} | {p['ops']:,} | {short_kernels_cell(p.get('short_kernels'))} | "
                       + ", ".join(f"`{t['op'][:60]}` {t['device_ms']:.1f} ms ({t['calls']}x)" for t in p["top_device"][:3])
                       + " |" for kind, p in profiled.items()]
     return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def short_kernels_cell(short: dict | None) -> str:
+    """A profile's short kernels (``concept.profiling.short_kernels``) as one cell; a dash where the kit that
+    measured it had none."""
+    if not short:
+        return "–"
+    return (f"{short['calls']:,} calls, {short['device_ms']:.1f} ms ({100 * short['of_device']:.0f} % of the "
+            f"device time; {short['split_k_reduce_calls']:,} split-K reductions)")
+
 
 
 def training_target(eager: dict, compiled: dict) -> str:
@@ -341,13 +354,14 @@ def top_device_lines(rows: list[dict], name_chars: int = 56) -> list[str]:
     if not found:
         return []
     lines = ["", "What took the device time in the forward rows (the profiled call of each side: its kernels and "
-                 "copies with the most own device time, ms and calls):", "",
-             "| case | side | device busy ms | largest kernels: own ms (calls) |", "|---|---|---:|---|"]
+                 "copies with the most own device time, ms and calls; its short kernels, under 5 us a call):", "",
+             "| case | side | device busy ms | short kernels | largest kernels: own ms (calls) |", "|---|---|---:|---|---|"]
     for row, side in found:
         kernels = "; ".join(f"`{cell(t['op'], name_chars)}` {t['device_ms']:.2f} ({t['calls']})"
                             for t in row[side + "_top_device"])
         busy = row.get(side + "_device_busy_s")
-        lines.append(f"| {row['case']} | {side} | {_f(busy and 1000 * busy, '.2f')} | {kernels} |")
+        lines.append(f"| {row['case']} | {side} | {_f(busy and 1000 * busy, '.2f')} | "
+                     f"{short_kernels_cell(row.get(side + '_short_kernels'))} | {kernels} |")
     return lines
 
 
