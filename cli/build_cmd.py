@@ -268,7 +268,8 @@ def build(ctx, family, backbone, seed, overrides, config_file, print_config, run
     off).
     """
     if run_dir is not None:  # (the run folder as the other commands take it: ``concept build runs/m1``)
-        if ctx.get_parameter_source("output") == ParameterSource.COMMANDLINE and output != run_dir:
+        if ctx.get_parameter_source("output") == ParameterSource.COMMANDLINE \
+                and output.resolve() != run_dir.resolve():
             raise click.UsageError(f"the run folder is given twice, as RUN_DIR {run_dir} and as -o {output}; "
                                    f"give it once")
         output = run_dir

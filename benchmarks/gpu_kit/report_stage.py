@@ -240,7 +240,6 @@ def short_kernels_cell(short: dict | None) -> str:
             f"device time; {short['split_k_reduce_calls']:,} split-K reductions)")
 
 
-
 def training_target(eager: dict, compiled: dict) -> str:
     """The training target's line: streaming's best tokens/s, its ratio to the dense model's best, and the ratio
     under the same settings (eager against eager, compiled against compiled) where both were measured."""
