@@ -108,13 +108,14 @@ def test_dry_speed_writes_rows_a_baseline_and_a_recommendation(dry):
 
 SPEED_PLAN_KINDS = ["test_forward_default_point_vs_dense", "test_forward_compiled_vs_dense_compiled",
                     "test_train_step_default_point_vs_dense", "test_train_step_compiled_vs_dense_compiled",
-                    "test_host_scan_vs_device_scan_on_the_gpu", "test_compiled_decode_vs_dense"]
+                    "test_host_scan_vs_device_scan_on_the_gpu", "test_adapter_cost_on_the_gpu",
+                    "test_compiled_decode_vs_dense"]
 
 
 def test_the_speed_plan_names_existing_cases_most_decisive_first():
     """Each planned GPU case is a parametrized case of its suite within the stage's selection (8k tokens, the
-    default build), in the decisive order: forward eager, compiled; train step eager, compiled; the policy scan;
-    compiled decode.
+    default build; the adapters' cost at the demo recipe's rows), in the decisive order: forward eager, compiled;
+    train step eager, compiled; the policy scan; the adapters' cost; compiled decode.
     (The dry run shows pytest runs a plan first, in its order; the slow test below collects this one.)"""
     import importlib
 
@@ -124,7 +125,8 @@ def test_the_speed_plan_names_existing_cases_most_decisive_first():
         fn = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name.split("[")[0])
         ids = [i for m in fn.pytestmark if m.name == "parametrize" for i in m.kwargs["ids"]]
         assert name.split("[")[1].rstrip("]") in ids, node
-        assert "T8192" in node and "default" in node and path.split("/")[1] in speed_stage.SUITES
+        assert ("T8192" in node or "adapter_cost" in node) and "default" in node
+        assert path.split("/")[1] in speed_stage.SUITES
     assert [n.split("::")[1].split("[")[0] for n in plan] == SPEED_PLAN_KINDS
     assert plan[0].endswith("-flex]") and plan[2].endswith("-flex]")
     assert [cap for _, cap in speed_stage.GPU_PLAN][0] == 0 and sum(c for _, c in speed_stage.GPU_PLAN) < 150

@@ -244,3 +244,19 @@ def test_the_profiled_steps_say_how_many_of_their_kernels_are_short():
     assert "| short kernels | most device time |" in text
     assert "| streaming compiled | 0.066 | 0.019 | 12 | 0 | 290 | 1,418 calls, 6.1 ms (32 % of the device time; " \
            "444 split-K reductions) | `nvjet_sm90_gemm` 2.1 ms (100x) |" in text
+
+
+def test_the_adapters_cost_is_tabled_per_projection():
+    """``benchmarks/test_adapters.py``'s rows: per projection, the base alone against base and adapter, device time
+    and kernels a projection (the call's figures over its repeats); a CPU's rows (no device time) give no table."""
+    row = {"case": "adapter cost middle q/o (3328 x 576 -> 576)", "suite": "adapter-cost", "rows": 3328,
+           "dense_s": 0.0005, "concept_s": 0.0012, "speedup": 0.42, "ideal_speedup": None,
+           "dense_device_busy_s_per_projection": 9.5e-6, "concept_device_busy_s_per_projection": 41.0e-6,
+           "dense_kernel_launches_per_projection": 2.0, "concept_kernel_launches_per_projection": 12.0,
+           "concept_short_kernels": {"calls": 90, "device_ms": 0.3, "of_device": 0.7, "split_k_reduce_calls": 20}}
+    lines = report_stage.adapter_cost_lines([row, {**ROW}])
+    assert lines[-1] == ("| middle q/o (3328 x 576 -> 576) | 3,328 | 9.5 | 41.0 | 31.5 | 2/12 | 90 calls, 0.3 ms "
+                         "(70 % of the device time; 20 split-K reductions) |")
+    assert len([x for x in lines if x.startswith("| middle")]) == 1
+    cpu = {k: v for k, v in row.items() if "per_projection" not in k}
+    assert report_stage.adapter_cost_lines([cpu]) == []

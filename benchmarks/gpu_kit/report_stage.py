@@ -317,7 +317,7 @@ def render_speed(data: dict) -> str:
                              f"{_f(row.get(side + '_wall_s') and 1000 * row[side + '_wall_s'], '.2f')} | "
                              f"{1000 * row[side + '_device_busy_s']:.2f} | {row[side + '_kernel_launches']:,} | "
                              f"{row[side + '_host_syncs']} | {row[side + '_aten_ops']:,} |")
-    lines += top_device_lines(r["rows"]) + forward_target_lines(r["rows"])
+    lines += top_device_lines(r["rows"]) + forward_target_lines(r["rows"]) + adapter_cost_lines(r["rows"])
     decode = [row for row in r["rows"] if row.get("suite") == "decode-compiled"]
     if decode:  # tokens/s of the four decoders (benchmarks/test_compiled_decode.py)
         lines += ["", "Decoding, tokens/s (eager: DynamicCache / the eager streaming decoder; compiled: a static KV "
@@ -341,6 +341,26 @@ def render_speed(data: dict) -> str:
         if isinstance(v, dict):
             lines.append(f"- {mode}: " + (f"`{v['backend']}` ({v['reason']})" if v.get("backend") else v["reason"]))
     return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def adapter_cost_lines(rows: list[dict]) -> list[str]:
+    """The adapters' cost a projection (``benchmarks/test_adapters.py``): per projection shape and row count, the
+    device time of its forward and backward, the frozen base alone against base and adapter, and the kernels of each;
+    nothing for rows without device times (a CPU's, a kit's before it)."""
+    found = [row for row in rows if row.get("suite") == "adapter-cost" and "concept_device_busy_s_per_projection" in row]
+    if not found:
+        return []
+    lines = ["", "The adapters' cost a projection, forward and backward (bf16, rank 8; device time: the sum of its "
+                 "kernels' own time, no launch gaps, as a CUDA graph of the step runs them; the demo recipe's "
+                 "full-width rows and the middle stack's):", "",
+             "| projection | rows | base alone µs | with its adapter µs | the adapter µs | kernels (base / adapted) | "
+             "short kernels, adapted side |", "|---|---:|---:|---:|---:|---:|---|"]
+    for row in found:
+        base, both = (1e6 * row[f"{side}_device_busy_s_per_projection"] for side in ("dense", "concept"))
+        kernels = "/".join(f"{row[f'{side}_kernel_launches_per_projection']:.0f}" for side in ("dense", "concept"))
+        lines.append(f"| {row['case'].removeprefix('adapter cost ')} | {row['rows']:,} | {base:.1f} | {both:.1f} | "
+                     f"{both - base:.1f} | {kernels} | {short_kernels_cell(row.get('concept_short_kernels'))} |")
+    return lines
 
 
 def top_device_lines(rows: list[dict], name_chars: int = 56) -> list[str]:

@@ -56,10 +56,11 @@ def kit_choice() -> str:
     return choice()
 
 SUITES = ("test_forward.py", "test_train_step.py", "test_attention.py", "test_decode.py", "test_policy_scan.py",
-          "test_compiled_decode.py")
+          "test_compiled_decode.py", "test_adapters.py")
 # the GPU cases of a 15-minute lease: 8k tokens, the default ratio and build; not `chunked` (5-10x slower than
 # `flex` on the H100, 2026-11-26) nor the time-ordered comparison mask (measured then: 0.01-0.07x dense)
-GPU_SELECTION = "T8192 and (r0.125 or default) and not chunked and not ordered"
+GPU_SELECTION = ("(T8192 and (r0.125 or default) and not chunked and not ordered) or adapter_cost_on_the_gpu")
+# (the adapters' cost a projection, ``benchmarks/test_adapters.py``: the demo recipe's training rows, not 8k tokens)
 # the cases to run first, in this order, each with its cap: the seconds it must have left before the suites'
 # deadline to start (its compilations, warm-up and rounds; estimates: no compiled 8k case has finished on a
 # GPU yet, the eager forward took under 15 s on the H100, 2026-11-27)
@@ -69,6 +70,7 @@ GPU_PLAN = (
     ("benchmarks/test_train_step.py::test_train_step_default_point_vs_dense[default-B1-T8192-flex]", 15),
     ("benchmarks/test_train_step.py::test_train_step_compiled_vs_dense_compiled[default-B1-T8192-compiled]", 30),
     ("benchmarks/test_policy_scan.py::test_host_scan_vs_device_scan_on_the_gpu[default-B1-T8192-device]", 10),
+    ("benchmarks/test_adapters.py::test_adapter_cost_on_the_gpu[default-demo-recipe]", 10),
     ("benchmarks/test_compiled_decode.py::test_compiled_decode_vs_dense[default-T8192-compiled-decode]", 45),
 )
 # the caps of the cases whose compilations ``--compile model`` makes longer (``gpu_plan``): the forward at 8k (on this
@@ -91,7 +93,7 @@ def gpu_plan(choice: str) -> tuple:
 
 # one small case per suite: seconds on a CPU
 DRY_SELECTION = ("chunked-T1024-r0.25 or tiny-llama-T512-chunked or tiny-llama-T512-compiled or tiny-llama-B2-T256 "
-                 "or (prefill and tiny) or B16-T128 or tiny-llama-T256-compiled-decode")
+                 "or (prefill and tiny) or B16-T128 or tiny-llama-T256-compiled-decode or test_adapter_cost")
 # the dry run's plan: the same five on the tiny backbone (the compiled forward and step skip: no --compile here)
 DRY_PLAN = (
     ("benchmarks/test_forward.py::test_forward_vs_dense[tiny-llama-T512-chunked]", 0),
