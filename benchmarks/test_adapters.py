@@ -73,7 +73,8 @@ def measure_cases(cases, device, dtype) -> list[tuple[str, dict, dict]]:
         timing.update({f"{side}_{key}_per_projection": timing[f"{side}_{key}"] / REPEATS
                        for side in ("dense", "concept") for key in ("s", "device_busy_s", "kernel_launches")
                        if f"{side}_{key}" in timing})
-        fields = {"T": None, "rows": n, "d_in": d_in, "d_out": d_out, "rank": RANK, "repeats": REPEATS, "suite": "adapter-cost",
+        fields = {"T": None, "rows": n, "d_in": d_in, "d_out": d_out, "rank": RANK, "repeats": REPEATS,
+                  "suite": "adapter-cost",
                   "sides": ["frozen base alone", "with its adapter"], "dtype": str(dtype).removeprefix("torch.")}
         found.append((name, timing, fields))
     return found

@@ -82,7 +82,7 @@ def test_dry_exact_runs_the_cuda_tests_which_skip_here(dry):
 def test_dry_speed_writes_rows_a_baseline_and_a_recommendation(dry):
     result = stage(dry, "speed")
     suites = {r["suite"] for r in result["rows"]}
-    assert suites == {"attention", "forward", "train", "prefill", "policy-scan", "decode-compiled"}
+    assert suites == {"attention", "forward", "train", "prefill", "policy-scan", "decode-compiled", "adapter-cost"}
     decode = next(r for r in result["rows"] if r["suite"] == "decode-compiled")
     assert all(decode[f"{side}_tokens_per_s"] > 0 for side in ("dense_eager", "dense", "concept_eager", "concept"))
     for row in result["rows"]:
