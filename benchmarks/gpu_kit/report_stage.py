@@ -354,7 +354,8 @@ def adapter_cost_lines(rows: list[dict]) -> list[str]:
                  "kernels' own time, no launch gaps, as a CUDA graph of the step runs them; the demo recipe's "
                  "full-width rows and the middle stack's):", "",
              "| projection | rows | base alone µs | with its adapter µs | the adapter µs | kernels (base / adapted) | "
-             "short kernels, adapted side (its call of 10 projections) |", "|---|---:|---:|---:|---:|---:|---|"]
+             f"short kernels, adapted side (its call of {found[0].get('repeats', '–')} projections) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for row in found:
         base, both = (1e6 * row[f"{side}_device_busy_s_per_projection"] for side in ("dense", "concept"))
         kernels = "/".join(f"{row[f'{side}_kernel_launches_per_projection']:.0f}" for side in ("dense", "concept"))
