@@ -17,12 +17,17 @@ device time at the middle stack's rows against the full-width rows says whether 
 projection's base and adapter products in one kernel) is the lever the ratio bar asks for. Eager: the matmuls are
 the library's (cuBLAS) as in the compiled step; the compiled step fuses the adapter's elementwise additions into
 their neighbours, so this case counts a few small kernels that step has not.
+
+Where Triton runs (CUDA), a third side, ``kernels``: the same adapted projection through ``--lora-kernel triton``'s
+two Triton kernels and two matmuls (``concept.lora_triton``), its output checked the same way: what that option
+saves a projection, and how near the base alone it comes.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from concept import lora_triton
 from concept.lora import LoraMatmuls
 
 from .conftest import gpu_case, side_by_side_named
@@ -57,10 +62,17 @@ def adapted(x, weight, a, b, grad, dtype):
     return torch.autograd.grad(LoraMatmuls.apply(x, weight, a, b, SCALING, dtype), (x, a, b), grad)
 
 
+def adapted_by_kernels(x, weight, a, b, grad):
+    """:func:`adapted` through ``--lora-kernel triton``'s kernels (``concept.lora_triton``)."""
+    return torch.autograd.grad(lora_triton.lora_linear(x, weight, a, b, SCALING), (x, a, b), grad)
+
+
 def measure_cases(cases, device, dtype) -> list[tuple[str, dict, dict]]:
-    """Each case side by side (``dense``: the base alone; ``concept``: adapted; each call ``REPEATS`` projections),
-    with the per-projection figures: (name, timing, the case's fields)."""
+    """Each case side by side (``dense``: the base alone; ``concept``: adapted; ``kernels``: adapted through the
+    Triton kernels, where they run; each call ``REPEATS`` projections), with the per-projection figures: (name,
+    timing, the case's fields)."""
     found = []
+    triton = lora_triton.runs_on(device)
     for name, n, d_in, d_out in cases:
         x, weight, a, b, grad = projection(n, d_in, d_out, device, dtype)
         expected = torch.mm(x.float(), weight.float().t()) + SCALING * (x.float() @ a.float().t()) @ b.float().t()
@@ -68,14 +80,21 @@ def measure_cases(cases, device, dtype) -> list[tuple[str, dict, dict]]:
         torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-3)  # (the adapted side computes it)
         sides = {"dense": lambda: [base_alone(x, weight, grad) for _ in range(REPEATS)],
                  "concept": lambda: [adapted(x, weight, a, b, grad, dtype) for _ in range(REPEATS)]}
+        if triton:
+            got = lora_triton.lora_linear(x, weight, a, b, SCALING)
+            torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-3)
+            sides["kernels"] = lambda: [adapted_by_kernels(x, weight, a, b, grad) for _ in range(REPEATS)]
         timing = side_by_side_named(sides, device=device)
         timing["speedup"] = timing["dense_s"] / timing["concept_s"]
+        if triton:  # (the matmuls' adapted projection over the kernels')
+            timing["kernels_speedup"] = timing["concept_s"] / timing["kernels_s"]
         timing.update({f"{side}_{key}_per_projection": timing[f"{side}_{key}"] / REPEATS
-                       for side in ("dense", "concept") for key in ("s", "device_busy_s", "kernel_launches")
+                       for side in sides for key in ("s", "device_busy_s", "kernel_launches")
                        if f"{side}_{key}" in timing})
         fields = {"T": None, "rows": n, "d_in": d_in, "d_out": d_out, "rank": RANK, "repeats": REPEATS,
                   "suite": "adapter-cost",
-                  "sides": ["frozen base alone", "with its adapter"], "dtype": str(dtype).removeprefix("torch.")}
+                  "sides": ["frozen base alone", "with its adapter"] + (["its adapter by the Triton kernels"]
+                                                                        if triton else []), "dtype": str(dtype).removeprefix("torch.")}
         found.append((name, timing, fields))
     return found
 

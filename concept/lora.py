@@ -10,7 +10,7 @@ import shutil
 import torch
 from torch import nn
 
-from . import fs
+from . import fs, lora_triton
 from .backbone import decoder
 from .distributed import full_tensor
 from .errors import ConceptError, RunFolderError
@@ -33,7 +33,7 @@ def add_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
     inject_adapter_in_model(config, backbone)
     for name, p in backbone.named_parameters():
         p.requires_grad_("lora_" in name)
-    use_fused_lora(backbone)
+    use_fused_lora(backbone, settings.kernel)
     return backbone
 
 
@@ -125,6 +125,14 @@ class LoraMatmuls(torch.autograd.Function):
         return grad_x, None, grad_a, grad_b, None, None
 
 
+def _kernel_products(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """:class:`LoraMatmuls`' ``y`` in ``concept.lora_triton``'s two kernels: the operands cast to ``dtype`` once
+    (autocast off), as the matmuls cast them; their gradients cast back by autograd."""
+    with torch.autocast(x.device.type, enabled=False):
+        operands = [t if t.dtype == dtype else t.to(dtype) for t in (x, weight, lora_a, lora_b)]
+        return lora_triton.lora_linear(*operands, scaling)
+
+
 def _compute_dtype(x: torch.Tensor, tensors) -> torch.dtype | None:
     """The dtype the LoRA products run in, as peft + autocast would run them; None where the fused path
     does not apply (mixed dtypes outside autocast, or autocast over something other than fp32)."""
@@ -144,6 +152,8 @@ class _FusedLoraForward:
     """The forward of :class:`FusedLoraLinear` (a mixin: the class itself is made with peft's ``lora.Linear``
     as its base the first time it is needed, so that importing ``concept.lora`` does not import peft)."""
 
+    adapter_kernel = "matmuls"  # (``use_fused_lora`` sets each layer's: ``LoraSettings.kernel``)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         fused = self._fused_inputs(x, args, kwargs)
         if fused is None:
@@ -157,8 +167,12 @@ class _FusedLoraForward:
                 cast = getattr(self, "adapter_cast", None)
                 if cast is not None and cast[0].dtype == dtype:
                     lora_a, lora_b, scaling = cast
-        matmuls = lora_matmuls if torch.compiler.is_compiling() else LoraMatmuls.apply
-        flat = matmuls(x.reshape(-1, x.shape[-1]), base.weight, lora_a, lora_b, scaling, dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.adapter_kernel == "triton" and lora_triton.runs_on(x.device):  # (``--lora-kernel triton``)
+            flat = _kernel_products(x2, base.weight, lora_a, lora_b, scaling, dtype)
+        else:
+            matmuls = lora_matmuls if torch.compiler.is_compiling() else LoraMatmuls.apply
+            flat = matmuls(x2, base.weight, lora_a, lora_b, scaling, dtype)
         return flat.view(*x.shape[:-1], flat.shape[-1])
 
     def _fused_inputs(self, x, args, kwargs):
@@ -197,9 +211,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def use_fused_lora(backbone: nn.Module) -> int:
+def use_fused_lora(backbone: nn.Module, kernel: str = "matmuls") -> int:
     """Give every peft ``lora.Linear`` of ``backbone`` the fused forward (in place: the module, its
-    parameters and its state dict stay as they are); returns how many."""
+    parameters and its state dict stay as they are), computed by ``kernel`` (``LoraSettings.kernel``: ``triton``
+    where Triton runs on the input's device, else the matmuls); returns how many."""
     plain, fused = _lora_linear_class(), fused_lora_class()
     count = 0
     for module in backbone.modules():
@@ -209,6 +224,7 @@ def use_fused_lora(backbone: nn.Module) -> int:
     members = [m for m in backbone.modules() if type(m) is fused]
     casts = AdapterCasts(members)
     for module in members:
+        module.adapter_kernel = kernel
         module.adapter_casts = casts
         module.__dict__["adapter_cast"] = None  # (``AdapterCasts.cast_outside``'s, for the call of one graph)
     return count

@@ -31,6 +31,8 @@ TRAIN_ONLY = ("all", "new")
 DTYPES = ("auto", "fp32", "bf16")
 ALIGN_LOSSES = ("cosine", "mse")
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+# how an adapted projection computes (``concept.lora``): eight matmuls a step, or two Triton kernels and two matmuls
+LORA_KERNELS = ("matmuls", "triton")
 
 
 @dataclass
@@ -45,6 +47,11 @@ class LoraSettings:
                             help="Dropout on the LoRA adapters' input while training, in [0, 1).")
     targets: str = option(DEFAULT_TARGETS, help="Comma-separated names of the linear layers (attention and MLP) "
                                                 "that get LoRA adapters.")
+    kernel: str = option("matmuls", choices=LORA_KERNELS,
+                         help="How an adapted projection computes: `matmuls` (its base and adapter products one "
+                              "matmul each, 3 forward and 5 backward) or `triton` (one Triton kernel forward, one "
+                              "for the input gradient, and the adapters' two gradient matmuls; CUDA only; the same "
+                              "values up to the order of fp32 sums).")
 
     def validate(self) -> list[str]:
         problems = check(self, prefix="lora-")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import checkpoint, data, distributed_wrap, memory, run_files, tracking, training_run
+from . import checkpoint, data, distributed_wrap, lora_triton, memory, run_files, tracking, training_run
 from .backbone import decoder
 from .compiled import compile_model
 from .builder import build, load_new_modules
@@ -159,6 +159,8 @@ def check_training(config: TrainConfig, build_config: BuildConfig, dist: Dist | 
     plan = resolve(build_config)
     problems = config.validate(plan.backbone_info.max_positions, plan.backbone_info.num_layers)
     problems += training_problems(plan.family_object, config, plan, device, dist)
+    if config.lora.kernel == "triton":
+        problems += [p for p in [lora_triton.why_not(device)] if p]
     if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
         problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
     problems += tracking.problems(config.report_to)

@@ -260,7 +260,8 @@ def resumed_config(out: Path, world_size: int, overrides: dict) -> tuple[dict, T
     if overrides.get("eval_data") is not None:
         overrides["eval_data"] = data.stored_source(overrides["eval_data"])
     changeable = {"steps", "eval_every", "checkpoint_every", "log_every", "report_to", "device", "batch",
-                  "grad_accum", "eval_data"}  # (eval_data: what the periodic evaluation reads, not what trains)
+                  "grad_accum", "eval_data",  # (eval_data: what the periodic evaluation reads, not what trains)
+                  "lora.kernel"}  # (how the adapters compute: a run trained with Triton's kernels resumes without)
 
     def saved_value(key):
         return getattr(config.lora, key[5:]) if key.startswith("lora.") else getattr(config, key)

@@ -123,6 +123,19 @@ def test_the_training_target_reads_the_best_rows_and_the_same_settings_ratios():
     both = {"streaming": {"tokens_per_s": 200.0}, "dense": {"tokens_per_s": 100.0}}
     line = report_stage.training_target({"streaming": {"tokens_per_s": 90.0}, "dense": {"tokens_per_s": 100.0}}, both)
     assert "2.00x the dense model's best" in line and "0.90x eager, 2.00x compiled." in line
+    kernels = {"streaming": {"tokens_per_s": 300.0}, "dense": {"tokens_per_s": 120.0}}  # (--lora-kernel triton)
+    line = report_stage.training_target({"streaming": {"tokens_per_s": 90.0}, "dense": {"tokens_per_s": 100.0}}, both,
+                                        kernels)
+    assert "streaming 300 tokens/s at its best" in line and "2.50x the dense model's best" in line
+    assert "0.90x eager, 2.00x compiled, 2.50x compiled, --lora-kernel triton." in line
+    data = lease_b("setup")
+    tp = data["result"]["throughput"]
+    tp["compiled"]["lora_kernel"] = {"option": {"lora_kernel": "triton"},
+                                     "models": {"streaming": {**tp["compiled"]["models"]["streaming"],
+                                                              "tokens_per_s": 209_440.0}}}
+    text = report_stage.render_setup(data)
+    assert "| streaming | 209,440 | 1.20x | " in text and "`--lora-kernel triton`" in text
+    assert "| streaming compiled triton |" in text  # (its profiled step)
 
 
 def test_the_forward_target_states_the_ratio_to_the_best_dense():
@@ -260,3 +273,10 @@ def test_the_adapters_cost_is_tabled_per_projection():
     assert len([x for x in lines if x.startswith("| middle")]) == 1
     cpu = {k: v for k, v in row.items() if "per_projection" not in k}
     assert report_stage.adapter_cost_lines([cpu]) == []
+    # with `--lora-kernel triton`'s side (a CUDA run with Triton): its time, the adapter's share, its kernels
+    fused = {**row, "kernels_device_busy_s_per_projection": 14.0e-6, "kernels_kernel_launches_per_projection": 6.0}
+    lines = report_stage.adapter_cost_lines([fused])
+    assert "`triton`" in lines[1] and "kernels (base / adapted / `triton`)" in lines[3]
+    assert lines[-1] == ("| middle q/o (3328 x 576 -> 576) | 3,328 | 9.5 | 41.0 | 31.5 | 14.0 | 4.5 | 2/12/6 | 90 calls, "
+                         "0.3 ms (70 % of the device time; 20 split-K reductions) |")
+    assert lines[4].count("|") == lines[-1].count("|") == lines[3].count("|")

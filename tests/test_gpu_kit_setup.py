@@ -254,3 +254,41 @@ def test_a_compiled_row_cuda_graphs_fail_is_measured_again_without_them(lease, m
         assert tp["compiled"]["training_cuda_graphs"] is False
     else:
         assert "streaming" not in tp["compiled"]["models"] and "streaming compiled" in tp["failed"]
+
+
+def test_the_target_rows_again_with_the_adapters_triton_kernels_before_pruned(lease, monkeypatch):
+    """Where Triton runs, streaming and dense compiled again with ``--lora-kernel triton`` (the lever for the
+    training target), after the target's four rows and before the pruned baseline's; each trained with that option,
+    kept apart from the compiled rows (``compiled.lora_kernel``: `quality` and the target's reading take the
+    default's). Where it does not (this CPU), both are skipped, saying why, and the order is the target's four then
+    pruned (the test above)."""
+    from concept import lora_triton
+
+    seen = []
+
+    def train_and_time(stage, source, run, kind, baseline, device, steps, extra):
+        lora = extra.get("lora")
+        seen.append((kind, bool(extra), lora.kernel if lora else None))
+        return {"tokens_per_s": 60_000.0 * (3 if lora else 2 if extra else 1), "step_s": 0.27,
+                "warmup_s": 6.4 if extra else 1.0}
+
+    monkeypatch.setattr(setup_stage, "train_and_time", train_and_time)
+    kit.main(["setup", "speed", "--out", str(lease.out)])
+    data = setup_json(lease)
+    assert {s["what"]: s["reason"] for s in data["skipped"]}[
+        "compiled throughput of streaming with --lora-kernel triton"].startswith("--lora-kernel triton runs on CUDA")
+    assert "lora_kernel" not in data["result"]["throughput"]["compiled"]
+
+    monkeypatch.setattr(lora_triton, "why_not", lambda device: None)  # (a CUDA machine with Triton)
+    seen.clear()
+    kit.main(["setup", "speed", "--out", str(lease.out), "--again"])
+    tp = setup_json(lease)["result"]["throughput"]
+    assert tp["order"] == ["streaming", "dense", "streaming compiled", "dense compiled", "streaming compiled triton",
+                           "dense compiled triton", "pruned", "pruned compiled"]
+    assert seen[4:6] == [("streaming", True, "triton"), ("dense", True, "triton")]
+    assert all(lora is None for _, _, lora in seen[:4] + seen[6:])
+    kernels = tp["compiled"]["lora_kernel"]
+    assert kernels["option"] == {"lora_kernel": "triton"} and set(kernels["models"]) == {"streaming", "dense"}
+    assert set(tp["compiled"]["models"]) == {"streaming", "dense", "pruned"}
+    assert tp["compiled"]["models"]["streaming"]["tokens_per_s"] == 120_000.0
+    assert kernels["models"]["streaming"]["tokens_per_s"] == 180_000.0

@@ -215,9 +215,27 @@ def test_bad_training_input(built, corpus, tmp_path):
         Trainer.start(built, tmp_path / "b", small(data=str(tmp_path / "short.txt"), seq_len=512))
     with pytest.raises(ConceptError, match="does not exist"):
         Trainer.start(built, tmp_path / "c", small(data=str(tmp_path / "missing")))
+    if not torch.cuda.is_available():  # the adapters' Triton kernels run on CUDA: refused before anything is written
+        with pytest.raises(ConfigError, match="--lora-kernel triton runs on CUDA devices.*--lora-kernel matmuls"):
+            Trainer.start(built, tmp_path / "e", small(data=str(corpus),
+                                                       lora=concept.lora.LoraSettings(rank=2, kernel="triton")))
+        assert not (tmp_path / "e").exists()
     Trainer.start(built, tmp_path / "d", small(data=str(corpus), steps=3)).train()
     with pytest.raises(ConfigError, match="seq_len: the run was trained with 32"):
         Trainer.resume(tmp_path / "d", seq_len=64)
+    # how the adapters compute may change on resume, as the device may: a run trained with the Triton kernels (on a
+    # GPU: its train.json says so) resumes here with the matmuls, and without them is refused before it writes
+    saved = json.loads((tmp_path / "d" / "train.json").read_text())
+    saved["lora"]["kernel"] = "triton"
+    (tmp_path / "d" / "train.json").write_text(json.dumps(saved))
+    if not torch.cuda.is_available():
+        before = {p: p.read_bytes() for p in (tmp_path / "d").rglob("*") if p.is_file()}
+        with pytest.raises(ConfigError, match="--lora-kernel triton runs on CUDA devices"):
+            Trainer.resume(tmp_path / "d")
+        assert {p: p.read_bytes() for p in (tmp_path / "d").rglob("*") if p.is_file()} == before
+    resumed = Trainer.resume(tmp_path / "d", **{"lora.kernel": "matmuls"})
+    assert resumed.config.lora.kernel == "matmuls"
+    resumed.release()  # (its lock: held until training ends)
     with pytest.raises(RunFolderError, match="not empty"):
         Trainer.start(built, tmp_path / "d", small(data=str(corpus)))
 

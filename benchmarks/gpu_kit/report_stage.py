@@ -205,15 +205,27 @@ def render_setup(data: dict) -> str:
             if graphs_failed:
                 lines += ["", "CUDA graphs failed these rows, measured again without them (as every compiled row after "
                               "them): " + "; ".join(f"{label}: {cell(error)}" for label, error in graphs_failed.items())]
-        compiled_failed = {k: e for k, e in failed.items() if k.startswith("compiled") or k.endswith(" compiled")}
+        kernels = ((tp.get("compiled") or {}).get("lora_kernel") or {}).get("models", {})
+        if kernels:
+            lines += ["", "Compiled alike, the adapters in Triton kernels (`--lora-kernel triton`: a projection's forward "
+                          "one kernel, its input gradient one, its adapter gradients two matmuls; vs matmuls: against "
+                          "the compiled row above):",
+                      "", "| model | tokens/s | vs matmuls | s / step | compile s | first step s | peak MiB | "
+                          "CUDA graphs |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+            lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | "
+                      f"{_f(m['tokens_per_s'] / compiled[kind]['tokens_per_s'] if kind in compiled else None, '.2f')}x | "
+                      f"{m['step_s']:.3f} | {_f(m.get('compile_s'), '.0f')} | {_f(m.get('first_step_s'), '.1f')} | "
+                      f"{_f(m.get('peak_mib'), ',.0f')} | {graphs_cell(m)} |" for kind, m in kernels.items()]
+        compiled_failed = {k: e for k, e in failed.items() if "compiled" in k.split()}
         if compiled_failed:
             lines += ["", "Compiled rows that failed (each on its own; the others above were measured): "
                       + "; ".join(f"{kind}: {cell(error)}" for kind, error in compiled_failed.items())]
-        target = training_target(tp["models"], compiled)
+        target = training_target(tp["models"], compiled, kernels)
         if target:
             lines += ["", target]
         profiled = {kind: m["profile"] for kind, m in tp["models"].items() if m.get("profile")}
         profiled.update({f"{kind} compiled": m["profile"] for kind, m in compiled.items() if m.get("profile")})
+        profiled.update({f"{kind} compiled triton": m["profile"] for kind, m in kernels.items() if m.get("profile")})
         if profiled:
             lines += ["", "One more step of each under `torch.profiler` (device busy: the sum of its kernels' own time; "
                           "far below the step's wall time means launches and Python bound the step, not arithmetic; "
@@ -240,15 +252,17 @@ def short_kernels_cell(short: dict | None) -> str:
             f"device time; {short['split_k_reduce_calls']:,} split-K reductions)")
 
 
-def training_target(eager: dict, compiled: dict) -> str:
+def training_target(eager: dict, compiled: dict, kernels: dict | None = None) -> str:
     """The training target's line: streaming's best tokens/s, its ratio to the dense model's best, and the ratio
-    under the same settings (eager against eager, compiled against compiled) where both were measured."""
-    best = {k: max(d[k]["tokens_per_s"] for d in (eager, compiled) if k in d)
-            for k in ("streaming", "dense") if k in eager or k in compiled}
+    under the same settings (eager against eager, compiled against compiled, and compiled with the adapters' Triton
+    kernels, ``kernels``) where both were measured."""
+    settings = (("eager", eager), ("compiled", compiled), ("compiled, --lora-kernel triton", kernels or {}))
+    best = {k: max(d[k]["tokens_per_s"] for _, d in settings if k in d)
+            for k in ("streaming", "dense") if any(k in d for _, d in settings)}
     if len(best) < 2:
         return ""
     same = [f"{d['streaming']['tokens_per_s'] / d['dense']['tokens_per_s']:.2f}x {name}"
-            for name, d in (("eager", eager), ("compiled", compiled)) if "streaming" in d and "dense" in d]
+            for name, d in settings if "streaming" in d and "dense" in d]
     return (f"Training target (docs/benchmarks.md): streaming {best['streaming']:,.0f} tokens/s at its best "
             f"(bar 250,000), {best['streaming'] / best['dense']:.2f}x the dense model's best (bar 1.4x); under the same "
             f"settings: {', '.join(same) or 'not measured'}"
@@ -345,22 +359,30 @@ def render_speed(data: dict) -> str:
 
 def adapter_cost_lines(rows: list[dict]) -> list[str]:
     """The adapters' cost a projection (``benchmarks/test_adapters.py``): per projection shape and row count, the
-    device time of its forward and backward, the frozen base alone against base and adapter, and the kernels of each;
-    nothing for rows without device times (a CPU's, a kit's before it)."""
+    device time of its forward and backward, the frozen base alone against base and adapter (the matmuls, and the
+    Triton kernels of ``--lora-kernel triton`` where the row has them), and the kernels of each; nothing for rows
+    without device times (a CPU's, a kit's before it)."""
     found = [row for row in rows if row.get("suite") == "adapter-cost" and "concept_device_busy_s_per_projection" in row]
     if not found:
         return []
+    triton = any("kernels_device_busy_s_per_projection" in row for row in found)
+    sides = ("dense", "concept", "kernels") if triton else ("dense", "concept")
     lines = ["", "The adapters' cost a projection, forward and backward (bf16, rank 8; device time: the sum of its "
                  "kernels' own time, no launch gaps, as a CUDA graph of the step runs them; the demo recipe's "
-                 "full-width rows and the middle stack's):", "",
-             "| projection | rows | base alone µs | with its adapter µs | the adapter µs | kernels (base / adapted) | "
-             f"short kernels, adapted side (its call of {found[0].get('repeats', '–')} projections) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+                 "full-width rows and the middle stack's" + ("; `triton`: `--lora-kernel triton`'s two kernels and "
+                                                            "two matmuls" if triton else "") + "):", "",
+             "| projection | rows | base alone µs | with its adapter µs | the adapter µs | "
+             + ("with its adapter, `triton` µs | the adapter, `triton` µs | kernels (base / adapted / `triton`) | "
+                if triton else "kernels (base / adapted) | ")
+             + f"short kernels, adapted side (its call of {found[0].get('repeats', '–')} projections) |",
+             "|---|---:|---:|---:|---:|" + ("---:|---:|" if triton else "") + "---:|---|"]
     for row in found:
         base, both = (1e6 * row[f"{side}_device_busy_s_per_projection"] for side in ("dense", "concept"))
-        kernels = "/".join(f"{row[f'{side}_kernel_launches_per_projection']:.0f}" for side in ("dense", "concept"))
+        kernels = "/".join(_f(row.get(f"{side}_kernel_launches_per_projection"), ".0f") for side in sides)
+        ours = row.get("kernels_device_busy_s_per_projection")
+        fused = f"{_f(ours and 1e6 * ours, '.1f')} | {_f(ours and 1e6 * ours - base, '.1f')} | " if triton else ""
         lines.append(f"| {row['case'].removeprefix('adapter cost ')} | {row['rows']:,} | {base:.1f} | {both:.1f} | "
-                     f"{both - base:.1f} | {kernels} | {short_kernels_cell(row.get('concept_short_kernels'))} |")
+                     f"{both - base:.1f} | {fused}{kernels} | {short_kernels_cell(row.get('concept_short_kernels'))} |")
     return lines
 
 

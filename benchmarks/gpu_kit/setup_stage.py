@@ -55,8 +55,12 @@ MODELS = (("streaming", None), ("pruned", "pruned"), ("dense", "dense"))  # each
 # the rows, in the order measured: the training target's four first (streaming against dense under the same
 # settings, eager and compiled: issue 39), then the pruned baseline's as the budget allows (the lease of
 # 2026-11-27b measured eager pruned, then had no time left for compiled dense)
-ROWS = (("streaming", False), ("dense", False), ("streaming", True), ("dense", True), ("pruned", False),
-        ("pruned", True))
+# Then, before pruned, the same two compiled with the adapters in Triton kernels (``--lora-kernel triton``:
+# ``ADAPTER_KERNEL``, a compiled row's ``compiled`` field; where Triton runs), the training target read again with
+# the lever it was built for.
+ADAPTER_KERNEL = "triton"
+ROWS = (("streaming", False), ("dense", False), ("streaming", True), ("dense", True), ("streaming", ADAPTER_KERNEL),
+        ("dense", ADAPTER_KERNEL), ("pruned", False), ("pruned", True))
 EAGER_NEED_S = 20  # seconds of budget an eager row needs to start (2026-11-27b: 9-19 s, its profiled step included)
 COMPILE_PRIOR_S = 55  # a compilation's seconds before this run has measured one (2026-11-27b: 38 s, streaming)
 COMPILE_SAFETY = 1.3  # a compiled row's compilation: this x the longest one measured in this run (``row_need_s``)
@@ -339,18 +343,36 @@ def measure_throughput(stage: Stage, compiled: bool = True, keep: Callable[[dict
     for kind, is_compiled in ROWS:
         if is_compiled and not compiled:
             continue
-        what = f"{'compiled ' if is_compiled else ''}throughput of {kind}"
+        what = f"{'compiled ' if is_compiled else ''}throughput of {kind}" + (
+            f" with --lora-kernel {is_compiled}" if is_compiled == ADAPTER_KERNEL else "")
+        if is_compiled == ADAPTER_KERNEL and not lora_kernel_runs(stage, device, what):
+            continue
         while fits(stage, out, kind, is_compiled, what):
             if is_compiled and not compiled_build(stage, out, folder / "build-static"):
                 break
-            out["order"].append(f"{kind} compiled" if is_compiled else kind)
+            out["order"].append(row_label(kind, is_compiled))
             keep(out)  # (a call cut off during the row says which row it was)
             measure_row(stage, out, folder, kind, is_compiled, device, steps)
             keep(out)
-            if not (is_compiled and graphs_failed(out, kind)):  # (else: the row again without CUDA graphs, once)
+            if not (is_compiled is True and graphs_failed(out, kind)):  # (else: the row again without CUDA graphs, once)
                 break
             what += " without CUDA graphs"
     return out
+
+
+def row_label(kind: str, compiled) -> str:
+    """A row's name: ``streaming``, ``streaming compiled``, ``streaming compiled triton`` (``ADAPTER_KERNEL``)."""
+    return kind + (" compiled" if compiled else "") + (f" {compiled}" if compiled == ADAPTER_KERNEL else "")
+
+
+def lora_kernel_runs(stage: Stage, device: str, what: str) -> bool:
+    """Whether the adapters' Triton kernels run on ``device``; if not, a skip saying why."""
+    from concept import lora_triton
+
+    why = lora_triton.why_not(device)
+    if why:
+        stage.skip(what, why)
+    return why is None
 
 
 def fits(stage: Stage, out: dict, kind: str, compiled: bool, what: str) -> bool:
@@ -427,16 +449,20 @@ def measure_row(stage: Stage, out: dict, folder: Path, kind: str, compiled: bool
     compiled for CUDA graphs and ran without them (0 where the training forward and backward ran as CUDA graphs). A compiled row is stopped
     ``COMPILED_MARGIN_S`` before the stage's budget ends (``within``): then it is a failed row."""
     start = time.monotonic()
-    label = f"{kind} compiled" if compiled else kind
+    label = row_label(kind, compiled)
     baseline = dict(MODELS)[kind]
     from ..compiled import cudagraph_skips
 
     skips = cudagraph_skips()
     if compiled:
         cap = stage.remaining() - COMPILED_MARGIN_S  # a compilation that runs past it is stopped: the row fails
+        option = dict(out["compiled"]["option"])
+        if compiled == ADAPTER_KERNEL:
+            from concept.train_config import LoraSettings
+            option["lora"] = LoraSettings(kernel=ADAPTER_KERNEL)
         row = measured_row(stage, label, out["failed"], lambda: within(cap, lambda: train_and_time(
-            stage, folder / "build-static", folder / f"{kind}-compiled", kind, baseline, device, steps,
-            out["compiled"]["option"])))
+            stage, folder / "build-static", folder / label.replace(" ", "-"), kind, baseline, device, steps,
+            option)))
     else:
         row = measured_row(stage, label, out["failed"], lambda: train_and_time(
             stage, folder / "build", folder / kind, kind, baseline, device, steps, {}))
@@ -450,7 +476,11 @@ def measure_row(stage: Stage, out: dict, folder: Path, kind: str, compiled: bool
     if compiled and eager:  # the warm-up steps' extra seconds: compilation
         row["compile_s"] = max(0.0, row["warmup_s"] - eager["warmup_s"])
         row["vs_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
-    (out["compiled"]["models"] if compiled else out["models"])[kind] = row
+    if compiled == ADAPTER_KERNEL:  # (apart: `quality` and the target's reading take the default rows)
+        out["compiled"].setdefault("lora_kernel", {"option": {"lora_kernel": ADAPTER_KERNEL}, "models": {}})
+        out["compiled"]["lora_kernel"]["models"][kind] = row
+    else:
+        (out["compiled"]["models"] if compiled else out["models"])[kind] = row
 
 
 class RowTimeout(Exception):
@@ -554,11 +584,12 @@ def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: s
         row["cudagraph_rerecorded"] = cudagraph_recordings() - recorded
     if device == "cuda":
         row["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    label = kind + (" compiled" if extra else "")
+    lora = extra.get("lora")
+    label = kind + (" compiled" if extra else "") + (f" {lora.kernel}" if lora else "")
     stage.say(f"throughput {label}: {tps:,.0f} tokens/s (warm-up {warmup_s:.1f} s, its first step {first_step_s:.1f} s)")
     if stage.remaining() > 10:
         prof = profile_call(trainer.train_step, device, table_rows=60)
-        name = f"setup-profile-{kind}{'-compiled' if extra else ''}.txt"
+        name = f"setup-profile-{label.replace(' ', '-')}.txt"
         (stage.out / name).write_text(prof.pop("table"))
         # (the names of kits before 2026-11-27 too: device_s, ops)
         row["profile"] = {**prof, "device_s": prof["device_busy_s"], "ops": prof["aten_ops"], "table": name}
