@@ -11,8 +11,6 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .lora_triton import interpreted
-
 # tiles: 128 x 128 outputs a program, 64 of the reduction a step (bf16 on Hopper: 8 warps, 3 stages)
 BLOCK_ROWS, BLOCK_OUT, BLOCK_REDUCE, WARPS, STAGES = 128, 128, 64, 8, 3
 
@@ -104,6 +102,10 @@ def _input_grad_kernel(g_ptr, w_ptr, a_ptr, b_ptr, dx_ptr, gh_ptr, M, N, K, R, s
                  mask=(rows[:, None] < M) & (ranks[None, :] < R))
 
 
+# whether Triton made these kernels for its interpreter (``TRITON_INTERPRET=1`` when it was imported)
+INTERPRETED = not isinstance(_forward_kernel, triton.runtime.JITFunction)
+
+
 def _rank_tile(r: int) -> int:
     """The adapter rank padded to a power of two of at least 16 (``tl.dot``'s smallest dimension)."""
     return max(16, triton.next_power_of_2(r))
@@ -116,7 +118,7 @@ def _precision(dtype: torch.dtype) -> str:
 def _upcast(dtype: torch.dtype) -> bool:
     """In Triton's interpreter (bf16 only: its fp16 is not checked), the tiles upcast and the results rounded
     by their bits (:func:`_dot`, :func:`_rounded`)."""
-    if not interpreted() or dtype == torch.float32:
+    if not INTERPRETED or dtype == torch.float32:
         return False
     if dtype != torch.bfloat16:
         raise TypeError(f"lora kernels in Triton's interpreter: float32 or bfloat16, got {dtype}")
@@ -129,6 +131,16 @@ def _check(x, weight, lora_a, lora_b) -> None:
                         f"{lora_b.dtype}")
 
 
+def _launch(kernel, grid, operands, outputs, sizes, scaling: float, **blocks) -> None:
+    """``kernel`` over ``grid`` with its tensors (the operands, then the outputs), their sizes, the scale, every
+    tensor's two strides in the same order, and the tiles."""
+    strides = [stride for t in (*operands, *outputs) for stride in t.stride()]
+    dtype = operands[0].dtype
+    wrap_triton(kernel)[grid](*operands, *outputs, *sizes, scaling, *strides, RANK=_rank_tile(sizes[-1]),
+                              PRECISION=_precision(dtype), UPCAST=_upcast(dtype), num_warps=WARPS, num_stages=STAGES,
+                              **blocks)
+
+
 @triton_op("concept::lora_forward", mutates_args=())
 def lora_forward(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,15 +148,9 @@ def lora_forward(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lo
     _check(x, weight, lora_a, lora_b)
     M, K = x.shape
     N, R = weight.shape[0], lora_a.shape[0]
-    y = x.new_empty((M, N))
-    scaled_h = x.new_empty((M, R))
-    grid = (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(N, BLOCK_OUT))
-    wrap_triton(_forward_kernel)[grid](
-        x, weight, lora_a, lora_b, y, scaled_h, M, N, K, R, scaling,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), lora_a.stride(0), lora_a.stride(1),
-        lora_b.stride(0), lora_b.stride(1), y.stride(0), y.stride(1), scaled_h.stride(0), scaled_h.stride(1),
-        BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_OUT, BLOCK_K=BLOCK_REDUCE, RANK=_rank_tile(R),
-        PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), num_warps=WARPS, num_stages=STAGES)
+    y, scaled_h = x.new_empty((M, N)), x.new_empty((M, R))
+    _launch(_forward_kernel, (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(N, BLOCK_OUT)), (x, weight, lora_a, lora_b),
+            (y, scaled_h), (M, N, K, R), scaling, BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_OUT, BLOCK_K=BLOCK_REDUCE)
     return y, scaled_h
 
 
@@ -155,15 +161,9 @@ def lora_input_grad(grad: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tens
     _check(grad, weight, lora_a, lora_b)
     M, N = grad.shape
     K, R = weight.shape[1], lora_a.shape[0]
-    grad_x = grad.new_empty((M, K))
-    grad_h = grad.new_empty((M, R))
-    grid = (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(K, BLOCK_OUT))
-    wrap_triton(_input_grad_kernel)[grid](
-        grad, weight, lora_a, lora_b, grad_x, grad_h, M, N, K, R, scaling,
-        grad.stride(0), grad.stride(1), weight.stride(0), weight.stride(1), lora_a.stride(0), lora_a.stride(1),
-        lora_b.stride(0), lora_b.stride(1), grad_x.stride(0), grad_x.stride(1), grad_h.stride(0), grad_h.stride(1),
-        BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_REDUCE, BLOCK_K=BLOCK_OUT, RANK=_rank_tile(R),
-        PRECISION=_precision(grad.dtype), UPCAST=_upcast(grad.dtype), num_warps=WARPS, num_stages=STAGES)
+    grad_x, grad_h = grad.new_empty((M, K)), grad.new_empty((M, R))
+    _launch(_input_grad_kernel, (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(K, BLOCK_OUT)), (grad, weight, lora_a, lora_b),
+            (grad_x, grad_h), (M, N, K, R), scaling, BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_REDUCE, BLOCK_K=BLOCK_OUT)
     return grad_x, grad_h
 
 

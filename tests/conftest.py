@@ -142,3 +142,26 @@ def fresh_dynamo():
     yield
     torch._dynamo.config.error_on_recompile = False
     torch._dynamo.reset()
+
+
+WRAP_TRITON_REFUSES = "wrap_triton only works on functions annotated"  # (torch 2.11's, of the interpreter's kernels)
+
+
+def interpreter_report(module: str, skip_on: str | None = None, timeout: int = 900) -> dict:
+    """The JSON report (its last line) of ``python -m MODULE`` run in Triton's interpreter on CPU tensors: a
+    subprocess, since the interpreter must be chosen before Triton is first imported. ``skip_on``: an error text
+    that skips the test instead (a torch that refuses the interpreter's kernels)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode and skip_on and skip_on in done.stderr:
+        pytest.skip("this torch's wrap_triton refuses the interpreter's kernels (torch 2.11, the GPU image's; on the "
+                    "GPU they run compiled: the kit's exact stage)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -16,20 +16,15 @@ streaming training step with no host sync.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from concept.streaming import device_scan
 from concept.syncs import SYNC_OPS
+from tests.conftest import WRAP_TRITON_REFUSES, interpreter_report
 
-ROOT = Path(__file__).resolve().parent.parent
 needs_triton = pytest.mark.skipif(not device_scan.AVAILABLE, reason="triton is not installed")
 pytestmark = needs_triton
 
@@ -37,14 +32,7 @@ pytestmark = needs_triton
 @pytest.fixture(scope="module")
 def interpreted():
     """The report of ``tests/device_scan_cases.py`` run in Triton's interpreter on CPU tensors."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "tests.device_scan_cases"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    if done.returncode and "wrap_triton only works on functions annotated" in done.stderr:
-        pytest.skip("this torch's wrap_triton refuses the interpreter's kernels (torch 2.11, the GPU image's; on the "
-                    "GPU they run compiled: the kit's exact stage)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreter_report("tests.device_scan_cases", skip_on=WRAP_TRITON_REFUSES)
 
 
 def test_every_kernel_equals_the_host_scan_bit_for_bit(interpreted):

@@ -16,19 +16,14 @@ the compiled kernels, and a compiled training step of an adapted model against i
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from concept import lora_triton
+from tests.conftest import WRAP_TRITON_REFUSES, interpreter_report
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not lora_triton.AVAILABLE, reason="triton is not installed")
 FP32 = 1e-5  # relative L2 error: the same products summed in another order
 
@@ -36,14 +31,7 @@ FP32 = 1e-5  # relative L2 error: the same products summed in another order
 @pytest.fixture(scope="module")
 def interpreted():
     """The report of ``tests/lora_triton_cases.py`` run in Triton's interpreter on CPU tensors."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "tests.lora_triton_cases"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    if done.returncode and "wrap_triton only works on functions annotated" in done.stderr:
-        pytest.skip("this torch's wrap_triton refuses the interpreter's kernels (torch 2.11, the GPU image's; on the "
-                    "GPU they run compiled: the kit's exact stage)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreter_report("tests.lora_triton_cases", skip_on=WRAP_TRITON_REFUSES)
 
 
 def check_compare(report: dict) -> None:
