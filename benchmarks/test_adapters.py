@@ -91,10 +91,9 @@ def measure_cases(cases, device, dtype) -> list[tuple[str, dict, dict]]:
         timing.update({f"{side}_{key}_per_projection": timing[f"{side}_{key}"] / REPEATS
                        for side in sides for key in ("s", "device_busy_s", "kernel_launches")
                        if f"{side}_{key}" in timing})
+        sides_named = ["frozen base alone", "with its adapter"] + (["its adapter by the Triton kernels"] * triton)
         fields = {"T": None, "rows": n, "d_in": d_in, "d_out": d_out, "rank": RANK, "repeats": REPEATS,
-                  "suite": "adapter-cost",
-                  "sides": ["frozen base alone", "with its adapter"] + (["its adapter by the Triton kernels"]
-                                                                        if triton else []), "dtype": str(dtype).removeprefix("torch.")}
+                  "suite": "adapter-cost", "sides": sides_named, "dtype": str(dtype).removeprefix("torch.")}
         found.append((name, timing, fields))
     return found
 

@@ -91,7 +91,7 @@ def _input_grad_kernel(g_ptr, w_ptr, a_ptr, b_ptr, dx_ptr, gh_ptr, M, N, K, R, s
                     other=0.0)  # [BLOCK_N, RANK]
         acc = _dot(g, w, acc, PRECISION, UPCAST)
         gb = _dot(g, b, gb, PRECISION, UPCAST)
-    grad_h = _rounded(gb * scaling, dx_ptr.dtype.element_ty, UPCAST)  # s g B in the compute dtype, as its matmul rounds it
+    grad_h = _rounded(gb * scaling, dx_ptr.dtype.element_ty, UPCAST)  # s g B, rounded as its matmul rounds it
     a = tl.load(a_ptr + ranks[:, None] * sar + ks[None, :] * sak, mask=(ranks[:, None] < R) & (ks[None, :] < K),
                 other=0.0)  # [RANK, BLOCK_K]
     acc = _dot(grad_h, a, acc, PRECISION, UPCAST)
