@@ -256,12 +256,11 @@ def test_a_compiled_row_cuda_graphs_fail_is_measured_again_without_them(lease, m
         assert "streaming" not in tp["compiled"]["models"] and "streaming compiled" in tp["failed"]
 
 
-def test_the_target_rows_again_with_the_adapters_triton_kernels_before_pruned(lease, monkeypatch):
-    """Where Triton runs, streaming and dense compiled again with ``--lora-kernel triton`` (the lever for the
-    training target), after the target's four rows and before the pruned baseline's; each trained with that option,
-    kept apart from the compiled rows (``compiled.lora_kernel``: `quality` and the target's reading take the
-    default's). Where it does not (this CPU), both are skipped, saying why, and the order is the target's four then
-    pruned (the test above)."""
+def test_where_triton_runs_the_targets_compiled_pair_comes_first_with_the_adapters_kernels(lease, monkeypatch):
+    """Where Triton runs, the training target's compiled pair first with ``--lora-kernel triton`` (the lever for the
+    target's ratio), then with the matmuls, then pruned; each trained with its option, the Triton rows kept apart
+    (``compiled.lora_kernel``: `quality` sizes by the matmuls' rows). Where it does not (this CPU), both are
+    skipped, saying why, and the order is the target's four then pruned (the test above)."""
     from concept import lora_triton
 
     seen = []
@@ -283,12 +282,48 @@ def test_the_target_rows_again_with_the_adapters_triton_kernels_before_pruned(le
     seen.clear()
     kit.main(["setup", "speed", "--out", str(lease.out), "--again"])
     tp = setup_json(lease)["result"]["throughput"]
-    assert tp["order"] == ["streaming", "dense", "streaming compiled", "dense compiled", "streaming compiled triton",
-                           "dense compiled triton", "pruned", "pruned compiled"]
-    assert seen[4:6] == [("streaming", True, "triton"), ("dense", True, "triton")]
-    assert all(lora is None for _, _, lora in seen[:4] + seen[6:])
+    assert tp["order"] == ["streaming", "dense", "streaming compiled triton", "dense compiled triton",
+                           "streaming compiled", "dense compiled", "pruned", "pruned compiled"]
+    assert seen[2:4] == [("streaming", True, "triton"), ("dense", True, "triton")]
+    assert all(lora is None for _, _, lora in seen[:2] + seen[4:])
     kernels = tp["compiled"]["lora_kernel"]
     assert kernels["option"] == {"lora_kernel": "triton"} and set(kernels["models"]) == {"streaming", "dense"}
     assert set(tp["compiled"]["models"]) == {"streaming", "dense", "pruned"}
     assert tp["compiled"]["models"]["streaming"]["tokens_per_s"] == 120_000.0
     assert kernels["models"]["streaming"]["tokens_per_s"] == 180_000.0
+
+    monkeypatch.setenv("CONCEPT_KIT_LORA_KERNEL", "matmuls")  # (call 2 after `exact` failed the kernels' tests)
+    kit.main(["setup", "speed", "--out", str(lease.out), "--again"])
+    data = setup_json(lease)
+    assert "lora_kernel" not in data["result"]["throughput"]["compiled"]
+    assert any(s["reason"].startswith("CONCEPT_KIT_LORA_KERNEL=matmuls") for s in data["skipped"])
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["skipped-after-a-failure", "negative-control"])
+def test_a_failed_triton_row_leaves_the_matmuls_pair_to_run(lease, monkeypatch, guarded):
+    """Streaming's Triton row fails (not by the stage's time): dense's is skipped, saying why, and the matmuls'
+    compiled pair runs after it, so the target is still read; the failure is kept under ``failed``. Negative
+    control: without the guard, dense's Triton row runs (and would fail too: a lease's minutes for nothing)."""
+    from concept import lora_triton
+
+    monkeypatch.setattr(lora_triton, "why_not", lambda device: None)
+    if not guarded:
+        monkeypatch.setattr(setup_stage, "lora_kernel_runs", lambda stage, out, device, what: True)
+
+    def train_and_time(stage, source, run, kind, baseline, device, steps, extra):
+        if extra.get("lora"):
+            raise RuntimeError("triton: out of resources")
+        return {"tokens_per_s": 60_000.0 * (2 if extra else 1), "step_s": 0.27, "warmup_s": 6.4 if extra else 1.0}
+
+    monkeypatch.setattr(setup_stage, "train_and_time", train_and_time)
+    kit.main(["setup", "speed", "--out", str(lease.out)])
+    data = setup_json(lease)
+    tp = data["result"]["throughput"]
+    assert "out of resources" in tp["failed"]["streaming compiled triton"]
+    assert set(tp["compiled"]["models"]) >= {"streaming", "dense"}
+    if guarded:
+        assert "dense compiled triton" not in tp["order"]
+        reason = {s["what"]: s["reason"] for s in data["skipped"]}["compiled throughput of dense with --lora-kernel triton"]
+        assert reason.startswith("the row streaming compiled triton failed")
+    else:
+        assert "dense compiled triton" in tp["order"]
