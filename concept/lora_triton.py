@@ -1,25 +1,24 @@
-"""A LoRA-adapted projection in two Triton kernels instead of eight matmuls (``--lora-kernel triton``).
+"""A LoRA-adapted projection in three Triton kernels instead of eight matmuls (``--lora-kernel triton``).
 
 ``concept.lora.LoraMatmuls`` computes ``y = x W^T + s (x A^T) B^T`` as three matmuls forward and five backward,
 each its own kernel (and cuBLAS adds a split-K reduction to each adapter weight gradient's). At the demo
 recipe most of them are short: the adapter's products are 8 wide, and in the middle stack the base product too
 (``docs/benchmarks.md``, "The step's kernels at their floors"). Here:
 
-- forward, one kernel (:func:`_forward_kernel`): each program's tile of ``y`` accumulates ``x W^T`` and ``x A^T``
+- forward, one kernel (``_forward_kernel``): each program's tile of ``y`` accumulates ``x W^T`` and ``x A^T``
   over the same loads of ``x`` (the adapter's r columns recomputed by each column tile: r / BLOCK_N more work,
   6 % at r = 8), then adds ``s h B^T`` in its epilogue; it also writes ``s h`` [N, r] for ``B``'s gradient;
-- backward, one kernel (:func:`_input_grad_kernel`) for ``dx = g W + (s g B) A``, the same way, writing
-  ``s g B`` [N, r] for ``A``'s gradient; the two adapter gradients, ``dA = (s g B)^T x`` and
-  ``dB = g^T (s h)``, stay ``torch.mm`` (thin outputs over every row: cuBLAS's split-K).
+- backward, one kernel (``_backward_kernel``) for ``dx = g W + (s g B) A``, the same way, each row tile also
+  writing its shares of the adapters' gradients ``dA = (s g B)^T x`` and ``dB = g^T (s h)`` in fp32, and one
+  (``_sum_kernel``) adding the row tiles' shares in order (no atomics: deterministic, so exact resume holds).
 
-Four kernels a projection and step where :class:`~concept.lora.LoraMatmuls` has eight (ten with the split-K
-reductions). The values are those of the matmuls up to the order of the fp32 sums: ``h`` and ``s g B`` are
-rounded to the compute dtype as the matmuls round them, ``y`` and ``dx`` once at the end (the matmuls round
-the base and adapter products before adding them). Deterministic: each output element is written by one
-program, no atomics (exact resume holds).
+Three kernels a projection and step where :class:`~concept.lora.LoraMatmuls` has eight (ten with cuBLAS's
+split-K reductions). The values are those of the matmuls up to the order of the fp32 sums: ``h`` and ``s g B``
+are rounded to the compute dtype as the matmuls round them, ``y``, ``dx``, ``dA`` and ``dB`` once at the end (the
+matmuls round the base and adapter products before adding them).
 
-Each kernel is a ``torch.library.triton_op`` (``concept::lora_forward``, ``concept::lora_input_grad``) and
-:func:`lora_linear` their autograd, so ``torch.compile(fullgraph=True)`` traces them as two user kernels.
+Each kernel launch is in a ``torch.library.triton_op`` (``concept::lora_forward``, ``concept::lora_backward``)
+and :func:`lora_linear` their autograd, so ``torch.compile(fullgraph=True)`` traces them as user kernels.
 Where they run (:func:`runs_on`): CUDA with Triton; a CPU only in Triton's interpreter (``TRITON_INTERPRET=1``,
 tests). Imported on first use (``concept.lora`` imports this module only when a layer asks for the kernels).
 """
@@ -59,7 +58,7 @@ def why_not(device) -> str | None:
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 scaling: float) -> torch.Tensor:
     """``x W^T + s (x A^T) B^T`` for 2-D ``x`` [N, in], ``W`` [out, in], ``A`` [r, in], ``B`` [out, r], all one
-    dtype, in the two kernels and their autograd (``W``'s gradient is never computed: a frozen base)."""
+    dtype, in the kernels and their autograd (``W``'s gradient is never computed: a frozen base)."""
     # lazy: Triton and torch's Triton support take seconds to import, which the matmuls never need
     from . import lora_triton_kernels  # noqa: F401  (registers the ops and their autograd)
 

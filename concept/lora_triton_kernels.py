@@ -1,5 +1,5 @@
 """The Triton kernels of ``concept.lora_triton`` and their ops (``concept::lora_forward``,
-``concept::lora_input_grad``) with their autograd.
+``concept::lora_backward``) with their autograd.
 
 Imported on first use only (``lora_triton.lora_linear``): Triton and torch's Triton support take seconds to
 import, which the matmuls never need.
@@ -13,6 +13,18 @@ from torch.library import triton_op, wrap_triton
 
 # tiles: 128 x 128 outputs a program, 64 of the reduction a step (bf16 on Hopper: 8 warps, 3 stages)
 BLOCK_ROWS, BLOCK_OUT, BLOCK_REDUCE, WARPS, STAGES = 128, 128, 64, 8, 3
+SUM_BLOCK = 1024  # elements of the adapters' gradients a program of the final sum adds up
+# the backward's columns of dx a program: 128 on Hopper; 64 before it (on the A100, sm_80, 128 spills registers)
+BACKWARD_COLUMNS = {9: 128, 8: 64}
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability; Hopper's elsewhere (the interpreter, a build ahead of time)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+
+
+def backward_columns(device: torch.device) -> int:
+    return BACKWARD_COLUMNS[min(max(capability(device)[0], 8), 9)]
 
 
 @triton.jit
@@ -70,15 +82,20 @@ def _forward_kernel(x_ptr, w_ptr, a_ptr, b_ptr, y_ptr, hs_ptr, M, N, K, R, scali
 
 
 @triton.jit
-def _input_grad_kernel(g_ptr, w_ptr, a_ptr, b_ptr, dx_ptr, gh_ptr, M, N, K, R, scaling,
-                       sgm, sgn, swn, swk, sar, sak, sbn, sbr, sxm, sxk, shm, shr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RANK: tl.constexpr,
-                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """dx [M, K] = g W + (s g B) A; gh [M, R] = s g B, written by the first column of programs."""
+def _backward_kernel(g_ptr, x_ptr, w_ptr, a_ptr, b_ptr, hs_ptr, dx_ptr, partial_ptr, M, N, K, R, scaling,
+                     sgm, sgn, sxm, sxk, swn, swk, sar, sak, sbn, sbr, shm, shr, sdm, sdk,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RANK: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dx [M, K] = g W + (s g B) A, and this row tile's shares of the adapters' gradients, in fp32, in its row of
+    ``partial`` [tiles, R K + N R]: ``(s g B)^T x`` over its columns of x (every program), ``g^T (s h)`` (the first
+    column of programs). :func:`_sum_kernel` adds the tiles' shares in order."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     ranks = tl.arange(0, RANK)
+    share = partial_ptr + pid_m * (R * K + N * R)
+    hs = tl.load(hs_ptr + rows[:, None] * shm + ranks[None, :] * shr, mask=(rows[:, None] < M) & (ranks[None, :] < R),
+                 other=0.0)  # [BLOCK_M, RANK]: s x A^T of these rows
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     gb = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
@@ -91,15 +108,31 @@ def _input_grad_kernel(g_ptr, w_ptr, a_ptr, b_ptr, dx_ptr, gh_ptr, M, N, K, R, s
                     other=0.0)  # [BLOCK_N, RANK]
         acc = _dot(g, w, acc, PRECISION, UPCAST)
         gb = _dot(g, b, gb, PRECISION, UPCAST)
+        if pid_k == 0:  # B's gradient, these rows' share: g^T (s h) over this tile of outputs
+            grad_b = _dot(tl.trans(g), hs, tl.zeros((BLOCK_N, RANK), dtype=tl.float32), PRECISION, UPCAST)
+            tl.store(share + R * K + ns[:, None] * R + ranks[None, :], grad_b,
+                     mask=(ns[:, None] < N) & (ranks[None, :] < R))
     grad_h = _rounded(gb * scaling, dx_ptr.dtype.element_ty, UPCAST)  # s g B, rounded as its matmul rounds it
     a = tl.load(a_ptr + ranks[:, None] * sar + ks[None, :] * sak, mask=(ranks[:, None] < R) & (ks[None, :] < K),
                 other=0.0)  # [RANK, BLOCK_K]
     acc = _dot(grad_h, a, acc, PRECISION, UPCAST)
-    tl.store(dx_ptr + rows[:, None] * sxm + ks[None, :] * sxk, _rounded(acc, dx_ptr.dtype.element_ty, UPCAST),
+    tl.store(dx_ptr + rows[:, None] * sdm + ks[None, :] * sdk, _rounded(acc, dx_ptr.dtype.element_ty, UPCAST),
              mask=(rows[:, None] < M) & (ks[None, :] < K))
-    if pid_k == 0:
-        tl.store(gh_ptr + rows[:, None] * shm + ranks[None, :] * shr, grad_h,
-                 mask=(rows[:, None] < M) & (ranks[None, :] < R))
+    x = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :] * sxk, mask=(rows[:, None] < M) & (ks[None, :] < K),
+                other=0.0)  # [BLOCK_M, BLOCK_K]
+    grad_a = _dot(tl.trans(grad_h), x, tl.zeros((RANK, BLOCK_K), dtype=tl.float32), PRECISION, UPCAST)
+    tl.store(share + ranks[:, None] * K + ks[None, :], grad_a, mask=(ranks[:, None] < R) & (ks[None, :] < K))
+
+
+@triton.jit
+def _sum_kernel(partial_ptr, out_ptr, tiles, L, UPCAST: tl.constexpr, BLOCK: tl.constexpr):
+    """out [L] = the sum over ``tiles`` rows of partial [tiles, L] (fp32, in row order: deterministic), rounded to
+    out's dtype once."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for tile in range(0, tiles):
+        total += tl.load(partial_ptr + tile * L + at, mask=at < L, other=0.0)
+    tl.store(out_ptr + at, _rounded(total, out_ptr.dtype.element_ty, UPCAST), mask=at < L)
 
 
 # whether Triton made these kernels for its interpreter (``TRITON_INTERPRET=1`` when it was imported)
@@ -131,12 +164,12 @@ def _check(x, weight, lora_a, lora_b) -> None:
                         f"{lora_b.dtype}")
 
 
-def _launch(kernel, grid, operands, outputs, sizes, scaling: float, **blocks) -> None:
-    """``kernel`` over ``grid`` with its tensors (the operands, then the outputs), their sizes, the scale, every
-    tensor's two strides in the same order, and the tiles."""
+def _launch(kernel, grid, operands, outputs, sizes, scaling: float, extra=(), **blocks) -> None:
+    """``kernel`` over ``grid`` with its tensors (the operands, the outputs, then ``extra``: contiguous buffers),
+    their sizes, the scale, the operands' and outputs' two strides each in the same order, and the tiles."""
     strides = [stride for t in (*operands, *outputs) for stride in t.stride()]
     dtype = operands[0].dtype
-    wrap_triton(kernel)[grid](*operands, *outputs, *sizes, scaling, *strides, RANK=_rank_tile(sizes[-1]),
+    wrap_triton(kernel)[grid](*operands, *outputs, *extra, *sizes, scaling, *strides, RANK=_rank_tile(sizes[-1]),
                               PRECISION=_precision(dtype), UPCAST=_upcast(dtype), num_warps=WARPS, num_stages=STAGES,
                               **blocks)
 
@@ -154,17 +187,27 @@ def lora_forward(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lo
     return y, scaled_h
 
 
-@triton_op("concept::lora_input_grad", mutates_args=())
-def lora_input_grad(grad: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [N, in], s g B [N, r]) for the output gradient g [N, out]."""
+@triton_op("concept::lora_backward", mutates_args=())
+def lora_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
+                  lora_b: torch.Tensor, scaled_h: torch.Tensor, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [N, in], dA and dB flat [r in + out r]) for the output gradient g [N, out], the input x and ``s x A^T``
+    (:func:`lora_forward`'s second output): two kernels, the second adding the row tiles' shares of dA and dB (one
+    buffer: an op's outputs may not alias, so its caller takes the two views)."""
     _check(grad, weight, lora_a, lora_b)
     M, N = grad.shape
     K, R = weight.shape[1], lora_a.shape[0]
-    grad_x, grad_h = grad.new_empty((M, K)), grad.new_empty((M, R))
-    _launch(_input_grad_kernel, (triton.cdiv(M, BLOCK_ROWS), triton.cdiv(K, BLOCK_OUT)), (grad, weight, lora_a, lora_b),
-            (grad_x, grad_h), (M, N, K, R), scaling, BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_REDUCE, BLOCK_K=BLOCK_OUT)
-    return grad_x, grad_h
+    tiles = triton.cdiv(M, BLOCK_ROWS)
+    grad_x = grad.new_empty((M, K))
+    partial = torch.empty((tiles, R * K + N * R), dtype=torch.float32, device=grad.device)
+    columns = backward_columns(grad.device)
+    _launch(_backward_kernel, (tiles, triton.cdiv(K, columns)), (grad, x, weight, lora_a, lora_b, scaled_h),
+            (grad_x,), (M, N, K, R), scaling, extra=(partial,), BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_REDUCE,
+            BLOCK_K=columns)
+    grads = grad.new_empty((R * K + N * R,))
+    wrap_triton(_sum_kernel)[(triton.cdiv(R * K + N * R, SUM_BLOCK),)](partial, grads, tiles, R * K + N * R,
+                                                                       UPCAST=_upcast(grad.dtype), BLOCK=SUM_BLOCK)
+    return grad_x, grads
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -178,13 +221,10 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad, _grad_scaled_h):
     x, weight, lora_a, lora_b, scaled_h = ctx.saved_tensors
     need_x, _, need_a, need_b = ctx.needs_input_grad[:4]
-    grad_x = grad_a = grad_b = None
-    if need_x or need_a:
-        grad_x, grad_h = torch.ops.concept.lora_input_grad(grad, weight, lora_a, lora_b, ctx.scaling)
-        grad_a = torch.mm(grad_h.t(), x) if need_a else None
-    if need_b:
-        grad_b = torch.mm(grad.t(), scaled_h)
-    return grad_x if need_x else None, None, grad_a, grad_b, None
+    grad_x, grads = torch.ops.concept.lora_backward(grad, x, weight, lora_a, lora_b, scaled_h, ctx.scaling)
+    split = lora_a.numel()
+    grad_a, grad_b = grads[:split].view_as(lora_a), grads[split:].view_as(lora_b)
+    return grad_x if need_x else None, None, grad_a if need_a else None, grad_b if need_b else None, None
 
 
 torch.library.register_autograd("concept::lora_forward", _backward, setup_context=_setup_context)

@@ -31,7 +31,7 @@ TRAIN_ONLY = ("all", "new")
 DTYPES = ("auto", "fp32", "bf16")
 ALIGN_LOSSES = ("cosine", "mse")
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-# how an adapted projection computes (``concept.lora``): eight matmuls a step, or two Triton kernels and two matmuls
+# how an adapted projection computes (``concept.lora``): eight matmuls a step, or three Triton kernels
 LORA_KERNELS = ("matmuls", "triton")
 
 
@@ -49,9 +49,8 @@ class LoraSettings:
                                                 "that get LoRA adapters.")
     kernel: str = option("matmuls", choices=LORA_KERNELS,
                          help="How an adapted projection computes: `matmuls` (its base and adapter products one "
-                              "matmul each, 3 forward and 5 backward) or `triton` (one Triton kernel forward, one "
-                              "for the input gradient, and the adapters' two gradient matmuls; CUDA only; the same "
-                              "values up to the order of fp32 sums).")
+                              "matmul each, 3 forward and 5 backward) or `triton` (one Triton kernel forward, two "
+                              "backward; CUDA only; the same values up to the order of fp32 sums).")
 
     def validate(self) -> list[str]:
         problems = check(self, prefix="lora-")

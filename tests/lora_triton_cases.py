@@ -1,4 +1,4 @@
-"""The adapted projection's two Triton kernels (``concept.lora_triton``) against the matmuls they replace
+"""The adapted projection's three Triton kernels (``concept.lora_triton``) against the matmuls they replace
 (``concept.lora.LoraMatmuls``): outputs and the gradients of x, A and B.
 
 Used two ways: ``TRITON_INTERPRET=1 python -m tests.lora_triton_cases`` runs every check on CPU tensors in

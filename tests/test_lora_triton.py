@@ -1,4 +1,4 @@
-"""An adapted projection in two Triton kernels (``concept.lora_triton``, ``--lora-kernel triton``) against the
+"""An adapted projection in three Triton kernels (``concept.lora_triton``, ``--lora-kernel triton``) against the
 matmuls it replaces (``concept.lora.LoraMatmuls``).
 
 On CPU, in Triton's interpreter (a subprocess, ``tests/lora_triton_cases.py``: the interpreter must be chosen
@@ -8,8 +8,8 @@ of two and strided inputs; in bf16 each is at least as close to fp64 as the matm
 the matmuls round twice); a tiny streaming model's loss and 84 adapter gradients with the kernels equal the
 matmuls' in fp32 and are as close to fp32 under bf16 autocast. Negative controls: an adapter scaled 1 % wrong and
 ranks past the kernels' rank tile dropped are caught. In this process (Triton compiled, no GPU): the traced
-forward and backward of a projection are 2 kernels and 2 matmuls where the matmuls' are 8 (the control), with no
-zero-filled gradient, and ``torch.compile(fullgraph=True)`` traces the kernels with no graph break. A training
+forward and backward of a projection are 3 kernels where the matmuls' are 8 (the control), with no zero-filled
+gradient, and ``torch.compile(fullgraph=True)`` traces the kernels with no graph break. A training
 run asking for the kernels where they cannot run is refused before anything is written
 (``tests/test_training.py``). Marked ``cuda`` (the GPU kit's ``exact`` stage runs them): the same checks with
 the compiled kernels, and a compiled training step of an adapted model against its eager matmuls.
@@ -87,10 +87,23 @@ def joint_census(products) -> dict:
             "zeros": sum(t.startswith(("aten.zeros", "aten.zero", "aten.fill")) for t in targets)}
 
 
-def test_a_projection_is_two_kernels_and_two_matmuls_where_the_matmuls_are_eight():
+def launches(op, *args) -> int:
+    """The kernel launches of an op's body (what ``torch.compile`` traces and CUDA runs), traced on fake tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    graph = make_fx(op._abstract_fn, tracing_mode="fake")(*args).graph
+    return sum("triton_kernel_wrapper" in str(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+def test_a_projection_is_three_kernels_where_the_matmuls_are_eight():
+    """Forward and backward of one projection, traced: the two ops (no matmul, no zero fill), whose bodies launch 1
+    and 2 kernels; the control, the matmuls: 8 matmuls (10 kernels on cuBLAS, with its split-K reductions)."""
+    from concept import lora_triton_kernels as kernels
     from concept.lora import lora_matmuls
     ours = joint_census(lambda x, w, a, b: lora_triton.lora_linear(x, w, a, b, 2.0))
-    assert ours == {"kernels": 2, "matmuls": 2, "zeros": 0}
+    assert ours == {"kernels": 2, "matmuls": 0, "zeros": 0}
+    x, w, a, b, g = torch.randn(200, 96), torch.randn(80, 96), torch.randn(8, 96), torch.randn(80, 8), torch.randn(200, 80)
+    assert launches(kernels.lora_forward, x, w, a, b, 2.0) == 1
+    assert launches(kernels.lora_backward, g, x, w, a, b, torch.randn(200, 8), 2.0) == 2
     theirs = joint_census(lambda x, w, a, b: lora_matmuls(x, w, a, b, 2.0, x.dtype))  # the control
     assert theirs == {"kernels": 0, "matmuls": 8, "zeros": 0}
 
@@ -143,8 +156,8 @@ def test_a_compiled_adapted_step_through_the_kernels_equals_eager_matmuls_on_cud
     assert report["loss"] < 1e-2 and report["worst adapter gradient"] < 5e-2, report
 
 
-def recorded_launches(dtype: torch.dtype) -> list:
-    """The two kernels' launches at the demo recipe's full-width rows (16,384 x 576, rank 8), recorded instead of
+def recorded_launches(dtype: torch.dtype, arch: int = 90) -> list:
+    """The three kernels' launches at the demo recipe's full-width rows (16,384 x 576, rank 8), recorded instead of
     run: (kernel, arguments, constants)."""
     from concept import lora_triton_kernels as kernels
     launches = []
@@ -157,13 +170,14 @@ def recorded_launches(dtype: torch.dtype) -> list:
             return lambda *args, **constants: launches.append((self.kernel, args, constants))
 
     saved, kernels.wrap_triton = kernels.wrap_triton, Launch
+    capability, kernels.capability = kernels.capability, lambda device: divmod(arch, 10)  # (the tiles it picks)
     try:
         x, w = torch.randn(16384, 576, dtype=dtype), torch.randn(576, 576, dtype=dtype)
         a, b = torch.randn(8, 576, dtype=dtype), torch.randn(576, 8, dtype=dtype)
         kernels.lora_forward(x, w, a, b, 2.0)
-        kernels.lora_input_grad(torch.randn(16384, 576, dtype=dtype), w, a, b, 2.0)
+        kernels.lora_backward(torch.randn(16384, 576, dtype=dtype), x, w, a, b, torch.randn(16384, 8, dtype=dtype), 2.0)
     finally:
-        kernels.wrap_triton = saved
+        kernels.wrap_triton, kernels.capability = saved, capability
     return launches
 
 
@@ -182,7 +196,7 @@ def test_the_kernels_compile_for_the_gpu_on_its_tensor_cores(arch, tensor_core):
 
     def census(dtype):
         found = {}
-        for kernel, args, constants in recorded_launches(dtype):
+        for kernel, args, constants in recorded_launches(dtype, arch):
             compiled = builds.build(kernel, args, constants, arch=arch)
             instructions = [line.split()[1] for line in builds.sass(compiled)]
             found[kernel.__name__] = {**builds.resources(compiled), "shared": compiled.metadata.shared,
@@ -190,8 +204,8 @@ def test_the_kernels_compile_for_the_gpu_on_its_tensor_cores(arch, tensor_core):
         return found
 
     bf16 = census(torch.bfloat16)
-    assert set(bf16) == {"_forward_kernel", "_input_grad_kernel"}
-    for name, usage in bf16.items():
-        assert usage["tensor_core"] > 0 and usage["local_bytes"] == 0, (name, usage)
+    assert set(bf16) == {"_forward_kernel", "_backward_kernel", "_sum_kernel"}
+    for name, usage in bf16.items():  # (the final sum of the adapters' gradients is a plain loop of adds)
+        assert (usage["tensor_core"] > 0) is (name != "_sum_kernel") and usage["local_bytes"] == 0, (name, usage)
         assert usage["shared"] <= 227 * 1024 and usage["registers"] <= 255, (name, usage)
     assert all(usage["tensor_core"] == 0 for usage in census(torch.float32).values())  # the control

@@ -56,7 +56,7 @@ MODELS = (("streaming", None), ("pruned", "pruned"), ("dense", "dense"))  # each
 # compiled: issue 39), then the pruned baseline's as the budget allows (the lease of 2026-11-27b measured eager pruned,
 # then had no time left for compiled dense). Where Triton runs, the target's compiled pair comes first with the
 # adapters in Triton kernels (``--lora-kernel triton``, ``ADAPTER_KERNEL``: a compiled row's ``compiled`` field; the
-# lever for the target's ratio, docs/benchmarks.md, "A projection in two Triton kernels"), then with the matmuls:
+# lever for the target's ratio, docs/benchmarks.md, "A projection in three Triton kernels"), then with the matmuls:
 # 5.5 minutes hold about three compilations, so the lever is measured where the budget is sure, and a failure of
 # its rows (each on its own) leaves the matmuls' pair to run after them. ``CONCEPT_KIT_LORA_KERNEL=matmuls`` (call
 # 2, where call 1's `exact` failed the kernels' CUDA tests) leaves the Triton pair out.
