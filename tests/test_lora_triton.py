@@ -130,6 +130,41 @@ def test_compiled_fullgraph_the_kernels_are_traced_with_no_graph_break():
     assert len(graphs) == 1 and sum("lora_forward" in t for t in graphs[0]) == 1, graphs
 
 
+def test_inside_nested_compile_regions_the_kernels_are_traced_with_no_graph_break():
+    """``--compile model`` compiles each decoder layer as a nested compile region: two such layers through the
+    kernels, forward and backward, traced by dynamo and AOT autograd (on fake tensors), each pass's graph calling the
+    regions, no graph break."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    @torch.compiler.nested_compile_region
+    def layer(x, w, a, b):
+        return torch.nn.functional.silu(lora_triton.lora_linear(x, w, a, b, 2.0))
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, _inputs):
+            graphs[kind] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    counters.clear()
+    with FakeTensorMode() as mode:
+        x, w, a, b = (mode.from_tensor(t) for t in (torch.randn(64, 32, requires_grad=True), torch.randn(32, 32),
+                                                    torch.randn(8, 32, requires_grad=True),
+                                                    torch.randn(32, 8, requires_grad=True)))
+        step = torch.compile(lambda x, w, a, b: layer(layer(x, w, a, b), w, a, b).sum(), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
+        step(x, w, a, b).backward()
+    torch._dynamo.reset()
+    assert not counters["graph_break"]
+    assert graphs["forward"].count("invoke_subgraph") == 2 and graphs["backward"].count("invoke_subgraph") == 2
+
+
 def test_where_the_kernels_run():
     assert lora_triton.runs_on("cuda")
     assert not lora_triton.runs_on("cpu")  # (this process: no interpreter)
