@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.gpu_kit import flex_diagnosis
 
-VARIANTS = ("sdpa-causal", "today", "ranges-static", "floor", "cascade", "blocks-64")
+VARIANTS = ("sdpa-causal", "today", "ranges-static", "floor", "cascade", "gathered-sdpa", "blocks-64")
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,8 @@ def test_dry_diagnosis_checks_every_variant_and_names_the_fastest(tmp_path):
     rows = {r["variant"]: r for r in report["variants"]}
     assert list(rows) == list(VARIANTS) and all("ms" in r and "failed" not in r for r in rows.values())
     assert rows["today"]["exact"] and rows["ranges-static"]["exact"] and rows["cascade"]["exact"]
-    assert rows["blocks-64"]["exact"]
+    assert rows["blocks-64"]["exact"] and rows["gathered-sdpa"]["exact"] and rows["gathered-sdpa"]["gathered_width"] == 1
+    assert report["fastest_exact"]["variant"] in rows and rows[report["fastest_exact"]["variant"]]["exact"]
     assert rows["floor"]["exact"] is None and rows["floor"]["error"] > 0.1  # the floor computes masked pairs too
     assert report["closes_the_gap"]["variant"] in ("today", "ranges-static", "blocks-64")
     assert report["adopt"] == flex_diagnosis.FLEX_SETTINGS[report["closes_the_gap"]["variant"]]
@@ -86,3 +87,29 @@ def test_two_masks_of_one_shape_in_one_process_are_each_exact(compiled):
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert (outs[0] - refs[1]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("fault", [None, "a block dropped"], ids=["exact", "negative-control"])
+def test_gathered_sdpa_equals_the_dense_mask_over_several_blocks(fault):
+    """The `gathered-sdpa` variant at 1,024 tokens (8 query blocks; each visits up to 3 KV blocks of 128: the
+    concepts' and its own) against the dense one-pass mask, fp32, 9 query heads over 3 KV heads. Negative control:
+    a query block's last gathered KV block swapped for another is caught."""
+    from concept.flops import evenly_spaced_keep
+    from concept.packing import allowed, pack
+    from concept_plugins.attention.flex import FlexConfig, FlexPattern
+    from concept_plugins.attention.sdpa import DenseMaskPattern
+
+    keep = evenly_spaced_keep(1024, 0.125)[None]
+    layout = pack(keep, torch.ones_like(keep))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, layout.length, 64, generator=g)
+    k, v = (torch.randn(1, 3, layout.length, 64, generator=g) for _ in range(2))
+    block_mask = FlexPattern(layout, FlexConfig(compile=False)).block_mask
+    idx, mask = flex_diagnosis.gathered_blocks(block_mask, allowed(layout.meta, layout.meta), 128, 3, q.dtype)
+    assert idx.shape == (8, 3)
+    if fault:
+        idx = idx.clone()
+        idx[-1, -1] = (idx[-1, -1] + 1) % 8
+    out = flex_diagnosis.gathered_attention(q, k, v, 0.125, idx, mask, 128)
+    error = flex_diagnosis.relative_error(out, DenseMaskPattern(layout)(q, k, v, 0.125), layout)
+    assert (error < 1e-5) is (fault is None), error
