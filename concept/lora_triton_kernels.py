@@ -167,6 +167,8 @@ def _check(x, weight, lora_a, lora_b) -> None:
 def _launch(kernel, grid, operands, outputs, sizes, scaling: float, extra=(), **blocks) -> None:
     """``kernel`` over ``grid`` with its tensors (the operands, the outputs, then ``extra``: contiguous buffers),
     their sizes, the scale, the operands' and outputs' two strides each in the same order, and the tiles."""
+    if not all(grid):  # (no rows: nothing to launch)
+        return
     strides = [stride for t in (*operands, *outputs) for stride in t.stride()]
     dtype = operands[0].dtype
     wrap_triton(kernel)[grid](*operands, *outputs, *extra, *sizes, scaling, *strides, RANK=_rank_tile(sizes[-1]),
@@ -199,13 +201,15 @@ def lora_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lor
     K, R = weight.shape[1], lora_a.shape[0]
     tiles = triton.cdiv(M, BLOCK_ROWS)
     grad_x = grad.new_empty((M, K))
-    partial = torch.empty((tiles, R * K + N * R), dtype=torch.float32, device=grad.device)
+    # (no rows: one row of zeros, whose sum below is gradients of 0)
+    partial = (torch.empty if tiles else torch.zeros)((max(tiles, 1), R * K + N * R), dtype=torch.float32,
+                                                      device=grad.device)
     columns = backward_columns(grad.device)
     _launch(_backward_kernel, (tiles, triton.cdiv(K, columns)), (grad, x, weight, lora_a, lora_b, scaled_h),
             (grad_x,), (M, N, K, R), scaling, extra=(partial,), BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_REDUCE,
             BLOCK_K=columns)
     grads = grad.new_empty((R * K + N * R,))
-    wrap_triton(_sum_kernel)[(triton.cdiv(R * K + N * R, SUM_BLOCK),)](partial, grads, tiles, R * K + N * R,
+    wrap_triton(_sum_kernel)[(triton.cdiv(R * K + N * R, SUM_BLOCK),)](partial, grads, max(tiles, 1), R * K + N * R,
                                                                        UPCAST=_upcast(grad.dtype), BLOCK=SUM_BLOCK)
     return grad_x, grads
 

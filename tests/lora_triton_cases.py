@@ -110,6 +110,14 @@ def negative_controls(device="cpu") -> dict:
             "ranks past 16 dropped": {n: relative(k, m) for n, k, m in zip(NAMES, dropped, want)}}
 
 
+def no_rows(device="cpu") -> dict:
+    """A projection of an input with no rows: its output [0, out] and the adapters' gradients zeros, as the
+    matmuls give."""
+    tensors = operands((0, 64, 48, 8), 0, device)
+    ours, theirs = results(kernels, tensors, torch.float32, 2.0), results(matmuls, tensors, torch.float32, 2.0)
+    return {"shapes": [list(t.shape) for t in ours], "equal": all(torch.equal(k, m) for k, m in zip(ours, theirs))}
+
+
 def model_step(device="cpu") -> dict:
     """A tiny streaming model's loss and adapter gradients, its projections through the kernels and through the
     matmuls (one model, each projection's ``adapter_kernel`` switched), fp32 and under bf16 autocast."""
@@ -198,7 +206,8 @@ def main() -> int:
         print("run with TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    print(json.dumps({"compare": compare(), "negative": negative_controls(), "model": model_step()}))
+    print(json.dumps({"compare": compare(), "negative": negative_controls(), "model": model_step(),
+                      "no_rows": no_rows()}))
     return 0
 
 

@@ -70,6 +70,10 @@ def test_a_streaming_model_trains_the_same_through_the_kernels(interpreted):
     check_model(interpreted["model"])
 
 
+def test_an_input_with_no_rows_launches_nothing_and_gives_zero_gradients(interpreted):
+    assert interpreted["no_rows"] == {"shapes": [[0, 48], [0, 64], [8, 64], [48, 8]], "equal": True}
+
+
 def joint_census(products) -> dict:
     """The ops of one projection's forward and backward, traced on fake tensors: the custom kernels' ops,
     matmuls and zero fills."""
@@ -178,6 +182,7 @@ def test_the_compiled_kernels_equal_the_matmuls_on_cuda():
     check_compare(cases.compare("cuda"))
     check_negative(cases.negative_controls("cuda"))
     check_model(cases.model_step("cuda"))
+    assert cases.no_rows("cuda")["equal"]
 
 
 @pytest.mark.cuda
