@@ -254,7 +254,14 @@ def test_the_profiled_steps_say_how_many_of_their_kernels_are_short():
                                                                  "profile": profile}}}}
     text = report_stage.render_setup(envelope("setup", "ok", "2026-11-29T02:04:13Z", "setup speed",
                                               {"environment": ENVIRONMENT, "throughput": throughput}))
-    assert "| short kernels | most device time |" in text
+    assert "| short kernels | most device time |" in text and "short kernels: those under 5 us a call" in text
+    profile["short_kernels"] = {**short, "under_us": 3.0}  # (the bound the rows were counted under, not a constant)
+    text = report_stage.render_setup(envelope("setup", "ok", "2026-11-29T02:04:13Z", "setup speed",
+                                              {"environment": ENVIRONMENT, "throughput": throughput}))
+    assert "short kernels: those under 3 us a call" in text
+    assert report_stage.short_under([None, {"under_us": 5.0}]) == "under 5 us" and report_stage.short_under([]) == \
+        "under 5 us"
+    assert report_stage.short_under({"old": {"wall_s": 1.0}, "none": {"short_kernels": None}}) == "under 5 us"
     assert "| streaming compiled | 0.066 | 0.019 | 12 | 0 | 290 | 1,418 calls, 6.1 ms (32 % of the device time; " \
            "444 split-K reductions) | `nvjet_sm90_gemm` 2.1 ms (100x) |" in text
 

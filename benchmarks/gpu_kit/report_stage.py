@@ -229,7 +229,7 @@ def render_setup(data: dict) -> str:
         if profiled:
             lines += ["", "One more step of each under `torch.profiler` (device busy: the sum of its kernels' own time; "
                           "far below the step's wall time means launches and Python bound the step, not arithmetic; "
-                          "host syncs: CUDA synchronisations inside the step; short kernels: those under 5 us a "
+                          f"host syncs: CUDA synchronisations inside the step; short kernels: those {short_under(profiled)} a "
                           "call, their calls, share of the device time and cuBLAS's split-K reductions among them, a "
                           "step bound by how many kernels it runs where the share is large; the full tables come "
                           "back as `setup-profile-KIND.txt`):", "",
@@ -241,6 +241,16 @@ def render_setup(data: dict) -> str:
                       + ", ".join(f"`{t['op'][:60]}` {t['device_ms']:.1f} ms ({t['calls']}x)" for t in p["top_device"][:3])
                       + " |" for kind, p in profiled.items()]
     return "\n".join(lines + [""] + skipped_lines(data))
+
+
+def short_under(sources) -> str:
+    """"under N us", N the bound the rows' short kernels were counted under (``short_kernels.under_us``; each
+    profile, or a short-kernel record, in ``sources``); 5 where none says."""
+    records = [(d.get("short_kernels") if "short_kernels" in d else d) or {}
+               for d in (sources.values() if isinstance(sources, dict) else sources) if d]
+    bounds = {record.get("under_us") for record in records}
+    bounds.discard(None)
+    return f"under {'/'.join(f'{b:g}' for b in sorted(bounds)) or '5'} us"
 
 
 def short_kernels_cell(short: dict | None) -> str:
@@ -395,8 +405,10 @@ def top_device_lines(rows: list[dict], name_chars: int = 56) -> list[str]:
              if key.endswith("_top_device") and row[key]]
     if not found:
         return []
+    shorts = [row.get(side + "_short_kernels") for row, side in found]
     lines = ["", "What took the device time in the forward rows (the profiled call of each side: its kernels and "
-                 "copies with the most own device time, ms and calls; its short kernels, under 5 us a call):", "",
+                 f"copies with the most own device time, ms and calls; its short kernels, {short_under(shorts)} a call):",
+             "",
              "| case | side | device busy ms | short kernels | largest kernels: own ms (calls) |", "|---|---|---:|---|---|"]
     for row, side in found:
         kernels = "; ".join(f"`{cell(t['op'], name_chars)}` {t['device_ms']:.2f} ({t['calls']})"
