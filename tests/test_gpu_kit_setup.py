@@ -196,6 +196,10 @@ def test_a_compiled_rows_need_is_predicted_from_the_compilation_measured_in_this
     assert setup_stage.row_need_s("streaming", True, {"models": {"streaming": {"seconds": 18.7}}})[0] == \
         pytest.approx(setup_stage.COMPILE_PRIOR_S + 18.7 + setup_stage.NEED_MARGIN_S)
     assert setup_stage.row_need_s("pruned", False, measured)[0] == setup_stage.EAGER_NEED_S
+    # the Triton kernels' rows, measured first where Triton runs, are compilations too
+    kernels_first = {"models": measured["models"],
+                     "compiled": {"models": {}, "lora_kernel": {"models": {"streaming": {"compile_s": 80.0}}}}}
+    assert setup_stage.row_need_s("dense", True, kernels_first)[0] == pytest.approx(1.3 * 80 * 0.75 + 10.3 + 10)
 
 
 @pytest.mark.parametrize("compile_s,planner", [(38, "predicted"), (400, "predicted"), (400, "fixed")],

@@ -414,13 +414,17 @@ def graphs_failed(out: dict, kind: str) -> bool:
 def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
     """The seconds of the stage's budget a row needs to start, and how they were reckoned. An eager row:
     ``EAGER_NEED_S``. A compiled row: its compilation, predicted as ``COMPILE_SAFETY`` x the longest one measured
-    so far in this run (``compile_s`` of the compiled rows; ``COMPILE_PRIOR_S`` before any), each scaled to this
+    so far in this run (``compile_s`` of the compiled rows, the Triton kernels' too; ``COMPILE_PRIOR_S`` before any), each scaled to this
     model by ``COMPILE_SHARE``, plus its steps (the same model's eager row's seconds: compiled steps take no
     longer), plus ``NEED_MARGIN_S``."""
     if not compiled:
         return EAGER_NEED_S, "an eager row"
-    done = {k: m["compile_s"] for k, m in (measured.get("compiled") or {}).get("models", {}).items()
-            if m.get("compile_s") is not None}
+    compiled = measured.get("compiled") or {}
+    done = {}
+    for rows in (compiled.get("models", {}), (compiled.get("lora_kernel") or {}).get("models", {})):
+        for k, m in rows.items():  # (the matmuls' rows and the Triton kernels' alike: each a compilation)
+            if m.get("compile_s") is not None:
+                done[k] = max(done.get(k, 0.0), m["compile_s"])
     eager = measured.get("models", {}).get(kind, {})
     steps_s = eager.get("seconds", EAGER_NEED_S)
     if done:
