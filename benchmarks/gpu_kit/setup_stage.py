@@ -415,8 +415,8 @@ def row_need_s(kind: str, compiled: bool, measured: dict) -> tuple[float, str]:
     """The seconds of the stage's budget a row needs to start, and how they were reckoned. An eager row:
     ``EAGER_NEED_S``. A compiled row: its compilation, predicted as ``COMPILE_SAFETY`` x the longest one measured
     so far in this run (``compile_s`` of the compiled rows, the Triton kernels' too; ``COMPILE_PRIOR_S`` before
-    any), each scaled to this model by ``COMPILE_SHARE``, plus its steps (the same model's eager row's seconds: compiled steps take no
-    longer), plus ``NEED_MARGIN_S``."""
+    any), each scaled to this model by ``COMPILE_SHARE``, plus its steps (the same model's eager row's seconds:
+    compiled steps take no longer), plus ``NEED_MARGIN_S``."""
     if not compiled:
         return EAGER_NEED_S, "an eager row"
     compiled = measured.get("compiled") or {}
