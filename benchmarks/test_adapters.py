@@ -19,7 +19,7 @@ the library's (cuBLAS) as in the compiled step; the compiled step fuses the adap
 their neighbours, so this case counts a few small kernels that step has not.
 
 Where Triton runs (CUDA), a third side, ``kernels``: the same adapted projection through ``--lora-kernel triton``'s
-two Triton kernels and two matmuls (``concept.lora_triton``), its output checked the same way: what that option
+three Triton kernels (``concept.lora_triton``), its output checked the same way: what that option
 saves a projection, and how near the base alone it comes.
 """
 from __future__ import annotations

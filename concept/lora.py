@@ -56,6 +56,11 @@ def _exact_power_of_two(value: float) -> bool:
 FOLD_SCALE = True
 
 
+def _in_dtype(dtype: torch.dtype, *tensors) -> list[torch.Tensor]:
+    """Each tensor in ``dtype``, cast once where it is not (the caller turns autocast off)."""
+    return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+
+
 def _lora_products(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype):
     """``x W^T + s (x A^T) B^T`` in ``dtype`` (autocast off: each operand cast once) and the operands the
     backward reads: ``(y, (xc, w, a, b, h))``. Traced (``torch.compile``) with ``s`` a power of two, ``s``
@@ -64,10 +69,7 @@ def _lora_products(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype
     the adapter [out, r], fused with its cast (``docs/benchmarks.md``, "What the compiled step asks of the
     device")."""
     with torch.autocast(x.device.type, enabled=False):
-        xc = x if x.dtype == dtype else x.to(dtype)
-        w = weight if weight.dtype == dtype else weight.to(dtype)
-        a = lora_a if lora_a.dtype == dtype else lora_a.to(dtype)
-        b = lora_b if lora_b.dtype == dtype else lora_b.to(dtype)
+        xc, w, a, b = _in_dtype(dtype, x, weight, lora_a, lora_b)
         if FOLD_SCALE and scaling != 1.0 and _exact_power_of_two(scaling) and torch.compiler.is_compiling():
             b, scaling = b * scaling, 1.0
         y = torch.mm(xc, w.t())
@@ -129,8 +131,7 @@ def _kernel_products(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dty
     """:class:`LoraMatmuls`' ``y`` in ``concept.lora_triton``'s two kernels: the operands cast to ``dtype`` once
     (autocast off), as the matmuls cast them; their gradients cast back by autograd."""
     with torch.autocast(x.device.type, enabled=False):
-        operands = [t if t.dtype == dtype else t.to(dtype) for t in (x, weight, lora_a, lora_b)]
-        return lora_triton.lora_linear(*operands, scaling)
+        return lora_triton.lora_linear(*_in_dtype(dtype, x, weight, lora_a, lora_b), scaling)
 
 
 def _compute_dtype(x: torch.Tensor, tensors) -> torch.dtype | None:

@@ -208,8 +208,7 @@ def render_setup(data: dict) -> str:
         kernels = ((tp.get("compiled") or {}).get("lora_kernel") or {}).get("models", {})
         if kernels:
             lines += ["", "Compiled alike, the adapters in Triton kernels (`--lora-kernel triton`: a projection's forward "
-                          "one kernel, its input gradient one, its adapter gradients two matmuls; vs matmuls: against "
-                          "the compiled row above):",
+                          "one kernel, its backward two; vs matmuls: against the compiled row above):",
                       "", "| model | tokens/s | vs matmuls | s / step | compile s | first step s | peak MiB | "
                           "CUDA graphs |", "|---|---:|---:|---:|---:|---:|---:|---|"]
             lines += [f"| {kind} | {m['tokens_per_s']:,.0f} | "
@@ -379,8 +378,8 @@ def adapter_cost_lines(rows: list[dict]) -> list[str]:
     sides = ("dense", "concept", "kernels") if triton else ("dense", "concept")
     lines = ["", "The adapters' cost a projection, forward and backward (bf16, rank 8; device time: the sum of its "
                  "kernels' own time, no launch gaps, as a CUDA graph of the step runs them; the demo recipe's "
-                 "full-width rows and the middle stack's" + ("; `triton`: `--lora-kernel triton`'s two kernels and "
-                                                            "two matmuls" if triton else "") + "):", "",
+                 "full-width rows and the middle stack's" + ("; `triton`: `--lora-kernel triton`'s three kernels"
+                                                            if triton else "") + "):", "",
              "| projection | rows | base alone µs | with its adapter µs | the adapter µs | "
              + ("with its adapter, `triton` µs | the adapter, `triton` µs | kernels (base / adapted / `triton`) | "
                 if triton else "kernels (base / adapted) | ")
