@@ -169,7 +169,7 @@ class _FusedLoraForward:
                 if cast is not None and cast[0].dtype == dtype:
                     lora_a, lora_b, scaling = cast
         x2 = x.reshape(-1, x.shape[-1])
-        if self.adapter_kernel == "triton" and lora_triton.runs_on(x.device):  # (``--lora-kernel triton``)
+        if lora_triton.chosen(self.adapter_kernel, x.device):  # (``--lora-kernel triton`` / ``auto``)
             flat = _kernel_products(x2, base.weight, lora_a, lora_b, scaling, dtype)
         else:
             matmuls = lora_matmuls if torch.compiler.is_compiling() else LoraMatmuls.apply
@@ -214,8 +214,9 @@ def __getattr__(name: str):
 
 def use_fused_lora(backbone: nn.Module, kernel: str = "matmuls") -> int:
     """Give every peft ``lora.Linear`` of ``backbone`` the fused forward (in place: the module, its
-    parameters and its state dict stay as they are), computed by ``kernel`` (``LoraSettings.kernel``: ``triton``
-    where Triton runs on the input's device, else the matmuls); returns how many."""
+    parameters and its state dict stay as they are), computed by ``kernel`` (``LoraSettings.kernel``: ``triton`` and
+    ``auto`` where Triton runs on the input's device, else the matmuls: ``concept.lora_triton.chosen``); returns how
+    many."""
     plain, fused = _lora_linear_class(), fused_lora_class()
     count = 0
     for module in backbone.modules():

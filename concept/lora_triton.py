@@ -45,6 +45,13 @@ def runs_on(device) -> bool:
     return AVAILABLE and (kind == "cuda" or (kind == "cpu" and INTERPRETED))
 
 
+def chosen(kernel: str, device) -> bool:
+    """Whether a projection with ``--lora-kernel kernel`` runs these kernels on ``device``: ``triton`` and ``auto``
+    where they run (:func:`runs_on`), the matmuls elsewhere (``triton`` is refused there before a run starts:
+    ``concept.training.check_training``; a run trained with it resumes or evaluates anywhere)."""
+    return kernel != "matmuls" and runs_on(device)
+
+
 def why_not(device) -> str | None:
     """Why ``--lora-kernel triton`` cannot run on ``device`` (None: it can), with the fix."""
     if not AVAILABLE:

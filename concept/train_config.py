@@ -31,8 +31,9 @@ TRAIN_ONLY = ("all", "new")
 DTYPES = ("auto", "fp32", "bf16")
 ALIGN_LOSSES = ("cosine", "mse")
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-# how an adapted projection computes (``concept.lora``): eight matmuls a step, or three Triton kernels
-LORA_KERNELS = ("matmuls", "triton")
+# how an adapted projection computes (``concept.lora``): eight matmuls a step, three Triton kernels, or the kernels
+# where they run and the matmuls elsewhere (``concept.lora_triton.chosen``)
+LORA_KERNELS = ("matmuls", "triton", "auto")
 
 
 @dataclass
@@ -50,7 +51,8 @@ class LoraSettings:
     kernel: str = option("matmuls", choices=LORA_KERNELS,
                          help="How an adapted projection computes: `matmuls` (its base and adapter products one "
                               "matmul each, 3 forward and 5 backward) or `triton` (one Triton kernel forward, two "
-                              "backward; CUDA only; the same values up to the order of fp32 sums).")
+                              "backward; CUDA only; the same values up to the order of fp32 sums) or `auto` (the "
+                              "Triton kernels where they run, a CUDA device with Triton, and the matmuls elsewhere).")
 
     def validate(self) -> list[str]:
         problems = check(self, prefix="lora-")

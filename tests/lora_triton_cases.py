@@ -12,7 +12,8 @@ call the same checks on a GPU (compiled kernels).
   zeros (the output is the adapter's alone), a non-power-of-two scale, strided inputs.
 - ``negative``: what the comparison must catch: the adapter scaled 1 % wrong (a base of zeros), and ranks past
   the kernels' rank tile dropped (a rank-32 adapter through a tile of 16).
-- ``model``: a tiny streaming model with LoRA, one training forward and backward with ``--lora-kernel triton``
+- ``model``: a tiny streaming model with LoRA, one training forward and backward with ``--lora-kernel triton`` (and
+  ``auto``, which where the kernels run is they, bit for bit)
   and with the matmuls: loss and every adapter gradient in fp32, against each other; under bf16 autocast, each
   against the fp32 matmuls.
 """
@@ -150,6 +151,8 @@ def model_step(device="cpu") -> dict:
     ours = run("triton", False)
     report["fp32"] = {"loss": relative(ours[0], exact[0]), "gradients": len(ours) - 1,
                       "worst adapter gradient": max(relative(k, m) for k, m in zip(ours[1:], exact[1:]))}
+    # ``--lora-kernel auto`` where the kernels run: the kernels, bit for bit
+    report["auto is the kernels"] = all(torch.equal(a, k) for a, k in zip(run("auto", False), ours))
     ours, theirs = run("triton", True), run("matmuls", True)
     report["bf16 autocast, against fp32"] = {
         name: {"loss": relative(got[0], exact[0]),

@@ -51,7 +51,7 @@ def check_negative(report: dict) -> None:
 
 
 def check_model(report: dict) -> None:
-    assert report["layers"] == 42 and report["fp32"]["gradients"] == 84
+    assert report["layers"] == 42 and report["fp32"]["gradients"] == 84 and report["auto is the kernels"]
     assert report["fp32"]["loss"] < FP32 and report["fp32"]["worst adapter gradient"] < 1e-4, report
     bf16 = report["bf16 autocast, against fp32"]
     assert bf16["kernels"]["loss"] <= 1.5 * bf16["matmuls"]["loss"] + 1e-4, bf16
@@ -173,6 +173,54 @@ def test_where_the_kernels_run():
     assert lora_triton.runs_on("cuda")
     assert not lora_triton.runs_on("cpu")  # (this process: no interpreter)
     assert "runs on CUDA devices" in lora_triton.why_not("cpu") and lora_triton.why_not("cuda") is None
+    # --lora-kernel: triton and auto run the kernels where they run, the matmuls elsewhere; matmuls never the kernels
+    assert [lora_triton.chosen(k, "cuda") for k in ("triton", "auto", "matmuls")] == [True, True, False]
+    assert [lora_triton.chosen(k, "cpu") for k in ("triton", "auto", "matmuls")] == [False, False, False]
+
+
+def test_auto_computes_with_the_matmuls_where_the_kernels_do_not_run():
+    """``--lora-kernel auto`` on this CPU (no interpreter): an adapted layer's forward and backward are the
+    matmuls', op for op (traced: 6 mm, the input needing no gradient; no kernel op) and bit for bit. The control:
+    with the kernels said to run here, ``auto`` traces their two ops (on fake tensors: nothing launched)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from concept.lora import LoraSettings, add_lora, fused_lora_class
+
+    class Up(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj = torch.nn.Linear(96, 80, bias=False)
+
+        def forward(self, x):
+            return self.up_proj(x)
+
+    torch.manual_seed(0)
+    model = add_lora(Up(), LoraSettings(targets="up_proj", kernel="auto"))
+    layer = next(m for m in model.modules() if type(m) is fused_lora_class())
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.1)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    x, g = torch.randn(2, 100, 96), torch.randn(2, 100, 80)
+
+    def step(kernel: str, x, g):
+        layer.adapter_kernel = kernel
+        y = model(x)
+        return [y, *torch.autograd.grad(y, adapters, g)]
+
+    def census(kernel: str) -> dict:
+        targets = [str(n.target) for n in make_fx(lambda x, g: step(kernel, x, g), tracing_mode="fake",
+                                         _allow_non_fake_inputs=True)(x, g).graph.nodes
+                   if n.op == "call_function"]
+        return {"kernels": sum(t.startswith("concept.lora_") for t in targets),
+                "matmuls": sum(t.startswith("aten.mm") for t in targets)}
+
+    assert all(torch.equal(a, m) for a, m in zip(step("auto", x, g), step("matmuls", x, g)))
+    assert census("auto") == census("matmuls") == {"kernels": 0, "matmuls": 6}
+    saved = lora_triton.runs_on
+    lora_triton.runs_on = lambda device: True  # the control: where the kernels run, auto traces them
+    try:
+        assert census("auto") == {"kernels": 2, "matmuls": 0}
+    finally:
+        lora_triton.runs_on = saved
 
 
 @pytest.mark.cuda

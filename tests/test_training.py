@@ -220,7 +220,10 @@ def test_bad_training_input(built, corpus, tmp_path):
             Trainer.start(built, tmp_path / "e", small(data=str(corpus),
                                                        lora=concept.lora.LoraSettings(rank=2, kernel="triton")))
         assert not (tmp_path / "e").exists()
-    Trainer.start(built, tmp_path / "d", small(data=str(corpus), steps=3)).train()
+    # --lora-kernel auto is never refused: the Triton kernels where they run, the matmuls here
+    Trainer.start(built, tmp_path / "d", small(data=str(corpus), steps=3,
+                                               lora=concept.lora.LoraSettings(rank=2, kernel="auto"))).train()
+    assert json.loads((tmp_path / "d" / "train.json").read_text())["lora"]["kernel"] == "auto"
     with pytest.raises(ConfigError, match="seq_len: the run was trained with 32"):
         Trainer.resume(tmp_path / "d", seq_len=64)
     # how the adapters compute may change on resume, as the device may: a run trained with the Triton kernels (on a
