@@ -309,6 +309,65 @@ def test_quality_keeps_eager_without_a_faster_compiled_row(change, why):
     assert training["models"]["streaming"]["tokens_per_s"] == pytest.approx(80_478, abs=1)
 
 
+def with_kernel_rows(measured: dict, streaming: float, dense: float, compile_s: float = 50.0) -> dict:
+    """``measured`` with `setup`'s compiled pair measured both ways: the matmuls at 300k / 200k tokens/s (compiled in
+    40 s), the adapters' Triton kernels at ``streaming`` / ``dense`` tokens/s."""
+    from benchmarks.gpu_kit.setup_stage import ADAPTER_KERNEL
+
+    compiled = measured["compiled"]
+    compiled["models"] = {"streaming": {"tokens_per_s": 300_000.0, "compile_s": 40.0},
+                          "dense": {"tokens_per_s": 200_000.0, "compile_s": 40.0}}
+    compiled["lora_kernel"] = {"option": {"lora_kernel": ADAPTER_KERNEL}, "models": {
+        "streaming": {"tokens_per_s": streaming, "compile_s": compile_s},
+        "dense": {"tokens_per_s": dense, "compile_s": compile_s}}}
+    return measured
+
+
+@pytest.mark.parametrize("streaming,dense,failed,kernel", [
+    (360_000.0, 230_000.0, None, "triton"), (360_000.0, 190_000.0, None, "matmuls"),
+    (360_000.0, 230_000.0, "dense compiled triton", "matmuls")])
+def test_quality_trains_with_the_adapters_triton_kernels_where_setup_measured_them_faster(streaming, dense, failed,
+                                                                                         kernel):
+    """Compiled, the three models train with ``--lora-kernel triton`` where `setup`'s compiled pair with the kernels
+    beat the pair with the matmuls, model for model, each sized by its rate with them (pruned, measured with the
+    matmuls only, by its eager rate); a pair where one model is slower with them (negative control), or a failed row
+    with them, trains with the matmuls, sized by the matmuls' rates. A failed kernel row does not stop compiled
+    training."""
+    measured = with_kernel_rows(lease_b_throughput(), streaming, dense)
+    if failed:
+        measured["failed"] = {failed: "RuntimeError: a Triton kernel"}
+    training = quality_stage.choose_training(measured, 30 * 60, quality_stage.AIM_TOKENS)
+    assert training["mode"] == "compiled" and training["lora_kernel"] == kernel
+    models = training["models"]
+    if kernel == "triton":
+        assert training["option"] == {"compile": "on", "lora.kernel": "triton"}
+        assert models["streaming"]["tokens_per_s"] == streaming and models["dense"]["tokens_per_s"] == dense
+        assert "Triton kernels" in models["dense"]["sized_by"] and models["streaming"]["compile_s"] == 50.0
+        assert "were faster than the matmuls in `setup` (dense 1.15x, streaming 1.20x)" in training["why"]
+    else:
+        assert training["option"] == {"compile": "on"} and models["dense"]["tokens_per_s"] == 200_000.0
+        assert ("failed" if failed else "not faster") in training["why"]
+    assert models["pruned"]["tokens_per_s"] == pytest.approx(121_608, abs=1)  # (its eager rate)
+    from benchmarks.gpu_kit.report_stage import training_lines
+    assert ("`--lora-kernel triton`" in training_lines(training)[0]) is (kernel == "triton")
+
+
+def test_quality_passes_the_adapters_kernel_to_every_run(tmp_path):
+    """The plan's option reaches ``concept frontier`` as ``--train-set lora.kernel=triton``, which every run of the
+    frontier (streaming, pruned, dense) trains with."""
+    from benchmarks.gpu_kit import recipe
+
+    stage = Stage("quality", tmp_path, tmp_path / "work", dry=True, budget_s=600)
+    plan = {"steps": 2, "seq_len": recipe.seq_len(True), "batch": 2, "warmup": 1, "device": "cuda",
+            "data": "unused", "compile": {"compile": "model", "lora.kernel": "triton"}}
+    args = quality_stage.frontier_args(stage, plan, recipe.DRY_SPLIT, "0.25", "pruned,dense")
+    assert args[-4:] == ["--train-set", "compile=model", "--train-set", "lora.kernel=triton"]
+    from concept.recipes.frontier.scheduling import train_overrides
+    from concept.train_config import TrainConfig
+    assert train_overrides(TrainConfig(), ["lora.kernel=triton"]).lora.kernel == "triton"
+    stage.finish({})
+
+
 @pytest.mark.parametrize("choice,mode", [("auto", "eager"), ("on", "compiled"), ("off", "eager")])
 def test_quality_compile_choice_forces_or_forbids_compiled(choice, mode):
     """``--compile on`` trains compiled wherever setup measured it faster, even where eager fits more tokens (the

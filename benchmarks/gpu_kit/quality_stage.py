@@ -14,7 +14,9 @@ selected as the plan needs, tokenised once into the token cache, never a trainin
 standard library stays the default elsewhere). Where `setup` measured compiled training faster than eager, the
 three models train compiled alike if that fits more tokens into the minutes, their compilations counted
 (``--compile auto``; ``on``: compiled wherever it was faster; ``off``: eager); each is sized by its compiled
-throughput where `setup` measured one, else by its eager one. The plan says which way each ran and why.
+throughput where `setup` measured one, else by its eager one. Compiled, they train with the adapters in Triton
+kernels (``--lora-kernel triton``) where `setup`'s compiled pair with them beat the pair with the matmuls, model for
+model. The plan says which way each ran and why.
 
 Both run through ``concept frontier`` (one ``--out`` for both, so the dense run is shared), which
 evaluates every run on held-out code (``stdlib``) and prose (``pydoc``). The plan is fixed at the
@@ -32,7 +34,7 @@ from pathlib import Path
 from ..compiled import BUDGET
 from . import corpus, recipe
 from .common import KitError, Stage, kit_env, python_cmd, read_json, run_logged, write_json
-from .setup_stage import measure_throughput, needs_setup, smollm2_ready, throughput
+from .setup_stage import ADAPTER_KERNEL, measure_throughput, needs_setup, smollm2_ready, throughput
 
 MIN_TOKENS, AIM_TOKENS = 1e7, 1e8  # 1e8: the product's question (issue 39)
 TARGET_FLOPS = 0.8
@@ -194,10 +196,12 @@ def compiled_alternative(measured: dict) -> tuple[dict | None, str]:
     """The three models compiled alike, from `setup`'s throughput: per model the tokens/s to size by (its compiled
     row's, else its eager row's: conservative) and its compilation's seconds (its own ``compile_s``, else the
     longest measured, else ``COMPILE_GUESS_S``); or None and why not: no compiled row, a compiled row (or the
-    static-budget build) that failed, or no compiled row faster than its eager one."""
+    static-budget build) that failed, or no compiled row faster than its eager one. Where `setup`'s rows with the
+    adapters in Triton kernels beat the matmuls' (:func:`kernel_alternative`), the three train with them."""
     eager, compiled = measured["models"], measured.get("compiled") or {}
     rows = compiled.get("models") or {}
-    failed = sorted(label for label in (measured.get("failed") or {}) if "compiled" in label)
+    failed = sorted(label for label in (measured.get("failed") or {})
+                    if "compiled" in label and not label.endswith(ADAPTER_KERNEL))
     if failed:
         return None, f"compiled training failed in `setup` ({', '.join(failed)})"
     if not rows:
@@ -205,12 +209,39 @@ def compiled_alternative(measured: dict) -> tuple[dict | None, str]:
     faster = sorted(k for k, m in rows.items() if k in eager and m["tokens_per_s"] > eager[k]["tokens_per_s"])
     if not faster:
         return None, "compiled training was not faster than eager in `setup`"
-    known = [m["compile_s"] for m in rows.values() if m.get("compile_s") is not None]
+    kernels, kernels_why = kernel_alternative(measured)
+    known = [m["compile_s"] for m in [*rows.values(), *kernels.values()] if m.get("compile_s") is not None]
     guess = max(known) if known else COMPILE_GUESS_S
-    models = {k: {"tokens_per_s": (rows.get(k) or eager[k])["tokens_per_s"],
-                  "sized_by": "its compiled rate" if k in rows else "its eager rate: setup measured it eager only",
-                  "compile_s": (rows.get(k) or {}).get("compile_s", guess)} for k in KINDS}
-    return {"option": compiled["option"], "models": models, "faster": faster}, ""
+
+    def sized(k: str) -> dict:
+        row, how = ((kernels[k], "its compiled rate with the adapters' Triton kernels") if k in kernels else
+                    (rows[k], "its compiled rate") if k in rows else
+                    (eager[k], "its eager rate: setup measured it eager only"))
+        return {"tokens_per_s": row["tokens_per_s"], "sized_by": how,
+                "compile_s": row.get("compile_s", guess) if row is not eager.get(k) else guess}
+
+    option = {**compiled["option"], **({"lora.kernel": ADAPTER_KERNEL} if kernels else {})}
+    return {"option": option, "models": {k: sized(k) for k in KINDS}, "faster": faster,
+            "lora_kernel": ADAPTER_KERNEL if kernels else "matmuls", "lora_kernel_why": kernels_why}, ""
+
+
+def kernel_alternative(measured: dict) -> tuple[dict, str]:
+    """`setup`'s compiled rows with the adapters in Triton kernels (``--lora-kernel triton``; the training target's
+    pair, streaming and dense), if quality should train with them: each model measured both ways faster with the
+    kernels, none of their rows failed; ``({kind: row}, why)``, ``({}, why not)``."""
+    compiled = measured.get("compiled") or {}
+    rows, kernels = compiled.get("models") or {}, ((compiled.get("lora_kernel") or {}).get("models") or {})
+    failed = sorted(label for label in (measured.get("failed") or {}) if label.endswith(f"compiled {ADAPTER_KERNEL}"))
+    if failed:
+        return {}, f"the adapters' Triton kernels failed in `setup` ({', '.join(failed)}): the matmuls"
+    both = [k for k in kernels if k in rows]
+    if not both:
+        return {}, "`setup` measured no compiled pair with the adapters' Triton kernels and with the matmuls"
+    ratios = {k: kernels[k]["tokens_per_s"] / rows[k]["tokens_per_s"] for k in both}
+    said = ", ".join(f"{k} {r:.2f}x" for k, r in sorted(ratios.items()))
+    if min(ratios.values()) <= 1:
+        return {}, f"the adapters' Triton kernels were not faster than the matmuls in `setup` ({said}): the matmuls"
+    return dict(kernels), f"the adapters' Triton kernels were faster than the matmuls in `setup` ({said})"
 
 
 def choose_training(measured: dict, available: float, cap: float, choice: str = "auto") -> dict:
@@ -235,10 +266,12 @@ def choose_training(measured: dict, available: float, cap: float, choice: str = 
         better = choice == "on" or fits["compiled"] > fits["eager"]
         why = (f"compiled was faster in `setup` ({', '.join(alternative['faster'])}); {fits['compiled'][0]:.3g} tokens "
                f"per model fit compiled, {fits['eager'][0]:.3g} eager, the compilations "
-               f"({sum(m['compile_s'] for m in alternative['models'].values()):.0f} s) counted; --compile {choice}")
+               f"({sum(m['compile_s'] for m in alternative['models'].values()):.0f} s) counted; --compile {choice}; "
+               f"{alternative['lora_kernel_why']}")
     mode = "compiled" if alternative and better else "eager"
     chosen = alternative["models"] if mode == "compiled" else eager
     return {"mode": mode, "option": alternative["option"] if mode == "compiled" else None, "choice": choice,
+            "lora_kernel": alternative["lora_kernel"] if mode == "compiled" else "matmuls",
             "models": {k: {"ran": mode, **m} for k, m in chosen.items()},
             "tokens_fit": {name: round(f[0]) for name, f in fits.items()}, "why": why}
 

@@ -488,7 +488,8 @@ def training_lines(training: dict | None) -> list[str]:
                                                 + (f"; compilation {m['compile_s']:.0f} s" if m.get("compile_s") else "")
                                                 + ")" if m.get("tokens_per_s") else "")
                        for kind, m in training["models"].items())
-    return [f"- training: {models}. Why: {training['why']}."]
+    kernels = ", the adapters in Triton kernels (`--lora-kernel triton`)" if training.get("lora_kernel") == "triton" else ""
+    return [f"- training: {models}{kernels}. Why: {training['why']}."]
 
 
 def training_text(plan: dict) -> str:
