@@ -54,13 +54,17 @@ class LengthPolicy(Component):
 
     ``uses_null_class``: the concept head has K+1 classes, NULL last. ``reads_hidden``: its decision reads the
     shallow state ``h`` (calibration keeps it). ``learned_placement``: ``keep`` thresholds a trainable per-token
-    score (``--placement``). ``emit``: concept slots per emitting token."""
+    score (``--placement``). ``emit``: concept slots per emitting token. ``max_boundary_rate``: the most
+    boundaries per real token the rule emits whatever the text (a rule that bounds its own rate, e.g. one every
+    ``every`` tokens: the static budget ``max_ratio=auto`` takes, ``concept.streaming.budget``); None: no such
+    bound."""
 
     required = ("decide", "init_state", "step")
     uses_null_class: bool = True
     reads_hidden: bool = False
     learned_placement: bool = False
     emit: int = 1
+    max_boundary_rate: float | None = None
 
     def decide(self, h, head_logits, valid, reset=None):
         raise NotImplementedError
@@ -110,7 +114,11 @@ class DifferentiableBoundary:
 
 class TracksRatio:
     """A length policy that holds a ``target_ratio`` buffer (its per-document tracker aims at it); the trainer
-    and the calibration point it at their target (``concept.streaming.gap.set_target``)."""
+    and the calibration point it at their target (``concept.streaming.gap.set_target``). ``track``: its
+    per-document tracker's gain; above 0 the tracker holds each document near the target, which earns it the
+    tighter ``max_ratio=auto`` budget (``concept.streaming.budget.TRACKED``); 0: no tracker (``UNTRACKED``)."""
+
+    track: float = 0.0
 
 
 class Gated:

@@ -95,6 +95,32 @@ def test_auto_without_a_per_document_tracker_is_twice_the_target():
     assert tracked.concept_slots(8192) == 1286
 
 
+def test_auto_reads_the_capabilities_a_policy_declares_not_attributes_of_the_same_names():
+    """``auto`` asks the contract (``concept.contracts``): a target ratio and a tracker's gain come with
+    ``TracksRatio`` (``track`` declared there, 0 by default: no tracker), a rate bound is ``LengthPolicy``'s
+    ``max_boundary_rate`` (None by default). A third-party policy with a ``track`` gain and a ``target_ratio`` but
+    not the capability gets no budget from them (negative control: the same class declaring ``TracksRatio`` gets
+    the tracked rule), and setting a target on it says why it cannot."""
+    from concept.contracts import LengthPolicy, TracksRatio
+
+    class Undeclared(LengthPolicy):
+        track, target_ratio = 0.8, torch.tensor(0.125)
+
+    class Declared(Undeclared, TracksRatio):
+        pass
+
+    class Untracked(LengthPolicy, TracksRatio):
+        target_ratio = torch.tensor(0.125)
+
+    assert LengthPolicy.max_boundary_rate is None and TracksRatio.track == 0.0
+    assert not budget.tracks_documents(Undeclared()) and budget.auto(Undeclared()) == 0.0
+    assert gap.target_of(Undeclared()) == gap.DEFAULT_TARGET_RATIO
+    with pytest.raises(TypeError, match="not a TracksRatio"):
+        gap.set_target(Undeclared(), 0.3)
+    assert budget.tracks_documents(Declared()) and budget.auto(Declared()) == 0.15625
+    assert not budget.tracks_documents(Untracked()) and budget.auto(Untracked()) == 0.25  # (no gain: twice r)
+
+
 def test_auto_for_fixed_is_its_own_rate_and_never_binds():
     model = randomize_new_modules(concept.build(tiny(length_policy=ComponentRef("fixed", {"every": 2}))))
     assert model.max_ratio == 0.5  # where the tracked rule (0.15625) would drop most boundaries

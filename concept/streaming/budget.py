@@ -7,9 +7,9 @@ and ``cap_boundaries`` apply it).
 - ``"auto"`` (the default of new builds): derived from the length policy, like its ``max_run`` / ``max_chunk``
   (``concept.streaming.gap``):
 
-  * a policy with a target ratio r (its ``target_ratio`` buffer: `null`, `threshold`, `mtp`; the trainer
-    keeps it at the step's target, the build's calibration at its own) and a per-document ratio tracker (its
-    ``track`` gain above 0: `null` and `mtp` by default): ``min(1, 1.25 r)`` with a slack of 6 boundaries
+  * a policy with a target ratio r (a ``concept.contracts.TracksRatio``, its ``target_ratio`` buffer: `null`,
+    `threshold`, `mtp`; the trainer keeps it at the step's target, the build's calibration at its own) and a
+    per-document ratio tracker (its declared ``track`` gain above 0: `null` and `mtp` by default): ``min(1, 1.25 r)`` with a slack of 6 boundaries
     (:data:`TRACKED`): a row's first n real tokens keep at most ``ceil(1.25 r n) + 6``, 26 concept slots at
     T = 128 and 1,286 at 8k for the default r = 0.125. The tracker holds a document near r, so a row goes
     over ``ceil(1.25 r n)`` only in a burst at its start, which the slack takes: over the policy's boundaries
@@ -18,7 +18,8 @@ and ``cap_boundaries`` apply it).
     static budget, a quarter over the target");
   * a policy with a target ratio and no per-document tracker (`threshold`; `null` / `mtp` with ``track`` 0):
     nothing holds a row near r, so twice it, ``min(1, 2 r)`` with a slack of 4 (:data:`UNTRACKED`);
-  * a policy that bounds its own rate (``max_boundary_rate``: `fixed`, one boundary every ``every`` tokens):
+  * a policy that bounds its own rate (``LengthPolicy.max_boundary_rate`` not None: `fixed`, one boundary every
+    ``every`` tokens):
     that bound, which the cap then never binds;
   * neither (`entropy`: its rate is set by ``tau`` and nothing tracks it): none (the budget would have to be
     the whole row to be safe, a middle stack over every token);
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+from ..contracts import TracksRatio
 from . import gap
 from .operating_point import MAX_RATIO_AUTO, MAX_RATIO_NONE
 
@@ -42,9 +44,10 @@ UNTRACKED = (2.0, 4)  # a policy with a target ratio and no tracker (nothing hol
 
 
 def tracks_documents(policy) -> bool:
-    """Whether the policy's per-document ratio tracker is on (its ``track`` gain above 0: `null`, `mtp`; a
-    third-party policy declares one the same way)."""
-    return float(getattr(policy, "track", 0.0) or 0.0) > 0
+    """Whether the policy's per-document ratio tracker is on: a :class:`~concept.contracts.TracksRatio` whose
+    ``track`` gain is above 0 (`null`, `mtp`; a third-party policy declares one the same way: the capability and
+    its gain, not an attribute of that name alone)."""
+    return isinstance(policy, TracksRatio) and float(policy.track) > 0
 
 
 def rule(policy) -> tuple[float, int]:
@@ -61,10 +64,9 @@ def from_target(target: float, headroom: float) -> float:
 
 def auto(policy) -> float:
     """``max_ratio = "auto"`` for this length policy now (0.0: no budget)."""
-    bound = getattr(policy, "max_boundary_rate", None)
-    if bound is not None:
-        return min(1.0, float(bound))
-    if getattr(policy, "target_ratio", None) is not None:
+    if policy.max_boundary_rate is not None:
+        return min(1.0, float(policy.max_boundary_rate))
+    if isinstance(policy, TracksRatio):
         return from_target(gap.target_of(policy), rule(policy)[0])
     return 0.0
 
@@ -72,7 +74,7 @@ def auto(policy) -> float:
 def slack(value, policy) -> int:
     """The budget's slack: :func:`rule`'s for ``auto`` from a target ratio; 0 for a policy's own rate bound
     (it never goes over it) and for a number, which is the budget exactly as given."""
-    if value != MAX_RATIO_AUTO or getattr(policy, "max_boundary_rate", None) is not None:
+    if value != MAX_RATIO_AUTO or policy.max_boundary_rate is not None:
         return 0
     return rule(policy)[1] if auto(policy) else 0
 

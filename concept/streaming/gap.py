@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ..contracts import TracksRatio
 from ..lazy import tensor_version
 from .operating_point import DEFAULT_TARGET_RATIO
 
@@ -44,11 +45,14 @@ def from_target(target: float) -> int:
 
 
 def target_of(policy) -> float:
-    """The policy's target ratio: its ``target_ratio`` buffer (read from the device once per change of the
-    buffer, not once per decision), or the project's default where it has none."""
-    buffer = getattr(policy, "target_ratio", None)
+    """The policy's target ratio: a :class:`~concept.contracts.TracksRatio`'s ``target_ratio`` buffer (read from
+    the device once per change of the buffer, not once per decision), or the project's default for a policy
+    without one."""
+    if not isinstance(policy, TracksRatio):
+        return DEFAULT_TARGET_RATIO
+    buffer = policy.target_ratio
     if not isinstance(buffer, torch.Tensor):
-        return DEFAULT_TARGET_RATIO if buffer is None else float(buffer)
+        return float(buffer)
     value = policy.__dict__.get("_gap_target")
     if value is not None and torch.compiler.is_compiling():  # a compiled graph: the host copy, a constant of it
         return value  # (guarded by its value alone: the buffer refilled with the same number recompiles nothing;
@@ -61,9 +65,12 @@ def target_of(policy) -> float:
 
 
 def set_target(policy, target: float) -> None:
-    """Point ``policy`` at the target ratio ``target``: its ``target_ratio`` buffer filled (or attribute set), and
-    the host copy :func:`target_of` reads kept with it, so the next decision reads nothing back from the device."""
-    buffer = getattr(policy, "target_ratio", None)
+    """Point ``policy`` (a :class:`~concept.contracts.TracksRatio`) at the target ratio ``target``: its
+    ``target_ratio`` buffer filled (or attribute set), and the host copy :func:`target_of` reads kept with it, so
+    the next decision reads nothing back from the device."""
+    if not isinstance(policy, TracksRatio):
+        raise TypeError(f"{type(policy).__name__} has no target ratio to set (it is not a TracksRatio)")
+    buffer = policy.target_ratio
     if not isinstance(buffer, torch.Tensor):
         policy.target_ratio = target
         return
