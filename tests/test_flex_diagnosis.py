@@ -113,3 +113,31 @@ def test_gathered_sdpa_equals_the_dense_mask_over_several_blocks(fault):
     out = flex_diagnosis.gathered_attention(q, k, v, 0.125, idx, mask, 128)
     error = flex_diagnosis.relative_error(out, DenseMaskPattern(layout)(q, k, v, 0.125), layout)
     assert (error < 1e-5) is (fault is None), error
+
+
+def test_variants_are_ranked_by_their_device_time_in_a_cuda_graph_where_every_one_has_it():
+    """Events around one compiled FlexAttention call time its launch from the host too (the H200: 0.367 ms by
+    events, about 0.17 ms of device time): where each exact variant has its time in a CUDA graph (``graphed``), the
+    fastest is the fastest there, as the compiled forward runs it. Negative control: with one variant's graph time
+    missing, the ranking falls back to the event times, and names the other variant."""
+    rows = [{"variant": "sdpa-causal", "ms": 0.26, "graph_ms": 0.25, "exact": None, "error": 0.9, "first_call_s": 0.1},
+            {"variant": "ranges-static", "ms": 0.37, "graph_ms": 0.12, "exact": True, "error": 1e-3, "first_call_s": 2.6},
+            {"variant": "gathered-sdpa", "ms": 0.30, "graph_ms": 0.20, "exact": True, "error": 1e-3, "first_call_s": 0.2}]
+    report = {"variants": rows, "T": 8192, "ratio": 0.125, "dtype": "bfloat16", "heads": [9, 3, 64], "timer": "t",
+              "ideal_speedup": 7.95, "block_mask": {}}
+    found = flex_diagnosis.conclude(report)
+    assert found["ranked_by"] == "graph_ms" and found["fastest_exact"]["variant"] == "ranges-static"
+    assert found["fastest_exact"]["ms"] == 0.12 and found["closes_the_gap"]["timed_by"] == "graph_ms"
+    table = flex_diagnosis.markdown({**report, **found})
+    assert "| `ranges-static` | 0.370 | 0.120 |" in table and "(0.120 ms in a CUDA graph" in table
+    del rows[1]["graph_ms"]
+    rows[1]["graph_failed"] = "RuntimeError: capture"
+    found = flex_diagnosis.conclude(report)
+    assert found["fastest_exact"]["variant"] == "gathered-sdpa" and found["fastest_exact"]["timed_by"] == "ms"
+    assert "| `ranges-static` | 0.370 | failed |" in flex_diagnosis.markdown({**report, **found})
+    assert flex_diagnosis.timing_key(rows[::2]) == "graph_ms" and flex_diagnosis.timing_key([]) == "ms"
+    sdpa, ranges, gathered = rows
+    assert flex_diagnosis.against_dense(gathered, sdpa, 7.95) == {"speedup_vs_dense": 1.25,
+                                                                  "fraction_of_ideal": 1.25 / 7.95,
+                                                                  "compared_by": "graph_ms"}
+    assert flex_diagnosis.against_dense(ranges, sdpa, 7.95)["compared_by"] == "ms"  # (no graph time: events)
