@@ -461,7 +461,8 @@ def in_stage(stage) -> dict:
             stage.problem(f"flex diagnosis: variant {row['variant']} is not exact (relative error {row['error']:.1e})")
     if report.get("closes_the_gap"):
         best = report["closes_the_gap"]
-        stage.say(f"flex diagnosis: fastest exact variant {best['variant']} ({best['ms']:.3f} ms)")
+        timer = " in a CUDA graph" if best.get("timed_by") == "graph_ms" else ""
+        stage.say(f"flex diagnosis: fastest exact variant {best['variant']} ({best['ms']:.3f} ms{timer})")
     return report
 
 
