@@ -5,7 +5,8 @@ folder per call: ``callN/``) and merges each stage's runs part by part: each par
 (``environment``, ``smollm2``, ``throughput``, ...) from the latest run that has it, saying which call
 and when (a failed later call keeps what an earlier one measured); then it replaces the block between ``<!-- gpu-kit:STAGE:begin -->`` and
 ``<!-- gpu-kit:STAGE:end -->``: setup, exact and speed in ``docs/benchmarks.md``, quality in
-``docs/results.md``; each file is replaced atomically. It also files the pytest-benchmark baseline
+``docs/results.md``, and the ``defaults`` block of ``docs/benchmarks.md`` with what setup, exact and speed say
+of the defaults that wait for a GPU (``defaults_verdict``); each file is replaced atomically. It also files the pytest-benchmark baseline
 under ``benchmarks/baselines/<gpu>/``, the training curves under ``docs/img/`` and the raw JSON under
 ``benchmarks/gpu_results/<gpu>/``, and prints the one ``git add`` to commit them. Results of a dry
 run are never written into the docs; ``--dry`` renders the dry run's own results into copies of the
@@ -17,12 +18,13 @@ import json
 import re
 from pathlib import Path
 
-from . import flex_diagnosis
+from . import defaults_verdict, flex_diagnosis
 from .common import RESULTS, ROOT, KitError, Stage, read_json
 from .pytest_run import counts
 
 DOC = {"setup": "docs/benchmarks.md", "exact": "docs/benchmarks.md", "speed": "docs/benchmarks.md",
        "quality": "docs/results.md"}
+DEFAULTS_DOC = "docs/benchmarks.md"  # the `defaults` block: ``defaults_verdict``'s reading of setup, exact and speed
 CURVES = "docs/img/gpu-quality-curves.png"
 
 
@@ -551,6 +553,8 @@ def run(stage: Stage, args) -> int:
                 text = replace_block(text, name, renders[name](found[name]) if name in found else "", doc)
                 if name not in found:
                     stage.skip(f"the {name} block of {doc}", f"no {name}.json among the results")
+            if doc == DEFAULTS_DOC:  # what the lease says of the defaults that wait for a GPU (setup, exact, speed)
+                text = replace_block(text, "defaults", defaults_verdict.render(found), doc)
             docs[doc] = text
     except KitError as exc:
         stage.problem(str(exc))
@@ -576,6 +580,9 @@ def run(stage: Stage, args) -> int:
         place(doc, text.encode("utf-8"))
     commit = "git add " + " ".join(sorted({w if not w.startswith("benchmarks/") else "/".join(w.split("/")[:3])
                                            for w in written}))
+    for line in defaults_verdict.render(found).splitlines():  # (the defaults block's verdicts, said here too)
+        if line.startswith("- "):
+            stage.say("defaults: " + line[2:])
     if stage.dry:
         stage.say(f"dry run: rendered {len(written)} files into copies under {base} (the real docs are untouched)")
     else:
