@@ -248,7 +248,10 @@ def graphed(fn, device, reps: int, calls: int = None) -> dict:
             spans.append(a.elapsed_time(b) / calls)
         del graph
     except Exception as exc:  # a variant that cannot be captured keeps its event time
-        torch.cuda.synchronize(device)
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # (a capture that failed may leave its error to the next call: not this row's event time)
+            pass
         return {"graph_failed": f"{type(exc).__name__}: {exc}"[:300]}
     return {"graph_ms": statistics.median(spans), "graph_spread_ms": [min(spans), max(spans)], "graph_calls": calls}
 
