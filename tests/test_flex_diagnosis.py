@@ -141,3 +141,52 @@ def test_variants_are_ranked_by_their_device_time_in_a_cuda_graph_where_every_on
                                                                   "fraction_of_ideal": 1.25 / 7.95,
                                                                   "compared_by": "graph_ms"}
     assert flex_diagnosis.against_dense(ranges, sdpa, 7.95)["compared_by"] == "ms"  # (no graph time: events)
+
+
+def test_the_cuda_graph_timer_captures_calls_and_divides_each_replay_by_them(monkeypatch):
+    """``graphed`` on stand-ins for torch.cuda (this CPU has no CUDA graphs): two warm-up calls on a side stream,
+    ``calls`` captured once, ``reps`` replays each timed by events and divided by ``calls``; a capture that raises
+    (a host sync inside it, on a GPU) gives ``graph_failed`` and no time."""
+    import contextlib
+    from types import SimpleNamespace
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return 2.0  # ms, a replay
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+
+    capturing = []
+
+    @contextlib.contextmanager
+    def graph(g):
+        capturing.append(True)
+        yield
+        capturing.pop()
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    fake = SimpleNamespace(Stream=lambda device: stream, current_stream=lambda device: stream,
+                           stream=lambda s: contextlib.nullcontext(), CUDAGraph=Graph, graph=graph, Event=Event,
+                           synchronize=lambda device: None)
+    monkeypatch.setattr(torch, "cuda", fake)
+    calls = []
+    out = flex_diagnosis.graphed(lambda: calls.append(bool(capturing)), "cuda", reps=5, calls=4)
+    assert calls == [False, False, True, True, True, True] and log.count("replay") == 5
+    assert out == {"graph_ms": 0.5, "graph_spread_ms": [0.5, 0.5], "graph_calls": 4}
+
+    def syncs():
+        if capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    failed = flex_diagnosis.graphed(syncs, "cuda", reps=5, calls=4)
+    assert set(failed) == {"graph_failed"} and "capturing" in failed["graph_failed"]
