@@ -353,8 +353,9 @@ def test_quality_trains_with_the_adapters_triton_kernels_where_setup_measured_th
 
 
 def test_quality_passes_the_adapters_kernel_to_every_run(tmp_path):
-    """The plan's option reaches ``concept frontier`` as ``--train-set lora.kernel=triton``, which every run of the
-    frontier (streaming, pruned, dense) trains with."""
+    """The plan's option reaches ``concept frontier`` as ``--train-set lora.kernel=triton`` (the frontier applies
+    its ``--train-set`` items to every run's training config: streaming, pruned and dense), and that item sets
+    ``TrainConfig.lora.kernel``."""
     from benchmarks.gpu_kit import recipe
 
     stage = Stage("quality", tmp_path, tmp_path / "work", dry=True, budget_s=600)
