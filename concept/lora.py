@@ -128,7 +128,7 @@ class LoraMatmuls(torch.autograd.Function):
 
 
 def _kernel_products(x, weight, lora_a, lora_b, scaling: float, dtype: torch.dtype) -> torch.Tensor:
-    """:class:`LoraMatmuls`' ``y`` in ``concept.lora_triton``'s two kernels: the operands cast to ``dtype`` once
+    """:class:`LoraMatmuls`' ``y`` in ``concept.lora_triton``'s two ops (three kernels): the operands cast to ``dtype`` once
     (autocast off), as the matmuls cast them; their gradients cast back by autograd."""
     with torch.autocast(x.device.type, enabled=False):
         return lora_triton.lora_linear(*_in_dtype(dtype, x, weight, lora_a, lora_b), scaling)

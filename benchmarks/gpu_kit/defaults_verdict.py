@@ -107,7 +107,7 @@ def deep_attention_lines(speed: dict | None) -> list[str]:
     fastest, adopt = diagnosis.get("fastest_exact"), diagnosis.get("adopt")
     if not fastest:
         return ["- the deep attention: the flex diagnosis measured no exact variant in this lease"]
-    timer = " in a CUDA graph" if fastest.get("timed_by") == "graph_ms" else " by CUDA events"
+    timer = flex_diagnosis.timer_text(fastest) or " by CUDA events"
     lines = [f"- the deep attention: the fastest exact variant is `{fastest['variant']}` ({fastest['ms']:.3f} ms"
              f"{timer}" + (f", {fastest['speedup_vs_dense']:.2f}x dense causal SDPA" if fastest.get("speedup_vs_dense")
                            else "") + ")"]

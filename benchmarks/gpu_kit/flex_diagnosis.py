@@ -271,6 +271,11 @@ def against_dense(row: dict, dense: dict, ideal: float) -> dict:
     return {"speedup_vs_dense": speedup, "fraction_of_ideal": speedup / ideal, "compared_by": key}
 
 
+def timer_text(found: dict) -> str:
+    """How a concluded variant (``fastest_exact``, ``closes_the_gap``) was timed, for a sentence after its ms."""
+    return " in a CUDA graph" if found.get("timed_by") == "graph_ms" else ""
+
+
 def device_busy(fn, device) -> dict:
     """Device-busy time of one call, where the project has a profiler helper (``concept.profiling``, issue 39):
     the seam for the common way of reporting it; nothing otherwise."""
@@ -386,10 +391,10 @@ def conclude(report: dict) -> dict:
     key = timing_key(flex)
     best = min(flex, key=lambda r: r[key])
     today = rows.get("today")
+    against_today = timing_key((today, best)) if today else None
     found = {"variant": best["variant"], "ms": best[key], "timed_by": key,
              "speedup_vs_dense": best.get("speedup_vs_dense"), "fraction_of_ideal": best.get("fraction_of_ideal"),
-             "times_faster_than_today": today[timing_key((today, best))] / best[timing_key((today, best))]
-             if today else None,
+             "times_faster_than_today": today[against_today] / best[against_today] if today else None,
              "meets_the_target": (best.get("speedup_vs_dense") or 0) >= 5.0}
     return {"closes_the_gap": found, "adopt": FLEX_SETTINGS[best["variant"]], "fastest_exact": fastest_exact,
             "ranked_by": key}
@@ -427,15 +432,14 @@ def markdown(report: dict) -> str:
         lines.append(f"| `{s['variant']}` | skipped: {s['reason']} | | | | | |")
     best = report.get("closes_the_gap")
     if best:
-        lines += ["", f"Fastest exact FlexAttention variant: `{best['variant']}` ({best['ms']:.3f} ms"
-                  + (" in a CUDA graph" if best.get("timed_by") == "graph_ms" else "")
+        lines += ["", f"Fastest exact FlexAttention variant: `{best['variant']}` ({best['ms']:.3f} ms{timer_text(best)}"
                   + (f", {best['speedup_vs_dense']:.2f}x dense" if best.get("speedup_vs_dense") else "")
                   + (f", {best['times_faster_than_today']:.1f}x `today`" if best.get("times_faster_than_today") else "")
                   + f"); the `flex` settings that give it: `{json.dumps(report['adopt'])}`."]
     fastest = report.get("fastest_exact")
     if fastest and (not best or fastest["variant"] != best["variant"]):
-        lines += ["", f"Fastest exact deep attention of all the variants: `{fastest['variant']}` ({fastest['ms']:.3f} ms"
-                  + (" in a CUDA graph" if fastest.get("timed_by") == "graph_ms" else "")
+        lines += ["", f"Fastest exact deep attention of all the variants: `{fastest['variant']}` "
+                      f"({fastest['ms']:.3f} ms{timer_text(fastest)}"
                   + (f", {fastest['speedup_vs_dense']:.2f}x dense" if fastest.get("speedup_vs_dense") else "") + ")."]
     return "\n".join(lines)
 
@@ -464,8 +468,7 @@ def in_stage(stage) -> dict:
             stage.problem(f"flex diagnosis: variant {row['variant']} is not exact (relative error {row['error']:.1e})")
     if report.get("closes_the_gap"):
         best = report["closes_the_gap"]
-        timer = " in a CUDA graph" if best.get("timed_by") == "graph_ms" else ""
-        stage.say(f"flex diagnosis: fastest exact variant {best['variant']} ({best['ms']:.3f} ms{timer})")
+        stage.say(f"flex diagnosis: fastest exact variant {best['variant']} ({best['ms']:.3f} ms{timer_text(best)})")
     return report
 
 

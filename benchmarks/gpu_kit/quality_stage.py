@@ -216,9 +216,8 @@ def compiled_alternative(measured: dict) -> tuple[dict | None, str]:
     def sized(k: str) -> dict:
         row, how = ((kernels[k], "its compiled rate with the adapters' Triton kernels") if k in kernels else
                     (rows[k], "its compiled rate") if k in rows else
-                    (eager[k], "its eager rate: setup measured it eager only"))
-        return {"tokens_per_s": row["tokens_per_s"], "sized_by": how,
-                "compile_s": row.get("compile_s", guess) if row is not eager.get(k) else guess}
+                    ({**eager[k], "compile_s": guess}, "its eager rate: setup measured it eager only"))
+        return {"tokens_per_s": row["tokens_per_s"], "sized_by": how, "compile_s": row.get("compile_s", guess)}
 
     option = {**compiled["option"], **({"lora.kernel": ADAPTER_KERNEL} if kernels else {})}
     return {"option": option, "models": {k: sized(k) for k in KINDS}, "faster": faster,

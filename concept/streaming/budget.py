@@ -9,7 +9,8 @@ and ``cap_boundaries`` apply it).
 
   * a policy with a target ratio r (a ``concept.contracts.TracksRatio``, its ``target_ratio`` buffer: `null`,
     `threshold`, `mtp`; the trainer keeps it at the step's target, the build's calibration at its own) and a
-    per-document ratio tracker (its declared ``track`` gain above 0: `null` and `mtp` by default): ``min(1, 1.25 r)`` with a slack of 6 boundaries
+    per-document ratio tracker (its declared ``track`` gain above 0: `null` and `mtp` by default):
+    ``min(1, 1.25 r)`` with a slack of 6 boundaries
     (:data:`TRACKED`): a row's first n real tokens keep at most ``ceil(1.25 r n) + 6``, 26 concept slots at
     T = 128 and 1,286 at 8k for the default r = 0.125. The tracker holds a document near r, so a row goes
     over ``ceil(1.25 r n)`` only in a burst at its start, which the slack takes: over the policy's boundaries
