@@ -20,23 +20,20 @@ from concept.config import WHOLE_CHOICE
 from concept.streaming.operating_point import MAX_RATIO_AUTO, has_budget
 
 BUDGET = MAX_RATIO_AUTO  # the compiled streaming builds' max_ratio: the default build's (concept.streaming.budget)
-# what the GPU kit compiles with (setup's compiled training rows, speed's compiled cases, quality's compiled runs):
-# the whole forward one graph (the fourth lease measured ``on``: one CUDA graph per layer and eager glue between),
-# where this torch compiles its decoder layers as regions; else ``on`` (:func:`kit_choice`)
-KIT_CHOICE = WHOLE_CHOICE
-FALLBACK_CHOICE = "on"
 
 
 def kit_choice() -> str:
-    """:data:`KIT_CHOICE` where this torch compiles ``model``'s layers as nested regions (``concept.compiled.regions``:
-    torch 2.11 on, the GPU image's included), else :data:`FALLBACK_CHOICE`. Without regions ``model`` traces all 30
-    layers inline: under torch 2.11 on this CPU, cold, a SmolLM2-shaped streaming model's first compiled training
-    step took 107 s that way, 68 s with the regions, 25 s with ``on`` (``docs/benchmarks.md``, "The regions on the
-    GPU image's torch"); ``setup``'s 5.5 minutes hold the regions' compilations of both models of the training
-    target."""
+    """What the GPU kit compiles with (``setup``'s compiled training rows, ``speed``'s compiled cases, ``quality``'s
+    compiled runs): ``--compile auto``'s choice on a CUDA device with Triton (``concept.compiled.gpu_choice``), the
+    whole forward one graph (``model``; the fourth lease measured ``on``: one CUDA graph per layer and eager glue
+    between) where this torch compiles ``model``'s layers as nested regions (torch 2.11 on, the GPU image's
+    included), else ``on``. Without regions ``model`` traces all 30 layers inline: under torch 2.11 on this CPU,
+    cold, a SmolLM2-shaped streaming model's first compiled training step took 107 s that way, 68 s with the
+    regions, 25 s with ``on`` (``docs/benchmarks.md``, "The regions on the GPU image's torch"); ``setup``'s 5.5
+    minutes hold the regions' compilations of both models of the training target."""
     import concept.compiled
 
-    return KIT_CHOICE if concept.compiled.regions() else FALLBACK_CHOICE
+    return concept.compiled.gpu_choice()
 
 
 def dense_model(backbone, device, choice: str | None = None):

@@ -104,9 +104,14 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture
-def compile_choice(request) -> str:
-    """``concept bench --compile``: how a suite's models run their stacks (``concept.build(..., compile=)``)."""
-    return request.config.getoption("--compile")
+def compile_choice(request, device) -> str:
+    """``concept bench --compile``: how a suite's models run their stacks (``concept.build(..., compile=)``); ``auto``
+    as it decides on the suite's device (``concept.compiled.device_choice``: ``off`` on a CPU, so the compiled suites
+    skip there)."""
+    from concept.compiled import device_choice
+
+    choice = request.config.getoption("--compile")
+    return device_choice(device.type) if choice == "auto" else choice
 
 
 @pytest.fixture

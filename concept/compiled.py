@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import inspect
 import os
 import types
@@ -54,7 +55,7 @@ import types
 import torch
 
 from .backbone import run_layer, run_layer_rope, run_layers
-from .config import COMPILE_CHOICES, REGIONAL_CHOICES, WHOLE_CHOICE, device_mode, uses_cuda_graphs
+from .config import AUTO_CHOICE, COMPILE_CHOICES, REGIONAL_CHOICES, WHOLE_CHOICE, device_mode, uses_cuda_graphs
 from .errors import ConceptError
 from .families import family_of
 from .lazy import Deferred
@@ -280,15 +281,25 @@ def copy_recorded(cache) -> None:
             store[layer] = t.clone()
 
 
-def compile_model(model, choice: str = "on", backend: str | None = None):
+def compile_model(model, choice: str = "on", backend: str | None = None, device=None):
     """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager), with
     ``model`` its whole forward too (:class:`WholeForward`). Its family says whether it can
     (``Family.compile_refusal``: a streaming model needs a static concept budget; the dense and pruned baselines
     compile the layers they run through ``compiled_stacks``). ``backend``: torch.compile's backend instead of
-    inductor (``aot_eager`` in the default test suite: captured, run by torch's eager kernels)."""
+    inductor (``aot_eager`` in the default test suite: captured, run by torch's eager kernels).
+
+    ``auto`` (:func:`auto_choice`) is decided for ``device`` where one is given (training knows its device), else at
+    the model's first call, from its inputs' device (:class:`AutoCompile`: ``concept.load`` compiles a model before
+    the user moves it to its device); never refused: what cannot compile runs eagerly."""
     if choice not in COMPILE_CHOICES:
         raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
-    model.__dict__.pop("forward", None)  # (a whole forward compiled before)
+    model.__dict__.pop("forward", None)  # (a whole forward compiled before, or an undecided ``auto``)
+    if choice == AUTO_CHOICE:
+        if device is None:
+            model.compiled_stacks = None
+            model.forward = AutoCompile(model, backend)
+            return model
+        choice, model.compile_reason = auto_choice(model, torch.device(device).type)
     if choice == "off":
         model.compiled_stacks = None
         return model
@@ -300,6 +311,76 @@ def compile_model(model, choice: str = "on", backend: str | None = None):
     if choice == WHOLE_CHOICE:
         model.forward = WholeForward(model, backend or WHOLE_BACKEND)
     return model
+
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # (inductor's GPU code is Triton kernels)
+
+
+def inductor_runs_on(device_type: str) -> bool:
+    """Whether ``auto`` compiles for ``device_type``: a CUDA device, with Triton installed."""
+    return device_type == "cuda" and TRITON_INSTALLED
+
+
+def device_choice(device_type: str) -> str:
+    """The compiled choice ``auto`` gives a model on ``device_type`` whose family compiles it: ``model`` (the whole
+    forward one graph, its decoder layers nested regions, CUDA graphs in training and no-grad calls) where this
+    torch compiles layers as regions (:func:`regions`: torch 2.11 on), ``on`` (one CUDA graph per layer) on an older
+    one (``model`` would trace all 30 layers of a SmolLM2 inline: minutes of compilation); ``off`` where inductor
+    does not run (:func:`inductor_runs_on`): on a CPU a compilation takes minutes (inductor's C++) for a step no GPU
+    lease has shown faster there."""
+    return gpu_choice() if inductor_runs_on(device_type) else "off"
+
+
+def gpu_choice() -> str:
+    """What compiles a model best on a GPU with this torch: ``model`` where its decoder layers compile as regions
+    (:func:`regions`), else ``on`` (``model`` would trace every layer inline: minutes of compilation)."""
+    return WHOLE_CHOICE if regions() else "on"
+
+
+def auto_choice(model, device_type: str) -> tuple[str, str]:
+    """What ``--compile auto`` runs ``model`` with on ``device_type`` (:func:`device_choice`, ``off`` where its
+    family refuses to compile it now: ``Family.compile_refusal``), and why, in a line."""
+    choice = device_choice(device_type)
+    if choice == "off":
+        why = "CUDA without Triton" if device_type == "cuda" else f"a {device_type} device"
+        return "off", f"eager: {why} (auto compiles on CUDA with Triton only)"
+    refusal = compile_refusal(model)
+    if refusal is not None:
+        return "off", f"eager: {refusal}"
+    return choice, f"{choice} on {device_type}" + ("" if choice == WHOLE_CHOICE else
+                                                  f" (this torch {torch.__version__} compiles no layer regions)")
+
+
+class AutoCompile:
+    """``--compile auto`` before its decision: installed as the model's ``forward`` until its first call, which
+    decides from the inputs' device (:func:`auto_choice`), compiles the model that way (``compile_model``, which
+    replaces this forward) and runs it. A model moved to another device after that keeps its decision."""
+
+    def __init__(self, model, backend: str | None = None):
+        self.eager = type(model).forward.__get__(model)
+        self.backend = backend
+
+    def __call__(self, *args, **kwargs):
+        values = (*args, *kwargs.values())
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+        model = self.eager.__self__
+        settle(model, device if device is not None else next(model.parameters()).device)
+        return model.forward(*args, **kwargs)
+
+
+def compiled_choice(model) -> str:
+    """The ``compile`` choice ``model`` runs with (``off``: eager; ``auto`` while undecided, :class:`AutoCompile`)."""
+    if isinstance(model.__dict__.get("forward"), AutoCompile):
+        return AUTO_CHOICE
+    stacks = getattr(model, "compiled_stacks", None)
+    return "off" if stacks is None else stacks.choice
+
+
+def settle(model, device) -> None:
+    """Decide an undecided ``--compile auto`` (:class:`AutoCompile`) for ``device`` now: where a caller reads
+    ``model.compiled_stacks`` before calling the model (generation picks its decoder by it). Nothing otherwise."""
+    if isinstance(model.__dict__.get("forward"), AutoCompile):
+        compile_model(model, AUTO_CHOICE, model.forward.backend, device=device)
 
 
 def traceable_output_capturing() -> None:

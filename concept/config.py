@@ -24,18 +24,21 @@ from .registry import Provider, registry
 SLOTS = ("backbone",)  # the core's component slots; a family's build section holds its others (``Family.build_section``)
 CORE_KEYS = ("family", "backbone", "seed")  # a build config's own keys; the rest are the families' sections
 
-# --compile (concept.compiled): off until a GPU measurement says otherwise; "on": the device's mode
-COMPILE_CHOICES = ("off", "on", "layers", "model", "default", "reduce-overhead", "max-autotune", "aot-eager")
+# --compile (concept.compiled): off until a GPU measurement says otherwise, then ``auto``; "on": the device's mode
+COMPILE_CHOICES = ("off", "auto", "on", "layers", "model", "default", "reduce-overhead", "max-autotune", "aot-eager")
+AUTO_CHOICE = "auto"  # decided per device and model (concept.compiled.auto_choice): `model` on CUDA, eager elsewhere
 # one graph per decoder layer, shared by a stack's layers (concept.compiled; `on` too: docs/architecture.md §8b)
 REGIONAL_CHOICES = ("on", "layers")
 WHOLE_CHOICE = "model"  # the whole forward (decisions, packing, plans, stacks, loss) one graph (concept.compiled)
-COMPILE_HELP = ("Run the model compiled (torch.compile, fullgraph): --compile alone is `on`, the same as "
-                "`layers`: one decoder layer compiled and its graph shared by a stack's layers (CUDA graphs on CUDA, "
-                "torch's default mode elsewhere); `model`: the whole forward, with its decisions, packing, attention "
-                "plans and loss, one graph (no eager op between the stacks; on CUDA a training forward and its "
-                "backward run as CUDA graphs); a torch mode by name compiles each "
-                "stack whole. A streaming model needs a static budget (concept build --max-ratio). aot-eager: "
-                "captured, not code-generated.")
+COMPILE_HELP = ("Run the model compiled (torch.compile, fullgraph): `auto` compiles where it runs (`model` on a CUDA "
+                "device with Triton, `on` where this torch compiles no layer regions; eager on other devices and "
+                "for a model that cannot compile), decided at the model's first call; --compile alone is `on`, "
+                "the same as `layers`: one decoder layer compiled and its graph shared by a stack's layers (CUDA "
+                "graphs on CUDA, torch's default mode elsewhere); `model`: the whole forward, with its decisions, "
+                "packing, attention plans and loss, one graph (no eager op between the stacks; on CUDA a training "
+                "forward and its backward run as CUDA graphs); a torch mode by name compiles each stack whole. A "
+                "streaming model needs a static budget (concept build --max-ratio). aot-eager: captured, not "
+                "code-generated.")
 
 
 def device_mode(choice: str, device_type: str) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import multitoken
+from .compiled import settle
 from .errors import ConceptError, ConfigError
 from .families import family_of
 from .options import SEED_MAX, finite
@@ -144,6 +145,7 @@ READ_EVERY = 16  # compiled decoding reads the sampled tokens back every this ma
 
 
 def _decoder(model, s: GenerationSettings, budget: int):
+    settle(model, next(model.parameters()).device)  # (`--compile auto` decided before its decoder is chosen)
     compiled = getattr(model, "compiled_stacks", None)
     family = family_of(model)
     if compiled is not None and not s.mtp:  # --compile: static KV caches and a compiled step

@@ -35,10 +35,10 @@ from torch import nn
 
 from . import checkpoint, data, distributed_wrap, lora_triton, memory, run_files, tracking, training_run
 from .backbone import decoder
-from .compiled import compile_model
+from .compiled import compile_model, compiled_choice
 from .builder import build, load_new_modules
 from .checkpoint_state import CheckpointState, restore_weights
-from .config import BuildConfig, resolve
+from .config import AUTO_CHOICE, BuildConfig, resolve
 from .diagnostics import evaluate
 from .distributed import Dist, pick_device
 from .errors import ConfigError, TrainingError  # noqa: F401 (TrainingError: API)
@@ -132,7 +132,7 @@ def trained_model(family, plan, config: TrainConfig, run: training_run.RunFolder
     store_frozen_base(model, dtype)  # bf16: cast once here, never inside a step
     model.to(device)
     model.gradient_checkpointing = config.grad_checkpointing
-    compile_model(model, config.compile)  # (off: eager)
+    compile_model(model, config.compile, device=device)  # (off: eager; auto: decided for the device)
     if resume:  # weights before any sharding; the optimizer state once the optimizer exists
         restore_weights(run, model)
     return model
@@ -211,6 +211,9 @@ class Trainer:
         derived = {}
         if self.attention:  # `auto`: record what it resolved to on this device
             derived["attention_resolved"] = self.attention
+        if config.compile == AUTO_CHOICE:  # and what `--compile auto` runs here, and why
+            derived["compile_resolved"] = compiled_choice(self.model)
+            self.notes.append(f"--compile auto: {self.model.compile_reason}")
         derived["distributed"] = {"mode": self.dist.mode, "world_size": self.dist.world_size,
                                   "global_batch": self.global_batch}
         self.derived = derived  # written to train.json by start / resume once everything is checked
