@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from concept.config import COMPILE_CHOICES, COMPILE_HELP
+from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
 
 from .output import print_json, status, stdout, table
 
@@ -145,8 +145,8 @@ def side_by_side_table(first: str, second: str, rows: list[dict]):
 @click.option("--storage", type=click.Path(path_type=Path), default=None,
               help="Baselines folder (default: benchmarks/baselines/<machine id>).")
 @click.option("--smoke", is_flag=True, help="Run every case once with timing disabled (what CI does).")
-@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
-              is_flag=False, flag_value="on", help=COMPILE_HELP + " Passed to the suites (their `compile_choice` fixture).")
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default=DEFAULT_COMPILE,
+              show_default=True, is_flag=False, flag_value="on", help=COMPILE_HELP + " Passed to the suites (their `compile_choice` fixture).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def bench(suite, smollm2, long_, device, keyword, save, compare, fail_on, storage, smoke, compile_, as_json):
     """Benchmark the streaming model against the dense backbone (pytest-benchmark).

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from concept.config import COMPILE_CHOICES, COMPILE_HELP
+from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
 
 from .help_groups import GroupedHelp
 from .output import html_report, print_concepts, print_json, quiet_progress_bars, status, stdout, table
@@ -162,8 +162,8 @@ def batch_progress(name: str, log_every: int):
               help="With --tasks: at most this many examples per task (default: all).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
               help="With --tasks: few-shot examples per prompt (default: each task's own).")
-@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
-              is_flag=False, flag_value="on", help=COMPILE_HELP)
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default=DEFAULT_COMPILE,
+              show_default=True, is_flag=False, flag_value="on", help=COMPILE_HELP)
 @click.option("--json", "as_json", is_flag=True)
 @config_option("eval", help="A recipe (YAML or JSON; its eval: section if it has one): its values are the defaults, "
                             "flags override them (docs/cli.md).")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from concept.config import COMPILE_CHOICES, COMPILE_HELP
+from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
 
 from .output import human_bytes, json_safe, print_concepts, quiet_progress_bars, status, stdout
 from .renamed import renamed
@@ -124,8 +124,8 @@ def kv_summary(kv: dict) -> dict:
 @click.option("--show-plan", is_flag=True, help="Planner-executor runs: print each prompt's plan (type by type, its "
               "concept ids) before the text.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
-@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default="off", show_default=True,
-              is_flag=False, flag_value="on", help=COMPILE_HELP + " Generation: the prompt's forward (prompts left-padded "
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default=DEFAULT_COMPILE,
+              show_default=True, is_flag=False, flag_value="on", help=COMPILE_HELP + " Generation: the prompt's forward (prompts left-padded "
                                                                  "to a multiple of 64 tokens) and each decoding step, one "
                                                                  "graph over static KV caches (CUDA graphs on CUDA); not "
                                                                  "with --mtp (eager).")

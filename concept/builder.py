@@ -21,7 +21,7 @@ from . import attention, checkpoint, fs, memory, run_files
 from .backbone import LoadedBackbone
 from .compiled import compile_model
 from .components import BuildContext
-from .config import BuildConfig, BuildResolution, resolve
+from .config import DEFAULT_COMPILE, BuildConfig, BuildResolution, resolve
 from .errors import ConceptError, RunFolderError
 from .families import family, family_of
 from .hub import local_folder
@@ -79,7 +79,7 @@ def build_components(plan: BuildResolution, loaded: LoadedBackbone) -> dict:
 
 
 def build(config: BuildConfig | dict | None = None, resolution: BuildResolution | None = None,
-          compile: str = "off"):
+          compile: str = DEFAULT_COMPILE):
     """Build the model of the config's family (``concept.families``) from a config, validated first (all
     errors at once), or from its ``resolution`` (``concept.config.resolve``). ``compile``: run its stacks compiled
     (``concept.compiled``; off by default)."""
@@ -183,7 +183,7 @@ def load_new_modules(model, state: dict, file: Path | None = None) -> None:
         module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
 
-def load(path: str | os.PathLike, compile: str = "off", **hub):
+def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, **hub):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
     LoRA adapters and the newest checkpoint's weights), a dense or pruned baseline among them; also a
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft

@@ -18,7 +18,8 @@ the graph would be recompiled at every step: a streaming model compiles only wit
 (``BuildConfig.max_ratio``, ``docs/architecture.md``, "Static shapes, host syncs and compilation"), and
 then one graph per stack serves every step of a (batch, length).
 
-Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``layers``,
+Modes (``compile``): ``off`` (the default until a GPU measurement says otherwise, then ``auto``); ``auto``, compiled
+where inductor runs (:func:`auto_choice`: ``model`` on a CUDA device with Triton, eager elsewhere); ``layers``,
 and ``on`` (the same), compile one decoder layer with its RoPE table (``concept.backbone.run_layer_rope``) per stack, its graph
 serving each layer of the stack (regional compilation: a SmolLM2 forward traces 3 graphs, not 30 layers;
 ``docs/architecture.md`` says why ``on`` is this on CUDA), in the device's mode when a stack first runs

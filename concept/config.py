@@ -27,6 +27,9 @@ CORE_KEYS = ("family", "backbone", "seed")  # a build config's own keys; the res
 # --compile (concept.compiled): off until a GPU measurement says otherwise, then ``auto``; "on": the device's mode
 COMPILE_CHOICES = ("off", "auto", "on", "layers", "model", "default", "reduce-overhead", "max-autotune", "aot-eager")
 AUTO_CHOICE = "auto"  # decided per device and model (concept.compiled.auto_choice): `model` on CUDA, eager elsewhere
+# every command's and the Python API's default (train, eval, bench, generate; concept.build / load): `auto` once a GPU
+# lease shows the compiled paths exact and faster (docs/benchmarks.md, "What the lease says of the defaults")
+DEFAULT_COMPILE = "off"
 # one graph per decoder layer, shared by a stack's layers (concept.compiled; `on` too: docs/architecture.md §8b)
 REGIONAL_CHOICES = ("on", "layers")
 WHOLE_CHOICE = "model"  # the whole forward (decisions, packing, plans, stacks, loss) one graph (concept.compiled)

@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass
 
 from . import options
-from .config import COMPILE_CHOICES, COMPILE_HELP, BuildConfig
+from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE, BuildConfig
 from .families import family, working
 from .options import SEED_MAX, check, nested, option
 
@@ -171,7 +171,7 @@ class CoreTrainConfig:
     grad_checkpointing: bool = option(
         False, help="Recompute activations in the backward pass: less memory, more compute.")
     device: str = option("auto", help="auto, cpu or cuda.")
-    compile: str = option("off", choices=COMPILE_CHOICES, help=COMPILE_HELP, is_flag=False, flag_value="on")
+    compile: str = option(DEFAULT_COMPILE, choices=COMPILE_CHOICES, help=COMPILE_HELP, is_flag=False, flag_value="on")
     dtype: str = option(
         "auto", choices=DTYPES,
         help="Compute precision: with bf16, or auto on CUDA, the frozen base weights are stored in bf16 and the "

@@ -326,6 +326,7 @@ def test_a_lease_that_shows_both_exact_and_faster_supports_both_defaults():
     assert "streaming 1.20x, dense 1.14x" in kernels["evidence"][1] and "all 2 adapter-cost rows" in kernels["evidence"][2]
     text = verdicts.render(lease)
     assert text.count("**supported**") == 2 and "`ranges-static` (0.120 ms in a CUDA graph, 2.08x" in text
+    assert "the change: `DEFAULT_COMPILE` in `concept/config.py`" in text and "`LoraSettings.kernel`'s default" in text
 
 
 @pytest.mark.parametrize("fault,option,why", [

@@ -54,10 +54,15 @@ def _faster(new: dict, old: dict, kinds, what: str) -> tuple[str | None, str | N
     return f"{what}: faster in `setup` ({said})", None
 
 
+# where each default is declared: the one line a supported verdict changes
+DECLARED = {"--compile": "`DEFAULT_COMPILE` in `concept/config.py` (every command's and the Python API's)",
+            "--lora-kernel": "`LoraSettings.kernel`'s default in `concept/train_config.py`"}
+
+
 def _verdict(option: str, now: str, proposed: str, checks: list[tuple[str | None, str | None]]) -> dict:
     evidence = [e for e, _ in checks if e]
     against = [p for _, p in checks if p]
-    return {"option": option, "now": now, "proposed": proposed, "supported": not against,
+    return {"option": option, "now": now, "proposed": proposed, "supported": not against, "declared": DECLARED[option],
             "evidence": evidence, "against": against}
 
 
@@ -126,6 +131,6 @@ def render(found: dict) -> str:
     for v in (compile_verdict(setup, exact, speed), lora_kernel_verdict(setup, exact, speed)):
         said = "; ".join(v["evidence"]) or "no evidence"
         lines.append(f"- `{v['option']}` `{v['now']}` -> `{v['proposed']}`: "
-                     + (f"**supported** ({said})" if v["supported"]
+                     + (f"**supported** ({said}); the change: {v['declared']}" if v["supported"]
                         else f"not yet: {'; '.join(v['against'])}" + (f" (for it: {said})" if v["evidence"] else "")))
     return "\n".join(lines + deep_attention_lines(speed))
