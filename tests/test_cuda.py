@@ -291,6 +291,19 @@ def test_compiled_no_grad_forward_equals_eager_on_cuda(choice, grad_mode):
         assert recorded_again == 0, "the third no-grad forward recorded its CUDA graph again"
 
 
+def test_compile_auto_is_the_gpu_choice_on_cuda():
+    """``--compile auto`` on this CUDA device: compiled, the kit's choice (``model`` where this torch compiles layer
+    regions, the GPU image's 2.11 included), decided for the device the model was moved to after it was compiled on
+    the CPU (as ``concept.load(..., compile="auto")`` compiles it); nothing compiled here (the choice's own tests
+    run it)."""
+    from concept.compiled import compiled_choice, gpu_choice, settle
+
+    model = compile_model(streaming_model(), "auto")
+    assert compiled_choice(model) == "auto"
+    settle(model.to("cuda"), torch.device("cuda"))
+    assert compiled_choice(model) == gpu_choice() != "off", model.compile_reason
+
+
 def compiled_generation(device: str = "cuda", choice: str = "on"):
     """(eager, compiled) greedy generations of a few prompts: the compiled prefill's stacks record the KV caches,
     then the compiled static step decodes."""
