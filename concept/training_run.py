@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # (composed when asked for: importing this module imports no 
 METRICS = "metrics.jsonl"
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
 # ("pruned": an older baseline run's block, which its build holds today: concept.migrate)
-DERIVED = ("source", "attention_resolved", "pruned", "distributed", "versions", "git_sha")
+DERIVED = run_files.TRAIN_DERIVED
 DATA_FIELDS = {"data", "text_field", "encoding_errors", "data_split", "streaming"}  # --resume may point at other data (with a note)
 
 

@@ -152,6 +152,21 @@ def test_training_with_auto_records_what_it_ran_and_why(run, fresh_dynamo, monke
         assert record["compile"] == "auto" and record["compile_resolved"] == resolved
 
 
+def test_a_run_trained_with_auto_resumes_and_its_record_is_checked(run, fresh_dynamo):  # noqa: F811
+    """``compile_resolved`` is a derived key of ``train.json`` (``run_files.TRAIN_DERIVED``): an ``auto`` run resumes
+    (it was read as a config field: the resume refused the record as damaged), and a wrong type in it is named."""
+    from concept import run_files
+
+    trainer(run, "auto-resumed", "auto").train()
+    resumed = Trainer.resume(run / "auto-resumed", steps=3)
+    assert compiled_choice(resumed.model) == "off"
+    resumed.train()
+    record = json.loads((run / "auto-resumed" / "train.json").read_text())
+    assert record["steps"] == 3 and record["compile_resolved"] == "off"
+    assert run_files.train_problems({**record, "compile_resolved": 3}) == ["compile_resolved: expected a "
+                                                                                  "string, got a number"]
+
+
 def test_auto_is_a_choice_of_every_command_and_one_default_serves_them_all():
     """``--compile auto`` is offered by train, eval, generate and bench; their default, ``TrainConfig``'s and the
     Python API's are the one ``DEFAULT_COMPILE`` (``off`` until a GPU lease supports ``auto``: one line to change)."""
