@@ -295,6 +295,7 @@ def compile_model(model, choice: str = "on", backend: str | None = None, device=
     if choice not in COMPILE_CHOICES:
         raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
     model.__dict__.pop("forward", None)  # (a whole forward compiled before, or an undecided ``auto``)
+    model.__dict__.pop("compile_reason", None)  # (what an ``auto`` before decided, and why)
     if choice == AUTO_CHOICE:
         if device is None:
             model.compiled_stacks = None
@@ -349,7 +350,7 @@ def auto_choice(model, device_type: str) -> tuple[str, str]:
     if refusal is not None:
         return "off", f"eager: {refusal}"
     return choice, f"{choice} on {device_type}" + ("" if choice == WHOLE_CHOICE else
-                                                  f" (this torch {torch.__version__} compiles no layer regions)")
+                                                  " (no layer regions here: `model` would trace every layer inline)")
 
 
 class AutoCompile:
