@@ -107,7 +107,7 @@ def training_model(family, plan, config: TrainConfig, out: Path, resume: bool):
 
 
 def trained_model(family, plan, config: TrainConfig, run: training_run.RunFolder, resume: bool, dtype,
-                  device) -> nn.Module:
+                  device, dist: Dist | None = None) -> nn.Module:
     """The family's model with the run's weights and LoRA adapters, on the device, with what does not train
     frozen (resume: the checkpoint's weights)."""
     out = run.out
@@ -132,7 +132,11 @@ def trained_model(family, plan, config: TrainConfig, run: training_run.RunFolder
     store_frozen_base(model, dtype)  # bf16: cast once here, never inside a step
     model.to(device)
     model.gradient_checkpointing = config.grad_checkpointing
-    compile_model(model, config.compile, device=device)  # (off: eager; auto: decided for the device)
+    if config.compile == AUTO_CHOICE and dist is not None and dist.mode == "fsdp2":
+        compile_model(model, "off")
+        model.compile_reason = f"eager: {FSDP2_COMPILE}"
+    else:
+        compile_model(model, config.compile, device=device)  # (off: eager; auto: decided for the device)
     if resume:  # weights before any sharding; the optimizer state once the optimizer exists
         restore_weights(run, model)
     return model
@@ -150,6 +154,11 @@ def training_problems(family, config: TrainConfig, plan, device, dist) -> list[s
         f"model does not read it" for flag, value, owner in foreign_options(config, family)]
 
 
+# why a model sharded by FSDP2 does not compile: its hooks around each decoder layer are excluded from dynamo's tracing
+FSDP2_COMPILE = ("FSDP2's hooks around each decoder layer (its parameters gathered and freed) cannot be traced into "
+                 "the compiled graphs (fullgraph)")
+
+
 def check_training(config: TrainConfig, build_config: BuildConfig, dist: Dist | None = None):
     """Validate a training config against the build (all problems at once, ``ConfigError``) before
     anything is loaded or written. Returns the resolved build plan and the device."""
@@ -161,6 +170,9 @@ def check_training(config: TrainConfig, build_config: BuildConfig, dist: Dist | 
     problems += training_problems(plan.family_object, config, plan, device, dist)
     if config.lora.kernel == "triton":
         problems += [p for p in [lora_triton.why_not(device)] if p]
+    if config.compile not in ("off", AUTO_CHOICE) and dist is not None and dist.mode == "fsdp2":
+        problems.append(f"--compile {config.compile} with --distributed fsdp2: {FSDP2_COMPILE}; train with "
+                        f"--distributed ddp, or without --compile (--compile auto trains eagerly under fsdp2)")
     if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
         problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
     problems += tracking.problems(config.report_to)
@@ -187,7 +199,7 @@ class Trainer:
         self.dtype = compute_dtype(config.dtype, self.device)  # the frozen base's storage and autocast dtype
         torch.manual_seed(config.seed)
         self.family = plan.family_object  # what it trains (a baseline too: the dense and pruned families)
-        self.model = trained_model(self.family, plan, config, self.run, resume, self.dtype, self.device)
+        self.model = trained_model(self.family, plan, config, self.run, resume, self.dtype, self.device, self.dist)
         with self.dist.main_first():  # rank 0 fills the shard cache, the others read it
             read = data.open_training(config, data.tokenizer_for(self.model))
         self.train_data, self.eval_data, self.data_fingerprint = read.train, read.heldout, read.fingerprint

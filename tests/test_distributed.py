@@ -101,6 +101,22 @@ def test_two_processes_give_the_single_process_curve(mode, tiny, corpus, referen
     assert type(concept.load(out)).__name__ == "ConceptModel"
 
 
+def test_two_compiled_processes_give_the_single_process_curve(tiny, corpus, reference, tmp_path):  # noqa: F811
+    """DDP with the stacks compiled (``aot-eager``: captured by dynamo and AOT autograd, run by eager kernels): the
+    single eager process's curve. (``--compile model`` under DDP trained too, by inductor on this CPU; CUDA graphs
+    under DDP wait for a machine with two GPUs.) Under fsdp2 ``--compile`` is refused on every rank before anything
+    is written."""
+    out = tmp_path / "ddp-compiled"
+    torchrun(tiny, "--out", out, "--data", corpus, "--steps", 6, "--batch", 2, "--checkpoint-every", 3,
+             "--distributed", "ddp", "--compile", "aot-eager", *TRAIN)
+    assert_same_curve(reference, out)
+    refused = torchrun(tiny, "--out", tmp_path / "fsdp2-compiled", "--data", corpus, "--steps", 1, "--distributed",
+                       "fsdp2", "--compile", "aot-eager", *TRAIN, wait=False)
+    _, err = refused.communicate(timeout=600)
+    assert refused.returncode != 0 and "--compile aot-eager with --distributed fsdp2: FSDP2's hooks" in err
+    assert "[rank0]: Traceback" not in err and not (tmp_path / "fsdp2-compiled").exists()  # (torchrun's own follows)
+
+
 def _workers(parent: int) -> dict[int, int]:
     """rank -> pid of the processes torchrun started (read from their environment)."""
     found = {}
@@ -238,3 +254,27 @@ def test_planner_executor_under_fsdp2_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="use --distributed ddp"):
         Trainer.check(TrainConfig(steps=1, seq_len=16), concept.BuildConfig.from_dict(
             json.loads((tmp_path / "pe" / "concept.json").read_text())["config"]), dist)
+
+
+def test_compile_under_fsdp2_is_a_clear_error_and_auto_trains_eagerly(tiny, monkeypatch):
+    """FSDP2's hooks around each decoder layer cannot be traced into a fullgraph graph (they crashed the first step
+    with dynamo's traceback): ``--compile on`` under fsdp2 is refused before anything is loaded or written, and
+    ``--compile auto`` trains eagerly there, saying why. Said to compile (as on a CUDA device with Triton), ``auto``
+    compiles a single process's model (the control)."""
+    import concept.compiled
+    from concept.compiled import compiled_choice
+    from concept.distributed import Dist
+    from concept.training import trained_model, training_run
+
+    fsdp = Dist(mode="fsdp2", world_size=2)  # (checked before any process group is used)
+    build = concept.BuildConfig.from_dict(json.loads((tiny / "concept.json").read_text())["config"])
+    with pytest.raises(ConfigError, match="--compile on with --distributed fsdp2: FSDP2's hooks"):
+        Trainer.check(TrainConfig(steps=1, seq_len=16, compile="on"), build, fsdp)
+    monkeypatch.setattr(concept.compiled, "device_choice", lambda device_type: "model")
+    monkeypatch.setattr(concept.compiled, "WHOLE_BACKEND", "aot_eager")
+    config = TrainConfig(steps=1, seq_len=16, compile="auto")
+    for dist, expected, why in ((fsdp, "off", "eager: FSDP2's hooks"), (Dist(), "model", "model on cpu")):
+        plan, device = Trainer.check(config, build, dist)
+        model = trained_model(plan.family_object, plan, config, training_run.RunFolder(tiny), False, torch.float32,
+                              device, dist)
+        assert compiled_choice(model) == expected and model.compile_reason.startswith(why), model.compile_reason
