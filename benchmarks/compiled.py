@@ -36,6 +36,16 @@ def kit_choice() -> str:
     return concept.compiled.gpu_choice()
 
 
+def suite_choice(option: str, device_type: str) -> str:
+    """What the benchmark suites compile with for ``concept bench --compile OPTION`` on ``device_type``: the option,
+    ``auto`` as it decides there (``concept.compiled.device_choice``: ``off`` on a CPU, so the compiled cases skip
+    there, as without ``--compile``)."""
+    from concept.compiled import device_choice
+    from concept.config import AUTO_CHOICE
+
+    return device_choice(device_type) if option == AUTO_CHOICE else option
+
+
 def dense_model(backbone, device, choice: str | None = None):
     """The dense side of a compiled comparison: the dense family's model over ``backbone`` (its layers as ``concept``
     runs them: plain causal attention through SDPA's flash kernel, the fused norms; its logits deferred, as the

@@ -108,10 +108,9 @@ def compile_choice(request, device) -> str:
     """``concept bench --compile``: how a suite's models run their stacks (``concept.build(..., compile=)``); ``auto``
     as it decides on the suite's device (``concept.compiled.device_choice``: ``off`` on a CPU, so the compiled suites
     skip there)."""
-    from concept.compiled import device_choice
+    from benchmarks.compiled import suite_choice
 
-    choice = request.config.getoption("--compile")
-    return device_choice(device.type) if choice == "auto" else choice
+    return suite_choice(request.config.getoption("--compile"), device.type)
 
 
 @pytest.fixture

@@ -181,3 +181,14 @@ def test_a_forward_row_says_which_sides_ran_as_cuda_graphs(monkeypatch):
         monkeypatch.setitem(counts, "cudagraph_recordings", counts["cudagraph_recordings"] + 3)  # (three since)
         assert found.done()["cudagraph_rerecorded"] == 3
     assert compiled.forward_graphs({"concept": streaming_model()}, {}, "cuda").done()["concept_cuda_graphs"] is False
+
+
+def test_bench_compile_auto_is_what_auto_decides_on_the_suites_device(monkeypatch):
+    """``concept bench --compile auto``: eager on a CPU (the compiled cases skip), the GPU's choice on CUDA with
+    Triton; any other option as given."""
+    import concept.compiled
+
+    monkeypatch.setattr(concept.compiled, "TRITON_INSTALLED", True)
+    assert compiled.suite_choice("auto", "cpu") == "off"
+    assert compiled.suite_choice("auto", "cuda") == concept.compiled.gpu_choice() != "off"
+    assert compiled.suite_choice("on", "cpu") == "on" and compiled.suite_choice("off", "cuda") == "off"
