@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from concept.config import WHOLE_CHOICE
 from concept.streaming.operating_point import MAX_RATIO_AUTO, has_budget
 
 BUDGET = MAX_RATIO_AUTO  # the compiled streaming builds' max_ratio: the default build's (concept.streaming.budget)
