@@ -282,7 +282,7 @@ def copy_recorded(cache) -> None:
             store[layer] = t.clone()
 
 
-def compile_model(model, choice: str = "on", backend: str | None = None, device=None):
+def compile_model(model, choice: str = "on", backend: str | None = None, device=None, refused: str | None = None):
     """Run ``model``'s stacks compiled (``choice``: one of ``COMPILE_CHOICES``; ``off`` leaves it eager), with
     ``model`` its whole forward too (:class:`WholeForward`). Its family says whether it can
     (``Family.compile_refusal``: a streaming model needs a static concept budget; the dense and pruned baselines
@@ -291,7 +291,8 @@ def compile_model(model, choice: str = "on", backend: str | None = None, device=
 
     ``auto`` (:func:`auto_choice`) is decided for ``device`` where one is given (training knows its device), else at
     the model's first call, from its inputs' device (:class:`AutoCompile`: ``concept.load`` compiles a model before
-    the user moves it to its device); never refused: what cannot compile runs eagerly."""
+    the user moves it to its device); never refused: what cannot compile runs eagerly (``refused``: a reason beside
+    the family's, from where the model runs: a training run sharded by FSDP2)."""
     if choice not in COMPILE_CHOICES:
         raise ConceptError(f"compile: one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
     model.__dict__.pop("forward", None)  # (a whole forward compiled before, or an undecided ``auto``)
@@ -301,7 +302,7 @@ def compile_model(model, choice: str = "on", backend: str | None = None, device=
             model.compiled_stacks = None
             model.forward = AutoCompile(model, backend)
             return model
-        choice, model.compile_reason = auto_choice(model, torch.device(device).type)
+        choice, model.compile_reason = auto_choice(model, torch.device(device).type, refused)
     if choice == "off":
         model.compiled_stacks = None
         return model
@@ -339,14 +340,15 @@ def gpu_choice() -> str:
     return WHOLE_CHOICE if regions() else "on"
 
 
-def auto_choice(model, device_type: str) -> tuple[str, str]:
+def auto_choice(model, device_type: str, refused: str | None = None) -> tuple[str, str]:
     """What ``--compile auto`` runs ``model`` with on ``device_type`` (:func:`device_choice`, ``off`` where its
-    family refuses to compile it now: ``Family.compile_refusal``), and why, in a line."""
+    family refuses to compile it now, ``Family.compile_refusal``, or where ``refused`` says why not), and why, in a
+    line."""
     choice = device_choice(device_type)
     if choice == "off":
         why = "CUDA without Triton" if device_type == "cuda" else f"a {device_type} device"
         return "off", f"eager: {why} (auto compiles on CUDA with Triton only)"
-    refusal = compile_refusal(model)
+    refusal = refused or compile_refusal(model)
     if refusal is not None:
         return "off", f"eager: {refusal}"
     return choice, f"{choice} on {device_type}" + ("" if choice == WHOLE_CHOICE else
@@ -362,6 +364,11 @@ class AutoCompile:
         self.eager = type(model).forward.__get__(model)
         self.backend = backend
 
+    @staticmethod
+    def installed(model) -> bool:
+        """Whether ``model``'s ``--compile auto`` is still undecided (this is its ``forward``)."""
+        return isinstance(model.__dict__.get("forward"), AutoCompile)
+
     def __call__(self, *args, **kwargs):
         values = (*args, *kwargs.values())
         device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
@@ -372,7 +379,7 @@ class AutoCompile:
 
 def compiled_choice(model) -> str:
     """The ``compile`` choice ``model`` runs with (``off``: eager; ``auto`` while undecided, :class:`AutoCompile`)."""
-    if isinstance(model.__dict__.get("forward"), AutoCompile):
+    if AutoCompile.installed(model):
         return AUTO_CHOICE
     stacks = getattr(model, "compiled_stacks", None)
     return "off" if stacks is None else stacks.choice
@@ -381,7 +388,7 @@ def compiled_choice(model) -> str:
 def settle(model, device) -> None:
     """Decide an undecided ``--compile auto`` (:class:`AutoCompile`) for ``device`` now: where a caller reads
     ``model.compiled_stacks`` before calling the model (generation picks its decoder by it). Nothing otherwise."""
-    if isinstance(model.__dict__.get("forward"), AutoCompile):
+    if AutoCompile.installed(model):
         compile_model(model, AUTO_CHOICE, model.forward.backend, device=device)
 
 

@@ -43,7 +43,9 @@ STATE_FILE = "state.json"
 # train.json keys every version of concept wrote (newer fields default when an older file lacks them)
 TRAIN_REQUIRED = ("steps", "seq_len", "batch", "lr", "lora", "seed")
 # train.json keys that record what a run resolved to, beside the TrainConfig fields
-TRAIN_DERIVED = ("source", "attention_resolved", "compile_resolved", "pruned", "distributed", "versions", "git_sha")
+TRAIN_DERIVED_TYPES = {"source": str, "attention_resolved": str, "compile_resolved": str, "pruned": dict,
+                       "distributed": dict, "versions": dict, "git_sha": str}
+TRAIN_DERIVED = tuple(TRAIN_DERIVED_TYPES)
 
 
 class RunFileError(RunFolderError):
@@ -278,8 +280,7 @@ def train_problems(record: dict, declared: type | None = None) -> list[str]:
         return [f"lora: unknown key {unknown[0]!r} (known: {', '.join(sorted(lora_fields))})"]
     config = _train_config(record, declared)
     problems = check(config) + check(config.lora, prefix="lora-")
-    for key, expected in (("source", str), ("attention_resolved", str), ("compile_resolved", str),
-                          ("distributed", dict), ("pruned", dict), ("versions", dict), ("git_sha", str)):
+    for key, expected in TRAIN_DERIVED_TYPES.items():
         if record.get(key) is not None and not isinstance(record[key], expected):
             problems.append(f"{key}: expected {_kind(expected())}, got {_kind(record[key])}")
     removed = (record.get("pruned") or {}).get("removed")

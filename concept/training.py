@@ -132,11 +132,8 @@ def trained_model(family, plan, config: TrainConfig, run: training_run.RunFolder
     store_frozen_base(model, dtype)  # bf16: cast once here, never inside a step
     model.to(device)
     model.gradient_checkpointing = config.grad_checkpointing
-    if config.compile == AUTO_CHOICE and dist is not None and dist.mode == "fsdp2":
-        compile_model(model, "off")
-        model.compile_reason = f"eager: {FSDP2_COMPILE}"
-    else:
-        compile_model(model, config.compile, device=device)  # (off: eager; auto: decided for the device)
+    # (off: eager; auto: decided for the device, eager where the run's sharding cannot compile)
+    compile_model(model, config.compile, device=device, refused=sharding_refusal(dist))
     if resume:  # weights before any sharding; the optimizer state once the optimizer exists
         restore_weights(run, model)
     return model
@@ -154,9 +151,14 @@ def training_problems(family, config: TrainConfig, plan, device, dist) -> list[s
         f"model does not read it" for flag, value, owner in foreign_options(config, family)]
 
 
-# why a model sharded by FSDP2 does not compile: its hooks around each decoder layer are excluded from dynamo's tracing
-FSDP2_COMPILE = ("FSDP2's hooks around each decoder layer (its parameters gathered and freed) cannot be traced into "
-                 "the compiled graphs (fullgraph)")
+def sharding_refusal(dist: Dist | None) -> str | None:
+    """Why a run distributed as ``dist`` cannot compile its model, or None: under FSDP2 its hooks around each decoder
+    layer (the layer's parameters gathered and freed) are excluded from dynamo's tracing, so a fullgraph graph refuses
+    them (the first step crashed on it)."""
+    if dist is not None and dist.mode == "fsdp2":
+        return ("FSDP2's hooks around each decoder layer (its parameters gathered and freed) cannot be traced into "
+                "the compiled graphs (fullgraph)")
+    return None
 
 
 def check_training(config: TrainConfig, build_config: BuildConfig, dist: Dist | None = None):
@@ -170,9 +172,10 @@ def check_training(config: TrainConfig, build_config: BuildConfig, dist: Dist | 
     problems += training_problems(plan.family_object, config, plan, device, dist)
     if config.lora.kernel == "triton":
         problems += [p for p in [lora_triton.why_not(device)] if p]
-    if config.compile not in ("off", AUTO_CHOICE) and dist is not None and dist.mode == "fsdp2":
-        problems.append(f"--compile {config.compile} with --distributed fsdp2: {FSDP2_COMPILE}; train with "
-                        f"--distributed ddp, or without --compile (--compile auto trains eagerly under fsdp2)")
+    sharded = sharding_refusal(dist)
+    if sharded and config.compile not in ("off", AUTO_CHOICE):
+        problems.append(f"--compile {config.compile} with --distributed {dist.mode}: {sharded}; train with "
+                        f"--distributed ddp, or without --compile (--compile auto trains eagerly under {dist.mode})")
     if not problems:  # a micro-batch that cannot fit: a clear error, not an out-of-memory kill
         problems += [p for p in [memory.training_problem(plan.backbone_info, config, device)] if p]
     problems += tracking.problems(config.report_to)
