@@ -5,6 +5,7 @@ import sys
 
 import click
 
+from .dtype_option import dtype_option
 from .generate_cmd import sampling_settings
 from .output import quiet_progress_bars, status
 
@@ -23,7 +24,8 @@ COMMANDS = {"/exit": "leave (also /quit, Ctrl-D)", "/reset": "forget the convers
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 1 discourages repeats.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sampler.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
-def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, device):
+@dtype_option()
+def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, device, dtype):
     """Chat with a model (a run, an export folder or a hub id): each line you type is a user turn, the reply
     is streamed token by token. The prompt is the backbone's chat template (SmolLM2-Instruct's
     <|im_start|> turns); a backbone without one gets plain "User: ... / Assistant:" lines. Old turns are
@@ -46,7 +48,7 @@ def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repeti
     settings = settings_from(None, sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                                                      (), seed))
     status("loading", str(run))
-    model = concept.load(run).to(pick_device(device))
+    model = concept.load(run, dtype=dtype).to(pick_device(device))
     tokenizer = tokenizer_for(model)
     if not chats.has_template(tokenizer):
         status("note", "this backbone has no chat template: plain 'User: ... / Assistant:' turns")

@@ -12,6 +12,7 @@ import click
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
 
+from .dtype_option import dtype_option
 from .output import human_bytes, json_safe, print_concepts, quiet_progress_bars, status, stdout
 from .renamed import renamed
 
@@ -129,9 +130,10 @@ def kv_summary(kv: dict) -> dict:
                                                                  "to a multiple of 64 tokens) and each decoding step, one "
                                                                  "graph over static KV caches (CUDA graphs on CUDA); not "
                                                                  "with --mtp (eager).")
+@dtype_option()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt (JSON lines).")
 def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed,
-             mtp, mtp_tau, batch_size, show_concepts, show_plan, device, compile_, as_json):
+             mtp, mtp_tau, batch_size, show_concepts, show_plan, device, compile_, dtype, as_json):
     """Generate text from a trained run (the streaming model, a planner-executor or a dense baseline).
 
     \b
@@ -176,7 +178,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
                            for flag, view in wrong])
     where = pick_device(device)  # (an unusable device: before anything is loaded)
     status("loading", str(run))
-    model = concept.load(run, compile=compile_).to(where)
+    model = concept.load(run, compile=compile_, dtype=dtype).to(where)
     if train is None and kind in family_names():
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")

@@ -5,6 +5,7 @@ from pathlib import PurePath
 
 import click
 
+from .dtype_option import dtype_option
 from .output import quiet_progress_bars, status
 from .renamed import renamed
 
@@ -17,7 +18,8 @@ from .renamed import renamed
 @renamed("--max-new-tokens", "max_tokens", old=("--max-tokens",), type=int, default=16, show_default=True,
           help="New tokens of a request that gives no max_tokens (OpenAI's default is 16).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
-def serve(run, host, port, model_name, max_tokens, device):
+@dtype_option()
+def serve(run, host, port, model_name, max_tokens, device, dtype):
     """Serve a model (a run, an export folder or a hub id) with OpenAI's API: GET /v1/models, POST
     /v1/completions and /v1/chat/completions (the backbone's chat template), streamed with "stream": true
     (server-sent events). Requests are served one at a time in arrival order; concurrent ones wait.
@@ -44,7 +46,7 @@ def serve(run, host, port, model_name, max_tokens, device):
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-new-tokens")
     quiet_progress_bars()
     status("loading", str(run))
-    model = concept.load(run).to(pick_device(device))
+    model = concept.load(run, dtype=dtype).to(pick_device(device))
     name = model_name or PurePath(str(run).rstrip("/")).name
     app = create_app(model, name, default_max_tokens=max_tokens)
     status("serving", f"{name} on http://{host}:{port}/v1 (one request at a time; Ctrl-C stops)")

@@ -22,7 +22,7 @@ def harness():
 
 
 def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, batch: int, max_length, device: str,
-                      as_json: bool) -> None:
+                      as_json: bool, dtype: str = "fp32") -> None:
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.builder import read_run
     from concept.errors import ConceptError, ConfigError
@@ -56,7 +56,7 @@ def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, 
     results = {}
     for run in runs:
         status("evaluating", f"{run} on {', '.join(names)} (lm-eval{f', at most {limit} per task' if limit else ''}) ...")
-        scorer = Scorer.from_run(run, device, batch, max_length)
+        scorer = Scorer.from_run(run, device, batch, max_length, dtype)
         results[str(run)] = {"model": scorer.model.family,
                              "tasks": h.evaluate_tasks(scorer, names, manager, limit, num_fewshot)}
         del scorer

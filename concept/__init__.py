@@ -15,7 +15,7 @@ _EXPORTS = {
     "ConceptModel": "streaming.model", "ConceptOutput": "streaming.model",
     "ConceptError": "errors", "ConfigError": "errors", "generate": "generation",
 }
-_MODULES = ("hub",)  # submodules handed on by name (the modeling file copied into exports reads concept.hub)
+_MODULES = ("hub", "precision")  # submodules handed on by name (the modeling file copied into exports reads them)
 __all__ = [*_EXPORTS, "__version__"]
 
 

@@ -32,6 +32,7 @@ from .lora import (
     load_lora_state_dict,
     load_peft_adapter,
 )
+from .precision import DEFAULT_INFERENCE_DTYPE, dtype_choice, use_dtype
 from .rms_norm import fuse_rms_norms
 
 from .migrate import FORMAT_VERSION  # noqa: F401 (this module's API too)
@@ -183,7 +184,7 @@ def load_new_modules(model, state: dict, file: Path | None = None) -> None:
         module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
 
-def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, **hub):
+def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, dtype=DEFAULT_INFERENCE_DTYPE, **hub):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
     LoRA adapters and the newest checkpoint's weights), a dense or pruned baseline among them; also a
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
@@ -191,7 +192,10 @@ def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, **hub):
     ``huggingface_hub.snapshot_download``; ``hub``: its ``revision``, ``cache_dir``, ``token``,
     ``local_files_only``, ``force_download``, ``subfolder``; see ``concept.hub``). Every file is validated
     first (``concept.run_files.check_files``); a damaged one is one error naming it. ``compile``: run its
-    stacks compiled (``concept.compiled``; off by default)."""
+    stacks compiled (``concept.compiled``; off by default). ``dtype``: its compute precision (``fp32``, the
+    default; ``bf16`` or ``torch.bfloat16``; ``auto``: bf16 on a CUDA device; ``concept.precision``): with bf16 its frozen
+    base is stored in bf16 and it runs under bf16 autocast, its adapters and new modules fp32."""
+    dtype = dtype_choice(dtype)  # (a clear error before anything is read)
     folder = local_folder(path, **hub)
     record, train = run_files.check_files(folder)
     checkpoint.check_origin(folder, record["config"], backbone_folder(record["config"]))  # another build's: refused
@@ -228,4 +232,5 @@ def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, **hub):
     if modules is not None:
         load_new_modules(model, modules, modules_file)
     model.loaded_from = {"folder": str(folder.resolve()), "record": record, "train": train}  # (save_pretrained re-exports it)
+    use_dtype(model, dtype)  # (before compiling: the graphs see the weights as they are stored)
     return compile_model(model, compile).eval() if compile != "off" else model.eval()

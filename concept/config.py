@@ -30,6 +30,13 @@ AUTO_CHOICE = "auto"  # decided per device and model (concept.compiled.auto_choi
 # every command's and the Python API's default (train, eval, bench, generate; concept.build / load): `auto` once a GPU
 # lease shows the compiled paths exact and faster (docs/benchmarks.md, "What the lease says of the defaults")
 DEFAULT_COMPILE = "off"
+# --dtype (concept.precision): the compute precision of training (``TrainConfig.dtype``) and of a loaded model
+# (``concept.load``'s ``dtype``, the inference commands' --dtype)
+DTYPES = ("auto", "fp32", "bf16")
+DEFAULT_INFERENCE_DTYPE = "fp32"  # ``concept.load``'s: a model as it was saved; the commands' ``--dtype`` is ``auto``
+INFERENCE_DTYPE_HELP = ("Compute precision: with bf16, or auto on a CUDA device, the frozen base weights are stored "
+                        "in bf16 and the model runs under bf16 autocast (LoRA and the new modules stay fp32, as in a "
+                        "bf16 training run); fp32 otherwise.")
 # one graph per decoder layer, shared by a stack's layers (concept.compiled; `on` too: docs/architecture.md §8b)
 REGIONAL_CHOICES = ("on", "layers")
 WHOLE_CHOICE = "model"  # the whole forward (decisions, packing, plans, stacks, loss) one graph (concept.compiled)

@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .families import family_of
 from .losses import next_token_loss
 from .mtp import mtp_pairs
+from .precision import DEFAULT_INFERENCE_DTYPE, DTYPE_NAMES, inference_dtype, running
 from .tokens import encode_text
 
 LN2 = math.log(2.0)
@@ -187,10 +188,11 @@ def evaluate(model, batches, bucket: int = 64, controls: bool = True, seed: int 
     otherwise attention may cross packed documents (the loss never does).
     """
     base = unwrap(model)
-    # a model built here names its family; anything else with a forward returning logits (a Hugging Face model,
-    # a stand-in) is evaluated as a dense model
-    own = family_of(base).evaluate(base, batches, bucket, controls, seed) if hasattr(base, "family") else None
-    return own if own is not None else evaluate_tokens(model, batches, bucket)
+    with running(base, _device(model)):  # (a loaded model's dtype: its autocast around every path it evaluates)
+        # a model built here names its family; anything else with a forward returning logits (a Hugging Face
+        # model, a stand-in) is evaluated as a dense model
+        own = family_of(base).evaluate(base, batches, bucket, controls, seed) if hasattr(base, "family") else None
+        return own if own is not None else evaluate_tokens(model, batches, bucket)
 
 
 @torch.no_grad()
@@ -302,11 +304,13 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
 
 
 def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
-                    progress=None, data_split: str | None = None, streaming: bool | None = None):
+                    progress=None, data_split: str | None = None, streaming: bool | None = None,
+                    dtype: str = DEFAULT_INFERENCE_DTYPE):
     """Evaluate the run folder ``path`` (or its already loaded ``model``) on one data source: the
     batches ``concept eval`` uses. Returns (model, tokenizer, documents, result). ``progress(done, total)`` is
     called once the data is read (0 done) and after each batch. ``data_split`` / ``streaming``: a dataset id's
-    split and reading (None: the run's own for its own data, else ``train`` / loaded whole)."""
+    split and reading (None: the run's own for its own data, else ``train`` / loaded whole). ``dtype``: the loaded
+    model's precision (``concept.load``'s; not for a ``model`` given). The result names the dtype it ran in."""
     problems = [f"{name}: at least {low}, got {value}" for name, value, low in
                 (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
                 if value is not None and (not isinstance(value, int) or value < low)]
@@ -314,7 +318,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
         raise ConfigError(problems)
     source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
     where = pick_device(device)  # (an unusable device: before anything is loaded)
-    model = load(path).to(where) if model is None else model
+    model = load(path, dtype=dtype).to(where) if model is None else model
     info = model.resolution.backbone_info
     if info.max_positions and seq_len > info.max_positions:  # as `concept train` refuses it
         raise ConfigError([f"seq-len: {seq_len} is above the backbone's maximum of {info.max_positions} positions; "
@@ -340,6 +344,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     result = evaluate(model, counted((packed.batch(i, batch) for i in range(n)), n, progress), controls=controls)
     # streaming | dense | pruned | planner-executor
     result["model"] = model.family
+    result["dtype"] = DTYPE_NAMES[inference_dtype(model, where)]
     return model, tokenizer, docs, result
 
 

@@ -38,6 +38,7 @@ import torch
 
 from . import __version__, checkpoint, fs, run_files
 from .backbone import decoder
+from .precision import DTYPE_NAMES, cast_base
 from .builder import (
     MODULES_FILE,
     PEFT_ADAPTER_DIR,
@@ -224,6 +225,12 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
     (``concept.load`` keeps them), else its own build record. ``report(verb, detail)`` receives progress."""
     out = Path(out)
     say = report or (lambda verb, detail: warnings_.warn(detail, stacklevel=3) if verb == "warning:" else None)
+    cast = cast_base(model)
+    if cast is not None:  # (concept.load(..., dtype="bf16"): the fp32 base it was saved with would be written rounded)
+        raise ConceptError(f"this model was loaded with dtype={DTYPE_NAMES[cast]!r}, which stores its frozen base "
+                           f"weights in {DTYPE_NAMES[cast]}: writing them would replace the fp32 weights it was saved "
+                           f"with by rounded ones; load it with dtype='fp32' (the default) to save or export it; nothing "
+                           f"was written")
     if record is None:
         record, train, run, step = _loaded_origin(model)
     check_target(run, out, force, record["config"])

@@ -21,6 +21,7 @@ from .compiled import settle
 from .errors import ConceptError, ConfigError
 from .families import family_of
 from .options import SEED_MAX, finite
+from .precision import running
 from .syncs import declared, upload
 from .tokens import encode_text, tokenizer_for
 
@@ -187,16 +188,17 @@ def generate(model, input_ids, attention_mask=None, settings: GenerationSettings
     if s.mtp:
         multitoken.check(model, s)
     ids, valid = left_pad(rows, pad, next(model.parameters()).device)
-    decoder = _decoder(model, s, budget)
-    finished = _FinishedRows(len(rows), eos, s.stop_strings, tokenizer, budget)
-    was_training = model.training
-    model.eval()
-    try:
-        ids, kept_logits, steps = _decode(model, decoder, ids, valid, s, pad, finished, streamer, output_logits)
-    finally:
-        model.train(was_training)
-        if streamer is not None:
-            streamer.end()
+    with running(model, ids.device):  # (a loaded model's dtype: its autocast, the decoder built under it too)
+        decoder = _decoder(model, s, budget)
+        finished = _FinishedRows(len(rows), eos, s.stop_strings, tokenizer, budget)
+        was_training = model.training
+        model.eval()
+        try:
+            ids, kept_logits, steps = _decode(model, decoder, ids, valid, s, pad, finished, streamer, output_logits)
+        finally:
+            model.train(was_training)
+            if streamer is not None:
+                streamer.end()
     last = "length" if budget == s.max_new_tokens else "context"
     reasons = [r or last for r in finished.reasons]
     texts = finished.final_texts()

@@ -13,8 +13,13 @@ Frozen adapters (``--train-only new``) stay fp32: they are saved with the run an
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+
+from .config import DEFAULT_INFERENCE_DTYPE, DTYPES  # noqa: F401 (this module's API too)
+from .errors import ConfigError
 
 
 def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -50,3 +55,103 @@ def store_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
             if hasattr(module, "cast_input_dtype_enabled"):  # peft's BaseTunerLayer
                 module.cast_input_dtype_enabled = False
     return cast
+
+
+# -- a loaded model's precision: ``concept.load(..., dtype=)`` and the inference commands' ``--dtype`` ----------
+# The same regime as a bf16 training run, for evaluation, scoring, generation and serving: the frozen base stored in
+# bf16 once, the model run under bf16 autocast, the LoRA adapters and the new modules fp32 (what the run trained and
+# saved). ``auto`` decides at the model's first call on a device: bf16 on CUDA, fp32 elsewhere; once the base is
+# stored in bf16 the model runs bf16 on every device (an fp32 input cannot meet a bf16 weight outside autocast).
+
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # a dtype as the choices name it
+# torch's names of the two dtypes (``torch.bfloat16``, ``"bfloat16"``: what transformers' ``torch_dtype`` and
+# lm-eval's ``dtype=`` take) -> the choice they mean
+TORCH_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def dtype_choice(value) -> str:
+    """``value`` as one of :data:`DTYPES`: the choice itself, or torch's dtype or its name (``torch.bfloat16``,
+    ``"bfloat16"``, ``torch.float32``); anything else is a clear error."""
+    name = str(value).removeprefix("torch.") if isinstance(value, (str, torch.dtype)) else None
+    choice = name if name in DTYPES else TORCH_NAMES.get(name)
+    if choice is None:
+        raise ConfigError([f"dtype: one of {', '.join(DTYPES)} (or torch.bfloat16 / torch.float32), got {value!r}"])
+    return choice
+
+
+class Precision:
+    """A loaded model's compute precision (``model.precision``, set by :func:`use_dtype`): the choice and, once
+    decided, the dtype it runs in (``auto``: None until its first call on a device)."""
+
+    def __init__(self, choice: str):
+        self.choice = choice
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(choice)
+        self.active: list = []  # the autocast contexts entered by the model's calls (its forward hooks)
+
+    def decide(self, model: nn.Module, device: torch.device) -> torch.dtype:
+        """The dtype ``model`` runs in on ``device`` (``auto``: decided at the first call, its base stored)."""
+        if self.dtype is None:
+            self.dtype = compute_dtype("auto", device)
+            if self.dtype != torch.float32:
+                store_frozen_base(model, self.dtype)
+        return self.dtype
+
+
+def use_dtype(model: nn.Module, choice) -> nn.Module:
+    """Give the loaded ``model`` the compute precision ``choice`` (:func:`dtype_choice`; in place, returns it): ``bf16``
+    stores its frozen base in bf16 now; ``auto`` at its first call on a CUDA device. Its calls (``model(...)``) then run
+    under that autocast, as do generation, scoring and evaluation (:func:`running`). ``fp32``: nothing changes."""
+    choice = dtype_choice(choice)
+    if choice == "fp32" and getattr(model, "precision", None) is None:
+        return model
+    precision = Precision(choice)
+    model.precision = precision
+    if precision.dtype is not None and precision.dtype != torch.float32:
+        store_frozen_base(model, precision.dtype)
+    if not getattr(model, "_precision_hooks", False):
+        model.register_forward_pre_hook(_enter, with_kwargs=True)
+        model.register_forward_hook(_leave, always_call=True)
+        model._precision_hooks = True
+    return model
+
+
+def _first_device(model: nn.Module, args, kwargs) -> torch.device:
+    tensor = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    return tensor.device if tensor is not None else next(model.parameters()).device
+
+
+def _enter(model, args, kwargs):
+    context = running(model, _first_device(model, args, kwargs))
+    context.__enter__()
+    model.precision.active.append(context)
+
+
+def _leave(model, args, output):
+    model.precision.active.pop().__exit__(None, None, None)
+
+
+def cast_base(model: nn.Module) -> torch.dtype | None:
+    """The dtype :func:`use_dtype` stored ``model``'s frozen base in, if it cast it (None: as it was loaded)."""
+    precision = getattr(model, "precision", None)
+    dtype = precision.dtype if isinstance(precision, Precision) else None
+    return dtype if dtype not in (None, torch.float32) else None
+
+
+def inference_dtype(model: nn.Module, device: torch.device | None = None) -> torch.dtype:
+    """The dtype ``model`` computes in on ``device`` (default: its parameters'): its :func:`use_dtype` precision,
+    decided now if undecided; fp32 for a model without one."""
+    precision = getattr(model, "precision", None)
+    if not isinstance(precision, Precision):
+        return torch.float32
+    return precision.decide(model, device if device is not None else next(model.parameters()).device)
+
+
+def running(model: nn.Module, device: torch.device | None = None):
+    """The autocast ``model`` runs under on ``device`` (:func:`inference_dtype`): what generation, scoring and
+    evaluation enter around their calls (nested in a call's own, the same autocast). Nothing for fp32: an autocast the
+    caller entered stays as it is."""
+    device = torch.device(device if device is not None else next(model.parameters()).device)
+    dtype = inference_dtype(model, device)
+    return contextlib.nullcontext() if dtype == torch.float32 else autocast(dtype, device)

@@ -32,6 +32,7 @@ from .distributed import pick_device
 from .errors import ConceptError, ConfigError
 from .families import family_of
 from .generation import GenerationSettings, generate
+from .precision import DEFAULT_INFERENCE_DTYPE, running
 
 DEFAULT_MAX_LENGTH = 2048  # tokens per scored row, at most the backbone's context (as lm-eval's Hugging Face backend)
 
@@ -66,8 +67,11 @@ class Scorer:
         self.eos = int(eos) if eos is not None else 0
 
     @classmethod
-    def from_run(cls, path, device: str = "auto", batch_size: int = 8, max_length: int | None = None) -> Scorer:
-        model = load(path).to(pick_device(device))
+    def from_run(cls, path, device: str = "auto", batch_size: int = 8, max_length: int | None = None,
+                 dtype: str = DEFAULT_INFERENCE_DTYPE) -> Scorer:
+        """The run folder ``path`` loaded on ``device`` in ``dtype`` (``concept.load``'s: fp32 by default; ``auto``: bf16 on
+        CUDA)."""
+        model = load(path, dtype=dtype).to(pick_device(device))
         return cls(model, tokenizer_for(model), batch_size, max_length)
 
     @property
@@ -119,6 +123,10 @@ class Scorer:
 
     def _continuation_logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
         """Log-probabilities [n_i, V] at each continuation token of each (context, continuation) row."""
+        with running(self.model, self.device):  # (the loaded model's dtype)
+            return self._logprobs(rows)
+
+    def _logprobs(self, rows: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
         family = family_of(self.model)
         if type(family).score is not Family.score:  # (the default scores nothing: no padding made for it)
             context, context_valid = right_pad([c for c, _ in rows], self.eos, self.device)

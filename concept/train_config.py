@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass
 
 from . import options
-from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE, BuildConfig
+from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE, DTYPES, BuildConfig
 from .families import family, working
 from .options import SEED_MAX, check, nested, option
 
@@ -28,7 +28,6 @@ BASELINES = ("dense", "pruned")  # the families `--baseline` derives a run of (c
 # the build records their effect (its section), train.json does not
 REQUEST = ("baseline", "prune_layers", "mtp_heads")
 TRAIN_ONLY = ("all", "new")
-DTYPES = ("auto", "fp32", "bf16")
 ALIGN_LOSSES = ("cosine", "mse")
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # how an adapted projection computes (``concept.lora``): eight matmuls a step, three Triton kernels, or the kernels

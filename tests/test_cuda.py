@@ -304,6 +304,40 @@ def test_compile_auto_is_the_gpu_choice_on_cuda():
     assert compiled_choice(model) == gpu_choice() != "off", model.compile_reason
 
 
+def bf16_on_load_case(device: str = "cuda"):
+    """A built model given ``dtype="auto"`` (``concept.load``'s, the inference commands' default) and moved to
+    ``device``: (the fp32 model's logits on the padded batch there, the auto model's, its batch mask, the auto model)."""
+    from concept.precision import use_dtype
+
+    _, fp32 = cuda_models("auto", device=device)
+    model = use_dtype(copy.deepcopy(fp32), "auto")
+    ids, mask, keep = (t.to(device) for t in padded_batch())
+    with torch.no_grad():
+        return (fp32(ids, attention_mask=mask, keep=keep).logits, model(ids, attention_mask=mask, keep=keep).logits,
+                mask.bool(), model)
+
+
+def test_dtype_auto_runs_bf16_on_cuda():
+    """On CUDA ``auto`` is bf16: the frozen base stored in bf16 at the first call, the logits bf16 within bf16's
+    tolerance of the fp32 model on the same device, and decoding equal to teacher forcing within it."""
+    from concept.precision import frozen_base
+
+    ref, out, valid, model = bf16_on_load_case()
+    assert out.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in frozen_base(model).values())
+    err = relative(out[valid].float(), ref[valid])
+    assert 0 < err <= TOLERANCES["bf16"]["logits"], f"bf16 logits {err:.2e} from fp32's"
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3]]
+    gen = model.generate(prompts, max_new_tokens=8, output_logits=True)
+    assert gen.logits.dtype == torch.bfloat16
+    for b, p in enumerate(prompts):
+        seq = torch.tensor([p + gen.tokens[b]], device="cuda")
+        keep = torch.tensor([gen.keep[b] + [False]], device="cuda")
+        with torch.no_grad():
+            forced = model(seq, keep=keep).logits[0, len(p) - 1:len(p) - 1 + len(gen.tokens[b])]
+        err = relative(gen.logits[b, :len(gen.tokens[b])].float(), forced.float())
+        assert err <= TOLERANCES["bf16"]["logits"], f"bf16 decoding {err:.2e} from bf16 teacher forcing"
+
+
 def compiled_generation(device: str = "cuda", choice: str = "on"):
     """(eager, compiled) greedy generations of a few prompts: the compiled prefill's stacks record the KV caches,
     then the compiled static step decodes."""

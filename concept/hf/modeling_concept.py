@@ -69,22 +69,29 @@ class ConceptForCausalLM(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, dtype=None, torch_dtype=None,
                         device_map=None, **kwargs):
         """Open a ``concept export`` folder or hub id with ``concept.load`` (hub arguments: ``revision``,
-        ``cache_dir``, ``token``, ``local_files_only``, ``force_download``, ``subfolder``); ``dtype`` and a
-        device ``device_map`` (``"cpu"``, ``"cuda"``, ``"cuda:0"``) move the loaded model."""
+        ``cache_dir``, ``token``, ``local_files_only``, ``force_download``, ``subfolder``); ``dtype`` (or
+        ``torch_dtype``) ``torch.bfloat16`` runs it in bf16 as ``concept.load(..., dtype="bf16")`` does (another
+        dtype casts the whole model), and a device ``device_map`` (``"cpu"``, ``"cuda"``, ``"cuda:0"``) moves it."""
         hub_kwargs = {k: v for k in HUB_ARGUMENTS if (v := kwargs.pop(k, None)) is not None}
         for name in IGNORED:
             kwargs.pop(name, None)
         if model_args or kwargs:
             warnings.warn(f"{cls.__name__}.from_pretrained ignores {', '.join([*map(repr, model_args), *kwargs])}",
                           stacklevel=2)
-        model = concept.load(pretrained_model_name_or_path, **hub_kwargs)
+        dtype = dtype if dtype is not None else torch_dtype
+        # bf16 / fp32: concept's own precision (``concept.load``'s ``dtype``: a bf16 base under autocast, the adapters
+        # and new modules fp32, as a bf16 run trained); "auto": as saved; another dtype: the whole model cast to it
+        try:
+            choice = None if dtype in (None, "auto") else concept.precision.dtype_choice(dtype)
+        except concept.ConfigError:
+            choice = None
+        model = concept.load(pretrained_model_name_or_path, dtype=choice or "fp32", **hub_kwargs)
         kind = concept.hub.model_kind(model)
         kinds = cls.config_class.kinds
         if kinds and kind not in kinds:
             raise concept.ConceptError(f"{pretrained_model_name_or_path} holds a {kind} model, not one of {cls.__name__}'s "
                                        f"({', '.join(kinds)}); open it with AutoModelForCausalLM or concept.load")
-        dtype = dtype if dtype is not None else torch_dtype
-        if dtype not in (None, "auto"):
+        if choice is None and dtype not in (None, "auto"):
             model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         if device_map not in (None, "auto") and not isinstance(device_map, dict):
             model = model.to(device_map)

@@ -40,7 +40,7 @@ def _ensure_build(folder: Path, build: BuildConfig, log) -> Path:
 # -- running ---------------------------------------------------------------------------------
 def _eval_key(spec: FrontierSpec, step: int) -> dict:
     return {"step": step, "domains": [[d.label, d.source] for d in spec.domains], "batches": spec.eval_batches,
-            "batch": spec.eval_batch, "seq_len": spec.seq_len, "controls": spec.controls}
+            "batch": spec.eval_batch, "seq_len": spec.seq_len, "controls": spec.controls, "dtype": spec.train.dtype}
 
 
 def _finite(x):
@@ -54,7 +54,7 @@ def evaluate_run(folder: Path, run: ScheduledRun, spec: FrontierSpec) -> dict:
     T = spec.seq_len
     for d in spec.domains:
         model, _, _, r = eval_one(folder, d.source, T, spec.eval_batches, spec.eval_batch, spec.controls, None,
-                                  None, spec.train.device, model)
+                                  None, spec.train.device, model, dtype=spec.train.dtype)  # (as the runs trained)
         if run.kind == "streaming":
             realised = _finite(r.get("ratio"))
             flop = ideal_ratio(model, realised, T).ratio if realised is not None else None
@@ -74,7 +74,8 @@ def evaluate_run(folder: Path, run: ScheduledRun, spec: FrontierSpec) -> dict:
 
 
 def _tasks_key(spec: FrontierSpec, step: int) -> dict:
-    return {"step": step, "tasks": list(spec.tasks), "limit": spec.tasks_limit, "include_path": list(spec.include_path)}
+    return {"step": step, "tasks": list(spec.tasks), "limit": spec.tasks_limit, "include_path": list(spec.include_path),
+            "dtype": spec.train.dtype}
 
 
 def evaluate_tasks(folder: Path, spec: FrontierSpec, log) -> dict:
@@ -89,7 +90,7 @@ def evaluate_tasks(folder: Path, spec: FrontierSpec, log) -> dict:
         return cached
     log("evaluating", f"{folder.name} on tasks {', '.join(spec.tasks)} (lm-eval) ...")
     manager = harness.resolve_tasks(list(spec.tasks), spec.include_path)
-    scorer = Scorer.from_run(folder, spec.train.device, spec.eval_batch)
+    scorer = Scorer.from_run(folder, spec.train.device, spec.eval_batch, dtype=spec.train.dtype)
     tasks = harness.evaluate_tasks(scorer, list(spec.tasks), manager, spec.tasks_limit)
     write_json(cache, {"key": key, "tasks": tasks})
     return tasks
