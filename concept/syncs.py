@@ -87,18 +87,25 @@ def host_values(reason: str):
 
 
 def upload(data, dtype: torch.dtype, device) -> torch.Tensor:
-    """Python data (lists, numbers) as a tensor on ``device`` without stopping the host: on CUDA through pinned
-    host memory and a non-blocking copy (torch's caching host allocator keeps the buffer until the copy is
-    done); elsewhere as it is. ``torch.tensor(data, device=cuda)`` would copy from pageable memory and wait."""
+    """Python data (lists, numbers) as a tensor on ``device`` without stopping the host (:func:`to_device`).
+    ``torch.tensor(data, device=cuda)`` would copy from pageable memory and wait."""
     points = _points()
     points.append(None)
     try:
-        host = torch.tensor(data, dtype=dtype)
-        if torch.device(device).type == "cuda":
-            return host.pin_memory().to(device, non_blocking=True)
-        return host.to(device)
+        return to_device(torch.tensor(data, dtype=dtype), device)
     finally:
         points.pop()
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without stopping the host: on CUDA through pinned host memory and a
+    non-blocking copy (torch's caching host allocator keeps the pinned buffer until the copy is done, so ``host``
+    may change at once); elsewhere (and a tensor already there) ``host.to(device)``. A plain ``host.to(cuda)``
+    copies from pageable memory and then waits for the device's stream (``cudaStreamSynchronize``): every
+    training batch moved so waited for the step before it, and the host could not queue the next one meanwhile."""
+    if torch.device(device).type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
 
 
 def _bool_index(indices) -> bool:

@@ -46,6 +46,7 @@ from .lora import add_lora, load_lora_state_dict
 from .optimizer import adamw
 from .plots import training_curves
 from .precision import autocast, compute_dtype, store_frozen_base
+from .syncs import to_device
 from .training_loop import TrainingLoop
 from .training_run import DATA_FIELDS, DERIVED, METRICS  # noqa: F401 (also this module's API)
 from .versions import git_sha, versions
@@ -306,7 +307,7 @@ class Trainer:
     # -- the steps (concept.train_step) ---------------------------------------------------------------
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         b = self.train_data.batch(index, self.config.batch)
-        return {k: v.to(self.device) for k, v in b.items()}
+        return {k: to_device(v, self.device) for k, v in b.items()}  # (on CUDA: no wait for the step before)
 
     def autocast(self):
         """bf16 autocast where ``--dtype`` asks for it (``bf16`` on any device, ``auto`` on CUDA only): every

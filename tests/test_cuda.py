@@ -338,6 +338,22 @@ def test_dtype_auto_runs_bf16_on_cuda():
         assert err <= TOLERANCES["bf16"]["logits"], f"bf16 decoding {err:.2e} from bf16 teacher forcing"
 
 
+def test_training_batches_reach_cuda_without_a_host_sync(corpus, tmp_path):  # noqa: F811
+    """``Trainer.batch`` on CUDA (``concept.syncs.to_device``: pinned memory, a non-blocking copy): no
+    synchronisation call, so the host queues the next step while the device runs the one before. The control: the
+    same batch moved with a plain ``.to("cuda")`` (pageable memory) is counted, ``cudaStreamSynchronize``."""
+    from concept.profiling import profile_call
+
+    concept.save(streaming_model(), tmp_path / "built")
+    trainer = Trainer.start(tmp_path / "built", tmp_path / "run", small(data=str(corpus), device="cuda", steps=4,
+                                                                         eval_every=100, checkpoint_every=100))
+    trainer.batch(0)  # (the caching host allocator's first pinned blocks)
+    assert profile_call(lambda: trainer.batch(1), "cuda")["host_syncs"] == 0
+    pageable = trainer.train_data.batch(2, trainer.config.batch)
+    synced = profile_call(lambda: {k: v.to("cuda") for k, v in pageable.items()}, "cuda")["host_syncs"]
+    assert synced >= len(pageable), f"the control: {synced} syncs for {len(pageable)} pageable copies"
+
+
 def compiled_generation(device: str = "cuda", choice: str = "on"):
     """(eager, compiled) greedy generations of a few prompts: the compiled prefill's stacks record the KV caches,
     then the compiled static step decodes."""

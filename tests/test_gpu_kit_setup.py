@@ -331,3 +331,18 @@ def test_a_failed_triton_row_leaves_the_matmuls_pair_to_run(lease, monkeypatch, 
         assert reason.startswith("the row streaming compiled triton failed")
     else:
         assert "dense compiled triton" in tp["order"]
+
+
+def test_the_timed_steps_run_as_the_training_loop_runs_them(tmp_path_factory):
+    """``loop_rows``: each step queued before the one before it is read (``concept train`` at ``--log-every 1``),
+    the same steps and losses, bit for bit, as steps read one at a time (``train_step``, the timing before), one row a
+    step with its tokens/s, nothing left queued."""
+    from tests.test_host_syncs import static_run, static_trainer
+
+    folder = static_run.__wrapped__(tmp_path_factory)
+    looped, one_by_one = static_trainer(folder, None, "looped"), static_trainer(folder, None, "one-by-one")
+    rows = setup_stage.loop_rows(looped, 3)
+    reference = [one_by_one.train_step() for _ in range(3)]
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [2, 3, 4]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in reference]
+    assert all(r["tokens_per_s"] > 0 for r in rows) and not looped.runner.queued

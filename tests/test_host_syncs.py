@@ -171,3 +171,37 @@ def test_cascade_reads_its_tile_plan_once_and_sends_nothing_back_with_a_sync():
     with budgeted(model, 0.25, CascadeBackend()):
         seen = count_forward(model, **forward_inputs())
     assert seen.hidden == 0 and dict(seen.declared) == {"cascade tile plan": 1}, dict(seen.syncs)
+
+
+def test_a_host_tensor_goes_to_cuda_through_pinned_memory_without_waiting(monkeypatch):
+    """``concept.syncs.to_device`` on a CUDA device (stand-ins for the pinning and the copy: this CPU has none):
+    pinned, then copied with ``non_blocking``; a pinned tensor is not pinned again; on the CPU the tensor as it is.
+    On CUDA a plain ``.to(cuda)`` copies from pageable memory and then waits for the stream (``tests/test_cuda.py``
+    counts both)."""
+    from concept.syncs import to_device
+
+    calls = []
+
+    class OnTheWay:
+        def to(self, device, non_blocking=False):
+            calls.append(("copy", str(device), non_blocking))
+            return "on the device"
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or OnTheWay())
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    assert to_device(torch.ones(2), "cuda:0") == "on the device"
+    assert calls == ["pin", ("copy", "cuda:0", True)]
+    here = torch.ones(2)
+    assert to_device(here, "cpu") is here and len(calls) == 2
+
+
+def test_the_training_batches_go_through_to_device(static_run, monkeypatch):  # noqa: F811
+    import concept.training as training
+
+    moved = []
+    monkeypatch.setattr(training, "to_device", lambda t, device: moved.append(str(device)) or t.to(device))
+    trainer = static_trainer(static_run, None, "to-device")
+    assert len(moved) >= 3  # input ids, attention mask, document ids of the calibrating step
+    moved.clear()
+    batch = trainer.batch(3)
+    assert moved == [str(trainer.device)] * len(batch) == ["cpu"] * 3

@@ -221,6 +221,15 @@ def render_setup(data: dict) -> str:
         if compiled_failed:
             lines += ["", "Compiled rows that failed (each on its own; the others above were measured): "
                       + "; ".join(f"{kind}: {cell(error)}" for kind, error in compiled_failed.items())]
+        each = {kind: m["tokens_per_s_read_each_step"]
+                for kind, m in [*tp["models"].items(), *((f"{k} compiled", m) for k, m in compiled.items()),
+                                *((f"{k} compiled triton", m) for k, m in kernels.items())]
+                if m.get("tokens_per_s_read_each_step")}
+        if each:
+            lines += ["", "Tokens/s above: the steps run as `concept train` runs them, each queued before the one "
+                          "before it is read. With each step read at once instead (the host waiting for it, how "
+                          "`setup` timed before 2026-11-29): " + ", ".join(f"{kind} {v:,.0f}" for kind, v in each.items())
+                      + "."]
         target = training_target(tp["models"], compiled, kernels)
         if target:
             lines += ["", target]

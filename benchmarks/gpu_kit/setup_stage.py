@@ -590,10 +590,12 @@ def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: s
         trainer.train_step()
     warmup_s = time.perf_counter() - start
     recorded = cudagraph_recordings()
-    timed = [trainer.train_step() for _ in range(steps["timed"])]
+    read_each = [trainer.train_step() for _ in range(steps["timed"])]  # each step read at once: the host waits
+    timed = loop_rows(trainer, steps["timed"])
     tps = statistics.median(r["tokens_per_s"] for r in timed)
     row = {"tokens_per_s": tps, "step_s": batch * seq / tps, "warmup_s": warmup_s, "first_step_s": first_step_s,
-           "loss": timed[-1]["loss"], "ratio": timed[-1].get("ratio")}
+           "loss": timed[-1]["loss"], "ratio": timed[-1].get("ratio"),
+           "tokens_per_s_read_each_step": statistics.median(r["tokens_per_s"] for r in read_each)}
     if extra:  # (CUDA graphs recorded again in the timed steps: 0 where each step replays what the warm-up recorded)
         row["cudagraph_rerecorded"] = cudagraph_recordings() - recorded
     if device == "cuda":
@@ -614,6 +616,23 @@ def train_and_time(stage: Stage, source: Path, run: Path, kind: str, baseline: s
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def loop_rows(trainer, steps: int) -> list[dict]:
+    """The rows of ``steps`` training steps run as ``concept train`` runs them (``concept.training_loop``,
+    ``--log-every 1``): each step queued, then the one before it read, so the host queues a step while the device
+    runs the one before (``tokens_per_s`` over each read's window: one step's, in the steady state); one more step
+    queued last and read apart (its window is only the wait for it). A step that was skipped raises, as
+    ``train_step`` does."""
+    rows = []
+    for _ in range(steps + 1):
+        trainer.queue_step()
+        rows += trainer.read_log(keep=1)
+    trainer.read_log()  # (the extra step)
+    skipped = next((r for r in rows if r.get("skipped")), None)
+    if skipped is not None:
+        raise trainer.skip_error(skipped)
+    return rows
 
 
 # -- the stage --------------------------------------------------------------------------------------
