@@ -5,6 +5,8 @@ import sys
 
 import click
 
+from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
+
 from .dtype_option import dtype_option
 from .generate_cmd import sampling_settings
 from .output import quiet_progress_bars, status
@@ -24,8 +26,10 @@ COMMANDS = {"/exit": "leave (also /quit, Ctrl-D)", "/reset": "forget the convers
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 1 discourages repeats.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sampler.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default=DEFAULT_COMPILE, show_default=True,
+              is_flag=False, flag_value="on", help=COMPILE_HELP + " Chat: as concept generate's.")
 @dtype_option()
-def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, device, dtype):
+def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, device, compile_, dtype):
     """Chat with a model (a run, an export folder or a hub id): each line you type is a user turn, the reply
     is streamed token by token. The prompt is the backbone's chat template (SmolLM2-Instruct's
     <|im_start|> turns); a backbone without one gets plain "User: ... / Assistant:" lines. Old turns are
@@ -48,7 +52,7 @@ def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repeti
     settings = settings_from(None, sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                                                      (), seed))
     status("loading", str(run))
-    model = concept.load(run, dtype=dtype).to(pick_device(device))
+    model = concept.load(run, compile=compile_, dtype=dtype).to(pick_device(device))
     tokenizer = tokenizer_for(model)
     if not chats.has_template(tokenizer):
         status("note", "this backbone has no chat template: plain 'User: ... / Assistant:' turns")

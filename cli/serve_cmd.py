@@ -5,6 +5,8 @@ from pathlib import PurePath
 
 import click
 
+from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
+
 from .dtype_option import dtype_option
 from .output import quiet_progress_bars, status
 from .renamed import renamed
@@ -18,11 +20,15 @@ from .renamed import renamed
 @renamed("--max-new-tokens", "max_tokens", old=("--max-tokens",), type=int, default=16, show_default=True,
           help="New tokens of a request that gives no max_tokens (OpenAI's default is 16).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default=DEFAULT_COMPILE, show_default=True,
+              is_flag=False, flag_value="on", help=COMPILE_HELP + " Serving: as concept generate's, every request "
+                                                                   "decoded in the server's one decoding thread.")
 @dtype_option()
-def serve(run, host, port, model_name, max_tokens, device, dtype):
+def serve(run, host, port, model_name, max_tokens, device, compile_, dtype):
     """Serve a model (a run, an export folder or a hub id) with OpenAI's API: GET /v1/models, POST
     /v1/completions and /v1/chat/completions (the backbone's chat template), streamed with "stream": true
-    (server-sent events). Requests are served one at a time in arrival order; concurrent ones wait.
+    (server-sent events). Requests are served one at a time in arrival order, in one decoding thread;
+    concurrent ones wait. --compile decodes each step as one graph (CUDA graphs on CUDA, recorded once).
     temperature 0 is greedy. Errors are 4xx JSON bodies in OpenAI's shape. Needs the serve extra:
     pip install 'concept[serve]'.
 
@@ -46,7 +52,7 @@ def serve(run, host, port, model_name, max_tokens, device, dtype):
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-new-tokens")
     quiet_progress_bars()
     status("loading", str(run))
-    model = concept.load(run, dtype=dtype).to(pick_device(device))
+    model = concept.load(run, compile=compile_, dtype=dtype).to(pick_device(device))
     name = model_name or PurePath(str(run).rstrip("/")).name
     app = create_app(model, name, default_max_tokens=max_tokens)
     status("serving", f"{name} on http://{host}:{port}/v1 (one request at a time; Ctrl-C stops)")

@@ -7,9 +7,10 @@ as OpenAI's API sends them), so the official ``openai`` client works against it:
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.completions.create(model="m1", prompt="def fib(n):", max_tokens=32, temperature=0)
 
-Requests are served **one at a time**, in arrival order: generation holds one lock (the model's KV
-caches and modules are not shared between concurrent decodes), so concurrent requests are safe and
-simply wait for their turn. ``temperature: 0`` is greedy decoding (OpenAI's default is 1, which
+Requests are served **one at a time**, in arrival order, every one decoded in the same thread (the
+model's KV caches and modules are not shared between concurrent decodes, and a compiled model's CUDA
+graphs, which belong to the thread that records them, are recorded once), so concurrent requests are
+safe and simply wait for their turn. ``temperature: 0`` is greedy decoding (OpenAI's default is 1, which
 samples); ``seed`` makes sampling repeatable. Not supported, answered with a 400: ``n > 1``,
 ``best_of > 1``, ``logprobs``, ``echo``, ``suffix``, presence / frequency penalties, token-id prompts.
 
@@ -24,6 +25,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -127,13 +129,16 @@ class _Cancelled(Exception):
 
 
 class Engine:
-    """One model behind one lock: :meth:`run` generates for one request at a time."""
+    """One model and one decoding thread: :meth:`run` generates for one request at a time, in arrival order, every
+    request in the same thread. torch's CUDA-graph trees (a compiled model's decoding steps, ``concept serve
+    --compile``) belong to the thread that records them: decoded in one thread, they are recorded once and replayed
+    for every request (in a thread per request, each request would record them again)."""
 
     def __init__(self, model, name: str, default_max_tokens: int = 16):
         self.model, self.name, self.default_max_tokens = model, name, default_max_tokens
         self.tokenizer = tokenizer_for(model)
         self.limit = getattr(model.backbone.config, "max_position_embeddings", None)
-        self.lock = threading.Lock()
+        self.decoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="concept-decode")  # (first in, first out)
         self.created = int(time.time())
 
     def settings(self, request: _Request, max_tokens: int | None, stops: tuple[str, ...]) -> dict:
@@ -160,7 +165,8 @@ class Engine:
                            param=param if param == "prompt" else "messages", code="context_length_exceeded")
 
     def run(self, ids: list[int], settings: dict, write=None, cancelled: threading.Event | None = None) -> Reply:
-        """Generate for one prompt (waiting for the lock); ``write(text)`` receives the reply as it grows."""
+        """Generate for one prompt in the decoding thread (after the requests before it); ``write(text)`` receives the
+        reply as it grows."""
         streamer = None
         if write is not None:
             stream = TextStream(self.tokenizer, settings["stop_strings"], write=write)
@@ -175,11 +181,11 @@ class Engine:
                     stream.end()
 
             streamer = Streamer()
-        with self.lock:
-            try:
-                out = generate(self.model, [ids], tokenizer=self.tokenizer, streamer=streamer, **settings)
-            except ConceptError as exc:
-                raise APIError(400, str(exc)) from None
+        try:
+            out = self.decoding.submit(generate, self.model, [ids], tokenizer=self.tokenizer, streamer=streamer,
+                                       **settings).result()
+        except ConceptError as exc:
+            raise APIError(400, str(exc)) from None
         if write is not None:
             stream.finish(out.texts[0])
         return Reply(out.texts[0], FINISH[out.finish_reasons[0]], len(ids), len(out.tokens[0]))
@@ -197,8 +203,8 @@ def _sse(payload: Any) -> str:
 
 def _stream(engine: Engine, ids: list[int], settings: dict, chunk, first=None, include_usage: bool = False):
     """Server-sent events: ``first`` (a chunk), a chunk per piece of text, the last one with the finish
-    reason, the usage when asked, then ``[DONE]``. The decode runs in its own thread (holding the
-    engine's lock); a client that goes away stops it at its next token."""
+    reason, the usage when asked, then ``[DONE]``. A thread of its own waits for the decode (the engine's decoding
+    thread) and hands the text on; a client that goes away stops the decode at its next token."""
     pieces: queue.Queue = queue.Queue()
     cancelled = threading.Event()
     done = object()

@@ -370,6 +370,36 @@ def test_compiled_generation_equals_eager_on_cuda():
     assert err <= TOLERANCES["fp32"]["logits"], f"compiled generation's logits differ from eager's by {err:.2e}"
 
 
+def served_replies(device: str = "cuda", choice: str = "on"):
+    """(eager generation's text, each of three requests' replies, the CUDA graphs recorded by the second and third):
+    ``concept serve --compile``'s engine over a compiled model, each request from a thread of its own (as the server's
+    request threads), one prompt size."""
+    import threading
+
+    from concept.serving import Engine
+
+    count_cudagraph_recordings()
+    model = streaming_model().to(device)
+    engine = Engine(compile_model(copy.deepcopy(model), choice), "m")
+    ids, settings = [1, 2, 3, 4, 5, 6, 7, 8], {"max_new_tokens": 6, "stop_strings": (), "do_sample": False, "seed": None}
+    replies, recorded = [], []
+    for i in range(3):
+        asking = threading.Thread(target=lambda: replies.append(engine.run(ids, settings)))
+        asking.start()
+        asking.join()
+        recorded.append(cudagraph_recordings())
+    eager = concept.generate(model, [ids], tokenizer=engine.tokenizer, max_new_tokens=6).texts[0]
+    return eager, [r.text for r in replies], recorded[-1] - recorded[0]
+
+
+def test_served_requests_replay_the_decoding_graphs_recorded_once_on_cuda():
+    """The server's requests decode in its one thread, so torch's CUDA-graph trees (per thread) recorded by the first
+    request are replayed by the next, each from another request thread: none recorded again, replies as eager's."""
+    eager, replies, recorded_again = served_replies()
+    assert replies == [eager] * 3
+    assert recorded_again == 0, f"the later requests recorded {recorded_again} CUDA graphs again"
+
+
 def compiled_training_rows(corpus, folder, device: str = "cuda", choice: str = "on", steps: int = 3,
                            grad_accum: int = 1):
     """(eager, compiled) rows of ``steps`` bf16 training steps of the default streaming build (LoRA in every

@@ -3,6 +3,7 @@
 both endpoints; bad requests get 4xx JSON errors in OpenAI's shape and the server stays up; concurrent requests
 are served one at a time, each getting its own answer; chat turns use the chat template (SmolLM2's, or plain
 turns for a backbone without one) and carry the conversation."""
+import copy
 import json
 import os
 import socket
@@ -152,6 +153,74 @@ def test_concurrent_requests_each_get_their_own_answer(client, model):
     for t in threads:
         t.join(timeout=120)
     assert got == expected
+
+
+def engine_runs(engine, prompts, stream_every=2) -> tuple[dict, set]:
+    """Each prompt sent to ``engine.run`` from a thread of its own (every ``stream_every``-th with a ``write``, as a
+    streamed request's), at once: (the replies' texts by prompt, the callers' thread ids)."""
+    texts, callers = {}, set()
+
+    def ask(i, p):
+        callers.add(threading.get_ident())
+        pieces = []
+        reply = engine.run(engine.prompt_ids(p), engine_settings(), write=pieces.append if i % stream_every == 0 else None)
+        texts[p] = reply.text
+        assert not pieces or "".join(pieces) == reply.text
+
+    threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return texts, callers
+
+
+def engine_settings() -> dict:
+    return {"max_new_tokens": 6, "stop_strings": (), "do_sample": False, "seed": None}
+
+
+def test_every_request_decodes_in_the_engines_one_thread(model, monkeypatch):
+    """Plain and streamed requests sent at once from their own threads all decode in one thread, the engine's (what a
+    compiled model's CUDA-graph trees need: they belong to the thread that records them), none of the callers',
+    each reply the text it gets alone."""
+    from concept import serving
+
+    decoders = []
+    real = serving.generate
+    monkeypatch.setattr(serving, "generate", lambda *a, **k: decoders.append(threading.current_thread()) or real(*a, **k))
+    engine = serving.Engine(model, NAME)
+    prompts = ["def a(", "class B:", "import os\n", "x = [1,"]
+    texts, callers = engine_runs(engine, prompts)
+    assert texts == {p: greedy(model, p, 6) for p in prompts}
+    assert len(decoders) == 4 and len({t.ident for t in decoders}) == 1
+    assert decoders[0].name.startswith("concept-decode") and decoders[0].ident not in callers | {threading.get_ident()}
+
+
+def test_a_compiled_model_serves_the_eager_models_replies(model):
+    from concept import serving
+    from concept.compiled import compile_model, compiled_choice
+
+    compiled = compile_model(copy.deepcopy(model), "aot-eager")
+    assert compiled_choice(compiled) == "aot-eager"
+    prompts = ["def a(", "class B:"]
+    texts, _ = engine_runs(serving.Engine(compiled, NAME), prompts)
+    assert texts == {p: greedy(model, p, 6) for p in prompts}
+
+
+def test_serve_and_chat_take_compile(trained, monkeypatch):
+    """``--compile`` reaches ``concept.load`` (the server itself is not started: ``uvicorn.run`` stands in)."""
+    import uvicorn
+
+    loaded = []
+    real = concept.load
+    monkeypatch.setattr(concept, "load", lambda *a, **k: loaded.append(k) or real(*a, **k))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    r = CliRunner().invoke(cli, ["serve", str(trained), "--compile", "aot-eager", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["chat", str(trained), "--compile", "aot-eager", "--device", "cpu", "--message", "hi",
+                                 "--max-new-tokens", "2"])
+    assert r.exit_code == 0, r.output
+    assert [k.get("compile") for k in loaded] == ["aot-eager", "aot-eager"]
 
 
 # -- concept chat -------------------------------------------------------------------------------------
