@@ -220,3 +220,36 @@ def test_transformers_torch_dtype_means_the_same_precision(trained, tmp_path):
     half = AutoModelForCausalLM.from_pretrained(tmp_path / "export", trust_remote_code=True, torch_dtype=torch.float16)
     assert getattr(half.concept, "precision", None) is None  # another dtype: the whole model cast, as before
     assert all(p.dtype == torch.float16 for p in half.concept.parameters())
+
+
+@pytest.fixture(scope="module")
+def other_kinds(built, corpus, tmp_path_factory):  # noqa: F811
+    """A trained dense and pruned baseline and a trained planner-executor (2 steps each)."""
+    from tests.test_planner_executor import pe_config
+    from tests.test_planner_executor import small as pe_small
+
+    folder = tmp_path_factory.mktemp("kinds")
+    runs = {}
+    for kind, extra in (("dense", {}), ("pruned", {"prune_layers": "1:2"})):
+        Trainer.start(built, folder / kind, small(data=str(corpus), steps=2, baseline=kind, eval_every=2,
+                                                  checkpoint_every=2, **extra)).train()
+        runs[kind] = folder / kind
+    concept.save(concept.build(pe_config()), folder / "pe-built")
+    Trainer.start(folder / "pe-built", folder / "planner-executor", pe_small(data=str(corpus), steps=2)).train()
+    runs["planner-executor"] = folder / "planner-executor"
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["dense", "pruned", "planner-executor"])
+def test_every_kind_runs_in_bf16(other_kinds, kind):
+    """The precision is the core's: a baseline and the planner-executor load in bf16 (their frozen base stored in bf16,
+    their trained weights fp32), their logits within bf16's tolerance of fp32's, and they generate in bf16."""
+    fp32, bf16 = concept.load(other_kinds[kind]), concept.load(other_kinds[kind], dtype="bf16")
+    base = frozen_base(bf16)
+    assert base and all(p.dtype == torch.bfloat16 for p in base.values())
+    assert all(p.dtype == torch.float32 for n, p in bf16.named_parameters() if p.requires_grad or "lora_" in n)
+    ids = IDS[:, :24]
+    out, reference = logits(bf16, ids), logits(fp32, ids)
+    assert out.dtype == torch.bfloat16 and 0 < within(out, reference) < TOLERANCE
+    gen = bf16.generate([[5, 17, 3, 44]], max_new_tokens=3, output_logits=True)
+    assert len(gen.tokens[0]) == 3 and gen.logits.dtype == torch.bfloat16
