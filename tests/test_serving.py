@@ -23,6 +23,7 @@ from concept import chat
 from concept.tokens import tokenizer_for
 from concept.training import Trainer
 from concept_cli.main import cli
+from tests.conftest import in_a_fresh_process
 from tests.test_training import built, corpus, small  # noqa: F401  (fixtures)
 
 NAME = "tiny"
@@ -196,15 +197,22 @@ def test_every_request_decodes_in_the_engines_one_thread(model, monkeypatch):
     assert decoders[0].name.startswith("concept-decode") and decoders[0].ident not in callers | {threading.get_ident()}
 
 
-def test_a_compiled_model_serves_the_eager_models_replies(model):
+def compiled_engine_replies(run: str, choice: str) -> dict:
+    """(eager greedy texts, a compiled engine's replies, the compile choice it ran) of two prompts sent at once."""
     from concept import serving
     from concept.compiled import compile_model, compiled_choice
 
-    compiled = compile_model(copy.deepcopy(model), "aot-eager")
-    assert compiled_choice(compiled) == "aot-eager"
+    model = concept.load(run)
+    compiled = compile_model(copy.deepcopy(model), choice)
     prompts = ["def a(", "class B:"]
     texts, _ = engine_runs(serving.Engine(compiled, NAME), prompts)
-    assert texts == {p: greedy(model, p, 6) for p in prompts}
+    return {"eager": {p: greedy(model, p, 6) for p in prompts}, "served": texts, "choice": compiled_choice(compiled)}
+
+
+def test_a_compiled_model_serves_the_eager_models_replies(trained):
+    """In a fresh process (it compiles in the engine's thread: ``tests.conftest.in_a_fresh_process``)."""
+    out = in_a_fresh_process("tests.test_serving:compiled_engine_replies", str(trained), "aot-eager")
+    assert out["choice"] == "aot-eager" and out["served"] == out["eager"]
 
 
 def test_serve_and_chat_take_compile(trained, monkeypatch):
