@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
+from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE, DEFAULT_INFERENCE_DTYPE
 
 from .dtype_option import dtype_option
 from .help_groups import GroupedHelp
@@ -87,7 +87,8 @@ def training_throughput(run: Path) -> dict:
 
 
 def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
-                 log_every: int = 1, data_split: str | None = None, streaming: bool | None = None, dtype: str = "fp32"):
+                 log_every: int = 1, data_split: str | None = None, streaming: bool | None = None,
+                 dtype: str = DEFAULT_INFERENCE_DTYPE):
     """Evaluate the run at ``path`` (see :func:`concept.diagnostics.evaluate_folder`), with a status line and the
     batches' progress: a bar on a terminal, else a plain line every ``log_every`` batches (and at the last)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from concept.config import DEFAULT_INFERENCE_DTYPE
+
 from .output import print_json, status, stdout, table
 
 
@@ -22,7 +24,7 @@ def harness():
 
 
 def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, batch: int, max_length, device: str,
-                      as_json: bool, dtype: str = "fp32") -> None:
+                      as_json: bool, dtype: str = DEFAULT_INFERENCE_DTYPE) -> None:
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.builder import read_run
     from concept.errors import ConceptError, ConfigError

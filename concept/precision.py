@@ -63,8 +63,6 @@ def store_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
 # saved). ``auto`` decides at the model's first call on a device: bf16 on CUDA, fp32 elsewhere; once the base is
 # stored in bf16 the model runs bf16 on every device (an fp32 input cannot meet a bf16 weight outside autocast).
 
-
-
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # a dtype as the choices name it
 # torch's names of the two dtypes (``torch.bfloat16``, ``"bfloat16"``: what transformers' ``torch_dtype`` and
 # lm-eval's ``dtype=`` take) -> the choice they mean
@@ -129,7 +127,8 @@ def _enter(model, args, kwargs):
 
 
 def _leave(model, args, output):
-    model.precision.active.pop().__exit__(None, None, None)
+    if model.precision.active:  # (empty where entering failed: its error is the one to see)
+        model.precision.active.pop().__exit__(None, None, None)
 
 
 def cast_base(model: nn.Module) -> torch.dtype | None:
