@@ -209,6 +209,7 @@ def compiled_engine_replies(run: str, choice: str) -> dict:
     return {"eager": {p: greedy(model, p, 6) for p in prompts}, "served": texts, "choice": compiled_choice(compiled)}
 
 
+@pytest.mark.slow  # (about 25 s: a fresh process and a compilation; the GPU's is in tests/test_cuda.py)
 def test_a_compiled_model_serves_the_eager_models_replies(trained):
     """In a fresh process (it compiles in the engine's thread: ``tests.conftest.in_a_fresh_process``)."""
     out = in_a_fresh_process("tests.test_serving:compiled_engine_replies", str(trained), "aot-eager")
@@ -216,12 +217,13 @@ def test_a_compiled_model_serves_the_eager_models_replies(trained):
 
 
 def test_serve_and_chat_take_compile(trained, monkeypatch):
-    """``--compile`` reaches ``concept.load`` (the server itself is not started: ``uvicorn.run`` stands in)."""
+    """``--compile`` reaches ``concept.load`` (the server itself is not started: ``uvicorn.run`` stands in; the model is
+    loaded eagerly, the compiled paths' own tests run them)."""
     import uvicorn
 
     loaded = []
     real = concept.load
-    monkeypatch.setattr(concept, "load", lambda *a, **k: loaded.append(k) or real(*a, **k))
+    monkeypatch.setattr(concept, "load", lambda *a, **k: loaded.append(k) or real(*a, **{**k, "compile": "off"}))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
     r = CliRunner().invoke(cli, ["serve", str(trained), "--compile", "aot-eager", "--device", "cpu"])
     assert r.exit_code == 0, r.output
