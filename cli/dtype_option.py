@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import click
 
-from concept.config import DTYPES, INFERENCE_DTYPE_HELP
-
-DEFAULT = "auto"
+from concept.config import DEFAULT_DTYPE, DTYPES, INFERENCE_DTYPE_HELP
 
 
 def dtype_option():
-    return click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT, show_default=True,
+    return click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True,
                         help=INFERENCE_DTYPE_HELP)

@@ -33,6 +33,7 @@ DEFAULT_COMPILE = "off"
 # --dtype (concept.precision): the compute precision of training (``TrainConfig.dtype``) and of a loaded model
 # (``concept.load``'s ``dtype``, the inference commands' --dtype)
 DTYPES = ("auto", "fp32", "bf16")
+DEFAULT_DTYPE = "auto"  # ``concept train``'s and every command's that runs a loaded model: bf16 on CUDA, fp32 elsewhere
 DEFAULT_INFERENCE_DTYPE = "fp32"  # ``concept.load``'s: a model as it was saved; the commands' ``--dtype`` is ``auto``
 INFERENCE_DTYPE_HELP = ("Compute precision: with bf16, or auto on a CUDA device, the frozen base weights are stored "
                         "in bf16 and the model runs under bf16 autocast (LoRA and the new modules stay fp32, as in a "

@@ -66,7 +66,7 @@ def store_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # a dtype as the choices name it
 # torch's names of the two dtypes (``torch.bfloat16``, ``"bfloat16"``: what transformers' ``torch_dtype`` and
 # lm-eval's ``dtype=`` take) -> the choice they mean
-TORCH_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
+TORCH_NAMES = {str(dtype).removeprefix("torch."): name for dtype, name in DTYPE_NAMES.items()}
 
 
 def dtype_choice(value) -> str:
@@ -85,7 +85,7 @@ class Precision:
 
     def __init__(self, choice: str):
         self.choice = choice
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(choice)
+        self.dtype = None if choice == "auto" else compute_dtype(choice, torch.device("cpu"))  # (fp32, bf16: anywhere)
         self.active: list = []  # the autocast contexts entered by the model's calls (its forward hooks)
 
     def decide(self, model: nn.Module, device: torch.device) -> torch.dtype:

@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass
 
 from . import options
-from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE, DTYPES, BuildConfig
+from .config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE, DEFAULT_DTYPE, DTYPES, BuildConfig
 from .families import family, working
 from .options import SEED_MAX, check, nested, option
 
@@ -172,7 +172,7 @@ class CoreTrainConfig:
     device: str = option("auto", help="auto, cpu or cuda.")
     compile: str = option(DEFAULT_COMPILE, choices=COMPILE_CHOICES, help=COMPILE_HELP, is_flag=False, flag_value="on")
     dtype: str = option(
-        "auto", choices=DTYPES,
+        DEFAULT_DTYPE, choices=DTYPES,
         help="Compute precision: with bf16, or auto on CUDA, the frozen base weights are stored in bf16 and the "
              "step runs under bf16 autocast (LoRA, new modules and optimizer state stay fp32); fp32 otherwise.")
 

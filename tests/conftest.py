@@ -147,42 +147,44 @@ def fresh_dynamo():
 WRAP_TRITON_REFUSES = "wrap_triton only works on functions annotated"  # (torch 2.11's, of the interpreter's kernels)
 
 
+def _fresh_interpreter(argv: list[str], timeout: int, **env):
+    """``python ARGV`` in a fresh interpreter at the repository's root (one OpenMP thread, ``env`` added): its result."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, *argv], cwd=root, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), **env})
+
+
+def _last_json_line(done):
+    import json
+
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def in_a_fresh_process(function: str, *args, timeout: int = 900):
     """``function(*args)`` (``"module:name"``; JSON arguments and result) run in a fresh interpreter: for a test that
     compiles in a thread other than the main one. torch 2.11 (the GPU image's) crashes a process that compiles in one
     thread and then in another (a segmentation fault in ``FakeTensorMode.__enter__``; torch 2.13 does not), which would
     take the other tests of the worker down with it."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     module, name = function.split(":")
-    code = (f"import json, sys; from {module} import {name}; "
-            f"print(json.dumps({name}(*json.loads(sys.argv[1]))))")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    code = f"import json, sys; from {module} import {name}; print(json.dumps({name}(*json.loads(sys.argv[1]))))"
+    done = _fresh_interpreter(["-c", code, json.dumps(args)], timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _last_json_line(done)
 
 
 def interpreter_report(module: str, skip_on: str | None = None, timeout: int = 900) -> dict:
     """The JSON report (its last line) of ``python -m MODULE`` run in Triton's interpreter on CPU tensors: a
     subprocess, since the interpreter must be chosen before Triton is first imported. ``skip_on``: an error text
     that skips the test instead (a torch that refuses the interpreter's kernels)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    done = _fresh_interpreter(["-m", module], timeout, TRITON_INTERPRET="1")
     if done.returncode and skip_on and skip_on in done.stderr:
         pytest.skip("this torch's wrap_triton refuses the interpreter's kernels (torch 2.11, the GPU image's; on the "
                     "GPU they run compiled: the kit's exact stage)")
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _last_json_line(done)

@@ -27,6 +27,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from ..config import DEFAULT_DTYPE
 from ..errors import ConceptError, ConfigError
 from ..scoring import Scorer
 
@@ -39,7 +40,8 @@ class ConceptLM(LM):
     """A ``concept`` run as an lm-eval model (``--model concept --model_args run=PATH``)."""
 
     def __init__(self, run=None, device: str | None = "auto", batch_size: int | str | None = 8,
-                 max_length: int | None = None, scorer: Scorer | None = None, dtype: str | None = "auto", **unused):
+                 max_length: int | None = None, scorer: Scorer | None = None, dtype: str | None = DEFAULT_DTYPE,
+                 **unused):
         super().__init__()
         unused.pop("max_batch_size", None)  # lm-eval passes it to every backend; there is no batch-size search here
         if unused:
@@ -50,7 +52,7 @@ class ConceptLM(LM):
                 raise ConceptError("--model concept needs the run folder: --model_args run=PATH")
             batch = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
             scorer = Scorer.from_run(str(run), device or "auto", batch, int(max_length) if max_length else None,
-                                     dtype or "auto")
+                                     dtype or DEFAULT_DTYPE)
         self.scorer = scorer
         self.run = str(run) if run is not None else None
 
