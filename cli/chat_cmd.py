@@ -7,7 +7,7 @@ import click
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
 
-from .dtype_option import dtype_option
+from .load_options import dtype_option, merge_lora_option
 from .generate_cmd import sampling_settings
 from .output import quiet_progress_bars, status
 
@@ -29,7 +29,9 @@ COMMANDS = {"/exit": "leave (also /quit, Ctrl-D)", "/reset": "forget the convers
 @click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default=DEFAULT_COMPILE, show_default=True,
               is_flag=False, flag_value="on", help=COMPILE_HELP + " Chat: as concept generate's.")
 @dtype_option()
-def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, device, compile_, dtype):
+@merge_lora_option()
+def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, device, compile_, dtype,
+         merge_lora):
     """Chat with a model (a run, an export folder or a hub id): each line you type is a user turn, the reply
     is streamed token by token. The prompt is the backbone's chat template (SmolLM2-Instruct's
     <|im_start|> turns); a backbone without one gets plain "User: ... / Assistant:" lines. Old turns are
@@ -52,7 +54,7 @@ def chat(run, system, message, max_new_tokens, temperature, top_k, top_p, repeti
     settings = settings_from(None, sampling_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty,
                                                      (), seed))
     status("loading", str(run))
-    model = concept.load(run, compile=compile_, dtype=dtype).to(pick_device(device))
+    model = concept.load(run, compile=compile_, dtype=dtype, merge_lora=merge_lora).to(pick_device(device))
     tokenizer = tokenizer_for(model)
     if not chats.has_template(tokenizer):
         status("note", "this backbone has no chat template: plain 'User: ... / Assistant:' turns")

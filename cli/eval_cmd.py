@@ -12,14 +12,15 @@ from rich.markup import escape
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE, DEFAULT_INFERENCE_DTYPE
 
-from .dtype_option import dtype_option
+from .load_options import dtype_option, merge_lora_option
 from .help_groups import GroupedHelp
 from .output import html_report, print_concepts, print_json, quiet_progress_bars, status, stdout, table
 from .recipes import command_values, config_option, dump, print_config_option
 from .renamed import renamed
 
 # (key, label, format) rows of the table, in order
-ROWS = [("model", "model", "{}"), ("dtype", "dtype", "{}"), ("bits_per_token", "bits / token", "{:.4f}"),
+ROWS = [("model", "model", "{}"), ("dtype", "dtype", "{}"), ("lora_merged", "LoRA layers merged into the base", "{}"),
+        ("bits_per_token", "bits / token", "{:.4f}"),
         ("nll", "NLL (nats / token)", "{:.4f}"),
         ("perplexity", "perplexity", "{:.2f}"), ("ratio", "concepts / token", "{:.4f}"),
         ("nll_nothing", "NLL(y | empty plan): the floor", "{:.4f}"),
@@ -88,7 +89,7 @@ def training_throughput(run: Path) -> dict:
 
 def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
                  log_every: int = 1, data_split: str | None = None, streaming: bool | None = None,
-                 dtype: str = DEFAULT_INFERENCE_DTYPE):
+                 dtype: str = DEFAULT_INFERENCE_DTYPE, merge_lora: bool = False):
     """Evaluate the run at ``path`` (see :func:`concept.diagnostics.evaluate_folder`), with a status line and the
     batches' progress: a bar on a terminal, else a plain line every ``log_every`` batches (and at the last)."""
     # lazy: the library (torch) loads only when the command runs; --help stays instant
@@ -101,7 +102,8 @@ def evaluate_run(path: Path, data, seq_len, batches, batch, controls, encoding_e
 
     with batch_progress(str(path), log_every) as progress:
         return evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device,
-                               model, progress, data_split=data_split, streaming=streaming, dtype=dtype)
+                               model, progress, data_split=data_split, streaming=streaming, dtype=dtype,
+                               merge_lora=merge_lora)
 
 
 @contextmanager
@@ -168,6 +170,7 @@ def batch_progress(name: str, log_every: int):
 @click.option("--compile", "compile_", type=click.Choice(COMPILE_CHOICES), default=DEFAULT_COMPILE,
               show_default=True, is_flag=False, flag_value="on", help=COMPILE_HELP)
 @dtype_option()
+@merge_lora_option()
 @click.option("--json", "as_json", is_flag=True)
 @config_option("eval", help="A recipe (YAML or JSON; its eval: section if it has one): its values are the defaults, "
                             "flags override them (docs/cli.md).")
@@ -175,7 +178,7 @@ def batch_progress(name: str, log_every: int):
 @click.pass_context
 def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compare, text_field, data_split, streaming,
           encoding_errors, device,
-          log_every, tasks, include_path, limit, num_fewshot, compile_, dtype, as_json, config_file, print_config):
+          log_every, tasks, include_path, limit, num_fewshot, compile_, dtype, merge_lora, as_json, config_file, print_config):
     """Evaluate trained (or built) runs on held-out text, or on downstream tasks (--tasks).
 
     \b
@@ -196,7 +199,8 @@ def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compa
         # lazy: the library (torch) loads only when the command runs; --help stays instant
         from .tasks_eval import evaluate_on_tasks
 
-        return evaluate_on_tasks(runs, names, include_path, limit, num_fewshot, batch, seq_len, device, as_json, dtype)
+        return evaluate_on_tasks(runs, names, include_path, limit, num_fewshot, batch, seq_len, device, as_json, dtype,
+                                 merge_lora)
     if include_path or limit is not None or num_fewshot is not None:
         raise click.UsageError("--include-path, --tasks-limit and --num-fewshot go with --tasks")
     if not runs:
@@ -213,11 +217,11 @@ def eval_(ctx, runs, data, seq_len, batches, batch, no_controls, show_map, compa
                 from concept import load
                 from concept.distributed import pick_device
 
-                model = load(run, compile=compile_, dtype=dtype).to(pick_device(device))
+                model = load(run, compile=compile_, dtype=dtype, merge_lora=merge_lora).to(pick_device(device))
             for d in domains:
                 model, tokenizer, docs, result = evaluate_run(run, d, seq_len, batches, batch, not no_controls,
                                                               encoding_errors, text_field, device, model, log_every,
-                                                              data_split, streaming, dtype)
+                                                              data_split, streaming, dtype, merge_lora)
                 result.update(throughput)
                 result["model"] = run_label(run, result["model"])
                 by_domain[d][str(run)] = result

@@ -12,7 +12,7 @@ import click
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
 
-from .dtype_option import dtype_option
+from .load_options import dtype_option, merge_lora_option
 from .output import human_bytes, json_safe, print_concepts, quiet_progress_bars, status, stdout
 from .renamed import renamed
 
@@ -131,9 +131,10 @@ def kv_summary(kv: dict) -> dict:
                                                                  "graph over static KV caches (CUDA graphs on CUDA); not "
                                                                  "with --mtp (eager).")
 @dtype_option()
+@merge_lora_option()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt (JSON lines).")
 def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed,
-             mtp, mtp_tau, batch_size, show_concepts, show_plan, device, compile_, dtype, as_json):
+             mtp, mtp_tau, batch_size, show_concepts, show_plan, device, compile_, dtype, merge_lora, as_json):
     """Generate text from a trained run (the streaming model, a planner-executor or a dense baseline).
 
     \b
@@ -178,7 +179,7 @@ def generate(run, prompts, prompt_file, max_new_tokens, temperature, top_k, top_
                            for flag, view in wrong])
     where = pick_device(device)  # (an unusable device: before anything is loaded)
     status("loading", str(run))
-    model = concept.load(run, compile=compile_, dtype=dtype).to(where)
+    model = concept.load(run, compile=compile_, dtype=dtype, merge_lora=merge_lora).to(where)
     if train is None and kind in family_names():
         status("warning:", f"{run} was built but never trained: its concept modules are untrained, so the text "
                            f"shows the mechanics, not the quality (train it with `concept train {run}`)")

@@ -7,7 +7,7 @@ import click
 
 from concept.config import COMPILE_CHOICES, COMPILE_HELP, DEFAULT_COMPILE
 
-from .dtype_option import dtype_option
+from .load_options import dtype_option, merge_lora_option
 from .output import quiet_progress_bars, status
 from .renamed import renamed
 
@@ -24,7 +24,8 @@ from .renamed import renamed
               is_flag=False, flag_value="on", help=COMPILE_HELP + " Serving: as concept generate's, every request "
                                                                    "decoded in the server's one decoding thread.")
 @dtype_option()
-def serve(run, host, port, model_name, max_tokens, device, compile_, dtype):
+@merge_lora_option()
+def serve(run, host, port, model_name, max_tokens, device, compile_, dtype, merge_lora):
     """Serve a model (a run, an export folder or a hub id) with OpenAI's API: GET /v1/models, POST
     /v1/completions and /v1/chat/completions (the backbone's chat template), streamed with "stream": true
     (server-sent events). Requests are served one at a time in arrival order, in one decoding thread;
@@ -52,7 +53,7 @@ def serve(run, host, port, model_name, max_tokens, device, compile_, dtype):
         raise click.BadParameter(f"must be >= 1, got {max_tokens}", param_hint="--max-new-tokens")
     quiet_progress_bars()
     status("loading", str(run))
-    model = concept.load(run, compile=compile_, dtype=dtype).to(pick_device(device))
+    model = concept.load(run, compile=compile_, dtype=dtype, merge_lora=merge_lora).to(pick_device(device))
     name = model_name or PurePath(str(run).rstrip("/")).name
     app = create_app(model, name, default_max_tokens=max_tokens)
     status("serving", f"{name} on http://{host}:{port}/v1 (one request at a time; Ctrl-C stops)")

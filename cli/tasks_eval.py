@@ -24,7 +24,8 @@ def harness():
 
 
 def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, batch: int, max_length, device: str,
-                      as_json: bool, dtype: str = DEFAULT_INFERENCE_DTYPE) -> None:
+                      as_json: bool, dtype: str = DEFAULT_INFERENCE_DTYPE,
+                      merge_lora: bool = False) -> None:
     # lazy: the library (torch) loads only when the command runs; --help stays instant
     from concept.builder import read_run
     from concept.errors import ConceptError, ConfigError
@@ -58,7 +59,7 @@ def evaluate_on_tasks(runs, names: list[str], include_path, limit, num_fewshot, 
     results = {}
     for run in runs:
         status("evaluating", f"{run} on {', '.join(names)} (lm-eval{f', at most {limit} per task' if limit else ''}) ...")
-        scorer = Scorer.from_run(run, device, batch, max_length, dtype)
+        scorer = Scorer.from_run(run, device, batch, max_length, dtype, merge_lora)
         results[str(run)] = {"model": scorer.model.family,
                              "tasks": h.evaluate_tasks(scorer, names, manager, limit, num_fewshot)}
         del scorer

@@ -22,7 +22,7 @@ from .backbone import LoadedBackbone
 from .compiled import compile_model
 from .components import BuildContext
 from .config import DEFAULT_COMPILE, BuildConfig, BuildResolution, resolve
-from .errors import ConceptError, RunFolderError
+from .errors import ConceptError, ConfigError, RunFolderError
 from .families import family, family_of
 from .hub import local_folder
 from .lora import (
@@ -31,6 +31,7 @@ from .lora import (
     add_lora,
     load_lora_state_dict,
     load_peft_adapter,
+    merge_adapters,
 )
 from .precision import DEFAULT_INFERENCE_DTYPE, dtype_choice, use_dtype
 from .rms_norm import fuse_rms_norms
@@ -184,7 +185,8 @@ def load_new_modules(model, state: dict, file: Path | None = None) -> None:
         module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
 
-def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, dtype=DEFAULT_INFERENCE_DTYPE, **hub):
+def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, dtype=DEFAULT_INFERENCE_DTYPE, merge_lora: bool = False,
+         **hub):
     """Rebuild a saved model (eval mode) from its run folder: a built model, a trained one (with its
     LoRA adapters and the newest checkpoint's weights), a dense or pruned baseline among them; also a
     folder written by ``concept export`` (its backbone an ``hf`` folder inside it, its adapters a peft
@@ -194,8 +196,13 @@ def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, dtype=DEFAULT_
     first (``concept.run_files.check_files``); a damaged one is one error naming it. ``compile``: run its
     stacks compiled (``concept.compiled``; off by default). ``dtype``: its compute precision (``fp32``, the
     default; ``bf16`` or ``torch.bfloat16``; ``auto``: bf16 on a CUDA device; ``concept.precision``): with bf16 its frozen
-    base is stored in bf16 and it runs under bf16 autocast, its adapters and new modules fp32."""
+    base is stored in bf16 and it runs under bf16 autocast, its adapters and new modules fp32. ``merge_lora``: merge
+    its LoRA adapters into the base weights (``concept.lora.merge_adapters``, in fp32, before any bf16 storage): the
+    forward of the backbone without adapters, no adapter product or cast per call, the same values up to rounding; for
+    inference only (the model can no longer be saved or exported, nor run its backbone without the adapters)."""
     dtype = dtype_choice(dtype)  # (a clear error before anything is read)
+    if not isinstance(merge_lora, bool):
+        raise ConfigError([f"merge_lora: True or False, got {merge_lora!r}"])
     folder = local_folder(path, **hub)
     record, train = run_files.check_files(folder)
     checkpoint.check_origin(folder, record["config"], backbone_folder(record["config"]))  # another build's: refused
@@ -232,5 +239,7 @@ def load(path: str | os.PathLike, compile: str = DEFAULT_COMPILE, dtype=DEFAULT_
     if modules is not None:
         load_new_modules(model, modules, modules_file)
     model.loaded_from = {"folder": str(folder.resolve()), "record": record, "train": train}  # (save_pretrained re-exports it)
+    if merge_lora:
+        merge_adapters(model.backbone)  # (fp32: before the base is stored in bf16)
     use_dtype(model, dtype)  # (before compiling: the graphs see the weights as they are stored)
     return compile_model(model, compile).eval() if compile != "off" else model.eval()

@@ -38,6 +38,9 @@ DEFAULT_INFERENCE_DTYPE = "fp32"  # ``concept.load``'s: a model as it was saved;
 INFERENCE_DTYPE_HELP = ("Compute precision: with bf16, or auto on a CUDA device, the frozen base weights are stored "
                         "in bf16 and the model runs under bf16 autocast (LoRA and the new modules stay fp32, as in a "
                         "bf16 training run); fp32 otherwise.")
+MERGE_LORA_HELP = ("Merge the run's LoRA adapters into the base weights when loading it (in fp32, before any bf16 "
+                   "storage): the backbone's forward without adapter products or casts, the same values up to "
+                   "rounding.")
 # one graph per decoder layer, shared by a stack's layers (concept.compiled; `on` too: docs/architecture.md §8b)
 REGIONAL_CHOICES = ("on", "layers")
 WHOLE_CHOICE = "model"  # the whole forward (decisions, packing, plans, stacks, loss) one graph (concept.compiled)

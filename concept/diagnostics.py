@@ -30,6 +30,7 @@ from .data import builtin_corpus
 from .distributed import pick_device
 from .errors import ConfigError
 from .families import family_of
+from .lora import lora_merged
 from .losses import next_token_loss
 from .mtp import mtp_pairs
 from .precision import DEFAULT_INFERENCE_DTYPE, DTYPE_NAMES, inference_dtype, running
@@ -305,12 +306,13 @@ def heldout_source(run, data: str | None, seq_len: int | None, encoding_errors: 
 
 def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_errors, text_field, device, model=None,
                     progress=None, data_split: str | None = None, streaming: bool | None = None,
-                    dtype: str = DEFAULT_INFERENCE_DTYPE):
+                    dtype: str = DEFAULT_INFERENCE_DTYPE, merge_lora: bool = False):
     """Evaluate the run folder ``path`` (or its already loaded ``model``) on one data source: the
     batches ``concept eval`` uses. Returns (model, tokenizer, documents, result). ``progress(done, total)`` is
     called once the data is read (0 done) and after each batch. ``data_split`` / ``streaming``: a dataset id's
-    split and reading (None: the run's own for its own data, else ``train`` / loaded whole). ``dtype``: the loaded
-    model's precision (``concept.load``'s; not for a ``model`` given). The result names the dtype it ran in."""
+    split and reading (None: the run's own for its own data, else ``train`` / loaded whole). ``dtype``, ``merge_lora``:
+    how the model is loaded (``concept.load``'s; not for a ``model`` given). The result names the dtype it ran in, and
+    ``lora_merged`` (the adapted layers merged into the base, 0 for none)."""
     problems = [f"{name}: at least {low}, got {value}" for name, value, low in
                 (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
                 if value is not None and (not isinstance(value, int) or value < low)]
@@ -318,7 +320,7 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
         raise ConfigError(problems)
     source, split, seq_len, text_field, encoding_errors = heldout_source(path, data, seq_len, encoding_errors, text_field)
     where = pick_device(device)  # (an unusable device: before anything is loaded)
-    model = load(path, dtype=dtype).to(where) if model is None else model
+    model = load(path, dtype=dtype, merge_lora=merge_lora).to(where) if model is None else model
     info = model.resolution.backbone_info
     if info.max_positions and seq_len > info.max_positions:  # as `concept train` refuses it
         raise ConfigError([f"seq-len: {seq_len} is above the backbone's maximum of {info.max_positions} positions; "
@@ -345,6 +347,9 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     # streaming | dense | pruned | planner-executor
     result["model"] = model.family
     result["dtype"] = DTYPE_NAMES[inference_dtype(model, where)]
+    merged = lora_merged(unwrap(model).backbone)
+    if merged:  # (concept.load(..., merge_lora=True))
+        result["lora_merged"] = merged
     return model, tokenizer, docs, result
 
 

@@ -53,7 +53,7 @@ from .config import BuildConfig, resolve
 from .errors import ConceptError
 from .families import family_of
 from .hub import card, exported_layers, write_hf_files
-from .lora import save_peft_adapter, settings_from_peft
+from .lora import lora_merged, save_peft_adapter, settings_from_peft
 from .train_config import BASELINES
 
 BACKBONE_DIR = "backbone"
@@ -216,6 +216,22 @@ def delete_layers(hf_model, removed: tuple[int, int]) -> None:
                 m.layer_idx = i
 
 
+def _check_saved_as_loaded(model) -> None:
+    """Refuse a model whose weights in memory are no longer those its run saved: a base its precision cast, or LoRA
+    merged into its base (``concept.load``'s ``dtype`` / ``merge_lora``)."""
+    cast = cast_base(model)
+    if cast is not None:  # (concept.load(..., dtype="bf16"): the fp32 base it was saved with would be written rounded)
+        raise ConceptError(f"this model was loaded with dtype={DTYPE_NAMES[cast]!r}, which stores its frozen base "
+                           f"weights in {DTYPE_NAMES[cast]}: writing them would replace the fp32 weights it was saved "
+                           f"with by rounded ones; load it with dtype='fp32' (the default) to save or export it; nothing "
+                           f"was written")
+    if lora_merged(model.backbone):  # (concept.load(..., merge_lora=True): the adapters are inside the base weights)
+        raise ConceptError(f"this model was loaded with merge_lora=True, which merged its LoRA adapters into its base "
+                           f"weights: its run's adapters and base are no longer apart in memory; load it without "
+                           f"merge_lora to save or export it (export's own merge_lora / --merge-lora writes the merged "
+                           f"backbone); nothing was written")
+
+
 def write_export(model, out, merge_lora: bool = False, force: bool = False, check: bool = True, report=None, *,
                  run=None, record: dict | None = None, train: dict | None = None, step: int | None = None,
                  warnings: list[str] | None = None) -> ExportResult:
@@ -225,12 +241,7 @@ def write_export(model, out, merge_lora: bool = False, force: bool = False, chec
     (``concept.load`` keeps them), else its own build record. ``report(verb, detail)`` receives progress."""
     out = Path(out)
     say = report or (lambda verb, detail: warnings_.warn(detail, stacklevel=3) if verb == "warning:" else None)
-    cast = cast_base(model)
-    if cast is not None:  # (concept.load(..., dtype="bf16"): the fp32 base it was saved with would be written rounded)
-        raise ConceptError(f"this model was loaded with dtype={DTYPE_NAMES[cast]!r}, which stores its frozen base "
-                           f"weights in {DTYPE_NAMES[cast]}: writing them would replace the fp32 weights it was saved "
-                           f"with by rounded ones; load it with dtype='fp32' (the default) to save or export it; nothing "
-                           f"was written")
+    _check_saved_as_loaded(model)
     if record is None:
         record, train, run, step = _loaded_origin(model)
     check_target(run, out, force, record["config"])

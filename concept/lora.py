@@ -505,6 +505,48 @@ def clear_outside(members) -> None:
         module.__dict__["adapter_cast"] = None
 
 
+# -- the adapters merged into the base, for inference (``concept.load(..., merge_lora=True)``, ``--merge-lora``) ----
+# An adapted projection computes ``x W^T + s (x A^T) B^T``: three matmuls and an add a call, and under bf16 the
+# adapters cast to bf16 at every forward (frozen weights, cast per call). Merged, ``W' = W + s B A`` once, in the
+# base's fp32, and the projection is the plain ``nn.Linear`` again: the forward of the backbone without adapters,
+# whatever the model computes with it. The same values up to fp32 rounding (the order of the sums); under bf16 the
+# merged weight is rounded once, the nearest bf16 to the trained weight, as the unmerged base is to the untrained one.
+
+LORA_MERGED = "lora_merged"  # the backbone's attribute: how many adapted layers were merged into their base
+
+
+def merge_adapters(backbone: nn.Module) -> int:
+    """Merge every LoRA adapter of ``backbone`` into its frozen base weight (peft's own ``merge``, checked for
+    non-finite values) and put the plain base layer back in its place, in place; returns how many layers. The base
+    must be fp32 (the weights the run saved): merging into bf16 would round the adapters' update away. The backbone
+    then records the count (``lora_merged``): its adapters are gone, so anything that needs them apart (the frozen
+    backbone without them, saving them) refuses it."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [(name, m) for name, m in backbone.named_modules() if isinstance(m, LoraLayer)]
+    for name, layer in layers:
+        weight = layer.get_base_layer().weight
+        if weight.dtype != torch.float32:
+            raise ConceptError(f"merge_lora: {name}'s base weight is {weight.dtype}, not fp32; merge the adapters "
+                               f"before storing the base in another dtype (concept.load(..., merge_lora=True, "
+                               f"dtype=...) does)")
+    for name, layer in layers:
+        try:
+            layer.merge(safe_merge=True)
+        except ValueError as exc:  # (peft: the merged weight has NaN or inf)
+            raise ConceptError(f"merge_lora: {name}: {exc} (the run's adapters hold non-finite values); nothing on "
+                               f"disk was changed") from None
+        parent, _, child = name.rpartition(".")
+        setattr(backbone.get_submodule(parent) if parent else backbone, child, layer.get_base_layer())
+    setattr(backbone, LORA_MERGED, getattr(backbone, LORA_MERGED, 0) + len(layers))
+    return len(layers)
+
+
+def lora_merged(backbone: nn.Module) -> int:
+    """How many adapted layers :func:`merge_adapters` merged into ``backbone``'s base (0: none)."""
+    return getattr(backbone, LORA_MERGED, 0)
+
+
 def lora_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights, whole (FSDP2-sharded weights are gathered: every rank must call it)."""
     return {k: full_tensor(v).detach().cpu().contiguous() for k, v in backbone.state_dict().items() if "lora_" in k}

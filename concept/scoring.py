@@ -68,10 +68,10 @@ class Scorer:
 
     @classmethod
     def from_run(cls, path, device: str = "auto", batch_size: int = 8, max_length: int | None = None,
-                 dtype: str = DEFAULT_INFERENCE_DTYPE) -> Scorer:
+                 dtype: str = DEFAULT_INFERENCE_DTYPE, merge_lora: bool = False) -> Scorer:
         """The run folder ``path`` loaded on ``device`` in ``dtype`` (``concept.load``'s: fp32 by default; ``auto``: bf16 on
-        CUDA)."""
-        model = load(path, dtype=dtype).to(pick_device(device))
+        CUDA), its LoRA adapters merged into the base with ``merge_lora`` (``concept.load``'s)."""
+        model = load(path, dtype=dtype, merge_lora=merge_lora).to(pick_device(device))
         return cls(model, tokenizer_for(model), batch_size, max_length)
 
     @property

@@ -27,6 +27,8 @@ from torch import nn
 from . import packing
 from .attention import CausalPattern
 from .backbone import decoder, run_layers
+from .errors import ConceptError
+from .lora import lora_merged
 
 
 @dataclass
@@ -85,6 +87,11 @@ def adapters_disabled(module: nn.Module):
     restore each layer's previous state on exit, even on an exception. peft's switch also flips the
     adapters' ``requires_grad`` (re-enabling sets it to True); the previous flags are restored exactly,
     so frozen adapters (``--train-only new``) stay frozen."""
+    if lora_merged(module):  # (merged into the base: the frozen backbone's weights are gone from memory)
+        raise ConceptError(f"this model's LoRA adapters were merged into its base weights (merge_lora): the frozen "
+                           f"backbone without them is not in memory; load the run without merge_lora (--merge-lora) "
+                           f"for what runs the backbone without its adapters (the distillation teacher, the "
+                           f"planner's frozen-backbone controls)")
     layers = tuner_layers(module)
     states = [(layer, bool(layer.disable_adapters)) for layer in layers]
     flags = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]

@@ -383,3 +383,15 @@ def test_the_fourth_leases_results_support_neither_default_yet():
     doc = (root / "docs/benchmarks.md").read_text()
     begin, end = report_stage.markers("defaults")
     assert doc.split(begin)[1].split(end)[0].strip() == text.strip()
+
+
+def test_a_row_of_two_other_sides_names_them_in_both_tables():
+    """``benchmarks/test_merged.py``'s rows hold the adapters in the dense columns and the merged model in the concept
+    columns (``sides``): the report names them there; a row without ``sides`` keeps dense and concept."""
+    data = lease_b("speed")
+    profiled = next(r for r in data["result"]["rows"] if "concept_device_busy_s" in r)
+    merged = {**profiled, "case": "merged default T=8192 forward", "sides": ["adapters", "merged"], "suite": "merged"}
+    text = report_stage.render_speed({**data, "result": {**data["result"], "rows": [profiled, merged]}})
+    assert "| merged default T=8192 forward (adapters / merged) |" in text
+    assert "| merged default T=8192 forward | adapters |" in text and "| merged default T=8192 forward | merged |" in text
+    assert f"| {profiled['case']} | dense |" in text and f"| {profiled['case']} (" not in text

@@ -327,6 +327,12 @@ def ideal_cells(row: dict) -> str:
     return f"{row['ideal_speedup']:.2f}x | {100 * row['fraction_of_ideal']:.0f}%"
 
 
+def case_cell(row: dict) -> str:
+    """A row's case, with the names of its two sides where they are not dense and concept (``sides``: e.g. adapters /
+    merged, whose dense and concept columns hold them)."""
+    return f"{row['case']} ({' / '.join(row['sides'])})" if row.get("sides") else row["case"]
+
+
 def render_speed(data: dict) -> str:
     r = data["result"]
     if not r.get("rows"):
@@ -336,7 +342,7 @@ def render_speed(data: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
         peak = (f"{row['dense_peak_mib']:,.0f} / {row['concept_peak_mib']:,.0f}" if "dense_peak_mib" in row else "–")
-        lines.append(f"| {row['case']} | {1000 * row['dense_s']:.2f} | {1000 * row['concept_s']:.2f} | "
+        lines.append(f"| {case_cell(row)} | {1000 * row['dense_s']:.2f} | {1000 * row['concept_s']:.2f} | "
                      f"{row['speedup']:.2f}x | {ideal_cells(row)} | {peak} |")
     profiled = [row for row in r["rows"] if "concept_device_busy_s" in row]
     if profiled:
@@ -346,8 +352,8 @@ def render_speed(data: dict) -> str:
                   "| case | side | events ms | wall ms | device busy ms | kernel launches | host syncs | aten ops |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]
         for row in profiled:
-            for side in ("dense", "concept"):
-                lines.append(f"| {row['case']} | {side} | {1000 * row[side + '_s']:.2f} | "
+            for side, named in zip(("dense", "concept"), row.get("sides") or ("dense", "concept")):
+                lines.append(f"| {row['case']} | {named} | {1000 * row[side + '_s']:.2f} | "
                              f"{_f(row.get(side + '_wall_s') and 1000 * row[side + '_wall_s'], '.2f')} | "
                              f"{1000 * row[side + '_device_busy_s']:.2f} | {row[side + '_kernel_launches']:,} | "
                              f"{row[side + '_host_syncs']} | {row[side + '_aten_ops']:,} |")

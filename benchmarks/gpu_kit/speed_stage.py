@@ -19,7 +19,8 @@ at the head of pytest's run, and each starts only with its cap left before the d
 6. decoding, eager against compiled over static KV caches, streaming against dense (tokens/s);
 
 then the other selected cases in the suites' order (`cascade`, the policy deciding, the deep attention alone,
-decoding and prefill, the policy's scan) until the suites' deadline, which leaves ``DIAGNOSIS_SHARE`` of the
+decoding and prefill, the policy's scan, a trained model's forward and decoding with its adapters merged against
+unmerged: ``benchmarks/test_merged.py``) until the suites' deadline, which leaves ``DIAGNOSIS_SHARE`` of the
 budget to the flex diagnosis after them (issue 40; ``flex_diagnosis.py``, its decisive variants first). The
 xformers cases are deselected, with the reason, where its kernels do not run (the plugin's probe). Each
 row is timed by CUDA events (median of 20 after warm-up) and profiled once per side: device busy, kernel
@@ -56,7 +57,7 @@ def kit_choice() -> str:
     return choice()
 
 SUITES = ("test_forward.py", "test_train_step.py", "test_attention.py", "test_decode.py", "test_policy_scan.py",
-          "test_compiled_decode.py", "test_adapters.py")
+          "test_compiled_decode.py", "test_adapters.py", "test_merged.py")
 # the GPU cases of a 15-minute lease: 8k tokens, the default ratio and build; not `chunked` (5-10x slower than
 # `flex` on the H100, 2026-11-26) nor the time-ordered comparison mask (measured then: 0.01-0.07x dense)
 GPU_SELECTION = ("(T8192 and (r0.125 or default) and not chunked and not ordered) or adapter_cost_on_the_gpu")

@@ -67,11 +67,12 @@ class ConceptForCausalLM(PreTrainedModel):
     # -- loading -----------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, dtype=None, torch_dtype=None,
-                        device_map=None, **kwargs):
+                        device_map=None, merge_lora: bool = False, **kwargs):
         """Open a ``concept export`` folder or hub id with ``concept.load`` (hub arguments: ``revision``,
         ``cache_dir``, ``token``, ``local_files_only``, ``force_download``, ``subfolder``); ``dtype`` (or
         ``torch_dtype``) ``torch.bfloat16`` runs it in bf16 as ``concept.load(..., dtype="bf16")`` does (another
-        dtype casts the whole model), and a device ``device_map`` (``"cpu"``, ``"cuda"``, ``"cuda:0"``) moves it."""
+        dtype casts the whole model), a device ``device_map`` (``"cpu"``, ``"cuda"``, ``"cuda:0"``) moves it, and
+        ``merge_lora=True`` merges its LoRA adapters into the base weights (``concept.load``'s)."""
         hub_kwargs = {k: v for k in HUB_ARGUMENTS if (v := kwargs.pop(k, None)) is not None}
         for name in IGNORED:
             kwargs.pop(name, None)
@@ -85,7 +86,7 @@ class ConceptForCausalLM(PreTrainedModel):
             choice = None if dtype in (None, "auto") else concept.precision.dtype_choice(dtype)
         except concept.ConfigError:
             choice = None
-        model = concept.load(pretrained_model_name_or_path, dtype=choice or "fp32", **hub_kwargs)
+        model = concept.load(pretrained_model_name_or_path, dtype=choice or "fp32", merge_lora=merge_lora, **hub_kwargs)
         kind = concept.hub.model_kind(model)
         kinds = cls.config_class.kinds
         if kinds and kind not in kinds:

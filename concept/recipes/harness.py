@@ -10,7 +10,8 @@ this module registers ``concept`` there (``lm_eval.api.registry.register_model``
 
 Model arguments: ``run`` (a run folder: streaming, planner-executor, dense or pruned), ``device``
 (auto, cpu, cuda), ``dtype`` (auto: bf16 on CUDA, fp32 elsewhere; fp32, bf16 or ``bfloat16``:
-``concept.precision``), ``batch_size`` (requests per forward; ``auto`` = 8), ``max_length`` (tokens per
+``concept.precision``), ``merge_lora`` (true: the adapters merged into the base weights, ``concept.load``'s),
+``batch_size`` (requests per forward; ``auto`` = 8), ``max_length`` (tokens per
 scored row; default the backbone's context, at most 2048). Scoring is ``concept.scoring.Scorer``.
 """
 from __future__ import annotations
@@ -41,18 +42,18 @@ class ConceptLM(LM):
 
     def __init__(self, run=None, device: str | None = "auto", batch_size: int | str | None = 8,
                  max_length: int | None = None, scorer: Scorer | None = None, dtype: str | None = DEFAULT_DTYPE,
-                 **unused):
+                 merge_lora: bool = False, **unused):
         super().__init__()
         unused.pop("max_batch_size", None)  # lm-eval passes it to every backend; there is no batch-size search here
         if unused:
             raise ConceptError(f"--model concept does not take {', '.join(sorted(unused))}; its arguments: run, "
-                               f"device, dtype, batch_size, max_length")
+                               f"device, dtype, merge_lora, batch_size, max_length")
         if scorer is None:
             if not run:
                 raise ConceptError("--model concept needs the run folder: --model_args run=PATH")
             batch = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
             scorer = Scorer.from_run(str(run), device or "auto", batch, int(max_length) if max_length else None,
-                                     dtype or DEFAULT_DTYPE)
+                                     dtype or DEFAULT_DTYPE, merge_lora)
         self.scorer = scorer
         self.run = str(run) if run is not None else None
 
