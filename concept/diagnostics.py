@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections import defaultdict
 
 import torch
 
@@ -201,19 +200,15 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
     """The held-out NLL of :func:`evaluate` (overall, by position bucket, and the MTP heads' accuracy), in eval
     mode. ``extra``: what a family adds, called after each batch's forward as ``extra.add(forward, out,
     input_ids, valid, doc, kwargs, nll, pair)`` (``nll`` [B, T-1] float64 per pair, ``pair`` its mask) and
-    merged from ``extra.result(tokens)``."""
+    merged from ``extra.result(tokens)``. The sums stay on the model's device (:class:`HeldOutSums`) and are read
+    once, after the last batch: a batch's evaluation asks nothing of the host, so the next batch's forward is queued
+    while the device runs this one."""
     base = unwrap(model)
     fn = model if callable(model) else model.forward
     forward = getattr(base, "forward", fn)
     device = _device(model)
-
-    nll_sum = torch.zeros((), dtype=torch.float64)
-    count = 0
-    by_bucket_sum: dict[int, float] = defaultdict(float)
-    by_bucket_n: dict[int, int] = defaultdict(int)
     heads = getattr(base, "mtp_heads", None)
-    mtp_hits = torch.zeros(heads.k if heads is not None else 0, dtype=torch.float64)
-    mtp_pairs_n = torch.zeros_like(mtp_hits)
+    sums = HeldOutSums(device, bucket, heads.k if heads is not None else 0)
 
     modes = _modes(model)
     _set_eval(model)
@@ -227,32 +222,72 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
             out = fn(input_ids, **kwargs)
             nll, pair = pair_nll(out.logits, input_ids, valid, doc)
             nll = nll.double()
-            nll_sum += nll[pair].sum().cpu()
-            count += int(pair.sum())
-
-            _add_by_position(by_bucket_sum, by_bucket_n, nll, pair, valid, doc, bucket)
+            sums.add(nll, pair, valid, doc)
             if heads is not None:
-                _add_mtp_hits(base.mtp_state(out), heads, input_ids, valid, doc, mtp_hits, mtp_pairs_n)
+                sums.add_mtp_hits(base.mtp_state(out), heads, input_ids, valid, doc)
             if extra is not None:
                 extra.add(fn, out, input_ids, valid, doc, kwargs, nll, pair)
     finally:
         _restore(modes)
 
-    nan = float("nan")
-    mean = float(nll_sum) / count if count else nan
-    result = {
-        "tokens": count,
-        "nll": mean,
-        "bits_per_token": mean / LN2,
-        "perplexity": math.exp(mean) if count else nan,
-        "nll_by_position": {_bucket_name(i, bucket): by_bucket_sum[i] / by_bucket_n[i] for i in sorted(by_bucket_n)},
-        "tokens_by_position": {_bucket_name(i, bucket): by_bucket_n[i] for i in sorted(by_bucket_n)},
-    }
+    result = sums.result()
     if extra is not None:
-        result.update(extra.result(count))
-    if heads is not None:
-        result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp_hits, mtp_pairs_n)]
+        result.update(extra.result(result["tokens"]))
     return result
+
+
+class HeldOutSums:
+    """The sums of a held-out evaluation, on the device, each batch's added without reading anything back: the NLL
+    and the predicted pairs, both per position bucket (a pair t -> t+1 in the bucket of token t's position in its
+    document; a row of T tokens has at most ceil(T / bucket) buckets, so the shapes follow T, not the data), and per
+    MTP head its hits and scored pairs. :meth:`result` reads them once."""
+
+    def __init__(self, device: torch.device, bucket: int, mtp_heads: int = 0):
+        self.device, self.bucket = device, bucket
+        self.nll = torch.zeros(0, dtype=torch.float64, device=device)  # per bucket (grown to the longest row's)
+        self.pairs = torch.zeros(0, dtype=torch.float64, device=device)
+        self.mtp = torch.zeros(2, mtp_heads, dtype=torch.float64, device=device)  # hits, pairs per head
+
+    def add(self, nll: torch.Tensor, pair: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None) -> None:
+        """A batch's per-pair NLL [B, T-1] (``pair`` its mask) into the sums by position bucket."""
+        buckets = -(-valid.shape[1] // self.bucket)
+        if buckets > self.nll.numel():
+            grow = buckets - self.nll.numel()
+            self.nll = torch.cat([self.nll, self.nll.new_zeros(grow)])
+            self.pairs = torch.cat([self.pairs, self.pairs.new_zeros(grow)])
+        index = (packing.time_positions(valid, doc)[:, :-1] // self.bucket).flatten()
+        weight = pair.flatten().double()
+        self.nll.index_add_(0, index, torch.where(pair, nll, 0.0).flatten())
+        self.pairs.index_add_(0, index, weight)
+
+    def add_mtp_hits(self, state, heads, input_ids, valid, doc) -> None:
+        """Each MTP head's top-1 hits against the real token t+1+i, over every position (the pairs it is scored on
+        masked in, not selected: nothing read back)."""
+        T = input_ids.shape[1]
+        for i in range(heads.k):
+            ok = mtp_pairs(valid, doc, i)
+            _, guess = heads.top1(state[:, : T - 1 - i], i)
+            self.mtp[0, i] += ((guess == input_ids[:, 1 + i:]) & ok).sum()
+            self.mtp[1, i] += ok.sum()
+
+    def result(self) -> dict:
+        """The held-out keys of :func:`evaluate` (and ``mtp_accuracy`` with MTP heads), read from the device at once."""
+        nll, pairs, mtp = (t.cpu() for t in (self.nll, self.pairs, self.mtp))  # (the one read)
+        count = int(pairs.sum())
+        nan = float("nan")
+        mean = float(nll.sum()) / count if count else nan
+        used = [i for i in range(len(pairs)) if pairs[i] > 0]
+        result = {
+            "tokens": count,
+            "nll": mean,
+            "bits_per_token": mean / LN2,
+            "perplexity": math.exp(mean) if count else nan,
+            "nll_by_position": {_bucket_name(i, self.bucket): float(nll[i] / pairs[i]) for i in used},
+            "tokens_by_position": {_bucket_name(i, self.bucket): int(pairs[i]) for i in used},
+        }
+        if mtp.shape[1]:
+            result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp[0], mtp[1])]
+        return result
 
 
 def _forward_kwargs(forward, valid, doc) -> dict:
@@ -264,27 +299,6 @@ def _forward_kwargs(forward, valid, doc) -> dict:
     elif _accepts(forward, "position_ids"):
         kwargs["position_ids"] = packing.time_positions(valid, doc)
     return kwargs
-
-
-def _add_by_position(by_bucket_sum: dict, by_bucket_n: dict, nll, pair, valid, doc, bucket: int) -> None:
-    """Add a batch's NLL (``nll`` [B, T-1] per pair, ``pair`` its mask) to the sums by position bucket."""
-    index = (packing.time_positions(valid, doc)[:, :-1] // bucket)[pair]
-    sums = torch.zeros(int(index.max()) + 1 if index.numel() else 0, dtype=torch.float64, device=nll.device)
-    sums.index_add_(0, index, nll[pair])
-    ns = torch.bincount(index, minlength=sums.shape[0])
-    for i in torch.nonzero(ns).flatten().tolist():
-        by_bucket_sum[i] += float(sums[i])
-        by_bucket_n[i] += int(ns[i])
-
-
-def _add_mtp_hits(state, heads, input_ids, valid, doc, hits, pairs_n) -> None:
-    """Add each MTP head's top-1 hits against the real token t+1+i (and the pairs it was scored on)."""
-    T = input_ids.shape[1]
-    for i in range(heads.k):
-        ok = mtp_pairs(valid, doc, i)
-        _, guess = heads.top1(state[:, : T - 1 - i][ok], i)
-        hits[i] += float((guess == input_ids[:, 1 + i:][ok]).sum())
-        pairs_n[i] += float(ok.sum())
 
 
 # -- evaluating a run folder -------------------------------------------------------------------

@@ -205,3 +205,49 @@ def test_the_training_batches_go_through_to_device(static_run, monkeypatch):  # 
     moved.clear()
     batch = trainer.batch(3)
     assert moved == [str(trainer.device)] * len(batch) == ["cpu"] * 3
+
+
+def eval_batches(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    doc = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])
+    return [{"input_ids": (ids := torch.randint(0, 97, (2, 16), generator=g)), "attention_mask": torch.ones_like(ids),
+             "document_ids": doc} for _ in range(n)]
+
+
+def count_evaluation(model, batches) -> tuple[HostSyncs, dict]:
+    from concept.diagnostics import evaluate
+
+    with HostSyncs() as seen:
+        result = evaluate(model, batches, bucket=4, controls=False)
+    return seen, result
+
+
+@pytest.mark.parametrize("policy", ["null", "fixed-emit2", "mtp"])
+def test_a_held_out_evaluation_reads_its_sums_once_whatever_its_batches(policy):
+    """The NLL and its position buckets, the concept statistics and the MTP heads' hits are summed on the device
+    (``concept.diagnostics.HeldOutSums``, ``concept.streaming.diagnostics._concept_stats``): four batches read back
+    what one does, at the end (before, each batch read about 20 values back: the host waited for the device at each)."""
+    with budgeted(mixed_model(policy), 0.25, BACKENDS["chunked"]) as model:
+        one, _ = count_evaluation(model, eval_batches(1))
+        four, result = count_evaluation(model, eval_batches(4))
+    assert four.hidden == one.hidden, (dict(one.syncs), dict(four.syncs))
+    assert four.declared["policy scan"] == 4 * one.declared["policy scan"]  # (the forwards' own declared scans)
+    assert result["tokens"] == 4 * 29 and sum(result["tokens_by_position"].values()) == result["tokens"]
+    assert 0 < result["ratio"] < 1 and ("mtp_accuracy" in result) == (policy == "mtp")
+
+
+def test_negative_control_a_value_read_each_batch_is_counted(monkeypatch):
+    from concept.diagnostics import HeldOutSums
+
+    add = HeldOutSums.add
+
+    def add_and_read(self, nll, pair, valid, doc):
+        float(nll.sum())  # a per-batch read slipped into the evaluation
+        return add(self, nll, pair, valid, doc)
+
+    model = mixed_model("null")
+    with budgeted(model, 0.25, BACKENDS["chunked"]):
+        before = count_evaluation(model, eval_batches(1))[0].hidden
+        monkeypatch.setattr(HeldOutSums, "add", add_and_read)
+        one, four = (count_evaluation(model, eval_batches(n))[0].hidden for n in (1, 4))
+    assert four - one == 3 and one == before + 1

@@ -22,42 +22,42 @@ from ..diagnostics import evaluate_tokens, pair_nll, real_mask
 
 # -- concept statistics ----------------------------------------------------------------------
 def _concept_stats(m, out, valid: torch.Tensor) -> dict:
-    """Sums (not means) of the per-position concept signals of one forward output, so that
-    several batches can be aggregated exactly. All on the output's device, in float32."""
+    """Sums (not means) of the per-position concept signals of one forward output, so that several batches can be
+    aggregated exactly: 0-dim tensors and histograms on the output's device, nothing read back (every signal is
+    computed at every position and the emitting ones masked in, not selected: the shapes follow the batch's, not
+    its decisions). :func:`_finish_concept_stats` reads them."""
     vocab = m.vocabulary
     K = int(vocab.size)
     keep = out.keep.bool() & valid
-    ids = out.concept_ids[keep]
-    ids = ids[ids >= 0]
-    stats = {
-        "real": int(valid.sum()),
-        "kept": int(keep.sum()),
-        # concepts: a policy's emit per emitting token (a multi-level concept is one concept of L slots)
-        "concepts": int(keep.sum()) * (m.emit // m.levels),
-        "histogram": torch.bincount(ids.long().flatten(), minlength=K)[:K].cpu(),
-        "entropy_sum": 0.0,
-        "max_prob_sum": 0.0,
-        "cos_sum": 0.0,
-    }
+    stats = {"real": valid.sum(), "kept": keep.sum(),
+             # concepts: a policy's emit per emitting token (a multi-level concept is one concept of L slots)
+             "concepts": keep.sum() * (m.emit // m.levels),
+             "histogram": _histogram(out.concept_ids, keep, K)}
     codes = getattr(out, "codes", None)
     if codes is not None:  # multi-level codes: a histogram per level (a collapsed level reads perplexity 1)
-        stats["level_histograms"] = torch.stack([torch.bincount(codes[..., level][keep].long(), minlength=K)[:K].cpu()
+        stats["level_histograms"] = torch.stack([_histogram(codes[..., level], keep, K)
                                                  for level in range(codes.shape[-1])])
     policy = m.length_policy
     if isinstance(policy, DifferentiableBoundary):
         p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None),
                                  keep_logit=getattr(out, "keep_logit", None)).float()  # (the forward's score)
-        stats["boundary_sum"] = float(p[valid].sum())
-    if stats["kept"]:
-        logits = out.head_logits[keep][:, :K].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        probs = logp.exp()
-        stats["entropy_sum"] = float(-(probs * logp).sum(-1).sum())
-        stats["max_prob_sum"] = float(probs.max(-1).values.sum())
-        e_soft = vocab.embed_soft(probs).float()
-        e_hard = vocab.embed_hard(out.concept_ids[keep].clamp(min=0)).float()
-        stats["cos_sum"] = float(F.cosine_similarity(e_soft, e_hard, dim=-1, eps=1e-12).sum())
+        stats["boundary_sum"] = torch.where(valid, p, 0.0).sum()
+    logp = torch.log_softmax(out.head_logits[..., :K].float(), dim=-1)
+    probs = logp.exp()
+    e_soft = vocab.embed_soft(probs).float()
+    e_hard = vocab.embed_hard(out.concept_ids.clamp(min=0)).float()
+    emitted = lambda x: torch.where(keep, x, 0.0).sum()  # noqa: E731
+    stats["entropy_sum"] = emitted(-(probs * logp).sum(-1))
+    stats["max_prob_sum"] = emitted(probs.max(-1).values)
+    stats["cos_sum"] = emitted(F.cosine_similarity(e_soft, e_hard, dim=-1, eps=1e-12))
     return stats
+
+
+def _histogram(ids: torch.Tensor, keep: torch.Tensor, K: int) -> torch.Tensor:
+    """How often each of the K ids was emitted: ``ids`` [B, T] (-1: none) where ``keep``; on their device."""
+    counted = keep & (ids >= 0) & (ids < K)
+    return torch.zeros(K, dtype=torch.long, device=ids.device).index_add_(
+        0, ids.clamp(0, K - 1).flatten().long(), counted.flatten().long())
 
 
 def _merge(total: dict | None, stats: dict) -> dict:
@@ -79,19 +79,23 @@ def _usage(histogram: torch.Tensor, K: int) -> tuple[float, float]:
 
 
 def _finish_concept_stats(total: dict, K: int) -> dict[str, float]:
-    kept, real = total["kept"], total["real"]
+    """The concept statistics' means from :func:`_concept_stats`' sums (read from the device here, at once)."""
+    names = [k for k in ("real", "kept", "concepts", "entropy_sum", "max_prob_sum", "cos_sum", "boundary_sum")
+             if k in total]
+    values = dict(zip(names, torch.stack([total[k].double() for k in names]).tolist()))  # (the one read)
+    kept, real = values["kept"], values["real"]
     nan = float("nan")
     result = {
-        "ratio": total.get("concepts", kept) / real if real else nan,  # concepts per token
-        "head_entropy": total["entropy_sum"] / kept if kept else nan,
-        "max_prob": total["max_prob_sum"] / kept if kept else nan,
+        "ratio": values["concepts"] / real if real else nan,  # concepts per token
+        "head_entropy": values["entropy_sum"] / kept if kept else nan,
+        "max_prob": values["max_prob_sum"] / kept if kept else nan,
     }
-    if "boundary_sum" in total:
-        result["boundary_prob"] = total["boundary_sum"] / real if real else nan
-    result["usage_perplexity"], result["usage_fraction"] = _usage(total["histogram"], K)
-    for level, histogram in enumerate(total.get("level_histograms", ())):
+    if "boundary_sum" in values:
+        result["boundary_prob"] = values["boundary_sum"] / real if real else nan
+    result["usage_perplexity"], result["usage_fraction"] = _usage(total["histogram"].cpu(), K)
+    for level, histogram in enumerate(total["level_histograms"].cpu() if "level_histograms" in total else ()):
         result[f"usage_perplexity/level{level}"] = _usage(histogram, K)[0]
-    result["cos_soft_hard"] = total["cos_sum"] / kept if kept else nan
+    result["cos_soft_hard"] = values["cos_sum"] / kept if kept else nan
     return result
 
 
@@ -165,14 +169,19 @@ def _code_control(name: str, generator: torch.Generator):
     return {"codes_shuffled": codes_shuffled, "codes_zero": codes_zero}[name]
 
 
+def _pair_sum(nll: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of ``nll`` where ``at``, on their device (masked in, not selected: nothing read back)."""
+    return torch.where(at, nll.double(), 0.0).sum()
+
+
 def _depth_split(depth: dict, nll, pair, keep, paths: dict) -> None:
     """Add to ``depth`` the NLL sums of the model (``nll``) and of the reference ``paths`` at the
-    positions that emitted a concept and at tail positions (the position predicting t + 1)."""
+    positions that emitted a concept and at tail positions (the position predicting t + 1); on the device."""
     for part, at in (("concept", pair & keep[:, :-1]), ("tail", pair & ~keep[:, :-1])):
-        depth[f"{part}_n"] += int(at.sum())
-        depth[part] += float(nll[at].sum())
+        depth[f"{part}_n"] += at.sum()
+        depth[part] += _pair_sum(nll, at)
         for name, x in paths.items():
-            depth[f"{part}_{name}"] += float(x.double()[at].sum())
+            depth[f"{part}_{name}"] += _pair_sum(x, at)
 
 
 class ConceptEvaluation:
@@ -186,22 +195,22 @@ class ConceptEvaluation:
         self.generator = torch.Generator().manual_seed(seed)
         self.code_generator = torch.Generator().manual_seed(seed + 1)  # (the whole-input controls' draws unchanged)
         self.stats = None
-        self.control_sum = dict.fromkeys(CONTROLS, 0.0)
-        self.depth: dict[str, float] = defaultdict(float)  # NLL sums and counts at concept / tail positions
+        self.control_sum = dict.fromkeys(CONTROLS, 0.0)  # (sums on the device once added to)
+        self.depth: dict = defaultdict(float)  # NLL sums and counts at concept / tail positions (on the device)
 
     def add(self, forward, out, input_ids, valid, doc, kwargs: dict, nll, pair) -> None:
         model = self.model
         self.stats = _merge(self.stats, _concept_stats(model, out, valid))
         if not self.controls:
             return
-        keep, batch_sum = out.keep.bool() & valid, float(nll[pair].sum())
+        keep, batch_sum = out.keep.bool() & valid, _pair_sum(nll, pair)
         for name in CONTROLS:
             if name.startswith("codes_"):
                 bad = forward(input_ids, keep=keep, perturb_codes=_code_control(name, self.code_generator), **kwargs)
             else:
                 bad = forward(input_ids, keep=keep, perturb=_control(name, model, out, valid, self.K, self.generator),
                               **kwargs)
-            self.control_sum[name] += float(pair_nll(bad.logits, input_ids, valid, doc)[0].double()[pair].sum()) - batch_sum
+            self.control_sum[name] += _pair_sum(pair_nll(bad.logits, input_ids, valid, doc)[0], pair) - batch_sum
         with model.budget_off():  # every token a concept: more than a static budget holds
             keep_all = pair_nll(forward(input_ids, keep=valid, **kwargs).logits, input_ids, valid, doc)[0]
         _depth_split(self.depth, nll, pair, keep, {
@@ -210,19 +219,22 @@ class ConceptEvaluation:
 
     def result(self, count: int) -> dict:
         nan, K = float("nan"), self.K
-        stats = self.stats or {"real": 0, "kept": 0, "histogram": torch.zeros(K, dtype=torch.long),
-                               "entropy_sum": 0.0, "max_prob_sum": 0.0, "cos_sum": 0.0}
-        result = {"concepts": stats.get("concepts", stats["kept"]), **_finish_concept_stats(stats, K)}
+        none = torch.zeros(())
+        stats = self.stats or {"real": none, "kept": none, "concepts": none, "histogram": torch.zeros(K, dtype=torch.long),
+                               "entropy_sum": none, "max_prob_sum": none, "cos_sum": none}
+        result = {"concepts": int(stats["concepts"]), **_finish_concept_stats(stats, K)}
         if self.model.mtp_heads is not None:
             result["mtp_tau"] = self.model.length_policy.tau  # the confidence threshold the ratio control reached
         result.update(gate_norm(self.model))
         if self.controls:
+            sums = {**{f"control_{k}": v for k, v in self.control_sum.items()}, **self.depth}
+            sums = dict(zip(sums, torch.stack([torch.as_tensor(v).double().cpu() for v in sums.values()]).tolist()))
             for name in CONTROLS:
-                result[f"delta_nll_{name}"] = self.control_sum[name] / count if count else nan
+                result[f"delta_nll_{name}"] = sums[f"control_{name}"] / count if count else nan
             for part in ("concept", "tail") if self.depth else ():
-                n = self.depth[f"{part}_n"]
+                n = sums[f"{part}_n"]
                 for path in ("", "_keep_all", "_skip_middle"):
-                    result[f"nll_{part}s{path}"] = self.depth[f"{part}{path}"] / n if n else nan
+                    result[f"nll_{part}s{path}"] = sums[f"{part}{path}"] / n if n else nan
         return result
 
 
