@@ -91,7 +91,7 @@ def adapters_disabled(module: nn.Module):
         raise ConceptError(f"this model's LoRA adapters were merged into its base weights (merge_lora): the frozen "
                            f"backbone without them is not in memory; load the run without merge_lora (--merge-lora) "
                            f"for what runs the backbone without its adapters (the distillation teacher, the "
-                           f"planner's frozen-backbone controls)")
+                           f"planner's frozen-backbone controls), or leave those out (concept eval --no-controls)")
     layers = tuner_layers(module)
     states = [(layer, bool(layer.disable_adapters)) for layer in layers]
     flags = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]

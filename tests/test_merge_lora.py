@@ -149,20 +149,28 @@ def test_every_kind_merges(other_kinds, kind):  # noqa: F811
 
 def test_eval_and_generate_merge_on_the_command_line(trained):
     def evaluate(*extra):
-        r = run_cli("eval", trained, "--batches", 2, "--batch", 2, "--no-controls", "--json", *extra)
+        r = run_cli("eval", trained, "--eval-batches", 2, "--batch", 2, "--no-controls", "--json", *extra)
         assert r.exit_code == 0, r.output
         return json.loads(r.stdout)
 
     plain, merged = evaluate(), evaluate("--merge-lora")
     assert "lora_merged" not in plain and merged["lora_merged"] == adapted_layers(concept.load(trained))
     assert abs(merged["bits_per_token"] - plain["bits_per_token"]) < FP32 * plain["bits_per_token"]
-    table = run_cli("eval", trained, "--batches", 1, "--batch", 2, "--no-controls", "--merge-lora")
+    table = run_cli("eval", trained, "--eval-batches", 1, "--batch", 2, "--no-controls", "--merge-lora")
     assert table.exit_code == 0 and "LoRA layers merged into the base" in table.output
     r = run_cli("generate", trained, "--prompt", "def f(x):", "--max-new-tokens", 4, "--merge-lora", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout.splitlines()[-1])["tokens"] == json.loads(
         run_cli("generate", trained, "--prompt", "def f(x):", "--max-new-tokens", 4, "--json").stdout.splitlines()[-1]
     )["tokens"]
+
+
+def test_a_planner_evaluation_with_its_frozen_backbone_controls_says_what_to_drop(other_kinds):  # noqa: F811
+    run = other_kinds["planner-executor"]
+    r = run_cli("eval", run, "--eval-batches", 1, "--batch", 2, "--merge-lora")
+    assert r.exit_code == 1 and "Traceback" not in r.output and "--no-controls" in r.output, r.output
+    r = run_cli("eval", run, "--eval-batches", 1, "--batch", 2, "--merge-lora", "--no-controls", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["lora_merged"] > 0, r.output
 
 
 def test_every_command_that_runs_a_model_takes_merge_lora():
