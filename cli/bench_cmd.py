@@ -20,7 +20,7 @@ from .output import print_json, status, stdout, table
 
 SUITES = {"forward": "test_forward.py", "train": "test_train_step.py", "decode": "test_decode.py",
           "attention": "test_attention.py", "planner": "test_planner.py", "policy": "test_policy_scan.py",
-          "ops": "test_op_counts.py", "adapters": "test_adapters.py"}
+          "ops": "test_op_counts.py", "adapters": "test_adapters.py", "merged": "test_merged.py"}
 FAIL_ON = re.compile(r"^(min|max|mean|median|stddev|iqr):\d+(\.\d+)?%?$")
 
 
