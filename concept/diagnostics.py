@@ -33,6 +33,7 @@ from .lora import lora_merged
 from .losses import next_token_loss
 from .mtp import mtp_pairs
 from .precision import DEFAULT_INFERENCE_DTYPE, DTYPE_NAMES, inference_dtype, running
+from .syncs import to_device
 from .tokens import encode_text
 
 LN2 = math.log(2.0)
@@ -58,7 +59,7 @@ def real_mask(batch, input_ids) -> torch.Tensor:
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     if mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
-    return mask.to(input_ids.device).bool()
+    return to_device(mask, input_ids.device).bool()
 
 
 # -- training-step signals ------------------------------------------------------------------
@@ -214,10 +215,10 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
     _set_eval(model)
     try:
         for batch in batches:
-            input_ids = batch["input_ids"].to(device)
+            input_ids = to_device(batch["input_ids"], device)  # (on CUDA: pinned, no wait for the batch before)
             valid = real_mask(batch, input_ids)
             doc = batch.get("document_ids")
-            doc = None if doc is None else doc.to(device)
+            doc = None if doc is None else to_device(doc, device)
             kwargs = _forward_kwargs(forward, valid, doc)
             out = fn(input_ids, **kwargs)
             nll, pair = pair_nll(out.logits, input_ids, valid, doc)

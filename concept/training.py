@@ -371,7 +371,7 @@ class Trainer:
 
         batches = (self.eval_data.batch(i, self.config.batch) for i in range(self.config.eval_batches))
         with self.gathered(), self.autocast():
-            return evaluate(self.model, ({k: v.to(self.device) for k, v in b.items()} for b in batches),
+            return evaluate(self.model, ({k: to_device(v, self.device) for k, v in b.items()} for b in batches),
                             controls=False)
 
     # -- the loop (concept.training_loop) -----------------------------------------------------------------

@@ -205,6 +205,10 @@ def test_the_training_batches_go_through_to_device(static_run, monkeypatch):  # 
     moved.clear()
     batch = trainer.batch(3)
     assert moved == [str(trainer.device)] * len(batch) == ["cpu"] * 3
+    moved.clear()
+    trainer.eval_data = trainer.eval_data or trainer.train_data  # (this corpus is too small for a held-out split)
+    trainer.evaluate()  # the periodic held-out evaluation's batches too
+    assert moved == ["cpu"] * 3 * trainer.config.eval_batches and moved
 
 
 def eval_batches(n: int) -> list[dict]:
@@ -251,3 +255,17 @@ def test_negative_control_a_value_read_each_batch_is_counted(monkeypatch):
         monkeypatch.setattr(HeldOutSums, "add", add_and_read)
         one, four = (count_evaluation(model, eval_batches(n))[0].hidden for n in (1, 4))
     assert four - one == 3 and one == before + 1
+
+
+def test_the_evaluation_batches_go_through_to_device(monkeypatch):
+    """Each held-out batch's three tensors reach the model's device by ``concept.syncs.to_device`` (on CUDA pinned and
+    non-blocking: ``test_a_host_tensor_goes_to_cuda_through_pinned_memory_without_waiting``), not a plain ``.to``
+    that waits for the batch before."""
+    import concept.diagnostics as diagnostics
+
+    moved = []
+    monkeypatch.setattr(diagnostics, "to_device", lambda t, device: moved.append(str(device)) or t.to(device))
+    model = mixed_model("fixed")
+    with budgeted(model, 0.25, BACKENDS["chunked"]):
+        count_evaluation(model, eval_batches(2))
+    assert moved == ["cpu"] * 6
