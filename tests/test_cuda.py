@@ -354,6 +354,27 @@ def test_training_batches_reach_cuda_without_a_host_sync(corpus, tmp_path):  # n
     assert synced >= len(pageable), f"the control: {synced} syncs for {len(pageable)} pageable copies"
 
 
+def evaluation_syncs(batches: int, device: str = "cuda") -> int:
+    """Host syncs of a held-out evaluation (``concept.diagnostics.evaluate``, no controls) of ``batches`` host batches
+    on ``device``: the sums stay there and each batch arrives through ``to_device``."""
+    from concept.diagnostics import evaluate
+    from concept.profiling import profile_call
+
+    model = streaming_model().to(device)
+    data = [{"input_ids": (ids := batch(seed)), "attention_mask": torch.ones_like(ids),
+             "document_ids": torch.tensor([[0] * 10 + [1] * 14, [0] * 24])} for seed in range(batches)]
+    evaluate(model, data[:1], controls=False)  # (warm-up: the pinned blocks, the device scan's first compile)
+    return profile_call(lambda: evaluate(model, data, controls=False), device)["host_syncs"]
+
+
+def test_an_evaluation_stops_the_host_only_after_its_last_batch_on_cuda():
+    """Four batches of a held-out evaluation sync as often as one: nothing is read back per batch (the batches pinned
+    and copied without waiting, the sums on the device), so the host queues the next batch's forward while the device
+    runs this one."""
+    one, four = evaluation_syncs(1), evaluation_syncs(4)
+    assert four == one, f"{one} host syncs for one batch, {four} for four"
+
+
 def compiled_generation(device: str = "cuda", choice: str = "on"):
     """(eager, compiled) greedy generations of a few prompts: the compiled prefill's stacks record the KV caches,
     then the compiled static step decodes."""
