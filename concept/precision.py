@@ -89,8 +89,11 @@ class Precision:
         self.active: list = []  # the autocast contexts entered by the model's calls (its forward hooks)
 
     def decide(self, model: nn.Module, device: torch.device) -> torch.dtype:
-        """The dtype ``model`` runs in on ``device`` (``auto``: decided at the first call, its base stored)."""
-        if self.dtype is None:
+        """The dtype ``model`` runs in on ``device`` (``auto``: decided at its first call, and again at its first call on
+        a CUDA device after fp32 elsewhere, e.g. a model run on the CPU and then moved; once its base is stored in bf16
+        the decision stays)."""
+        moved = self.choice == "auto" and self.dtype == torch.float32 and device.type == "cuda"
+        if self.dtype is None or moved:
             self.dtype = compute_dtype("auto", device)
             if self.dtype != torch.float32:
                 store_frozen_base(model, self.dtype)

@@ -83,6 +83,11 @@ def test_auto_is_fp32_on_a_cpu_bit_for_bit_and_bf16_once_decided_for_cuda(traine
     assert inference_dtype(gpu, torch.device("cuda")) == torch.bfloat16  # (the decision a CUDA call makes)
     assert all(p.dtype == torch.bfloat16 for p in frozen_base(gpu).values())
     assert logits(gpu).dtype == torch.bfloat16  # once stored in bf16 it runs bf16 on every device
+    assert inference_dtype(gpu, torch.device("cpu")) == torch.bfloat16  # (and the decision stays)
+    assert inference_dtype(auto, torch.device("cuda")) == torch.bfloat16  # run on the CPU, then moved: decided again
+    assert all(p.dtype == torch.bfloat16 for p in frozen_base(auto).values())
+    fixed = concept.load(trained, dtype="fp32")
+    assert inference_dtype(fixed, torch.device("cuda")) == torch.float32  # (the control: a chosen fp32 stays fp32)
 
 
 def test_dtype_names_and_bad_values(trained, tmp_path):
