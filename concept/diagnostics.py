@@ -237,29 +237,48 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
     return result
 
 
+class BucketSums:
+    """Values summed by bucket of their position (``position // bucket``), with their counts, on the device: a batch's
+    are added without reading anything back (a row of T positions has at most ceil(T / bucket) buckets: the shapes
+    follow T, not the data); :meth:`read` reads them once."""
+
+    def __init__(self, device: torch.device, bucket: int):
+        self.bucket = bucket
+        self.sums = torch.zeros(0, dtype=torch.float64, device=device)  # (grown to the longest row's buckets)
+        self.counts = torch.zeros(0, dtype=torch.float64, device=device)
+
+    def add(self, values: torch.Tensor, at: torch.Tensor, positions: torch.Tensor) -> None:
+        """``values`` where ``at`` (both [B, T]), each in the bucket of its ``positions`` [B, T] (below T)."""
+        buckets = -(-values.shape[1] // self.bucket)
+        if buckets > self.sums.numel():
+            grow = buckets - self.sums.numel()
+            self.sums, self.counts = (torch.cat([t, t.new_zeros(grow)]) for t in (self.sums, self.counts))
+        index = (positions // self.bucket).clamp(max=buckets - 1).flatten()
+        self.sums.index_add_(0, index, torch.where(at, values.double(), 0.0).flatten())
+        self.counts.index_add_(0, index, at.flatten().double())
+
+    def read(self) -> tuple[float, int, dict[str, float], dict[str, int]]:
+        """(the sum, the count, the mean by bucket, the count by bucket): the buckets with a value, named
+        ``"0-64"``, ``"64-128"`` ..."""
+        sums, counts = self.sums.cpu(), self.counts.cpu()  # (the one read)
+        used = [i for i in range(len(counts)) if counts[i] > 0]
+        return (float(sums.sum()), int(counts.sum()),
+                {_bucket_name(i, self.bucket): float(sums[i] / counts[i]) for i in used},
+                {_bucket_name(i, self.bucket): int(counts[i]) for i in used})
+
+
 class HeldOutSums:
     """The sums of a held-out evaluation, on the device, each batch's added without reading anything back: the NLL
-    and the predicted pairs, both per position bucket (a pair t -> t+1 in the bucket of token t's position in its
-    document; a row of T tokens has at most ceil(T / bucket) buckets, so the shapes follow T, not the data), and per
-    MTP head its hits and scored pairs. :meth:`result` reads them once."""
+    of the predicted pairs per position bucket (:class:`BucketSums`: a pair t -> t+1 in the bucket of token t's
+    position in its document), and per MTP head its hits and scored pairs. :meth:`result` reads them once."""
 
     def __init__(self, device: torch.device, bucket: int, mtp_heads: int = 0):
-        self.device, self.bucket = device, bucket
-        self.nll = torch.zeros(0, dtype=torch.float64, device=device)  # per bucket (grown to the longest row's)
-        self.pairs = torch.zeros(0, dtype=torch.float64, device=device)
+        self.buckets = BucketSums(device, bucket)
         self.mtp = torch.zeros(2, mtp_heads, dtype=torch.float64, device=device)  # hits, pairs per head
 
     def add(self, nll: torch.Tensor, pair: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor | None) -> None:
         """A batch's per-pair NLL [B, T-1] (``pair`` its mask) into the sums by position bucket."""
-        buckets = -(-valid.shape[1] // self.bucket)
-        if buckets > self.nll.numel():
-            grow = buckets - self.nll.numel()
-            self.nll = torch.cat([self.nll, self.nll.new_zeros(grow)])
-            self.pairs = torch.cat([self.pairs, self.pairs.new_zeros(grow)])
-        index = (packing.time_positions(valid, doc)[:, :-1] // self.bucket).flatten()
-        weight = pair.flatten().double()
-        self.nll.index_add_(0, index, torch.where(pair, nll, 0.0).flatten())
-        self.pairs.index_add_(0, index, weight)
+        self.buckets.add(nll, pair, packing.time_positions(valid, doc)[:, :-1])
 
     def add_mtp_hits(self, state, heads, input_ids, valid, doc) -> None:
         """Each MTP head's top-1 hits against the real token t+1+i, over every position (the pairs it is scored on
@@ -273,19 +292,13 @@ class HeldOutSums:
 
     def result(self) -> dict:
         """The held-out keys of :func:`evaluate` (and ``mtp_accuracy`` with MTP heads), read from the device at once."""
-        nll, pairs, mtp = (t.cpu() for t in (self.nll, self.pairs, self.mtp))  # (the one read)
-        count = int(pairs.sum())
+        total, count, by_position, tokens_by_position = self.buckets.read()
+        mtp = self.mtp.cpu()
         nan = float("nan")
-        mean = float(nll.sum()) / count if count else nan
-        used = [i for i in range(len(pairs)) if pairs[i] > 0]
-        result = {
-            "tokens": count,
-            "nll": mean,
-            "bits_per_token": mean / LN2,
-            "perplexity": math.exp(mean) if count else nan,
-            "nll_by_position": {_bucket_name(i, self.bucket): float(nll[i] / pairs[i]) for i in used},
-            "tokens_by_position": {_bucket_name(i, self.bucket): int(pairs[i]) for i in used},
-        }
+        mean = total / count if count else nan
+        result = {"tokens": count, "nll": mean, "bits_per_token": mean / LN2,
+                  "perplexity": math.exp(mean) if count else nan,
+                  "nll_by_position": by_position, "tokens_by_position": tokens_by_position}
         if mtp.shape[1]:
             result["mtp_accuracy"] = [round(float(h / n), 4) if n else nan for h, n in zip(mtp[0], mtp[1])]
         return result

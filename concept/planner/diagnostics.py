@@ -38,6 +38,7 @@ import torch
 
 from ..attention import CausalPattern
 from ..backbone import run_layers
+from ..diagnostics import BucketSums
 from ..packing import time_positions
 from ..teacher import adapters_disabled
 from .model import Plan, text_loss
@@ -220,9 +221,9 @@ class _PlannedTotals:
     """The sums of :func:`evaluate_planned` over its batches, and the result they give."""
 
     def __init__(self, model, bucket: int):
-        self.bucket, self.names = bucket, [t.name for t in model.settings.types]
+        self.names = [t.name for t in model.settings.types]
         self.sums: dict[str, float] = defaultdict(float)
-        self.by_bucket: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.by_position = BucketSums(next(model.parameters()).device, bucket)  # NLL(y | plan) by position of y
         self.used = [torch.zeros(int(k), dtype=torch.float64) for k in model.sizes.tolist()]
         self.by_level: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -230,12 +231,7 @@ class _PlannedTotals:
         """NLL(y | plan), by position bucket, and NLL(y | an empty plan)."""
         sums = self.sums
         nll = _score(model, plan, y, y_valid)
-        sums["nll"] += float(nll[y_valid].sum())
-        sums["tokens"] += float(y_valid.sum())
-        index = (torch.cumsum(y_valid.long(), 1) - 1)[y_valid] // self.bucket
-        for b, v in zip(index.tolist(), nll[y_valid].tolist()):
-            self.by_bucket[b][0] += v
-            self.by_bucket[b][1] += 1
+        self.by_position.add(nll, y_valid, (torch.cumsum(y_valid.long(), 1) - 1).clamp(min=0))
         empty = empty_plan(model, len(y), y.device)
         sums["nll_nothing"] += float(_score(model, empty, y, y_valid)[y_valid].sum())
 
@@ -280,17 +276,15 @@ class _PlannedTotals:
                 sums["estep_margin"] += float((top.values[:, 0] - top.values[:, 1]).sum())
 
     def result(self, model, controls: bool, beam: int) -> dict:
-        sums, bucket = self.sums, self.bucket
-        tokens, rows = max(1.0, sums["tokens"]), max(1.0, sums["rows"])
-        nll = sums["nll"] / tokens
-        spans = sorted(self.by_bucket.items())
-        result = {"tokens": int(sums["tokens"]), "nll": nll, "bits_per_token": nll / math.log(2),
+        sums = self.sums
+        total, count, by_position, tokens_by_position = self.by_position.read()
+        tokens, rows = max(1.0, count), max(1.0, sums["rows"])
+        nll = total / tokens
+        result = {"tokens": count, "nll": nll, "bits_per_token": nll / math.log(2),
                   "perplexity": math.exp(min(nll, 50.0)),
                   "nll_nothing": sums["nll_nothing"] / tokens,
                   "plan_len": sums["plan_len"] / rows, "plan_per_token": sums["plan_per_token"] / rows,
-                  "nll_by_position": {f"{b * bucket}-{(b + 1) * bucket}": s / c for b, (s, c) in spans},
-                  "tokens_by_position": {f"{b * bucket}-{(b + 1) * bucket}": int(c) for b, (s, c) in spans},
-                  "task": model.task}
+                  "nll_by_position": by_position, "tokens_by_position": tokens_by_position, "task": model.task}
         for i, name in enumerate(self.names):
             steps = max(1.0, sums[f"steps/{name}"])
             result[f"plan_len/{name}"] = sums[f"plan_len/{name}"] / rows
