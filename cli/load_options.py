@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from concept.config import DEFAULT_DTYPE, DTYPES, INFERENCE_DTYPE_HELP, MERGE_LORA_HELP
+from concept.train_config import TrainConfig
 
 
 def dtype_option():
@@ -14,4 +15,15 @@ def dtype_option():
 
 
 def merge_lora_option():
-    return click.option("--merge-lora", "merge_lora", is_flag=True, default=False, help=MERGE_LORA_HELP)
+    option = click.option("--merge-lora", "merge_lora", is_flag=True, default=False, help=MERGE_LORA_HELP)
+
+    def decorate(command):
+        command = option(command)
+        command.__click_params__[-1].help_group = dtype_group()  # (--help: beside --dtype, where sections are)
+        return command
+    return decorate
+
+
+def dtype_group() -> str:
+    """The --help section of ``--dtype`` (``concept.train_config.TrainConfig.option_groups``)."""
+    return next(group for group, names in TrainConfig.option_groups.items() if "dtype" in names)

@@ -179,6 +179,9 @@ def test_every_command_that_runs_a_model_takes_merge_lora():
     for name in ("eval", "generate", "chat", "serve"):
         option = next((o for o in options_of(name) if "--merge-lora" in o.opts), None)
         assert option is not None and option.is_flag and option.default is False, f"concept {name} --merge-lora"
+    shown = run_cli("eval", "--help").output
+    section = shown[shown.index("Device and precision:"):]
+    assert "--merge-lora" in section[:section.index("\n\n")]  # (--help: beside --dtype)
 
 
 def test_lm_eval_and_transformers_merge_too(trained, tmp_path):
