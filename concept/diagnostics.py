@@ -202,7 +202,7 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
     mode. ``extra``: what a family adds, called after each batch's forward as ``extra.add(forward, out,
     input_ids, valid, doc, kwargs, nll, pair)`` (``nll`` [B, T-1] float64 per pair, ``pair`` its mask) and
     merged from ``extra.result(tokens)``. The sums stay on the model's device (:class:`HeldOutSums`) and are read
-    once, after the last batch: a batch's evaluation asks nothing of the host, so the next batch's forward is queued
+    after the last batch: a batch's evaluation asks nothing of the host, so the next batch's forward is queued
     while the device runs this one."""
     base = unwrap(model)
     fn = model if callable(model) else model.forward
@@ -240,7 +240,7 @@ def evaluate_tokens(model, batches, bucket: int = 64, extra=None) -> dict:
 class BucketSums:
     """Values summed by bucket of their position (``position // bucket``), with their counts, on the device: a batch's
     are added without reading anything back (a row of T positions has at most ceil(T / bucket) buckets: the shapes
-    follow T, not the data); :meth:`read` reads them once."""
+    follow T, not the data); :meth:`read` reads them, after the last batch."""
 
     def __init__(self, device: torch.device, bucket: int):
         self.bucket = bucket
@@ -260,7 +260,7 @@ class BucketSums:
     def read(self) -> tuple[float, int, dict[str, float], dict[str, int]]:
         """(the sum, the count, the mean by bucket, the count by bucket): the buckets with a value, named
         ``"0-64"``, ``"64-128"`` ..."""
-        sums, counts = self.sums.cpu(), self.counts.cpu()  # (the one read)
+        sums, counts = self.sums.cpu(), self.counts.cpu()  # (read here, after the last batch)
         used = [i for i in range(len(counts)) if counts[i] > 0]
         return (float(sums.sum()), int(counts.sum()),
                 {_bucket_name(i, self.bucket): float(sums[i] / counts[i]) for i in used},
@@ -270,7 +270,8 @@ class BucketSums:
 class HeldOutSums:
     """The sums of a held-out evaluation, on the device, each batch's added without reading anything back: the NLL
     of the predicted pairs per position bucket (:class:`BucketSums`: a pair t -> t+1 in the bucket of token t's
-    position in its document), and per MTP head its hits and scored pairs. :meth:`result` reads them once."""
+    position in its document), and per MTP head its hits and scored pairs. :meth:`result` reads them, after the last
+    batch."""
 
     def __init__(self, device: torch.device, bucket: int, mtp_heads: int = 0):
         self.buckets = BucketSums(device, bucket)
@@ -291,7 +292,7 @@ class HeldOutSums:
             self.mtp[1, i] += ok.sum()
 
     def result(self) -> dict:
-        """The held-out keys of :func:`evaluate` (and ``mtp_accuracy`` with MTP heads), read from the device at once."""
+        """The held-out keys of :func:`evaluate` (and ``mtp_accuracy`` with MTP heads), read from the device."""
         total, count, by_position, tokens_by_position = self.buckets.read()
         mtp = self.mtp.cpu()
         nan = float("nan")
@@ -339,8 +340,8 @@ def evaluate_folder(path, data, seq_len, batches, batch, controls, encoding_erro
     batches ``concept eval`` uses. Returns (model, tokenizer, documents, result). ``progress(done, total)`` is
     called once the data is read (0 done) and after each batch. ``data_split`` / ``streaming``: a dataset id's
     split and reading (None: the run's own for its own data, else ``train`` / loaded whole). ``dtype``, ``merge_lora``:
-    how the model is loaded (``concept.load``'s; not for a ``model`` given). The result names the dtype it ran in, and
-    ``lora_merged`` (the adapted layers merged into the base, 0 for none)."""
+    how the model is loaded (``concept.load``'s; not for a ``model`` given). The result names the dtype it ran in and,
+    for a model whose LoRA was merged, ``lora_merged`` (how many adapted layers)."""
     problems = [f"{name}: at least {low}, got {value}" for name, value, low in
                 (("batches", batches, 1), ("batch", batch, 1), ("seq_len", seq_len, 2))
                 if value is not None and (not isinstance(value, int) or value < low)]

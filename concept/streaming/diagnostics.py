@@ -79,10 +79,10 @@ def _usage(histogram: torch.Tensor, K: int) -> tuple[float, float]:
 
 
 def _finish_concept_stats(total: dict, K: int) -> dict[str, float]:
-    """The concept statistics' means from :func:`_concept_stats`' sums (read from the device here, at once)."""
+    """The concept statistics' means from :func:`_concept_stats`' sums (read from the device here)."""
     names = [k for k in ("real", "kept", "concepts", "entropy_sum", "max_prob_sum", "cos_sum", "boundary_sum")
              if k in total]
-    values = dict(zip(names, torch.stack([total[k].double() for k in names]).tolist()))  # (the one read)
+    values = dict(zip(names, torch.stack([total[k].double() for k in names]).tolist()))  # (one read for these)
     kept, real = values["kept"], values["real"]
     nan = float("nan")
     result = {
