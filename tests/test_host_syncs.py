@@ -269,3 +269,40 @@ def test_the_evaluation_batches_go_through_to_device(monkeypatch):
     with budgeted(model, 0.25, BACKENDS["chunked"]):
         count_evaluation(model, eval_batches(2))
     assert moved == ["cpu"] * 6
+
+
+def selected_stats(m, out, valid) -> dict:
+    """The slow reference: the concept statistics over the emitting tokens selected by boolean indexing (what
+    ``_concept_stats`` computed before it stopped reading their count back)."""
+    K = int(m.vocabulary.size)
+    keep = out.keep.bool() & valid
+    logp = torch.log_softmax(out.head_logits[keep][:, :K].float(), -1)
+    probs = logp.exp()
+    cos = torch.nn.functional.cosine_similarity(m.vocabulary.embed_soft(probs).float(),
+                                                m.vocabulary.embed_hard(out.concept_ids[keep].clamp(min=0)).float(),
+                                                dim=-1, eps=1e-12)
+    return {"entropy_sum": float(-(probs * logp).sum()), "max_prob_sum": float(probs.max(-1).values.sum()),
+            "cos_sum": float(cos.sum()), "kept": int(keep.sum())}
+
+
+@pytest.mark.parametrize("policy", ["null", "fixed-emit2", "entropy", "mtp"])
+def test_the_concept_statistics_on_the_budgets_rows_equal_those_on_the_emitting_tokens(policy, monkeypatch):
+    """``_concept_stats`` computes the head's signals on ``emitting_rows`` (as many a row as the static budget keeps
+    boundaries, the emitting tokens first) and masks the rest out: the same sums as selecting the emitting tokens.
+    Negative control: rows one short of the budget leave emitting tokens out, and the sums differ."""
+    from concept import packing
+    from concept.streaming.diagnostics import _concept_stats
+
+    with budgeted(mixed_model(policy), 0.25, BACKENDS["chunked"]) as model, torch.no_grad():
+        inputs = forward_inputs()
+        out, valid = model(**inputs), inputs["attention_mask"].bool()
+        stats, reference = _concept_stats(model, out, valid), selected_stats(model, out, valid)
+        assert int(stats["kept"]) == reference["kept"] > 2
+        for key in ("entropy_sum", "max_prob_sum", "cos_sum"):
+            assert float(stats[key]) == pytest.approx(reference[key], rel=1e-5, abs=1e-5), key
+        budget = packing.budget
+        most = int(out.keep.sum(1).max())  # (a row's emitting tokens: the rows need at least this many)
+        monkeypatch.setattr(packing, "budget", lambda T, ratio, slack=0: most - 1)
+        short = _concept_stats(model, out, valid)
+        assert float(short["max_prob_sum"]) != pytest.approx(reference["max_prob_sum"], rel=1e-5)
+        monkeypatch.setattr(packing, "budget", budget)

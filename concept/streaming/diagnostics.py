@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from .. import packing
 from ..contracts import DifferentiableBoundary
 from ..diagnostics import evaluate_tokens, pair_nll, real_mask
 
@@ -23,9 +24,10 @@ from ..diagnostics import evaluate_tokens, pair_nll, real_mask
 # -- concept statistics ----------------------------------------------------------------------
 def _concept_stats(m, out, valid: torch.Tensor) -> dict:
     """Sums (not means) of the per-position concept signals of one forward output, so that several batches can be
-    aggregated exactly: 0-dim tensors and histograms on the output's device, nothing read back (every signal is
-    computed at every position and the emitting ones masked in, not selected: the shapes follow the batch's, not
-    its decisions). :func:`_finish_concept_stats` reads them."""
+    aggregated exactly: 0-dim tensors and histograms on the output's device, nothing read back (the head's signals
+    are computed on :func:`emitting_rows`, as many a row as the budget allows, and the emitting ones masked in, not
+    selected: the shapes follow the batch's and the budget's, not the decisions). :func:`_finish_concept_stats` reads
+    them."""
     vocab = m.vocabulary
     K = int(vocab.size)
     keep = out.keep.bool() & valid
@@ -42,15 +44,30 @@ def _concept_stats(m, out, valid: torch.Tensor) -> dict:
         p = policy.boundary_prob(out.head_logits, getattr(out, "shallow", None),
                                  keep_logit=getattr(out, "keep_logit", None)).float()  # (the forward's score)
         stats["boundary_sum"] = torch.where(valid, p, 0.0).sum()
-    logp = torch.log_softmax(out.head_logits[..., :K].float(), dim=-1)
+    rows = emitting_rows(m, keep)  # [B, k]: every emitting token among them, k fixed by the budget
+    at = keep.gather(1, rows)
+    head = out.head_logits.gather(1, rows[..., None].expand(-1, -1, out.head_logits.shape[-1]))
+    logp = torch.log_softmax(head[..., :K].float(), dim=-1)
     probs = logp.exp()
     e_soft = vocab.embed_soft(probs).float()
-    e_hard = vocab.embed_hard(out.concept_ids.clamp(min=0)).float()
-    emitted = lambda x: torch.where(keep, x, 0.0).sum()  # noqa: E731
+    e_hard = vocab.embed_hard(out.concept_ids.gather(1, rows).clamp(min=0)).float()
+    emitted = lambda x: torch.where(at, x, 0.0).sum()  # noqa: E731
     stats["entropy_sum"] = emitted(-(probs * logp).sum(-1))
     stats["max_prob_sum"] = emitted(probs.max(-1).values)
     stats["cos_sum"] = emitted(F.cosine_similarity(e_soft, e_hard, dim=-1, eps=1e-12))
     return stats
+
+
+def emitting_rows(m, keep: torch.Tensor) -> torch.Tensor:
+    """[B, k] positions of each row that hold all its emitting tokens (``keep`` [B, T]), k fixed by the row's length
+    and the model's static budget (the most boundaries a row keeps: ``concept.packing.budget``), T without one: the
+    emitting tokens first (``topk`` of ``keep``), then as many others, which the caller masks out. The rows the concept
+    statistics compute on, where selecting ``keep``'s would read its count back."""
+    T = keep.shape[1]
+    k = min(T, packing.budget(T, m.max_ratio, m.budget_slack)) if m.max_ratio else T
+    if k == T:
+        return torch.arange(T, device=keep.device).expand(keep.shape[0], T)
+    return keep.to(torch.float32).topk(k, dim=1, sorted=False).indices
 
 
 def _histogram(ids: torch.Tensor, keep: torch.Tensor, K: int) -> torch.Tensor:
