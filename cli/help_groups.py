@@ -30,7 +30,9 @@ class GroupedHelp(click.Command):
                 continue
             record = param.get_help_record(ctx)
             if record is not None:
-                group = getattr(param, "help_group", None) or next((like[f] for f in param.opts if f in like), OWN)
+                # its own group, else the group its flag (or the flag it sits beside: ``help_beside``) has in ``like``
+                flags = (*param.opts, getattr(param, "help_beside", None))
+                group = getattr(param, "help_group", None) or next((like[f] for f in flags if f in like), OWN)
                 sections.setdefault(group, []).append(record)
         for title, rows in sections.items():
             if rows:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import click
 
 from concept.config import DEFAULT_DTYPE, DTYPES, INFERENCE_DTYPE_HELP, MERGE_LORA_HELP
-from concept.train_config import TrainConfig
 
 
 def dtype_option():
@@ -19,11 +18,8 @@ def merge_lora_option():
 
     def decorate(command):
         command = option(command)
-        command.__click_params__[-1].help_group = dtype_group()  # (--help: beside --dtype, where sections are)
+        # --help (``help_groups.GroupedHelp``): in --dtype's section, found when help is asked for (the training
+        # options' declarations load only then: they find the installed families)
+        command.__click_params__[-1].help_beside = "--dtype"
         return command
     return decorate
-
-
-def dtype_group() -> str:
-    """The --help section of ``--dtype`` (``concept.train_config.TrainConfig.option_groups``)."""
-    return next(group for group, names in TrainConfig.option_groups.items() if "dtype" in names)
