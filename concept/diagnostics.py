@@ -253,7 +253,7 @@ class BucketSums:
         if buckets > self.sums.numel():
             grow = buckets - self.sums.numel()
             self.sums, self.counts = (torch.cat([t, t.new_zeros(grow)]) for t in (self.sums, self.counts))
-        index = (positions // self.bucket).clamp(max=buckets - 1).flatten()
+        index = (positions // self.bucket).flatten()
         self.sums.index_add_(0, index, torch.where(at, values.double(), 0.0).flatten())
         self.counts.index_add_(0, index, at.flatten().double())
 

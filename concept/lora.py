@@ -512,9 +512,6 @@ def clear_outside(members) -> None:
 # whatever the model computes with it. The same values up to fp32 rounding (the order of the sums); under bf16 the
 # merged weight is rounded once, the nearest bf16 to the trained weight, as the unmerged base is to the untrained one.
 
-LORA_MERGED = "lora_merged"  # the backbone's attribute: how many adapted layers were merged into their base
-
-
 def merge_adapters(backbone: nn.Module) -> int:
     """Merge every LoRA adapter of ``backbone`` into its frozen base weight (peft's own ``merge``, checked for
     non-finite values) and put the plain base layer back in its place, in place; returns how many layers. The base
@@ -538,13 +535,13 @@ def merge_adapters(backbone: nn.Module) -> int:
                                f"disk was changed") from None
         parent, _, child = name.rpartition(".")
         setattr(backbone.get_submodule(parent) if parent else backbone, child, layer.get_base_layer())
-    setattr(backbone, LORA_MERGED, getattr(backbone, LORA_MERGED, 0) + len(layers))
+    backbone.lora_merged = lora_merged(backbone) + len(layers)
     return len(layers)
 
 
 def lora_merged(backbone: nn.Module) -> int:
     """How many adapted layers :func:`merge_adapters` merged into ``backbone``'s base (0: none)."""
-    return getattr(backbone, LORA_MERGED, 0)
+    return getattr(backbone, "lora_merged", 0)
 
 
 def lora_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:

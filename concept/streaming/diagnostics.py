@@ -16,7 +16,6 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from .. import packing
 from ..contracts import DifferentiableBoundary
 from ..diagnostics import evaluate_tokens, pair_nll, real_mask
 
@@ -31,9 +30,10 @@ def _concept_stats(m, out, valid: torch.Tensor) -> dict:
     vocab = m.vocabulary
     K = int(vocab.size)
     keep = out.keep.bool() & valid
-    stats = {"real": valid.sum(), "kept": keep.sum(),
+    kept = keep.sum()
+    stats = {"real": valid.sum(), "kept": kept,
              # concepts: a policy's emit per emitting token (a multi-level concept is one concept of L slots)
-             "concepts": keep.sum() * (m.emit // m.levels),
+             "concepts": kept * (m.emit // m.levels),
              "histogram": _histogram(out.concept_ids, keep, K)}
     codes = getattr(out, "codes", None)
     if codes is not None:  # multi-level codes: a histogram per level (a collapsed level reads perplexity 1)
@@ -64,7 +64,8 @@ def emitting_rows(m, keep: torch.Tensor) -> torch.Tensor:
     emitting tokens first (``topk`` of ``keep``), then as many others, which the caller masks out. The rows the concept
     statistics compute on, where selecting ``keep``'s would read its count back."""
     T = keep.shape[1]
-    k = min(T, packing.budget(T, m.max_ratio, m.budget_slack)) if m.max_ratio else T
+    slots = m.concept_slots(T)  # (a static layout's slots: ``emit`` a boundary)
+    k = slots // m.emit if slots else T
     if k == T:
         return torch.arange(T, device=keep.device).expand(keep.shape[0], T)
     return keep.to(torch.float32).topk(k, dim=1, sorted=False).indices
@@ -244,8 +245,8 @@ class ConceptEvaluation:
             result["mtp_tau"] = self.model.length_policy.tau  # the confidence threshold the ratio control reached
         result.update(gate_norm(self.model))
         if self.controls:
-            sums = {**{f"control_{k}": v for k, v in self.control_sum.items()}, **self.depth}
-            sums = dict(zip(sums, torch.stack([torch.as_tensor(v).double().cpu() for v in sums.values()]).tolist()))
+            sums = {k: float(v) for k, v in {**{f"control_{k}": v for k, v in self.control_sum.items()},
+                                             **self.depth}.items()}
             for name in CONTROLS:
                 result[f"delta_nll_{name}"] = sums[f"control_{name}"] / count if count else nan
             for part in ("concept", "tail") if self.depth else ():
