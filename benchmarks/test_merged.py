@@ -11,9 +11,9 @@ projections of every layer) whose ``B`` is random, as a trained run's is, and lo
 fused adapters, and under ``--dtype bf16`` its frozen base stored in bf16 under autocast, the adapters fp32
 (``concept.precision.use_dtype``); the merged side is the same model merged in fp32 first. Each row: both sides'
 median times (``dense_s`` the adapters', ``concept_s`` the merged model's, as ``sides`` names them; on CUDA by CUDA
-events, with each side's device-busy time and kernel launches), ``speedup`` (adapters over merged), its ideal (the ratio of the two sides' FLOPs, counted by
-``torch.utils.flop_counter``: the adapters' products are about 2 % of a projection's) and the aten ops of one call
-of each side. The merged side does less work of another kind than FLOPs: each adapted projection's two small
+events, with each side's device-busy time and kernel launches), ``speedup`` (adapters over merged), its ideal (the
+ratio of the two sides' FLOPs, counted by ``torch.utils.flop_counter``: the adapters' products are about 1 % of
+SmolLM2's, 5 % of the tiny backbone's) and the aten ops of one call of each side. The merged side does less work of another kind than FLOPs: each adapted projection's two small
 matmuls and an add (and under bf16, the adapters' cast per forward) are gone; on a GPU those are kernels of a few
 microseconds each.
 """
@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from concept.lora import LoraSettings, add_lora, merge_adapters
 from concept.precision import running, use_dtype
-from concept.profiling import OpCounter
+from concept.profiling import count_ops
 from concept.streaming.decoding import ConceptDecoder
 
 from .conftest import GPU_LENGTHS, dtype_name, gpu_case, side_by_side_named
@@ -79,13 +79,6 @@ def flops(fn) -> int:
     return counter.get_total_flops()
 
 
-def ops(fn) -> int:
-    counter = OpCounter()
-    with counter:
-        fn()
-    return counter.ops
-
-
 @pytest.mark.parametrize("backbone,T,context", CASES, ids=[f"{b}-T{t}" for b, t, _ in CASES])
 def test_merged_vs_adapters(benchmark, record, request, device, dtype, backbone, T, context):
     if backbone == "smollm2" and not request.config.getoption("--smollm2"):
@@ -113,7 +106,7 @@ def test_merged_vs_adapters(benchmark, record, request, device, dtype, backbone,
     for what, sides in calls.items():
         # the rows' two sides as every suite names them: "dense" the adapters (before), "concept" the merged model
         timing = side_by_side_named({"dense": sides["adapters"], "concept": sides["merged"]}, device=device)
-        counted = {f"{side}_aten_ops_counted": ops(fn) for side, fn in sides.items()}
+        counted = {f"{side}_aten_ops_counted": count_ops(fn)[1].ops for side, fn in sides.items()}
         ideal = flops(sides["adapters"]) / flops(sides["merged"])
         record(benchmark, f"merged {backbone} T={T} {what}", timing, ideal, T=T, context=context,
                dtype=dtype_name(dtype), suite="merged", sides=("adapters", "merged"), **counted)

@@ -238,8 +238,8 @@ class ConceptEvaluation:
     def result(self, count: int) -> dict:
         nan, K = float("nan"), self.K
         none = torch.zeros(())
-        stats = self.stats or {"real": none, "kept": none, "concepts": none, "histogram": torch.zeros(K, dtype=torch.long),
-                               "entropy_sum": none, "max_prob_sum": none, "cos_sum": none}
+        stats = self.stats or {"real": none, "kept": none, "concepts": none, "entropy_sum": none, "max_prob_sum": none,
+                               "cos_sum": none, "histogram": torch.zeros(K, dtype=torch.long)}
         result = {"concepts": int(stats["concepts"]), **_finish_concept_stats(stats, K)}
         if self.model.mtp_heads is not None:
             result["mtp_tau"] = self.model.length_policy.tau  # the confidence threshold the ratio control reached
